@@ -1,0 +1,1594 @@
+#!/usr/bin/env python3
+"""Five-agent development loop on top of a CAO server (cli-agent-orchestrator).
+
+The loop creates five CAO terminals -- analyst, peer analyst, programmer, peer
+programmer, tester -- and drives them through three phases:
+
+    analyst  <-> peer analyst      (review cycles, evidence-gated approval)
+    programmer <-> peer programmer (review cycles, evidence-gated approval)
+    tester                         (PASS ends the run, FAIL starts a retry round)
+
+A retry round after a failed test runs programmer -> peer programmer -> tester
+only. Each agent writes its answer to a response file; the loop condenses what
+passes between agents so that no agent is sent more text than it needs.
+
+Progress is saved to a JSON state file after every step (same fields as the
+original shell orchestrator) so that an interrupted run continues with
+RESUME=1, or automatically when the state file says the run is still RUNNING.
+
+Usage:  python run_orchestrator_loop.py [config.json]
+Exit codes: 0 PASS, 1 FAIL or runtime error, 2 bad usage or configuration,
+130 interrupted (SIGINT), 143 terminated (SIGTERM).
+
+Sections, in the order data flows:
+    1. Configuration        6. Prompt builders
+    2. CAO API client       7. State file
+    3. Agent handoff        8. Init and resume
+    4. Review gate          9. Main loop
+    5. Condensation        10. Entry point
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Mapping
+from urllib.parse import quote
+
+import httpx
+
+
+# --------------------------------------------------------------------------
+# Exits: every way the loop stops on purpose carries its exit code and one
+# line for the user. They derive from SystemExit so that nothing below
+# main() can turn them into a traceback.
+# --------------------------------------------------------------------------
+
+class OrchestratorExit(SystemExit):
+    """A deliberate stop with an exit code and a one-line message."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(OrchestratorExit):
+    """Bad usage, configuration, prompt or state file: nothing was started."""
+
+    def __init__(self, message: str):
+        super().__init__(2, message)
+
+
+class RunError(OrchestratorExit):
+    """The run started but cannot go on; its state stays resumable."""
+
+    def __init__(self, message: str):
+        super().__init__(1, message)
+
+
+class Terminated(BaseException):
+    """Raised from the SIGTERM handler so the loop unwinds like on Ctrl-C."""
+
+
+# ==========================================================================
+# 1. Configuration
+# ==========================================================================
+
+ROLES = ("analyst", "peer_analyst", "programmer", "peer_programmer", "tester")
+OUTPUT_KEYS = ("analyst", "analyst_review", "programmer", "programmer_review", "tester")
+
+# Every provider CAO 2.5.4 knows, plus the older q_cli.
+KNOWN_PROVIDERS = (
+    "kiro_cli", "claude_code", "codex", "kimi_cli", "copilot_cli", "opencode_cli",
+    "hermes", "cursor_cli", "antigravity_cli", "omp", "grok_cli", "mcode",
+    "mock_cli", "q_cli",
+)
+
+DEFAULT_PROFILES = {
+    "analyst": "system_analyst",
+    "peer_analyst": "peer_system_analyst",
+    "programmer": "programmer",
+    "peer_programmer": "peer_programmer",
+    "tester": "tester",
+}
+
+STATE_FILE_NAME = "codex-3agents-loop-state.json"
+
+# Evidence the peer reviewer's REVIEW_NOTES must show before an approval
+# counts: one regex per check the review prompt asks for.
+REVIEW_EVIDENCE_PATTERNS = {
+    "analyst": (
+        r"artifact|proposal",
+        r"\bP1\b|traceab",
+        r"downstream|contract",
+        r"handoff|hand-off|actionable",
+    ),
+    "programmer": (
+        r"\btest(s|ed|ing)?\b|pytest|passed",
+        r"\bfiles?\b|\bdiff\b|\.py\b|function",
+        r"scenario|requirement|\bspec",
+        r"edge case|error handling|regression|\brisk",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration variable: its env name, JSON key, default and kind."""
+
+    env: str
+    key: str          # dotted JSON path, e.g. "limits.max_rounds"
+    default: object
+    kind: str         # see _KIND_RULES
+    help: str = ""
+
+
+def _role_settings() -> list[Setting]:
+    """Per-role provider and CAO profile, e.g. PEER_ANALYST_PROFILE."""
+    settings = []
+    for role in ROLES:
+        prefix = role.upper()
+        settings.append(Setting(f"{prefix}_PROVIDER", f"agents.{role}.provider", "",
+                                "role_provider", f"CAO provider for the {role} (empty: PROVIDER)"))
+        settings.append(Setting(f"{prefix}_PROFILE", f"agents.{role}.profile",
+                                DEFAULT_PROFILES[role], "name", f"CAO agent profile for the {role}"))
+    return settings
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("API", "api", "http://localhost:9889", "url", "CAO server base URL"),
+    Setting("PROVIDER", "provider", "codex", "provider", "CAO provider for every agent"),
+    Setting("WD", "wd", "", "text", "working directory of the agents (empty: current directory)"),
+    Setting("PROMPT", "prompt", "", "text", "task prompt text (same format as a prompt file)"),
+    Setting("PROMPT_FILE", "prompt_file", "", "text", "task prompt file"),
+    Setting("PROJECT_TEST_CMD", "project_test_cmd", "", "text", "test command for programmer and tester"),
+    Setting("STATE_FILE", "state_file", "", "text", "state file (empty: $WD/.tmp/" + STATE_FILE_NAME + ")"),
+    Setting("RESUME", "resume", False, "bool", "1: resume the run in STATE_FILE"),
+    Setting("CLEANUP_ON_EXIT", "cleanup_on_exit", False, "bool", "1: exit all five agents when the loop stops"),
+    Setting("START_AGENT", "start_agent", "analyst", "role", "role whose turn starts a new run"),
+    Setting("MAX_ROUNDS", "limits.max_rounds", 8, "count", "test rounds before the run fails"),
+    Setting("MAX_REVIEW_CYCLES", "limits.max_review_cycles", 3, "count", "review cycles per phase"),
+    Setting("MIN_REVIEW_CYCLES_BEFORE_APPROVAL", "limits.min_review_cycles_before_approval", 2, "count",
+            "first cycle whose approval counts"),
+    Setting("REQUIRE_REVIEW_EVIDENCE", "limits.require_review_evidence", True, "bool",
+            "1: an approval needs evidence in REVIEW_NOTES"),
+    Setting("REVIEW_EVIDENCE_MIN_MATCH", "limits.review_evidence_min_match", 3, "count",
+            "evidence checks (of 4) an approval must show"),
+    Setting("POLL_SECONDS", "handoff.poll_seconds", 2.0, "seconds", "status polling interval"),
+    Setting("RESPONSE_TIMEOUT", "handoff.response_timeout", 1800.0, "seconds", "longest wait for one reply"),
+    Setting("STRICT_FILE_HANDOFF", "handoff.strict_file_handoff", True, "bool",
+            "1: an agent must write its response file; 0: fall back to its terminal output"),
+    Setting("IDLE_GRACE_SECONDS", "handoff.idle_grace_seconds", 30.0, "seconds",
+            "how long an agent never seen working may sit idle before it counts as done"),
+    Setting("CONDENSE_EXPLORE_ON_REPEAT", "condensation.condense_explore_on_repeat", True, "bool",
+            "1: send the task text once per agent, then a back-reference"),
+    Setting("CONDENSE_REVIEW_FEEDBACK", "condensation.condense_review_feedback", True, "bool",
+            "1: pass only REVIEW_NOTES back to the author"),
+    Setting("MAX_FEEDBACK_LINES", "condensation.max_feedback_lines", 30, "count", "lines of review notes passed on"),
+    Setting("MAX_TEST_EVIDENCE_LINES", "condensation.max_test_evidence_lines", 120, "count",
+            "lines of test evidence passed on"),
+    Setting("CONDENSE_UPSTREAM_ON_REPEAT", "condensation.condense_upstream_on_repeat", True, "bool",
+            "1: later cycles get a back-reference instead of the upstream handoff"),
+    Setting("CONDENSE_CROSS_PHASE", "condensation.condense_cross_phase", True, "bool",
+            "1: pass only the summary sections from one phase to the next"),
+    Setting("MAX_CROSS_PHASE_LINES", "condensation.max_cross_phase_lines", 40, "count",
+            "lines passed from one phase to the next"),
+    *_role_settings(),
+)
+
+SETTINGS_BY_ENV = {s.env: s for s in SETTINGS}
+SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
+# Keys a config file may carry that are not settings (free text for people).
+CONFIG_NOTE_KEYS = ("description",)
+
+_ENV_EXPECTED = {
+    "text": "any text",
+    "url": "an http:// or https:// URL, e.g. http://localhost:9889",
+    "bool": "1 or 0",
+    "count": "a whole number of at least 1",
+    "seconds": "a number of seconds greater than 0",
+    "provider": "one of " + ", ".join(KNOWN_PROVIDERS),
+    "role_provider": "empty or one of " + ", ".join(KNOWN_PROVIDERS),
+    "role": "one of " + ", ".join(ROLES),
+    "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
+}
+_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", count="a whole number of at least 1 (not a string)",
+                      seconds="a number greater than 0 (not a string)")
+
+
+def _check_value(setting: Setting, value: object) -> object:
+    """Apply the kind's rule to an already typed value; ValueError if it breaks it."""
+    kind = setting.kind
+    if kind == "count":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError
+    elif kind == "seconds":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                or value == float("inf"):
+            raise ValueError
+        value = float(value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError
+    else:
+        if not isinstance(value, str):
+            raise ValueError
+        if kind == "url" and not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError
+        if kind == "provider" and value not in KNOWN_PROVIDERS:
+            raise ValueError
+        if kind == "role_provider" and value and value not in KNOWN_PROVIDERS:
+            raise ValueError
+        if kind == "role" and value not in ROLES:
+            raise ValueError
+        if kind == "name" and not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+            raise ValueError
+    return value
+
+
+def _parse_env_value(setting: Setting, raw: str) -> object:
+    """Turn an environment string into the setting's type; ValueError if it can't."""
+    text = raw.strip()
+    if setting.kind == "bool":
+        if text not in ("1", "0"):
+            raise ValueError
+        return text == "1"
+    if setting.kind == "count":
+        if not re.fullmatch(r"[0-9]+", text):
+            raise ValueError
+        return _check_value(setting, int(text))
+    if setting.kind == "seconds":
+        try:
+            number = float(text)
+        except ValueError:
+            raise ValueError from None
+        return _check_value(setting, number)
+    return _check_value(setting, raw if setting.kind == "text" else text)
+
+
+def read_env_settings(environ: Mapping[str, str]) -> tuple[dict[str, object], list[str]]:
+    """Settings given in the environment (an empty variable counts as unset), and errors."""
+    values: dict[str, object] = {}
+    errors: list[str] = []
+    for setting in SETTINGS:
+        raw = environ.get(setting.env, "")
+        if raw == "":
+            continue
+        try:
+            values[setting.env] = _parse_env_value(setting, raw)
+        except ValueError:
+            errors.append(f"{setting.env}={raw!r} is not valid: expected {_ENV_EXPECTED[setting.kind]}")
+    return values, errors
+
+
+def _known_children(prefix: str) -> list[str]:
+    """Names allowed directly under a JSON path prefix ('' for the top level)."""
+    names = set()
+    for key in list(SETTINGS_BY_KEY) + list(CONFIG_NOTE_KEYS):
+        if prefix and not key.startswith(prefix + "."):
+            continue
+        rest = key[len(prefix) + 1:] if prefix else key
+        names.add(rest.split(".")[0])
+    return sorted(names)
+
+
+def read_config_file(path: str) -> dict[str, object]:
+    """Settings from a JSON config file, keyed by env name; ConfigError on any flaw."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, expected a JSON file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                          f"column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object {{...}} at the top level")
+
+    values: dict[str, object] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for name, value in node.items():
+            key = f"{prefix}.{name}" if prefix else name
+            if key in CONFIG_NOTE_KEYS:
+                if not isinstance(value, str):
+                    raise ConfigError(f"config file {path}: key '{key}' must be text")
+                continue
+            if key in SETTINGS_BY_KEY:
+                setting = SETTINGS_BY_KEY[key]
+                if value is None or (value == "" and setting.kind in ("text", "role_provider")):
+                    continue                # like an empty env variable: not set
+                try:
+                    values[setting.env] = _check_value(setting, value)
+                except ValueError:
+                    raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}; expected "
+                                      f"{_JSON_EXPECTED[setting.kind]}") from None
+                continue
+            allowed = _known_children(prefix)
+            if name not in allowed:
+                where = f"in '{prefix}'" if prefix else "at the top level"
+                close = difflib.get_close_matches(name, allowed, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise ConfigError(f"config file {path}: unknown key '{key}' ({hint}known keys {where}: "
+                                  f"{', '.join(allowed)})")
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path}: key '{key}' must be an object with keys "
+                                  f"{', '.join(_known_children(key))}")
+            walk(value, key)
+
+    walk(data, "")
+    return values
+
+
+def default_state_file(wd: str) -> str:
+    """The shell orchestrator's state file location, kept so both find each other's runs."""
+    return os.path.join(wd, ".tmp", STATE_FILE_NAME)
+
+
+# The environment is read when the module starts, as in the shell script. A
+# bad value falls back to its default here; main() reports it.
+_env_values, _env_errors = read_env_settings(os.environ)
+
+
+def _initial(env_name: str) -> object:
+    return _env_values.get(env_name, SETTINGS_BY_ENV[env_name].default)
+
+
+API: str = _initial("API")
+PROVIDER: str = _initial("PROVIDER")
+WD: str = _initial("WD") or os.getcwd()
+PROMPT: str = _initial("PROMPT")
+PROMPT_FILE: str = _initial("PROMPT_FILE")
+PROJECT_TEST_CMD: str = _initial("PROJECT_TEST_CMD")
+STATE_FILE: str = _initial("STATE_FILE") or default_state_file(WD)
+RESUME: bool = _initial("RESUME")
+CLEANUP_ON_EXIT: bool = _initial("CLEANUP_ON_EXIT")
+START_AGENT: str = _initial("START_AGENT")
+MAX_ROUNDS: int = _initial("MAX_ROUNDS")
+MAX_REVIEW_CYCLES: int = _initial("MAX_REVIEW_CYCLES")
+MIN_REVIEW_CYCLES_BEFORE_APPROVAL: int = _initial("MIN_REVIEW_CYCLES_BEFORE_APPROVAL")
+REQUIRE_REVIEW_EVIDENCE: bool = _initial("REQUIRE_REVIEW_EVIDENCE")
+REVIEW_EVIDENCE_MIN_MATCH: int = _initial("REVIEW_EVIDENCE_MIN_MATCH")
+POLL_SECONDS: float = _initial("POLL_SECONDS")
+RESPONSE_TIMEOUT: float = _initial("RESPONSE_TIMEOUT")
+STRICT_FILE_HANDOFF: bool = _initial("STRICT_FILE_HANDOFF")
+IDLE_GRACE_SECONDS: float = _initial("IDLE_GRACE_SECONDS")
+CONDENSE_EXPLORE_ON_REPEAT: bool = _initial("CONDENSE_EXPLORE_ON_REPEAT")
+CONDENSE_REVIEW_FEEDBACK: bool = _initial("CONDENSE_REVIEW_FEEDBACK")
+MAX_FEEDBACK_LINES: int = _initial("MAX_FEEDBACK_LINES")
+MAX_TEST_EVIDENCE_LINES: int = _initial("MAX_TEST_EVIDENCE_LINES")
+CONDENSE_UPSTREAM_ON_REPEAT: bool = _initial("CONDENSE_UPSTREAM_ON_REPEAT")
+CONDENSE_CROSS_PHASE: bool = _initial("CONDENSE_CROSS_PHASE")
+MAX_CROSS_PHASE_LINES: int = _initial("MAX_CROSS_PHASE_LINES")
+ANALYST_PROVIDER: str = _initial("ANALYST_PROVIDER")
+ANALYST_PROFILE: str = _initial("ANALYST_PROFILE")
+PEER_ANALYST_PROVIDER: str = _initial("PEER_ANALYST_PROVIDER")
+PEER_ANALYST_PROFILE: str = _initial("PEER_ANALYST_PROFILE")
+PROGRAMMER_PROVIDER: str = _initial("PROGRAMMER_PROVIDER")
+PROGRAMMER_PROFILE: str = _initial("PROGRAMMER_PROFILE")
+PEER_PROGRAMMER_PROVIDER: str = _initial("PEER_PROGRAMMER_PROVIDER")
+PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
+TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
+TESTER_PROFILE: str = _initial("TESTER_PROFILE")
+
+# Names of the settings the user chose (environment or config file); on
+# resume these win over what the state file recorded.
+explicit_settings: set[str] = set(_env_values)
+
+# The task, parsed from PROMPT / PROMPT_FILE (or from the state on resume).
+EXPLORE_HEADER = "*** ORIGINAL EXPLORE SUMMARY ***"
+SCENARIO_HEADER = "*** SCENARIO TEST ***"
+EXPLORE_SUMMARY: str = ""
+SCENARIO_TEST: str = ""
+
+
+def configure(argv: list[str]) -> None:
+    """Settle every setting (env > JSON > default) and validate it, before anything runs."""
+    global explicit_settings
+    env_values, env_errors = read_env_settings(os.environ)
+    if env_errors:
+        raise ConfigError(env_errors[0])
+    file_values = read_config_file(argv[0]) if argv else {}
+    chosen = {**file_values, **env_values}
+    if "WD" in chosen and "STATE_FILE" not in chosen:
+        chosen["STATE_FILE"] = default_state_file(os.path.abspath(chosen["WD"]))
+    globals().update(chosen)
+    explicit_settings = set(chosen)
+    validate_settings()
+
+
+def validate_settings() -> None:
+    """Cross-checks no single value can make, and making paths absolute."""
+    global WD, STATE_FILE
+    if not os.path.isdir(WD):
+        what = "does not exist" if not os.path.exists(WD) else "is not a directory"
+        raise ConfigError(f"WD={WD} {what}: set WD (or 'wd' in the config file) to the project directory")
+    WD = os.path.abspath(WD)
+    STATE_FILE = os.path.abspath(STATE_FILE)
+    if os.path.isdir(STATE_FILE):
+        raise ConfigError(f"STATE_FILE={STATE_FILE} is a directory: give it a file path")
+    if MIN_REVIEW_CYCLES_BEFORE_APPROVAL > MAX_REVIEW_CYCLES:
+        raise ConfigError(f"MIN_REVIEW_CYCLES_BEFORE_APPROVAL={MIN_REVIEW_CYCLES_BEFORE_APPROVAL} is larger than "
+                          f"MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}, so no review could ever be approved: "
+                          "lower it or raise MAX_REVIEW_CYCLES")
+    checks = len(REVIEW_EVIDENCE_PATTERNS["analyst"])
+    if REVIEW_EVIDENCE_MIN_MATCH > checks:
+        raise ConfigError(f"REVIEW_EVIDENCE_MIN_MATCH={REVIEW_EVIDENCE_MIN_MATCH} exceeds the {checks} evidence "
+                          f"checks a review is scored on: use 1 to {checks}")
+
+
+def parse_task_prompt(text: str, source: str) -> tuple[str, str]:
+    """Split a task prompt into its explore summary and scenario test sections."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        header = line.strip()
+        if header in (EXPLORE_HEADER, SCENARIO_HEADER):
+            if header in sections:
+                raise ConfigError(f"{source}: the header line '{header}' appears twice")
+            current = header
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    for header in (EXPLORE_HEADER, SCENARIO_HEADER):
+        if header not in sections:
+            raise ConfigError(f"{source}: missing the header line '{header}' (see prompt_template.md for the format)")
+        if not "\n".join(sections[header]).strip():
+            raise ConfigError(f"{source}: the '{header}' section is empty; write the text under that header")
+    return "\n".join(sections[EXPLORE_HEADER]).strip(), "\n".join(sections[SCENARIO_HEADER]).strip()
+
+
+def read_task_prompt() -> str:
+    """The task text from PROMPT_FILE or PROMPT ('' if neither is set), validated."""
+    if PROMPT_FILE:
+        path = Path(PROMPT_FILE)
+        if not path.is_absolute() and not path.exists():
+            path = Path(WD) / path
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} is a directory, expected a text file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} is not UTF-8 text: save it as UTF-8") from None
+        except OSError as exc:
+            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} cannot be read: {exc.strerror}") from None
+        parse_task_prompt(text, f"PROMPT_FILE={PROMPT_FILE}")
+        return text
+    if PROMPT:
+        parse_task_prompt(PROMPT, "PROMPT")
+        return PROMPT
+    return ""
+
+
+def set_task(prompt_text: str) -> None:
+    """Make a task prompt the run's task; a malformed one (old state) is all explore summary."""
+    global PROMPT, EXPLORE_SUMMARY, SCENARIO_TEST
+    PROMPT = prompt_text
+    try:
+        EXPLORE_SUMMARY, SCENARIO_TEST = parse_task_prompt(prompt_text, "prompt")
+    except ConfigError:
+        EXPLORE_SUMMARY, SCENARIO_TEST = prompt_text.strip(), ""
+
+
+def provider_for(role: str) -> str:
+    """The role's own provider if one is set, else PROVIDER."""
+    return globals()[f"{role.upper()}_PROVIDER"] or PROVIDER
+
+
+def profile_for(role: str) -> str:
+    return globals()[f"{role.upper()}_PROFILE"]
+
+
+# ==========================================================================
+# 2. CAO API client
+# ==========================================================================
+
+class ApiError(RuntimeError):
+    """A CAO call that failed; the message names the call and what went wrong."""
+
+    def __init__(self, message: str, status_code: int | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class ApiClient:
+    """The few CAO HTTP calls the loop needs, over one connection pool."""
+
+    # Creating a terminal waits until the agent CLI is up (15-30 s with real
+    # CLIs), so reads get a generous timeout; a dead address fails fast.
+    TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+
+    def __init__(self, base_url: str, transport: httpx.BaseTransport | None = None):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=self.TIMEOUT, transport=transport)
+
+    def _call(self, what: str, method: str, path: str, params: dict | None = None) -> object:
+        """One request; every failure becomes an ApiError that says what to do."""
+        try:
+            response = self._http.request(method, path, params=params)
+        except httpx.ConnectError:
+            raise ApiError(f"CAO server is not reachable at {self.base_url} ({what}): start it with "
+                           f"`cao-server` or set API to its address") from None
+        except httpx.TimeoutException:
+            raise ApiError(f"CAO server at {self.base_url} did not answer in time ({what})") from None
+        except httpx.HTTPError as exc:
+            raise ApiError(f"CAO {what} failed: {exc.__class__.__name__}: {exc}") from None
+        if response.status_code >= 400:
+            raise ApiError(f"CAO {what} failed: HTTP {response.status_code}: {_error_detail(response)}",
+                           response.status_code)
+        try:
+            return response.json()
+        except ValueError:
+            raise ApiError(f"CAO {what} answered HTTP {response.status_code} with something that is "
+                           f"not JSON: {response.text[:200]!r}") from None
+
+    def _terminal_answer(self, what: str, answer: object) -> dict:
+        if not isinstance(answer, dict) or not isinstance(answer.get("id"), str) \
+                or not isinstance(answer.get("session_name"), str):
+            raise ApiError(f"CAO {what} answered without a terminal id and session name: {answer!r:.200}")
+        return answer
+
+    def create_session(self, profile: str, provider: str | None = None) -> dict:
+        """A new CAO session whose first terminal runs `profile`; returns its id and session_name."""
+        params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
+        return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params))
+
+    def create_terminal(self, session_name: str, profile: str, provider: str | None = None) -> dict:
+        """Another terminal in an existing session; returns its id and session_name."""
+        params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
+        what = f"create terminal ({profile})"
+        return self._terminal_answer(
+            what, self._call(what, "POST", f"/sessions/{quote(session_name, safe='')}/terminals", params))
+
+    def send_input(self, terminal_id: str, message: str) -> None:
+        self._call(f"send input to terminal {terminal_id}", "POST",
+                   f"/terminals/{quote(terminal_id, safe='')}/input", {"message": message})
+
+    def get_status(self, terminal_id: str) -> str:
+        """The terminal's status word: idle, processing, completed, waiting_user_answer or error."""
+        what = f"status of terminal {terminal_id}"
+        answer = self._call(what, "GET", f"/terminals/{quote(terminal_id, safe='')}")
+        if not isinstance(answer, dict) or not isinstance(answer.get("status"), str):
+            raise ApiError(f"CAO {what} answered without a status: {answer!r:.200}")
+        return answer["status"]
+
+    def get_last_output(self, terminal_id: str) -> str:
+        """The agent's last reply as CAO reads it off the terminal screen."""
+        what = f"last output of terminal {terminal_id}"
+        answer = self._call(what, "GET", f"/terminals/{quote(terminal_id, safe='')}/output", {"mode": "last"})
+        if not isinstance(answer, dict) or not isinstance(answer.get("output"), str):
+            raise ApiError(f"CAO {what} answered without an output: {answer!r:.200}")
+        return answer["output"]
+
+    def exit_terminal(self, terminal_id: str) -> None:
+        self._call(f"exit terminal {terminal_id}", "POST", f"/terminals/{quote(terminal_id, safe='')}/exit")
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _error_detail(response: httpx.Response) -> str:
+    """CAO's {"detail": ...} if it sent one, else the start of the body."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    if detail is None:
+        return response.text[:200].strip() or response.reason_phrase
+    return detail if isinstance(detail, str) else json.dumps(detail)[:300]
+
+
+api = ApiClient(API)
+
+
+def connect_api() -> None:
+    """Point `api` at API if the address changed since the client was made."""
+    global api
+    if isinstance(api, ApiClient) and api.base_url != API.rstrip("/"):
+        api.close()
+        api = ApiClient(API)
+
+
+# ==========================================================================
+# 3. Agent handoff
+# ==========================================================================
+
+PHASE_ANALYST = "analyst"
+PHASE_PROGRAMMER = "programmer"
+PHASE_TESTER = "tester"
+PHASE_DONE = "done"
+PHASES = (PHASE_ANALYST, PHASE_PROGRAMMER, PHASE_TESTER, PHASE_DONE)
+
+RESPONSE_FILES = {
+    "analyst": "analyst_summary.md",
+    "peer_analyst": "analyst_review.md",
+    "programmer": "programmer_summary.md",
+    "peer_programmer": "programmer_review.md",
+    "tester": "test_result.md",
+}
+READY_STATUSES = ("idle", "completed")
+# How often the response file is looked at between two status polls:
+# reading a local file costs nothing, so a reply is noticed quickly.
+FILE_CHECK_SECONDS = 0.1
+
+# Run state (saved in the state file; see section 7).
+session_name: str = ""
+terminal_ids: dict[str, str] = {role: "" for role in ROLES}
+current_round: int = 1
+current_phase: str = PHASE_ANALYST
+phase_cycle: int = 1              # review cycle within the current phase
+phase_step: str = "author"        # "author": the author's turn is next; "review": the reviewer's
+final_status: str = "RUNNING"
+feedback: str = ""                # condensed tester evidence for the next round
+analyst_feedback: str = ""        # condensed peer analyst notes for the next analyst cycle
+programmer_feedback: str = ""     # condensed peer programmer notes for the next programmer cycle
+programmer_context_for_retry: str = ""
+outputs: dict[str, str] = {key: "" for key in OUTPUT_KEYS}
+run_dir: str = ""                 # where consumed replies are archived
+context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
+
+
+def log(message: str) -> None:
+    print(f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}", flush=True)
+
+
+def log_turn(role: str, message: str) -> None:
+    """A log line that says where in the loop it happened."""
+    where = f"round {current_round}/{MAX_ROUNDS} | {current_phase} phase"
+    if current_phase in (PHASE_ANALYST, PHASE_PROGRAMMER):
+        where += f" | cycle {phase_cycle}/{MAX_REVIEW_CYCLES}"
+    log(f"{where} | {role}: {message}")
+
+
+def response_dir() -> Path:
+    return Path(WD) / ".tmp" / "agent-responses"
+
+
+def response_path(role: str) -> Path:
+    return response_dir() / RESPONSE_FILES[role]
+
+
+def response_file_instruction(role: str) -> str:
+    """The closing block of every prompt: where and how to write the answer."""
+    path = str(response_path(role))
+    return (
+        "Response file (required):\n"
+        f"Write your complete answer to this file: {path}\n"
+        "For example:\n"
+        f"mkdir -p {shlex.quote(str(response_dir()))} && cat > {shlex.quote(path)} <<'END_OF_RESPONSE'\n"
+        "<your complete answer>\n"
+        "END_OF_RESPONSE\n"
+        "Only this file is read: an answer left in the terminal alone is lost. "
+        "Write it once, when your work is done."
+    )
+
+
+def _next_archive_number() -> int:
+    numbers = [int(p.name[:3]) for p in Path(run_dir).glob("[0-9][0-9][0-9]-*")]
+    return max(numbers, default=0) + 1
+
+
+def set_aside_stale_reply(path: Path) -> None:
+    """Move an old response file out of the way so it is never taken as the new answer."""
+    if path.exists():
+        stale = Path(run_dir) / f"{_next_archive_number():03d}-stale-{path.name}"
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, stale)
+
+
+def archive_reply(role: str, text: str, response_file: Path) -> Path:
+    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, taking the response file along."""
+    directory = Path(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"{_next_archive_number():03d}-{role}.md"
+    if read_reply_file(response_file):
+        os.replace(response_file, target)
+    else:                               # the reply came from the terminal, not the file
+        target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    return target
+
+
+def read_reply_file(path: Path) -> str:
+    """The response file's text, or '' while it is missing or blank."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").strip()
+    except (FileNotFoundError, IsADirectoryError):
+        return ""
+
+
+def _sleep_until_reply_or(path: Path, seconds: float) -> None:
+    """Sleep up to `seconds`, waking early once the response file has content."""
+    deadline = time.monotonic() + seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or read_reply_file(path):
+            return
+        time.sleep(min(FILE_CHECK_SECONDS, remaining))
+
+
+def wait_for_reply(role: str, terminal_id: str, path: Path) -> str:
+    """Wait until the agent is idle with its response file written, and return the file.
+
+    "Idle without a file" only counts once the agent has been seen working
+    since the prompt was sent, or after IDLE_GRACE_SECONDS: right after a
+    prompt a terminal can still show the idle state of its previous turn.
+    """
+    started = time.monotonic()
+    seen_working = False
+    told_blocked = False
+    while True:
+        status = api.get_status(terminal_id)
+        if status == "error":
+            raise RunError(f"the {role} agent (terminal {terminal_id}) reports status 'error'; look at it with "
+                           f"`tmux attach -t {session_name}`, then rerun to resume")
+        if status in READY_STATUSES:
+            reply = read_reply_file(path)
+            if reply:
+                return reply
+            if seen_working or time.monotonic() - started >= IDLE_GRACE_SECONDS:
+                return reply_without_file(role, terminal_id, path)
+        else:
+            seen_working = True
+            if status == "waiting_user_answer" and not told_blocked:
+                log_turn(role, f"blocked: terminal {terminal_id} waits for a user answer "
+                               f"(answer it in `tmux attach -t {session_name}`)")
+                told_blocked = True
+        if time.monotonic() - started >= RESPONSE_TIMEOUT:
+            raise RunError(f"the {role} agent (terminal {terminal_id}) gave no reply within RESPONSE_TIMEOUT="
+                           f"{RESPONSE_TIMEOUT:g}s; raise RESPONSE_TIMEOUT or look at the agent, then rerun to resume")
+        _sleep_until_reply_or(path, POLL_SECONDS)
+
+
+def reply_without_file(role: str, terminal_id: str, path: Path) -> str:
+    """The agent stopped without writing its file: fail, or take its terminal output."""
+    if STRICT_FILE_HANDOFF:
+        raise RunError(f"the {role} agent (terminal {terminal_id}) went idle without writing {path}; "
+                       "set STRICT_FILE_HANDOFF=0 to accept its terminal output instead, then rerun to resume")
+    output = api.get_last_output(terminal_id).strip()
+    if not output:
+        raise RunError(f"the {role} agent (terminal {terminal_id}) went idle without writing {path} "
+                       "and its terminal shows no reply; look at the agent, then rerun to resume")
+    log_turn(role, f"no response file; using the terminal's last output ({len(output)} chars)")
+    return output
+
+
+def ask_agent(role: str, prompt: str) -> str:
+    """Send one prompt to a role's terminal and return its answer (also archived)."""
+    terminal_id = terminal_ids[role]
+    path = response_path(role)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    set_aside_stale_reply(path)
+    log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
+    try:
+        api.send_input(terminal_id, prompt)
+    except BaseException:
+        forget_context_sent(terminal_id)
+        raise
+    reply = wait_for_reply(role, terminal_id, path)
+    archived = archive_reply(role, reply, path)
+    log_turn(role, f"reply received ({len(reply)} chars, kept as {archived})")
+    return reply
+
+
+# ==========================================================================
+# 4. Review gate
+# ==========================================================================
+
+def review_verdict(review_text: str) -> str:
+    """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
+    verdicts = re.findall(r"REVIEW_RESULT:\W*([A-Za-z_]+)", review_text or "")
+    if not verdicts:
+        return "MISSING"
+    return "APPROVED" if verdicts[-1].upper() == "APPROVED" else "REVISE"
+
+
+def _evidence_patterns(review_role: str) -> tuple[str, ...]:
+    family = review_role.replace("peer_", "")
+    if family not in REVIEW_EVIDENCE_PATTERNS:
+        raise ValueError(f"review_role must be one of analyst, peer_analyst, programmer, peer_programmer; "
+                         f"got {review_role!r}")
+    return REVIEW_EVIDENCE_PATTERNS[family]
+
+
+def review_evidence_matches(review_text: str, review_role: str) -> int:
+    """How many of the role's evidence checks the REVIEW_NOTES section shows."""
+    lines = (review_text or "").splitlines()
+    start = _first_marker_line(lines, "REVIEW_NOTES")
+    if start is None:
+        return 0
+    notes = "\n".join(lines[start:])
+    return sum(1 for pattern in _evidence_patterns(review_role) if re.search(pattern, notes, re.IGNORECASE))
+
+
+def is_review_approved(review_text: str, review_cycle: int, review_role: str) -> bool:
+    """Approval counts only if stated, late enough, and (optionally) backed by evidence."""
+    if review_verdict(review_text) != "APPROVED":
+        return False
+    if review_cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
+        return False
+    if REQUIRE_REVIEW_EVIDENCE:
+        return review_evidence_matches(review_text, review_role) >= REVIEW_EVIDENCE_MIN_MATCH
+    return True
+
+
+# ==========================================================================
+# 5. Condensation
+# ==========================================================================
+
+_UPSTREAM_PLACEHOLDER = ("(No upstream output: this run was started at a later agent with START_AGENT. "
+                         "Work from the OpenSpec artifacts and code already on disk.)")
+EXPLORE_BACK_REFERENCE = "(Same as initial turn -- refer to your conversation history.)"
+UPSTREAM_BACK_REFERENCE = "(Same as in your previous cycle -- refer to your conversation history.)"
+
+# A top-level labelled line: "- Files changed: ...", "**Files changed:**", "## Files changed".
+_LABEL_LINE = re.compile(r"^(?:[-*+]\s+|\d+[.)]\s+)?\**([A-Za-z][A-Za-z0-9 _/&()'-]*?)\**\s*:|^#{1,6}\s+(.+?)\s*#*$")
+
+
+def _head(text: str, max_lines: int) -> str:
+    return "\n".join((text or "").strip().splitlines()[:max_lines])
+
+
+def _first_marker_line(lines: list[str], marker: str) -> int | None:
+    """Index of the first line that starts (after markdown decoration) with `marker:`."""
+    pattern = re.compile(r"^\W*" + re.escape(marker) + r"\W*:")
+    for index, line in enumerate(lines):
+        if pattern.match(line):
+            return index
+    return None
+
+
+def extract_review_notes(text: str) -> str:
+    """The REVIEW_NOTES section onward, capped at MAX_FEEDBACK_LINES (else the head of the text)."""
+    lines = (text or "").strip().splitlines()
+    start = _first_marker_line(lines, "REVIEW_NOTES")
+    if start is None:
+        return _head(text, MAX_FEEDBACK_LINES)
+    return "\n".join(lines[start:start + MAX_FEEDBACK_LINES]).strip()
+
+
+def extract_test_evidence(text: str) -> str:
+    """The RESULT line plus the EVIDENCE section, capped at MAX_TEST_EVIDENCE_LINES."""
+    lines = (text or "").strip().splitlines()
+    evidence = _first_marker_line(lines, "EVIDENCE")
+    if evidence is None:
+        return _head(text, MAX_TEST_EVIDENCE_LINES)
+    result = _first_marker_line(lines, "RESULT")
+    kept = lines[evidence:]
+    if result is not None and result < evidence:
+        kept = [lines[result]] + kept
+    return "\n".join(kept[:MAX_TEST_EVIDENCE_LINES]).strip()
+
+
+def review_feedback_from(review_text: str) -> str:
+    """What an author is told of its review: the notes, or all of it if condensing is off."""
+    return extract_review_notes(review_text) if CONDENSE_REVIEW_FEEDBACK else (review_text or "").strip()
+
+
+def _labelled_sections(text: str, wanted: tuple[str, ...]) -> list[str]:
+    """Lines of the top-level labelled sections whose label starts with one of `wanted`."""
+    kept: list[str] = []
+    keeping = False
+    for line in text.splitlines():
+        match = _LABEL_LINE.match(line)
+        if match:
+            label = (match.group(1) or match.group(2) or "").strip().lower()
+            keeping = any(label.startswith(name) for name in wanted)
+        if keeping:
+            kept.append(line)
+    return kept
+
+
+def condense_analyst_for_programmer(text: str) -> str:
+    """The ANALYST_SUMMARY section, capped at MAX_CROSS_PHASE_LINES (else the head of the text)."""
+    if not CONDENSE_CROSS_PHASE or text == _UPSTREAM_PLACEHOLDER:
+        return (text or "").strip()
+    lines = (text or "").strip().splitlines()
+    start = _first_marker_line(lines, "ANALYST_SUMMARY")
+    if start is None:
+        return _head(text, MAX_CROSS_PHASE_LINES)
+    return "\n".join(lines[start:start + MAX_CROSS_PHASE_LINES]).strip()
+
+
+def condense_programmer_for_tester(text: str) -> str:
+    """The 'Files changed' and 'Behavior implemented' sections, capped at MAX_CROSS_PHASE_LINES."""
+    if not (text or "").strip():
+        return ""
+    if not CONDENSE_CROSS_PHASE or text == _UPSTREAM_PLACEHOLDER:
+        return text.strip()
+    kept = _labelled_sections(text.strip(), ("files changed", "behavior implemented", "behaviour implemented"))
+    if not kept:
+        return _head(text, MAX_CROSS_PHASE_LINES)
+    return "\n".join(kept[:MAX_CROSS_PHASE_LINES]).strip()
+
+
+def _once_per_terminal(block: str, terminal_id: str, text: str) -> str:
+    """Full text the first time a terminal gets this block, a back-reference afterwards."""
+    if not terminal_id:                 # no terminal yet, so no history to refer to
+        return text
+    mark = f"{block}:{terminal_id}"
+    if CONDENSE_EXPLORE_ON_REPEAT and mark in context_sent:
+        return EXPLORE_BACK_REFERENCE
+    context_sent.add(mark)
+    return text
+
+
+def explore_block_for(terminal_id: str) -> str:
+    """The explore summary, in full only on the first send to this terminal."""
+    return _once_per_terminal("explore", terminal_id, EXPLORE_SUMMARY)
+
+
+def scenario_block_for(terminal_id: str) -> str:
+    """The scenario test, in full only on the first send to this terminal."""
+    return _once_per_terminal("scenario", terminal_id, SCENARIO_TEST)
+
+
+def forget_context_sent(terminal_id: str) -> None:
+    """A send failed: the terminal may not have the task text, so send it in full next time."""
+    for mark in [m for m in context_sent if m.endswith(":" + terminal_id)]:
+        context_sent.discard(mark)
+
+
+# ==========================================================================
+# 6. Prompt builders
+# ==========================================================================
+
+def _or_none(text: str) -> str:
+    return text.strip() if text and text.strip() else "(none)"
+
+
+def _test_command_line() -> str:
+    if PROJECT_TEST_CMD:
+        return f"Test command: {PROJECT_TEST_CMD}"
+    return "Test command: none configured -- find and run the project's own test suite."
+
+
+def _task_context(role: str) -> str:
+    terminal_id = terminal_ids.get(role, "")
+    return (f"Explore summary (the task):\n{explore_block_for(terminal_id)}\n\n"
+            f"Scenario test (how the result will be checked):\n{scenario_block_for(terminal_id)}")
+
+
+def build_analyst_prompt(round_num: int, analyst_cycle: int) -> str:
+    """Analyst turn: turn the task into an OpenSpec change and a five-part summary."""
+    parts = [
+        f"You are the system analyst in a five-agent development loop "
+        f"(round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
+        _task_context("analyst"),
+        f"Latest tester feedback:\n{_or_none(feedback)}",
+    ]
+    if round_num > 1 and programmer_context_for_retry.strip():
+        parts.append(f"Previous round programmer changes (context only):\n{programmer_context_for_retry.strip()}")
+    parts += [
+        f"Latest peer analyst feedback:\n{_or_none(analyst_feedback)}",
+        "Rules:\n"
+        "- Do not write or change application code or tests; your work is the OpenSpec change.\n"
+        f"- Work only inside {WD}.\n"
+        "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
+        "- Address every point of the feedback above.",
+        "Task:\n"
+        "1. Use /opsx:explore to study the code and the task, then /opsx:ff to create or update the "
+        "OpenSpec change (proposal.md, design.md, specs, tasks.md).\n"
+        "2. Answer with this summary; all five sections are mandatory:\n"
+        "ANALYST_SUMMARY:\n"
+        "- Change: <OpenSpec change name and directory>\n"
+        "- Artifacts: <files created or updated>\n"
+        "- P1 requirements: <must-have requirements, each traced to the task or the scenario test>\n"
+        "- Contracts: <interfaces, data formats and commands the programmer and tester rely on>\n"
+        "- Handoff: <actionable first steps for the programmer; open risks>",
+        response_file_instruction("analyst"),
+    ]
+    return "\n\n".join(parts)
+
+
+def build_analyst_review_prompt(analyst_out: str) -> str:
+    """Peer analyst turn: check the analyst's change and say APPROVED or REVISE with evidence."""
+    return "\n\n".join([
+        f"You are the peer analyst in a five-agent development loop (round {current_round} of {MAX_ROUNDS}, "
+        f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the system analyst's work.",
+        _task_context("peer_analyst"),
+        f"System analyst output to review:\n{_or_none(analyst_out)}",
+        "Rules:\n"
+        "- Review only: change no file except your response file.\n"
+        "- Judge the OpenSpec artifacts on disk, not only the summary.",
+        "Check, citing what you looked at:\n"
+        "1. Artifacts: the change's proposal, design, specs and tasks exist and match the task.\n"
+        "2. P1 traceability: every P1 requirement traces to the task or the scenario test.\n"
+        "3. Downstream contracts: interfaces, formats and commands are exact enough to code and test against.\n"
+        "4. Handoff: the programmer's first steps are actionable.",
+        "Answer format:\n"
+        "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
+        "REVIEW_NOTES:\n"
+        "- <one line of evidence per check above>\n"
+        "- <for REVISE: each change the analyst must make>",
+        response_file_instruction("peer_analyst"),
+    ])
+
+
+def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: str) -> str:
+    """Programmer turn: implement the change (round 1) or fix the failed test (retry rounds)."""
+    repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT
+    if round_num == 1:
+        handoff = UPSTREAM_BACK_REFERENCE if repeat else _or_none(condense_analyst_for_programmer(analyst_out))
+        parts = [
+            f"You are the programmer in a five-agent development loop (round {round_num} of {MAX_ROUNDS}, "
+            f"programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
+            _task_context("programmer"),
+            f"System analyst handoff:\n{handoff}",
+        ]
+        if analyst_feedback.strip():
+            parts.append(f"Open peer analyst notes (the analysis was not approved; keep them in mind):\n"
+                         f"{analyst_feedback.strip()}")
+        task = ("Task:\n"
+                "1. Use /opsx:apply to implement the tasks of the OpenSpec change; mark each finished task "
+                "in tasks.md.\n"
+                "2. Run the tests and fix what fails.")
+    else:
+        failure = UPSTREAM_BACK_REFERENCE if repeat else _or_none(feedback)
+        parts = [
+            f"You are the programmer in a five-agent development loop (round {round_num} of {MAX_ROUNDS}: "
+            f"a retry after a failed test; programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
+            _task_context("programmer"),
+            f"Test failure feedback:\n{failure}",
+        ]
+        if programmer_context_for_retry.strip():
+            parts.append(f"Your previous changes (context):\n{programmer_context_for_retry.strip()}")
+        task = ("Task:\n"
+                "1. Use /opsx:explore to investigate the failure against the code and the OpenSpec change.\n"
+                "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
+                "artifacts with /opsx:ff; say so in your summary.\n"
+                "3. Fix the code, run the tests and fix what fails.")
+    parts += [
+        f"Latest peer programmer feedback:\n{_or_none(programmer_feedback)}",
+        "Rules:\n"
+        f"- Work only inside {WD}.\n"
+        "- Never weaken, skip or delete a test to make it pass.\n"
+        "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
+        f"- {_test_command_line()}",
+        task,
+        "Answer format:\n"
+        "PROGRAMMER_SUMMARY:\n"
+        "- Files changed: <each file and what changed in it>\n"
+        "- Behavior implemented: <what the code now does, per requirement>\n"
+        "- Tests run: <commands and results>\n"
+        "- Known gaps: <anything left undone, or none>",
+        response_file_instruction("programmer"),
+    ]
+    return "\n\n".join(parts)
+
+
+def build_programmer_review_prompt(programmer_out: str) -> str:
+    """Peer programmer turn: check the change and say APPROVED or REVISE with evidence."""
+    return "\n\n".join([
+        f"You are the peer programmer in a five-agent development loop (round {current_round} of {MAX_ROUNDS}, "
+        f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the programmer's work.",
+        _task_context("peer_programmer"),
+        f"Programmer output to review:\n{_or_none(programmer_out)}",
+        "Rules:\n"
+        "- Review only: change no file except your response file.\n"
+        "- Read the changed code and run the tests yourself.\n"
+        f"- {_test_command_line()}",
+        "Check, citing what you looked at:\n"
+        "1. Tests: they run and pass (give the command and its result).\n"
+        "2. Files: the changed files do what the tasks ask (name them).\n"
+        "3. Requirements: each requirement and the scenario test is covered by the code.\n"
+        "4. Edge cases and error handling: no obvious regression or unhandled error.",
+        "Answer format:\n"
+        "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
+        "REVIEW_NOTES:\n"
+        "- <one line of evidence per check above>\n"
+        "- <for REVISE: each change the programmer must make>",
+        response_file_instruction("peer_programmer"),
+    ])
+
+
+def build_tester_prompt(programmer_out: str) -> str:
+    """Tester turn: run the scenario test and report PASS or FAIL with evidence."""
+    parts = [
+        f"You are the tester in a five-agent development loop (round {current_round} of {MAX_ROUNDS}).",
+        _task_context("tester"),
+        f"Programmer handoff:\n{_or_none(condense_programmer_for_tester(programmer_out))}",
+    ]
+    if programmer_feedback.strip():
+        parts.append(f"Open peer programmer notes (the code was not approved; check these too):\n"
+                     f"{programmer_feedback.strip()}")
+    parts += [
+        "Rules:\n"
+        "- Test only: do not change application code, tests or OpenSpec artifacts.\n"
+        f"- {_test_command_line()}",
+        "Task: run the test command and carry out the scenario test step by step.",
+        "Answer format:\n"
+        "RESULT: PASS  (or RESULT: FAIL)\n"
+        "EVIDENCE:\n"
+        "- <commands run and the output that matters>\n"
+        "- <for FAIL: the failing step, error messages, stack trace lines>\n"
+        "- Recommended next fix: <for FAIL: where to look first>",
+        response_file_instruction("tester"),
+    ]
+    return "\n\n".join(parts)
+
+
+# ==========================================================================
+# 7. State file
+# ==========================================================================
+
+class StateFileError(Exception):
+    """The state file exists but cannot be used."""
+
+
+def save_state() -> None:
+    """Write the run's state atomically: a crash leaves the old file or the new one, never half."""
+    data = {
+        "version": 1,
+        "updated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "api": API,
+        "provider": PROVIDER,
+        "wd": WD,
+        "prompt": PROMPT,
+        "current_round": current_round,
+        "current_phase": current_phase,
+        "final_status": final_status,
+        "session_name": session_name,
+        "terminals": {role: terminal_ids.get(role, "") for role in ROLES},
+        "feedback": feedback,
+        "analyst_feedback": analyst_feedback,
+        "programmer_feedback": programmer_feedback,
+        "outputs": {key: outputs.get(key, "") for key in OUTPUT_KEYS},
+        "programmer_context_for_retry": programmer_context_for_retry,
+        # Keys the shell script does not know; it ignores them.
+        "phase_cycle": phase_cycle,
+        "phase_step": phase_step,
+        "run_dir": run_dir,
+        "context_sent": sorted(context_sent),
+    }
+    path = Path(STATE_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, ensure_ascii=False)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def read_state_file() -> dict | None:
+    """The state file's JSON object, None if there is none; StateFileError if unusable."""
+    path = Path(STATE_FILE)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StateFileError(f"state file {path} cannot be parsed ({exc})") from None
+    if not isinstance(data, dict):
+        raise StateFileError(f"state file {path} does not hold a JSON object")
+    if data.get("version", 1) != 1:
+        raise StateFileError(f"state file {path} has version {data.get('version')!r}; only version 1 is known")
+    terminals = data.get("terminals", {})
+    if not isinstance(terminals, dict) or not all(isinstance(v, str) for v in terminals.values()):
+        raise StateFileError(f"state file {path}: 'terminals' must map roles to terminal id strings")
+    if not isinstance(data.get("outputs", {}), dict):
+        raise StateFileError(f"state file {path}: 'outputs' must be an object")
+    return data
+
+
+def _text(data: dict, key: str) -> str:
+    value = data.get(key, "")
+    return value if isinstance(value, str) else ""
+
+
+def _positive_int(value: object, default: int) -> int:
+    """An int from a state value written by either script; the default if it is not one."""
+    if isinstance(value, bool):
+        return default
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value.strip())
+    else:
+        return default
+    return number if number >= 1 else default
+
+
+def load_state() -> bool:
+    """Restore the run from STATE_FILE; False if there is no state file."""
+    global API, PROVIDER, WD, session_name, terminal_ids, current_round, current_phase, phase_cycle, \
+        phase_step, final_status, feedback, analyst_feedback, programmer_feedback, \
+        programmer_context_for_retry, outputs, run_dir, context_sent
+    data = read_state_file()
+    if data is None:
+        return False
+    # What the terminals were created with, unless the user chose otherwise now.
+    if "API" not in explicit_settings and _text(data, "api"):
+        API = _text(data, "api")
+    if "PROVIDER" not in explicit_settings and _text(data, "provider"):
+        PROVIDER = _text(data, "provider")
+    if "WD" not in explicit_settings and _text(data, "wd"):
+        WD = _text(data, "wd")
+    set_task(_text(data, "prompt"))
+    session_name = _text(data, "session_name")
+    terminals = data.get("terminals", {})
+    terminal_ids = {role: terminals.get(role, "") for role in ROLES}
+    current_round = _positive_int(data.get("current_round"), 1)
+    phase = data.get("current_phase")
+    current_phase = phase if phase in PHASES else PHASE_ANALYST
+    phase_cycle = _positive_int(data.get("phase_cycle"), 1)
+    phase_step = data.get("phase_step") if data.get("phase_step") in ("author", "review") else "author"
+    final_status = _text(data, "final_status") or "RUNNING"
+    feedback = _text(data, "feedback")
+    analyst_feedback = _text(data, "analyst_feedback")
+    programmer_feedback = _text(data, "programmer_feedback")
+    programmer_context_for_retry = _text(data, "programmer_context_for_retry")
+    saved_outputs = data.get("outputs", {})
+    outputs = {key: saved_outputs.get(key, "") if isinstance(saved_outputs.get(key), str) else ""
+               for key in OUTPUT_KEYS}
+    run_dir = _text(data, "run_dir")
+    marks = data.get("context_sent", [])
+    context_sent = {m for m in marks if isinstance(m, str)} if isinstance(marks, list) else set()
+    return True
+
+
+def set_state_file_aside(reason: str) -> None:
+    """Keep an old state file under a new name instead of writing over it."""
+    path = Path(STATE_FILE)
+    target = path.with_name(f"{path.name}.{datetime.now().strftime('%Y%m%d-%H%M%S')}.bak")
+    os.replace(path, target)
+    log(f"{reason}: moved the old state file to {target}")
+
+
+# ==========================================================================
+# 8. Init and resume
+# ==========================================================================
+
+# Where a run starts for each START_AGENT: phase, step, and the outputs
+# that hold _UPSTREAM_PLACEHOLDER because their agent was skipped.
+START_POSITIONS = {
+    "analyst": (PHASE_ANALYST, "author", ()),
+    "peer_analyst": (PHASE_ANALYST, "review", ("analyst",)),
+    "programmer": (PHASE_PROGRAMMER, "author", ("analyst",)),
+    "peer_programmer": (PHASE_PROGRAMMER, "review", ("analyst", "programmer")),
+    "tester": (PHASE_TESTER, "author", ("analyst", "programmer")),
+}
+
+
+def set_position(phase: str, cycle: int = 1, step: str = "author") -> None:
+    """Move the loop to a phase, cycle and step: the one place the position changes."""
+    global current_phase, phase_cycle, phase_step
+    current_phase, phase_cycle, phase_step = phase, cycle, step
+
+
+def exit_terminals(ids: list[str]) -> None:
+    """Exit agent terminals, logging (not raising) what fails: used while stopping."""
+    for terminal_id in ids:
+        if not terminal_id:
+            continue
+        try:
+            api.exit_terminal(terminal_id)
+        except ApiError as exc:
+            log(f"could not exit terminal {terminal_id}: {exc}")
+
+
+def init_new_run() -> None:
+    """Create the session and five terminals, reset the run, and write the first state."""
+    global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
+        programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent
+    created: list[str] = []
+    try:
+        first = api.create_session(profile_for("analyst"), provider_for("analyst"))
+        created.append(first["id"])
+        ids = {"analyst": first["id"]}
+        for role in ROLES[1:]:
+            terminal = api.create_terminal(first["session_name"], profile_for(role), provider_for(role))
+            created.append(terminal["id"])
+            ids[role] = terminal["id"]
+    except BaseException as exc:
+        exit_terminals(created)
+        if isinstance(exc, ApiError):
+            raise RunError(f"could not create the agent terminals: {exc}") from None
+        raise
+    session_name = first["session_name"]
+    terminal_ids = ids
+    current_round = 1
+    final_status = "RUNNING"
+    feedback = analyst_feedback = programmer_feedback = programmer_context_for_retry = ""
+    phase, step, skipped = START_POSITIONS[START_AGENT]
+    set_position(phase, 1, step)
+    outputs = {key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS}
+    run_dir = str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    context_sent = set()
+    save_state()
+    log(f"new run: CAO session {session_name}, terminals "
+        + ", ".join(f"{role}={ids[role]}" for role in ROLES)
+        + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
+
+
+def verify_resume_terminals() -> None:
+    """Make sure every terminal of the saved run still exists before touching it."""
+    for role in ROLES:
+        terminal_id = terminal_ids.get(role, "")
+        if not terminal_id:
+            raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
+                           "start a new run with RESUME=0")
+        try:
+            api.get_status(terminal_id)
+        except ApiError as exc:
+            if exc.status_code is None:
+                raise RunError(f"cannot resume: {exc}") from None
+            raise RunError(f"cannot resume: the {role} terminal {terminal_id} is not reachable ({exc}); "
+                           "start a new run with RESUME=0 (the old state file is kept aside)") from None
+
+
+def choose_start() -> tuple[bool, str]:
+    """Resume or not, and why an old state file must be set aside first ('' if it need not).
+
+    Decides only: nothing is moved or written here, so a run that then fails
+    to start leaves the state file as it found it.
+    """
+    try:
+        data = read_state_file()
+    except StateFileError as exc:
+        if RESUME:
+            raise ConfigError(f"RESUME=1 but {exc}; fix or remove it, or unset RESUME to start a new run") from None
+        return False, f"{exc}; starting a new run"
+    status = (data or {}).get("final_status")
+    if RESUME:
+        if data is None:
+            raise ConfigError(f"RESUME=1 but there is no state file at {STATE_FILE}: set STATE_FILE to the "
+                              "run's state file, or unset RESUME to start a new run")
+        if status in ("PASS", "FAIL"):
+            raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {status}; "
+                              "unset RESUME to start a new run")
+        return True, ""
+    if "RESUME" in explicit_settings:      # RESUME=0: a new run, whatever the file says
+        unfinished = data is not None and status not in ("PASS", "FAIL")
+        return False, "RESUME=0 with an unfinished run in the state file" if unfinished else ""
+    return data is not None and status == "RUNNING", ""
+
+
+# ==========================================================================
+# 9. Main loop
+# ==========================================================================
+
+PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
+PHASE_OUTPUTS = {PHASE_ANALYST: ("analyst", "analyst_review"), PHASE_PROGRAMMER: ("programmer", "programmer_review")}
+NEXT_PHASE = {PHASE_ANALYST: PHASE_PROGRAMMER, PHASE_PROGRAMMER: PHASE_TESTER}
+
+
+def set_review_feedback(phase: str, text: str) -> None:
+    """What the phase's author is told about its last review."""
+    global analyst_feedback, programmer_feedback
+    if phase == PHASE_ANALYST:
+        analyst_feedback = text
+    else:
+        programmer_feedback = text
+
+
+def author_prompt(phase: str, cycle: int) -> str:
+    if phase == PHASE_ANALYST:
+        return build_analyst_prompt(current_round, cycle)
+    return build_programmer_prompt(current_round, cycle, outputs["analyst"])
+
+
+def review_prompt(phase: str) -> str:
+    if phase == PHASE_ANALYST:
+        return build_analyst_review_prompt(outputs["analyst"])
+    return build_programmer_review_prompt(outputs["programmer"])
+
+
+def run_reviewed_phase(phase: str) -> None:
+    """Author and peer reviewer take turns until an approval counts or the cycles run out."""
+    author, reviewer = PHASE_ROLES[phase]
+    out_key, review_key = PHASE_OUTPUTS[phase]
+    while True:
+        cycle = phase_cycle
+        if phase_step == "author":
+            outputs[out_key] = ask_agent(author, author_prompt(phase, cycle))
+            set_position(phase, cycle, "review")
+            save_state()
+        review = ask_agent(reviewer, review_prompt(phase))
+        outputs[review_key] = review
+        verdict = review_verdict(review)
+        approved = is_review_approved(review, cycle, reviewer)
+        if approved:
+            log_turn(reviewer, f"verdict {verdict}: approved")
+            set_review_feedback(phase, "")
+            set_position(NEXT_PHASE[phase])
+        else:
+            log_turn(reviewer, f"verdict {verdict}: not approved ({_why_not_approved(review, cycle, reviewer)})")
+            set_review_feedback(phase, review_feedback_from(review))
+            if cycle >= MAX_REVIEW_CYCLES:
+                log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
+                                   "review notes carried forward")
+                set_position(NEXT_PHASE[phase])
+            else:
+                set_position(phase, cycle + 1, "author")
+        save_state()
+        if current_phase != phase:
+            return
+
+
+def _why_not_approved(review: str, cycle: int, reviewer: str) -> str:
+    """A short reason for the log when a review does not count as approval."""
+    if review_verdict(review) != "APPROVED":
+        return "reviewer asks for changes" if review_verdict(review) == "REVISE" else "no REVIEW_RESULT line"
+    if cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
+        return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
+    return (f"REVIEW_NOTES show {review_evidence_matches(review, reviewer)} of the "
+            f"{REVIEW_EVIDENCE_MIN_MATCH} evidence checks required")
+
+
+def tester_result(text: str) -> str:
+    """PASS only if the last RESULT line says so; anything else is a FAIL."""
+    results = re.findall(r"^\W*RESULT\W*:\W*([A-Za-z]+)", text or "", re.MULTILINE)
+    return "PASS" if results and results[-1].upper() == "PASS" else "FAIL"
+
+
+def handle_tester_fail() -> None:
+    """Set up the retry round: programmer -> peer programmer -> tester, with the failure evidence."""
+    global feedback, programmer_context_for_retry, analyst_feedback, programmer_feedback, current_round
+    feedback = extract_test_evidence(outputs["tester"])
+    programmer_out = outputs["programmer"]
+    programmer_context_for_retry = ("" if programmer_out == _UPSTREAM_PLACEHOLDER
+                                    else condense_programmer_for_tester(programmer_out))
+    for key in ("programmer", "programmer_review", "tester"):
+        outputs[key] = ""
+    analyst_feedback = programmer_feedback = ""
+    set_position(PHASE_PROGRAMMER)
+    current_round += 1
+
+
+def run_tester_phase() -> str:
+    """One tester turn; returns PASS or FAIL."""
+    global final_status
+    outputs["tester"] = ask_agent("tester", build_tester_prompt(outputs["programmer"]))
+    result = tester_result(outputs["tester"])
+    log_turn("tester", f"RESULT: {result}")
+    for line in extract_test_evidence(outputs["tester"]).splitlines():
+        print(f"    {line}", flush=True)
+    if result == "PASS":
+        final_status = "PASS"
+        set_position(PHASE_DONE)
+    else:
+        handle_tester_fail()
+    save_state()
+    return result
+
+
+def run_loop() -> int:
+    """Drive the phases until the tester passes (0) or the rounds run out (1)."""
+    global final_status
+    while current_round <= MAX_ROUNDS:
+        if current_phase == PHASE_PROGRAMMER and not outputs["analyst"].strip():
+            log_turn("programmer", "no analyst output to work from; falling back to the analyst phase")
+            set_position(PHASE_ANALYST)
+        elif current_phase == PHASE_TESTER and not outputs["programmer"].strip():
+            log_turn("tester", "no programmer output to test; falling back to the programmer phase")
+            set_position(PHASE_PROGRAMMER)
+        elif current_phase == PHASE_DONE:
+            set_position(PHASE_TESTER)      # a RUNNING state left at "done": the test decides
+        elif current_phase == PHASE_TESTER:
+            if run_tester_phase() == "PASS":
+                log(f"PASS in round {current_round}; state in {STATE_FILE}")
+                return 0
+        else:
+            run_reviewed_phase(current_phase)
+    final_status = "FAIL"
+    set_position(PHASE_DONE)
+    save_state()
+    log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}")
+    return 1
+
+
+# ==========================================================================
+# 10. Entry point
+# ==========================================================================
+
+USAGE = "usage: run_orchestrator_loop.py [config.json]   (settings: environment variables, see README.md)"
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _install_sigterm(handler) -> None:
+    """Handlers can only be set from the main thread; elsewhere SIGTERM keeps its default."""
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except (ValueError, TypeError):
+        pass
+
+
+def start_run() -> None:
+    """Resume the saved run or create a new one; nothing is written if this fails."""
+    task = read_task_prompt()
+    resume, set_aside_reason = choose_start()
+    if resume:
+        load_state()
+        connect_api()
+        if not PROMPT and task:
+            set_task(task)
+        elif task and task != PROMPT:
+            log("note: resuming with the task saved in the state file; PROMPT/PROMPT_FILE is ignored")
+        verify_resume_terminals()
+        if not run_dir:
+            _start_archive_dir()
+        log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
+            f"session {session_name}")
+        return
+    if not task:
+        raise ConfigError("no task given: set PROMPT_FILE to a prompt file (see prompt_template.md) "
+                          "or PROMPT to its text")
+    if set_aside_reason:
+        set_state_file_aside(set_aside_reason)
+    set_task(task)
+    init_new_run()
+
+
+def _start_archive_dir() -> None:
+    global run_dir
+    run_dir = str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0)
+    started = False
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    code = 1
+    try:
+        if len(args) > 1:
+            raise ConfigError(f"expected at most one argument (a config file), got {len(args)}. {USAGE}")
+        configure(args)
+        connect_api()
+        _install_sigterm(_raise_terminated)
+        start_run()
+        started = True
+        code = run_loop()
+    except OrchestratorExit as exc:
+        code = exc.code
+        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+    except ApiError as exc:
+        code = 1
+        print(f"error: {exc}" + ("; state saved, rerun to resume" if started else ""), file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        code = 130
+        print("interrupted (SIGINT)" + ("; state saved, rerun to resume" if started else ""), file=sys.stderr)
+    except Terminated:
+        code = 143
+        print("terminated (SIGTERM)" + ("; state saved, rerun to resume" if started else ""), file=sys.stderr)
+    finally:
+        _install_sigterm(previous_sigterm)
+        if started:
+            save_state()
+            if CLEANUP_ON_EXIT:
+                log("CLEANUP_ON_EXIT=1: exiting the five agent terminals")
+                exit_terminals([terminal_ids.get(role, "") for role in ROLES])
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Shared fixtures: a freshly imported orchestrator module per test, and a fake CAO."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import run_orchestrator_loop  # noqa: E402
+
+SETTING_NAMES = [s.env for s in run_orchestrator_loop.SETTINGS] + ["CAO_AUTH_LOCAL_TOKEN"]
+
+TASK_PROMPT = """Notes above the first header are ignored.
+*** ORIGINAL EXPLORE SUMMARY ***
+Build a greeting CLI: `greet NAME` prints `Hello, NAME!`.
+*** SCENARIO TEST ***
+Run `greet World` and expect `Hello, World!` on stdout.
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    wd = tmp_path / "project"
+    wd.mkdir()
+    return wd
+
+
+@pytest.fixture
+def load_orch(monkeypatch, workdir):
+    """Import the module afresh under a given environment, as a new process would.
+
+    Every setting variable is cleared first, WD points at a temporary
+    project and API at the fake server, so no test sees the caller's
+    environment or writes outside tmp_path.
+    """
+
+    def load(**env: str):
+        for name in SETTING_NAMES:
+            monkeypatch.delenv(name, raising=False)
+        defaults = {"WD": str(workdir), "API": "http://cao.test"}
+        for name, value in {**defaults, **env}.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, str(value))
+        return importlib.reload(run_orchestrator_loop)
+
+    return load
+
+
+@pytest.fixture
+def orch(load_orch):
+    """The module with default settings (WD in tmp_path, API at the fake server)."""
+    return load_orch()
+
+
+@pytest.fixture
+def prompt_file(workdir: Path) -> Path:
+    path = workdir.parent / "task.md"
+    path.write_text(TASK_PROMPT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def fake_cao():
+    """A respx-mocked CAO at http://cao.test whose agents write their response files."""
+    import respx
+    from fake_cao import FakeCao
+
+    with respx.mock(assert_all_called=False) as router:
+        yield FakeCao().install(router)
+
+
+# Fast but otherwise default loop settings for in-process runs.
+FAST = {"POLL_SECONDS": "0.01", "IDLE_GRACE_SECONDS": "0.05", "RESPONSE_TIMEOUT": "5"}
+
+
+def run_main(module, *args: str) -> int:
+    """Call main() as the command line would and return its exit code."""
+    with pytest.raises(SystemExit) as stopped:
+        module.main(list(args))
+    return stopped.value.code

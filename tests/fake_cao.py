@@ -1,0 +1,265 @@
+"""A respx stand-in for the CAO HTTP API whose "agents" write response files.
+
+Each terminal plays the role its agent profile names. When a prompt arrives
+it reports `processing` for a few status polls, then acts out the next step
+of the test's script for that role -- by default it writes the reply to the
+response file the prompt names, as a real agent following the prompt would
+-- and reports `completed`.
+
+A step is either a reply text or a dict:
+    {"text": str, "action": "write" | "no_file" | "error" | "call", "polls": int, "idle_polls": int,
+     "call": callable(fake, terminal) run instead of answering}
+The role's last step repeats when its script runs out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import respx
+
+PROFILE_ROLES = {
+    "system_analyst": "analyst",
+    "peer_system_analyst": "peer_analyst",
+    "programmer": "programmer",
+    "peer_programmer": "peer_programmer",
+    "tester": "tester",
+}
+
+ANALYST_REPLY = """ANALYST_SUMMARY:
+- Change: openspec/changes/add-greeting
+- Artifacts: proposal.md, design.md, specs/greeting/spec.md, tasks.md
+- P1 requirements: greet NAME prints Hello, NAME! (scenario test step 1)
+- Contracts: CLI `greet NAME`, exit code 0, output on stdout
+- Handoff: implement greet.py, add tests/test_greet.py
+"""
+
+APPROVED_ANALYSIS = """REVIEW_RESULT: APPROVED
+REVIEW_NOTES:
+- Artifacts: proposal.md and tasks.md exist and match the task
+- P1 traceability: the one P1 requirement traces to the scenario test
+- Downstream contract: CLI signature and exit code are exact
+- Handoff: the first steps are actionable
+"""
+
+APPROVED_CODE = """REVIEW_RESULT: APPROVED
+REVIEW_NOTES:
+- Tests: pytest passed (3 passed)
+- Files: greet.py implements the task
+- Requirements: the scenario is covered
+- Edge cases: empty name handled with an error message
+"""
+
+PROGRAMMER_REPLY = """PROGRAMMER_SUMMARY:
+- Files changed: greet.py, tests/test_greet.py
+- Behavior implemented: greet NAME prints Hello, NAME!
+- Tests run: pytest -q (3 passed)
+- Known gaps: none
+"""
+
+PASS_REPLY = """RESULT: PASS
+EVIDENCE:
+- greet World printed Hello, World!
+"""
+
+FAIL_REPLY = """RESULT: FAIL
+EVIDENCE:
+- greet World printed Hello World (missing comma)
+- Recommended next fix: greet.py format string
+"""
+
+DEFAULT_REPLIES = {
+    "analyst": ANALYST_REPLY,
+    "peer_analyst": APPROVED_ANALYSIS,
+    "programmer": PROGRAMMER_REPLY,
+    "peer_programmer": APPROVED_CODE,
+    "tester": PASS_REPLY,
+}
+
+RESPONSE_LINE = re.compile(r"^Write your complete answer to this file: (.+)$", re.MULTILINE)
+
+
+@dataclass
+class Terminal:
+    id: str
+    session: str
+    role: str
+    profile: str
+    provider: str
+    working_directory: str
+    status: str = "idle"
+    polls_left: int = 0
+    idle_polls: int = 0       # polls still showing idle before the agent starts working
+    pending: dict | None = None
+    response_path: str = ""
+    last_output: str = ""
+    exited: bool = False
+
+
+@dataclass
+class FakeCao:
+    base_url: str = "http://cao.test"
+    script: dict[str, list] = field(default_factory=dict)
+    polls_per_turn: int = 1
+    terminals: dict[str, Terminal] = field(default_factory=dict)
+    prompts: list[tuple[str, str]] = field(default_factory=list)     # (role, message) in order
+    requests: list[httpx.Request] = field(default_factory=list)
+    fail_create: dict[str, tuple[int, str]] = field(default_factory=dict)  # profile -> (status, detail)
+    turns: dict[str, int] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    # -- what tests look at -------------------------------------------------
+    def roles_prompted(self) -> list[str]:
+        return [role for role, _ in self.prompts]
+
+    def prompts_for(self, role: str) -> list[str]:
+        return [message for r, message in self.prompts if r == role]
+
+    def terminal_for(self, role: str) -> Terminal:
+        return next(t for t in self.terminals.values() if t.role == role)
+
+    def exited_ids(self) -> list[str]:
+        return [t.id for t in self.terminals.values() if t.exited]
+
+    def add_terminals(self, session: str = "cao-saved") -> dict[str, str]:
+        """Terminals that already exist on the server, as a saved run left them."""
+        ids = {}
+        for profile, role in PROFILE_ROLES.items():
+            terminal = Terminal(id=f"{next(self._ids):08x}", session=session, role=role, profile=profile,
+                                provider="codex", working_directory="")
+            self.terminals[terminal.id] = terminal
+            ids[role] = terminal.id
+        return ids
+
+    # -- wiring ---------------------------------------------------------------
+    def install(self, router: respx.MockRouter) -> "FakeCao":
+        base = self.base_url
+        router.route(method="POST", url__regex=rf"^{re.escape(base)}/sessions\?").mock(side_effect=self._create_session)
+        router.route(method="POST", url__regex=rf"^{re.escape(base)}/sessions/[^/]+/terminals").mock(
+            side_effect=self._create_terminal)
+        router.route(method="POST", url__regex=rf"^{re.escape(base)}/terminals/[^/]+/input").mock(
+            side_effect=self._input)
+        router.route(method="POST", url__regex=rf"^{re.escape(base)}/terminals/[^/]+/exit").mock(
+            side_effect=self._exit)
+        router.route(method="GET", url__regex=rf"^{re.escape(base)}/terminals/[^/]+/output").mock(
+            side_effect=self._output)
+        router.route(method="GET", url__regex=rf"^{re.escape(base)}/terminals/[^/?]+$").mock(
+            side_effect=self._status)
+        return self
+
+    # -- handlers -------------------------------------------------------------
+    def _params(self, request: httpx.Request) -> dict[str, str]:
+        self.requests.append(request)
+        return {k: v[0] for k, v in parse_qs(urlsplit(str(request.url)).query, keep_blank_values=True).items()}
+
+    def _new_terminal(self, request: httpx.Request, session: str) -> httpx.Response:
+        params = self._params(request)
+        profile = params.get("agent_profile", "")
+        if profile in self.fail_create:
+            status, detail = self.fail_create[profile]
+            return httpx.Response(status, json={"detail": detail})
+        terminal = Terminal(id=f"{next(self._ids):08x}", session=session, role=PROFILE_ROLES.get(profile, profile),
+                            profile=profile, provider=params.get("provider", ""),
+                            working_directory=params.get("working_directory", ""))
+        self.terminals[terminal.id] = terminal
+        return httpx.Response(201, json={"id": terminal.id, "session_name": session, "status": "idle",
+                                         "provider": terminal.provider, "agent_profile": profile})
+
+    def _create_session(self, request: httpx.Request) -> httpx.Response:
+        return self._new_terminal(request, f"cao-{len(self.terminals) + 1:04d}")
+
+    def _create_terminal(self, request: httpx.Request) -> httpx.Response:
+        session = urlsplit(str(request.url)).path.split("/")[2]
+        return self._new_terminal(request, session)
+
+    def _terminal(self, request: httpx.Request) -> Terminal | None:
+        terminal_id = urlsplit(str(request.url)).path.split("/")[2]
+        terminal = self.terminals.get(terminal_id)
+        return None if terminal is None or terminal.exited else terminal
+
+    def _missing(self, request: httpx.Request) -> httpx.Response:
+        terminal_id = urlsplit(str(request.url)).path.split("/")[2]
+        return httpx.Response(404, json={"detail": f"Terminal '{terminal_id}' not found"})
+
+    def _input(self, request: httpx.Request) -> httpx.Response:
+        params = self._params(request)
+        terminal = self._terminal(request)
+        if terminal is None:
+            return self._missing(request)
+        message = params.get("message", "")
+        self.prompts.append((terminal.role, message))
+        found = RESPONSE_LINE.search(message)
+        terminal.response_path = found.group(1).strip() if found else ""
+        turn = self.turns.get(terminal.role, 0)
+        self.turns[terminal.role] = turn + 1
+        steps = self.script.get(terminal.role) or [DEFAULT_REPLIES.get(terminal.role, "ok")]
+        step = steps[min(turn, len(steps) - 1)]
+        step = {"text": step} if isinstance(step, str) else dict(step)
+        terminal.pending = step
+        terminal.polls_left = step.get("polls", self.polls_per_turn)
+        terminal.idle_polls = step.get("idle_polls", 0)
+        terminal.status = "idle" if terminal.idle_polls else "processing"
+        return httpx.Response(200, json={"success": True})
+
+    def _status(self, request: httpx.Request) -> httpx.Response:
+        self._params(request)
+        terminal = self._terminal(request)
+        if terminal is None:
+            return self._missing(request)
+        if terminal.idle_polls > 0:
+            terminal.idle_polls -= 1
+            if terminal.idle_polls == 0:
+                terminal.status = "processing"
+        elif terminal.status == "processing":
+            if terminal.polls_left > 0:
+                terminal.polls_left -= 1
+            else:
+                self._finish_turn(terminal)
+        return httpx.Response(200, json={"id": terminal.id, "status": terminal.status,
+                                         "session_name": terminal.session})
+
+    def _finish_turn(self, terminal: Terminal) -> None:
+        step, terminal.pending = terminal.pending or {}, None
+        action = step.get("action", "write")
+        text = step.get("text", "")
+        terminal.last_output = text
+        if action == "call":
+            step["call"](self, terminal)
+            return
+        if action == "error":
+            terminal.status = "error"
+            return
+        if action == "write" and terminal.response_path:
+            path = Path(terminal.response_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        terminal.status = "completed"
+
+    def _output(self, request: httpx.Request) -> httpx.Response:
+        self._params(request)
+        terminal = self._terminal(request)
+        if terminal is None:
+            return self._missing(request)
+        return httpx.Response(200, json={"output": terminal.last_output, "mode": "last"})
+
+    def _exit(self, request: httpx.Request) -> httpx.Response:
+        self._params(request)
+        terminal = self._terminal(request)
+        if terminal is None:
+            return self._missing(request)
+        terminal.exited = True
+        return httpx.Response(200, json={"success": True})
+
+
+def review(verdict: str, notes: str = "") -> str:
+    """A review reply with the given verdict and notes."""
+    return f"REVIEW_RESULT: {verdict}\nREVIEW_NOTES:\n{notes}\n"
+
+
+Call = Callable[[FakeCao, Terminal], None]

@@ -1,0 +1,573 @@
+"""The main loop driven end to end in-process against a respx-mocked CAO.
+
+The fake's agents write their response files as real agents would, so these
+tests exercise configuration, init, handoff, review gate, condensation,
+state and exit codes together (spec 1 "Orchestration flow", spec 4 shortened
+retry, resume and signals).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, run_main
+from fake_cao import APPROVED_ANALYSIS, FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, review
+
+FULL_ROUND = ["analyst", "peer_analyst", "analyst", "peer_analyst",
+              "programmer", "peer_programmer", "programmer", "peer_programmer", "tester"]
+RETRY_ROUND = ["programmer", "peer_programmer", "programmer", "peer_programmer", "tester"]
+# With MIN_REVIEW_CYCLES_BEFORE_APPROVAL=1 an approval counts on the first cycle.
+QUICK = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1"}
+QUICK_ROUND = ["analyst", "peer_analyst", "programmer", "peer_programmer", "tester"]
+
+
+def state_of(module) -> dict:
+    return json.loads(Path(module.STATE_FILE).read_text(encoding="utf-8"))
+
+
+def archived(module) -> list[str]:
+    return sorted(p.name for p in Path(module.run_dir).iterdir())
+
+
+def interrupt(exc: BaseException):
+    """A script step that stops the orchestrator while the agent is working."""
+    def call(fake, terminal):
+        terminal.status = "idle"        # the agent stops too; nothing arrives later
+        raise exc
+    return {"action": "call", "call": call}
+
+
+def sigterm_step():
+    def call(fake, terminal):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return {"action": "call", "call": call}
+
+
+# -- spec 1: orchestration flow ---------------------------------------------
+
+def test_pass_exits_with_code_0_after_one_full_round(load_orch, fake_cao, prompt_file, capsys):
+    """Spec 1 Orchestration flow / PASS exits with code 0 (default review minimum of 2 cycles)."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == FULL_ROUND
+    state = state_of(m)
+    assert state["final_status"] == "PASS"
+    assert state["current_phase"] == "done"
+    assert state["current_round"] == 1
+    assert archived(m) == [f"{n:03d}-{role}.md" for n, role in enumerate(FULL_ROUND, 1)]
+    assert Path(m.run_dir, "009-tester.md").read_text() == PASS_REPLY
+    out = capsys.readouterr().out
+    assert "RESULT: PASS" in out
+    assert "round 1/8 | analyst phase | cycle 2/3 | peer_analyst: verdict APPROVED: approved" in out
+    assert "cycle 1/3 | peer_analyst: verdict APPROVED: not approved (approval counts from cycle 2)" in out
+
+
+def test_fail_then_pass_runs_short_retry_round(load_orch, fake_cao, prompt_file):
+    """Spec 4 Shortened retry pipeline: round 2 prompts programmer -> peer_programmer -> tester only."""
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == FULL_ROUND + RETRY_ROUND
+    retry_prompt = fake_cao.prompts_for("programmer")[2]
+    assert "round 2 of 8" in retry_prompt
+    assert "Test failure feedback:\nRESULT: FAIL\nEVIDENCE:\n- greet World printed Hello World" in retry_prompt
+    assert "Your previous changes (context):\n- Files changed: greet.py, tests/test_greet.py" in retry_prompt
+    assert "System analyst handoff:" not in retry_prompt
+    assert "ANALYST_SUMMARY" not in retry_prompt
+    state = state_of(m)
+    assert state["current_round"] == 2 and state["final_status"] == "PASS"
+    assert state["outputs"]["analyst"].startswith("ANALYST_SUMMARY:")   # kept from round 1
+    assert state["programmer_context_for_retry"].startswith("- Files changed:")
+
+
+def test_multiple_consecutive_fails_stay_on_short_pipeline(load_orch, fake_cao, prompt_file):
+    """Spec 4: FAILs in rounds 1-3 make rounds 2-4 start at the programmer, never the analyst."""
+    fake_cao.script["tester"] = [FAIL_REPLY, FAIL_REPLY, FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    retry = ["programmer", "peer_programmer", "tester"]
+    assert fake_cao.roles_prompted() == QUICK_ROUND + retry * 3
+    assert state_of(m)["current_round"] == 4
+
+
+def test_max_rounds_exhausted_exits_with_code_1(load_orch, fake_cao, prompt_file, capsys):
+    """Spec 1: all rounds without PASS -> final_status FAIL, state saved, exit 1."""
+    fake_cao.script["tester"] = [FAIL_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="2", **QUICK)
+    assert run_main(m) == 1
+    assert fake_cao.roles_prompted() == QUICK_ROUND + ["programmer", "peer_programmer", "tester"]
+    state = state_of(m)
+    assert state["final_status"] == "FAIL"
+    assert state["current_phase"] == "done"
+    assert "FAIL: no PASS within MAX_ROUNDS=2" in capsys.readouterr().out
+
+
+def test_reviewer_revise_then_approved_feeds_notes_to_next_analyst_prompt(load_orch, fake_cao, prompt_file):
+    """Spec 1 review gate in the loop: REVISE notes reach the analyst's next cycle, APPROVED moves on."""
+    fake_cao.script["peer_analyst"] = [
+        review("REVISE", "- P1 traceability: empty NAME is not traced to the scenario\n- Artifacts: no design.md"),
+        APPROVED_ANALYSIS,
+    ]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["analyst", "peer_analyst"] + QUICK_ROUND
+    second = fake_cao.prompts_for("analyst")[1]
+    assert ("Latest peer analyst feedback:\nREVIEW_NOTES:\n- P1 traceability: empty NAME is not traced "
+            "to the scenario\n- Artifacts: no design.md") in second
+    assert "analyst cycle 2 of 3" in second
+    assert "Latest peer analyst feedback:\n(none)" in fake_cao.prompts_for("analyst")[0]
+
+
+def test_review_cycles_exhausted_proceed_with_last_notes_carried_forward(load_orch, fake_cao, prompt_file, capsys):
+    """After MAX_REVIEW_CYCLES without approval the loop goes on and the notes travel with it."""
+    fake_cao.script["peer_analyst"] = [review("REVISE", "- Contract: exit codes unspecified")]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_REVIEW_CYCLES="2", **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted()[:4] == ["analyst", "peer_analyst", "analyst", "peer_analyst"]
+    programmer_prompt = fake_cao.prompts_for("programmer")[0]
+    assert "Open peer analyst notes" in programmer_prompt
+    assert "- Contract: exit codes unspecified" in programmer_prompt
+    assert "no approval after 2 cycles" in capsys.readouterr().out
+
+
+def test_approval_without_evidence_is_not_accepted_in_the_loop(load_orch, fake_cao, prompt_file):
+    """Spec 1 evidence gate: a bare APPROVED never ends the phase early."""
+    fake_cao.script["peer_programmer"] = [review("APPROVED", "- looks good")]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted().count("programmer") == 3      # all MAX_REVIEW_CYCLES used
+
+
+def test_start_agent_programmer_skips_analysis_and_retries_short(load_orch, fake_cao, prompt_file):
+    """Spec 4: START_AGENT=programmer uses the placeholder, and a FAIL still retries short."""
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="programmer", **QUICK)
+    assert run_main(m) == 0
+    retry = ["programmer", "peer_programmer", "tester"]
+    assert fake_cao.roles_prompted() == retry + retry
+    first, second = fake_cao.prompts_for("programmer")
+    assert f"System analyst handoff:\n{m._UPSTREAM_PLACEHOLDER}" in first
+    assert "Test failure feedback:" in second and "System analyst handoff:" not in second
+    state = state_of(m)
+    assert state["outputs"]["analyst"] == m._UPSTREAM_PLACEHOLDER
+    assert state["current_phase"] == "done"
+
+
+@pytest.mark.parametrize("start, expected", [
+    ("peer_analyst", ["peer_analyst", "programmer", "peer_programmer", "tester"]),
+    ("peer_programmer", ["peer_programmer", "tester"]),
+    ("tester", ["tester"]),
+])
+def test_start_agent_later_roles(load_orch, fake_cao, prompt_file, start, expected):
+    """START_AGENT starts the run at that role's turn, with placeholders for the skipped outputs."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT=start, **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == expected
+    first_prompt = fake_cao.prompts[0][1]
+    assert m._UPSTREAM_PLACEHOLDER in first_prompt
+
+
+def test_missing_analyst_output_falls_back_to_analyst_phase(load_orch, fake_cao, prompt_file):
+    """Spec 1/4: a programmer phase with an empty analyst output falls back to the analyst (with context)."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    write_state(m, fake_cao, current_round=2, current_phase="programmer",
+                outputs={"analyst": ""}, programmer_context_for_retry="- Files changed: greet.py",
+                feedback="RESULT: FAIL\nEVIDENCE:\n- wrong greeting")
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == QUICK_ROUND
+    analyst_prompt = fake_cao.prompts_for("analyst")[0]
+    assert "Latest tester feedback:\nRESULT: FAIL\nEVIDENCE:\n- wrong greeting" in analyst_prompt
+    assert "Previous round programmer changes (context only):\n- Files changed: greet.py" in analyst_prompt
+    # Round 2 is a retry round: the programmer works from the failure, not the new analysis.
+    assert "Test failure feedback:" in fake_cao.prompts_for("programmer")[0]
+
+
+def test_tester_with_empty_programmer_output_falls_back_to_programmer(load_orch, fake_cao, prompt_file):
+    """The tester phase never tests nothing: it falls back to the programmer phase."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    write_state(m, fake_cao, current_phase="tester", outputs={"analyst": "ANALYST_SUMMARY:\n- x", "programmer": ""})
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["programmer", "peer_programmer", "tester"]
+
+
+# -- handoff ------------------------------------------------------------------
+
+def test_stale_response_file_is_moved_away_before_sending(load_orch, fake_cao, prompt_file):
+    """A response file left from an earlier turn is never taken as the new answer."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    stale = Path(m.WD, ".tmp", "agent-responses", "test_result.md")
+    stale.parent.mkdir(parents=True)
+    stale.write_text("RESULT: FAIL\nEVIDENCE:\n- stale from yesterday\n")
+    assert run_main(m) == 0
+    assert archived(m) == ["001-stale-test_result.md", "002-tester.md"]
+    assert "stale from yesterday" in Path(m.run_dir, "001-stale-test_result.md").read_text()
+    assert not stale.exists()
+
+
+def test_agent_error_status_stops_run_naming_role_and_terminal(load_orch, fake_cao, prompt_file, capsys):
+    """Terminal status `error` stops the run: exit 1, message names role and terminal, state resumable."""
+    fake_cao.script["programmer"] = [{"action": "error"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    terminal = fake_cao.terminal_for("programmer").id
+    assert len(err) == 1
+    assert "programmer agent" in err[0] and terminal in err[0] and "'error'" in err[0]
+    state = state_of(m)
+    assert state["final_status"] == "RUNNING"
+    assert state["current_phase"] == "programmer"
+
+
+def test_strict_file_handoff_fails_when_agent_idles_without_file(load_orch, fake_cao, prompt_file, capsys):
+    """STRICT_FILE_HANDOFF=1: idle without the response file is an error naming the file."""
+    fake_cao.script["analyst"] = [{"action": "no_file", "text": "I am done (in the terminal only)"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err
+    assert "analyst agent" in err and "analyst_summary.md" in err and "STRICT_FILE_HANDOFF=0" in err
+    assert state_of(m)["final_status"] == "RUNNING"
+
+
+def test_non_strict_handoff_falls_back_to_last_output(load_orch, fake_cao, prompt_file):
+    """STRICT_FILE_HANDOFF=0: the terminal's last output is taken instead of the file."""
+    fake_cao.script["tester"] = [{"action": "no_file", "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), STRICT_FILE_HANDOFF="0", **QUICK)
+    assert run_main(m) == 0
+    assert any(r.url.path.endswith("/output") for r in fake_cao.requests)
+    assert Path(m.run_dir, "005-tester.md").read_text() == PASS_REPLY
+
+
+def test_response_timeout_stops_run(load_orch, fake_cao, prompt_file, capsys):
+    """RESPONSE_TIMEOUT bounds the wait for an agent that keeps working."""
+    fake_cao.script["analyst"] = [{"polls": 10**9, "text": "never"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**QUICK, "RESPONSE_TIMEOUT": "0.3"})
+    assert run_main(m) == 1
+    err = capsys.readouterr().err
+    assert "RESPONSE_TIMEOUT=0.3s" in err and "analyst agent" in err
+
+
+def test_idle_before_working_does_not_count_until_grace_passes(load_orch, fake_cao, prompt_file):
+    """A terminal still idle right after the prompt is not taken as 'done without a file'."""
+    fake_cao.script["tester"] = [{"idle_polls": 5, "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **{**QUICK, "IDLE_GRACE_SECONDS": "30"})
+    assert run_main(m) == 0
+    assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY
+
+
+def test_agent_never_seen_working_counts_as_idle_after_grace(load_orch, fake_cao, prompt_file, capsys):
+    """After IDLE_GRACE_SECONDS an agent that never started is idle without a file (strict: error)."""
+    fake_cao.script["tester"] = [{"idle_polls": 10**9, "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **{**QUICK, "IDLE_GRACE_SECONDS": "0.2"})
+    assert run_main(m) == 1
+    assert "went idle without writing" in capsys.readouterr().err
+
+
+# -- init ----------------------------------------------------------------------
+
+def test_new_run_creates_session_and_five_terminals(load_orch, fake_cao, prompt_file):
+    """Spec 1 Init: one session with the analyst profile, four more terminals, per-role profiles."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", TESTER_PROVIDER="kiro_cli",
+                  START_AGENT="tester", **QUICK)
+    assert run_main(m) == 0
+    created = [(t.profile, t.provider, t.session) for t in fake_cao.terminals.values()]
+    session = created[0][2]
+    assert created == [("system_analyst", "claude_code", session), ("peer_system_analyst", "claude_code", session),
+                       ("programmer", "claude_code", session), ("peer_programmer", "claude_code", session),
+                       ("tester", "kiro_cli", session)]
+    assert all(t.working_directory == m.WD for t in fake_cao.terminals.values())
+    state = state_of(m)
+    assert state["session_name"] == session
+    assert state["terminals"] == {t.role: t.id for t in fake_cao.terminals.values()}
+
+
+def test_failed_terminal_creation_exits_created_terminals_and_writes_no_state(load_orch, fake_cao, prompt_file,
+                                                                             capsys):
+    """A run that fails before its terminals exist writes no state; terminals already made are exited."""
+    fake_cao.fail_create["programmer"] = (400, "Unknown provider type: nope")
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    assert sorted(fake_cao.exited_ids()) == sorted(t.id for t in fake_cao.terminals.values())
+    assert len(fake_cao.terminals) == 2
+    assert not Path(m.STATE_FILE).exists()
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "HTTP 400" in err and "Unknown provider type: nope" in err
+
+
+def test_new_run_does_not_overwrite_state_when_it_fails_to_start(load_orch, fake_cao, prompt_file):
+    """A finished state file stays byte-identical if the next run cannot create its terminals."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    Path(m.STATE_FILE).parent.mkdir(parents=True)
+    Path(m.STATE_FILE).write_text('{"version": 1, "final_status": "PASS", "terminals": {}}')
+    before = Path(m.STATE_FILE).read_bytes()
+    fake_cao.fail_create["system_analyst"] = (500, "boom")
+    assert run_main(m) == 1
+    assert Path(m.STATE_FILE).read_bytes() == before
+
+
+# -- signals and cleanup -------------------------------------------------------
+
+def test_sigint_saves_state_and_exits_130(load_orch, fake_cao, prompt_file, capsys):
+    """Spec 1 Signal handling / SIGINT saves state: exit 130, state saved mid-run."""
+    fake_cao.script["programmer"] = [interrupt(KeyboardInterrupt())]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    state = state_of(m)
+    assert state["final_status"] == "RUNNING"
+    assert state["current_phase"] == "programmer"
+    assert state["outputs"]["analyst"].startswith("ANALYST_SUMMARY:")
+    assert "interrupted (SIGINT); state saved" in capsys.readouterr().err
+
+
+def test_sigterm_saves_state_and_exits_143(load_orch, fake_cao, prompt_file):
+    """SIGTERM saves state and exits 143, and the handler is removed afterwards."""
+    fake_cao.script["tester"] = [sigterm_step()]
+    before = signal.getsignal(signal.SIGTERM)
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 143
+    assert state_of(m)["current_phase"] == "tester"
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_cleanup_on_exit_exits_all_five_terminals(load_orch, fake_cao, prompt_file):
+    """Spec 1 Cleanup exits terminals when enabled: exit_terminal for all 5 ids."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), CLEANUP_ON_EXIT="1", **QUICK)
+    assert run_main(m) == 0
+    assert sorted(fake_cao.exited_ids()) == sorted(state_of(m)["terminals"].values())
+    assert len(fake_cao.exited_ids()) == 5
+
+
+def test_cleanup_on_exit_also_after_interrupt(load_orch, fake_cao, prompt_file):
+    m = load_orch(PROMPT_FILE=str(prompt_file), CLEANUP_ON_EXIT="1", **QUICK)
+    fake_cao.script["analyst"] = [interrupt(KeyboardInterrupt())]
+    assert run_main(m) == 130
+    assert len(fake_cao.exited_ids()) == 5
+
+
+def test_without_cleanup_terminals_stay(load_orch, fake_cao, prompt_file):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.exited_ids() == []
+
+
+# -- resume --------------------------------------------------------------------
+
+def write_state(module, fake, **fields) -> dict:
+    """A RUNNING state file for terminals that exist on the fake server."""
+    ids = fake.add_terminals()
+    outputs = {key: "" for key in module.OUTPUT_KEYS}
+    outputs.update(fields.pop("outputs", {}))
+    state = {"version": 1, "updated_at": "2026-11-20T10:00:00Z", "api": module.API, "provider": "codex",
+             "wd": module.WD, "prompt": Path(module.PROMPT_FILE).read_text(), "current_round": 1,
+             "current_phase": "analyst", "final_status": "RUNNING", "session_name": "cao-saved",
+             "terminals": ids, "feedback": "", "analyst_feedback": "", "programmer_feedback": "",
+             "outputs": outputs}
+    state.update(fields)
+    path = Path(module.STATE_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state))
+    return state
+
+
+@pytest.mark.parametrize("role, phase, remaining", [
+    ("analyst", "analyst", QUICK_ROUND),
+    ("peer_analyst", "analyst", ["peer_analyst", "programmer", "peer_programmer", "tester"]),
+    ("programmer", "programmer", ["programmer", "peer_programmer", "tester"]),
+    ("peer_programmer", "programmer", ["peer_programmer", "tester"]),
+    ("tester", "tester", ["tester"]),
+])
+def test_interrupted_run_resumes_automatically_at_the_same_turn(load_orch, fake_cao, prompt_file, role, phase,
+                                                                remaining):
+    """Auto-resume of a RUNNING state continues at the interrupted turn, in each phase."""
+    fake_cao.script[role] = [interrupt(KeyboardInterrupt()), *([fake_default(role)])]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    assert state_of(m)["current_phase"] == phase
+    before = fake_cao.roles_prompted()
+    creates = len(fake_cao.terminals)
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)     # the same command again, no RESUME
+    assert run_main(m) == 0
+    assert len(fake_cao.terminals) == creates                # no new terminals: resumed
+    assert fake_cao.roles_prompted()[len(before):] == remaining
+    assert state_of(m)["final_status"] == "PASS"
+
+
+def fake_default(role: str) -> str:
+    from fake_cao import DEFAULT_REPLIES
+    return DEFAULT_REPLIES[role]
+
+
+def test_resume_keeps_archive_numbering_in_the_same_run_directory(load_orch, fake_cao, prompt_file):
+    fake_cao.script["programmer"] = [interrupt(KeyboardInterrupt()), PROGRAMMER_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    first_dir = m.run_dir
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="1", **QUICK)
+    assert run_main(m) == 0
+    assert m.run_dir == first_dir
+    assert archived(m) == ["001-analyst.md", "002-peer_analyst.md", "003-programmer.md",
+                           "004-peer_programmer.md", "005-tester.md"]
+
+
+def test_auto_resume_when_state_file_has_running_status(load_orch, fake_cao, prompt_file):
+    """Spec 1 Auto-resume / RUNNING: load state, verify terminals, resume (no new session)."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    saved = write_state(m, fake_cao, current_phase="tester",
+                        outputs={"analyst": "ANALYST_SUMMARY:\n- a", "programmer": PROGRAMMER_REPLY})
+    assert run_main(m) == 0
+    assert len(fake_cao.terminals) == 5
+    assert fake_cao.roles_prompted() == ["tester"]
+    status_checks = [r.url.path for r in fake_cao.requests if r.method == "GET"]
+    assert all(f"/terminals/{tid}" in status_checks for tid in saved["terminals"].values())
+
+
+@pytest.mark.parametrize("status", ["PASS", "FAIL"])
+def test_no_auto_resume_when_state_file_is_finished(load_orch, fake_cao, prompt_file, status):
+    """Spec 1 Auto-resume: a PASS or FAIL state starts a new run instead."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    write_state(m, fake_cao, final_status=status, current_phase="done")
+    assert run_main(m) == 0
+    assert len(fake_cao.terminals) == 10                      # five saved + five new
+    assert fake_cao.roles_prompted() == QUICK_ROUND
+    assert state_of(m)["session_name"] != "cao-saved"
+
+
+def test_no_auto_resume_when_no_state_file_exists(load_orch, fake_cao, prompt_file):
+    """Spec 1 Auto-resume: no state file -> a new run."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert not Path(m.STATE_FILE).exists()
+    assert run_main(m) == 0
+    assert len(fake_cao.terminals) == 5
+
+
+def test_resume_0_starts_new_run_and_keeps_old_running_state_aside(load_orch, fake_cao, prompt_file, capsys):
+    """RESUME=0 starts fresh; the unfinished state is moved aside, not overwritten."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="0", **QUICK)
+    saved = write_state(m, fake_cao)
+    assert run_main(m) == 0
+    assert len(fake_cao.terminals) == 10
+    backups = list(Path(m.STATE_FILE).parent.glob(Path(m.STATE_FILE).name + ".*.bak"))
+    assert len(backups) == 1
+    assert json.loads(backups[0].read_text()) == saved
+    assert str(backups[0]) in capsys.readouterr().out
+
+
+def test_resume_1_without_state_file_is_a_usage_error(load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="1", **QUICK)
+    assert run_main(m) == 2
+    assert "RESUME=1 but there is no state file" in capsys.readouterr().err
+    assert fake_cao.requests == []
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_resume_1_of_finished_run_is_a_usage_error(load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="1", **QUICK)
+    write_state(m, fake_cao, final_status="PASS")
+    before = Path(m.STATE_FILE).read_bytes()
+    assert run_main(m) == 2
+    assert "already finished with PASS" in capsys.readouterr().err
+    assert Path(m.STATE_FILE).read_bytes() == before
+
+
+def test_unparsable_state_with_resume_1_is_an_error_and_untouched(load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="1", **QUICK)
+    Path(m.STATE_FILE).parent.mkdir(parents=True)
+    Path(m.STATE_FILE).write_text('{"version": 1, "current_round": ')
+    assert run_main(m) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot be parsed" in err and m.STATE_FILE in err and "\n" not in err
+    assert Path(m.STATE_FILE).read_text() == '{"version": 1, "current_round": '
+    assert fake_cao.requests == []
+
+
+def test_unparsable_state_without_resume_is_moved_aside_and_new_run_starts(load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    Path(m.STATE_FILE).parent.mkdir(parents=True)
+    Path(m.STATE_FILE).write_text("not json at all")
+    assert run_main(m) == 0
+    backups = list(Path(m.STATE_FILE).parent.glob("*.bak"))
+    assert [b.read_text() for b in backups] == ["not json at all"]
+    assert str(backups[0]) in capsys.readouterr().out
+    assert state_of(m)["final_status"] == "PASS"
+
+
+def test_resume_with_unreachable_terminal_fails_and_keeps_state(load_orch, fake_cao, prompt_file, capsys):
+    """Spec 1 Init and resume / unreachable terminal: exit with an error, state untouched."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    saved = write_state(m, fake_cao)
+    gone = saved["terminals"]["peer_programmer"]
+    fake_cao.terminals[gone].exited = True
+    before = Path(m.STATE_FILE).read_bytes()
+    assert run_main(m) == 1
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "peer_programmer" in err and gone in err and "not found" in err
+    assert Path(m.STATE_FILE).read_bytes() == before
+    assert fake_cao.prompts == []
+
+
+def test_verify_resume_terminals_exits_when_a_terminal_is_unreachable(orch, fake_cao):
+    """Spec 1: verify_resume_terminals() exits with an error message naming the terminal."""
+    ids = fake_cao.add_terminals()
+    fake_cao.terminals[ids["tester"]].exited = True
+    orch.terminal_ids = ids
+    with pytest.raises(SystemExit) as stopped:
+        orch.verify_resume_terminals()
+    assert stopped.value.code == 1
+    assert ids["tester"] in str(stopped.value) and "tester" in str(stopped.value)
+
+
+def test_resume_in_retry_state_preserves_short_pipeline(load_orch, fake_cao, prompt_file):
+    """Spec 4: state at round 2, programmer phase, analyst output kept -> resume at the programmer."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    write_state(m, fake_cao, current_round=2, current_phase="programmer",
+                outputs={"analyst": "ANALYST_SUMMARY:\n- Change: add-greeting", "analyst_review": APPROVED_ANALYSIS},
+                feedback="RESULT: FAIL\nEVIDENCE:\n- missing comma",
+                programmer_context_for_retry="- Files changed: greet.py")
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["programmer", "peer_programmer", "tester"]
+    prompt = fake_cao.prompts_for("programmer")[0]
+    assert "Test failure feedback:\nRESULT: FAIL\nEVIDENCE:\n- missing comma" in prompt
+    assert "Your previous changes (context):\n- Files changed: greet.py" in prompt
+
+
+def test_resume_ignores_start_agent(load_orch, fake_cao, prompt_file):
+    """START_AGENT applies to new runs only."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    write_state(m, fake_cao, current_phase="analyst")
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == QUICK_ROUND
+
+
+def test_runtime_error_keeps_state_resumable(load_orch, fake_cao, prompt_file):
+    """After an agent error the same command resumes where the run stopped."""
+    fake_cao.script["peer_programmer"] = [{"action": "error"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    fake_cao.terminal_for("peer_programmer").status = "idle"
+    fake_cao.script["peer_programmer"] = [fake_default("peer_programmer")]
+    fake_cao.turns["peer_programmer"] = 0
+    prompted = len(fake_cao.prompts)
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted()[prompted:] == ["peer_programmer", "tester"]
+
+
+def test_explore_summary_sent_once_per_terminal_across_resume(load_orch, fake_cao, prompt_file):
+    """The task text goes to each terminal once, even across an interruption."""
+    fake_cao.script["peer_analyst"] = [review("REVISE", "- Artifacts: missing"), interrupt(KeyboardInterrupt()),
+                                       APPROVED_ANALYSIS]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    summary = "Build a greeting CLI"
+    analyst_prompts = fake_cao.prompts_for("analyst")
+    assert summary in analyst_prompts[0]
+    assert all(summary not in p and m.EXPLORE_BACK_REFERENCE in p for p in analyst_prompts[1:])
+    reviews = fake_cao.prompts_for("peer_analyst")
+    assert [summary in p for p in reviews] == [True, False, False]
