@@ -38,6 +38,7 @@ import shlex
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -171,7 +172,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("STRICT_FILE_HANDOFF", "handoff.strict_file_handoff", True, "bool",
             "1: an agent must write its response file; 0: fall back to its terminal output"),
     Setting("IDLE_GRACE_SECONDS", "handoff.idle_grace_seconds", 30.0, "seconds",
-            "how long an agent never seen working may sit idle before it counts as done"),
+            "how long an agent may sit idle without its response file before it is reminded"),
+    Setting("MAX_FILE_REMINDERS", "handoff.max_file_reminders", 1, "count0",
+            "reminders sent to an agent idle without its response file"),
+    Setting("AUTO_ACCEPT_PERMISSIONS", "handoff.auto_accept_permissions", False, "bool",
+            "1: answer an agent's permission prompt with 'y'"),
+    Setting("API_RETRY_SECONDS", "handoff.api_retry_seconds", 120.0, "seconds0",
+            "how long to retry an unreachable CAO server during a run"),
     Setting("CONDENSE_EXPLORE_ON_REPEAT", "condensation.condense_explore_on_repeat", True, "bool",
             "1: send the task text once per agent, then a back-reference"),
     Setting("CONDENSE_REVIEW_FEEDBACK", "condensation.condense_review_feedback", True, "bool",
@@ -198,6 +205,8 @@ _ENV_EXPECTED = {
     "url": "an http:// or https:// URL, e.g. http://localhost:9889",
     "bool": "1 or 0",
     "count": "a whole number of at least 1",
+    "count0": "a whole number of at least 0",
+    "seconds0": "a number of seconds of at least 0",
     "seconds": "a number of seconds greater than 0",
     "provider": "one of " + ", ".join(KNOWN_PROVIDERS),
     "role_provider": "empty or one of " + ", ".join(KNOWN_PROVIDERS),
@@ -205,18 +214,20 @@ _ENV_EXPECTED = {
     "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
 }
 _JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", count="a whole number of at least 1 (not a string)",
-                      seconds="a number greater than 0 (not a string)")
+                      count0="a whole number of at least 0 (not a string)",
+                      seconds="a number greater than 0 (not a string)",
+                      seconds0="a number of at least 0 (not a string)")
 
 
 def _check_value(setting: Setting, value: object) -> object:
     """Apply the kind's rule to an already typed value; ValueError if it breaks it."""
     kind = setting.kind
-    if kind == "count":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if kind in ("count", "count0"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if kind == "count" else 0):
             raise ValueError
-    elif kind == "seconds":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                or value == float("inf"):
+    elif kind in ("seconds", "seconds0"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+                or value == float("inf") or value < 0 or (kind == "seconds" and value == 0):
             raise ValueError
         value = float(value)
     elif kind == "bool":
@@ -245,11 +256,11 @@ def _parse_env_value(setting: Setting, raw: str) -> object:
         if text not in ("1", "0"):
             raise ValueError
         return text == "1"
-    if setting.kind == "count":
+    if setting.kind in ("count", "count0"):
         if not re.fullmatch(r"[0-9]+", text):
             raise ValueError
         return _check_value(setting, int(text))
-    if setting.kind == "seconds":
+    if setting.kind in ("seconds", "seconds0"):
         try:
             number = float(text)
         except ValueError:
@@ -372,6 +383,9 @@ POLL_SECONDS: float = _initial("POLL_SECONDS")
 RESPONSE_TIMEOUT: float = _initial("RESPONSE_TIMEOUT")
 STRICT_FILE_HANDOFF: bool = _initial("STRICT_FILE_HANDOFF")
 IDLE_GRACE_SECONDS: float = _initial("IDLE_GRACE_SECONDS")
+MAX_FILE_REMINDERS: int = _initial("MAX_FILE_REMINDERS")
+AUTO_ACCEPT_PERMISSIONS: bool = _initial("AUTO_ACCEPT_PERMISSIONS")
+API_RETRY_SECONDS: float = _initial("API_RETRY_SECONDS")
 CONDENSE_EXPLORE_ON_REPEAT: bool = _initial("CONDENSE_EXPLORE_ON_REPEAT")
 CONDENSE_REVIEW_FEEDBACK: bool = _initial("CONDENSE_REVIEW_FEEDBACK")
 MAX_FEEDBACK_LINES: int = _initial("MAX_FEEDBACK_LINES")
@@ -390,6 +404,10 @@ PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
 TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
 TESTER_PROFILE: str = _initial("TESTER_PROFILE")
 
+# CAO's own convention for a server started with a token. A secret, so it is
+# read from the environment only and never logged or saved.
+CAO_AUTH_LOCAL_TOKEN: str = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
+
 # Names of the settings the user chose (environment or config file); on
 # resume these win over what the state file recorded.
 explicit_settings: set[str] = set(_env_values)
@@ -403,7 +421,8 @@ SCENARIO_TEST: str = ""
 
 def configure(argv: list[str]) -> None:
     """Settle every setting (env > JSON > default) and validate it, before anything runs."""
-    global explicit_settings
+    global explicit_settings, CAO_AUTH_LOCAL_TOKEN
+    CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
     env_values, env_errors = read_env_settings(os.environ)
     if env_errors:
         raise ConfigError(env_errors[0])
@@ -505,38 +524,83 @@ def profile_for(role: str) -> str:
 # ==========================================================================
 
 class ApiError(RuntimeError):
-    """A CAO call that failed; the message names the call and what went wrong."""
+    """A CAO call that failed; the message names the call and what went wrong.
 
-    def __init__(self, message: str, status_code: int | None = None):
+    `retryable`: the server may answer if asked again (down, slow, 5xx).
+    `unsent`: the request never left this machine, so repeating it is harmless.
+    """
+
+    def __init__(self, message: str, status_code: int | None = None, retryable: bool = False,
+                 unsent: bool = False):
         super().__init__(message)
         self.status_code = status_code
+        self.retryable = retryable
+        self.unsent = unsent
 
 
 class ApiClient:
-    """The few CAO HTTP calls the loop needs, over one connection pool."""
+    """The few CAO HTTP calls the loop needs, over one connection pool.
+
+    While a run is under way (`retry_seconds` > 0) a server that cannot be
+    reached, times out or answers 5xx is retried with backoff -- but only
+    where repeating cannot do harm: reads always, and writes only when the
+    connection was never opened, so a prompt is never delivered twice.
+    """
 
     # Creating a terminal waits until the agent CLI is up (15-30 s with real
     # CLIs), so reads get a generous timeout; a dead address fails fast.
     TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 
-    def __init__(self, base_url: str, transport: httpx.BaseTransport | None = None):
+    def __init__(self, base_url: str, token: str = "", transport: httpx.BaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=self.TIMEOUT, transport=transport)
+        self.token = token
+        self.retry_seconds = 0.0
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=self.TIMEOUT, headers=headers,
+                                  transport=transport)
 
     def _call(self, what: str, method: str, path: str, params: dict | None = None) -> object:
-        """One request; every failure becomes an ApiError that says what to do."""
+        """One request, retried where safe; every failure becomes an ApiError that says what to do."""
+        give_up_at = time.monotonic() + self.retry_seconds
+        delay = min(POLL_SECONDS, 1.0)
+        told = False
+        while True:
+            try:
+                return self._once(what, method, path, params)
+            except ApiError as exc:
+                if not exc.retryable or (method != "GET" and not exc.unsent):
+                    raise
+                remaining = give_up_at - time.monotonic()
+                if remaining <= 0:
+                    if told:
+                        raise ApiError(f"{exc} -- gave up after retrying for API_RETRY_SECONDS="
+                                       f"{self.retry_seconds:g}s", exc.status_code) from None
+                    raise
+                if not told:
+                    log(f"CAO server at {self.base_url} unreachable ({exc}); retrying for up to "
+                        f"{self.retry_seconds:g}s")
+                    told = True
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 10.0)
+
+    def _once(self, what: str, method: str, path: str, params: dict | None) -> object:
         try:
             response = self._http.request(method, path, params=params)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ConnectTimeout):
             raise ApiError(f"CAO server is not reachable at {self.base_url} ({what}): start it with "
-                           f"`cao-server` or set API to its address") from None
+                           f"`cao-server` or set API to its address", retryable=True, unsent=True) from None
         except httpx.TimeoutException:
-            raise ApiError(f"CAO server at {self.base_url} did not answer in time ({what})") from None
+            raise ApiError(f"CAO server at {self.base_url} did not answer in time ({what})",
+                           retryable=True) from None
         except httpx.HTTPError as exc:
-            raise ApiError(f"CAO {what} failed: {exc.__class__.__name__}: {exc}") from None
+            raise ApiError(f"CAO {what} failed: {exc.__class__.__name__}: {exc}", retryable=True) from None
+        if response.status_code == 401:
+            hint = ("rejected the token in CAO_AUTH_LOCAL_TOKEN: set it to the server's token" if self.token
+                    else "requires a token: set CAO_AUTH_LOCAL_TOKEN to the server's token")
+            raise ApiError(f"CAO server at {self.base_url} {hint} (HTTP 401, {what})", 401)
         if response.status_code >= 400:
             raise ApiError(f"CAO {what} failed: HTTP {response.status_code}: {_error_detail(response)}",
-                           response.status_code)
+                           response.status_code, retryable=response.status_code >= 500)
         try:
             return response.json()
         except ValueError:
@@ -599,15 +663,15 @@ def _error_detail(response: httpx.Response) -> str:
     return detail if isinstance(detail, str) else json.dumps(detail)[:300]
 
 
-api = ApiClient(API)
+api = ApiClient(API, CAO_AUTH_LOCAL_TOKEN)
 
 
 def connect_api() -> None:
-    """Point `api` at API if the address changed since the client was made."""
+    """Point `api` at API with the current token if either changed since the client was made."""
     global api
-    if isinstance(api, ApiClient) and api.base_url != API.rstrip("/"):
+    if isinstance(api, ApiClient) and (api.base_url != API.rstrip("/") or api.token != CAO_AUTH_LOCAL_TOKEN):
         api.close()
-        api = ApiClient(API)
+        api = ApiClient(API, CAO_AUTH_LOCAL_TOKEN)
 
 
 # ==========================================================================
@@ -646,6 +710,7 @@ programmer_feedback: str = ""     # condensed peer programmer notes for the next
 programmer_context_for_retry: str = ""
 outputs: dict[str, str] = {key: "" for key in OUTPUT_KEYS}
 run_dir: str = ""                 # where consumed replies are archived
+terminals_exited: bool = False    # CLEANUP_ON_EXIT ended the agents: never send them input again
 context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
 
 
@@ -727,50 +792,181 @@ def _sleep_until_reply_or(path: Path, seconds: float) -> None:
         time.sleep(min(FILE_CHECK_SECONDS, remaining))
 
 
-def wait_for_reply(role: str, terminal_id: str, path: Path) -> str:
-    """Wait until the agent is idle with its response file written, and return the file.
+# Terminal text that means the agent's model provider failed, not the agent.
+PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"")
+PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
+MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
+# CAO takes a message in the URL's query string and refuses one of about 64 KB
+# (encoded). Larger prompts are written to a file the agent is told to read.
+MAX_INLINE_PROMPT_BYTES = 32_000
+settled_terminals: set[str] = set()   # terminals seen ready twice in a row by this process
 
-    "Idle without a file" only counts once the agent has been seen working
-    since the prompt was sent, or after IDLE_GRACE_SECONDS: right after a
-    prompt a terminal can still show the idle state of its previous turn.
-    """
+
+def _last_output(terminal_id: str) -> str | None:
+    """The terminal's last output, or None if the server cannot say."""
+    try:
+        return api.get_last_output(terminal_id)
+    except ApiError:
+        return None
+
+
+def _tail(text: str | None, lines: int = 5) -> str:
+    return " | ".join((text or "").strip().splitlines()[-lines:])
+
+
+def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
+    return RunError(f"the {role} agent (terminal {terminal_id}) {what}; look at it with "
+                    f"`tmux attach -t {session_name}`, then rerun to resume")
+
+
+def wait_until_settled(role: str, terminal_id: str) -> None:
+    """Before the first prompt to a terminal: ready twice in a row (some CLIs show a prompt early)."""
+    if terminal_id in settled_terminals:
+        return
     started = time.monotonic()
-    seen_working = False
-    told_blocked = False
+    ready_in_a_row = 0
+    while ready_in_a_row < 2:
+        status = api.get_status(terminal_id)
+        if status == "error":
+            raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
+        ready_in_a_row = ready_in_a_row + 1 if status in READY_STATUSES else 0
+        if time.monotonic() - started >= RESPONSE_TIMEOUT:
+            raise agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT="
+                                                  f"{RESPONSE_TIMEOUT:g}s (status {status!r})")
+        if ready_in_a_row < 2:
+            time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
+    settled_terminals.add(terminal_id)
+
+
+class TurnWatch:
+    """What is known about one agent turn while the loop waits for its response file.
+
+    Right after a prompt a terminal can still show the idle state of its
+    previous turn, so "idle without a file" only starts to count once the
+    agent has been seen working (a busy status, or its output changed), or
+    once IDLE_GRACE_SECONDS have passed without that (the startup guard).
+    From then on, IDLE_GRACE_SECONDS of idleness earn a reminder, which
+    re-arms the guard.
+    """
+
+    def __init__(self, role: str, terminal_id: str, path: Path):
+        self.role, self.terminal_id, self.path = role, terminal_id, path
+        self.started = time.monotonic()
+        self.reminders = 0
+        self.told_blocked = False
+        self.permission_answers = 0
+        self.last_answer_at = float("-inf")
+        self.arm_guard()
+
+    def arm_guard(self) -> None:
+        self.guard_since = time.monotonic()
+        self.seen_working = False
+        self.idle_since: float | None = None
+        self.baseline = _last_output(self.terminal_id)
+
+    def note_working(self) -> None:
+        self.seen_working = True
+        self.idle_since = None
+
+    def idle_long_enough(self) -> bool:
+        """Ready without a file: has the agent used up its idle grace?"""
+        now = time.monotonic()
+        if not self.seen_working and self.baseline is not None and _last_output(self.terminal_id) != self.baseline:
+            self.note_working()             # it printed something: it did work
+        if self.idle_since is None:
+            if not self.seen_working and now - self.guard_since < IDLE_GRACE_SECONDS:
+                return False                # may not have started yet: idle does not count
+            self.idle_since = now
+        return now - self.idle_since >= IDLE_GRACE_SECONDS
+
+
+def wait_for_reply(role: str, terminal_id: str, path: Path) -> str:
+    """Wait until the agent is idle with its response file written, and return the file."""
+    turn = TurnWatch(role, terminal_id, path)
     while True:
         status = api.get_status(terminal_id)
         if status == "error":
-            raise RunError(f"the {role} agent (terminal {terminal_id}) reports status 'error'; look at it with "
-                           f"`tmux attach -t {session_name}`, then rerun to resume")
+            output = _last_output(terminal_id)
+            raise agent_failed(role, terminal_id, "reports status 'error'" + (f" ({_tail(output, 3)})" if output else ""))
         if status in READY_STATUSES:
             reply = read_reply_file(path)
             if reply:
                 return reply
-            if seen_working or time.monotonic() - started >= IDLE_GRACE_SECONDS:
-                return reply_without_file(role, terminal_id, path)
+            if turn.idle_long_enough():
+                reply = idle_without_file(turn)
+                if reply is not None:
+                    return reply
         else:
-            seen_working = True
-            if status == "waiting_user_answer" and not told_blocked:
-                log_turn(role, f"blocked: terminal {terminal_id} waits for a user answer "
-                               f"(answer it in `tmux attach -t {session_name}`)")
-                told_blocked = True
-        if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise RunError(f"the {role} agent (terminal {terminal_id}) gave no reply within RESPONSE_TIMEOUT="
-                           f"{RESPONSE_TIMEOUT:g}s; raise RESPONSE_TIMEOUT or look at the agent, then rerun to resume")
+            turn.note_working()
+            if status == "waiting_user_answer":
+                handle_permission_prompt(turn)
+        if time.monotonic() - turn.started >= RESPONSE_TIMEOUT:
+            raise agent_failed(role, terminal_id, f"gave no reply within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s; "
+                                                  "raise RESPONSE_TIMEOUT if it needs longer")
         _sleep_until_reply_or(path, POLL_SECONDS)
 
 
-def reply_without_file(role: str, terminal_id: str, path: Path) -> str:
-    """The agent stopped without writing its file: fail, or take its terminal output."""
+def idle_without_file(turn: TurnWatch) -> str | None:
+    """The agent stopped without its file: stop on a provider error, remind it, then fail or fall back."""
+    role, terminal_id, path = turn.role, turn.terminal_id, turn.path
+    output = _last_output(terminal_id) or ""
+    provider_error = PROVIDER_ERROR.search(output)
+    if provider_error:
+        raise agent_failed(role, terminal_id, f"stopped on a model provider error ({_tail(output, 2)})")
+    if turn.reminders < MAX_FILE_REMINDERS:
+        turn.reminders += 1
+        log_turn(role, f"idle without {path.name}; reminder {turn.reminders}/{MAX_FILE_REMINDERS} sent")
+        api.send_input(terminal_id, f"Reminder: your answer has not arrived. Write your complete answer to "
+                                    f"{path} now; the orchestrator reads only that file.")
+        turn.arm_guard()
+        return None
     if STRICT_FILE_HANDOFF:
-        raise RunError(f"the {role} agent (terminal {terminal_id}) went idle without writing {path}; "
-                       "set STRICT_FILE_HANDOFF=0 to accept its terminal output instead, then rerun to resume")
-    output = api.get_last_output(terminal_id).strip()
-    if not output:
-        raise RunError(f"the {role} agent (terminal {terminal_id}) went idle without writing {path} "
-                       "and its terminal shows no reply; look at the agent, then rerun to resume")
-    log_turn(role, f"no response file; using the terminal's last output ({len(output)} chars)")
-    return output
+        raise agent_failed(role, terminal_id, f"went idle without writing {path}; set STRICT_FILE_HANDOFF=0 "
+                                              "to accept its terminal output instead")
+    if not output.strip():
+        raise agent_failed(role, terminal_id, f"went idle without writing {path} and its terminal shows no reply")
+    log_turn(role, f"no response file; using the terminal's last output ({len(output.strip())} chars)")
+    return output.strip()
+
+
+def handle_permission_prompt(turn: TurnWatch) -> None:
+    """An agent waits for a yes/no answer: say so once, or answer 'y' (rate-limited) if allowed."""
+    role, terminal_id = turn.role, turn.terminal_id
+    if not AUTO_ACCEPT_PERMISSIONS:
+        if not turn.told_blocked:
+            log_turn(role, f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
+                           f"`tmux attach -t {session_name}` or set AUTO_ACCEPT_PERMISSIONS=1")
+            turn.told_blocked = True
+        return
+    if turn.permission_answers >= MAX_PERMISSION_ANSWERS:
+        if not turn.told_blocked:
+            log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; "
+                           f"no more automatic answers (terminal {terminal_id})")
+            turn.told_blocked = True
+        return
+    now = time.monotonic()
+    if now - turn.last_answer_at < PERMISSION_ANSWER_INTERVAL:
+        return
+    turn.permission_answers += 1
+    turn.last_answer_at = now
+    log_turn(role, f"permission prompt on terminal {terminal_id} answered 'y' "
+                   f"({turn.permission_answers}/{MAX_PERMISSION_ANSWERS}): {_tail(_last_output(terminal_id))}")
+    api.send_input(terminal_id, "y")
+
+
+def deliverable_message(role: str, prompt: str) -> str:
+    """The prompt itself, or -- if too long for CAO's query string -- a pointer to a file holding it."""
+    if len(quote(prompt, safe="")) <= MAX_INLINE_PROMPT_BYTES:
+        return prompt
+    directory = Path(WD) / ".tmp" / "agent-prompts"
+    directory.mkdir(parents=True, exist_ok=True)
+    number = len(list(directory.glob(f"{role}-*.md"))) + 1
+    path = directory / f"{role}-{number}.md"
+    path.write_text(prompt, encoding="utf-8")
+    log_turn(role, f"prompt of {len(prompt)} chars is too long to paste; sent as {path}")
+    return (f"Your instructions for this turn are too long to paste ({len(prompt)} characters). "
+            f"Read all of this file first and do exactly what it says, including where to write your answer.\n"
+            f"Read and follow the instructions in this file: {path}")
 
 
 def ask_agent(role: str, prompt: str) -> str:
@@ -778,10 +974,12 @@ def ask_agent(role: str, prompt: str) -> str:
     terminal_id = terminal_ids[role]
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
+    wait_until_settled(role, terminal_id)
     set_aside_stale_reply(path)
+    message = deliverable_message(role, prompt)
     log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
     try:
-        api.send_input(terminal_id, prompt)
+        api.send_input(terminal_id, message)
     except BaseException:
         forget_context_sent(terminal_id)
         raise
@@ -1160,6 +1358,7 @@ def save_state() -> None:
         "phase_step": phase_step,
         "run_dir": run_dir,
         "context_sent": sorted(context_sent),
+        "terminals_exited": terminals_exited,
     }
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1215,7 +1414,7 @@ def load_state() -> bool:
     """Restore the run from STATE_FILE; False if there is no state file."""
     global API, PROVIDER, WD, session_name, terminal_ids, current_round, current_phase, phase_cycle, \
         phase_step, final_status, feedback, analyst_feedback, programmer_feedback, \
-        programmer_context_for_retry, outputs, run_dir, context_sent
+        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited
     data = read_state_file()
     if data is None:
         return False
@@ -1246,6 +1445,7 @@ def load_state() -> bool:
     run_dir = _text(data, "run_dir")
     marks = data.get("context_sent", [])
     context_sent = {m for m in marks if isinstance(m, str)} if isinstance(marks, list) else set()
+    terminals_exited = data.get("terminals_exited") is True
     return True
 
 
@@ -1278,6 +1478,15 @@ def set_position(phase: str, cycle: int = 1, step: str = "author") -> None:
     current_phase, phase_cycle, phase_step = phase, cycle, step
 
 
+def cleanup_terminals() -> None:
+    """CLEANUP_ON_EXIT: end the five agents and record it, so no resume types into their shells."""
+    global terminals_exited
+    log("CLEANUP_ON_EXIT=1: exiting the five agent terminals")
+    exit_terminals([terminal_ids.get(role, "") for role in ROLES])
+    terminals_exited = True
+    save_state()
+
+
 def exit_terminals(ids: list[str]) -> None:
     """Exit agent terminals, logging (not raising) what fails: used while stopping."""
     for terminal_id in ids:
@@ -1289,26 +1498,48 @@ def exit_terminals(ids: list[str]) -> None:
             log(f"could not exit terminal {terminal_id}: {exc}")
 
 
+def create_terminals() -> tuple[str, dict[str, str]]:
+    """The session with the analyst's terminal, then the other four at once.
+
+    CAO waits for each agent CLI to start (seconds per terminal), so the four
+    extra terminals are created concurrently. If any creation fails, every
+    terminal that was created is exited again and the error names the role.
+    """
+    created: dict[str, str] = {}
+    failures: list[str] = []
+    try:
+        first = api.create_session(profile_for("analyst"), provider_for("analyst"))
+        created["analyst"] = first["id"]
+        with ThreadPoolExecutor(max_workers=len(ROLES) - 1) as pool:
+            futures = {role: pool.submit(api.create_terminal, first["session_name"], profile_for(role),
+                                         provider_for(role)) for role in ROLES[1:]}
+            try:
+                for role, future in futures.items():
+                    try:
+                        created[role] = future.result()["id"]
+                    except ApiError as exc:
+                        failures.append(f"{role}: {exc}")
+            finally:
+                # Interrupted: let the creations under way finish, so they can be exited too.
+                pool.shutdown(wait=True)
+                for role, future in futures.items():
+                    if role not in created and not future.cancelled() and future.exception() is None:
+                        created[role] = future.result()["id"]
+        if failures:
+            raise ApiError("; ".join(failures))
+    except BaseException as exc:
+        exit_terminals(list(created.values()))
+        if isinstance(exc, ApiError):
+            raise RunError(f"could not create the agent terminals ({exc})") from None
+        raise
+    return first["session_name"], {role: created[role] for role in ROLES}
+
+
 def init_new_run() -> None:
     """Create the session and five terminals, reset the run, and write the first state."""
     global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
-        programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent
-    created: list[str] = []
-    try:
-        first = api.create_session(profile_for("analyst"), provider_for("analyst"))
-        created.append(first["id"])
-        ids = {"analyst": first["id"]}
-        for role in ROLES[1:]:
-            terminal = api.create_terminal(first["session_name"], profile_for(role), provider_for(role))
-            created.append(terminal["id"])
-            ids[role] = terminal["id"]
-    except BaseException as exc:
-        exit_terminals(created)
-        if isinstance(exc, ApiError):
-            raise RunError(f"could not create the agent terminals: {exc}") from None
-        raise
-    session_name = first["session_name"]
-    terminal_ids = ids
+        programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited
+    session_name, terminal_ids = create_terminals()
     current_round = 1
     final_status = "RUNNING"
     feedback = analyst_feedback = programmer_feedback = programmer_context_for_retry = ""
@@ -1317,9 +1548,10 @@ def init_new_run() -> None:
     outputs = {key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS}
     run_dir = str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     context_sent = set()
+    terminals_exited = False
     save_state()
     log(f"new run: CAO session {session_name}, terminals "
-        + ", ".join(f"{role}={ids[role]}" for role in ROLES)
+        + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
         + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
 
 
@@ -1352,6 +1584,8 @@ def choose_start() -> tuple[bool, str]:
             raise ConfigError(f"RESUME=1 but {exc}; fix or remove it, or unset RESUME to start a new run") from None
         return False, f"{exc}; starting a new run"
     status = (data or {}).get("final_status")
+    # Input to an exited agent's terminal lands in a plain shell, so such a run is over.
+    exited = data is not None and data.get("terminals_exited") is True
     if RESUME:
         if data is None:
             raise ConfigError(f"RESUME=1 but there is no state file at {STATE_FILE}: set STATE_FILE to the "
@@ -1359,10 +1593,15 @@ def choose_start() -> tuple[bool, str]:
         if status in ("PASS", "FAIL"):
             raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {status}; "
                               "unset RESUME to start a new run")
+        if exited:
+            raise ConfigError(f"RESUME=1 but the agents of the run in {STATE_FILE} were exited "
+                              "(CLEANUP_ON_EXIT=1), so it cannot be resumed; unset RESUME to start a new run")
         return True, ""
     if "RESUME" in explicit_settings:      # RESUME=0: a new run, whatever the file says
         unfinished = data is not None and status not in ("PASS", "FAIL")
         return False, "RESUME=0 with an unfinished run in the state file" if unfinished else ""
+    if status == "RUNNING" and exited:
+        return False, "the unfinished run's agents were exited (CLEANUP_ON_EXIT=1); starting a new run"
     return data is not None and status == "RUNNING", ""
 
 
@@ -1567,6 +1806,8 @@ def main(argv: list[str] | None = None) -> None:
         _install_sigterm(_raise_terminated)
         start_run()
         started = True
+        if isinstance(api, ApiClient):
+            api.retry_seconds = API_RETRY_SECONDS     # from now on, ride out server restarts
         code = run_loop()
     except OrchestratorExit as exc:
         code = exc.code
@@ -1585,8 +1826,7 @@ def main(argv: list[str] | None = None) -> None:
         if started:
             save_state()
             if CLEANUP_ON_EXIT:
-                log("CLEANUP_ON_EXIT=1: exiting the five agent terminals")
-                exit_terminals([terminal_ids.get(role, "") for role in ROLES])
+                cleanup_terminals()
     raise SystemExit(code)
 
 

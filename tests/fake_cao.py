@@ -7,15 +7,21 @@ response file the prompt names, as a real agent following the prompt would
 -- and reports `completed`.
 
 A step is either a reply text or a dict:
-    {"text": str, "action": "write" | "no_file" | "error" | "call", "polls": int, "idle_polls": int,
+    {"text": str, "action": "write" | "no_file" | "write_on_reminder" | "error" | "call",
+     "polls": int, "idle_polls": int, "idle_seconds": float,
+     "permission_polls": int, "ignore_answers": bool,
      "call": callable(fake, terminal) run instead of answering}
-The role's last step repeats when its script runs out.
+The role's last step repeats when its script runs out. A message that names
+no response file is a reminder (or a permission answer): it is recorded in
+`reminders` and uses no step; "write_on_reminder" writes its text only then.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -83,6 +89,7 @@ DEFAULT_REPLIES = {
 }
 
 RESPONSE_LINE = re.compile(r"^Write your complete answer to this file: (.+)$", re.MULTILINE)
+PROMPT_FILE_LINE = re.compile(r"^Read and follow the instructions in this file: (.+)$", re.MULTILINE)
 
 
 @dataclass
@@ -96,7 +103,11 @@ class Terminal:
     status: str = "idle"
     polls_left: int = 0
     idle_polls: int = 0       # polls still showing idle before the agent starts working
+    idle_until: float = 0.0
     pending: dict | None = None
+    held_text: str | None = None     # "write_on_reminder": written when a reminder arrives
+    permission_polls: int = 0        # polls still showing waiting_user_answer
+    permission_answers: int = 0
     response_path: str = ""
     last_output: str = ""
     exited: bool = False
@@ -109,9 +120,19 @@ class FakeCao:
     polls_per_turn: int = 1
     terminals: dict[str, Terminal] = field(default_factory=dict)
     prompts: list[tuple[str, str]] = field(default_factory=list)     # (role, message) in order
+    reminders: list[tuple[str, str]] = field(default_factory=list)   # (role, message) of other inputs
+    prompt_files: list[tuple[str, str, str]] = field(default_factory=list)  # (role, path, message sent)
     requests: list[httpx.Request] = field(default_factory=list)
     fail_create: dict[str, tuple[int, str]] = field(default_factory=dict)  # profile -> (status, detail)
     turns: dict[str, int] = field(default_factory=dict)
+    create_delay: float = 0.0            # seconds each extra terminal takes to "start"
+    startup_polls: int = 0               # polls a new terminal shows `processing` before it is ready
+    outage: int = 0                      # the next N requests find the server down (connection refused)
+    required_token: str = ""             # answer 401 to requests without this bearer token
+    server_errors: dict[str, int] = field(default_factory=dict)  # route kind -> number of 503 answers
+    creating_now: int = 0
+    creating_peak: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     # -- what tests look at -------------------------------------------------
@@ -140,22 +161,36 @@ class FakeCao:
     # -- wiring ---------------------------------------------------------------
     def install(self, router: respx.MockRouter) -> "FakeCao":
         base = self.base_url
-        router.route(method="POST", url__regex=rf"^{re.escape(base)}/sessions\?").mock(side_effect=self._create_session)
-        router.route(method="POST", url__regex=rf"^{re.escape(base)}/sessions/[^/]+/terminals").mock(
-            side_effect=self._create_terminal)
-        router.route(method="POST", url__regex=rf"^{re.escape(base)}/terminals/[^/]+/input").mock(
-            side_effect=self._input)
-        router.route(method="POST", url__regex=rf"^{re.escape(base)}/terminals/[^/]+/exit").mock(
-            side_effect=self._exit)
-        router.route(method="GET", url__regex=rf"^{re.escape(base)}/terminals/[^/]+/output").mock(
-            side_effect=self._output)
-        router.route(method="GET", url__regex=rf"^{re.escape(base)}/terminals/[^/?]+$").mock(
-            side_effect=self._status)
+        routes = [
+            ("create", "POST", r"/sessions\?", self._create_session),
+            ("create", "POST", r"/sessions/[^/]+/terminals", self._create_terminal),
+            ("input", "POST", r"/terminals/[^/]+/input", self._input),
+            ("exit", "POST", r"/terminals/[^/]+/exit", self._exit),
+            ("output", "GET", r"/terminals/[^/]+/output", self._output),
+            ("status", "GET", r"/terminals/[^/?]+$", self._status),
+        ]
+        for kind, method, path, handler in routes:
+            router.route(method=method, url__regex=rf"^{re.escape(base)}{path}").mock(
+                side_effect=self._guarded(kind, handler))
         return self
+
+    def _guarded(self, kind: str, handler):
+        """Outages, auth and injected 5xx answers apply to every route alike."""
+        def handle(request: httpx.Request) -> httpx.Response:
+            self.requests.append(request)
+            if self.outage > 0:
+                self.outage -= 1
+                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            if self.required_token and request.headers.get("Authorization") != f"Bearer {self.required_token}":
+                return httpx.Response(401, json={"detail": "Unauthorized"})
+            if self.server_errors.get(kind, 0) > 0:
+                self.server_errors[kind] -= 1
+                return httpx.Response(503, json={"detail": "Service Unavailable"})
+            return handler(request)
+        return handle
 
     # -- handlers -------------------------------------------------------------
     def _params(self, request: httpx.Request) -> dict[str, str]:
-        self.requests.append(request)
         return {k: v[0] for k, v in parse_qs(urlsplit(str(request.url)).query, keep_blank_values=True).items()}
 
     def _new_terminal(self, request: httpx.Request, session: str) -> httpx.Response:
@@ -167,6 +202,8 @@ class FakeCao:
         terminal = Terminal(id=f"{next(self._ids):08x}", session=session, role=PROFILE_ROLES.get(profile, profile),
                             profile=profile, provider=params.get("provider", ""),
                             working_directory=params.get("working_directory", ""))
+        if self.startup_polls:
+            terminal.status, terminal.polls_left = "processing", self.startup_polls
         self.terminals[terminal.id] = terminal
         return httpx.Response(201, json={"id": terminal.id, "session_name": session, "status": "idle",
                                          "provider": terminal.provider, "agent_profile": profile})
@@ -176,7 +213,13 @@ class FakeCao:
 
     def _create_terminal(self, request: httpx.Request) -> httpx.Response:
         session = urlsplit(str(request.url)).path.split("/")[2]
-        return self._new_terminal(request, session)
+        with self._lock:
+            self.creating_now += 1
+            self.creating_peak = max(self.creating_peak, self.creating_now)
+        time.sleep(self.create_delay)
+        with self._lock:
+            self.creating_now -= 1
+            return self._new_terminal(request, session)
 
     def _terminal(self, request: httpx.Request) -> Terminal | None:
         terminal_id = urlsplit(str(request.url)).path.split("/")[2]
@@ -193,8 +236,14 @@ class FakeCao:
         if terminal is None:
             return self._missing(request)
         message = params.get("message", "")
-        self.prompts.append((terminal.role, message))
+        indirect = PROMPT_FILE_LINE.search(message)
+        if indirect:                      # a long prompt, handed over as a file
+            self.prompt_files.append((terminal.role, indirect.group(1).strip(), message))
+            message = Path(indirect.group(1).strip()).read_text(encoding="utf-8")
         found = RESPONSE_LINE.search(message)
+        if not found:
+            return self._other_input(terminal, message)
+        self.prompts.append((terminal.role, message))
         terminal.response_path = found.group(1).strip() if found else ""
         turn = self.turns.get(terminal.role, 0)
         self.turns[terminal.role] = turn + 1
@@ -204,7 +253,30 @@ class FakeCao:
         terminal.pending = step
         terminal.polls_left = step.get("polls", self.polls_per_turn)
         terminal.idle_polls = step.get("idle_polls", 0)
+        if "idle_seconds" in step:          # idle by the clock, whatever the polling rate
+            terminal.idle_until = time.monotonic() + step["idle_seconds"]
+            terminal.idle_polls = 10**9
+        terminal.permission_polls = step.get("permission_polls", 0)
         terminal.status = "idle" if terminal.idle_polls else "processing"
+        return httpx.Response(200, json={"success": True})
+
+    def _other_input(self, terminal: Terminal, message: str) -> httpx.Response:
+        self.reminders.append((terminal.role, message))
+        terminal.idle_polls = 0
+        if message == "y" and terminal.status == "waiting_user_answer":
+            terminal.permission_answers += 1
+            if not (terminal.pending or {}).get("ignore_answers"):
+                terminal.permission_polls = 0
+                terminal.status = "processing"
+        elif terminal.held_text is not None:
+            terminal.pending = {"text": terminal.held_text}
+            terminal.held_text = None
+            terminal.polls_left = self.polls_per_turn
+            terminal.status = "processing"
+        elif terminal.status in ("idle", "completed"):
+            terminal.pending = {"action": "no_file", "text": terminal.last_output}
+            terminal.polls_left = self.polls_per_turn
+            terminal.status = "processing"
         return httpx.Response(200, json={"success": True})
 
     def _status(self, request: httpx.Request) -> httpx.Response:
@@ -214,8 +286,20 @@ class FakeCao:
             return self._missing(request)
         if terminal.idle_polls > 0:
             terminal.idle_polls -= 1
+            if terminal.idle_until and time.monotonic() >= terminal.idle_until:
+                terminal.idle_polls, terminal.idle_until = 0, 0.0
             if terminal.idle_polls == 0:
                 terminal.status = "processing"
+        elif terminal.status == "processing" and terminal.permission_polls > 0:
+            terminal.status = "waiting_user_answer"
+        elif terminal.status == "waiting_user_answer":
+            terminal.permission_polls -= 1
+            if terminal.permission_polls <= 0:
+                terminal.status = "processing"
+        elif terminal.status == "processing" and terminal.pending is None and terminal.polls_left > 0:
+            terminal.polls_left -= 1          # still starting up
+            if terminal.polls_left == 0:
+                terminal.status = "idle"
         elif terminal.status == "processing":
             if terminal.polls_left > 0:
                 terminal.polls_left -= 1
@@ -235,6 +319,9 @@ class FakeCao:
         if action == "error":
             terminal.status = "error"
             return
+        if action == "write_on_reminder":
+            terminal.held_text = text
+            terminal.last_output = step.get("output", "")
         if action == "write" and terminal.response_path:
             path = Path(terminal.response_path)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -291,12 +291,31 @@ def test_failed_terminal_creation_exits_created_terminals_and_writes_no_state(lo
     fake_cao.fail_create["programmer"] = (400, "Unknown provider type: nope")
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     assert run_main(m) == 1
-    assert sorted(fake_cao.exited_ids()) == sorted(t.id for t in fake_cao.terminals.values())
-    assert len(fake_cao.terminals) == 2
+    made = [t for t in fake_cao.terminals.values()]
+    assert sorted(t.role for t in made) == ["analyst", "peer_analyst", "peer_programmer", "tester"]
+    assert sorted(fake_cao.exited_ids()) == sorted(t.id for t in made)
     assert not Path(m.STATE_FILE).exists()
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
-    assert "HTTP 400" in err and "Unknown provider type: nope" in err
+    assert "programmer: CAO create terminal (programmer) failed: HTTP 400: Unknown provider type: nope" in err
+
+
+def test_failed_session_creation_writes_no_state(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.fail_create["system_analyst"] = (400, "Working directory not allowed: /tmp")
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    assert fake_cao.terminals == {}
+    assert not Path(m.STATE_FILE).exists()
+    assert "Working directory not allowed" in capsys.readouterr().err
+
+
+def test_terminal_creation_runs_concurrently(load_orch, fake_cao, prompt_file):
+    """The four extra terminals are created at the same time, not one after another."""
+    fake_cao.create_delay = 0.2
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.creating_peak == 4
+    assert len(fake_cao.terminals) == 5
 
 
 def test_new_run_does_not_overwrite_state_when_it_fails_to_start(load_orch, fake_cao, prompt_file):
@@ -571,3 +590,24 @@ def test_explore_summary_sent_once_per_terminal_across_resume(load_orch, fake_ca
     assert all(summary not in p and m.EXPLORE_BACK_REFERENCE in p for p in analyst_prompts[1:])
     reviews = fake_cao.prompts_for("peer_analyst")
     assert [summary in p for p in reviews] == [True, False, False]
+
+
+def test_run_whose_agents_were_exited_is_never_resumed(load_orch, fake_cao, prompt_file, capsys):
+    """After CLEANUP_ON_EXIT the agents are gone: input would land in a shell, so no resume."""
+    fake_cao.script["programmer"] = [interrupt(KeyboardInterrupt()), PROGRAMMER_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), CLEANUP_ON_EXIT="1", **QUICK)
+    assert run_main(m) == 130
+    assert state_of(m)["terminals_exited"] is True
+    prompts_before = len(fake_cao.prompts)
+    fake_cao.terminals.clear()        # what the saved ids point at no longer matters
+
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="1", **QUICK)
+    assert run_main(m) == 2
+    assert "cannot be resumed" in capsys.readouterr().err
+    assert len(fake_cao.prompts) == prompts_before
+
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)          # automatic: a new run instead
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted()[prompts_before:] == QUICK_ROUND
+    assert len(list(Path(m.STATE_FILE).parent.glob("*.bak"))) == 1
+    assert "were exited" in capsys.readouterr().out

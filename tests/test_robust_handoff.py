@@ -1,0 +1,349 @@
+"""Handoff that holds up when agents and the server misbehave.
+
+Reminders, the startup guard, permission prompts, provider errors, prompts too
+long for CAO's query string, server outages and CAO's bearer token -- each
+driven through main() against the respx fake CAO.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import FAST, TASK_PROMPT, run_main
+from fake_cao import PASS_REPLY
+
+QUICK = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1"}
+TESTER_ONLY = {**QUICK, "START_AGENT": "tester"}
+
+
+def state_of(module) -> dict:
+    return json.loads(Path(module.STATE_FILE).read_text(encoding="utf-8"))
+
+
+# -- reminders -------------------------------------------------------------------
+
+def test_reminder_then_success(load_orch, fake_cao, prompt_file, capsys):
+    """Idle without the file for IDLE_GRACE_SECONDS -> one reminder naming the file -> the answer arrives."""
+    fake_cao.script["tester"] = [{"action": "write_on_reminder", "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert len(fake_cao.reminders) == 1
+    role, message = fake_cao.reminders[0]
+    assert role == "tester"
+    assert str(Path(m.WD, ".tmp", "agent-responses", "test_result.md")) in message
+    assert "reminder 1/1 sent" in capsys.readouterr().out
+    assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY
+
+
+def test_reminder_then_strict_failure(load_orch, fake_cao, prompt_file, capsys):
+    """After the reminders, STRICT_FILE_HANDOFF=1 stops the run, naming the missing file."""
+    fake_cao.script["tester"] = [{"action": "no_file", "text": "done, see above"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 1
+    assert [role for role, _ in fake_cao.reminders] == ["tester"]
+    err = capsys.readouterr().err
+    assert "went idle without writing" in err and "test_result.md" in err
+    assert state_of(m)["final_status"] == "RUNNING"
+
+
+def test_reminder_then_fallback_to_terminal_output(load_orch, fake_cao, prompt_file):
+    """After the reminders, STRICT_FILE_HANDOFF=0 takes the terminal's last output."""
+    fake_cao.script["tester"] = [{"action": "no_file", "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), STRICT_FILE_HANDOFF="0", **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert len(fake_cao.reminders) == 1
+    assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY
+
+
+def test_more_reminders_when_configured(load_orch, fake_cao, prompt_file):
+    fake_cao.script["tester"] = [{"action": "no_file", "text": "nothing"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_FILE_REMINDERS="3", **TESTER_ONLY)
+    assert run_main(m) == 1
+    assert len(fake_cao.reminders) == 3
+
+
+def test_no_reminder_when_max_file_reminders_is_0(load_orch, fake_cao, prompt_file):
+    fake_cao.script["tester"] = [{"action": "no_file", "text": "nothing"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_FILE_REMINDERS="0", **TESTER_ONLY)
+    assert run_main(m) == 1
+    assert fake_cao.reminders == []
+
+
+def test_idle_before_working_does_not_start_the_grace_timer(load_orch, fake_cao, prompt_file):
+    """An agent idle for 1.5 x the grace before it starts working is not reminded:
+    the grace timer starts only when the startup guard ends (here: at 1 x grace)."""
+    fake_cao.script["tester"] = [{"idle_seconds": 0.6, "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.4"})
+    assert run_main(m) == 0
+    assert fake_cao.reminders == []
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watch_with(orch, monkeypatch, outputs: list[str]):
+    """A TurnWatch on a fake clock whose terminal output reads successive values."""
+    clock = FakeClock()
+    monkeypatch.setattr(orch.time, "monotonic", clock)
+    readings = iter(outputs)
+    monkeypatch.setattr(orch, "_last_output", lambda terminal_id: next(readings))
+    monkeypatch.setattr(orch, "IDLE_GRACE_SECONDS", 30.0)
+    return orch.TurnWatch("tester", "t1", Path("/nonexistent")), clock
+
+
+def test_startup_guard_idle_counts_only_after_grace(orch, monkeypatch):
+    watch, clock = watch_with(orch, monkeypatch, ["same"] * 10)
+    clock.now += 29
+    assert watch.idle_long_enough() is False         # guard: may not have started
+    clock.now += 2
+    assert watch.idle_long_enough() is False         # guard over: idle counts from now
+    clock.now += 29
+    assert watch.idle_long_enough() is False
+    clock.now += 1
+    assert watch.idle_long_enough() is True          # 30 s idle after the guard
+
+
+def test_startup_guard_ends_when_output_changes(orch, monkeypatch):
+    watch, clock = watch_with(orch, monkeypatch, ["before", "after", "after", "after"])
+    clock.now += 1
+    assert watch.idle_long_enough() is False         # output changed: it worked; idle counts from now
+    assert watch.seen_working
+    clock.now += 30
+    assert watch.idle_long_enough() is True          # reminded 31 s after the prompt, not 60 s
+
+
+def test_startup_guard_ends_on_busy_status_and_reminder_rearms_it(orch, monkeypatch):
+    watch, clock = watch_with(orch, monkeypatch, ["x"] * 10)
+    watch.note_working()
+    clock.now += 1
+    assert watch.idle_long_enough() is False
+    clock.now += 30
+    assert watch.idle_long_enough() is True
+    watch.arm_guard()                                 # what a reminder does
+    assert watch.seen_working is False and watch.idle_since is None
+    clock.now += 10
+    assert watch.idle_long_enough() is False
+
+
+# -- settle before the first prompt ----------------------------------------------
+
+def test_first_prompt_waits_until_terminal_is_ready_twice(load_orch, fake_cao, prompt_file):
+    """A new terminal still starting up gets its first prompt only after two ready readings in a row."""
+    fake_cao.startup_polls = 3
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    tester = fake_cao.terminal_for("tester").id
+    before_input = []
+    for request in fake_cao.requests:
+        if request.url.path == f"/terminals/{tester}/input":
+            break
+        if request.method == "GET" and request.url.path == f"/terminals/{tester}":
+            before_input.append(request)
+    assert len(before_input) == 2 + 2          # two readings still starting, then ready twice
+
+
+# -- permission prompts ----------------------------------------------------------
+
+def test_blocked_agent_is_logged_once_when_auto_accept_is_off(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["tester"] = [{"permission_polls": 20, "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert out.count("waits for a permission answer") == 1
+    assert fake_cao.terminal_for("tester").id in out
+    assert fake_cao.reminders == []                 # nobody answered for the user
+
+
+def test_permission_auto_accept_answers_y(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["tester"] = [{"permission_polls": 10**6, "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), AUTO_ACCEPT_PERMISSIONS="1", **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert fake_cao.reminders == [("tester", "y")]
+    assert "answered 'y' (1/20)" in capsys.readouterr().out
+
+
+def test_permission_auto_accept_cooldown_and_cap(load_orch, fake_cao, prompt_file, capsys, monkeypatch):
+    """At most one 'y' per interval per terminal, and at most MAX_PERMISSION_ANSWERS per turn."""
+    fake_cao.script["tester"] = [{"permission_polls": 60, "ignore_answers": True, "text": PASS_REPLY}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), AUTO_ACCEPT_PERMISSIONS="1", **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert fake_cao.reminders == [("tester", "y")]        # 5 s cooldown: one answer in this short turn
+
+    m = load_orch(PROMPT_FILE=str(prompt_file), AUTO_ACCEPT_PERMISSIONS="1", **TESTER_ONLY)
+    monkeypatch.setattr(m, "PERMISSION_ANSWER_INTERVAL", 0.0)
+    monkeypatch.setattr(m, "MAX_PERMISSION_ANSWERS", 3)
+    fake_cao.reminders.clear()
+    fake_cao.turns.clear()
+    assert run_main(m) == 0
+    assert fake_cao.reminders == [("tester", "y")] * 3
+    assert "3 permission prompts answered this turn" in capsys.readouterr().out
+
+
+# -- agent and provider errors ---------------------------------------------------
+
+def test_provider_api_error_text_stops_the_run(load_orch, fake_cao, prompt_file, capsys):
+    """Claude Code's `API Error: 500` while idle without a file stops the run at once (no reminder)."""
+    output = ('API Error: 500 {"type":"error","error":{"type": "api_error","message":"Internal server error"}}')
+    fake_cao.script["tester"] = [{"action": "no_file", "text": output}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err.strip()
+    assert "tester agent" in err and "model provider error" in err and "API Error: 500" in err
+    assert "\n" not in err
+    assert fake_cao.reminders == []
+    state = state_of(m)
+    assert state["final_status"] == "RUNNING" and state["current_phase"] == "tester"
+
+
+def test_api_error_json_body_is_recognised(orch):
+    assert orch.PROVIDER_ERROR.search('{"type": "api_error", "message": "Overloaded"}')
+    assert orch.PROVIDER_ERROR.search("API Error: 529 overloaded")
+    assert not orch.PROVIDER_ERROR.search("The API error handling in api.py is now tested.")
+
+
+# -- prompts too long for the query string ---------------------------------------
+
+def test_100kb_prompt_is_delivered_through_a_file(load_orch, fake_cao, tmp_path):
+    """A prompt over the safe size is written to .tmp/agent-prompts and the agent told to read it."""
+    big_summary = "\n".join(f"- requirement {n}: the greeting must handle case {n} exactly" for n in range(2000))
+    assert len(big_summary) > 100_000
+    task = tmp_path / "big-task.md"
+    task.write_text(TASK_PROMPT.replace("Build a greeting CLI", big_summary + "\nBuild a greeting CLI"))
+    m = load_orch(PROMPT_FILE=str(task), **QUICK)
+    assert run_main(m) == 0
+    role, path, message = fake_cao.prompt_files[0]
+    assert role == "analyst"
+    assert path == str(Path(m.WD, ".tmp", "agent-prompts", "analyst-1.md"))
+    content = Path(path).read_text()
+    assert big_summary in content and "Write your complete answer to this file:" in content
+    assert len(message) < 1000
+    assert all(len(str(r.url)) < 64_000 for r in fake_cao.requests)
+    assert fake_cao.roles_prompted() == ["analyst", "peer_analyst", "programmer", "peer_programmer", "tester"]
+
+
+def test_small_prompt_is_sent_inline(load_orch, fake_cao, prompt_file):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert fake_cao.prompt_files == []
+    assert not Path(m.WD, ".tmp", "agent-prompts").exists()
+
+
+# -- server outages --------------------------------------------------------------
+
+def stop_server_for(requests: int):
+    """A tester step that takes the server down for the next N requests, then answers PASS."""
+    def call(fake, terminal):
+        fake.outage = requests
+        path = Path(terminal.response_path)
+        path.write_text(PASS_REPLY)
+        terminal.status = "completed"
+    return {"action": "call", "call": call}
+
+
+def test_server_down_for_a_while_then_back_the_run_continues(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["programmer"] = [stop_server_for(6)]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert "unreachable" in out and "retrying for up to 120s" in out
+    assert state_of(m)["final_status"] == "PASS"
+
+
+def test_server_that_stays_down_stops_cleanly_then_resume_continues(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["programmer"] = [stop_server_for(10**9)]
+    m = load_orch(PROMPT_FILE=str(prompt_file), API_RETRY_SECONDS="0.3", **QUICK)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err.strip()
+    assert "not reachable" in err and "API_RETRY_SECONDS=0.3s" in err and "\n" not in err
+    state = state_of(m)
+    assert state["final_status"] == "RUNNING" and state["current_phase"] == "programmer"
+
+    fake_cao.outage = 0                              # the server is back
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="1", **QUICK)
+    assert run_main(m) == 0
+    assert state_of(m)["final_status"] == "PASS"
+
+
+def test_server_down_at_start_fails_fast_without_state(load_orch, fake_cao, prompt_file, capsys):
+    """Before the run exists nothing is retried: the user is told to start cao-server."""
+    fake_cao.outage = 10**9
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    assert "start it with `cao-server`" in capsys.readouterr().err
+    assert not Path(m.STATE_FILE).exists()
+    assert len(fake_cao.requests) == 1
+
+
+def test_prompt_that_may_have_been_delivered_is_not_sent_twice(load_orch, fake_cao, prompt_file, capsys):
+    """A 5xx answer to POST input may follow a delivery: it stops the run instead of repeating."""
+    fake_cao.server_errors["input"] = 1
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 1
+    inputs = [r for r in fake_cao.requests if r.url.path.endswith("/input")]
+    assert len(inputs) == 1
+    assert "HTTP 503" in capsys.readouterr().err
+
+
+def test_status_reads_are_retried_on_5xx(load_orch, fake_cao, prompt_file):
+    fake_cao.server_errors["status"] = 3
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+
+
+def test_prompt_refused_before_connecting_is_retried_once_delivered(orch, fake_cao):
+    """Connection refused means nothing was sent, so POST input is repeated and delivered once."""
+    ids = fake_cao.add_terminals()
+    orch.api.retry_seconds = 5
+    fake_cao.outage = 2
+    orch.api.send_input(ids["tester"], "Write your complete answer to this file: /nonexistent/x.md")
+    assert [role for role, _ in fake_cao.prompts] == ["tester"]
+
+
+# -- CAO authentication ----------------------------------------------------------
+
+TOKEN = "tok-3f9a-very-secret"
+
+
+def test_bearer_token_on_every_request_and_never_shown(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.required_token = TOKEN
+    fake_cao.script["tester"] = [{"action": "no_file", "text": "x"}, PASS_REPLY]   # errors print too
+    m = load_orch(PROMPT_FILE=str(prompt_file), CAO_AUTH_LOCAL_TOKEN=TOKEN, **QUICK)
+    assert run_main(m) == 1
+    m = load_orch(PROMPT_FILE=str(prompt_file), CAO_AUTH_LOCAL_TOKEN=TOKEN, **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.requests
+    assert all(r.headers.get("Authorization") == f"Bearer {TOKEN}" for r in fake_cao.requests)
+    captured = capsys.readouterr()
+    assert TOKEN not in captured.out and TOKEN not in captured.err
+    everything_written = [p for p in Path(m.WD).rglob("*") if p.is_file()]
+    assert everything_written
+    assert all(TOKEN not in p.read_text(errors="replace") for p in everything_written)
+
+
+def test_no_authorization_header_without_token(load_orch, fake_cao, prompt_file):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert all("Authorization" not in r.headers for r in fake_cao.requests)
+
+
+def test_401_says_which_variable_provides_the_token(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.required_token = TOKEN
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err
+    assert "requires a token" in err and "CAO_AUTH_LOCAL_TOKEN" in err
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_401_with_a_wrong_token_says_it_was_rejected(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.required_token = TOKEN
+    m = load_orch(PROMPT_FILE=str(prompt_file), CAO_AUTH_LOCAL_TOKEN="wrong-token", **QUICK)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err
+    assert "rejected the token in CAO_AUTH_LOCAL_TOKEN" in err and "wrong-token" not in err
