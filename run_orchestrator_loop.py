@@ -49,9 +49,9 @@ import httpx
 
 
 # --------------------------------------------------------------------------
-# Exits: every way the loop stops on purpose carries its exit code and one
-# line for the user. They derive from SystemExit so that nothing below
-# main() can turn them into a traceback.
+# Exits and logging. Every way the loop stops on purpose carries its exit
+# code and one line for the user; the exits derive from SystemExit so that
+# nothing below main() can turn them into a traceback.
 # --------------------------------------------------------------------------
 
 class OrchestratorExit(SystemExit):
@@ -81,6 +81,11 @@ class RunError(OrchestratorExit):
 
 class Terminated(BaseException):
     """Raised from the SIGTERM handler so the loop unwinds like on Ctrl-C."""
+
+
+def log(message: str) -> None:
+    """Timestamped progress on stdout: what a person or a cron log reads to follow a run."""
+    print(f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}", flush=True)
 
 
 # ==========================================================================
@@ -712,10 +717,6 @@ outputs: dict[str, str] = {key: "" for key in OUTPUT_KEYS}
 run_dir: str = ""                 # where consumed replies are archived
 terminals_exited: bool = False    # CLEANUP_ON_EXIT ended the agents: never send them input again
 context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
-
-
-def log(message: str) -> None:
-    print(f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}", flush=True)
 
 
 def log_turn(role: str, message: str) -> None:

@@ -1,0 +1,122 @@
+"""Provision a pinned CAO (cli-agent-orchestrator) installation for end-to-end tests.
+
+The server is installed into a virtualenv of its own so its dependencies never
+mix with the project's test interpreter, and so every machine tests against the
+exact same release.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CAO_VERSION = "2.5.4"
+CAO_REQUIREMENT = f"cli-agent-orchestrator=={CAO_VERSION}"
+VENV_ENV_VAR = "CAO_TEST_VENV"
+
+# A marker written only after a fully successful install: a venv left behind by
+# an interrupted or failed pip run is detected and rebuilt instead of reused.
+_READY_MARKER = ".cao-install-complete"
+
+
+class CaoInstallError(RuntimeError):
+    """Raised when the pinned CAO release cannot be installed."""
+
+
+def default_venv_dir() -> Path:
+    override = os.environ.get(VENV_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_root / "orchestrator-loop-tests" / f"cao-{CAO_VERSION}"
+
+
+def _bin_dir(venv: Path) -> Path:
+    return venv / ("Scripts" if os.name == "nt" else "bin")
+
+
+def _run(cmd: list[str], what: str, timeout: float) -> None:
+    try:
+        proc = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise CaoInstallError(f"{what} timed out after {timeout:.0f}s: {' '.join(cmd)}") from exc
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        raise CaoInstallError(
+            f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+            f"--- last output ---\n{tail}"
+        )
+
+
+def _is_ready(venv: Path) -> bool:
+    marker = venv / _READY_MARKER
+    bins = _bin_dir(venv)
+    return (
+        marker.is_file()
+        and marker.read_text().strip() == CAO_REQUIREMENT
+        and (bins / "cao-server").exists()
+        and (bins / "cao").exists()
+    )
+
+
+def ensure_cao(cache_dir: Path | str | None = None) -> Path:
+    """Return the path of a ``cao-server`` executable from the pinned release.
+
+    The ``cao`` CLI lives in the same directory. The virtualenv is created on
+    first use and reused afterwards; a lock file serialises concurrent callers
+    (parallel pytest workers, two checkouts sharing a cache).
+    """
+    venv = Path(cache_dir).expanduser() if cache_dir is not None else default_venv_dir()
+    server = _bin_dir(venv) / "cao-server"
+    if _is_ready(venv):
+        return server
+
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = venv.parent / f".{venv.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            # Another process may have finished the install while we waited.
+            if _is_ready(venv):
+                return server
+            try:
+                _install(venv)
+            except CaoInstallError as exc:
+                raise CaoInstallError(
+                    f"{exc}\n(virtualenv: {venv}; set {VENV_ENV_VAR} to install elsewhere)"
+                ) from None
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return server
+
+
+def _install(venv: Path) -> None:
+    marker = venv / _READY_MARKER
+    if marker.exists():
+        marker.unlink()
+    python = _bin_dir(venv) / "python"
+    if not python.exists():
+        # --clear: a half-built directory from a crashed run must not confuse venv.
+        _run([sys.executable, "-m", "venv", "--clear", str(venv)], "creating the CAO virtualenv", 300)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    _run(pip + ["install", "--quiet", CAO_REQUIREMENT], f"pip install {CAO_REQUIREMENT}", 900)
+    bins = _bin_dir(venv)
+    missing = [name for name in ("cao-server", "cao") if not (bins / name).exists()]
+    if missing:
+        raise CaoInstallError(
+            f"{CAO_REQUIREMENT} installed into {venv} but {', '.join(missing)} is missing from {bins}"
+        )
+    marker.write_text(CAO_REQUIREMENT + "\n")
+
+
+if __name__ == "__main__":
+    print(ensure_cao())

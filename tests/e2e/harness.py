@@ -1,0 +1,533 @@
+"""A real, private CAO server whose agents are a scripted program.
+
+``private_cao()`` starts one and yields a ``CaoServer``; on exit it stops
+everything it started and raises if anything was left behind. The pytest
+fixtures in ``conftest.py`` and the ``demo.py`` command are built on it. This
+module works both as part of the ``tests/e2e`` package and as a plain module
+imported from a script that put ``tests/e2e`` on ``sys.path``.
+
+Layout of one server (all under a fresh temporary root):
+
+    home/       HOME for cao-server and `cao install`: CAO keeps its database,
+                logs and installed profiles under $HOME/.aws/cli-agent-orchestrator
+    bin/        `mock_cli`, found on PATH by CAO's mock_cli provider
+    mock/       MOCK_AGENT_HOME: script.json, counters.json, received.jsonl
+    tmux/       TMUX_TMPDIR: the private tmux server's socket lives here
+    profiles/   generated fallback agent profiles
+    work/       working directories handed to CAO terminals
+
+The tmux server is started here before cao-server. Otherwise CAO's first
+session would start it, panes would run login shells, and Debian's
+/etc/profile would reset PATH and hide `mock_cli`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+if __package__:
+    from .cao_env import ensure_cao
+else:  # imported as a top-level module, with tests/e2e on sys.path
+    from cao_env import ensure_cao
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MOCK_AGENT_SOURCE = Path(__file__).resolve().with_name("mock_cli_agent.py")
+
+# CAO profile name -> the repository's profile file stem (the same names).
+AGENT_PROFILES = (
+    "system_analyst",
+    "peer_system_analyst",
+    "programmer",
+    "peer_programmer",
+    "tester",
+)
+
+SERVER_START_TIMEOUT = 60.0
+DEFAULT_THINK_MS = "300"
+REQUIRED_TOOLS = ("tmux", "bash")
+INSTALL_HINT = "Debian/Ubuntu: apt-get install tmux"
+
+# Inherited variables that would break isolation: a parent tmux's socket
+# (tmux clients follow $TMUX), a user's CAO settings or token, or a Python
+# environment that would leak into CAO's own virtualenv.
+_STRIP_ENV_PREFIXES = ("CAO_", "MOCK_AGENT_")
+_STRIP_ENV_KEYS = {"TMUX", "TMUX_PANE", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"}
+
+
+class MissingPrerequisite(RuntimeError):
+    """A program the private server needs (tmux, bash) is not installed."""
+
+
+class LeftBehindError(RuntimeError):
+    """Stopping the private server left processes or a tmux server behind."""
+
+
+def missing_tools() -> list[str]:
+    """The required programs that are not on PATH (empty when all are there)."""
+    return [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _is_alive(pid: int) -> bool:
+    """True for a running process; zombies (reaped late by a lazy init) count as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _pids_with_env(needle: bytes) -> list[int]:
+    """Processes whose environment contains ``needle`` (e.g. our private TMUX_TMPDIR).
+
+    Every process the fixture starts, directly or through tmux and CAO,
+    inherits one of our private paths, so this finds stragglers regardless of
+    how they were spawned.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and _is_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _minimal_profile(name: str) -> str:
+    # The format `cao install` accepts: YAML frontmatter (name = file stem,
+    # description), then the markdown body used as the agent's system prompt.
+    title = name.replace("_", " ")
+    return (
+        "---\n"
+        f"name: {name}\n"
+        f"description: {title} (end-to-end test profile)\n"
+        "---\n\n"
+        f"# {title.upper()}\n\n"
+        "You are a scripted test agent. Write your answer to the file named in each message.\n"
+    )
+
+
+@dataclass
+class CaoServer:
+    """A running private cao-server plus helpers for tests."""
+
+    root: Path
+    home: Path
+    bin_dir: Path
+    mock_home: Path
+    tmux_socket_dir: Path
+    cao_bin: Path
+    server_env: dict
+    port: int = 0
+    base_url: str = ""
+    env: dict = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    tmux_pid: int | None = None
+    profiles: dict = field(default_factory=dict)  # profile name -> installed source file
+    token: str = ""  # CAO_AUTH_LOCAL_TOKEN the server was started with ("" = no auth)
+    _workdirs: int = 0
+
+    # -- tmux -------------------------------------------------------------
+    def tmux(self, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["tmux", *args],
+            env=self.server_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=check,
+            timeout=30,
+        )
+
+    def tmux_sessions(self) -> list[str]:
+        proc = self.tmux("list-sessions", "-F", "#{session_name}")
+        if proc.returncode != 0:
+            return []  # "no server running" / no sessions
+        return [line for line in proc.stdout.splitlines() if line]
+
+    def capture_pane(self, session: str, window: str | int = 0) -> str:
+        return self.tmux("capture-pane", "-p", "-J", "-t", f"{session}:{window}").stdout
+
+    def kill_all_sessions(self) -> None:
+        """Remove every terminal: through CAO first so its database stays consistent."""
+        try:
+            with self.http(timeout=10) as client:
+                for sess in client.get("/sessions").json():
+                    client.delete(f"/sessions/{sess['name']}")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass  # the tmux sweep below still removes everything
+        for name in self.tmux_sessions():
+            self.tmux("kill-session", "-t", f"={name}")
+
+    # -- scripted agents --------------------------------------------------
+    def set_script(self, script: dict) -> None:
+        """Install a new agent script and forget all turns and received messages."""
+        with open(self.mock_home / ".counters.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _atomic_write(self.mock_home / "script.json", json.dumps(script, indent=1))
+            _atomic_write(self.mock_home / "counters.json", "{}")
+            (self.mock_home / "received.jsonl").write_text("")
+
+    def received(self) -> list[dict]:
+        path = self.mock_home / "received.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a record still being appended
+        return out
+
+    def counters(self) -> dict:
+        try:
+            return json.loads((self.mock_home / "counters.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    # -- HTTP -------------------------------------------------------------
+    def http(self, timeout: float = 60.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
+
+    def wait_status(
+        self, terminal_id: str, wanted: set[str] | str, timeout: float = 30.0, interval: float = 0.05
+    ) -> list[tuple[float, str]]:
+        """Poll until the terminal's status is in ``wanted``; return the (elapsed, status) changes seen."""
+        wanted = {wanted} if isinstance(wanted, str) else set(wanted)
+        seen: list[tuple[float, str]] = []
+        start = time.monotonic()
+        with self.http(timeout=10) as client:
+            while True:
+                status = client.get(f"/terminals/{terminal_id}").json().get("status")
+                elapsed = time.monotonic() - start
+                if not seen or seen[-1][1] != status:
+                    seen.append((round(elapsed, 3), status))
+                if status in wanted:
+                    return seen
+                if elapsed > timeout:
+                    raise AssertionError(
+                        f"terminal {terminal_id} not in {sorted(wanted)} after {timeout}s; seen {seen}"
+                    )
+                time.sleep(interval)
+
+    def run_turn(self, terminal_id: str, message: str, timeout: float = 30.0) -> str:
+        """Send ``message`` and wait until the agent has finished with it; return the final status.
+
+        Status alone cannot tell turns apart: a fast agent may already be
+        ``completed`` again when the POST returns, and a slow one still shows
+        the previous turn's ``completed``. The mock numbers its replies per
+        process ("#3 ..."), so the turn is over when the reply carries the
+        number of the message just received.
+        """
+        before = sum(1 for r in self.received() if r.get("terminal_id") == terminal_id)
+        deadline = time.monotonic() + timeout
+        with self.http(timeout=10) as client:
+            resp = client.post(f"/terminals/{terminal_id}/input", params={"message": message})
+            assert resp.status_code == 200, resp.text
+            status = last = None
+            while time.monotonic() < deadline:
+                mine = [r for r in self.received() if r.get("terminal_id") == terminal_id]
+                if len(mine) > before:
+                    seq = mine[before].get("seq")
+                    status = client.get(f"/terminals/{terminal_id}").json().get("status")
+                    if status == "error":
+                        return status
+                    last = client.get(f"/terminals/{terminal_id}/output", params={"mode": "last"}).json()
+                    if status in ("completed", "idle") and str(last.get("output", "")).startswith(f"#{seq} "):
+                        return status
+                time.sleep(0.05)
+        raise AssertionError(f"turn on {terminal_id} did not finish in {timeout}s (status {status}, last {last})")
+
+    # -- work directories -------------------------------------------------
+    def new_workdir(self, name: str = "wd") -> Path:
+        """A fresh directory CAO accepts as working_directory (not /tmp itself)."""
+        self._workdirs += 1
+        path = self.root / "work" / f"{name}-{self._workdirs}"
+        path.mkdir(parents=True)
+        return path
+
+    def server_log(self) -> str:
+        try:
+            return (self.root / "cao-server.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def _start_tmux(cao: CaoServer) -> None:
+    # Options go in the same invocation as start-server: an empty server
+    # would otherwise exit before a second command could reach it.
+    proc = cao.tmux(
+        "-f", "/dev/null", "start-server",
+        ";", "set-option", "-g", "exit-empty", "off",
+        ";", "set-option", "-g", "default-command", "exec bash --noprofile --norc",
+        ";", "set-environment", "-g", "PATH", cao.server_env["PATH"],
+        ";", "set-environment", "-g", "MOCK_AGENT_HOME", cao.server_env["MOCK_AGENT_HOME"],
+        ";", "set-environment", "-g", "MOCK_AGENT_THINK_MS", cao.server_env["MOCK_AGENT_THINK_MS"],
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not start the private tmux server: {proc.stderr.strip()}")
+    pid = cao.tmux("display-message", "-p", "#{pid}").stdout.strip()
+    cao.tmux_pid = int(pid) if pid.isdigit() else None
+
+
+def _start_server(cao: CaoServer, attempts: int = 3) -> None:
+    """Start cao-server on a free port and wait for /health.
+
+    The port is only known free when probed, so a server that dies at once
+    (most likely: someone else took the port) is retried on a new one.
+    """
+    for attempt in range(1, attempts + 1):
+        cao.port = _free_port()
+        cao.base_url = f"http://127.0.0.1:{cao.port}"
+        log = open(cao.root / "cao-server.log", "ab")
+        try:
+            cao.process = subprocess.Popen(
+                [str(cao.cao_bin / "cao-server"), "--host", "127.0.0.1", "--port", str(cao.port)],
+                env=cao.server_env,
+                cwd=cao.root,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Own process group: teardown signals the server and anything
+                # it spawned, and nothing else.
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        with cao.http(timeout=2) as client:
+            while time.monotonic() < deadline and cao.process.poll() is None:
+                try:
+                    if client.get("/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        if cao.process.poll() is None:
+            raise RuntimeError(
+                f"cao-server not healthy after {SERVER_START_TIMEOUT}s:\n" + cao.server_log()[-3000:]
+            )
+        if attempt == attempts:
+            raise RuntimeError(
+                f"cao-server exited with {cao.process.returncode} during startup:\n"
+                + cao.server_log()[-3000:]
+            )
+
+
+def _install_profiles(cao: CaoServer) -> dict[str, Path]:
+    """Install the five agent profiles; the repository's own files win over fallbacks."""
+    installed = {}
+    fallback_dir = cao.root / "profiles"
+    fallback_dir.mkdir(exist_ok=True)
+    for name in AGENT_PROFILES:
+        source = REPO_ROOT / "profiles" / f"{name}.md"
+        if not source.is_file():
+            source = fallback_dir / f"{name}.md"
+            source.write_text(_minimal_profile(name))
+        proc = subprocess.run(
+            [str(cao.cao_bin / "cao"), "install", str(source), "--provider", "mock_cli"],
+            env=cao.server_env,
+            cwd=cao.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+        )
+        # `cao install` exits 0 even when it rejects a profile, so its output
+        # and the stored copy are the only reliable signal.
+        stored = cao.home / ".aws" / "cli-agent-orchestrator" / "agent-store" / f"{name}.md"
+        if proc.returncode != 0 or "installed successfully" not in proc.stdout or not stored.is_file():
+            raise RuntimeError(f"`cao install {source} --provider mock_cli` failed:\n{proc.stdout}")
+        installed[name] = source
+    return installed
+
+
+def _stop(cao: CaoServer) -> list[str]:
+    """Tear everything down; return a list of problems (empty when clean)."""
+    problems = []
+    server_up = cao.process is not None and cao.process.poll() is None
+    if server_up:
+        cao.kill_all_sessions()
+
+    # Server before tmux: once cao-server is gone nothing can start a new
+    # tmux server on our socket behind our back.
+    if cao.process is not None:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            if cao.process.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(cao.process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                cao.process.wait(timeout=wait)
+        if cao.process.poll() is None:
+            problems.append(f"cao-server pid {cao.process.pid} survived SIGKILL")
+        # The group should be empty now; anything still in it is reported.
+        try:
+            os.killpg(cao.process.pid, signal.SIGKILL)
+            problems.append("processes were left in cao-server's process group (killed)")
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    cao.tmux("kill-server")
+
+    # tmux forks its server off, and panes belong to it: find leftovers by the
+    # private paths in their environment.
+    needles = [
+        f"TMUX_TMPDIR={cao.tmux_socket_dir}".encode(),
+        f"MOCK_AGENT_HOME={cao.mock_home}".encode(),
+    ]
+    deadline = time.monotonic() + 10
+    leftovers: list[int] = []
+    while time.monotonic() < deadline:
+        leftovers = sorted({pid for n in needles for pid in _pids_with_env(n)})
+        if cao.tmux_pid and _is_alive(cao.tmux_pid):
+            leftovers.append(cao.tmux_pid)
+        if not leftovers:
+            break
+        time.sleep(0.2)
+    if leftovers:
+        for pid in leftovers:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            problems.append(f"left running: pid {pid}: {cmd}")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if cao.tmux("list-sessions").returncode == 0:
+        problems.append("private tmux server still answers after kill-server")
+    return problems
+
+
+def _write_mock_cli(bin_dir: Path) -> None:
+    mock_cli = bin_dir / "mock_cli"
+    mock_cli.write_text(
+        "#!/bin/sh\n"
+        f"exec {shlex.quote(sys.executable)} -I {shlex.quote(str(MOCK_AGENT_SOURCE))} \"$@\"\n"
+    )
+    mock_cli.chmod(0o755)
+
+
+def _server_env(dirs: dict[str, Path], venv_bin: Path, think_ms: int | None, token: str = "") -> dict:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _STRIP_ENV_KEYS and not k.startswith(_STRIP_ENV_PREFIXES)
+    }
+    env.update(
+        HOME=str(dirs["home"]),
+        TMUX_TMPDIR=str(dirs["tmux"]),
+        PATH=os.pathsep.join([str(dirs["bin"]), str(venv_bin), os.environ.get("PATH", "/usr/bin:/bin")]),
+        MOCK_AGENT_HOME=str(dirs["mock"]),
+        MOCK_AGENT_THINK_MS=(
+            str(int(think_ms)) if think_ms is not None
+            else os.environ.get("MOCK_AGENT_THINK_MS", DEFAULT_THINK_MS)
+        ),
+    )
+    if token:
+        env["CAO_AUTH_LOCAL_TOKEN"] = token  # the server then requires it on every API call
+    return env
+
+
+@contextlib.contextmanager
+def private_cao(think_ms: int | None = None, keep: bool = False, token: str = "") -> Iterator[CaoServer]:
+    """Run a private cao-server with the five profiles installed; yield it as a ``CaoServer``.
+
+    ``think_ms`` is the scripted agents' default think time per turn (None:
+    ``$MOCK_AGENT_THINK_MS``, else 300). With ``token`` the server is started
+    with CAO_AUTH_LOCAL_TOKEN and every API call needs it. The first call on a machine installs
+    the pinned CAO release (``ensure_cao``). On exit every terminal, the
+    server, the tmux server and anything they started are stopped, and the
+    temporary root is removed unless ``keep`` is true or something was left
+    behind. Raises ``MissingPrerequisite`` without starting anything when tmux
+    or bash is missing, and ``LeftBehindError`` on exit if the teardown found
+    leftovers (they are killed, and listed in the message).
+    """
+    missing = missing_tools()
+    if missing:
+        raise MissingPrerequisite(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required to run a "
+            f"private cao-server, but not installed ({INSTALL_HINT})"
+        )
+    venv_bin = ensure_cao().parent
+
+    # A short root keeps the tmux socket path far below the 108-byte limit.
+    # CAO refuses working directories under /root, /etc and similar, so the
+    # root must sit in a plain temp directory (CAO_E2E_TMPDIR overrides it).
+    parent = os.environ.get("CAO_E2E_TMPDIR") or tempfile.gettempdir()
+    root = Path(tempfile.mkdtemp(prefix="cao-e2e-", dir=parent)).resolve()
+    cao: CaoServer | None = None
+    problems: list[str] = []
+    try:
+        dirs = {name: root / name for name in ("home", "bin", "mock", "tmux", "work")}
+        for d in dirs.values():
+            d.mkdir()
+        _write_mock_cli(dirs["bin"])
+        cao = CaoServer(
+            root=root,
+            home=dirs["home"],
+            bin_dir=dirs["bin"],
+            mock_home=dirs["mock"],
+            tmux_socket_dir=dirs["tmux"],
+            cao_bin=venv_bin,
+            server_env=_server_env(dirs, venv_bin, think_ms, token),
+            token=token,
+        )
+        cao.set_script({})
+        _start_tmux(cao)
+        _start_server(cao)
+        cao.profiles = _install_profiles(cao)
+        # What an orchestrator process needs to talk to this server.
+        cao.env = {"API": cao.base_url, "PROVIDER": "mock_cli"}
+
+        yield cao
+    finally:
+        if cao is not None:
+            problems = _stop(cao)
+        if not problems and not keep:
+            shutil.rmtree(root, ignore_errors=True)
+        if problems:
+            # Raised even while another exception is on its way out: that one
+            # stays attached as the context, and leftovers are never silent.
+            raise LeftBehindError(
+                f"stopping the private cao-server (root {root}, kept) left things behind:\n"
+                + "\n".join(problems)
+            )

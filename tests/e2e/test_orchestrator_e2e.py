@@ -1,0 +1,269 @@
+"""The orchestrator as a user runs it: a real process against a real cao-server.
+
+Each test starts `python run_orchestrator_loop.py` with environment settings,
+against the private cao-server of the `cao` fixture whose five terminals run
+the scripted `mock_cli` agent. Assertions cover the exit code, the exact
+sequence of agents prompted (as the agents themselves recorded it), the final
+state file and the archived replies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "run_orchestrator_loop.py"
+
+TASK = """*** ORIGINAL EXPLORE SUMMARY ***
+Build a greeting CLI: `greet NAME` prints `Hello, NAME!`.
+*** SCENARIO TEST ***
+Run `greet World` and expect `Hello, World!` on stdout.
+"""
+
+FAIL_REPLY = ("RESULT: FAIL\nEVIDENCE:\n- greet World printed 'Hello World' (missing comma)\n"
+              "- Recommended next fix: the format string in greet.py\n")
+PASS_REPLY = "RESULT: PASS\nEVIDENCE:\n- greet World printed 'Hello, World!'\n"
+PROGRAMMER_REPLY = ("PROGRAMMER_SUMMARY:\n- Files changed: greet.py, tests/test_greet.py\n"
+                    "- Behavior implemented: greet NAME prints a greeting\n- Tests run: pytest (2 passed)\n")
+REVISE_ANALYSIS = ("REVIEW_RESULT: REVISE\nREVIEW_NOTES:\n"
+                   "- P1 traceability: the empty-NAME case is not traced to the scenario\n")
+
+QUICK_ROUND = ["analyst", "peer_analyst", "programmer", "peer_programmer", "tester"]
+SHORT_ROUND = ["programmer", "peer_programmer", "tester"]
+
+
+class Run:
+    """One orchestrator working directory and the command that drives it."""
+
+    def __init__(self, cao, **settings: str):
+        self.cao = cao
+        self.wd = cao.new_workdir("project")
+        self.task = self.wd.parent / f"{self.wd.name}-task.md"
+        self.task.write_text(TASK, encoding="utf-8")
+        self.state_file = self.wd / ".tmp" / "codex-3agents-loop-state.json"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("CAO_", "MOCK_AGENT_"))}
+        self.env.update(cao.env)
+        self.env.update(WD=str(self.wd), PROMPT_FILE=str(self.task), POLL_SECONDS="0.2",
+                        IDLE_GRACE_SECONDS="10", RESPONSE_TIMEOUT="60", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1")
+        self.env.update(settings)
+
+    def start(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(SCRIPT)], cwd=REPO_ROOT, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPT)], cwd=REPO_ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def state(self) -> dict:
+        return json.loads(self.state_file.read_text(encoding="utf-8"))
+
+    def archived(self) -> list[str]:
+        return sorted(p.name for p in Path(self.state()["run_dir"]).iterdir())
+
+    def archived_text(self, name: str) -> str:
+        return (Path(self.state()["run_dir"]) / name).read_text(encoding="utf-8")
+
+    def prompts(self) -> list[dict]:
+        return [r for r in self.cao.received() if r.get("kind") == "prompt"]
+
+    def roles_prompted(self) -> list[str]:
+        return [r["role"] for r in self.prompts()]
+
+    def prompts_for(self, role: str) -> list[str]:
+        return [r["message"] for r in self.prompts() if r["role"] == role]
+
+
+def numbered(roles: list[str]) -> list[str]:
+    return [f"{n:03d}-{role}.md" for n, role in enumerate(roles, 1)]
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-2000:]}"
+
+
+def test_one_round_all_approved_pass_exits_0(cao):
+    """Scenario 1: default review minimum (2 cycles), everything approved, tester PASS -> exit 0."""
+    run = Run(cao, MIN_REVIEW_CYCLES_BEFORE_APPROVAL="2")
+    cao.set_script({"tester": [PASS_REPLY]})
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    sequence = ["analyst", "peer_analyst", "analyst", "peer_analyst",
+                "programmer", "peer_programmer", "programmer", "peer_programmer", "tester"]
+    assert run.roles_prompted() == sequence
+    state = run.state()
+    assert state["final_status"] == "PASS" and state["current_phase"] == "done" and state["current_round"] == 1
+    assert set(state["terminals"]) == set(QUICK_ROUND)
+    assert all(len(tid) == 8 for tid in state["terminals"].values())
+    assert run.archived() == numbered(sequence)
+    assert run.archived_text("009-tester.md") == PASS_REPLY
+    assert "RESULT: PASS" in result.stdout
+
+
+def test_fail_then_pass_retries_programmer_peer_tester_only(cao):
+    """Scenario 2: the round-2 prompts go to programmer -> peer_programmer -> tester, with the evidence."""
+    run = Run(cao)
+    cao.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert run.roles_prompted() == QUICK_ROUND + SHORT_ROUND
+    retry = run.prompts_for("programmer")[1]
+    assert ("Test failure feedback:\nRESULT: FAIL\nEVIDENCE:\n- greet World printed 'Hello World' "
+            "(missing comma)") in retry
+    assert "Your previous changes (context):\n- Files changed: greet.py, tests/test_greet.py" in retry
+    assert "System analyst handoff:" not in retry
+    state = run.state()
+    assert state["final_status"] == "PASS" and state["current_round"] == 2
+    assert state["outputs"]["analyst"].startswith("ANALYST_SUMMARY:")
+    assert run.archived() == numbered(QUICK_ROUND + SHORT_ROUND)
+    assert run.archived_text("005-tester.md") == FAIL_REPLY
+
+
+def test_tester_always_fails_max_rounds_2_exits_1(cao):
+    """Scenario 3: no PASS within MAX_ROUNDS=2 -> exit 1, final_status FAIL."""
+    run = Run(cao, MAX_ROUNDS="2")
+    cao.set_script({"tester": [FAIL_REPLY]})
+    result = run.run()
+    assert result.returncode == 1, explain(result)
+    assert run.roles_prompted() == QUICK_ROUND + SHORT_ROUND
+    state = run.state()
+    assert state["final_status"] == "FAIL" and state["current_phase"] == "done"
+    assert run.archived() == numbered(QUICK_ROUND + SHORT_ROUND)
+    assert "FAIL: no PASS within MAX_ROUNDS=2" in result.stdout
+
+
+def test_sigint_while_agent_works_then_same_command_resumes_to_pass(cao):
+    """Scenario 4: SIGINT mid-turn -> exit 130 with state saved; rerunning the same command resumes."""
+    run = Run(cao)
+    cao.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 3000}, PROGRAMMER_REPLY]})
+    process = run.start()
+    deadline = time.monotonic() + 60
+    while "programmer" not in run.roles_prompted():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the programmer was never prompted"
+        time.sleep(0.1)
+    time.sleep(0.5)                                  # the programmer is thinking now
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 130, out + err
+    assert "interrupted (SIGINT); state saved" in err
+    state = run.state()
+    assert state["final_status"] == "RUNNING" and state["current_phase"] == "programmer"
+    assert state["phase_step"] == "author"
+    # The interrupted agent still finishes its turn while the loop is down.
+    late_reply = run.wd / ".tmp" / "agent-responses" / "programmer_summary.md"
+    deadline = time.monotonic() + 30
+    while not late_reply.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+    result = run.run()                               # the same command, no RESUME
+    assert result.returncode == 0, explain(result)
+    assert "resuming run from" in result.stdout
+    assert run.roles_prompted() == QUICK_ROUND[:3] + SHORT_ROUND
+    state = run.state()
+    assert state["final_status"] == "PASS"
+    assert run.archived() == ["001-analyst.md", "002-peer_analyst.md", "003-stale-programmer_summary.md",
+                              "004-programmer.md", "005-peer_programmer.md", "006-tester.md"]
+
+
+def test_start_agent_programmer(cao):
+    """Scenario 5: START_AGENT=programmer skips the analysis; the placeholder stands in for it."""
+    run = Run(cao, START_AGENT="programmer")
+    cao.set_script({"tester": [FAIL_REPLY, PASS_REPLY]})
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert run.roles_prompted() == SHORT_ROUND + SHORT_ROUND
+    first, second = run.prompts_for("programmer")
+    assert "System analyst handoff:\n(No upstream output" in first
+    assert "Test failure feedback:" in second and "System analyst handoff:" not in second
+    state = run.state()
+    assert state["outputs"]["analyst"].startswith("(No upstream output")
+    assert state["final_status"] == "PASS"
+    assert run.archived() == numbered(SHORT_ROUND + SHORT_ROUND)
+
+
+def test_reviewer_revise_then_approved_notes_reach_next_analyst_prompt(cao):
+    """Scenario 6: REVISE notes go to the analyst's next cycle; then APPROVED moves on."""
+    run = Run(cao)
+    cao.set_script({"peer_analyst": [REVISE_ANALYSIS, {}]})  # {}: the default approving review
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert run.roles_prompted() == ["analyst", "peer_analyst"] + QUICK_ROUND
+    second = run.prompts_for("analyst")[1]
+    assert ("Latest peer analyst feedback:\nREVIEW_NOTES:\n- P1 traceability: the empty-NAME case is not "
+            "traced to the scenario") in second
+    assert run.archived_text("002-peer_analyst.md") == REVISE_ANALYSIS
+    assert run.state()["analyst_feedback"] == ""
+
+
+def test_cleanup_on_exit_leaves_no_agent_running(cao):
+    """Scenario 7: CLEANUP_ON_EXIT=1 exits all five agents; the state records it."""
+    run = Run(cao, CLEANUP_ON_EXIT="1", START_AGENT="tester")
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    state = run.state()
+    assert state["terminals_exited"] is True
+    session = state["session_name"]
+    assert session in cao.tmux_sessions()
+    deadline = time.monotonic() + 15
+    while True:
+        panes = cao.tmux("list-panes", "-s", "-t", f"={session}", "-F", "#{pane_current_command}").stdout.split()
+        if len(panes) == 5 and all(command == "bash" for command in panes):
+            break
+        assert time.monotonic() < deadline, f"agents still running in {session}: {panes}"
+        time.sleep(0.2)
+
+
+def test_agent_that_never_writes_its_file_is_reminded_then_run_stops(cao):
+    """Robust handoff: the agent idles without its file -> one reminder -> strict stop, resumable."""
+    run = Run(cao, START_AGENT="tester", IDLE_GRACE_SECONDS="1")
+    cao.set_script({"tester": [{"action": "no_file", "text": "I ran the tests (not writing any file)"}]})
+    result = run.run()
+    assert result.returncode == 1, explain(result)
+    reminders = [r for r in cao.received() if r.get("kind") == "reminder"]
+    assert [r["role"] for r in reminders] == ["tester"]
+    assert "test_result.md" in reminders[0]["message"]
+    assert "reminder 1/1 sent" in result.stdout
+    err = result.stderr.strip()
+    assert "\n" not in err and "tester agent" in err and "went idle without writing" in err
+    assert run.state()["final_status"] == "RUNNING" and run.state()["current_phase"] == "tester"
+
+
+def test_agent_that_writes_only_after_the_reminder(cao):
+    run = Run(cao, START_AGENT="tester", IDLE_GRACE_SECONDS="1")
+    cao.set_script({"tester": [{"action": "write_on_reminder", "text": PASS_REPLY}]})
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert [r["role"] for r in cao.received() if r.get("kind") == "reminder"] == ["tester"]
+    assert run.archived_text("001-tester.md") == PASS_REPLY
+
+
+def test_server_that_requires_a_token(cao_with_token):
+    """With CAO_AUTH_LOCAL_TOKEN the run goes through; without it, a clear 401 message and no state."""
+    from .conftest import E2E_TOKEN
+
+    cao_with_token.set_script({})
+    run = Run(cao_with_token, START_AGENT="tester")
+    result = run.run()
+    assert result.returncode == 1, explain(result)
+    assert "requires a token" in result.stderr and "CAO_AUTH_LOCAL_TOKEN" in result.stderr
+    assert not run.state_file.exists()
+
+    run.env["CAO_AUTH_LOCAL_TOKEN"] = E2E_TOKEN
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert run.roles_prompted() == ["tester"]
+    written = [p for p in run.wd.rglob("*") if p.is_file()]
+    assert all(E2E_TOKEN not in p.read_text(errors="replace") for p in written)
+    assert E2E_TOKEN not in result.stdout + result.stderr
