@@ -716,6 +716,7 @@ programmer_context_for_retry: str = ""
 outputs: dict[str, str] = {key: "" for key in OUTPUT_KEYS}
 run_dir: str = ""                 # where consumed replies are archived
 terminals_exited: bool = False    # CLEANUP_ON_EXIT ended the agents: never send them input again
+in_flight: dict = {}              # the prompt sent and not yet answered: role, position, sent_at
 context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
 
 
@@ -970,22 +971,69 @@ def deliverable_message(role: str, prompt: str) -> str:
             f"Read and follow the instructions in this file: {path}")
 
 
+def turn_position(role: str) -> dict:
+    """Where in the loop a turn belongs; a resumed run compares it with the prompt in flight."""
+    return {"role": role, "round": current_round, "phase": current_phase, "cycle": phase_cycle}
+
+
+def set_in_flight(turn: dict) -> None:
+    global in_flight
+    in_flight = turn
+
+
+def carried_over_turn(role: str, path: Path) -> str:
+    """After an interruption: did this very prompt already go out? 'reply', 'working' or ''.
+
+    'reply': the agent has written its answer since the prompt was sent;
+    'working': it is still busy with it. Either way the prompt is not sent
+    again. A response file older than the prompt is an earlier turn's and is
+    moved aside.
+    """
+    if not in_flight or {k: in_flight.get(k) for k in ("role", "round", "phase", "cycle")} != turn_position(role):
+        return ""
+    sent_at = in_flight.get("sent_at")
+    if not isinstance(sent_at, (int, float)):
+        return ""
+    try:
+        written_at = path.stat().st_mtime
+    except OSError:
+        written_at = None
+    if written_at is not None:
+        # Filesystem timestamps can be coarse: a second of slack, and the
+        # stale file of an earlier turn was moved aside before the send.
+        if written_at >= sent_at - 1.0 and read_reply_file(path):
+            return "reply"
+        set_aside_stale_reply(path)
+    status = api.get_status(terminal_ids[role])
+    return "working" if status not in READY_STATUSES and status != "error" else ""
+
+
 def ask_agent(role: str, prompt: str) -> str:
     """Send one prompt to a role's terminal and return its answer (also archived)."""
     terminal_id = terminal_ids[role]
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
-    wait_until_settled(role, terminal_id)
-    set_aside_stale_reply(path)
-    message = deliverable_message(role, prompt)
-    log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
-    try:
-        api.send_input(terminal_id, message)
-    except BaseException:
-        forget_context_sent(terminal_id)
-        raise
+    carried = carried_over_turn(role, path)
+    if carried == "reply":
+        log_turn(role, "taking the reply written while the loop was down (prompt not sent again)")
+    elif carried == "working":
+        log_turn(role, f"terminal {terminal_id} is still working on the prompt sent before the interruption; "
+                       "waiting for it")
+    else:
+        wait_until_settled(role, terminal_id)
+        set_aside_stale_reply(path)
+        message = deliverable_message(role, prompt)
+        set_in_flight({**turn_position(role), "sent_at": time.time()})
+        save_state()
+        log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
+        try:
+            api.send_input(terminal_id, message)
+        except BaseException:
+            forget_context_sent(terminal_id)
+            raise
     reply = wait_for_reply(role, terminal_id, path)
     archived = archive_reply(role, reply, path)
+    set_in_flight({})
     log_turn(role, f"reply received ({len(reply)} chars, kept as {archived})")
     return reply
 
@@ -1360,6 +1408,7 @@ def save_state() -> None:
         "run_dir": run_dir,
         "context_sent": sorted(context_sent),
         "terminals_exited": terminals_exited,
+        "in_flight": in_flight or None,
     }
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1415,7 +1464,7 @@ def load_state() -> bool:
     """Restore the run from STATE_FILE; False if there is no state file."""
     global API, PROVIDER, WD, session_name, terminal_ids, current_round, current_phase, phase_cycle, \
         phase_step, final_status, feedback, analyst_feedback, programmer_feedback, \
-        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited
+        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, in_flight
     data = read_state_file()
     if data is None:
         return False
@@ -1447,6 +1496,7 @@ def load_state() -> bool:
     marks = data.get("context_sent", [])
     context_sent = {m for m in marks if isinstance(m, str)} if isinstance(marks, list) else set()
     terminals_exited = data.get("terminals_exited") is True
+    in_flight = data.get("in_flight") if isinstance(data.get("in_flight"), dict) else {}
     return True
 
 
@@ -1539,7 +1589,8 @@ def create_terminals() -> tuple[str, dict[str, str]]:
 def init_new_run() -> None:
     """Create the session and five terminals, reset the run, and write the first state."""
     global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
-        programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited
+        programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, \
+        in_flight
     session_name, terminal_ids = create_terminals()
     current_round = 1
     final_status = "RUNNING"
@@ -1550,6 +1601,7 @@ def init_new_run() -> None:
     run_dir = str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     context_sent = set()
     terminals_exited = False
+    in_flight = {}
     save_state()
     log(f"new run: CAO session {session_name}, terminals "
         + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)

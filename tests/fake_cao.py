@@ -284,6 +284,12 @@ class FakeCao:
         terminal = self._terminal(request)
         if terminal is None:
             return self._missing(request)
+        self._status_for(terminal)
+        return httpx.Response(200, json={"id": terminal.id, "status": terminal.status,
+                                         "session_name": terminal.session})
+
+    def _status_for(self, terminal: Terminal) -> None:
+        """One status reading: the terminal's agent moves on by one step."""
         if terminal.idle_polls > 0:
             terminal.idle_polls -= 1
             if terminal.idle_until and time.monotonic() >= terminal.idle_until:
@@ -305,8 +311,6 @@ class FakeCao:
                 terminal.polls_left -= 1
             else:
                 self._finish_turn(terminal)
-        return httpx.Response(200, json={"id": terminal.id, "status": terminal.status,
-                                         "session_name": terminal.session})
 
     def _finish_turn(self, terminal: Terminal) -> None:
         step, terminal.pending = terminal.pending or {}, None

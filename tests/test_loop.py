@@ -611,3 +611,78 @@ def test_run_whose_agents_were_exited_is_never_resumed(load_orch, fake_cao, prom
     assert fake_cao.roles_prompted()[prompts_before:] == QUICK_ROUND
     assert len(list(Path(m.STATE_FILE).parent.glob("*.bak"))) == 1
     assert "were exited" in capsys.readouterr().out
+
+
+# -- no repeated work after a resume --------------------------------------------
+
+def interrupt_while_agent_keeps_working(reply: str, polls: int = 2):
+    """Ctrl-C reaches the loop while the agent goes on and answers a little later."""
+    def call(fake, terminal):
+        terminal.pending = {"text": reply}
+        terminal.polls_left = polls
+        terminal.status = "processing"
+        raise KeyboardInterrupt
+    return {"action": "call", "call": call}
+
+
+def test_resume_takes_reply_written_while_the_loop_was_down(load_orch, fake_cao, prompt_file, capsys):
+    """The agent finished while the loop was down: its reply is used, the prompt is not sent again."""
+    fake_cao.script["programmer"] = [interrupt_while_agent_keeps_working(PROGRAMMER_REPLY)]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    assert state_of(m)["in_flight"]["role"] == "programmer"
+    for _ in range(3):                                   # time passes; the agent writes its file
+        fake_cao._status_for(fake_cao.terminal_for("programmer"))
+    assert Path(m.WD, ".tmp", "agent-responses", "programmer_summary.md").exists()
+    prompted = fake_cao.roles_prompted()
+
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted()[len(prompted):] == ["peer_programmer", "tester"]
+    assert "taking the reply written while the loop was down" in capsys.readouterr().out
+    assert archived(m) == ["001-analyst.md", "002-peer_analyst.md", "003-programmer.md",
+                           "004-peer_programmer.md", "005-tester.md"]
+    assert Path(m.run_dir, "003-programmer.md").read_text() == PROGRAMMER_REPLY
+    assert state_of(m)["in_flight"] is None
+
+
+def test_resume_waits_for_agent_still_working_on_the_prompt(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["tester"] = [interrupt_while_agent_keeps_working(PASS_REPLY, polls=5)]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert run_main(m) == 130
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["tester"]
+    assert "still working on the prompt sent before the interruption" in capsys.readouterr().out
+    assert state_of(m)["final_status"] == "PASS"
+
+
+def test_resume_ignores_a_reply_older_than_the_prompt_in_flight(load_orch, fake_cao, prompt_file):
+    """A response file from an earlier turn is never taken for the interrupted prompt's answer."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    sent_at = 1_700_000_000.0
+    write_state(m, fake_cao, current_phase="tester",
+                outputs={"analyst": "ANALYST_SUMMARY:\n- a", "programmer": PROGRAMMER_REPLY},
+                in_flight={"role": "tester", "round": 1, "phase": "tester", "cycle": 1, "sent_at": sent_at},
+                run_dir=str(Path(m.WD, ".tmp", "run")))
+    stale = Path(m.WD, ".tmp", "agent-responses", "test_result.md")
+    stale.parent.mkdir(parents=True)
+    stale.write_text(FAIL_REPLY)
+    os.utime(stale, (sent_at - 3600, sent_at - 3600))
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["tester"]               # sent again
+    assert archived(m) == ["001-stale-test_result.md", "002-tester.md"]
+    assert state_of(m)["final_status"] == "PASS"
+
+
+def test_in_flight_prompt_of_another_turn_is_not_carried_over(load_orch, fake_cao, prompt_file):
+    """A reply only counts for the very turn whose prompt was in flight."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    write_state(m, fake_cao, current_phase="tester",
+                outputs={"analyst": "ANALYST_SUMMARY:\n- a", "programmer": PROGRAMMER_REPLY},
+                in_flight={"role": "tester", "round": 3, "phase": "tester", "cycle": 1, "sent_at": 0.0})
+    reply = Path(m.WD, ".tmp", "agent-responses", "test_result.md")
+    reply.parent.mkdir(parents=True)
+    reply.write_text(FAIL_REPLY)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["tester"]
