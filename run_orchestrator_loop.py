@@ -785,7 +785,14 @@ def read_reply_file(path: Path) -> str:
 
 
 def _sleep_until_reply_or(path: Path, seconds: float) -> None:
-    """Sleep up to `seconds`, waking early once the response file has content."""
+    """Sleep up to `seconds`, waking early once the response file has content.
+
+    Once the file is there the agent is usually about to go idle, so the
+    server is asked again after a short pause rather than a full poll.
+    """
+    if read_reply_file(path):
+        time.sleep(min(FILE_CHECK_SECONDS, seconds))
+        return
     deadline = time.monotonic() + seconds
     while True:
         remaining = deadline - time.monotonic()
@@ -1044,7 +1051,7 @@ def ask_agent(role: str, prompt: str) -> str:
 
 def review_verdict(review_text: str) -> str:
     """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
-    verdicts = re.findall(r"REVIEW_RESULT:\W*([A-Za-z_]+)", review_text or "")
+    verdicts = re.findall(r"^\W*REVIEW_RESULT\W*:\W*([A-Za-z_]+)", review_text or "", re.MULTILINE)
     if not verdicts:
         return "MISSING"
     return "APPROVED" if verdicts[-1].upper() == "APPROVED" else "REVISE"
@@ -1413,12 +1420,16 @@ def save_state() -> None:
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, ensure_ascii=False)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, ensure_ascii=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def read_state_file() -> dict | None:

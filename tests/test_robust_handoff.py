@@ -347,3 +347,30 @@ def test_401_with_a_wrong_token_says_it_was_rejected(load_orch, fake_cao, prompt
     assert run_main(m) == 1
     err = capsys.readouterr().err
     assert "rejected the token in CAO_AUTH_LOCAL_TOKEN" in err and "wrong-token" not in err
+
+
+# -- polling cost ------------------------------------------------------------------
+
+def test_written_reply_is_confirmed_after_a_short_pause_not_in_a_busy_loop(orch, monkeypatch, tmp_path):
+    """File there but agent still busy: the next status read waits FILE_CHECK_SECONDS, not 0 s."""
+    sleeps = []
+    monkeypatch.setattr(orch.time, "sleep", sleeps.append)
+    reply = tmp_path / "test_result.md"
+    reply.write_text(PASS_REPLY)
+    orch._sleep_until_reply_or(reply, 2.0)
+    assert sleeps == [orch.FILE_CHECK_SECONDS]
+
+
+def test_waiting_for_a_reply_checks_the_file_often_and_the_server_at_poll_rate(orch, monkeypatch, tmp_path):
+    """No file yet: sleep in short slices (file checks) until POLL_SECONDS is up."""
+    sleeps = []
+    clock = [0.0]
+
+    def fake_sleep(seconds):
+        sleeps.append(seconds)
+        clock[0] += seconds
+    monkeypatch.setattr(orch.time, "sleep", fake_sleep)
+    monkeypatch.setattr(orch.time, "monotonic", lambda: clock[0])
+    orch._sleep_until_reply_or(tmp_path / "missing.md", 2.0)
+    assert abs(sum(sleeps) - 2.0) < 1e-9
+    assert max(sleeps) <= orch.FILE_CHECK_SECONDS
