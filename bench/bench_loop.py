@@ -23,6 +23,7 @@ With several runs, "median" holds the median of each figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -85,7 +86,8 @@ def one_run(think_ms: int) -> dict:
         loop.api._http.event_hooks["request"].append(count)
         started = time.time()
         try:
-            loop.main([])
+            with contextlib.redirect_stdout(sys.stderr):      # the loop's log; stdout is for the figures
+                loop.main([])
         except SystemExit as stop:
             code = stop.code
         wall = time.time() - started
