@@ -184,6 +184,11 @@ SETTINGS: tuple[Setting, ...] = (
             "1: answer an agent's permission prompt with 'y'"),
     Setting("API_RETRY_SECONDS", "handoff.api_retry_seconds", 120.0, "seconds0",
             "how long to retry an unreachable CAO server during a run"),
+    Setting("STORY_MODE", "stories.enabled", False, "bool",
+            "1: the programmer works one OpenSpec story (tasks.md section) at a time"),
+    Setting("STORY_CHANGE", "stories.change", "", "text",
+            "the OpenSpec change to work story by story (empty: the only one in openspec/changes)"),
+    Setting("MAX_STORY_ATTEMPTS", "stories.max_attempts", 3, "count", "attempts per story before moving on"),
     Setting("CONDENSE_EXPLORE_ON_REPEAT", "condensation.condense_explore_on_repeat", True, "bool",
             "1: send the task text once per agent, then a back-reference"),
     Setting("CONDENSE_REVIEW_FEEDBACK", "condensation.condense_review_feedback", True, "bool",
@@ -391,6 +396,9 @@ IDLE_GRACE_SECONDS: float = _initial("IDLE_GRACE_SECONDS")
 MAX_FILE_REMINDERS: int = _initial("MAX_FILE_REMINDERS")
 AUTO_ACCEPT_PERMISSIONS: bool = _initial("AUTO_ACCEPT_PERMISSIONS")
 API_RETRY_SECONDS: float = _initial("API_RETRY_SECONDS")
+STORY_MODE: bool = _initial("STORY_MODE")
+STORY_CHANGE: str = _initial("STORY_CHANGE")
+MAX_STORY_ATTEMPTS: int = _initial("MAX_STORY_ATTEMPTS")
 CONDENSE_EXPLORE_ON_REPEAT: bool = _initial("CONDENSE_EXPLORE_ON_REPEAT")
 CONDENSE_REVIEW_FEEDBACK: bool = _initial("CONDENSE_REVIEW_FEEDBACK")
 MAX_FEEDBACK_LINES: int = _initial("MAX_FEEDBACK_LINES")
@@ -717,6 +725,7 @@ outputs: dict[str, str] = {key: "" for key in OUTPUT_KEYS}
 run_dir: str = ""                 # where consumed replies are archived
 terminals_exited: bool = False    # CLEANUP_ON_EXIT ended the agents: never send them input again
 in_flight: dict = {}              # the prompt sent and not yet answered: role, position, sent_at
+story_progress: dict = {}         # story mode: change, queue, current story, attempt, last failure, results
 context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
 
 
@@ -980,7 +989,10 @@ def deliverable_message(role: str, prompt: str) -> str:
 
 def turn_position(role: str) -> dict:
     """Where in the loop a turn belongs; a resumed run compares it with the prompt in flight."""
-    return {"role": role, "round": current_round, "phase": current_phase, "cycle": phase_cycle}
+    position = {"role": role, "round": current_round, "phase": current_phase, "cycle": phase_cycle}
+    if role == "programmer" and story_progress.get("current"):
+        position.update(story=story_progress["current"], attempt=story_progress.get("attempt", 1))
+    return position
 
 
 def set_in_flight(turn: dict) -> None:
@@ -996,7 +1008,8 @@ def carried_over_turn(role: str, path: Path) -> str:
     again. A response file older than the prompt is an earlier turn's and is
     moved aside.
     """
-    if not in_flight or {k: in_flight.get(k) for k in ("role", "round", "phase", "cycle")} != turn_position(role):
+    position = turn_position(role)
+    if not in_flight or {k: in_flight.get(k) for k in position} != position:
         return ""
     sent_at = in_flight.get("sent_at")
     if not isinstance(sent_at, (int, float)):
@@ -1203,6 +1216,97 @@ def forget_context_sent(terminal_id: str) -> None:
         context_sent.discard(mark)
 
 
+# --------------------------------------------------------------------------
+# OpenSpec stories (STORY_MODE): what the programmer works through one by one.
+# --------------------------------------------------------------------------
+
+STORY_HEADING = re.compile(r"^##\s+(\d+)\.?\s+(.*?)\s*#*\s*$")
+TASK_LINE = re.compile(r"^\s*[-*]\s+\[([ xX])\]\s+(.*?)\s*$")
+SCENARIO_HEADING = re.compile(r"^####\s+Scenario:\s*(.*?)\s*$")
+SCENARIO_STEP = re.compile(r"^\s*(?:[-*]\s+)?\**(GIVEN|WHEN|THEN|AND)\b", re.IGNORECASE)
+PROMISE_TAG = re.compile(r"<promise>\s*(.*?)\s*</promise>", re.DOTALL | re.IGNORECASE)
+
+
+@dataclass
+class Story:
+    """One `## N. Title` section of tasks.md and its checkbox tasks."""
+
+    id: str
+    title: str
+    tasks: list[tuple[bool, str]]     # (done, "N.M text")
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.tasks) and all(done for done, _ in self.tasks)
+
+
+def find_story_change() -> Path:
+    """The change directory story mode works on: STORY_CHANGE, or the only one there is."""
+    changes = Path(WD) / "openspec" / "changes"
+    if STORY_CHANGE:
+        chosen = changes / STORY_CHANGE
+        if not chosen.is_dir():
+            raise RunError(f"story mode: STORY_CHANGE={STORY_CHANGE} but {chosen} is not a directory")
+        return chosen
+    found = sorted(p.name for p in changes.iterdir() if p.is_dir() and p.name != "archive") \
+        if changes.is_dir() else []
+    if len(found) != 1:
+        what = ", ".join(found) if found else "no change directory"
+        raise RunError(f"story mode needs exactly one OpenSpec change in {changes}, found {what}: "
+                       "set STORY_CHANGE to the change to work on")
+    return changes / found[0]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def parse_stories(tasks_md: str) -> list[Story]:
+    """Stories and their tasks from tasks.md; lines that fit neither pattern are ignored."""
+    stories: list[Story] = []
+    for line in tasks_md.splitlines():
+        heading = STORY_HEADING.match(line)
+        if heading:
+            stories.append(Story(heading.group(1), heading.group(2) or f"Story {heading.group(1)}", []))
+            continue
+        task = TASK_LINE.match(line)
+        if task and stories and task.group(2):
+            stories[-1].tasks.append((task.group(1) != " ", task.group(2)))
+    return stories
+
+
+def parse_scenarios(specs_dir: Path) -> list[tuple[str, str, list[str]]]:
+    """(capability, scenario name, GIVEN/WHEN/THEN/AND lines) from specs/<capability>/spec.md."""
+    scenarios = []
+    for spec in sorted(specs_dir.glob("*/spec.md")) if specs_dir.is_dir() else []:
+        current = None
+        for line in _read_text(spec).splitlines():
+            heading = SCENARIO_HEADING.match(line)
+            if heading:
+                current = (spec.parent.name, heading.group(1) or "(unnamed)", [])
+                scenarios.append(current)
+            elif line.startswith("#"):
+                current = None
+            elif current is not None and SCENARIO_STEP.match(line):
+                current[2].append(line.strip())
+    return scenarios
+
+
+def promise_signal(reply: str) -> tuple[str, str]:
+    """The last <promise> tag of a reply: ("COMPLETE", ""), ("FAILED", reason) or ("", "") for none."""
+    tags = PROMISE_TAG.findall(reply or "")
+    for tag in reversed(tags):
+        if tag.upper() == "COMPLETE":
+            return "COMPLETE", ""
+        failed = re.match(r"FAILED\b\s*:?\s*(.*)", tag, re.DOTALL | re.IGNORECASE)
+        if failed:
+            return "FAILED", failed.group(1).strip() or "(no reason given)"
+    return "", ""
+
+
 # ==========================================================================
 # 6. Prompt builders
 # ==========================================================================
@@ -1382,6 +1486,70 @@ def build_tester_prompt(programmer_out: str) -> str:
     return "\n\n".join(parts)
 
 
+def _story_tasks_block(story: Story) -> str:
+    if not story.tasks:
+        return "(no tasks defined)"
+    return "\n".join(f"- [{'x' if done else ' '}] {text}" for done, text in story.tasks)
+
+
+def _scenarios_block(scenarios: list[tuple[str, str, list[str]]]) -> str:
+    if not scenarios:
+        return "(no scenarios defined)"
+    return "\n".join(f"[{capability}] Scenario: {name}" + "".join(f"\n  {step}" for step in steps)
+                     for capability, name, steps in scenarios)
+
+
+def story_tool_instructions() -> str:
+    """How the agent records progress in the OpenSpec change (the spec tool's own convention)."""
+    return ("Marking progress: when a task of this story is done and verified, change its line in tasks.md "
+            "from `- [ ]` to `- [x]` (keep the task number and text as they are). Do not tick tasks of "
+            "other stories.")
+
+
+def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> str:
+    """Programmer turn in story mode: one story of the change, ending in a promise signal."""
+    parts = [
+        f"You are the programmer in a five-agent development loop (round {current_round} of {MAX_ROUNDS}), "
+        f"working story by story. This turn: story {story.id} \"{story.title}\" "
+        f"(attempt {attempt} of {MAX_STORY_ATTEMPTS}).",
+        _task_context("programmer"),
+    ]
+    if current_round > 1 and feedback.strip():
+        parts.append(f"Test failure feedback:\n{feedback.strip()}")
+    if retry_reason:
+        parts.append(f"Retry of story {story.id} -- the previous attempt failed:\n{retry_reason}\n"
+                     "Try a different approach this time; do not repeat what failed.")
+    parts += [
+        f"Story {story.id}: {story.title}\nTasks of this story:\n{_story_tasks_block(story)}",
+        "Complete only the tasks of this story. Do not start other stories: the orchestrator hands you the "
+        "next story when this one is done.",
+        f"Change: {change_dir}\nRead {change_dir / 'proposal.md'} and {change_dir / 'design.md'} for the "
+        "context of the whole change.",
+        "Scenarios of the change (focus on those relevant to this story's tasks):\n" + _scenarios_block(scenarios),
+        "Verification: after completing the tasks, run the verification and fix what fails.\n"
+        f"- {_test_command_line()}",
+        story_tool_instructions(),
+        "Rules:\n"
+        f"- Work only inside {WD}.\n"
+        "- Never weaken, skip or delete a test to make it pass.\n"
+        "- Do not ask questions: make reasonable assumptions and state them in your summary.",
+        "Completion signal (required, exactly one, at the end of your answer):\n"
+        "- All tasks of this story done and verification passes: <promise>COMPLETE</promise>\n"
+        "- Verification fails and you cannot fix it, or you cannot complete the story: "
+        "<promise>FAILED: {reason}</promise>, where {reason} says briefly what went wrong. This lets the "
+        "orchestrator retry the story with that context.\n"
+        "You MUST end with one of these two signals.",
+        "Answer format:\n"
+        "PROGRAMMER_SUMMARY:\n"
+        "- Files changed: <each file and what changed in it>\n"
+        "- Behavior implemented: <what the code now does>\n"
+        "- Tests run: <commands and results>\n"
+        "<promise>COMPLETE</promise>  (or <promise>FAILED: reason</promise>)",
+        response_file_instruction("programmer"),
+    ]
+    return "\n\n".join(parts)
+
+
 # ==========================================================================
 # 7. State file
 # ==========================================================================
@@ -1416,6 +1584,7 @@ def save_state() -> None:
         "context_sent": sorted(context_sent),
         "terminals_exited": terminals_exited,
         "in_flight": in_flight or None,
+        "story_progress": story_progress or None,
     }
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1475,7 +1644,7 @@ def load_state() -> bool:
     """Restore the run from STATE_FILE; False if there is no state file."""
     global API, PROVIDER, WD, session_name, terminal_ids, current_round, current_phase, phase_cycle, \
         phase_step, final_status, feedback, analyst_feedback, programmer_feedback, \
-        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, in_flight
+        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, in_flight, story_progress
     data = read_state_file()
     if data is None:
         return False
@@ -1508,6 +1677,7 @@ def load_state() -> bool:
     context_sent = {m for m in marks if isinstance(m, str)} if isinstance(marks, list) else set()
     terminals_exited = data.get("terminals_exited") is True
     in_flight = data.get("in_flight") if isinstance(data.get("in_flight"), dict) else {}
+    story_progress = data.get("story_progress") if isinstance(data.get("story_progress"), dict) else {}
     return True
 
 
@@ -1601,7 +1771,7 @@ def init_new_run() -> None:
     """Create the session and five terminals, reset the run, and write the first state."""
     global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
         programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, \
-        in_flight
+        in_flight, story_progress
     session_name, terminal_ids = create_terminals()
     current_round = 1
     final_status = "RUNNING"
@@ -1612,7 +1782,7 @@ def init_new_run() -> None:
     run_dir = str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     context_sent = set()
     terminals_exited = False
-    in_flight = {}
+    in_flight = story_progress = {}
     save_state()
     log(f"new run: CAO session {session_name}, terminals "
         + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
@@ -1699,6 +1869,74 @@ def review_prompt(phase: str) -> str:
     return build_programmer_review_prompt(outputs["programmer"])
 
 
+def set_story_progress(progress: dict) -> None:
+    global story_progress
+    story_progress = progress
+
+
+def story_loop_due() -> bool:
+    """Story mode replaces the round's first programmer turn while the change has unfinished stories."""
+    if not STORY_MODE:
+        return False
+    if story_progress:
+        return True                      # resumed inside the story loop
+    change = find_story_change()
+    return any(not story.finished for story in parse_stories(_read_text(change / "tasks.md")))
+
+
+def run_story_loop() -> str:
+    """Each unfinished story in turn, retried on FAILED or no signal; returns the combined summary."""
+    change = find_story_change()
+    stories = {story.id: story for story in parse_stories(_read_text(change / "tasks.md"))}
+    scenarios = parse_scenarios(change / "specs")
+    if not story_progress:
+        queue = [story.id for story in stories.values() if not story.finished]
+        set_story_progress({"change": str(change), "queue": queue, "current": queue[0], "attempt": 1,
+                            "last_failure": "", "results": []})
+        save_state()
+    progress = story_progress
+    while progress.get("current"):
+        story = stories.get(progress["current"]) or Story(progress["current"], f"Story {progress['current']}", [])
+        attempt = progress["attempt"]
+        prompt = build_story_prompt(story, change, scenarios, attempt, progress["last_failure"])
+        try:
+            reply = ask_agent("programmer", prompt)
+            signal_name, reason = promise_signal(reply)
+        except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
+            log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
+            reply, signal_name, reason = "", "", ""
+        log_turn("programmer", f"story {story.id} attempt {attempt}/{MAX_STORY_ATTEMPTS}: "
+                               + (f"{signal_name} {reason}".strip() if signal_name else "no completion signal"))
+        if signal_name == "COMPLETE" or attempt >= MAX_STORY_ATTEMPTS:
+            status = "COMPLETE" if signal_name == "COMPLETE" else "FAILED"
+            progress["results"].append({
+                "id": story.id, "title": story.title, "status": status, "attempts": attempt,
+                "reason": "" if status == "COMPLETE" else (reason or "no completion signal"),
+                "summary": condense_programmer_for_tester(reply)})
+            queue = progress["queue"]
+            following = queue[queue.index(story.id) + 1:] if story.id in queue else []
+            progress.update(current=following[0] if following else "", attempt=1, last_failure="")
+        else:
+            progress.update(attempt=attempt + 1, last_failure=reason if signal_name == "FAILED" else "")
+        save_state()
+    combined = story_summary(progress["results"])
+    set_story_progress({})
+    return combined
+
+
+def story_summary(results: list[dict]) -> str:
+    """What the peer programmer reviews after the story loop: each story's outcome and changes."""
+    lines = ["PROGRAMMER_SUMMARY (story by story):", "Story results:"]
+    for result in results:
+        outcome = (f"COMPLETE (attempt {result['attempts']})" if result["status"] == "COMPLETE"
+                   else f"FAILED after {result['attempts']} attempts -- {result['reason']}")
+        lines.append(f"- Story {result['id']} \"{result['title']}\": {outcome}")
+    for result in results:
+        if result.get("summary"):
+            lines += [f"Story {result['id']}:", result["summary"]]
+    return "\n".join(lines)
+
+
 def run_reviewed_phase(phase: str) -> None:
     """Author and peer reviewer take turns until an approval counts or the cycles run out."""
     author, reviewer = PHASE_ROLES[phase]
@@ -1706,7 +1944,10 @@ def run_reviewed_phase(phase: str) -> None:
     while True:
         cycle = phase_cycle
         if phase_step == "author":
-            outputs[out_key] = ask_agent(author, author_prompt(phase, cycle))
+            if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
+                outputs[out_key] = run_story_loop()
+            else:
+                outputs[out_key] = ask_agent(author, author_prompt(phase, cycle))
             set_position(phase, cycle, "review")
             save_state()
         review = ask_agent(reviewer, review_prompt(phase))
@@ -1757,6 +1998,7 @@ def handle_tester_fail() -> None:
     for key in ("programmer", "programmer_review", "tester"):
         outputs[key] = ""
     analyst_feedback = programmer_feedback = ""
+    set_story_progress({})
     set_position(PHASE_PROGRAMMER)
     current_round += 1
 

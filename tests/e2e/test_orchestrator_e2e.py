@@ -266,3 +266,28 @@ def test_server_that_requires_a_token(cao_with_token):
     written = [p for p in run.wd.rglob("*") if p.is_file()]
     assert all(E2E_TOKEN not in p.read_text(errors="replace") for p in written)
     assert E2E_TOKEN not in result.stdout + result.stderr
+
+
+def test_story_mode_failed_then_complete(cao):
+    """Story mode on the real server: story 1 FAILED then COMPLETE (retry carries the reason), then story 2."""
+    run = Run(cao, STORY_MODE="1", START_AGENT="programmer")
+    change = run.wd / "openspec" / "changes" / "add-greeting"
+    (change / "specs" / "greeting").mkdir(parents=True)
+    (change / "tasks.md").write_text("## 1. Parse the name\n- [ ] 1.1 Read NAME\n\n"
+                                     "## 2. Print the greeting\n- [ ] 2.1 Print Hello, NAME!\n")
+    (change / "specs" / "greeting" / "spec.md").write_text(
+        "#### Scenario: Greets\n- **WHEN** `greet World` runs\n- **THEN** it prints `Hello, World!`\n")
+    summary = "PROGRAMMER_SUMMARY:\n- Files changed: greet.py\n- Behavior implemented: a story\n"
+    cao.set_script({"programmer": [summary + "<promise>FAILED: argv parsing crashes on empty NAME</promise>\n",
+                                   summary + "<promise>COMPLETE</promise>\n"]})
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert run.roles_prompted() == ["programmer"] * 3 + ["peer_programmer", "tester"]
+    first, retry, second_story = run.prompts_for("programmer")
+    assert 'story 1 "Parse the name" (attempt 1 of 3)' in first and "[greeting] Scenario: Greets" in first
+    assert 'story 1 "Parse the name" (attempt 2 of 3)' in retry
+    assert "the previous attempt failed:\nargv parsing crashes on empty NAME" in retry
+    assert 'story 2 "Print the greeting" (attempt 1 of 3)' in second_story
+    review = run.prompts_for("peer_programmer")[0]
+    assert '- Story 1 "Parse the name": COMPLETE (attempt 2)' in review
+    assert run.state()["final_status"] == "PASS"
