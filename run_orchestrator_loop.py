@@ -10,7 +10,9 @@ programmer, tester -- and drives them through three phases:
 
 A retry round after a failed test runs programmer -> peer programmer -> tester
 only. Each agent writes its answer to a response file; the loop condenses what
-passes between agents so that no agent is sent more text than it needs.
+passes between agents so that no agent is sent more text than it needs. With
+STORY_MODE=1 the programmer works through the OpenSpec change one story
+(tasks.md section) at a time.
 
 Progress is saved to a JSON state file after every step (same fields as the
 original shell orchestrator) so that an interrupted run continues with
@@ -735,6 +737,16 @@ def log_turn(role: str, message: str) -> None:
     if current_phase in (PHASE_ANALYST, PHASE_PROGRAMMER):
         where += f" | cycle {phase_cycle}/{MAX_REVIEW_CYCLES}"
     log(f"{where} | {role}: {message}")
+
+
+def new_run_dir() -> str:
+    """Where a run keeps its consumed replies: $WD/.tmp/<run start time>."""
+    return str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def set_run_dir(path: str) -> None:
+    global run_dir
+    run_dir = path
 
 
 def response_dir() -> Path:
@@ -1779,7 +1791,7 @@ def init_new_run() -> None:
     phase, step, skipped = START_POSITIONS[START_AGENT]
     set_position(phase, 1, step)
     outputs = {key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS}
-    run_dir = str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    run_dir = new_run_dir()
     context_sent = set()
     terminals_exited = False
     in_flight = story_progress = {}
@@ -2076,8 +2088,8 @@ def start_run() -> None:
         elif task and task != PROMPT:
             log("note: resuming with the task saved in the state file; PROMPT/PROMPT_FILE is ignored")
         verify_resume_terminals()
-        if not run_dir:
-            _start_archive_dir()
+        if not run_dir:                     # a state file written by the shell script
+            set_run_dir(new_run_dir())
         log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
             f"session {session_name}")
         return
@@ -2090,9 +2102,6 @@ def start_run() -> None:
     init_new_run()
 
 
-def _start_archive_dir() -> None:
-    global run_dir
-    run_dir = str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 def main(argv: list[str] | None = None) -> None:
