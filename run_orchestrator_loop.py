@@ -1893,7 +1893,11 @@ def story_loop_due() -> bool:
     if story_progress:
         return True                      # resumed inside the story loop
     change = find_story_change()
-    return any(not story.finished for story in parse_stories(_read_text(change / "tasks.md")))
+    stories = parse_stories(_read_text(change / "tasks.md"))
+    if not stories:
+        log_turn("programmer", f"story mode: no '## N. Title' stories in {change / 'tasks.md'}; "
+                               "a normal programmer turn instead")
+    return any(not story.finished for story in stories)
 
 
 def run_story_loop() -> str:

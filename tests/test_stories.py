@@ -393,3 +393,12 @@ def test_resume_continues_at_the_interrupted_story_and_attempt(load_orch, fake_c
     assert "Retry of story 2 -- the previous attempt failed:\nflaky test" in prompts[3]
     review = fake_cao.prompts_for("peer_programmer")[0]
     assert '- Story 1 "Parse the name": COMPLETE (attempt 1)' in review
+
+
+def test_tasks_md_without_stories_says_so_and_runs_a_normal_turn(load_orch, fake_cao, prompt_file, workdir,
+                                                                 capsys):
+    make_change(workdir, tasks="# Tasks\n- [ ] 1.1 a task without a story heading\n")
+    m = load_orch(PROMPT_FILE=str(prompt_file), STORY_MODE="1", START_AGENT="programmer", **QUICK)
+    assert run_main(m) == 0
+    assert [story_of(p) for p in fake_cao.prompts_for("programmer")] == [""]
+    assert "story mode: no '## N. Title' stories in" in capsys.readouterr().out

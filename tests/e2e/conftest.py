@@ -24,6 +24,26 @@ def pytest_configure(config):
     )
 
 
+_e2e_outcomes: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    """Remember each end-to-end test's outcome for the summary below."""
+    if "tests/e2e/" not in report.nodeid.replace("\\", "/"):
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _e2e_outcomes.append((report.outcome.upper(), report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name every end-to-end scenario and its outcome, so a log shows they ran (and were not skipped)."""
+    if not _e2e_outcomes:
+        return
+    terminalreporter.section("end-to-end tests against a real cao-server")
+    for outcome, nodeid in _e2e_outcomes:
+        terminalreporter.write_line(f"{outcome:8} {nodeid}")
+
+
 def running_in_ci() -> bool:
     """True when ``CI`` is set to anything but an empty, ``0``, ``false`` or ``no`` value."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
