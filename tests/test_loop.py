@@ -274,11 +274,15 @@ def test_new_run_creates_session_and_five_terminals(load_orch, fake_cao, prompt_
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", TESTER_PROVIDER="kiro_cli",
                   START_AGENT="tester", **QUICK)
     assert run_main(m) == 0
-    created = [(t.profile, t.provider, t.session) for t in fake_cao.terminals.values()]
-    session = created[0][2]
-    assert created == [("system_analyst", "claude_code", session), ("peer_system_analyst", "claude_code", session),
-                       ("programmer", "claude_code", session), ("peer_programmer", "claude_code", session),
-                       ("tester", "kiro_cli", session)]
+    created = {t.role: (t.profile, t.provider, t.session) for t in fake_cao.terminals.values()}
+    first = next(iter(fake_cao.terminals.values()))
+    assert first.role == "analyst"                     # the session is created with the analyst
+    session = first.session
+    assert created == {"analyst": ("system_analyst", "claude_code", session),
+                       "peer_analyst": ("peer_system_analyst", "claude_code", session),
+                       "programmer": ("programmer", "claude_code", session),
+                       "peer_programmer": ("peer_programmer", "claude_code", session),
+                       "tester": ("tester", "kiro_cli", session)}
     assert all(t.working_directory == m.WD for t in fake_cao.terminals.values())
     state = state_of(m)
     assert state["session_name"] == session
