@@ -2106,8 +2106,6 @@ def start_run() -> None:
     init_new_run()
 
 
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -2140,12 +2138,20 @@ def main(argv: list[str] | None = None) -> None:
     except Terminated:
         code = 143
         print("terminated (SIGTERM)" + ("; state saved, rerun to resume" if started else ""), file=sys.stderr)
+    except Exception as exc:              # the machine (a full disk, ...) or a fault of this script
+        code = 1
+        print(f"error: unexpected {exc.__class__.__name__}: {exc}"
+              + ("; state saved, rerun to resume" if started else ""), file=sys.stderr, flush=True)
     finally:
         _install_sigterm(previous_sigterm)
         if started:
-            save_state()
-            if CLEANUP_ON_EXIT:
-                cleanup_terminals()
+            try:
+                save_state()
+                if CLEANUP_ON_EXIT:
+                    cleanup_terminals()
+            except OSError as exc:
+                code = code or 1
+                print(f"error: could not save the state to {STATE_FILE}: {exc}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 

@@ -24,7 +24,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
@@ -352,5 +351,3 @@ def review(verdict: str, notes: str = "") -> str:
     """A review reply with the given verdict and notes."""
     return f"REVIEW_RESULT: {verdict}\nREVIEW_NOTES:\n{notes}\n"
 
-
-Call = Callable[[FakeCao, Terminal], None]

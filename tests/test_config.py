@@ -2,7 +2,7 @@
 
 Spec 1 "Configuration via environment variables" (names and defaults of the
 shell script), spec 3 decision 3 (MAX_TEST_EVIDENCE_LINES and the JSON key
-condensation.max_test_evidence_lines), and the project's configuration issue:
+condensation.max_test_evidence_lines), and the configuration contract in README.md:
 precedence env > JSON > default, and every bad value refused with one line on
 stderr and exit 2 before anything is written or contacted.
 """
@@ -186,7 +186,7 @@ def test_state_file_from_environment_is_used(load_orch, tmp_path):
 
 
 def test_empty_environment_variable_counts_as_unset(load_orch, prompt_file, fake_cao, workdir):
-    """Issue: an empty variable is unset -- defaults apply and main() runs without complaint."""
+    """Configuration: an empty variable is unset -- defaults apply and main() runs without complaint."""
     m = load_orch(MAX_ROUNDS="", PROVIDER="", START_AGENT="", STRICT_FILE_HANDOFF="", STATE_FILE="",
                   MAX_TEST_EVIDENCE_LINES="", PROMPT_FILE=str(prompt_file), **FAST)
     assert (m.MAX_ROUNDS, m.PROVIDER, m.START_AGENT, m.MAX_TEST_EVIDENCE_LINES) == (8, "codex", "analyst", 120)
@@ -216,7 +216,7 @@ def test_bad_environment_value_at_import_is_reported_by_main(load_orch, prompt_f
 
 
 def test_several_bad_environment_values_give_one_line(load_orch, prompt_file, fake_cao, capsys, tmp_path):
-    """Issue: a refused configuration is one line on stderr, naming a culprit, even with several bad values."""
+    """Configuration: a refused configuration is one line on stderr, naming a culprit, even with several bad values."""
     m = load_orch(MAX_ROUNDS="eight", POLL_SECONDS="fast", PROMPT_FILE=str(prompt_file))
     line = assert_rejected(m, capsys, fake_cao, tmp_path, names=())
     assert "MAX_ROUNDS" in line or "POLL_SECONDS" in line
@@ -243,7 +243,7 @@ BAD_ENV = [
 @pytest.mark.parametrize("name, raw", BAD_ENV, ids=[f"{n}={v}" for n, v in BAD_ENV])
 def test_bad_environment_value_exits_2_naming_the_variable(load_orch, prompt_file, fake_cao, capsys, tmp_path,
                                                            name, raw):
-    """Issue: a bad env value is one stderr line naming the variable, exit 2, no request, no state file."""
+    """Configuration: a bad env value is one stderr line naming the variable, exit 2, no request, no state file."""
     m = load_orch(PROMPT_FILE=str(prompt_file), **{name: raw})
     assert_rejected(m, capsys, fake_cao, tmp_path, names=(name,))
     assert not (tmp_path / "project" / ".tmp" / STATE_NAME).exists()
@@ -251,7 +251,7 @@ def test_bad_environment_value_exits_2_naming_the_variable(load_orch, prompt_fil
 
 @pytest.mark.parametrize("kind", ["missing", "file"])
 def test_wd_not_a_directory_exits_2(load_orch, prompt_file, fake_cao, capsys, tmp_path, kind):
-    """Issue: WD that is not a directory is refused naming WD, exit 2, nothing written or contacted."""
+    """Configuration: WD that is not a directory is refused naming WD, exit 2, nothing written or contacted."""
     wd = tmp_path / "no-such-project"
     if kind == "file":
         wd.write_text("not a directory\n", encoding="utf-8")
@@ -273,7 +273,7 @@ BAD_PROMPTS = {
 
 
 def test_malformed_prompt_file_exits_2(load_orch, fake_cao, capsys, tmp_path):
-    """Issue: a prompt file lacking a header line or with an empty section is refused naming PROMPT_FILE."""
+    """Configuration: a prompt file lacking a header line or with an empty section is refused naming PROMPT_FILE."""
     path = tmp_path / "task.md"
     m = load_orch(PROMPT_FILE=str(path))
 
@@ -286,19 +286,19 @@ def test_malformed_prompt_file_exits_2(load_orch, fake_cao, capsys, tmp_path):
 
 @pytest.mark.parametrize("case", ["no_headers", "empty_scenario_section"])
 def test_malformed_prompt_text_exits_2(load_orch, fake_cao, capsys, tmp_path, case):
-    """Issue: a PROMPT lacking a header line or with an empty section is refused naming PROMPT."""
+    """Configuration: a PROMPT lacking a header line or with an empty section is refused naming PROMPT."""
     m = load_orch(PROMPT=BAD_PROMPTS[case])
     assert_rejected(m, capsys, fake_cao, tmp_path, names=("PROMPT",))
 
 
 def test_missing_prompt_file_exits_2(load_orch, fake_cao, capsys, tmp_path):
-    """Issue: a prompt file that does not exist is refused naming PROMPT_FILE."""
+    """Configuration: a prompt file that does not exist is refused naming PROMPT_FILE."""
     m = load_orch(PROMPT_FILE=str(tmp_path / "absent.md"))
     assert_rejected(m, capsys, fake_cao, tmp_path, names=("PROMPT_FILE",))
 
 
 def test_prompt_file_not_utf8_exits_2(load_orch, fake_cao, capsys, tmp_path):
-    """Issue: a prompt file that is not UTF-8 is refused naming PROMPT_FILE, without a traceback."""
+    """Configuration: a prompt file that is not UTF-8 is refused naming PROMPT_FILE, without a traceback."""
     path = tmp_path / "task.md"
     path.write_bytes(TASK_PROMPT.replace("greeting", "caf\u00e9 greeting").encode("latin-1") + b"\xff\xfe\n")
     m = load_orch(PROMPT_FILE=str(path))
@@ -307,13 +307,13 @@ def test_prompt_file_not_utf8_exits_2(load_orch, fake_cao, capsys, tmp_path):
 
 
 def test_no_task_at_all_exits_2(load_orch, fake_cao, capsys, tmp_path):
-    """Issue: neither PROMPT nor PROMPT_FILE (and nothing to resume) is refused naming how to give a task."""
+    """Configuration: neither PROMPT nor PROMPT_FILE (and nothing to resume) is refused naming how to give a task."""
     m = load_orch()
     assert_rejected(m, capsys, fake_cao, tmp_path, names=("PROMPT",))
 
 
 def test_prompt_from_config_file_is_the_task(load_orch, fake_cao, tmp_path, workdir):
-    """Issue: JSON 'prompt' carries the task text when no prompt file is given."""
+    """Configuration: JSON 'prompt' carries the task text when no prompt file is given."""
     cfg = write_config(tmp_path, {"prompt": TASK_PROMPT, "start_agent": "tester"})
     m = load_orch(**FAST)
     assert run_main(m, str(cfg)) == 0
@@ -326,7 +326,7 @@ def test_prompt_from_config_file_is_the_task(load_orch, fake_cao, tmp_path, work
 # --------------------------------------------------------------------------
 
 def test_more_than_one_argument_exits_2(load_orch, prompt_file, fake_cao, capsys, tmp_path):
-    """Issue: more than one command-line argument is refused with exit 2 and one line."""
+    """Configuration: more than one command-line argument is refused with exit 2 and one line."""
     first = write_config(tmp_path, {}, "a.json")
     second = write_config(tmp_path, {}, "b.json")
     m = load_orch(PROMPT_FILE=str(prompt_file))
@@ -335,14 +335,14 @@ def test_more_than_one_argument_exits_2(load_orch, prompt_file, fake_cao, capsys
 
 
 def test_missing_config_file_exits_2(load_orch, prompt_file, fake_cao, capsys, tmp_path):
-    """Issue: a config file that does not exist is refused naming the file."""
+    """Configuration: a config file that does not exist is refused naming the file."""
     path = tmp_path / "absent.json"
     m = load_orch(PROMPT_FILE=str(prompt_file))
     assert_rejected(m, capsys, fake_cao, tmp_path, str(path), names=(str(path),))
 
 
 def test_config_file_not_json_exits_2(load_orch, prompt_file, fake_cao, capsys, tmp_path):
-    """Issue: a config file that is not JSON is refused naming the file."""
+    """Configuration: a config file that is not JSON is refused naming the file."""
     path = tmp_path / "config.json"
     m = load_orch(PROMPT_FILE=str(prompt_file))
 
@@ -355,7 +355,7 @@ def test_config_file_not_json_exits_2(load_orch, prompt_file, fake_cao, capsys, 
 
 
 def test_config_file_not_an_object_exits_2(load_orch, prompt_file, fake_cao, capsys, tmp_path):
-    """Issue: a config file whose top level is not a JSON object is refused naming the file."""
+    """Configuration: a config file whose top level is not a JSON object is refused naming the file."""
     m = load_orch(PROMPT_FILE=str(prompt_file))
 
     def check(data: object) -> None:
@@ -408,7 +408,7 @@ BAD_JSON = [
 
 
 def test_bad_config_file_value_exits_2_naming_the_key(load_orch, prompt_file, fake_cao, capsys, tmp_path):
-    """Issue: unknown keys, wrong types, bad numbers, roles and providers in JSON: one line naming the key, exit 2."""
+    """Configuration: unknown keys, wrong types, bad numbers, roles and providers in JSON: one line naming the key, exit 2."""
     m = load_orch(PROMPT_FILE=str(prompt_file))
 
     def check(case: tuple[dict, str]) -> None:
@@ -420,7 +420,7 @@ def test_bad_config_file_value_exits_2_naming_the_key(load_orch, prompt_file, fa
 
 
 def test_config_file_wd_not_a_directory_exits_2(load_orch, prompt_file, fake_cao, capsys, tmp_path):
-    """Issue: JSON 'wd' that is not a directory is refused naming it, nothing written or contacted."""
+    """Configuration: JSON 'wd' that is not a directory is refused naming it, nothing written or contacted."""
     wd = tmp_path / "no-such-project"
     path = write_config(tmp_path, {"wd": str(wd)})
     m = load_orch(WD=None, PROMPT_FILE=str(prompt_file))
@@ -428,7 +428,7 @@ def test_config_file_wd_not_a_directory_exits_2(load_orch, prompt_file, fake_cao
 
 
 def test_config_file_prompt_file_missing_exits_2(load_orch, fake_cao, capsys, tmp_path):
-    """Issue: JSON 'prompt_file' naming a missing file is refused, naming that file."""
+    """Configuration: JSON 'prompt_file' naming a missing file is refused, naming that file."""
     missing = tmp_path / "nowhere.md"
     path = write_config(tmp_path, {"prompt_file": str(missing)})
     m = load_orch()
@@ -462,7 +462,7 @@ BAD_INPUTS = ["env", "config", "config_key", "prompt", "args", "no_task", "wd"]
 @pytest.mark.parametrize("bad", BAD_INPUTS)
 def test_bad_value_leaves_existing_state_file_unchanged(load_orch, prompt_file, fake_cao, capsys, tmp_path,
                                                         workdir, bad):
-    """Issue: a refused configuration does not touch an existing state file (bytes unchanged, not moved)."""
+    """Configuration: a refused configuration does not touch an existing state file (bytes unchanged, not moved)."""
     state_path = workdir / ".tmp" / STATE_NAME
     state_path.parent.mkdir()
     env = {"PROMPT_FILE": str(prompt_file)}
@@ -503,7 +503,7 @@ def test_bad_value_leaves_existing_state_file_unchanged(load_orch, prompt_file, 
 # --------------------------------------------------------------------------
 
 def test_precedence_env_over_json_over_default(load_orch, prompt_file, fake_cao, tmp_path):
-    """Issue: env beats JSON, JSON beats the default, and an empty env variable leaves the JSON value."""
+    """Configuration: env beats JSON, JSON beats the default, and an empty env variable leaves the JSON value."""
     cfg = write_config(tmp_path, {
         "provider": "claude_code",
         "start_agent": "tester",
@@ -529,7 +529,7 @@ def test_precedence_env_over_json_over_default(load_orch, prompt_file, fake_cao,
 
 
 def test_config_file_keys_map_to_settings(load_orch, prompt_file, fake_cao, tmp_path):
-    """Issue: nested JSON keys (top level, limits.*, handoff.*, condensation.*, agents.*) set their variables."""
+    """Configuration: nested JSON keys (top level, limits.*, handoff.*, condensation.*, agents.*) set their variables."""
     other_wd = tmp_path / "elsewhere"
     other_wd.mkdir()
     state = tmp_path / "states" / "mine.json"
@@ -607,7 +607,7 @@ PROVIDER_GROUPS = [CAO_PROVIDERS[i:i + 5] for i in range(0, len(CAO_PROVIDERS), 
 
 @pytest.mark.parametrize("group", PROVIDER_GROUPS, ids=["+".join(g) for g in PROVIDER_GROUPS])
 def test_every_cao_provider_is_accepted_from_environment(load_orch, prompt_file, fake_cao, group):
-    """Issue: every CAO 2.5.4 provider is valid in the environment and reaches CAO in the create calls."""
+    """Configuration: every CAO 2.5.4 provider is valid in the environment and reaches CAO in the create calls."""
     names = ["PROVIDER"] + ROLE_PROVIDER_ENVS
     env = dict(zip(names, group))
     m = load_orch(START_AGENT="tester", PROMPT_FILE=str(prompt_file), **env, **FAST)
@@ -619,7 +619,7 @@ def test_every_cao_provider_is_accepted_from_environment(load_orch, prompt_file,
 
 
 def test_every_cao_provider_is_accepted_in_config_file(load_orch, tmp_path):
-    """Issue: every CAO 2.5.4 provider is valid as JSON 'provider' and 'agents.<role>.provider'."""
+    """Configuration: every CAO 2.5.4 provider is valid as JSON 'provider' and 'agents.<role>.provider'."""
     m = load_orch()
 
     def check(provider: str) -> None:
@@ -639,7 +639,7 @@ def test_every_cao_provider_is_accepted_in_config_file(load_orch, tmp_path):
 
 @pytest.mark.parametrize("name", ["config-fresh.json", "config-incremental.json"])
 def test_starter_config_is_accepted(load_orch, name):
-    """Issue: each starter config file is a valid config file."""
+    """Configuration: each starter config file is a valid config file."""
     m = load_orch()
     path = ROOT / name
     assert path.is_file(), f"{name} is missing"
@@ -648,7 +648,7 @@ def test_starter_config_is_accepted(load_orch, name):
 
 @pytest.mark.parametrize("name", ["config-fresh.json", "config-incremental.json"])
 def test_starter_config_lists_every_setting(load_orch, name):
-    """Issue: each starter config file carries every key in SETTINGS, so it documents them all."""
+    """Configuration: each starter config file carries every key in SETTINGS, so it documents them all."""
     m = load_orch()
     path = ROOT / name
     assert path.is_file(), f"{name} is missing"

@@ -690,3 +690,33 @@ def test_in_flight_prompt_of_another_turn_is_not_carried_over(load_orch, fake_ca
     reply.write_text(FAIL_REPLY)
     assert run_main(m) == 0
     assert fake_cao.roles_prompted() == ["tester"]
+
+
+def test_unexpected_failure_is_one_line_and_keeps_state(load_orch, fake_cao, prompt_file, capsys, monkeypatch):
+    """A full disk while archiving a reply: exit 1, one line, no traceback, state resumable."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+
+    def disk_full(role, text, response_file):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(m, "archive_reply", disk_full)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: unexpected OSError: [Errno 28] No space left on device; state saved, rerun to resume")
+    assert state_of(m)["final_status"] == "RUNNING"
+
+
+def test_state_that_cannot_be_saved_is_reported_not_a_traceback(load_orch, fake_cao, prompt_file, capsys,
+                                                                monkeypatch):
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    original = m.save_state
+    calls = []
+
+    def save_then_fail():
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        original()
+    monkeypatch.setattr(m, "save_state", save_then_fail)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "Traceback" not in err
