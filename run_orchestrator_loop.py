@@ -376,9 +376,17 @@ def _initial(env_name: str) -> object:
     return _env_values.get(env_name, SETTINGS_BY_ENV[env_name].default)
 
 
+def _current_directory() -> str:
+    """The default WD; a directory deleted under the process is left for validation to report."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return os.environ.get("PWD", ".")
+
+
 API: str = _initial("API")
 PROVIDER: str = _initial("PROVIDER")
-WD: str = _initial("WD") or os.getcwd()
+WD: str = _initial("WD") or _current_directory()
 PROMPT: str = _initial("PROMPT")
 PROMPT_FILE: str = _initial("PROMPT_FILE")
 PROJECT_TEST_CMD: str = _initial("PROJECT_TEST_CMD")

@@ -10,6 +10,7 @@ stderr and exit 2 before anything is written or contacted.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -655,3 +656,18 @@ def test_starter_config_lists_every_setting(load_orch, name):
     keys = flatten_keys(json.loads(path.read_text(encoding="utf-8")))
     missing = sorted(s.key for s in m.SETTINGS if s.key not in keys)
     assert missing == []
+
+
+def test_deleted_current_directory_is_reported_not_a_traceback(load_orch, fake_cao, monkeypatch, capsys):
+    """Started from a directory deleted underneath it: the import survives and WD is reported."""
+    def gone():
+        raise FileNotFoundError(2, "No such file or directory")
+    monkeypatch.setenv("PWD", "/nonexistent/deleted-project")
+    monkeypatch.setattr(os, "getcwd", gone)
+    m = load_orch(WD=None, PROMPT_FILE=None)
+    monkeypatch.undo()
+    assert m.WD == "/nonexistent/deleted-project"
+    assert run_main(m) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: WD=/nonexistent/deleted-project does not exist: set WD (or 'wd' in the config file) "
+        "to the project directory")
