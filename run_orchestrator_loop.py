@@ -1983,7 +1983,7 @@ def run_reviewed_phase(phase: str) -> None:
             set_review_feedback(phase, "")
             set_position(NEXT_PHASE[phase])
         else:
-            log_turn(reviewer, f"verdict {verdict}: not approved ({_why_not_approved(review, cycle, reviewer)})")
+            log_turn(reviewer, f"verdict {verdict}: not approved ({_why_not_approved(verdict, review, cycle, reviewer)})")
             set_review_feedback(phase, review_feedback_from(review))
             if cycle >= MAX_REVIEW_CYCLES:
                 log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
@@ -1996,10 +1996,10 @@ def run_reviewed_phase(phase: str) -> None:
             return
 
 
-def _why_not_approved(review: str, cycle: int, reviewer: str) -> str:
+def _why_not_approved(verdict: str, review: str, cycle: int, reviewer: str) -> str:
     """A short reason for the log when a review does not count as approval."""
-    if review_verdict(review) != "APPROVED":
-        return "reviewer asks for changes" if review_verdict(review) == "REVISE" else "no REVIEW_RESULT line"
+    if verdict != "APPROVED":
+        return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
     if cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
         return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
     return (f"REVIEW_NOTES show {review_evidence_matches(review, reviewer)} of the "
