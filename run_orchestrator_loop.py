@@ -180,6 +180,9 @@ SETTINGS: tuple[Setting, ...] = (
             "1: an agent must write its response file; 0: fall back to its terminal output"),
     Setting("IDLE_GRACE_SECONDS", "handoff.idle_grace_seconds", 30.0, "seconds",
             "how long an agent may sit idle without its response file before it is reminded"),
+    Setting("QUIET_SCREEN_SECONDS", "handoff.quiet_screen_seconds", 5.0, "seconds",
+            "a written response file is taken once the agent's screen has been still this long, "
+            "even if CAO still reports it busy"),
     Setting("MAX_FILE_REMINDERS", "handoff.max_file_reminders", 1, "count0",
             "reminders sent to an agent idle without its response file"),
     Setting("AUTO_ACCEPT_PERMISSIONS", "handoff.auto_accept_permissions", False, "bool",
@@ -403,6 +406,7 @@ POLL_SECONDS: float = _initial("POLL_SECONDS")
 RESPONSE_TIMEOUT: float = _initial("RESPONSE_TIMEOUT")
 STRICT_FILE_HANDOFF: bool = _initial("STRICT_FILE_HANDOFF")
 IDLE_GRACE_SECONDS: float = _initial("IDLE_GRACE_SECONDS")
+QUIET_SCREEN_SECONDS: float = _initial("QUIET_SCREEN_SECONDS")
 MAX_FILE_REMINDERS: int = _initial("MAX_FILE_REMINDERS")
 AUTO_ACCEPT_PERMISSIONS: bool = _initial("AUTO_ACCEPT_PERMISSIONS")
 API_RETRY_SECONDS: float = _initial("API_RETRY_SECONDS")
@@ -582,9 +586,14 @@ class ApiClient:
         self._http = httpx.Client(base_url=self.base_url, timeout=self.TIMEOUT, headers=headers,
                                   transport=transport)
 
-    def _call(self, what: str, method: str, path: str, params: dict | None = None) -> object:
-        """One request, retried where safe; every failure becomes an ApiError that says what to do."""
-        give_up_at = time.monotonic() + self.retry_seconds
+    def _call(self, what: str, method: str, path: str, params: dict | None = None,
+              retry: bool = True) -> object:
+        """One request, retried where safe; every failure becomes an ApiError that says what to do.
+
+        `retry=False` is for a look that may simply fail (the screen of a
+        terminal with no reply yet): the caller treats a failure as "cannot tell".
+        """
+        give_up_at = time.monotonic() + (self.retry_seconds if retry else 0.0)
         delay = min(POLL_SECONDS, 1.0)
         told = False
         while True:
@@ -660,10 +669,18 @@ class ApiClient:
             raise ApiError(f"CAO {what} answered without a status: {answer!r:.200}")
         return answer["status"]
 
-    def get_last_output(self, terminal_id: str) -> str:
+    def get_last_output(self, terminal_id: str, retry: bool = True) -> str:
         """The agent's last reply as CAO reads it off the terminal screen."""
-        what = f"last output of terminal {terminal_id}"
-        answer = self._call(what, "GET", f"/terminals/{quote(terminal_id, safe='')}/output", {"mode": "last"})
+        return self._output(terminal_id, "last", retry)
+
+    def get_screen(self, terminal_id: str) -> str:
+        """Everything the terminal printed lately (CAO's `full` output); never retried."""
+        return self._output(terminal_id, "full", retry=False)
+
+    def _output(self, terminal_id: str, mode: str, retry: bool) -> str:
+        what = f"{mode} output of terminal {terminal_id}"
+        answer = self._call(what, "GET", f"/terminals/{quote(terminal_id, safe='')}/output", {"mode": mode},
+                            retry=retry)
         if not isinstance(answer, dict) or not isinstance(answer.get("output"), str):
             raise ApiError(f"CAO {what} answered without an output: {answer!r:.200}")
         return answer["output"]
@@ -715,9 +732,16 @@ RESPONSE_FILES = {
     "tester": "test_result.md",
 }
 READY_STATUSES = ("idle", "completed")
+BUSY_STATUSES = ("processing", "waiting_user_answer")
+# Any other word ("unknown" after a cao-server restart, or one of a newer CAO)
+# means the server cannot tell; the response file and the screen decide.
+KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # How often the response file is looked at between two status polls:
 # reading a local file costs nothing, so a reply is noticed quickly.
 FILE_CHECK_SECONDS = 0.1
+# A response file counts once it has not changed for this long, so a reply
+# still being written (or rewritten) is never read half-way.
+FILE_SETTLE_SECONDS = 0.3
 
 # Run state (saved in the state file; see section 7).
 session_name: str = ""
@@ -813,21 +837,20 @@ def read_reply_file(path: Path) -> str:
         return ""
 
 
-def _sleep_until_reply_or(path: Path, seconds: float) -> None:
-    """Sleep up to `seconds`, waking early once the response file has content.
+def reply_file_version(path: Path) -> tuple[int, int] | None:
+    """(mtime, size) of a non-empty response file, None while it is missing or empty.
 
-    Once the file is there the agent is usually about to go idle, so the
-    server is asked again after a short pause rather than a full poll.
+    Looking costs a read of a small local file, so it is done every
+    FILE_CHECK_SECONDS; the server is asked far less often. A file of blanks
+    counts as empty.
     """
-    if read_reply_file(path):
-        time.sleep(min(FILE_CHECK_SECONDS, seconds))
-        return
-    deadline = time.monotonic() + seconds
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or read_reply_file(path):
-            return
-        time.sleep(min(FILE_CHECK_SECONDS, remaining))
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    if info.st_size == 0 or not read_reply_file(path):
+        return None
+    return (info.st_mtime_ns, info.st_size)
 
 
 # Terminal text that means the agent's model provider failed, not the agent.
@@ -841,9 +864,21 @@ settled_terminals: set[str] = set()   # terminals seen ready twice in a row by t
 
 
 def _last_output(terminal_id: str) -> str | None:
-    """The terminal's last output, or None if the server cannot say."""
+    """The agent's last reply as CAO extracts it, or None if the server cannot say.
+
+    Not retried: before an agent's first reply CAO answers 500 (nothing to
+    extract), which is an answer, not an outage.
+    """
     try:
-        return api.get_last_output(terminal_id)
+        return api.get_last_output(terminal_id, retry=False)
+    except ApiError:
+        return None
+
+
+def _screen(terminal_id: str) -> str | None:
+    """The terminal's recent output, or None if the server cannot say."""
+    try:
+        return api.get_screen(terminal_id)
     except ApiError:
         return None
 
@@ -858,7 +893,12 @@ def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
 
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
-    """Before the first prompt to a terminal: ready twice in a row (some CLIs show a prompt early)."""
+    """Before the first prompt to a terminal: ready twice in a row (some CLIs show a prompt early).
+
+    A status word the loop does not know (`unknown` after a cao-server
+    restart) cannot become ready, so it counts as settled: the prompt goes out
+    and the reply file decides.
+    """
     if terminal_id in settled_terminals:
         return
     started = time.monotonic()
@@ -867,7 +907,7 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
         status = api.get_status(terminal_id)
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
-        ready_in_a_row = ready_in_a_row + 1 if status in READY_STATUSES else 0
+        ready_in_a_row = ready_in_a_row + 1 if status not in BUSY_STATUSES else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
             raise agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT="
                                                   f"{RESPONSE_TIMEOUT:g}s (status {status!r})")
@@ -877,71 +917,221 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
 
 
 class TurnWatch:
-    """What is known about one agent turn while the loop waits for its response file.
+    """One agent turn: what has been observed, and the rules that end it.
 
-    Right after a prompt a terminal can still show the idle state of its
-    previous turn, so "idle without a file" only starts to count once the
-    agent has been seen working (a busy status, or its output changed), or
-    once IDLE_GRACE_SECONDS have passed without that (the startup guard).
-    From then on, IDLE_GRACE_SECONDS of idleness earn a reminder, which
-    re-arms the guard.
+    CAO's status is a hint: it can lag, stick at `processing` when it misreads
+    a CLI's screen, or read `unknown` after a server restart. The response
+    file is the agent's own word, so it leads. wait_for_reply() does all the
+    I/O and feeds the observations in; decide() applies the rules:
+
+      file     the response file's (mtime, size), looked at every 0.1 s
+      status   CAO's status word, read at most once per POLL_SECONDS (plus
+               once when a file has settled, so a finished turn ends at once)
+      screen   the terminal's recent output, read with the status while the
+               status alone cannot end the turn
+      reply    CAO's last reply, compared with the one before the prompt:
+               a change means the agent worked
+
+    Rules, in order:
+      error    the status is `error`
+      done     the file is settled (unchanged for FILE_SETTLE_SECONDS) and
+               either a ready status was read since it appeared, or the
+               screen has not changed for QUIET_SCREEN_SECONDS while it was
+               there. A changing screen never ends a turn; a rewritten file
+               starts its clocks again
+      resend   no file, the agent idle and never seen working (no busy
+               status, no new reply) for IDLE_GRACE_SECONDS: the prompt never
+               arrived (once per turn)
+      remind   no file, idle for IDLE_GRACE_SECONDS after it worked
+      timeout  RESPONSE_TIMEOUT since the prompt
+      wait     anything else
+
+    "Idle" is a ready status, or -- when the status is one the loop does not
+    know -- a screen that has not changed for QUIET_SCREEN_SECONDS.
     """
 
-    def __init__(self, role: str, terminal_id: str, path: Path):
+    def __init__(self, role: str, terminal_id: str, path: Path, baseline_reply: str | None):
         self.role, self.terminal_id, self.path = role, terminal_id, path
-        self.started = time.monotonic()
+        now = time.monotonic()
+        self.started = now
         self.reminders = 0
+        self.resent = False
         self.told_blocked = False
+        self.told_unknown = False
         self.permission_answers = 0
         self.last_answer_at = float("-inf")
-        self.arm_guard()
+        self.status: str | None = None
+        self.status_at = float("-inf")
+        self.next_status_at = now + POLL_SECONDS    # CAO's send returned only now: nothing new yet
+        self.early_read_used = False
+        self.file_version: tuple[int, int] | None = None
+        self.file_seen_at = float("-inf")
+        self.ready_since_file = False
+        self.screen: str | None = None
+        self.screen_changed_at = now
+        self.arm_guard(baseline_reply)
 
-    def arm_guard(self) -> None:
+    def arm_guard(self, baseline_reply: str | None) -> None:
+        """After a prompt or reminder: the agent has not been seen working on it yet."""
         self.guard_since = time.monotonic()
         self.seen_working = False
         self.idle_since: float | None = None
-        self.baseline = _last_output(self.terminal_id)
+        self.baseline_reply = baseline_reply
+
+    # -- observations --------------------------------------------------------
+    def note_file(self, version: tuple[int, int] | None) -> None:
+        if version != self.file_version:
+            self.file_version = version
+            self.file_seen_at = time.monotonic()
+            self.ready_since_file = False
+            if version is not None:
+                self.note_working()
+
+    def note_status(self, status: str) -> None:
+        now = time.monotonic()
+        self.status, self.status_at = status, now
+        self.next_status_at = now + POLL_SECONDS
+        if status in READY_STATUSES and self.file_version is not None:
+            self.ready_since_file = True
+        if status in BUSY_STATUSES:
+            self.note_working()
+
+    def note_screen(self, screen: str | None) -> None:
+        if screen is None or screen == self.screen:
+            return
+        if self.screen is not None and self.status not in KNOWN_STATUSES:
+            self.note_working()         # nothing else tells that it works
+        self.screen, self.screen_changed_at = screen, time.monotonic()
+
+    def note_reply(self, reply: str | None) -> None:
+        if reply is not None and self.baseline_reply is not None and reply != self.baseline_reply:
+            self.note_working()
 
     def note_working(self) -> None:
         self.seen_working = True
         self.idle_since = None
 
-    def idle_long_enough(self) -> bool:
-        """Ready without a file: has the agent used up its idle grace?"""
+    # -- what to read --------------------------------------------------------
+    def file_settled(self) -> bool:
+        return self.file_version is not None and time.monotonic() - self.file_seen_at >= FILE_SETTLE_SECONDS
+
+    def status_due(self) -> bool:
+        """Once per POLL_SECONDS -- and once early, when a reply file has just settled."""
+        if time.monotonic() >= self.next_status_at:
+            return True
+        if not self.early_read_used and self.file_settled() and self.status_at < self.file_seen_at:
+            self.early_read_used = True
+            return True
+        return False
+
+    def next_look_at(self) -> float:
+        """When something may change: the next status read, or the moment a new file settles."""
+        if self.file_version is not None and not self.file_settled():
+            return min(self.next_status_at, self.file_seen_at + FILE_SETTLE_SECONDS)
+        return self.next_status_at
+
+    def screen_due(self) -> bool:
+        """With a status read, when the status alone cannot end the turn."""
+        if self.status in READY_STATUSES or self.status == "error":
+            return False
+        return self.file_version is not None or self.status not in KNOWN_STATUSES
+
+    def reply_due(self) -> bool:
+        """Idle without a file and not seen working: did a new reply appear?"""
+        return self.file_version is None and not self.seen_working and self.is_idle()
+
+    # -- rules ---------------------------------------------------------------
+    def screen_still_since(self, since: float) -> bool:
+        quiet_from = max(self.screen_changed_at, since)
+        return self.screen is not None and time.monotonic() - quiet_from >= QUIET_SCREEN_SECONDS
+
+    def is_idle(self) -> bool:
+        if self.status in READY_STATUSES:
+            return True
+        return self.status not in KNOWN_STATUSES and self.screen_still_since(float("-inf"))
+
+    def decide(self) -> str:
         now = time.monotonic()
-        if not self.seen_working and self.baseline is not None and _last_output(self.terminal_id) != self.baseline:
-            self.note_working()             # it printed something: it did work
-        if self.idle_since is None:
+        if self.status == "error":
+            return "error"
+        if self.file_settled() and (self.ready_since_file or self.screen_still_since(self.file_seen_at)):
+            return "done"
+        if self.file_version is None and self.is_idle():
             if not self.seen_working and now - self.guard_since < IDLE_GRACE_SECONDS:
-                return False                # may not have started yet: idle does not count
-            self.idle_since = now
-        return now - self.idle_since >= IDLE_GRACE_SECONDS
+                return "wait"                 # may not have started yet: idle does not count
+            if not self.seen_working and not self.resent:
+                return "resend"
+            if self.idle_since is None:
+                self.idle_since = now
+            if now - self.idle_since >= IDLE_GRACE_SECONDS:
+                return "remind"
+        else:
+            self.idle_since = None
+        if now - self.started >= RESPONSE_TIMEOUT:
+            return "timeout"
+        return "wait"
 
 
-def wait_for_reply(role: str, terminal_id: str, path: Path) -> str:
-    """Wait until the agent is idle with its response file written, and return the file."""
-    turn = TurnWatch(role, terminal_id, path)
+def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
+                   baseline_reply: str | None) -> str:
+    """Wait until the turn's rules say the agent is done, and return its answer.
+
+    `message` is what was sent (None for a turn carried over from an earlier
+    process); it is sent again once if the agent never showed that it got it.
+    """
+    turn = TurnWatch(role, terminal_id, path, baseline_reply)
     while True:
-        status = api.get_status(terminal_id)
-        if status == "error":
-            output = _last_output(terminal_id)
-            raise agent_failed(role, terminal_id, "reports status 'error'" + (f" ({_tail(output, 3)})" if output else ""))
-        if status in READY_STATUSES:
+        turn.note_file(reply_file_version(path))
+        if turn.status_due():
+            observe_terminal(turn)
+        verdict = turn.decide()
+        if verdict == "done":
             reply = read_reply_file(path)
             if reply:
                 return reply
-            if turn.idle_long_enough():
-                reply = idle_without_file(turn)
-                if reply is not None:
-                    return reply
-        else:
-            turn.note_working()
-            if status == "waiting_user_answer":
-                handle_permission_prompt(turn)
-        if time.monotonic() - turn.started >= RESPONSE_TIMEOUT:
+            turn.note_file(None)             # emptied again: keep waiting
+        elif verdict == "error":
+            output = _last_output(terminal_id)
+            raise agent_failed(role, terminal_id, "reports status 'error'" + (f" ({_tail(output, 3)})" if output else ""))
+        elif verdict == "resend" and message is not None and not reply_file_version(path):
+            log_turn(role, f"terminal {terminal_id} never showed that it got the prompt "
+                           f"({IDLE_GRACE_SECONDS:g}s idle, no new output); sending the whole prompt again")
+            turn.resent = True
+            resend_prompt(role, terminal_id, message, turn)
+        elif verdict in ("resend", "remind") and not reply_file_version(path):
+            turn.resent = True
+            reply = idle_without_file(turn)
+            if reply is not None:
+                return reply
+        elif verdict == "timeout":
             raise agent_failed(role, terminal_id, f"gave no reply within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s; "
                                                   "raise RESPONSE_TIMEOUT if it needs longer")
-        _sleep_until_reply_or(path, POLL_SECONDS)
+        time.sleep(max(0.0, min(FILE_CHECK_SECONDS, turn.next_look_at() - time.monotonic())))
+
+
+def observe_terminal(turn: TurnWatch) -> None:
+    """One round of server reads for a turn: the status, and the screen or reply when they can tell more."""
+    status = api.get_status(turn.terminal_id)
+    turn.note_status(status)
+    if status not in KNOWN_STATUSES and not turn.told_unknown:
+        turn.told_unknown = True
+        log_turn(turn.role, f"CAO cannot tell the status of terminal {turn.terminal_id} ({status!r}, e.g. after "
+                            "a server restart); judging the turn by the response file and the screen")
+    if status == "waiting_user_answer":
+        handle_permission_prompt(turn)
+    if turn.screen_due():
+        turn.note_screen(_screen(turn.terminal_id))
+    if turn.reply_due():
+        turn.note_reply(_last_output(turn.terminal_id))
+
+
+def resend_prompt(role: str, terminal_id: str, message: str, turn: TurnWatch) -> None:
+    """Send the prompt again, as it was; the turn's clocks start over."""
+    baseline = _last_output(terminal_id)
+    set_in_flight({**in_flight, "sent_at": time.time()})
+    save_state()
+    api.send_input(terminal_id, message)
+    turn.arm_guard(baseline)
 
 
 def idle_without_file(turn: TurnWatch) -> str | None:
@@ -956,7 +1146,7 @@ def idle_without_file(turn: TurnWatch) -> str | None:
         log_turn(role, f"idle without {path.name}; reminder {turn.reminders}/{MAX_FILE_REMINDERS} sent")
         api.send_input(terminal_id, f"Reminder: your answer has not arrived. Write your complete answer to "
                                     f"{path} now; the orchestrator reads only that file.")
-        turn.arm_guard()
+        turn.arm_guard(output)
         return None
     if STRICT_FILE_HANDOFF:
         raise agent_failed(role, terminal_id, f"went idle without writing {path}; set STRICT_FILE_HANDOFF=0 "
@@ -1054,6 +1244,7 @@ def ask_agent(role: str, prompt: str) -> str:
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
     carried = carried_over_turn(role, path)
+    message = baseline_reply = None
     if carried == "reply":
         log_turn(role, "taking the reply written while the loop was down (prompt not sent again)")
     elif carried == "working":
@@ -1063,6 +1254,9 @@ def ask_agent(role: str, prompt: str) -> str:
         wait_until_settled(role, terminal_id)
         set_aside_stale_reply(path)
         message = deliverable_message(role, prompt)
+        # Before the send: CAO's send returns only after pasting (seconds with
+        # some CLIs), and a quick agent may have answered by then.
+        baseline_reply = _last_output(terminal_id)
         set_in_flight({**turn_position(role), "sent_at": time.time()})
         save_state()
         log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
@@ -1071,7 +1265,7 @@ def ask_agent(role: str, prompt: str) -> str:
         except BaseException:
             forget_context_sent(terminal_id)
             raise
-    reply = wait_for_reply(role, terminal_id, path)
+    reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
     archived = archive_reply(role, reply, path)
     set_in_flight({})
     log_turn(role, f"reply received ({len(reply)} chars, kept as {archived})")

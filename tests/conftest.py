@@ -52,7 +52,11 @@ def load_orch(monkeypatch, workdir):
                 monkeypatch.delenv(name, raising=False)
             else:
                 monkeypatch.setenv(name, str(value))
-        return importlib.reload(run_orchestrator_loop)
+        module = importlib.reload(run_orchestrator_loop)
+        # In-process runs take many turns: a reply file settles at once here.
+        # The settle rule itself is tested with the real value (test_turn_completion.py).
+        module.FILE_SETTLE_SECONDS = FAST_FILE_SETTLE_SECONDS
+        return module
 
     return load
 
@@ -79,6 +83,8 @@ def fake_cao():
     with respx.mock(assert_all_called=False) as router:
         yield FakeCao().install(router)
 
+
+FAST_FILE_SETTLE_SECONDS = 0.02
 
 # Fast but otherwise default loop settings for in-process runs.
 FAST = {"POLL_SECONDS": "0.01", "IDLE_GRACE_SECONDS": "0.05", "RESPONSE_TIMEOUT": "5"}

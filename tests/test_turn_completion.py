@@ -1,0 +1,215 @@
+"""When is an agent's turn over? The completion rules of wait_for_reply(), one at a time.
+
+CAO's status is a hint: it lags, sticks at `processing` when it misreads a
+CLI's screen (Codex 0.169 under CAO 2.5.4), and reads `unknown` after a
+server restart. The response file leads; a ready status or a screen that has
+stopped changing confirms it. Each test plays one terminal on a fake clock:
+its status, its screen and the agent's file writes follow a timeline, and the
+real wait loop runs against it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+POLL = 2.0
+GRACE = 30.0
+QUIET = 5.0
+SETTLE = 0.3
+FINAL = "RESULT: PASS\nEVIDENCE:\n- final\n"
+DRAFT = "RESULT: FAIL\nEVIDENCE:\n- draft, still working\n"
+
+
+class SimTerminal:
+    """One CAO terminal and its agent on a fake clock.
+
+    `status` and `screen` hold what the server reports; while the clock is
+    before `busy_screen_until` the screen changes every second (a working
+    CLI repaints its spinner). Timeline events run when the clock passes them.
+    """
+
+    def __init__(self, orch, monkeypatch, path: Path):
+        self.orch, self.path = orch, path
+        self.now = 0.0
+        self.status = "processing"
+        self.still_screen = "› idle composer"
+        self.busy_screen_until = 0.0
+        self.reply = "previous reply"
+        self.events: list[tuple[float, object]] = []
+        self.sent: list[str] = []
+        self.status_reads: list[float] = []
+        self.screen_reads: list[float] = []
+        self.file_written_at: float | None = None
+        monkeypatch.setattr(orch.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(orch.time, "time", lambda: 1_700_000_000.0 + self.now)
+        monkeypatch.setattr(orch.time, "sleep", self.sleep)
+        monkeypatch.setattr(orch, "api", self)
+        monkeypatch.setattr(orch, "save_state", lambda: None)
+        for name, value in (("POLL_SECONDS", POLL), ("IDLE_GRACE_SECONDS", GRACE), ("QUIET_SCREEN_SECONDS", QUIET),
+                            ("FILE_SETTLE_SECONDS", SETTLE), ("RESPONSE_TIMEOUT", 1800.0),
+                            ("MAX_FILE_REMINDERS", 1)):
+            monkeypatch.setattr(orch, name, value)
+
+    # -- the timeline --------------------------------------------------------
+    def at(self, t: float, **changes) -> None:
+        self.events.append((t, lambda: self.__dict__.update(changes)))
+
+    def write_at(self, t: float, text: str) -> None:
+        def write():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(text)
+            self.file_written_at = self.now
+        self.events.append((t, write))
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += max(seconds, 1e-6)
+        for event in sorted((e for e in self.events if e[0] <= self.now), key=lambda e: e[0]):
+            self.events.remove(event)
+            event[1]()
+
+    # -- the CAO API the loop calls --------------------------------------------
+    def get_status(self, terminal_id: str) -> str:
+        self.status_reads.append(self.now)
+        return self.status
+
+    def get_screen(self, terminal_id: str) -> str:
+        self.screen_reads.append(self.now)
+        if self.now < self.busy_screen_until:
+            return f"• Working ({int(self.now)}s • esc to interrupt)"
+        return self.still_screen
+
+    def get_last_output(self, terminal_id: str, retry: bool = True) -> str:
+        return self.reply
+
+    def send_input(self, terminal_id: str, message: str) -> None:
+        self.sent.append(message)
+
+    # -- running a turn --------------------------------------------------------
+    def wait(self, message: str = "the prompt") -> tuple[str, float]:
+        """Run the real wait loop; return the reply and the clock when it was taken."""
+        reply = self.orch.wait_for_reply("tester", "t1", self.path, message, "previous reply")
+        return reply, self.now
+
+
+@pytest.fixture
+def sim(orch, monkeypatch, tmp_path):
+    return SimTerminal(orch, monkeypatch, tmp_path / "agent-responses" / "test_result.md")
+
+
+def test_ready_status_ends_the_turn_once_the_file_has_settled(sim):
+    """File written and status `completed`: taken after the settle time, without waiting for a poll."""
+    sim.write_at(7.05, FINAL)
+    sim.at(7.05, status="completed")
+    reply, taken_at = sim.wait()
+    assert reply == FINAL.strip()
+    assert SETTLE <= taken_at - sim.file_written_at <= SETTLE + 0.15
+    assert sim.screen_reads == []                       # the status alone was enough
+    assert sim.sent == []
+
+
+def test_stuck_processing_with_a_still_screen_ends_after_the_quiet_bound(sim):
+    """Codex under CAO 2.5.4: file written, screen idle, status `processing` for good."""
+    sim.busy_screen_until = 8.0
+    sim.write_at(7.5, FINAL)
+    reply, taken_at = sim.wait()
+    assert reply == FINAL.strip()
+    assert taken_at - 8.0 >= QUIET                      # never before the screen was still long enough
+    assert taken_at - 8.0 <= QUIET + 2 * POLL + SETTLE  # and within the bounds after it stopped
+    assert sim.sent == []
+
+
+def test_a_changing_screen_is_never_cut_short(sim):
+    """The file is there early, but the agent keeps working (screen changing) for a minute."""
+    sim.busy_screen_until = 60.0
+    sim.write_at(3.0, FINAL)
+    reply, taken_at = sim.wait()
+    assert taken_at >= 60.0 + QUIET
+    assert reply == FINAL.strip()
+    assert sim.sent == []                               # no reminder to a working agent
+
+
+def test_unknown_status_is_judged_by_file_and_screen_and_logged_once(sim, capsys):
+    """After a cao-server restart every status reads `unknown`: the file and the screen decide."""
+    sim.status = "unknown"
+    sim.busy_screen_until = 4.5
+    sim.write_at(4.0, FINAL)
+    reply, taken_at = sim.wait()
+    assert reply == FINAL.strip()
+    assert QUIET <= taken_at - 4.5 <= QUIET + 2 * POLL + SETTLE
+    assert capsys.readouterr().out.count("CAO cannot tell the status of terminal t1") == 1
+
+
+def test_a_file_rewritten_while_the_agent_works_is_read_once_final(sim):
+    """A draft first, the final text later: the draft is never taken, however long it sat."""
+    sim.busy_screen_until = 12.0
+    sim.write_at(2.0, DRAFT)
+    sim.write_at(11.0, FINAL)
+    sim.at(12.0, status="completed")
+    reply, taken_at = sim.wait()
+    assert reply == FINAL.strip()
+    assert taken_at >= 12.0
+
+
+def test_a_draft_with_a_ready_status_read_before_it_is_not_taken(sim):
+    """A ready status read before the file appeared does not confirm that file."""
+    sim.status = "completed"                            # left over from the previous turn
+    sim.at(0.5, status="processing")
+    sim.busy_screen_until = 20.0
+    sim.write_at(1.0, DRAFT)
+    sim.write_at(15.0, FINAL)
+    sim.at(20.0, status="completed")
+    reply, _ = sim.wait()
+    assert reply == FINAL.strip()
+
+
+def test_prompt_never_seen_arriving_is_sent_again_whole_before_any_reminder(sim, capsys):
+    """Idle from the start, no new reply, no busy status: after the grace the same prompt goes out again."""
+    sim.status = "idle"
+    sim.at(GRACE + 5, status="processing")
+    sim.write_at(GRACE + 10, FINAL)
+    sim.at(GRACE + 10, status="completed")
+    reply, _ = sim.wait(message="the whole prompt")
+    assert reply == FINAL.strip()
+    assert sim.sent == ["the whole prompt"]
+    assert "never showed that it got the prompt" in capsys.readouterr().out
+
+
+def test_an_agent_that_worked_gets_a_reminder_not_the_prompt_again(sim):
+    """Busy, then idle without its file: a reminder naming the file, after the idle grace."""
+    sim.at(5.0, status="idle")
+    sim.write_at(50.0, FINAL)
+    sim.at(50.0, status="completed")
+    reply, _ = sim.wait()
+    assert reply == FINAL.strip()
+    assert len(sim.sent) == 1 and sim.sent[0].startswith("Reminder:") and str(sim.path) in sim.sent[0]
+
+
+def test_a_reply_that_arrives_just_before_the_reminder_gets_none(sim):
+    """Idle since the read at 6 s, the file appears at 35.5 s, half a second before the reminder was due."""
+    sim.at(5.0, status="idle")
+    sim.write_at(6.0 + GRACE - 0.5, FINAL)
+    reply, _ = sim.wait()
+    assert reply == FINAL.strip() and sim.sent == []
+
+
+def test_status_reads_stay_at_poll_rate_while_the_file_waits_for_a_ready_status(sim, orch, monkeypatch):
+    """File written, status never ready, screen always changing: at most one status read per POLL_SECONDS."""
+    monkeypatch.setattr(orch, "RESPONSE_TIMEOUT", 120.0)
+    sim.busy_screen_until = 10**9
+    sim.write_at(1.0, FINAL)
+    with pytest.raises(orch.RunError, match="RESPONSE_TIMEOUT"):
+        sim.wait()
+    allowed = sim.now / POLL + 2                        # the regular reads, plus one when the file settled
+    assert len(sim.status_reads) <= allowed
+    assert len(sim.screen_reads) <= allowed
+    gaps = [b - a for a, b in zip(sim.status_reads, sim.status_reads[1:])]
+    assert sum(1 for gap in gaps if gap < POLL - 1e-9) <= 1
+
+
+def test_error_status_stops_the_turn(sim, orch):
+    sim.at(3.0, status="error")
+    with pytest.raises(orch.RunError, match="reports status 'error'"):
+        sim.wait()
