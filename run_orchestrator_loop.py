@@ -1266,10 +1266,23 @@ def ask_agent(role: str, prompt: str) -> str:
             forget_context_sent(terminal_id)
             raise
     reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
+    timing = turn_timing(path)
     archived = archive_reply(role, reply, path)
     set_in_flight({})
-    log_turn(role, f"reply received ({len(reply)} chars, kept as {archived})")
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived})")
     return reply
+
+
+def turn_timing(path: Path) -> str:
+    """' after 6.2s (file written 0.4s before)': how long the turn took, and how long the loop took to see it."""
+    now = time.time()
+    sent_at = in_flight.get("sent_at")
+    text = f" after {now - sent_at:.1f}s" if isinstance(sent_at, (int, float)) else ""
+    try:
+        text += f" (file written {max(0.0, now - path.stat().st_mtime):.1f}s before)"
+    except OSError:
+        pass
+    return text
 
 
 # ==========================================================================
@@ -1976,9 +1989,22 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     except BaseException as exc:
         exit_terminals(list(created.values()))
         if isinstance(exc, ApiError):
-            raise RunError(f"could not create the agent terminals ({exc})") from None
+            raise RunError(f"could not create the agent terminals ({exc}){start_failure_hint(str(exc))}") from None
         raise
     return first["session_name"], {role: created[role] for role in ROLES}
+
+
+def start_failure_hint(error: str) -> str:
+    """What to check when CAO gave up waiting for an agent CLI to start (its own message hides the cause)."""
+    if "initialization timed out" not in error:
+        return ""
+    hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
+            "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
+            "of the user running cao-server")
+    if "Claude Code" in error:
+        hint += ("; a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code "
+                 "(which otherwise refuses --dangerously-skip-permissions)")
+    return hint
 
 
 def init_new_run() -> None:

@@ -313,6 +313,19 @@ def test_failed_session_creation_writes_no_state(load_orch, fake_cao, prompt_fil
     assert "Working directory not allowed" in capsys.readouterr().err
 
 
+def test_agent_cli_start_up_timeout_says_what_to_check(load_orch, fake_cao, prompt_file, capsys):
+    """CAO's 'initialization timed out' hides the cause: the error line says where to look, and for
+    Claude Code under a root cao-server, which variable it needs."""
+    fake_cao.fail_create["system_analyst"] = (
+        500, "Failed to create session: Claude Code initialization timed out after 60s")
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **QUICK)
+    assert run_main(m) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "installed, on cao-server's PATH and logged in" in err
+    assert "~/.aws/cli-agent-orchestrator/logs/" in err and "IS_SANDBOX=1" in err
+
+
 def test_terminal_creation_runs_concurrently(load_orch, fake_cao, prompt_file):
     """The four extra terminals are created at the same time, not one after another."""
     fake_cao.create_delay = 0.2
