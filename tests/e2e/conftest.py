@@ -1,5 +1,8 @@
 """Fixtures that run a real, private CAO server whose agents are a scripted program.
 
+``claude_cao`` and ``codex_cao`` run the real Claude Code or Codex CLI instead,
+against a scripted model endpoint (``scripted_model.py``).
+
 The server itself (start, profile install, stop and leak check) lives in
 ``harness.py``; see its docstring for the layout of the temporary root.
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 
 import pytest
 
@@ -21,6 +25,11 @@ from .harness import CaoServer, MissingPrerequisite, private_cao  # noqa: F401  
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "e2e: end-to-end test against a real cao-server with scripted mock_cli agents"
+    )
+    config.addinivalue_line(
+        "markers",
+        "real_cli: end-to-end test running the real Claude Code or Codex CLI under a private "
+        "cao-server, against a scripted model endpoint",
     )
 
 
@@ -35,6 +44,11 @@ def pytest_runtest_logreport(report):
         _e2e_outcomes.append((report.outcome.upper(), report.nodeid))
 
 
+# Real agent CLIs: provider -> [(role, turn seconds, seconds from reply file written to reply taken)],
+# as the loop's own log reported them (filled by test_real_clis.py).
+REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float]]] = {}
+
+
 def pytest_terminal_summary(terminalreporter):
     """Name every end-to-end scenario and its outcome, so a log shows they ran (and were not skipped)."""
     if not _e2e_outcomes:
@@ -42,6 +56,12 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("end-to-end tests against a real cao-server")
     for outcome, nodeid in _e2e_outcomes:
         terminalreporter.write_line(f"{outcome:8} {nodeid}")
+    for provider, times in sorted(REAL_CLI_TURN_TIMES.items()):
+        took = [t for _, t, _ in times]
+        lag = [g for _, _, g in times]
+        terminalreporter.write_line(
+            f"{provider}: {len(times)} turns; turn {statistics.median(took):.1f}s median, {max(took):.1f}s max; "
+            f"reply taken {statistics.median(lag):.1f}s median, {max(lag):.1f}s max after its file was written")
 
 
 def running_in_ci() -> bool:
@@ -49,17 +69,34 @@ def running_in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _missing(exc: Exception) -> None:
+    """Skip on a missing prerequisite, except in CI, where a skip would look like a pass."""
+    if running_in_ci():
+        pytest.fail(
+            f"end-to-end tests cannot run: {exc}. CI is set, so they fail instead of being "
+            "skipped; install the missing program in the CI image.",
+            pytrace=False,
+        )
+    pytest.skip(f"end-to-end tests skipped: {exc}")
+
+
 def _start_private_cao(stack: contextlib.ExitStack, **options) -> CaoServer:
     try:
         return stack.enter_context(private_cao(keep=bool(os.environ.get("CAO_E2E_KEEP")), **options))
     except MissingPrerequisite as exc:
-        if running_in_ci():
-            pytest.fail(
-                f"end-to-end tests cannot run: {exc}. CI is set, so they fail instead of being "
-                "skipped; install the missing program in the CI image.",
-                pytrace=False,
-            )
-        pytest.skip(f"end-to-end tests skipped: {exc}")
+        _missing(exc)
+
+
+def _start_real_cli_cao(stack: contextlib.ExitStack, provider: str) -> CaoServer:
+    """A private server for ``provider`` whose CLI talks to its own ScriptedModel (``.model``)."""
+    try:
+        from .scripted_model import ScriptedModel
+    except ImportError as exc:
+        _missing(MissingPrerequisite(f"the scripted model endpoint cannot be imported ({exc})"))
+    model = stack.enter_context(ScriptedModel())
+    server = _start_private_cao(stack, provider=provider, model_url=model.url)
+    server.model = model
+    return server
 
 
 @pytest.fixture(scope="session")
@@ -86,5 +123,31 @@ def cao_with_token():
     """A second private server, started with CAO_AUTH_LOCAL_TOKEN=E2E_TOKEN."""
     with contextlib.ExitStack() as stack:
         server = _start_private_cao(stack, token=E2E_TOKEN)
+        yield server
+        server.kill_all_sessions()
+
+
+@pytest.fixture(scope="session")
+def claude_cao():
+    """A private server whose profiles run the pinned Claude Code against a ScriptedModel.
+
+    ``claude_cao.model`` is that model: ``set_script``, ``events``, ``writes``, ``turns``.
+    Use ``claude_cao.new_workdir()`` for working directories (they are pre-trusted).
+    """
+    with contextlib.ExitStack() as stack:
+        server = _start_real_cli_cao(stack, "claude_code")
+        yield server
+        server.kill_all_sessions()
+
+
+@pytest.fixture(scope="session")
+def codex_cao():
+    """A private server whose profiles run the pinned Codex CLI against a ScriptedModel.
+
+    As ``claude_cao``. CAO 2.5.4 keeps reporting ``processing`` after a finished
+    Codex turn: wait for the response file (or ``model.writes()``), not the status.
+    """
+    with contextlib.ExitStack() as stack:
+        server = _start_real_cli_cao(stack, "codex")
         yield server
         server.kill_all_sessions()

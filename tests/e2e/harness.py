@@ -1,4 +1,4 @@
-"""A real, private CAO server whose agents are a scripted program.
+"""A real, private CAO server whose agents are a scripted program or a real agent CLI.
 
 ``private_cao()`` starts one and yields a ``CaoServer``; on exit it stops
 everything it started and raises if anything was left behind. The pytest
@@ -15,6 +15,12 @@ Layout of one server (all under a fresh temporary root):
     tmux/       TMUX_TMPDIR: the private tmux server's socket lives here
     profiles/   generated fallback agent profiles
     work/       working directories handed to CAO terminals
+
+With ``provider="claude_code"`` or ``"codex"`` the agents are the pinned real
+CLIs (``agent_clis.py``), talking to a scripted model endpoint at
+``model_url``; home/ then also holds their offline, unattended settings, and
+the root defaults to /var/tmp (Codex wants its home outside /tmp, CAO refuses
+working directories under /root).
 
 The tmux server is started here before cao-server. Otherwise CAO's first
 session would start it, panes would run login shells, and Debian's
@@ -42,8 +48,10 @@ from pathlib import Path
 import httpx
 
 if __package__:
+    from . import agent_clis
     from .cao_env import ensure_cao
 else:  # imported as a top-level module, with tests/e2e on sys.path
+    import agent_clis
     from cao_env import ensure_cao
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,15 +66,26 @@ AGENT_PROFILES = (
     "tester",
 )
 
+PROVIDERS = ("mock_cli", "claude_code", "codex")
+REAL_CLI_PROVIDERS = ("claude_code", "codex")
+# Default parent of the temporary root for the real CLIs: not /tmp (Codex
+# objects to helper files under a temporary directory) and not /root (CAO
+# refuses working directories there). CAO_E2E_TMPDIR overrides it.
+REAL_CLI_TMP_PARENT = "/var/tmp"
+# A closed port: the CLIs start without calling their model, so a server
+# started only to check start-up needs no endpoint.
+NO_MODEL_URL = "http://127.0.0.1:9"
+
 SERVER_START_TIMEOUT = 60.0
 DEFAULT_THINK_MS = "300"
 REQUIRED_TOOLS = ("tmux", "bash")
 INSTALL_HINT = "Debian/Ubuntu: apt-get install tmux"
 
 # Inherited variables that would break isolation: a parent tmux's socket
-# (tmux clients follow $TMUX), a user's CAO settings or token, or a Python
-# environment that would leak into CAO's own virtualenv.
-_STRIP_ENV_PREFIXES = ("CAO_", "MOCK_AGENT_")
+# (tmux clients follow $TMUX), a user's CAO settings or token, a user's agent
+# CLI settings or keys, or a Python environment that would leak into CAO's own
+# virtualenv.
+_STRIP_ENV_PREFIXES = ("CAO_", "MOCK_AGENT_", "CLAUDE", "ANTHROPIC_", "OPENAI_", "CODEX_")
 _STRIP_ENV_KEYS = {"TMUX", "TMUX_PANE", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"}
 
 
@@ -158,6 +177,11 @@ class CaoServer:
     tmux_pid: int | None = None
     profiles: dict = field(default_factory=dict)  # profile name -> installed source file
     token: str = ""  # CAO_AUTH_LOCAL_TOKEN the server was started with ("" = no auth)
+    provider: str = "mock_cli"  # the CAO provider the profiles were installed for
+    model_url: str = ""  # the scripted model endpoint the real CLIs talk to ("" for mock_cli)
+    cli_bin: Path | None = None  # directory holding the pinned `claude` and `codex`
+    tmux_env: dict = field(default_factory=dict)  # set in the tmux server's global environment
+    model: object = None  # the scripted model endpoint, when a caller attached one
     _workdirs: int = 0
 
     # -- tmux -------------------------------------------------------------
@@ -275,11 +299,30 @@ class CaoServer:
 
     # -- work directories -------------------------------------------------
     def new_workdir(self, name: str = "wd") -> Path:
-        """A fresh directory CAO accepts as working_directory (not /tmp itself)."""
+        """A fresh directory CAO accepts as working_directory (not /tmp itself).
+
+        For the real CLIs it is also marked trusted in their settings, so no
+        trust dialog can swallow the first prompt.
+        """
         self._workdirs += 1
         path = self.root / "work" / f"{name}-{self._workdirs}"
         path.mkdir(parents=True)
+        self.trust_workdir(path)
         return path
+
+    def trust_workdir(self, path: Path) -> None:
+        """Pre-trust ``path`` for this server's CLI (a no-op for mock_cli).
+
+        Call it for a working directory made outside ``new_workdir`` (or one
+        that became a git repository: Codex keys trust by repository root).
+        Claude Code rewrites ~/.claude.json while it runs, so directories
+        under work/ (trusted as a whole at start) are not written again.
+        """
+        path = Path(path).resolve()
+        if self.provider == "codex":
+            agent_clis.trust_codex_workdir(self.home, path)
+        elif self.provider == "claude_code" and not path.is_relative_to(self.root / "work"):
+            agent_clis.trust_claude_workdir(self.home, path)
 
     def server_log(self) -> str:
         try:
@@ -291,6 +334,9 @@ class CaoServer:
 def _start_tmux(cao: CaoServer) -> None:
     # Options go in the same invocation as start-server: an empty server
     # would otherwise exit before a second command could reach it.
+    extra: list[str] = []
+    for key, value in cao.tmux_env.items():
+        extra += [";", "set-environment", "-g", key, value]
     proc = cao.tmux(
         "-f", "/dev/null", "start-server",
         ";", "set-option", "-g", "exit-empty", "off",
@@ -298,6 +344,7 @@ def _start_tmux(cao: CaoServer) -> None:
         ";", "set-environment", "-g", "PATH", cao.server_env["PATH"],
         ";", "set-environment", "-g", "MOCK_AGENT_HOME", cao.server_env["MOCK_AGENT_HOME"],
         ";", "set-environment", "-g", "MOCK_AGENT_THINK_MS", cao.server_env["MOCK_AGENT_THINK_MS"],
+        *extra,
     )  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"could not start the private tmux server: {proc.stderr.strip()}")
@@ -360,7 +407,7 @@ def _install_profiles(cao: CaoServer) -> dict[str, Path]:
             source = fallback_dir / f"{name}.md"
             source.write_text(_minimal_profile(name))
         proc = subprocess.run(
-            [str(cao.cao_bin / "cao"), "install", str(source), "--provider", "mock_cli"],
+            [str(cao.cao_bin / "cao"), "install", str(source), "--provider", cao.provider],
             env=cao.server_env,
             cwd=cao.root,
             stdout=subprocess.PIPE,
@@ -372,7 +419,7 @@ def _install_profiles(cao: CaoServer) -> dict[str, Path]:
         # and the stored copy are the only reliable signal.
         stored = cao.home / ".aws" / "cli-agent-orchestrator" / "agent-store" / f"{name}.md"
         if proc.returncode != 0 or "installed successfully" not in proc.stdout or not stored.is_file():
-            raise RuntimeError(f"`cao install {source} --provider mock_cli` failed:\n{proc.stdout}")
+            raise RuntimeError(f"`cao install {source} --provider {cao.provider}` failed:\n{proc.stdout}")
         installed[name] = source
     return installed
 
@@ -405,11 +452,19 @@ def _stop(cao: CaoServer) -> list[str]:
 
     cao.tmux("kill-server")
 
+    if cao.provider == "codex":
+        # Its app-server daemon outlives the CLI and would show up as a
+        # leftover below: stop it the documented way, then by its PID file.
+        agent_clis.stop_codex_daemons(
+            cao.home, cao.cli_bin / "codex" if cao.cli_bin else None, cao.server_env
+        )
+
     # tmux forks its server off, and panes belong to it: find leftovers by the
     # private paths in their environment.
     needles = [
         f"TMUX_TMPDIR={cao.tmux_socket_dir}".encode(),
         f"MOCK_AGENT_HOME={cao.mock_home}".encode(),
+        f"HOME={cao.home}".encode(),
     ]
     deadline = time.monotonic() + 10
     leftovers: list[int] = []
@@ -446,16 +501,24 @@ def _write_mock_cli(bin_dir: Path) -> None:
     mock_cli.chmod(0o755)
 
 
-def _server_env(dirs: dict[str, Path], venv_bin: Path, think_ms: int | None, token: str = "") -> dict:
+def _server_env(
+    dirs: dict[str, Path],
+    venv_bin: Path,
+    think_ms: int | None,
+    token: str = "",
+    cli_bin: Path | None = None,
+    extra: dict | None = None,
+) -> dict:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in _STRIP_ENV_KEYS and not k.startswith(_STRIP_ENV_PREFIXES)
     }
+    path = [str(dirs["bin"]), str(venv_bin)] + ([str(cli_bin)] if cli_bin else [])
     env.update(
         HOME=str(dirs["home"]),
         TMUX_TMPDIR=str(dirs["tmux"]),
-        PATH=os.pathsep.join([str(dirs["bin"]), str(venv_bin), os.environ.get("PATH", "/usr/bin:/bin")]),
+        PATH=os.pathsep.join([*path, os.environ.get("PATH", "/usr/bin:/bin")]),
         MOCK_AGENT_HOME=str(dirs["mock"]),
         MOCK_AGENT_THINK_MS=(
             str(int(think_ms)) if think_ms is not None
@@ -464,11 +527,18 @@ def _server_env(dirs: dict[str, Path], venv_bin: Path, think_ms: int | None, tok
     )
     if token:
         env["CAO_AUTH_LOCAL_TOKEN"] = token  # the server then requires it on every API call
+    env.update(extra or {})
     return env
 
 
 @contextlib.contextmanager
-def private_cao(think_ms: int | None = None, keep: bool = False, token: str = "") -> Iterator[CaoServer]:
+def private_cao(
+    think_ms: int | None = None,
+    keep: bool = False,
+    token: str = "",
+    provider: str = "mock_cli",
+    model_url: str | None = None,
+) -> Iterator[CaoServer]:
     """Run a private cao-server with the five profiles installed; yield it as a ``CaoServer``.
 
     ``think_ms`` is the scripted agents' default think time per turn (None:
@@ -480,19 +550,36 @@ def private_cao(think_ms: int | None = None, keep: bool = False, token: str = ""
     behind. Raises ``MissingPrerequisite`` without starting anything when tmux
     or bash is missing, and ``LeftBehindError`` on exit if the teardown found
     leftovers (they are killed, and listed in the message).
+
+    ``provider`` is the CAO provider the profiles are installed for:
+    ``mock_cli`` (the scripted program), ``claude_code`` or ``codex`` (the
+    pinned real CLIs, installed with npm on first use; no npm is a
+    ``MissingPrerequisite``). The real CLIs talk to ``model_url`` (a scripted
+    model endpoint, e.g. ``ScriptedModel.url``); without it they still start,
+    but any turn fails.
     """
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
     missing = missing_tools()
     if missing:
         raise MissingPrerequisite(
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required to run a "
             f"private cao-server, but not installed ({INSTALL_HINT})"
         )
+    real_cli = provider in REAL_CLI_PROVIDERS
+    cli_bin: Path | None = None
+    if real_cli:
+        try:
+            cli_bin = agent_clis.ensure_agent_clis()
+        except agent_clis.NpmMissing as exc:
+            raise MissingPrerequisite(str(exc)) from None
+        model_url = (model_url or NO_MODEL_URL).rstrip("/")
     venv_bin = ensure_cao().parent
 
     # A short root keeps the tmux socket path far below the 108-byte limit.
     # CAO refuses working directories under /root, /etc and similar, so the
     # root must sit in a plain temp directory (CAO_E2E_TMPDIR overrides it).
-    parent = os.environ.get("CAO_E2E_TMPDIR") or tempfile.gettempdir()
+    parent = os.environ.get("CAO_E2E_TMPDIR") or (REAL_CLI_TMP_PARENT if real_cli else tempfile.gettempdir())
     root = Path(tempfile.mkdtemp(prefix="cao-e2e-", dir=parent)).resolve()
     cao: CaoServer | None = None
     problems: list[str] = []
@@ -501,6 +588,16 @@ def private_cao(think_ms: int | None = None, keep: bool = False, token: str = ""
         for d in dirs.values():
             d.mkdir()
         _write_mock_cli(dirs["bin"])
+        tmux_env: dict[str, str] = {}
+        # work/ itself is trusted up front: both CLIs extend that to plain
+        # subdirectories. Codex keys trust by git repository root, so
+        # new_workdir() adds an entry per directory too (see trust_workdir).
+        if provider == "claude_code":
+            agent_clis.write_claude_home(dirs["home"], workdirs=[dirs["work"]])
+            tmux_env = agent_clis.claude_tmux_env(model_url)
+        elif provider == "codex":
+            agent_clis.write_codex_home(dirs["home"], model_url, workdirs=[dirs["work"]])
+            tmux_env = agent_clis.codex_tmux_env()
         cao = CaoServer(
             root=root,
             home=dirs["home"],
@@ -508,15 +605,19 @@ def private_cao(think_ms: int | None = None, keep: bool = False, token: str = ""
             mock_home=dirs["mock"],
             tmux_socket_dir=dirs["tmux"],
             cao_bin=venv_bin,
-            server_env=_server_env(dirs, venv_bin, think_ms, token),
+            server_env=_server_env(dirs, venv_bin, think_ms, token, cli_bin, tmux_env),
             token=token,
+            provider=provider,
+            model_url=model_url or "",
+            cli_bin=cli_bin,
+            tmux_env=tmux_env,
         )
         cao.set_script({})
         _start_tmux(cao)
         _start_server(cao)
         cao.profiles = _install_profiles(cao)
         # What an orchestrator process needs to talk to this server.
-        cao.env = {"API": cao.base_url, "PROVIDER": "mock_cli"}
+        cao.env = {"API": cao.base_url, "PROVIDER": provider}
 
         yield cao
     finally:

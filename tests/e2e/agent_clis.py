@@ -1,0 +1,350 @@
+"""Pinned real agent CLIs (Claude Code, Codex) for end-to-end tests, and their private homes.
+
+``ensure_agent_clis()`` installs the pinned npm releases once into a private
+prefix (the same cache root ``cao_env`` uses) and returns the directory that
+holds ``claude`` and ``codex``. The ``write_*_home`` functions prepare a
+private HOME so each CLI starts offline and unattended (as root too) against a
+scripted model endpoint on 127.0.0.1; ``*_tmux_env`` give the variables that
+must be in the environment of the tmux server CAO starts its panes in.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
+CLAUDE_CODE_VERSION = "2.1.197"
+CODEX_PACKAGE = "@openai/codex"
+CODEX_VERSION = "0.169.0"
+NPM_SPECS = (f"{CLAUDE_CODE_PACKAGE}@{CLAUDE_CODE_VERSION}", f"{CODEX_PACKAGE}@{CODEX_VERSION}")
+PREFIX_ENV_VAR = "AGENT_CLI_PREFIX"
+
+# CAO provider name -> the executable it launches.
+PROVIDER_BINARIES = {"claude_code": "claude", "codex": "codex"}
+
+# Written only after a complete, verified install: a prefix left by an
+# interrupted npm run is rebuilt instead of reused.
+_READY_MARKER = ".agent-clis-install-complete"
+
+# Fake credentials: the scripted endpoint accepts anything, but both CLIs
+# refuse to start without a key.
+API_KEY = "sk-ant-e2e-scripted-0123456789abcdefghij"
+CODEX_PROVIDER_ID = "scripted"
+CODEX_MODEL = "scripted"
+CODEX_KEY_VAR = "SCRIPTED_MODEL_API_KEY"
+
+
+class NpmMissing(RuntimeError):
+    """npm or node is not installed, so the pinned CLIs cannot be installed."""
+
+
+class AgentCliInstallError(RuntimeError):
+    """The pinned CLIs could not be installed."""
+
+
+# -- install -----------------------------------------------------------------
+def default_prefix() -> Path:
+    override = os.environ.get(PREFIX_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_root / "orchestrator-loop-tests" / f"agent-clis-claude-{CLAUDE_CODE_VERSION}-codex-{CODEX_VERSION}"
+
+
+def _marker_text() -> str:
+    return "\n".join(NPM_SPECS) + "\n"
+
+
+def _version_of(binary: Path) -> str:
+    try:
+        proc = subprocess.run(
+            [str(binary), "--version"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def _is_ready(prefix: Path) -> bool:
+    marker = prefix / _READY_MARKER
+    bins = prefix / "bin"
+    return (
+        marker.is_file()
+        and marker.read_text() == _marker_text()
+        and all((bins / name).exists() for name in PROVIDER_BINARIES.values())
+    )
+
+
+def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None) -> str:
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AgentCliInstallError(f"{what} timed out after {timeout:.0f}s: {' '.join(cmd)}") from exc
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        raise AgentCliInstallError(
+            f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n--- last output ---\n{tail}"
+        )
+    return proc.stdout
+
+
+def ensure_agent_clis(prefix: Path | str | None = None) -> Path:
+    """Return the bin directory holding the pinned ``claude`` and ``codex``.
+
+    Installed with npm on first use and reused afterwards; a lock file
+    serialises concurrent callers. Raises ``NpmMissing`` when npm or node is
+    not on PATH and ``AgentCliInstallError`` when the install fails.
+    """
+    prefix = Path(prefix).expanduser() if prefix is not None else default_prefix()
+    bins = prefix / "bin"
+    if _is_ready(prefix):
+        return bins
+    missing = [tool for tool in ("npm", "node") if shutil.which(tool) is None]
+    if missing:
+        raise NpmMissing(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required to install "
+            f"{' and '.join(NPM_SPECS)}, but not installed (Debian/Ubuntu: apt-get install nodejs npm; "
+            f"Node.js 18 or newer)"
+        )
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = prefix.parent / f".{prefix.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if _is_ready(prefix):
+                return bins
+            try:
+                _install(prefix)
+            except AgentCliInstallError as exc:
+                raise AgentCliInstallError(
+                    f"{exc}\n(prefix: {prefix}; set {PREFIX_ENV_VAR} to install elsewhere)"
+                ) from None
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return bins
+
+
+def _install(prefix: Path) -> None:
+    marker = prefix / _READY_MARKER
+    if marker.exists():
+        marker.unlink()
+    prefix.mkdir(parents=True, exist_ok=True)
+    _run(
+        ["npm", "install", "--global", "--prefix", str(prefix), "--no-audit", "--no-fund",
+         "--no-update-notifier", *NPM_SPECS],
+        f"npm install {' '.join(NPM_SPECS)}",
+        900,
+    )  # fmt: skip
+    bins = prefix / "bin"
+    claude_dir = prefix / "lib" / "node_modules" / CLAUDE_CODE_PACKAGE
+    # Claude Code's postinstall swaps a placeholder for the native binary;
+    # an npm that skips install scripts leaves the placeholder behind.
+    if CLAUDE_CODE_VERSION not in _version_of(bins / "claude") and (claude_dir / "install.cjs").is_file():
+        _run(["node", "install.cjs"], "Claude Code's postinstall (node install.cjs)", 300, cwd=claude_dir)
+    for name, version in (("claude", CLAUDE_CODE_VERSION), ("codex", CODEX_VERSION)):
+        got = _version_of(bins / name)
+        if version not in got:
+            raise AgentCliInstallError(
+                f"{bins / name} --version answered {got!r} after the install, expected {version}"
+            )
+    marker.write_text(_marker_text())
+
+
+# -- private homes -------------------------------------------------------------
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def claude_tmux_env(model_url: str, api_key: str = API_KEY) -> dict[str, str]:
+    """Variables for the tmux server's global environment (CAO unsets CLAUDE*, not these)."""
+    return {
+        "ANTHROPIC_BASE_URL": model_url,
+        "ANTHROPIC_API_KEY": api_key,
+        # Claude Code refuses --dangerously-skip-permissions for root otherwise.
+        "IS_SANDBOX": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_BUG_COMMAND": "1",
+    }
+
+
+def write_claude_home(home: Path, api_key: str = API_KEY, workdirs: list[Path] = ()) -> None:
+    """``~/.claude.json`` and ``~/.claude/settings.json`` for an offline, dialog-free start."""
+    projects = {str(Path(wd)): _claude_project_entry() for wd in workdirs}
+    _write_json(
+        home / ".claude.json",
+        {
+            "hasCompletedOnboarding": True,
+            "lastOnboardingVersion": CLAUDE_CODE_VERSION,
+            "lastReleaseNotesSeen": CLAUDE_CODE_VERSION,
+            "numStartups": 1,
+            "theme": "dark",
+            "autoUpdates": False,
+            "bypassPermissionsModeAccepted": True,
+            "hasSeenTasksHint": True,
+            "hasAcknowledgedCostThreshold": True,
+            "fallbackAvailableWarningThreshold": 1.0,
+            "customApiKeyResponses": {"approved": [api_key[-20:]], "rejected": []},
+            "projects": projects,
+        },
+    )
+    _write_json(
+        home / ".claude" / "settings.json",
+        {
+            "env": {
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
+                "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+                "CLAUDE_CODE_IDE_SKIP_AUTO_INSTALL": "1",
+                "DISABLE_AUTOUPDATER": "1",
+                "DISABLE_TELEMETRY": "1",
+                "DISABLE_ERROR_REPORTING": "1",
+                "DISABLE_BUG_COMMAND": "1",
+            },
+            "skipDangerousModePermissionPrompt": True,
+            "includeCoAuthoredBy": False,
+        },
+    )
+
+
+def _claude_project_entry() -> dict:
+    return {"hasTrustDialogAccepted": True, "hasCompletedProjectOnboarding": True, "allowedTools": []}
+
+
+def trust_claude_workdir(home: Path, workdir: Path) -> None:
+    """Mark ``workdir`` trusted in ``~/.claude.json`` (CAO would otherwise answer the dialog)."""
+    path = home / ".claude.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.setdefault("projects", {})[str(Path(workdir))] = _claude_project_entry()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def codex_tmux_env(api_key: str = API_KEY) -> dict[str, str]:
+    return {CODEX_KEY_VAR: api_key, "CODEX_DISABLE_UPDATE_CHECK": "1"}
+
+
+def _toml_str(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def write_codex_home(home: Path, model_url: str, workdirs: list[Path] = ()) -> None:
+    """``~/.codex/config.toml``: the scripted provider, no approvals, no network chatter."""
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"model = {_toml_str(CODEX_MODEL)}",
+        f"model_provider = {_toml_str(CODEX_PROVIDER_ID)}",
+        'approval_policy = "never"',
+        'sandbox_mode = "danger-full-access"',
+        "check_for_update_on_startup = false",
+        "hide_agent_reasoning = true",
+        "",
+        f"[model_providers.{CODEX_PROVIDER_ID}]",
+        'name = "Scripted model"',
+        f"base_url = {_toml_str(model_url.rstrip('/') + '/v1')}",
+        'wire_api = "responses"',
+        f"env_key = {_toml_str(CODEX_KEY_VAR)}",
+        "request_max_retries = 0",
+        "stream_max_retries = 0",
+        "",
+        "[analytics]",
+        "enabled = false",
+        "",
+        "[feedback]",
+        "enabled = false",
+        "",
+        "[history]",
+        'persistence = "none"',
+        "",
+        "[tui]",
+        "notifications = false",
+        "",
+        "[notice]",
+        "hide_full_access_warning = true",
+        "hide_world_writable_warning = true",
+        "hide_rate_limit_model_nudge = true",
+        "",
+    ]
+    (codex_home / "config.toml").write_text("\n".join(lines), encoding="utf-8")
+    for wd in workdirs:
+        trust_codex_workdir(home, wd)
+
+
+def trust_codex_workdir(home: Path, workdir: Path) -> None:
+    """Append a ``trusted`` project entry: Codex 0.169's trust dialog is unknown to CAO 2.5.4."""
+    config = home / ".codex" / "config.toml"
+    header = f"[projects.{_toml_str(str(Path(workdir)))}]"
+    text = config.read_text(encoding="utf-8")
+    if header in text.splitlines():
+        return
+    with open(config, "a", encoding="utf-8") as fh:
+        fh.write(f"\n{header}\ntrust_level = \"trusted\"\n")
+
+
+def stop_codex_daemons(home: Path, codex_bin: Path | None = None, env: dict | None = None) -> list[str]:
+    """Stop app-server daemons Codex left running under ``home``; return what was stopped."""
+    stopped = []
+    pid_dir = home / ".codex" / "app-server-daemon"
+    pid_files = sorted(pid_dir.glob("*.pid")) if pid_dir.is_dir() else []
+    if pid_files and codex_bin is not None:
+        try:
+            subprocess.run(
+                [str(codex_bin), "app-server", "daemon", "stop"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=20,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    for pid_file in pid_files:
+        try:
+            pid = int(pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                ours = f"HOME={home}".encode() in fh.read().split(b"\0")
+        except OSError:
+            continue
+        if not ours:
+            continue  # a stale file whose PID now belongs to someone else
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+                time.sleep(0.1)
+        stopped.append(f"codex app-server daemon pid {pid}")
+    return stopped
+
+
+if __name__ == "__main__":
+    print(ensure_agent_clis())

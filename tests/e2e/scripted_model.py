@@ -1,0 +1,898 @@
+"""A scripted model endpoint that real agent CLIs can talk to offline.
+
+``ScriptedModel`` is an HTTP server on 127.0.0.1 that plays the *model* behind
+Claude Code (Anthropic Messages API: ``POST /v1/messages`` and
+``/v1/messages/count_tokens``) and Codex CLI (OpenAI Responses API:
+``POST /v1/responses``, ``GET /v1/models``). It drives each CLI the way a real
+model would: it reads the newest user prompt, and answers it with one shell
+tool call that writes the scripted reply into the prompt's response file;
+when the CLI sends back that tool's result, it ends the turn with a short text.
+
+Prompts are recognised like ``mock_cli_agent`` does:
+
+* ``Read and follow the instructions in this file: <path>`` -> the file's
+  content is the prompt.
+* ``Write your complete answer to this file: <path>`` -> a prompt for the role
+  given by the file name (``RESPONSE_FILE_ROLES``); each prompt takes that
+  role's next script step.
+* A message that names a response file without that line is a reminder: it
+  takes no step and only releases an answer held back by ``write_on_reminder``.
+* Requests that offer no tools (titles, topic checks) and anything else get a
+  short plain text.
+
+The script (``set_script``) is ``{"<role>": [step, ...]}``; turn N uses step N,
+the last step repeats. A step is the answer text or a dict::
+
+    {"text": str, "think_ms": int, "action": "write" | "no_file" | "error"
+     | "write_on_reminder" | "write_twice", "draft": str,
+     "rewrite_after_ms": int, "status": int}
+
+``write_twice`` writes ``draft`` first and, ``rewrite_after_ms`` after the CLI
+reported that command's result, the final text with a second tool call.
+``error`` answers HTTP ``status`` (500) with an API style error body. Both
+CLIs retry 5xx answers on their own with growing pauses (Claude Code for
+minutes); ``"status": 400`` makes them give up at once.
+
+Every CLI sends the whole conversation each time, so decisions depend only on
+the newest message(s). A decision is remembered under (kind, role, hash of the
+prompt, number of user messages in the conversation, and the conversation id
+the CLI sends, if any): a CLI retrying the same request gets the same answer again
+without taking another step, and a tool result is answered once per tool call.
+
+Files written by the shell command end with a newline (a heredoc adds one to
+a text that has none).
+
+Run ``python tests/e2e/scripted_model.py --port 8765`` for manual use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import itertools
+import json
+import os
+import re
+import shlex
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+if __package__:
+    from .mock_cli_agent import (
+        DEFAULT_TEXTS,
+        INDIRECTION_MARKER,
+        RESPONSE_FILE_ROLES,
+        WRITE_MARKER,
+        find_marker_path,
+        mentioned_response_files,
+    )
+else:  # run as a script or imported with tests/e2e on sys.path
+    from mock_cli_agent import (
+        DEFAULT_TEXTS,
+        INDIRECTION_MARKER,
+        RESPONSE_FILE_ROLES,
+        WRITE_MARKER,
+        find_marker_path,
+        mentioned_response_files,
+    )
+
+ACTIONS = {"write", "no_file", "write_on_reminder", "write_twice", "error"}
+REPLY_DELIMITER = "END_OF_REPLY"
+SIDE_TEXT = "OK."
+FALLBACK_TEXT = "MOCK ANSWER\n"
+DEFAULT_DRAFT = "DRAFT: work in progress, the final answer follows.\n"
+SYSTEM_REMINDER_RE = re.compile(r"<system-reminder>.*?</system-reminder>", re.S)
+# Codex sends its environment and project instructions as user messages.
+CODEX_CONTEXT_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGENTS.md", "<INSTRUCTIONS>")
+# Shell tools as the CLIs name them, best first.
+ANTHROPIC_SHELL_TOOLS = ("Bash",)
+RESPONSES_SHELL_TOOLS = ("exec_command", "shell_command", "shell", "container.exec")
+MAX_LOGGED_BODIES = 5000
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass
+class Conversation:
+    """A request reduced to what a decision needs, the same for both dialects."""
+
+    api: str
+    tool_names: list[str]
+    newest: str  # "user", "tool_result", "assistant" or "none"
+    user_text: str = ""
+    user_count: int = 0
+    tool_call_id: str | None = None
+    tool_output: str = ""
+    earlier_user_texts: list[str] = field(default_factory=list)
+    schema: dict | None = None  # a JSON schema the answer must follow (title requests)
+    conversation_id: str = ""  # sent by the CLI, the same across its own retries
+
+
+@dataclass
+class Reply:
+    """One model response: plain text, one shell command, or an HTTP error."""
+
+    text: str = ""
+    command: str | None = None
+    call_id: str | None = None
+    error_status: int | None = None
+    error_message: str = ""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _strip_reminders(text: str) -> str:
+    """Drop Claude Code's ``<system-reminder>`` blocks: they are context, not the prompt."""
+    return SYSTEM_REMINDER_RE.sub("", text).strip()
+
+
+def _text_of(content) -> str:
+    """Join the text parts of a message content (a string or a list of blocks)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    parts = []
+    for block in content:
+        if isinstance(block, dict) and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        elif isinstance(block, str):
+            parts.append(block)
+    return "\n".join(parts)
+
+
+def _digest(text: str) -> str:
+    """Short stable hash that keys a prompt."""
+    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def sample_for_schema(schema) -> object:
+    """A small value that satisfies a JSON schema, for side requests that want JSON."""
+    if not isinstance(schema, dict):
+        return "Scripted turn"
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "string")
+    if "enum" in schema and schema["enum"]:
+        return schema["enum"][0]
+    if kind == "object":
+        props = schema.get("properties") or {}
+        return {name: sample_for_schema(sub) for name, sub in props.items()}
+    if kind == "array":
+        return []
+    if kind == "boolean":
+        return False
+    if kind in ("integer", "number"):
+        return 0
+    return "Scripted turn"
+
+
+def side_text(convo: "Conversation") -> str:
+    """Short text for a side request, as JSON when the request asks for a schema."""
+    if convo.schema is not None:
+        return json.dumps(sample_for_schema(convo.schema))
+    return SIDE_TEXT
+
+
+def error_type(status: int, api: str) -> str:
+    """The error type name each API uses for an HTTP status."""
+    if status == 429:
+        return "rate_limit_error" if api == "anthropic" else "rate_limit_exceeded"
+    if status == 529 and api == "anthropic":
+        return "overloaded_error"
+    if 400 <= status < 500:
+        return "invalid_request_error"
+    return "api_error" if api == "anthropic" else "server_error"
+
+
+def write_command(path: str, text: str) -> str:
+    """Shell command that writes ``text`` to ``path`` through a quoted heredoc."""
+    body = text if text.endswith("\n") else text + "\n"
+    lines = set(body.splitlines())
+    delimiter = REPLY_DELIMITER
+    for n in itertools.count(1):
+        if delimiter not in lines:
+            break
+        delimiter = f"{REPLY_DELIMITER}_{n}"
+    directory = os.path.dirname(path) or "."
+    return (
+        f"mkdir -p {shlex.quote(directory)} && cat > {shlex.quote(path)} <<'{delimiter}'\n"
+        f"{body}{delimiter}"
+    )
+
+
+def classify(message: str, last_role: str | None) -> tuple[str, str | None, str | None]:
+    """Return (kind, role, response path): kind is "prompt", "reminder" or "side"."""
+    path = find_marker_path(message, WRITE_MARKER)
+    if path:
+        return "prompt", RESPONSE_FILE_ROLES.get(os.path.basename(path)), path
+    mentioned = [p for _pos, p in mentioned_response_files(message)]
+    if mentioned:
+        by_role = {RESPONSE_FILE_ROLES[os.path.basename(p)]: p for p in reversed(mentioned)}
+        role = last_role if last_role in by_role else RESPONSE_FILE_ROLES[os.path.basename(mentioned[0])]
+        return "reminder", role, by_role[role]
+    return "side", None, None
+
+
+def resolve_indirection(message: str) -> str:
+    """Replace a "read and follow this file" message by that file's content."""
+    source = find_marker_path(message, INDIRECTION_MARKER)
+    if not source:
+        return message
+    try:
+        return Path(source).read_text(encoding="utf-8")
+    except OSError:
+        return message
+
+
+def normalise_step(step, role: str | None, think_seconds: float) -> dict:
+    """Turn a script entry (string or dict) into a complete step dict."""
+    if isinstance(step, str):
+        step = {"text": step}
+    if not isinstance(step, dict):
+        step = {}
+    action = step.get("action", "write")
+    if action not in ACTIONS:
+        action = "write"
+    text = step.get("text")
+    if not isinstance(text, str):
+        text = DEFAULT_TEXTS.get(role or "", FALLBACK_TEXT)
+    draft = step.get("draft")
+    if not isinstance(draft, str):
+        draft = DEFAULT_DRAFT
+
+    def number(key: str, default: float) -> float:
+        try:
+            return max(0.0, float(step.get(key, default)))
+        except (TypeError, ValueError):
+            return default
+
+    return {
+        "text": text,
+        "action": action,
+        "draft": draft,
+        "think": number("think_ms", think_seconds * 1000) / 1000.0,
+        "rewrite_after": number("rewrite_after_ms", 1000) / 1000.0,
+        "status": int(number("status", 500)) or 500,
+    }
+
+
+# ---------------------------------------------------------------- request parsing
+
+
+def anthropic_conversation_id(body: dict) -> str:
+    """The conversation id Claude Code puts in ``metadata.user_id`` (a JSON string or a plain id)."""
+    user_id = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None
+    if not isinstance(user_id, str):
+        return ""
+    try:
+        data = json.loads(user_id)
+    except ValueError:
+        return user_id
+    if isinstance(data, dict) and data.get("session_id"):
+        return str(data["session_id"])
+    return user_id
+
+
+def parse_anthropic(body: dict) -> Conversation:
+    """Reduce a Messages API request to the newest user/assistant message and its context."""
+    tools = [t.get("name", "") for t in body.get("tools") or [] if isinstance(t, dict)]
+    messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    convo = Conversation(api="anthropic", tool_names=tools, newest="none")
+    convo.conversation_id = anthropic_conversation_id(body)
+    fmt = (body.get("output_config") or {}).get("format") or {}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        convo.schema = fmt.get("schema") or {}
+    user_texts = []
+    newest = None
+    for m in messages:
+        if m.get("role") not in ("user", "assistant"):
+            continue  # Claude Code mixes "system" messages in, sometimes last
+        newest = m
+        if m.get("role") == "user":
+            blocks = m.get("content")
+            text = _strip_reminders(_text_of(blocks))
+            if text:
+                user_texts.append(text)
+    convo.user_count = len(user_texts)
+    if newest is None:
+        return convo
+    if newest.get("role") == "assistant":
+        convo.newest = "assistant"
+        return convo
+    content = newest.get("content")
+    results = [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"] if isinstance(
+        content, list
+    ) else []
+    if results:
+        convo.newest = "tool_result"
+        convo.tool_call_id = results[-1].get("tool_use_id")
+        convo.tool_output = _text_of(results[-1].get("content"))[:2000]
+        convo.earlier_user_texts = user_texts
+        return convo
+    convo.newest = "user"
+    convo.user_text = user_texts[-1] if user_texts else ""
+    convo.earlier_user_texts = user_texts[:-1]
+    return convo
+
+
+def parse_responses(body: dict) -> Conversation:
+    """Reduce a Responses API request (Codex) to its newest relevant input item."""
+    tools = []
+    for t in body.get("tools") or []:
+        if isinstance(t, dict):
+            tools.append(t.get("name") or t.get("type") or "")
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    convo = Conversation(api="responses", tool_names=tools, newest="none")
+    meta = body.get("client_metadata") if isinstance(body.get("client_metadata"), dict) else {}
+    convo.conversation_id = str(body.get("prompt_cache_key") or meta.get("session_id") or "")
+    fmt = (body.get("text") or {}).get("format") or {}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        convo.schema = fmt.get("schema") or {}
+    user_texts = []
+    newest = None
+    for item in items or []:
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role == "user":
+                text = _text_of(item.get("content")).strip()
+                if not text or text.startswith(CODEX_CONTEXT_PREFIXES):
+                    continue
+                user_texts.append(text)
+                newest = item
+            elif role == "assistant":
+                newest = item
+        elif kind.endswith("_call_output"):
+            newest = item
+    convo.user_count = len(user_texts)
+    if newest is None:
+        return convo
+    if newest.get("type", "message") != "message":
+        convo.newest = "tool_result"
+        convo.tool_call_id = newest.get("call_id")
+        output = newest.get("output")
+        convo.tool_output = (output if isinstance(output, str) else json.dumps(output))[:2000]
+        convo.earlier_user_texts = user_texts
+    elif newest.get("role") == "assistant":
+        convo.newest = "assistant"
+    else:
+        convo.newest = "user"
+        convo.user_text = user_texts[-1]
+        convo.earlier_user_texts = user_texts[:-1]
+    return convo
+
+
+# ---------------------------------------------------------------- the model
+
+
+class ScriptedModel:
+    """The scripted model server; use it as a context manager."""
+
+    def __init__(self, think_seconds: float = 0.5, log_dir: Path | None = None):
+        self.think_seconds = think_seconds
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.url = ""
+        self.unknown_requests: list[dict] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._logged = itertools.count(1)
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.set_script({})
+
+    # ---- lifecycle
+
+    def __enter__(self) -> "ScriptedModel":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self, port: int = 0) -> None:
+        """Serve on 127.0.0.1 (a free port unless given) in a daemon thread."""
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        handler = type("Handler", (_Handler,), {"model": self})
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="scripted-model", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving; requests still thinking finish in their own threads."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # ---- test interface
+
+    def set_script(self, script: dict) -> None:
+        """Install a script and forget all turns, decisions and records."""
+        with self._lock:
+            self._script = dict(script or {})
+            self._turns: dict[str, int] = {}
+            self._decided: dict[tuple, dict] = {}
+            self._calls: dict[str, dict] = {}
+            self._after_tool: dict[str, Reply] = {}
+            self._pending: dict[str, dict] = {}
+            self._events: list[dict] = []
+
+    def events(self) -> list[dict]:
+        """Every decision taken, oldest first; ``time`` is when the answer went out (after thinking)."""
+        with self._lock:
+            return [dict(e) for e in self._events]
+
+    def writes(self) -> list[dict]:
+        """The decisions that sent a write command (a draft carries ``"draft": True``)."""
+        with self._lock:
+            return [
+                {"time": e["time"], "role": e["role"], "turn": e["turn"], "path": e["path"], "draft": e.get("draft", False)}
+                for e in self._events
+                if e["action"] == "write"
+            ]
+
+    def turns(self) -> dict[str, int]:
+        """Prompts taken per role."""
+        with self._lock:
+            return dict(self._turns)
+
+    # ---- decisions
+
+    def _record(self, api: str, role, turn, kind: str, action: str, path, **extra) -> None:
+        """Append one decision record (caller holds no lock)."""
+        entry = {"time": time.time(), "api": api, "role": role, "turn": turn, "kind": kind, "action": action, "path": path}
+        entry.update(extra)
+        with self._lock:
+            self._events.append(entry)
+        self._log("decisions.jsonl", entry)
+
+    def _new_call(self, api: str, plan: dict, stage: str) -> str:
+        """Register a tool call id so its result can be matched to the plan."""
+        prefix = "toolu_scripted_" if api == "anthropic" else "call_scripted_"
+        call_id = f"{prefix}{next(self._ids):06d}"
+        with self._lock:
+            self._calls[call_id] = {"plan": plan, "stage": stage}
+        return call_id
+
+    def _write_reply(self, convo: Conversation, plan: dict, text: str, stage: str, kind: str) -> Reply:
+        """A tool call writing ``text`` to the plan's path, recorded as a write."""
+        call_id = self._new_call(convo.api, plan, stage)
+        self._record(convo.api, plan["role"], plan["turn"], kind, "write", plan["path"], draft=stage == "draft")
+        return Reply(command=write_command(plan["path"], text), call_id=call_id)
+
+    def decide(self, convo: Conversation) -> Reply:
+        """Choose the answer to one request, waiting the think time where the script says so."""
+        if not convo.tool_names:
+            self._record(convo.api, None, None, "side", "text", None)
+            return Reply(text=side_text(convo))
+        if convo.newest == "tool_result":
+            return self._answer_tool_result(convo)
+        if convo.newest != "user":
+            self._record(convo.api, None, None, "side", "text", None)
+            return Reply(text=side_text(convo))
+
+        message = resolve_indirection(convo.user_text)
+        last_role = None
+        for earlier in reversed(convo.earlier_user_texts):
+            p = find_marker_path(resolve_indirection(earlier), WRITE_MARKER)
+            if p and os.path.basename(p) in RESPONSE_FILE_ROLES:
+                last_role = RESPONSE_FILE_ROLES[os.path.basename(p)]
+                break
+        kind, role, path = classify(message, last_role)
+        if kind == "side":
+            self._record(convo.api, None, None, "side", "text", None)
+            return Reply(text=side_text(convo))
+
+        key = (kind, role, _digest(message), convo.user_count, convo.conversation_id)
+        with self._lock:
+            plan = self._decided.get(key)
+            repeat = plan is not None
+            if not repeat:
+                plan = self._plan_prompt(role, path) if kind == "prompt" else self._plan_reminder(role, path)
+                self._decided[key] = plan
+        time.sleep(plan["think"])
+        return self._carry_out(convo, plan, "repeat" if repeat else kind)
+
+    def _plan_prompt(self, role: str | None, path: str) -> dict:
+        """Take the role's next step (lock held)."""
+        turn = None
+        steps = self._script.get(role) if role else None
+        if role is not None:
+            turn = self._turns.get(role, 0) + 1
+            self._turns[role] = turn
+        if isinstance(steps, (str, dict)):
+            steps = [steps]
+        step = steps[min(turn, len(steps)) - 1] if isinstance(steps, list) and steps and turn else {}
+        step = normalise_step(step, role, self.think_seconds)
+        if role is not None:
+            self._pending.pop(role, None)  # a new prompt supersedes a held-back answer
+            if step["action"] == "write_on_reminder":
+                self._pending[role] = {"text": step["text"], "path": path, "turn": turn}
+        return {**step, "role": role, "turn": turn, "path": path}
+
+    def _plan_reminder(self, role: str, path: str) -> dict:
+        """A reminder writes a held-back answer, or just says where the answer is (lock held)."""
+        pending = self._pending.pop(role, None)
+        if pending is None:
+            return {"action": "no_file", "role": role, "turn": None, "path": path, "think": self.think_seconds,
+                    "say": f"The answer is already in {path}."}
+        target = path if os.path.isabs(path) else pending["path"]
+        return {"action": "write", "role": role, "turn": pending["turn"], "path": target,
+                "think": self.think_seconds, "text": pending["text"]}
+
+    def _carry_out(self, convo: Conversation, plan: dict, kind: str) -> Reply:
+        """Turn a plan into the reply for a prompt or reminder."""
+        action = plan["action"]
+        role, turn, path = plan["role"], plan["turn"], plan["path"]
+        if action == "error":
+            self._record(convo.api, role, turn, kind, "error", path)
+            return Reply(error_status=plan["status"], error_message="Scripted server error")
+        if action == "write_on_reminder":
+            self._record(convo.api, role, turn, kind, "hold", path)
+            return Reply(text=f"I have the answer ready and will write it to {path} when asked again.")
+        if action == "no_file":
+            self._record(convo.api, role, turn, kind, "text", path)
+            return Reply(text=plan.get("say", "I looked into it and have nothing to write this time."))
+        if action == "write_twice":
+            return self._write_reply(convo, plan, plan["draft"], "draft", kind)
+        return self._write_reply(convo, plan, plan["text"], "final", kind)
+
+    def _answer_tool_result(self, convo: Conversation) -> Reply:
+        """Finish the turn after a write; after a draft, write the final text once."""
+        call_id = convo.tool_call_id or ""
+        with self._lock:
+            cached = self._after_tool.get(call_id)
+            call = self._calls.get(call_id)
+        if cached is not None:
+            self._record(convo.api, call["plan"]["role"] if call else None, call["plan"]["turn"] if call else None,
+                         "repeat", "write" if cached.command else "text", call["plan"]["path"] if call else None)
+            return cached
+        if call is None:
+            self._record(convo.api, None, None, "tool_result", "text", None)
+            return Reply(text="Done.")
+        plan = call["plan"]
+        if call["stage"] == "draft":
+            time.sleep(plan["rewrite_after"])
+            reply = self._write_reply(convo, plan, plan["text"], "final", "tool_result")
+        else:
+            self._record(convo.api, plan["role"], plan["turn"], "tool_result", "text", plan["path"])
+            reply = Reply(text=f"Wrote the answer to {plan['path']}.")
+        with self._lock:
+            self._after_tool[call_id] = reply
+        return reply
+
+    # ---- logging
+
+    def _log(self, name: str, entry: dict) -> None:
+        """Append a JSON line to a file in the log directory, if there is one."""
+        if not self.log_dir:
+            return
+        try:
+            with self._lock, open(self.log_dir / name, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        except OSError:
+            pass
+
+    def log_request(self, method: str, path: str, headers, body: bytes | dict | None, known: bool) -> None:
+        """Keep every request for diagnosis: a summary line, plus the full body as a file."""
+        n = next(self._logged)
+        summary = {"n": n, "time": time.time(), "method": method, "path": path, "known": known}
+        if isinstance(body, dict):
+            summary["model"] = body.get("model")
+            summary["stream"] = body.get("stream")
+            summary["tools"] = [t.get("name") or t.get("type") for t in body.get("tools") or [] if isinstance(t, dict)]
+        if not known:
+            raw = body if isinstance(body, bytes) else json.dumps(body)[:200000].encode()
+            record = {**summary, "headers": dict(headers), "body": raw.decode("utf-8", "replace")[:200000]}
+            with self._lock:
+                self.unknown_requests.append(record)
+            self._log("unknown.jsonl", record)
+        self._log("requests.jsonl", summary)
+        if self.log_dir and isinstance(body, dict) and n <= MAX_LOGGED_BODIES:
+            try:
+                bodies = self.log_dir / "bodies"
+                bodies.mkdir(exist_ok=True)
+                (bodies / f"{n:05d}.json").write_text(json.dumps(body, indent=1, ensure_ascii=False), encoding="utf-8")
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Routes requests of both dialects to the model."""
+
+    model: ScriptedModel
+    protocol_version = "HTTP/1.1"
+    server_version = "ScriptedModel/1.0"
+
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        """Keep test output quiet; requests are logged to files instead."""
+
+    # ---- plumbing
+
+    def _read_body(self) -> bytes:
+        """Read the request body, plain or chunked, and undo gzip/deflate."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            data = bytearray()
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                data += self.rfile.read(size)
+                self.rfile.readline()
+            raw = bytes(data)
+        else:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        encoding = self.headers.get("Content-Encoding", "").lower()
+        if encoding == "gzip":
+            raw = gzip.decompress(raw)
+        elif encoding == "deflate":
+            raw = zlib.decompress(raw)
+        return raw
+
+    def _send_json(self, status: int, payload) -> None:
+        """Send a complete JSON response."""
+        data = json.dumps(payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _start_stream(self) -> None:
+        """Send the headers of a server-sent-events response; the connection closes at its end."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    def _event(self, name: str, payload: dict) -> None:
+        """Send one server-sent event."""
+        self.wfile.write(f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode("utf-8"))
+        self.wfile.flush()
+
+    def _unknown(self, body) -> None:
+        """Log and refuse a route this server does not play."""
+        self.model.log_request(self.command, self.path, self.headers, body, known=False)
+        self._send_json(404, {"error": {"type": "not_found_error", "message": f"no route {self.command} {self.path}"}})
+
+    # ---- routes
+
+    def do_HEAD(self):  # noqa: N802 - http.server's naming
+        """Connectivity probes get an empty 200."""
+        self.model.log_request("HEAD", self.path, self.headers, None, known=True)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):  # noqa: N802
+        """Model listings and a health check."""
+        route = self.path.split("?", 1)[0].rstrip("/")
+        if route in ("/v1/models", "/models"):
+            self.model.log_request("GET", self.path, self.headers, None, known=True)
+            model = {"id": "scripted", "object": "model", "created": 0, "owned_by": "scripted",
+                     "type": "model", "display_name": "Scripted model"}
+            self._send_json(200, {"object": "list", "data": [model], "models": [], "has_more": False})
+        elif route in ("", "/health"):
+            self.model.log_request("GET", self.path, self.headers, None, known=True)
+            self._send_json(200, {"status": "ok"})
+        else:
+            self._unknown(b"")
+
+    def do_POST(self):  # noqa: N802
+        """Messages, token counts and responses."""
+        route = self.path.split("?", 1)[0].rstrip("/")
+        try:
+            raw = self._read_body()
+            body = json.loads(raw or b"{}")
+        except (ValueError, OSError, zlib.error) as exc:
+            self.model.log_request("POST", self.path, self.headers, f"undecodable body: {exc}".encode(), known=False)
+            self._send_json(400, {"error": {"type": "invalid_request_error", "message": str(exc)}})
+            return
+        if not isinstance(body, dict):
+            self._unknown(raw)
+            return
+        if route == "/v1/messages/count_tokens":
+            self.model.log_request("POST", self.path, self.headers, body, known=True)
+            self._send_json(200, {"input_tokens": max(1, len(raw) // 4)})
+        elif route == "/v1/messages":
+            self.model.log_request("POST", self.path, self.headers, body, known=True)
+            self._anthropic(body, len(raw))
+        elif route in ("/v1/responses", "/responses"):
+            self.model.log_request("POST", self.path, self.headers, body, known=True)
+            self._responses(body, len(raw))
+        else:
+            self._unknown(body)
+
+    # ---- Anthropic Messages API
+
+    def _anthropic(self, body: dict, size: int) -> None:
+        """Answer a Messages API request, streaming when asked to."""
+        convo = parse_anthropic(body)
+        reply = self.model.decide(convo)
+        if reply.error_status:
+            self._send_json(reply.error_status, {"type": "error", "error": {
+                "type": error_type(reply.error_status, "anthropic"), "message": reply.error_message}})
+            return
+        blocks = []
+        if reply.text:
+            blocks.append({"type": "text", "text": reply.text})
+        if reply.command is not None:
+            tool = next((t for t in ANTHROPIC_SHELL_TOOLS if t in convo.tool_names), None)
+            if tool is None:
+                self.model._log("problems.jsonl", {"time": time.time(), "problem": "no shell tool", "tools": convo.tool_names})
+                blocks.append({"type": "text", "text": f"I cannot run commands here; the answer was:\n{reply.command}"})
+            else:
+                blocks.append({"type": "tool_use", "id": reply.call_id, "name": tool,
+                               "input": {"command": reply.command, "description": "Write the answer file"}})
+        stop = "tool_use" if any(b["type"] == "tool_use" for b in blocks) else "end_turn"
+        usage = {"input_tokens": max(1, size // 4), "output_tokens": 20,
+                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        message = {"id": f"msg_scripted_{next(self.model._ids):06d}", "type": "message", "role": "assistant",
+                   "model": body.get("model") or "scripted", "stop_sequence": None}
+        if not body.get("stream"):
+            self._send_json(200, {**message, "content": blocks, "stop_reason": stop, "usage": usage})
+            return
+        self._start_stream()
+        self._event("message_start", {"type": "message_start", "message": {
+            **message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}})
+        self._event("ping", {"type": "ping"})
+        for index, block in enumerate(blocks):
+            if block["type"] == "text":
+                self._event("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {"type": "text", "text": ""}})
+                delta = {"type": "text_delta", "text": block["text"]}
+            else:
+                self._event("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {**block, "input": {}}})
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            self._event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            self._event("content_block_stop", {"type": "content_block_stop", "index": index})
+        self._event("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                                      "usage": {"output_tokens": 20}})
+        self._event("message_stop", {"type": "message_stop"})
+
+    # ---- OpenAI Responses API
+
+    def _responses(self, body: dict, size: int) -> None:
+        """Answer a Responses API request, streaming when asked to."""
+        convo = parse_responses(body)
+        reply = self.model.decide(convo)
+        if reply.error_status:
+            kind = error_type(reply.error_status, "responses")
+            self._send_json(reply.error_status, {"error": {"type": kind, "code": kind,
+                                                           "message": reply.error_message, "param": None}})
+            return
+        n = next(self.model._ids)
+        items = []
+        if reply.text:
+            items.append({"type": "message", "id": f"msg_scripted_{n:06d}", "role": "assistant", "status": "completed",
+                          "content": [{"type": "output_text", "text": reply.text, "annotations": []}]})
+        if reply.command is not None:
+            items.append(self._shell_item(body, reply, n))
+        usage = {"input_tokens": max(1, size // 4), "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": 20, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": max(1, size // 4) + 20}
+        response = {"id": f"resp_scripted_{n:06d}", "object": "response", "created_at": int(time.time()),
+                    "model": body.get("model") or "scripted", "status": "completed", "output": items, "usage": usage}
+        if not body.get("stream"):
+            self._send_json(200, response)
+            return
+        self._start_stream()
+        seq = itertools.count()
+
+        def send(payload: dict) -> None:
+            self._event(payload["type"], {**payload, "sequence_number": next(seq)})
+
+        started = {**response, "status": "in_progress", "output": [], "usage": None}
+        send({"type": "response.created", "response": started})
+        send({"type": "response.in_progress", "response": started})
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                send({"type": "response.output_item.added", "output_index": index,
+                      "item": {**item, "status": "in_progress", "content": []}})
+                part = {"type": "output_text", "text": "", "annotations": []}
+                send({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                      "content_index": 0, "part": part})
+                send({"type": "response.output_text.delta", "item_id": item["id"], "output_index": index,
+                      "content_index": 0, "delta": text})
+                send({"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
+                      "content_index": 0, "text": text})
+                send({"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
+                      "content_index": 0, "part": {**part, "text": text}})
+            elif item["type"] == "function_call":
+                send({"type": "response.output_item.added", "output_index": index,
+                      "item": {**item, "status": "in_progress", "arguments": ""}})
+                send({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                      "output_index": index, "delta": item["arguments"]})
+                send({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                      "output_index": index, "arguments": item["arguments"]})
+            else:
+                send({"type": "response.output_item.added", "output_index": index, "item": item})
+            send({"type": "response.output_item.done", "output_index": index, "item": item})
+        send({"type": "response.completed", "response": response})
+
+    def _shell_item(self, body: dict, reply: Reply, n: int) -> dict:
+        """The output item that runs the reply's command with the shell tool Codex offered."""
+        tools = {}
+        for t in body.get("tools") or []:
+            if isinstance(t, dict):
+                tools.setdefault(t.get("name") or t.get("type"), t)
+        for name in RESPONSES_SHELL_TOOLS:
+            tool = tools.get(name)
+            if tool is None or tool.get("type", "function") != "function":
+                continue
+            props = (tool.get("parameters") or {}).get("properties") or {}
+            if "cmd" in props:
+                args = {"cmd": reply.command}
+            elif (props.get("command") or {}).get("type") == "array":
+                args = {"command": ["bash", "-lc", reply.command]}
+            else:
+                args = {"command": reply.command}
+            return {"type": "function_call", "id": f"fc_scripted_{n:06d}", "call_id": reply.call_id,
+                    "name": name, "arguments": json.dumps(args), "status": "completed"}
+        if "local_shell" in tools:
+            return {"type": "local_shell_call", "id": f"lsh_scripted_{n:06d}", "call_id": reply.call_id,
+                    "status": "completed", "action": {"type": "exec", "command": ["bash", "-lc", reply.command],
+                                                      "env": {}, "timeout_ms": None, "working_directory": None,
+                                                      "user": None}}
+        self.model._log("problems.jsonl", {"time": time.time(), "problem": "no shell tool", "tools": list(tools)})
+        return {"type": "message", "id": f"msg_noshell_{n:06d}", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "annotations": [],
+                             "text": f"I cannot run commands here; the command was:\n{reply.command}"}]}
+
+
+# ---------------------------------------------------------------- manual use
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until interrupted, for trying a CLI against the scripted model by hand."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--think", type=float, default=0.5, help="default think time in seconds")
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--script", type=Path, default=None, help="JSON file {role: [step, ...]}")
+    args = parser.parse_args(argv)
+    model = ScriptedModel(think_seconds=args.think, log_dir=args.log_dir)
+    if args.script:
+        model.set_script(json.loads(args.script.read_text(encoding="utf-8")))
+    model.start(args.port)
+    print(f"scripted model listening on {model.url}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        model.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The loop with the real agent CLIs users run: Claude Code and Codex, each under CAO's own provider.
+
+Each CLI is the pinned npm release (``agent_clis.py``), started by a private
+cao-server with a private HOME, and talks to a scripted model endpoint on
+127.0.0.1 (``scripted_model.py``) that drives it the way a real model would: a
+shell tool call that writes the reply file the prompt names, then a short
+final message. What is asserted is what a paying user cares about: the run
+reaches PASS, every agent turn is taken exactly once (no prompt repeated, no
+reminder to an agent that had answered), and no turn waits longer than the
+settle and screen bounds after its reply file was written.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import REAL_CLI_TURN_TIMES
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, SHORT_ROUND, Run, \
+    explain, numbered
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
+
+POLL_SECONDS = 1.0
+# The loop's defaults: the bounds a turn may wait after its reply file was written.
+FILE_SETTLE_SECONDS = 0.3
+QUIET_SCREEN_SECONDS = 5.0
+# The agent CLI itself needs a moment after its shell command wrote the file:
+# it reads the tool result, asks the model for its final words and prints them.
+CLI_FINISH_SECONDS = 3.0
+
+TURN_LINE = re.compile(r"\| (\w+): reply received after ([\d.]+)s \(file written ([\d.]+)s before\)")
+
+
+
+def real_cli_run(cao, **settings: str) -> Run:
+    """A run with the loop's default handoff settings, a faster poll, and room for real CLIs."""
+    run = Run(cao, POLL_SECONDS=str(POLL_SECONDS), RESPONSE_TIMEOUT="300", **settings)
+    for name in ("IDLE_GRACE_SECONDS",):           # the defaults, as a user has them
+        run.env.pop(name, None)
+    return run
+
+
+def turn_times(stdout: str) -> list[tuple[str, float, float]]:
+    return [(role, float(took), float(lag)) for role, took, lag in TURN_LINE.findall(stdout)]
+
+
+def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str]) -> None:
+    """Exactly the expected turns, each prompt answered once, nothing repeated or reminded."""
+    assert result.returncode == 0, explain(result)
+    assert run.archived() == numbered(sequence), explain(result)
+    expected = {role: sequence.count(role) for role in set(sequence)}
+    assert cao.model.turns() == expected, cao.model.events()
+    kinds = [event["kind"] for event in cao.model.events()]
+    assert "reminder" not in kinds, cao.model.events()
+    assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout, explain(result)
+    times = turn_times(result.stdout)
+    assert [role for role, _, _ in times] == sequence, explain(result)
+    bound = FILE_SETTLE_SECONDS + QUIET_SCREEN_SECONDS + 2 * POLL_SECONDS + CLI_FINISH_SECONDS
+    slow = [(role, lag) for role, _, lag in times if lag > bound]
+    assert not slow, f"turns taken later than {bound}s after their file was written: {slow}\n{explain(result)}"
+    REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(times)
+
+
+def fail_then_pass(cao) -> None:
+    """Round 1 (analyst .. tester) ends in FAIL, round 2 (programmer, peer, tester) in PASS."""
+    run = real_cli_run(cao)
+    cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+    result = run.run(timeout=900)
+    check_every_turn_taken_once(cao, run, result, QUICK_ROUND + SHORT_ROUND)
+    state = run.state()
+    assert state["final_status"] == "PASS" and state["current_round"] == 2
+    assert run.archived_text("005-tester.md").strip() == FAIL_REPLY.strip()
+    assert run.archived_text("008-tester.md").strip() == PASS_REPLY.strip()
+
+
+def test_claude_code_fail_then_pass(claude_cao):
+    """Claude Code under CAO's claude_code provider: FAIL in round 1, PASS in round 2."""
+    fail_then_pass(claude_cao)
+
+
+def test_codex_fail_then_pass(codex_cao):
+    """Codex under CAO's codex provider, whose status sticks at `processing` after each turn."""
+    fail_then_pass(codex_cao)
+
+
+def test_claude_code_story_mode(claude_cao):
+    """Story mode with Claude Code: two stories, each its own programmer turn, then review and test."""
+    run = real_cli_run(claude_cao, STORY_MODE="1", START_AGENT="programmer")
+    change = run.wd / "openspec" / "changes" / "add-greeting"
+    (change / "specs" / "greeting").mkdir(parents=True)
+    (change / "tasks.md").write_text("## 1. Parse the name\n- [ ] 1.1 Read NAME\n\n"
+                                     "## 2. Print the greeting\n- [ ] 2.1 Print Hello, NAME!\n")
+    (change / "specs" / "greeting" / "spec.md").write_text(
+        "#### Scenario: Greets\n- **WHEN** `greet World` runs\n- **THEN** it prints `Hello, World!`\n")
+    summary = "PROGRAMMER_SUMMARY:\n- Files changed: greet.py\n- Behavior implemented: one story\n"
+    claude_cao.model.set_script({"programmer": [summary + "<promise>COMPLETE</promise>\n"]})
+    result = run.run(timeout=600)
+    sequence = ["programmer", "programmer", "peer_programmer", "tester"]
+    check_every_turn_taken_once(claude_cao, run, result, sequence)
+    state = run.state()
+    assert state["final_status"] == "PASS"
+    assert "story 1 attempt 1/3: COMPLETE" in result.stdout and "story 2 attempt 1/3: COMPLETE" in result.stdout
+    assert '- Story 1 "Parse the name": COMPLETE (attempt 1)' in state["outputs"]["programmer"]
+    assert '- Story 2 "Print the greeting": COMPLETE (attempt 1)' in state["outputs"]["programmer"]

@@ -1,0 +1,259 @@
+"""The scripted model endpoint, driven with plain HTTP requests in both API dialects."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+
+from .scripted_model import ScriptedModel, write_command
+
+SHELL_TOOL_ANTHROPIC = {"name": "Bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
+EXEC_COMMAND = {"type": "function", "name": "exec_command",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+SHELL_ARRAY = {"type": "function", "name": "shell",
+               "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}}}}
+
+
+@pytest.fixture
+def model(tmp_path):
+    with ScriptedModel(think_seconds=0.0, log_dir=tmp_path / "log") as m:
+        yield m
+
+
+def post(url: str, payload: dict) -> tuple[int, bytes]:
+    """POST JSON and return (status, body), also for error statuses."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def sse(body: bytes) -> list[dict]:
+    """The data payloads of a server-sent-events body."""
+    return [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+
+
+def prompt_text(path, extra: str = "") -> str:
+    return f"Please do the work.{extra}\nWrite your complete answer to this file: {path}"
+
+
+class AnthropicChat:
+    """A conversation as Claude Code keeps it: the whole history goes with every request."""
+
+    def __init__(self, model: ScriptedModel, stream: bool = True):
+        self.model, self.stream, self.messages = model, stream, []
+
+    def send(self, content) -> tuple[int, list[dict]]:
+        self.messages.append({"role": "user", "content": content})
+        return self.request()
+
+    def request(self, tools=(SHELL_TOOL_ANTHROPIC,)) -> tuple[int, list[dict]]:
+        body = {"model": "m", "stream": self.stream, "max_tokens": 100, "tools": list(tools),
+                "messages": self.messages + [{"role": "system", "content": "noise"}]}
+        status, raw = post(self.model.url + "/v1/messages", body)
+        if status != 200:
+            return status, [json.loads(raw)]
+        if not self.stream:
+            return status, json.loads(raw)["content"]
+        blocks: list[dict] = []
+        for ev in sse(raw):
+            if ev["type"] == "content_block_start":
+                blocks.append(dict(ev["content_block"]))
+            elif ev["type"] == "content_block_delta":
+                d = ev["delta"]
+                if d["type"] == "text_delta":
+                    blocks[ev["index"]]["text"] += d["text"]
+                else:
+                    blocks[ev["index"]]["input"] = json.loads(d["partial_json"])
+        return status, blocks
+
+    def run_tools(self, blocks) -> tuple[int, list[dict]]:
+        """Run the tool call like the CLI would and send back its result."""
+        self.messages.append({"role": "assistant", "content": blocks})
+        uses = [b for b in blocks if b["type"] == "tool_use"]
+        assert len(uses) == 1
+        subprocess.run(["bash", "-c", uses[0]["input"]["command"]], check=True)
+        self.messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": uses[0]["id"], "content": "(Bash completed with no output)"}]})
+        return self.request()
+
+
+class CodexChat:
+    """A conversation as Codex keeps it, sent as Responses API input items."""
+
+    def __init__(self, model: ScriptedModel, tools=(EXEC_COMMAND,)):
+        self.model, self.tools = model, list(tools)
+        self.items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+                      {"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "<environment_context>x</environment_context>"}]}]
+
+    def send(self, text: str) -> tuple[int, list[dict]]:
+        self.items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+        return self.request()
+
+    def request(self) -> tuple[int, list[dict]]:
+        status, raw = post(self.model.url + "/v1/responses",
+                           {"model": "scripted", "stream": True, "input": self.items, "tools": self.tools})
+        if status != 200:
+            return status, [json.loads(raw)]
+        events = sse(raw)
+        assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert done == events[-1]["response"]["output"]
+        return status, done
+
+    def run_tools(self, items) -> tuple[int, list[dict]]:
+        self.items.extend(items)
+        calls = [i for i in items if i["type"] == "function_call"]
+        assert len(calls) == 1
+        args = json.loads(calls[0]["arguments"])
+        argv = args["command"] if "command" in args else ["bash", "-c", args["cmd"]]
+        subprocess.run(argv, check=True)
+        self.items.append({"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "exit 0"})
+        return self.request()
+
+
+def test_anthropic_prompt_tool_call_then_final_text(model, tmp_path):
+    target = tmp_path / "deep" / "dir" / "test_result.md"
+    text = "RESULT: FAIL\nline with 'quotes' and $HOME and `ticks`\nEND_OF_REPLY\n<promise>COMPLETE</promise>\n"
+    model.set_script({"tester": [text]})
+    chat = AnthropicChat(model)
+    status, blocks = chat.send([{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                                {"type": "text", "text": prompt_text(target)}])
+    assert status == 200 and [b["type"] for b in blocks] == ["tool_use"] and blocks[0]["name"] == "Bash"
+    status, blocks = chat.run_tools(blocks)
+    assert target.read_text() == text
+    assert [b["type"] for b in blocks] == ["text"] and str(target) in blocks[0]["text"]
+    assert [(e["kind"], e["action"]) for e in model.events()] == [("prompt", "write"), ("tool_result", "text")]
+    assert model.writes()[0]["role"] == "tester" and model.turns() == {"tester": 1}
+
+
+def test_anthropic_turns_follow_script_and_retries_take_no_step(model, tmp_path):
+    target = tmp_path / "test_result.md"
+    model.set_script({"tester": ["RESULT: FAIL one\n", "RESULT: PASS two\n"]})
+    chat = AnthropicChat(model, stream=False)
+    _, blocks = chat.send(prompt_text(target))
+    _, again = chat.request()  # the CLI retries the same request
+    assert again[0]["input"]["command"] == blocks[0]["input"]["command"]
+    chat.run_tools(blocks)
+    assert target.read_text() == "RESULT: FAIL one\n"
+    for expected in ("RESULT: PASS two\n", "RESULT: PASS two\n"):  # the last step repeats
+        _, blocks = chat.send(prompt_text(target))
+        chat.run_tools(blocks)
+        assert target.read_text() == expected
+    assert model.turns() == {"tester": 3}
+    assert [e["kind"] for e in model.events()].count("repeat") == 1
+
+
+def test_side_requests_and_token_count(model):
+    chat = AnthropicChat(model)
+    chat.messages.append({"role": "user", "content": prompt_text("/x/test_result.md")})
+    status, blocks = chat.request(tools=())
+    assert status == 200 and blocks == [{"type": "text", "text": "OK."}]
+    assert model.turns() == {} and model.events()[0]["kind"] == "side"
+    status, raw = post(model.url + "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and json.loads(raw)["input_tokens"] > 0
+
+
+def test_indirection_file_is_the_prompt(model, tmp_path):
+    target = tmp_path / "analyst_summary.md"
+    instructions = tmp_path / "prompt.md"
+    instructions.write_text(prompt_text(target))
+    chat = AnthropicChat(model)
+    _, blocks = chat.send(f"Read and follow the instructions in this file: {instructions}")
+    chat.run_tools(blocks)
+    assert target.read_text().startswith("ANALYST_SUMMARY:")
+    assert model.turns() == {"analyst": 1}
+
+
+def test_codex_exec_command_and_shell_array(model, tmp_path):
+    for tools in ([EXEC_COMMAND], [SHELL_ARRAY]):
+        target = tmp_path / tools[0]["name"] / "programmer_summary.md"
+        chat = CodexChat(model, tools)
+        status, items = chat.send(prompt_text(target))
+        assert status == 200 and items[0]["name"] == tools[0]["name"]
+        _, items = chat.run_tools(items)
+        assert target.read_text().startswith("PROGRAMMER_SUMMARY:")
+        assert items[0]["type"] == "message" and str(target) in items[0]["content"][0]["text"]
+    assert model.turns() == {"programmer": 2}
+
+
+def test_no_file_error_and_write_on_reminder(model, tmp_path):
+    target = tmp_path / "analyst_review.md"
+    model.set_script({"peer_analyst": [{"action": "error"}, {"action": "no_file"},
+                                      {"action": "write_on_reminder", "text": "REVIEW_RESULT: APPROVED\n"}]})
+    chat = CodexChat(model)
+    status, body = chat.send(prompt_text(target, " one"))
+    assert status == 500 and body[0]["error"]["type"] == "server_error"
+    status, items = chat.send(prompt_text(target, " two"))
+    assert [i["type"] for i in items] == ["message"] and not target.exists()
+    status, items = chat.send(prompt_text(target, " three"))
+    assert [i["type"] for i in items] == ["message"] and not target.exists()
+    chat.items.extend(items)
+    status, items = chat.send(f"Reminder: your answer belongs in {target}.")
+    chat.run_tools(items)
+    assert target.read_text() == "REVIEW_RESULT: APPROVED\n"
+    assert model.writes()[0]["turn"] == 3
+    status, items = chat.send(f"Reminder: your answer belongs in {target}.")
+    assert items[0]["type"] == "message" and len(model.writes()) == 1
+    assert [e["action"] for e in model.events()] == ["error", "text", "hold", "write", "text", "text"]
+
+
+def test_anthropic_error_body(model, tmp_path):
+    model.set_script({"tester": {"action": "error", "status": 503}})
+    status, body = AnthropicChat(model).send(prompt_text(tmp_path / "test_result.md"))
+    assert status == 503 and body[0]["type"] == "error"
+
+
+def test_write_twice_rewrites_after_the_draft(model, tmp_path):
+    target = tmp_path / "programmer_review.md"
+    model.set_script({"peer_programmer": [{"action": "write_twice", "draft": "draft\n", "text": "final\n",
+                                           "rewrite_after_ms": 50}]})
+    chat = AnthropicChat(model)
+    _, blocks = chat.send(prompt_text(target))
+    _, blocks = chat.run_tools(blocks)
+    assert target.read_text() == "draft\n" and blocks[0]["type"] == "tool_use"
+    _, blocks = chat.run_tools(blocks)
+    assert target.read_text() == "final\n" and blocks[0]["type"] == "text"
+    assert [w["draft"] for w in model.writes()] == [True, False]
+
+
+def test_unknown_route_is_logged(model, tmp_path):
+    status, _ = post(model.url + "/v1/other", {"x": 1})
+    assert status == 404 and model.unknown_requests[0]["path"] == "/v1/other"
+    assert (tmp_path / "log" / "unknown.jsonl").exists()
+
+
+def test_write_command_keeps_text_without_final_newline(tmp_path):
+    target = tmp_path / "a b" / "f.md"
+    subprocess.run(["bash", "-c", write_command(str(target), "no newline")], check=True)
+    assert target.read_text() == "no newline\n"
+
+
+def test_title_request_gets_json_for_its_schema(model):
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+    status, raw = post(model.url + "/v1/responses", {
+        "model": "scripted", "stream": False, "tools": [], "text": {"format": {"type": "json_schema", "schema": schema}},
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "name this"}]}]})
+    text = json.loads(raw)["output"][0]["content"][0]["text"]
+    assert status == 200 and isinstance(json.loads(text)["title"], str)
+
+
+def test_same_prompt_in_a_new_session_takes_the_next_step(model, tmp_path):
+    target = tmp_path / "test_result.md"
+    model.set_script({"tester": ["one\n", "two\n"]})
+    for session, expected in (("s1", "one\n"), ("s1", "one\n"), ("s2", "two\n")):
+        body = {"model": "m", "stream": False, "tools": [SHELL_TOOL_ANTHROPIC],
+                "metadata": {"user_id": json.dumps({"session_id": session})},
+                "messages": [{"role": "user", "content": prompt_text(target)}]}
+        _, raw = post(model.url + "/v1/messages", body)
+        subprocess.run(["bash", "-c", json.loads(raw)["content"][0]["input"]["command"]], check=True)
+        assert target.read_text() == expected
+    assert model.turns() == {"tester": 2}
