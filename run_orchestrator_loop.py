@@ -33,6 +33,7 @@ Sections, in the order data flows:
 from __future__ import annotations
 
 import difflib
+import fcntl
 import json
 import os
 import re
@@ -40,7 +41,7 @@ import shlex
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -79,6 +80,17 @@ class RunError(OrchestratorExit):
 
     def __init__(self, message: str):
         super().__init__(1, message)
+
+
+class RunLocked(OrchestratorExit):
+    """Another process drives the run in this state file: nothing was done, try again later."""
+
+    def __init__(self, message: str):
+        super().__init__(75, message)       # EX_TEMPFAIL
+
+
+class AlreadyFinished(OrchestratorExit):
+    """REPORT_FINISHED_RUN: the state file holds a finished run; exit with its code, start nothing."""
 
 
 class Terminated(BaseException):
@@ -165,6 +177,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("STATE_FILE", "state_file", "", "text", "state file (empty: $WD/.tmp/" + STATE_FILE_NAME + ")"),
     Setting("RESUME", "resume", False, "bool", "1: resume the run in STATE_FILE"),
     Setting("CLEANUP_ON_EXIT", "cleanup_on_exit", False, "bool", "1: exit all five agents when the loop stops"),
+    Setting("REPORT_FINISHED_RUN", "report_finished_run", False, "bool",
+            "1: a finished run in STATE_FILE is reported and the command exits with its code (0 PASS, 1 FAIL) "
+            "instead of starting a new run"),
     Setting("START_AGENT", "start_agent", "analyst", "role", "role whose turn starts a new run"),
     Setting("MAX_ROUNDS", "limits.max_rounds", 8, "count", "test rounds before the run fails"),
     Setting("MAX_REVIEW_CYCLES", "limits.max_review_cycles", 3, "count", "review cycles per phase"),
@@ -396,6 +411,7 @@ PROJECT_TEST_CMD: str = _initial("PROJECT_TEST_CMD")
 STATE_FILE: str = _initial("STATE_FILE") or default_state_file(WD)
 RESUME: bool = _initial("RESUME")
 CLEANUP_ON_EXIT: bool = _initial("CLEANUP_ON_EXIT")
+REPORT_FINISHED_RUN: bool = _initial("REPORT_FINISHED_RUN")
 START_AGENT: str = _initial("START_AGENT")
 MAX_ROUNDS: int = _initial("MAX_ROUNDS")
 MAX_REVIEW_CYCLES: int = _initial("MAX_REVIEW_CYCLES")
@@ -1262,6 +1278,15 @@ def ask_agent(role: str, prompt: str) -> str:
         log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
         try:
             api.send_input(terminal_id, message)
+        except ApiError as exc:
+            if exc.unsent or not exc.retryable:
+                forget_context_sent(terminal_id)
+                raise
+            # The request went out and the answer broke off (a server restart):
+            # the agent may have the prompt. The wait tells -- a reply, a busy
+            # agent or new output -- and sends it again only if nothing shows.
+            log_turn(role, f"delivery to terminal {terminal_id} broke off ({exc}); watching whether the "
+                           "prompt arrived before sending it again")
         except BaseException:
             forget_context_sent(terminal_id)
             raise
@@ -1908,12 +1933,53 @@ def load_state() -> bool:
     return True
 
 
-def set_state_file_aside(reason: str) -> None:
-    """Keep an old state file under a new name instead of writing over it."""
+def state_backup_path() -> Path:
+    """Where an old state file is kept when a new run replaces it."""
     path = Path(STATE_FILE)
-    target = path.with_name(f"{path.name}.{datetime.now().strftime('%Y%m%d-%H%M%S')}.bak")
-    os.replace(path, target)
-    log(f"{reason}: moved the old state file to {target}")
+    return path.with_name(f"{path.name}.{datetime.now().strftime('%Y%m%d-%H%M%S')}.bak")
+
+
+def describe_state(data: dict) -> str:
+    """'finished with PASS in round 2, last saved 2026-11-22T10:00:00Z': what a state file holds."""
+    status = data.get("final_status")
+    round_text = f"round {data.get('current_round', '?')}"
+    what = (f"finished with {status} in {round_text}" if status in ("PASS", "FAIL")
+            else f"an unfinished run ({round_text}, {data.get('current_phase', '?')} phase)")
+    return f"{what}, last saved {data.get('updated_at', 'at an unknown time')}"
+
+
+# One process per run: an exclusive lock on a file beside the state file, held
+# until the process ends. The operating system drops it when the process dies,
+# so a killed run never blocks the next one.
+run_lock = None
+
+
+def acquire_run_lock() -> None:
+    """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
+    global run_lock
+    path = Path(STATE_FILE + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that has not yet said its pid"
+        handle.close()
+        raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
+                        f"Try again when it has finished (see its log), or stop that process first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    run_lock = handle
+
+
+def release_run_lock() -> None:
+    global run_lock
+    if run_lock is not None:
+        run_lock.close()
+        run_lock = None
 
 
 # ==========================================================================
@@ -1961,36 +2027,47 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     """The session with the analyst's terminal, then the other four at once.
 
     CAO waits for each agent CLI to start (seconds per terminal), so the four
-    extra terminals are created concurrently. If any creation fails, every
-    terminal that was created is exited again and the error names the role.
+    extra terminals are created concurrently. Every creation runs in the pool,
+    the session's too: interrupted (Ctrl-C, SIGTERM) or failed, the loop
+    waits for the creations under way and exits every terminal that was made,
+    so no agent is left behind. The error names the role that failed.
     """
     created: dict[str, str] = {}
+    futures: dict[str, Future] = {}
     failures: list[str] = []
+
+    def collect(role: str) -> dict | None:
+        try:
+            answer = futures[role].result()
+        except ApiError as exc:
+            failures.append(f"{role}: {exc}")
+            return None
+        created[role] = answer["id"]
+        return answer
+
+    pool = ThreadPoolExecutor(max_workers=len(ROLES))
     try:
-        first = api.create_session(profile_for("analyst"), provider_for("analyst"))
-        created["analyst"] = first["id"]
-        with ThreadPoolExecutor(max_workers=len(ROLES) - 1) as pool:
-            futures = {role: pool.submit(api.create_terminal, first["session_name"], profile_for(role),
-                                         provider_for(role)) for role in ROLES[1:]}
-            try:
-                for role, future in futures.items():
-                    try:
-                        created[role] = future.result()["id"]
-                    except ApiError as exc:
-                        failures.append(f"{role}: {exc}")
-            finally:
-                # Interrupted: let the creations under way finish, so they can be exited too.
-                pool.shutdown(wait=True)
-                for role, future in futures.items():
-                    if role not in created and not future.cancelled() and future.exception() is None:
-                        created[role] = future.result()["id"]
+        futures["analyst"] = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"))
+        first = collect("analyst")
+        if first is not None:
+            for role in ROLES[1:]:
+                futures[role] = pool.submit(api.create_terminal, first["session_name"], profile_for(role),
+                                            provider_for(role))
+            for role in ROLES[1:]:
+                collect(role)
         if failures:
             raise ApiError("; ".join(failures))
     except BaseException as exc:
+        pool.shutdown(wait=True)            # creations under way finish, so they can be exited too
+        for role, future in futures.items():
+            if role not in created and not future.cancelled() and future.exception() is None:
+                created[role] = future.result()["id"]
         exit_terminals(list(created.values()))
         if isinstance(exc, ApiError):
             raise RunError(f"could not create the agent terminals ({exc}){start_failure_hint(str(exc))}") from None
         raise
+    finally:
+        pool.shutdown(wait=False)
     return first["session_name"], {role: created[role] for role in ROLES}
 
 
@@ -2007,12 +2084,17 @@ def start_failure_hint(error: str) -> str:
     return hint
 
 
-def init_new_run() -> None:
-    """Create the session and five terminals, reset the run, and write the first state."""
+def init_new_run(plan: StartPlan | None = None) -> None:
+    """Create the session and five terminals, reset the run, and write the first state.
+
+    The run it replaces (`plan`) is set aside only once the new terminals
+    exist, so a start that fails leaves the old state file where it was.
+    """
     global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
         programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, \
         in_flight, story_progress
     session_name, terminal_ids = create_terminals()
+    replace_old_run(plan or StartPlan(False))
     current_round = 1
     final_status = "RUNNING"
     feedback = analyst_feedback = programmer_feedback = programmer_context_for_retry = ""
@@ -2045,8 +2127,17 @@ def verify_resume_terminals() -> None:
                            "start a new run with RESUME=0 (the old state file is kept aside)") from None
 
 
-def choose_start() -> tuple[bool, str]:
-    """Resume or not, and why an old state file must be set aside first ('' if it need not).
+@dataclass
+class StartPlan:
+    """What start_run() will do with the state file it found."""
+
+    resume: bool
+    note: str = ""                 # the first log line of a new run: what the old state file held
+    old_state: dict | None = None  # a run the new one replaces: its file is kept aside, its agents exited
+
+
+def choose_start() -> StartPlan:
+    """Resume, report a finished run, or start a new one -- and what happens to an old state file.
 
     Decides only: nothing is moved or written here, so a run that then fails
     to start leaves the state file as it found it.
@@ -2056,27 +2147,62 @@ def choose_start() -> tuple[bool, str]:
     except StateFileError as exc:
         if RESUME:
             raise ConfigError(f"RESUME=1 but {exc}; fix or remove it, or unset RESUME to start a new run") from None
-        return False, f"{exc}; starting a new run"
+        return StartPlan(False, f"{exc}; starting a new run, the old file will be kept as {state_backup_path()}",
+                         {})
     status = (data or {}).get("final_status")
+    finished = status in ("PASS", "FAIL")
     # Input to an exited agent's terminal lands in a plain shell, so such a run is over.
     exited = data is not None and data.get("terminals_exited") is True
     if RESUME:
         if data is None:
             raise ConfigError(f"RESUME=1 but there is no state file at {STATE_FILE}: set STATE_FILE to the "
                               "run's state file, or unset RESUME to start a new run")
-        if status in ("PASS", "FAIL"):
+        if finished:
             raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {status}; "
                               "unset RESUME to start a new run")
         if exited:
             raise ConfigError(f"RESUME=1 but the agents of the run in {STATE_FILE} were exited "
                               "(CLEANUP_ON_EXIT=1), so it cannot be resumed; unset RESUME to start a new run")
-        return True, ""
-    if "RESUME" in explicit_settings:      # RESUME=0: a new run, whatever the file says
-        unfinished = data is not None and status not in ("PASS", "FAIL")
-        return False, "RESUME=0 with an unfinished run in the state file" if unfinished else ""
-    if status == "RUNNING" and exited:
-        return False, "the unfinished run's agents were exited (CLEANUP_ON_EXIT=1); starting a new run"
-    return data is not None and status == "RUNNING", ""
+        return StartPlan(True)
+    if data is None:
+        return StartPlan(False)
+    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings:
+        raise AlreadyFinished(0 if status == "PASS" else 1,
+                              f"the run in {STATE_FILE} {describe_state(data)}; REPORT_FINISHED_RUN=1, so "
+                              "nothing was started (move the state file away to start a new run)")
+    if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
+        return StartPlan(True)
+    why = " (RESUME=0)" if "RESUME" in explicit_settings else \
+        " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
+    return StartPlan(False, f"{STATE_FILE} holds {describe_state(data)}{why}; starting a new run, the old state "
+                            f"file will be kept as {state_backup_path()}", data)
+
+
+def replace_old_run(plan: StartPlan) -> None:
+    """The new run's terminals exist: keep the old state file aside and exit the old run's agents."""
+    if plan.old_state is None:
+        return
+    target = state_backup_path()
+    os.replace(STATE_FILE, target)
+    log(f"kept the old state file as {target}")
+    old = plan.old_state
+    ids = [i for i in (old.get("terminals") or {}).values() if isinstance(i, str) and i]
+    if not ids or old.get("terminals_exited") is True:
+        return
+    if str(old.get("api", API)).rstrip("/") != API.rstrip("/"):
+        log(f"the replaced run's agents (CAO session {old.get('session_name')}) ran on {old.get('api')}, "
+            "another server: left alone")
+        return
+    exited = 0
+    for terminal_id in ids:
+        try:
+            api.exit_terminal(terminal_id)
+            exited += 1
+        except ApiError as exc:
+            if exc.status_code != 404:
+                log(f"could not exit terminal {terminal_id} of the replaced run: {exc}")
+    log(f"exited {exited} agent terminal(s) of the replaced run (CAO session {old.get('session_name')})"
+        if exited else f"the replaced run's agents (CAO session {old.get('session_name')}) are gone already")
 
 
 # ==========================================================================
@@ -2308,11 +2434,23 @@ def _install_sigterm(handler) -> None:
         pass
 
 
-def start_run() -> None:
-    """Resume the saved run or create a new one; nothing is written if this fails."""
-    task = read_task_prompt()
-    resume, set_aside_reason = choose_start()
-    if resume:
+def refuse_bad_start(task: str) -> StartPlan:
+    """A new run needs a task; RESUME=1 needs a resumable state (choose_start raises). Returns the plan."""
+    plan = choose_start()
+    if not plan.resume and not task:
+        raise ConfigError("no task given: set PROMPT_FILE to a prompt file (see prompt_template.md) "
+                          "or PROMPT to its text")
+    return plan
+
+
+def start_run(task: str) -> None:
+    """Resume the saved run or create a new one for `task`; nothing is written if this fails.
+
+    Decided again under the run's lock: another process may have moved the
+    state on since refuse_bad_start() looked.
+    """
+    plan = refuse_bad_start(task)
+    if plan.resume:
         load_state()
         connect_api()
         if not PROMPT and task:
@@ -2325,13 +2463,10 @@ def start_run() -> None:
         log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
             f"session {session_name}")
         return
-    if not task:
-        raise ConfigError("no task given: set PROMPT_FILE to a prompt file (see prompt_template.md) "
-                          "or PROMPT to its text")
-    if set_aside_reason:
-        set_state_file_aside(set_aside_reason)
+    if plan.note:
+        log(plan.note)
     set_task(task)
-    init_new_run()
+    init_new_run(plan)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -2347,13 +2482,19 @@ def main(argv: list[str] | None = None) -> None:
         if len(args) > 1:
             raise ConfigError(f"expected at most one argument (a config file), got {len(args)}. {USAGE}")
         configure(args)
+        task = read_task_prompt()
+        refuse_bad_start(task)           # usage errors before anything is written, the lock included
+        acquire_run_lock()
         connect_api()
         _install_sigterm(_raise_terminated)
-        start_run()
+        start_run(task)
         started = True
         if isinstance(api, ApiClient):
             api.retry_seconds = API_RETRY_SECONDS     # from now on, ride out server restarts
         code = run_loop()
+    except AlreadyFinished as exc:
+        code = exc.code
+        log(exc.message)
     except OrchestratorExit as exc:
         code = exc.code
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
@@ -2377,10 +2518,19 @@ def main(argv: list[str] | None = None) -> None:
                 save_state()
                 if CLEANUP_ON_EXIT:
                     cleanup_terminals()
+                else:
+                    log(agents_left_note())
             except OSError as exc:
                 code = code or 1
                 print(f"error: could not save the state to {STATE_FILE}: {exc}", file=sys.stderr, flush=True)
+        release_run_lock()
     raise SystemExit(code)
+
+
+def agents_left_note() -> str:
+    """The last line of a run whose agents stay up: where they are and how to stop them."""
+    return (f"the five agents of CAO session {session_name} are still running (watch: `tmux attach -t "
+            f"{session_name}`; stop: `cao shutdown --session {session_name}`, or set CLEANUP_ON_EXIT=1)")
 
 
 if __name__ == "__main__":

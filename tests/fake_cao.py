@@ -129,6 +129,10 @@ class FakeCao:
     outage: int = 0                      # the next N requests find the server down (connection refused)
     required_token: str = ""             # answer 401 to requests without this bearer token
     server_errors: dict[str, int] = field(default_factory=dict)  # route kind -> number of 503 answers
+    broken_answers: dict[str, int] = field(default_factory=dict)  # route kind -> requests carried out whose
+                                                                  # answer then breaks off (a server restart)
+    reported_status: str = ""            # answer every status read with this word (e.g. "unknown")
+    create_hook: object = None           # callable(profile) run as each terminal creation starts
     creating_now: int = 0
     creating_peak: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -185,7 +189,12 @@ class FakeCao:
             if self.server_errors.get(kind, 0) > 0:
                 self.server_errors[kind] -= 1
                 return httpx.Response(503, json={"detail": "Service Unavailable"})
-            return handler(request)
+            response = handler(request)
+            if self.broken_answers.get(kind, 0) > 0:
+                self.broken_answers[kind] -= 1
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.",
+                                                request=request)
+            return response
         return handle
 
     # -- handlers -------------------------------------------------------------
@@ -195,6 +204,8 @@ class FakeCao:
     def _new_terminal(self, request: httpx.Request, session: str) -> httpx.Response:
         params = self._params(request)
         profile = params.get("agent_profile", "")
+        if self.create_hook is not None:
+            self.create_hook(profile)
         if profile in self.fail_create:
             status, detail = self.fail_create[profile]
             return httpx.Response(status, json={"detail": detail})
@@ -284,7 +295,7 @@ class FakeCao:
         if terminal is None:
             return self._missing(request)
         self._status_for(terminal)
-        return httpx.Response(200, json={"id": terminal.id, "status": terminal.status,
+        return httpx.Response(200, json={"id": terminal.id, "status": self.reported_status or terminal.status,
                                          "session_name": terminal.session})
 
     def _status_for(self, terminal: Terminal) -> None:

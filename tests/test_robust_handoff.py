@@ -233,14 +233,31 @@ def test_server_down_at_start_fails_fast_without_state(load_orch, fake_cao, prom
     assert len(fake_cao.requests) == 1
 
 
-def test_prompt_that_may_have_been_delivered_is_not_sent_twice(load_orch, fake_cao, prompt_file, capsys):
-    """A 5xx answer to POST input may follow a delivery: it stops the run instead of repeating."""
+def test_prompt_whose_delivery_broke_off_after_it_arrived_is_not_sent_again(load_orch, fake_cao, prompt_file,
+                                                                             capsys):
+    """The server took the prompt, then the answer broke off (a restart): the agent works on it and
+    answers; the prompt is never sent twice."""
+    fake_cao.broken_answers["input"] = 1
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert len([r for r in fake_cao.requests if r.url.path.endswith("/input")]) == 1
+    assert fake_cao.turns == {"tester": 1}
+    out = capsys.readouterr().out
+    assert "broke off" in out and "sending the whole prompt again" not in out
+
+
+def test_prompt_whose_delivery_failed_before_it_arrived_is_sent_again_once(load_orch, fake_cao, prompt_file,
+                                                                           capsys):
+    """A 5xx answer to the prompt: nothing shows that it arrived (agent idle, no new output), so after
+    the idle grace it goes out once more, whole."""
     fake_cao.server_errors["input"] = 1
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
-    assert run_main(m) == 1
+    assert run_main(m) == 0
     inputs = [r for r in fake_cao.requests if r.url.path.endswith("/input")]
-    assert len(inputs) == 1
-    assert "HTTP 503" in capsys.readouterr().err
+    assert len(inputs) == 2 and inputs[0].url == inputs[1].url
+    assert fake_cao.turns == {"tester": 1}
+    out = capsys.readouterr().out
+    assert "HTTP 503" in out and "sending the whole prompt again" in out
 
 
 def test_status_reads_are_retried_on_5xx(load_orch, fake_cao, prompt_file):

@@ -1,0 +1,220 @@
+"""Runs that nothing knocks over: one process per run, a server that lost track, agents not left behind,
+and a finished run that cron does not silently start again.
+
+Driven through main() against the respx fake CAO, except the lock, which is
+tried with real processes (a lock that only works inside one process proves
+nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, ROOT, TASK_PROMPT, run_main
+from fake_cao import FAIL_REPLY
+
+TESTER_ONLY = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
+
+
+def state_of(module) -> dict:
+    return json.loads(Path(module.STATE_FILE).read_text(encoding="utf-8"))
+
+
+def write_state(module, **fields) -> Path:
+    """A state file as an earlier run left it, with the given fields."""
+    data = {"version": 1, "updated_at": "2026-11-20T03:00:00Z", "api": "http://cao.test", "provider": "codex",
+            "wd": module.WD, "prompt": TASK_PROMPT, "current_round": 2, "current_phase": "done",
+            "final_status": "PASS", "session_name": "cao-old",
+            "terminals": {}, "feedback": "", "analyst_feedback": "", "programmer_feedback": "",
+            "outputs": {"analyst": "", "analyst_review": "", "programmer": "", "programmer_review": "",
+                        "tester": ""}}
+    data.update(fields)
+    path = Path(module.STATE_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+# -- one process per run: the lock ------------------------------------------------
+
+HOLDER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    import run_orchestrator_loop as loop
+    loop.STATE_FILE = sys.argv[1]
+    start_at = float(sys.argv[2])
+    while time.time() < start_at:          # several holders can start in the same instant
+        pass
+    try:
+        loop.acquire_run_lock()
+    except loop.RunLocked as exc:
+        print("LOCKED", exc.message, flush=True)
+        sys.exit(exc.code)
+    print("HOLDING", flush=True)
+    time.sleep(float(sys.argv[3]))
+""")
+
+
+def start_holders(tmp_path: Path, count: int, hold_seconds: float) -> list[subprocess.Popen]:
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER.format(root=str(ROOT)), encoding="utf-8")
+    state = tmp_path / "project" / ".tmp" / "state.json"
+    start_at = time.time() + 1.0
+    return [subprocess.Popen([sys.executable, str(script), str(state), str(start_at), str(hold_seconds)],
+                             stdout=subprocess.PIPE, text=True) for _ in range(count)]
+
+
+def test_second_invocation_exits_75_naming_the_holder_and_touching_nothing(load_orch, fake_cao, prompt_file,
+                                                                            tmp_path, capsys):
+    """While a process drives the run, the same command exits 75 at once with one line (pid, since when)."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    state = write_state(m, final_status="RUNNING", current_phase="tester",
+                        terminals=fake_cao.add_terminals())
+    before = state.read_bytes()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import run_orchestrator_loop as loop
+        loop.STATE_FILE = {m.STATE_FILE!r}
+        loop.acquire_run_lock()
+        print("HOLDING", flush=True)
+        time.sleep(30)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING"
+        assert run_main(m) == 75
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"pid {holder.pid} since " in err[0] and m.STATE_FILE in err[0]
+        assert fake_cao.requests == []
+        assert state.read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_is_released_when_the_holder_is_killed(tmp_path):
+    """kill -9 the holder: the operating system drops the lock, and the next process gets it."""
+    (first,) = start_holders(tmp_path, 1, hold_seconds=60)
+    assert first.stdout.readline().strip() == "HOLDING"
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    (second,) = start_holders(tmp_path, 1, hold_seconds=0)
+    assert second.stdout.readline().strip() == "HOLDING"
+    assert second.wait(timeout=30) == 0
+
+
+def test_lock_is_released_when_a_run_ends(load_orch, fake_cao, prompt_file):
+    """Two runs in a row from one process: the first run's lock does not block the second."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert run_main(m) == 0
+    assert m.run_lock is None
+
+
+def test_processes_starting_in_the_same_instant_get_one_lock(tmp_path):
+    """Four processes try at the same moment: exactly one holds the run, three exit 75."""
+    holders = start_holders(tmp_path, 4, hold_seconds=3)
+    outputs = [h.communicate(timeout=60)[0] for h in holders]
+    codes = sorted(h.returncode for h in holders)
+    assert codes == [0, 75, 75, 75], outputs
+    assert sum("HOLDING" in out for out in outputs) == 1
+
+
+# -- a server that cannot tell ------------------------------------------------------
+
+def test_run_whose_terminals_all_read_unknown_finishes(load_orch, fake_cao, prompt_file, capsys):
+    """After a cao-server restart every status reads `unknown`: the files and still screens finish the run."""
+    fake_cao.reported_status = "unknown"
+    fake_cao.script["tester"] = [FAIL_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), QUIET_SCREEN_SECONDS="0.05",
+                  **{**TESTER_ONLY, "START_AGENT": "programmer", "MAX_ROUNDS": "2"})
+    assert run_main(m) == 1                            # FAIL twice: the run went through both rounds
+    assert fake_cao.roles_prompted() == ["programmer", "peer_programmer", "tester"] * 2
+    out = capsys.readouterr().out
+    assert "CAO cannot tell the status" in out and "reminder" not in out
+
+
+# -- agents not left behind ------------------------------------------------------------
+
+def test_ctrl_c_while_the_session_is_being_created_exits_its_first_terminal(load_orch, fake_cao, prompt_file):
+    """Ctrl-C in the first seconds: the creation under way finishes, and its terminal is exited."""
+    def interrupt_while_creating(profile: str) -> None:
+        if profile == "system_analyst":
+            signal.raise_signal(signal.SIGINT)       # the main thread gets KeyboardInterrupt ...
+            time.sleep(0.3)                          # ... while this creation is still under way
+
+    fake_cao.create_hook = interrupt_while_creating
+    m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
+    assert run_main(m) == 130
+    assert len(fake_cao.terminals) == 1
+    assert fake_cao.exited_ids() == list(fake_cao.terminals)
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_a_new_run_exits_the_agents_of_the_unfinished_run_it_replaces(load_orch, fake_cao, prompt_file, capsys):
+    """RESUME=0 over an unfinished run: its state is kept aside and its five agents are exited."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="0", **TESTER_ONLY)
+    old_ids = fake_cao.add_terminals(session="cao-old")
+    write_state(m, final_status="RUNNING", current_phase="tester", terminals=old_ids)
+    assert run_main(m) == 0
+    assert sorted(fake_cao.exited_ids()) == sorted(old_ids.values())
+    out = capsys.readouterr().out
+    assert "exited 5 agent terminal(s) of the replaced run (CAO session cao-old)" in out
+    backups = list(Path(m.STATE_FILE).parent.glob("*.bak"))
+    assert len(backups) == 1 and json.loads(backups[0].read_text())["session_name"] == "cao-old"
+
+
+def test_a_run_that_ends_says_how_to_stop_its_agents(load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    assert run_main(m) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"CAO session {m.session_name} are still running" in last
+    assert f"cao shutdown --session {m.session_name}" in last and "CLEANUP_ON_EXIT=1" in last
+
+
+# -- a finished run and cron ----------------------------------------------------------
+
+def test_new_run_after_a_finished_one_says_what_the_old_state_held_first(load_orch, fake_cao, prompt_file, capsys):
+    """The default (the spec's): a new run starts; its first line names the old result, when, and where it goes."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    write_state(m, final_status="PASS", current_round=3)
+    assert run_main(m) == 0
+    first = capsys.readouterr().out.strip().splitlines()[0]
+    assert "finished with PASS in round 3, last saved 2026-11-20T03:00:00Z" in first
+    assert "starting a new run" in first and ".bak" in first
+    assert len(list(Path(m.STATE_FILE).parent.glob("*.bak"))) == 1
+
+
+@pytest.mark.parametrize("result, code", [("PASS", 0), ("FAIL", 1)])
+def test_report_finished_run_exits_with_its_code_and_starts_nothing(load_orch, fake_cao, prompt_file, capsys,
+                                                                   result, code):
+    """REPORT_FINISHED_RUN=1: cron can rerun the same command until the work is done."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), REPORT_FINISHED_RUN="1", **TESTER_ONLY)
+    state = write_state(m, final_status=result)
+    before = state.read_bytes()
+    assert run_main(m) == code
+    out, err = capsys.readouterr()
+    assert f"finished with {result} in round 2" in out and "nothing was started" in out and err == ""
+    assert fake_cao.requests == []
+    assert state.read_bytes() == before
+    assert not list(state.parent.glob("*.bak"))
+
+
+def test_report_finished_run_still_continues_an_unfinished_run(load_orch, fake_cao, prompt_file):
+    m = load_orch(PROMPT_FILE=str(prompt_file), REPORT_FINISHED_RUN="1", **TESTER_ONLY)
+    write_state(m, final_status="RUNNING", current_phase="tester", current_round=1,
+                terminals=fake_cao.add_terminals(),
+                outputs={"analyst": "x", "analyst_review": "", "programmer": "y", "programmer_review": "",
+                         "tester": ""})
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["tester"]
+    assert state_of(m)["final_status"] == "PASS"
