@@ -42,10 +42,11 @@ import signal
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 from urllib.parse import quote
 
 import httpx
@@ -2023,51 +2024,70 @@ def exit_terminals(ids: list[str]) -> None:
             log(f"could not exit terminal {terminal_id}: {exc}")
 
 
+@contextmanager
+def signals_held(what: str) -> Iterator[list[int]]:
+    """Hold Ctrl-C and SIGTERM while `what` finishes, then act on them.
+
+    Creating terminals cannot be cut short safely: a creation the server is
+    still carrying out would leave an agent nobody knows about. The list
+    yielded holds the signals that arrived; on leaving, the first one is
+    raised as usual (KeyboardInterrupt or Terminated).
+    """
+    received: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if not received:
+            log(f"interrupted: {what} first, so that nothing is left behind")
+        received.append(signum)
+
+    previous = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, hold)
+    except ValueError:                     # not the main thread: signals cannot be held here
+        pass
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
+
+
 def create_terminals() -> tuple[str, dict[str, str]]:
     """The session with the analyst's terminal, then the other four at once.
 
     CAO waits for each agent CLI to start (seconds per terminal), so the four
-    extra terminals are created concurrently. Every creation runs in the pool,
-    the session's too: interrupted (Ctrl-C, SIGTERM) or failed, the loop
-    waits for the creations under way and exits every terminal that was made,
-    so no agent is left behind. The error names the role that failed.
+    extra terminals are created concurrently. A failed or interrupted
+    start-up exits every terminal it created (interrupts wait for the
+    creations under way), and a failure names the role.
     """
     created: dict[str, str] = {}
-    futures: dict[str, Future] = {}
     failures: list[str] = []
 
-    def collect(role: str) -> dict | None:
+    def collect(role: str, future: Future) -> dict | None:
         try:
-            answer = futures[role].result()
-        except ApiError as exc:
+            answer = future.result()
+        except Exception as exc:           # ApiError, or anything else: the others are still exited
             failures.append(f"{role}: {exc}")
             return None
         created[role] = answer["id"]
         return answer
 
-    pool = ThreadPoolExecutor(max_workers=len(ROLES))
-    try:
-        futures["analyst"] = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"))
-        first = collect("analyst")
-        if first is not None:
-            for role in ROLES[1:]:
-                futures[role] = pool.submit(api.create_terminal, first["session_name"], profile_for(role),
-                                            provider_for(role))
-            for role in ROLES[1:]:
-                collect(role)
-        if failures:
-            raise ApiError("; ".join(failures))
-    except BaseException as exc:
-        pool.shutdown(wait=True)            # creations under way finish, so they can be exited too
-        for role, future in futures.items():
-            if role not in created and not future.cancelled() and future.exception() is None:
-                created[role] = future.result()["id"]
-        exit_terminals(list(created.values()))
-        if isinstance(exc, ApiError):
-            raise RunError(f"could not create the agent terminals ({exc}){start_failure_hint(str(exc))}") from None
-        raise
-    finally:
-        pool.shutdown(wait=False)
+    with ThreadPoolExecutor(max_workers=len(ROLES) - 1) as pool, \
+            signals_held("exiting the terminals being created") as interrupted:
+        first = collect("analyst", pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst")))
+        if first is not None and not interrupted:
+            futures = {role: pool.submit(api.create_terminal, first["session_name"], profile_for(role),
+                                         provider_for(role)) for role in ROLES[1:]}
+            for role, future in futures.items():
+                collect(role, future)
+        if failures or interrupted:
+            exit_terminals(list(created.values()))
+        if failures and not interrupted:
+            error = "; ".join(failures)
+            raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
     return first["session_name"], {role: created[role] for role in ROLES}
 
 
