@@ -758,7 +758,7 @@ KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 FILE_CHECK_SECONDS = 0.1
 # A response file counts once it has not changed for this long, so a reply
 # still being written (or rewritten) is never read half-way.
-FILE_SETTLE_SECONDS = 0.3
+FILE_SETTLE_SECONDS = 0.2
 
 # Run state (saved in the state file; see section 7).
 session_name: str = ""
@@ -946,8 +946,8 @@ class TurnWatch:
                once when a file has settled, so a finished turn ends at once)
       screen   the terminal's recent output, read with the status while the
                status alone cannot end the turn
-      reply    CAO's last reply, compared with the one before the prompt:
-               a change means the agent worked
+      reply    CAO's last reply, read before the prompt and once more before
+               sending it again: a change means the agent worked
 
     Rules, in order:
       error    the status is `error`
@@ -1021,8 +1021,9 @@ class TurnWatch:
         self.screen, self.screen_changed_at = screen, time.monotonic()
 
     def note_reply(self, reply: str | None) -> None:
+        """A new last reply: it worked (before it went idle, so idle keeps counting)."""
         if reply is not None and self.baseline_reply is not None and reply != self.baseline_reply:
-            self.note_working()
+            self.seen_working = True
 
     def note_working(self) -> None:
         self.seen_working = True
@@ -1036,7 +1037,8 @@ class TurnWatch:
         """Once per POLL_SECONDS -- and once early, when a reply file has just settled."""
         if time.monotonic() >= self.next_status_at:
             return True
-        if not self.early_read_used and self.file_settled() and self.status_at < self.file_seen_at:
+        if not self.early_read_used and self.file_settled() and \
+                self.status_at < self.file_seen_at + FILE_SETTLE_SECONDS:
             self.early_read_used = True
             return True
         return False
@@ -1051,11 +1053,7 @@ class TurnWatch:
         """With a status read, when the status alone cannot end the turn."""
         if self.status in READY_STATUSES or self.status == "error":
             return False
-        return self.file_version is not None or self.status not in KNOWN_STATUSES
-
-    def reply_due(self) -> bool:
-        """Idle without a file and not seen working: did a new reply appear?"""
-        return self.file_version is None and not self.seen_working and self.is_idle()
+        return self.file_settled() or self.status not in KNOWN_STATUSES
 
     # -- rules ---------------------------------------------------------------
     def screen_still_since(self, since: float) -> bool:
@@ -1074,12 +1072,12 @@ class TurnWatch:
         if self.file_settled() and (self.ready_since_file or self.screen_still_since(self.file_seen_at)):
             return "done"
         if self.file_version is None and self.is_idle():
+            if self.idle_since is None:
+                self.idle_since = now
             if not self.seen_working and now - self.guard_since < IDLE_GRACE_SECONDS:
                 return "wait"                 # may not have started yet: idle does not count
             if not self.seen_working and not self.resent:
                 return "resend"
-            if self.idle_since is None:
-                self.idle_since = now
             if now - self.idle_since >= IDLE_GRACE_SECONDS:
                 return "remind"
         else:
@@ -1111,10 +1109,12 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
             output = _last_output(terminal_id)
             raise agent_failed(role, terminal_id, "reports status 'error'" + (f" ({_tail(output, 3)})" if output else ""))
         elif verdict == "resend" and message is not None and not reply_file_version(path):
-            log_turn(role, f"terminal {terminal_id} never showed that it got the prompt "
-                           f"({IDLE_GRACE_SECONDS:g}s idle, no new output); sending the whole prompt again")
-            turn.resent = True
-            resend_prompt(role, terminal_id, message, turn)
+            turn.note_reply(_last_output(terminal_id))    # the one look that can still tell it worked
+            if not turn.seen_working:
+                log_turn(role, f"terminal {terminal_id} never showed that it got the prompt "
+                               f"({IDLE_GRACE_SECONDS:g}s idle, no new output); sending the whole prompt again")
+                turn.resent = True
+                resend_prompt(role, terminal_id, message, turn)
         elif verdict in ("resend", "remind") and not reply_file_version(path):
             turn.resent = True
             reply = idle_without_file(turn)
@@ -1138,8 +1138,6 @@ def observe_terminal(turn: TurnWatch) -> None:
         handle_permission_prompt(turn)
     if turn.screen_due():
         turn.note_screen(_screen(turn.terminal_id))
-    if turn.reply_due():
-        turn.note_reply(_last_output(turn.terminal_id))
 
 
 def resend_prompt(role: str, terminal_id: str, message: str, turn: TurnWatch) -> None:

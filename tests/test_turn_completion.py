@@ -17,7 +17,7 @@ import pytest
 POLL = 2.0
 GRACE = 30.0
 QUIET = 5.0
-SETTLE = 0.3
+SETTLE = 0.2
 FINAL = "RESULT: PASS\nEVIDENCE:\n- final\n"
 DRAFT = "RESULT: FAIL\nEVIDENCE:\n- draft, still working\n"
 
@@ -86,6 +86,8 @@ class SimTerminal:
 
     def send_input(self, terminal_id: str, message: str) -> None:
         self.sent.append(message)
+        if message.startswith("Reminder:"):
+            self.reminder_at = self.now
 
     # -- running a turn --------------------------------------------------------
     def wait(self, message: str = "the prompt") -> tuple[str, float]:
@@ -213,3 +215,16 @@ def test_error_status_stops_the_turn(sim, orch):
     sim.at(3.0, status="error")
     with pytest.raises(orch.RunError, match="reports status 'error'"):
         sim.wait()
+
+
+def test_a_new_last_reply_shows_the_agent_worked_so_it_is_reminded_not_sent_the_prompt(sim):
+    """Idle all along (its busy moment fell between two polls), but CAO's last reply changed:
+    it got the prompt. It is reminded once its idle grace is used up, counted from when it went idle."""
+    sim.status = "idle"
+    sim.at(1.0, reply="its answer, left in the terminal")
+    sim.write_at(45.0, FINAL)
+    sim.at(45.0, status="completed")
+    reply, _ = sim.wait()
+    assert reply == FINAL.strip()
+    assert len(sim.sent) == 1 and sim.sent[0].startswith("Reminder:")
+    assert sim.reminder_at <= POLL + GRACE + 0.2          # idle counted from the first idle reading

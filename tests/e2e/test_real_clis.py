@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
 POLL_SECONDS = 1.0
 # The loop's defaults: the bounds a turn may wait after its reply file was written.
-FILE_SETTLE_SECONDS = 0.3
+FILE_SETTLE_SECONDS = 0.2
 QUIET_SCREEN_SECONDS = 5.0
 # The agent CLI itself needs a moment after its shell command wrote the file:
 # it reads the tool result, asks the model for its final words and prints them.
