@@ -20,7 +20,7 @@ RESUME=1, or automatically when the state file says the run is still RUNNING.
 
 Usage:  python run_orchestrator_loop.py [config.json]
 Exit codes: 0 PASS, 1 FAIL or runtime error, 2 bad usage or configuration,
-130 interrupted (SIGINT), 143 terminated (SIGTERM).
+75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 
 Sections, in the order data flows:
     1. Configuration        6. Prompt builders
@@ -31,6 +31,8 @@ Sections, in the order data flows:
 """
 
 from __future__ import annotations
+
+__version__ = "0.2.0"
 
 import difflib
 import fcntl
@@ -370,6 +372,9 @@ def read_config_file(path: str) -> dict[str, object]:
                 where = f"in '{prefix}'" if prefix else "at the top level"
                 close = difflib.get_close_matches(name, allowed, n=1)
                 hint = f"did you mean '{close[0]}'? " if close else ""
+                if name.upper() in SETTINGS_BY_ENV:
+                    hint = (f"'{name}' is the environment variable; in a config file it is "
+                            f"'{SETTINGS_BY_ENV[name.upper()].key}'. ")
                 raise ConfigError(f"config file {path}: unknown key '{key}' ({hint}known keys {where}: "
                                   f"{', '.join(allowed)})")
             if not isinstance(value, dict):
@@ -463,10 +468,25 @@ EXPLORE_SUMMARY: str = ""
 SCENARIO_TEST: str = ""
 
 
+def misspelt_settings(environ: Mapping[str, str]) -> list[str]:
+    """Warnings for environment variables that look like a setting with a typo (MAX_ROUND)."""
+    known = [setting.env for setting in SETTINGS] + ["CAO_AUTH_LOCAL_TOKEN"]
+    warnings = []
+    for name in sorted(environ):
+        if name in known or len(name) < 4 or not name.isupper():
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            warnings.append(f"warning: {name} is not a setting (ignored); did you mean {close[0]}?")
+    return warnings
+
+
 def configure(argv: list[str]) -> None:
     """Settle every setting (env > JSON > default) and validate it, before anything runs."""
     global explicit_settings, CAO_AUTH_LOCAL_TOKEN
     CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
+    for warning in misspelt_settings(os.environ):
+        print(warning, file=sys.stderr, flush=True)
     env_values, env_errors = read_env_settings(os.environ)
     if env_errors:
         raise ConfigError(env_errors[0])
@@ -486,6 +506,9 @@ def validate_settings() -> None:
         what = "does not exist" if not os.path.exists(WD) else "is not a directory"
         raise ConfigError(f"WD={WD} {what}: set WD (or 'wd' in the config file) to the project directory")
     WD = os.path.abspath(WD)
+    if Path(WD).resolve() == Path(__file__).resolve().parent and (Path(WD) / "pyproject.toml").exists():
+        raise ConfigError(f"WD={WD} is this program's own directory: the agents would rewrite the orchestrator. "
+                          "Make a directory for your project and set WD to it (or run from there)")
     STATE_FILE = os.path.abspath(STATE_FILE)
     if os.path.isdir(STATE_FILE):
         raise ConfigError(f"STATE_FILE={STATE_FILE} is a directory: give it a file path")
@@ -497,6 +520,14 @@ def validate_settings() -> None:
     if REVIEW_EVIDENCE_MIN_MATCH > checks:
         raise ConfigError(f"REVIEW_EVIDENCE_MIN_MATCH={REVIEW_EVIDENCE_MIN_MATCH} exceeds the {checks} evidence "
                           f"checks a review is scored on: use 1 to {checks}")
+
+
+# Lines of prompt_template.md that stand for the user's own text: a task that
+# still holds one is the unedited template.
+TEMPLATE_PLACEHOLDERS = (
+    "What to build or change, and what the agents should know before they start.",
+    "How the tester decides PASS or FAIL: concrete steps with expected results, e.g.",
+)
 
 
 def parse_task_prompt(text: str, source: str) -> tuple[str, str]:
@@ -517,6 +548,10 @@ def parse_task_prompt(text: str, source: str) -> tuple[str, str]:
             raise ConfigError(f"{source}: missing the header line '{header}' (see prompt_template.md for the format)")
         if not "\n".join(sections[header]).strip():
             raise ConfigError(f"{source}: the '{header}' section is empty; write the text under that header")
+        for placeholder in TEMPLATE_PLACEHOLDERS:
+            if placeholder in (line.strip() for line in sections[header]):
+                raise ConfigError(f"{source} is the unedited template: the '{header}' section still says "
+                                  f"'{placeholder}'; replace the template's text with your task")
     return "\n".join(sections[EXPLORE_HEADER]).strip(), "\n".join(sections[SCENARIO_HEADER]).strip()
 
 
@@ -653,8 +688,9 @@ class ApiClient:
         try:
             return response.json()
         except ValueError:
-            raise ApiError(f"CAO {what} answered HTTP {response.status_code} with something that is "
-                           f"not JSON: {response.text[:200]!r}") from None
+            raise ApiError(f"the server at {self.base_url} is not a CAO server ({what} answered HTTP "
+                           f"{response.status_code} with {_what_answered(response)} instead of JSON): set API "
+                           f"to the address cao-server listens on") from None
 
     def _terminal_answer(self, what: str, answer: object) -> dict:
         if not isinstance(answer, dict) or not isinstance(answer.get("id"), str) \
@@ -709,6 +745,17 @@ class ApiClient:
         self._http.close()
 
 
+def _what_answered(response: httpx.Response) -> str:
+    """A few words on a non-JSON answer: an HTML page's title, else the start of the text, on one line."""
+    text = response.text or ""
+    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+    if title or "html" in response.headers.get("content-type", ""):
+        name = " ".join(title.group(1).split())[:80] if title else ""
+        return f"an HTML page{f' titled {name!r}' if name else ''}"
+    snippet = " ".join(text.split())[:80]
+    return f"the text {snippet!r}" if snippet else "an empty body"
+
+
 def _error_detail(response: httpx.Response) -> str:
     """CAO's {"detail": ...} if it sent one, else the start of the body."""
     try:
@@ -716,7 +763,7 @@ def _error_detail(response: httpx.Response) -> str:
     except (ValueError, AttributeError):
         detail = None
     if detail is None:
-        return response.text[:200].strip() or response.reason_phrase
+        return _what_answered(response) if response.text.strip() else response.reason_phrase
     return detail if isinstance(detail, str) else json.dumps(detail)[:300]
 
 
@@ -2073,6 +2120,9 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         created[role] = answer["id"]
         return answer
 
+    providers = sorted({provider_for(role) for role in ROLES})
+    log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}; CAO waits "
+        "for each agent CLI to start (seconds with the scripted agent, up to a minute with real CLIs)")
     with ThreadPoolExecutor(max_workers=len(ROLES) - 1) as pool, \
             signals_held("exiting the terminals being created") as interrupted:
         first = collect("analyst", pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst")))
@@ -2347,7 +2397,7 @@ def run_reviewed_phase(phase: str) -> None:
             set_review_feedback(phase, "")
             set_position(NEXT_PHASE[phase])
         else:
-            log_turn(reviewer, f"verdict {verdict}: not approved ({_why_not_approved(verdict, review, cycle, reviewer)})")
+            log_turn(reviewer, f"verdict {verdict}; approval not counted: {_why_not_approved(verdict, review, cycle, reviewer)}")
             set_review_feedback(phase, review_feedback_from(review))
             if cycle >= MAX_REVIEW_CYCLES:
                 log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
@@ -2437,7 +2487,49 @@ def run_loop() -> int:
 # 10. Entry point
 # ==========================================================================
 
-USAGE = "usage: run_orchestrator_loop.py [config.json]   (settings: environment variables, see README.md)"
+USAGE = "usage: run_orchestrator_loop.py [config.json] | --help | --version"
+
+EXIT_CODES = (
+    (0, "the tester reported RESULT: PASS"),
+    (1, "no PASS within MAX_ROUNDS, or a runtime error (the state is saved: rerun to resume)"),
+    (2, "bad usage or configuration; nothing was started, contacted or written"),
+    (75, "another process is driving the run in this state file; try again later"),
+    (130, "interrupted by SIGINT (Ctrl-C); state saved"),
+    (143, "terminated by SIGTERM; state saved"),
+)
+
+
+def _shown_default(setting: Setting) -> str:
+    """A setting's default as a user would type it."""
+    special = {"WD": "current directory", "STATE_FILE": f"$WD/.tmp/{STATE_FILE_NAME}"}
+    if setting.env in special:
+        return special[setting.env]
+    if setting.kind == "role_provider":
+        return "PROVIDER"
+    if isinstance(setting.default, bool):
+        return "1" if setting.default else "0"
+    if isinstance(setting.default, float):
+        return f"{setting.default:g}"
+    return str(setting.default) if setting.default != "" else "-"
+
+
+def help_text() -> str:
+    """--help: usage, every setting (from SETTINGS, so it cannot drift), exit codes, where the README is."""
+    readme = Path(__file__).resolve().with_name("README.md")
+    lines = [USAGE, "",
+             "Runs a five-agent development loop (analyst, peer analyst, programmer, peer programmer,",
+             "tester) on a CAO server until the tester reports PASS. Settings come from environment",
+             "variables and/or the JSON config file; environment wins. RESUME=1 continues an",
+             "interrupted run (a RUNNING state file is resumed anyway).", "",
+             "Settings (environment variable, JSON key, default: meaning):"]
+    for setting in SETTINGS:
+        lines.append(f"  {setting.env:34} {setting.key:40} {_shown_default(setting)}")
+        lines.append(f"      {setting.help}")
+    lines.append(f"  {'CAO_AUTH_LOCAL_TOKEN':34} {'(environment only)':40} -")
+    lines.append("      bearer token for a cao-server started with one; never logged or saved")
+    lines += ["", "Exit codes:"] + [f"  {code:3}  {meaning}" for code, meaning in EXIT_CODES]
+    lines += ["", f"Documentation: {readme if readme.exists() else 'README.md of the cao-orchestrator-loop project'}"]
+    return "\n".join(lines)
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -2491,7 +2583,10 @@ def main(argv: list[str] | None = None) -> None:
     """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in ("-h", "--help"):
-        print(USAGE)
+        print(help_text())
+        raise SystemExit(0)
+    if args and args[0] in ("-V", "--version"):
+        print(f"run_orchestrator_loop.py (cao-orchestrator-loop) {__version__}")
         raise SystemExit(0)
     started = False
     previous_sigterm = signal.getsignal(signal.SIGTERM)

@@ -64,7 +64,7 @@ def test_pass_exits_with_code_0_after_one_full_round(load_orch, fake_cao, prompt
     out = capsys.readouterr().out
     assert "RESULT: PASS" in out
     assert "round 1/8 | analyst phase | cycle 2/3 | peer_analyst: verdict APPROVED: approved" in out
-    assert "cycle 1/3 | peer_analyst: verdict APPROVED: not approved (approval counts from cycle 2)" in out
+    assert "cycle 1/3 | peer_analyst: verdict APPROVED; approval not counted: approval counts from cycle 2" in out
 
 
 def test_fail_then_pass_runs_short_retry_round(load_orch, fake_cao, prompt_file):
