@@ -825,6 +825,7 @@ terminals_exited: bool = False    # CLEANUP_ON_EXIT ended the agents: never send
 in_flight: dict = {}              # the prompt sent and not yet answered: role, position, sent_at
 story_progress: dict = {}         # story mode: change, queue, current story, attempt, last failure, results
 context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
+turn_records: list[dict] = []     # one per answered turn: role, round, seconds, prompt bytes, outcome
 
 
 def log_turn(role: str, message: str) -> None:
@@ -1338,10 +1339,24 @@ def ask_agent(role: str, prompt: str) -> str:
             raise
     reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
     timing = turn_timing(path)
+    record_turn(role, len(prompt.encode("utf-8")))
     archived = archive_reply(role, reply, path)
     set_in_flight({})
     log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived})")
     return reply
+
+
+def record_turn(role: str, prompt_bytes: int) -> None:
+    """Remember an answered turn for the run summary (saved with the state)."""
+    sent_at = in_flight.get("sent_at")
+    seconds = round(time.time() - sent_at, 1) if isinstance(sent_at, (int, float)) else None
+    turn_records.append({"role": role, "round": current_round, "seconds": seconds, "prompt_bytes": prompt_bytes})
+
+
+def note_turn_outcome(outcome: str) -> None:
+    """The verdict or test result of the turn just answered, for the run summary."""
+    if turn_records:
+        turn_records[-1]["outcome"] = outcome
 
 
 def turn_timing(path: Path) -> str:
@@ -1883,6 +1898,7 @@ def save_state() -> None:
         "terminals_exited": terminals_exited,
         "in_flight": in_flight or None,
         "story_progress": story_progress or None,
+        "turn_records": turn_records,
     }
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1942,7 +1958,8 @@ def load_state() -> bool:
     """Restore the run from STATE_FILE; False if there is no state file."""
     global API, PROVIDER, WD, session_name, terminal_ids, current_round, current_phase, phase_cycle, \
         phase_step, final_status, feedback, analyst_feedback, programmer_feedback, \
-        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, in_flight, story_progress
+        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, in_flight, story_progress, \
+        turn_records
     data = read_state_file()
     if data is None:
         return False
@@ -1976,6 +1993,8 @@ def load_state() -> bool:
     terminals_exited = data.get("terminals_exited") is True
     in_flight = data.get("in_flight") if isinstance(data.get("in_flight"), dict) else {}
     story_progress = data.get("story_progress") if isinstance(data.get("story_progress"), dict) else {}
+    records = data.get("turn_records")
+    turn_records = [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
     return True
 
 
@@ -2019,6 +2038,21 @@ def acquire_run_lock() -> None:
     handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
     run_lock = handle
+
+
+def lock_holder() -> str:
+    """Who holds the run's lock ('' if nobody): looked at without taking it or writing anything."""
+    try:
+        handle = open(STATE_FILE + ".lock", encoding="utf-8")
+    except OSError:
+        return ""
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return handle.read().strip() or "a process"
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return ""
 
 
 def release_run_lock() -> None:
@@ -2160,7 +2194,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
     """
     global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
         programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, \
-        in_flight, story_progress
+        in_flight, story_progress, turn_records
     session_name, terminal_ids = create_terminals()
     replace_old_run(plan or StartPlan(False))
     current_round = 1
@@ -2173,6 +2207,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
     context_sent = set()
     terminals_exited = False
     in_flight = story_progress = {}
+    turn_records = []
     save_state()
     log(f"new run: CAO session {session_name}, terminals "
         + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
@@ -2392,6 +2427,7 @@ def run_reviewed_phase(phase: str) -> None:
         outputs[review_key] = review
         verdict = review_verdict(review)
         approved = is_review_approved(review, cycle, reviewer)
+        note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
         if approved:
             log_turn(reviewer, f"verdict {verdict}: approved")
             set_review_feedback(phase, "")
@@ -2446,6 +2482,7 @@ def run_tester_phase() -> str:
     global final_status
     outputs["tester"] = ask_agent("tester", build_tester_prompt(outputs["programmer"]))
     result = tester_result(outputs["tester"])
+    note_turn_outcome(result)
     log_turn("tester", f"RESULT: {result}")
     for line in extract_test_evidence(outputs["tester"]).splitlines():
         print(f"    {line}", flush=True)
@@ -2483,11 +2520,47 @@ def run_loop() -> int:
     return 1
 
 
+def run_summary(exit_code: int) -> dict:
+    """What the run did, from its turn records: for the last log lines and for CI dashboards."""
+    roles = {}
+    for role in ROLES:
+        mine = [r for r in turn_records if r.get("role") == role]
+        seconds = [r["seconds"] for r in mine if isinstance(r.get("seconds"), (int, float))]
+        roles[role] = {"turns": len(mine), "seconds": round(sum(seconds), 1),
+                       "outcomes": [r["outcome"] for r in mine if r.get("outcome")]}
+    return {
+        "result": final_status, "exit_code": exit_code, "rounds": current_round, "max_rounds": MAX_ROUNDS,
+        "turns": len(turn_records),
+        "agent_seconds": round(sum(r["seconds"] for r in turn_records
+                                   if isinstance(r.get("seconds"), (int, float))), 1),
+        "prompt_bytes": sum(r.get("prompt_bytes", 0) for r in turn_records),
+        "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+    }
+
+
+def report_run_summary(exit_code: int) -> None:
+    """Log the run's summary and keep it as summary.json in the run's archive directory."""
+    summary = run_summary(exit_code)
+    per_role = ", ".join(f"{role} {r['turns']}x {r['seconds']:g}s" for role, r in summary["roles"].items()
+                         if r["turns"])
+    log(f"summary: {summary['result']} after round {summary['rounds']}/{summary['max_rounds']}; "
+        f"{summary['turns']} turns, {summary['agent_seconds']:g}s of agent time ({per_role or 'none'}); "
+        f"{summary['prompt_bytes'] / 1000:.1f} KB of prompts")
+    verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
+    if verdicts:
+        log("summary: " + "; ".join(verdicts))
+    if run_dir:
+        path = Path(run_dir) / "summary.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        log(f"summary written to {path}")
+
+
 # ==========================================================================
 # 10. Entry point
 # ==========================================================================
 
-USAGE = "usage: run_orchestrator_loop.py [config.json] | --help | --version"
+USAGE = "usage: run_orchestrator_loop.py [config.json] | --status [config.json] | --help | --version"
 
 EXIT_CODES = (
     (0, "the tester reported RESULT: PASS"),
@@ -2511,6 +2584,29 @@ def _shown_default(setting: Setting) -> str:
     if isinstance(setting.default, float):
         return f"{setting.default:g}"
     return str(setting.default) if setting.default != "" else "-"
+
+
+def status_report() -> tuple[int, str]:
+    """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
+    try:
+        data = read_state_file()
+    except StateFileError as exc:
+        return 1, f"{exc}"
+    if data is None:
+        return 1, f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE to look elsewhere)"
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(data)}"]
+    if data.get("final_status") not in ("PASS", "FAIL"):
+        lines[-1] += f" (cycle {data.get('phase_cycle', 1)}, next: {data.get('phase_step', 'author')})"
+    holder = lock_holder()
+    lines.append(f"driven by: {holder}" if holder else
+                 "driven by: no process" + ("" if data.get("final_status") in ("PASS", "FAIL")
+                                            else " -- rerun the command to resume it"))
+    session = data.get("session_name") or "?"
+    lines.append(f"agents: exited (CLEANUP_ON_EXIT=1)" if data.get("terminals_exited") is True else
+                 f"agents: CAO session {session} (watch: `tmux attach -t {session}`)")
+    if data.get("run_dir"):
+        lines.append(f"replies: {data['run_dir']}")
+    return 0, "\n".join(lines)
 
 
 def help_text() -> str:
@@ -2588,6 +2684,17 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] in ("-V", "--version"):
         print(f"run_orchestrator_loop.py (cao-orchestrator-loop) {__version__}")
         raise SystemExit(0)
+    if args and args[0] == "--status":
+        try:
+            if len(args) > 2:
+                raise ConfigError(f"--status takes at most a config file. {USAGE}")
+            configure(args[1:])
+        except OrchestratorExit as exc:
+            print(f"error: {exc.message}", file=sys.stderr, flush=True)
+            raise SystemExit(exc.code) from None
+        code, report = status_report()
+        print(report, file=sys.stdout if code == 0 else sys.stderr, flush=True)
+        raise SystemExit(code)
     started = False
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     code = 1
@@ -2629,6 +2736,7 @@ def main(argv: list[str] | None = None) -> None:
         if started:
             try:
                 save_state()
+                report_run_summary(code)
                 if CLEANUP_ON_EXIT:
                     cleanup_terminals()
                 else:

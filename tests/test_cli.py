@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import respx
@@ -98,3 +99,66 @@ def test_start_up_says_what_it_creates_with_which_provider(load_orch, fake_cao, 
     assert run_main(m) == 0
     out = capsys.readouterr().out
     assert "creating the five agent terminals on http://cao.test with provider claude_code" in out
+
+
+def test_run_summary_in_the_log_and_as_json_in_the_archive(load_orch, fake_cao, prompt_file, capsys):
+    """The end of a run: rounds, turns and time per role, verdicts, prompt bytes -- logged and in summary.json."""
+    from fake_cao import FAIL_REPLY, PASS_REPLY
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
+    assert run_main(m) == 0
+    summary = json.loads((Path(m.run_dir) / "summary.json").read_text())
+    assert summary["result"] == "PASS" and summary["exit_code"] == 0 and summary["rounds"] == 2
+    assert summary["turns"] == 8
+    assert {role: r["turns"] for role, r in summary["roles"].items()} == {
+        "analyst": 1, "peer_analyst": 1, "programmer": 2, "peer_programmer": 2, "tester": 2}
+    assert summary["roles"]["tester"]["outcomes"] == ["FAIL", "PASS"]
+    assert summary["roles"]["peer_analyst"]["outcomes"] == ["APPROVED"]
+    assert summary["prompt_bytes"] == sum(len(message.encode()) for _, message in fake_cao.prompts)
+    assert all(r["seconds"] >= 0 for r in summary["roles"].values())
+    out = capsys.readouterr().out
+    assert "summary: PASS after round 2/8; 8 turns" in out and "tester: FAIL -> PASS" in out
+
+
+def test_status_of_a_running_run_names_the_process_that_drives_it(load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
+    assert run_main(m) == 0
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    state.update(final_status="RUNNING", current_phase="tester", current_round=2)
+    Path(m.STATE_FILE).write_text(json.dumps(state))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import run_orchestrator_loop as loop; "
+        f"loop.STATE_FILE = {m.STATE_FILE!r}; loop.acquire_run_lock(); print('HOLDING', flush=True); "
+        "time.sleep(30)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING"
+        before = Path(m.STATE_FILE).read_bytes()
+        capsys.readouterr()
+        assert run_main(m, "--status") == 0
+        out = capsys.readouterr().out
+        assert "run: an unfinished run (round 2, tester phase" in out
+        assert f"driven by: pid {holder.pid} since" in out
+        assert f"tmux attach -t {state['session_name']}" in out
+        assert Path(m.STATE_FILE).read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    capsys.readouterr()
+    assert run_main(m, "--status") == 0
+    assert "driven by: no process -- rerun the command to resume it" in capsys.readouterr().out
+
+
+def test_status_of_a_finished_run(load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
+    assert run_main(m) == 0
+    capsys.readouterr()
+    assert run_main(m, "--status") == 0
+    out = capsys.readouterr().out
+    assert "run: finished with PASS in round 1" in out and "driven by: no process\n" in out
+
+
+def test_status_without_a_state_file(load_orch, fake_cao, capsys):
+    m = load_orch()
+    assert run_main(m, "--status") == 1
+    assert "no state file at" in capsys.readouterr().err
+    assert fake_cao.requests == []

@@ -31,7 +31,7 @@ def state_of(module) -> dict:
 
 
 def archived(module) -> list[str]:
-    return sorted(p.name for p in Path(module.run_dir).iterdir())
+    return sorted(p.name for p in Path(module.run_dir).glob("[0-9][0-9][0-9]-*"))
 
 
 def interrupt(exc: BaseException):

@@ -69,7 +69,8 @@ class Run:
         return json.loads(self.state_file.read_text(encoding="utf-8"))
 
     def archived(self) -> list[str]:
-        return sorted(p.name for p in Path(self.state()["run_dir"]).iterdir())
+        """The archived replies (NNN-<role>.md), without the run summary."""
+        return sorted(p.name for p in Path(self.state()["run_dir"]).glob("[0-9][0-9][0-9]-*"))
 
     def archived_text(self, name: str) -> str:
         return (Path(self.state()["run_dir"]) / name).read_text(encoding="utf-8")
