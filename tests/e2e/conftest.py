@@ -115,6 +115,32 @@ def cao(cao_server):
     cao_server.set_script({})
 
 
+@pytest.fixture(scope="module")
+def restartable_cao_server():
+    """A private server for one module whose tests kill and restart cao-server.
+
+    Kept apart from the shared ``cao_server``: terminals created before a
+    restart answer ``unknown`` for good, which other modules must never see.
+    """
+    with contextlib.ExitStack() as stack:
+        yield _start_private_cao(stack)
+
+
+@pytest.fixture
+def restartable_cao(restartable_cao_server):
+    """As ``cao``, on ``restartable_cao_server``; brings the server back if a test left it down."""
+    server = restartable_cao_server
+    if server.process is None or server.process.poll() is not None:
+        server.start_server_again()
+    server.kill_all_sessions()
+    server.set_script({})
+    yield server
+    if server.process is None or server.process.poll() is not None:
+        server.start_server_again()
+    server.kill_all_sessions()
+    server.set_script({})
+
+
 E2E_TOKEN = "e2e-token-5d1c0a7f"
 
 

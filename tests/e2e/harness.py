@@ -324,6 +324,54 @@ class CaoServer:
         elif self.provider == "claude_code" and not path.is_relative_to(self.root / "work"):
             agent_clis.trust_claude_workdir(self.home, path)
 
+    # -- outages ----------------------------------------------------------
+    def stop_server(self) -> None:
+        """Kill cao-server with SIGKILL, as a crash or an OOM kill would.
+
+        Its whole process group goes (requests it was carrying out die
+        mid-way); the tmux server and the agents in it keep running, as they
+        would in real life. ``start_server_again`` brings the API back.
+        """
+        if self.process is None or self.process.poll() is not None:
+            raise RuntimeError("cao-server is not running")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+        # Anything left in the old group would linger unnoticed once the
+        # teardown only looks at the new server's group.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes of the killed cao-server's group {self.process.pid} survive")
+            time.sleep(0.05)
+
+    def start_server_again(self, attempts: int = 20) -> None:
+        """Start cao-server again on the same port, with the same HOME and environment.
+
+        Clients keep their address, as they would after a service manager
+        restarted the server. The port can stay refused for a moment after
+        the kill, so a server that exits at once is started again.
+        """
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError("cao-server is still running")
+        for _ in range(attempts):
+            if _launch_server(self):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"cao-server did not start again on port {self.port}:\n" + self.server_log()[-3000:]
+        )
+
+    def restart_server(self, down_seconds: float) -> None:
+        """SIGKILL cao-server, leave the API down for ``down_seconds``, start it again (same port)."""
+        self.stop_server()
+        time.sleep(down_seconds)
+        self.start_server_again()
+
     def server_log(self) -> str:
         try:
             return (self.root / "cao-server.log").read_text(errors="replace")
@@ -361,39 +409,49 @@ def _start_server(cao: CaoServer, attempts: int = 3) -> None:
     for attempt in range(1, attempts + 1):
         cao.port = _free_port()
         cao.base_url = f"http://127.0.0.1:{cao.port}"
-        log = open(cao.root / "cao-server.log", "ab")
-        try:
-            cao.process = subprocess.Popen(
-                [str(cao.cao_bin / "cao-server"), "--host", "127.0.0.1", "--port", str(cao.port)],
-                env=cao.server_env,
-                cwd=cao.root,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Own process group: teardown signals the server and anything
-                # it spawned, and nothing else.
-                start_new_session=True,
-            )
-        finally:
-            log.close()
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        with cao.http(timeout=2) as client:
-            while time.monotonic() < deadline and cao.process.poll() is None:
-                try:
-                    if client.get("/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        if cao.process.poll() is None:
-            raise RuntimeError(
-                f"cao-server not healthy after {SERVER_START_TIMEOUT}s:\n" + cao.server_log()[-3000:]
-            )
+        if _launch_server(cao):
+            return
         if attempt == attempts:
             raise RuntimeError(
                 f"cao-server exited with {cao.process.returncode} during startup:\n"
                 + cao.server_log()[-3000:]
             )
+
+
+def _launch_server(cao: CaoServer) -> bool:
+    """Start cao-server on ``cao.port``; True once /health answers, False if it exited first.
+
+    Raises if it neither answers nor exits within SERVER_START_TIMEOUT.
+    """
+    log = open(cao.root / "cao-server.log", "ab")
+    try:
+        cao.process = subprocess.Popen(
+            [str(cao.cao_bin / "cao-server"), "--host", "127.0.0.1", "--port", str(cao.port)],
+            env=cao.server_env,
+            cwd=cao.root,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Own process group: teardown signals the server and anything
+            # it spawned, and nothing else.
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+    deadline = time.monotonic() + SERVER_START_TIMEOUT
+    with cao.http(timeout=2) as client:
+        while time.monotonic() < deadline and cao.process.poll() is None:
+            try:
+                if client.get("/health").status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    if cao.process.poll() is None:
+        raise RuntimeError(
+            f"cao-server not healthy after {SERVER_START_TIMEOUT}s:\n" + cao.server_log()[-3000:]
+        )
+    return False
 
 
 def _install_profiles(cao: CaoServer) -> dict[str, Path]:
