@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 from urllib.parse import quote
 
 import httpx
@@ -2602,7 +2602,7 @@ def status_report() -> tuple[int, str]:
                  "driven by: no process" + ("" if data.get("final_status") in ("PASS", "FAIL")
                                             else " -- rerun the command to resume it"))
     session = data.get("session_name") or "?"
-    lines.append(f"agents: exited (CLEANUP_ON_EXIT=1)" if data.get("terminals_exited") is True else
+    lines.append("agents: exited (CLEANUP_ON_EXIT=1)" if data.get("terminals_exited") is True else
                  f"agents: CAO session {session} (watch: `tmux attach -t {session}`)")
     if data.get("run_dir"):
         lines.append(f"replies: {data['run_dir']}")

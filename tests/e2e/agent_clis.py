@@ -10,7 +10,6 @@ must be in the environment of the tmux server CAO starts its panes in.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -18,6 +17,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+if __package__:
+    from .cao_env import install_once, run_install_step
+else:  # imported as a top-level module, with tests/e2e on sys.path
+    from cao_env import install_once, run_install_step
 
 CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
 CLAUDE_CODE_VERSION = "2.1.197"
@@ -88,24 +92,7 @@ def _is_ready(prefix: Path) -> bool:
 
 
 def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None) -> str:
-    try:
-        proc = subprocess.run(
-            cmd,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise AgentCliInstallError(f"{what} timed out after {timeout:.0f}s: {' '.join(cmd)}") from exc
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
-        raise AgentCliInstallError(
-            f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n--- last output ---\n{tail}"
-        )
-    return proc.stdout
+    return run_install_step(cmd, what, timeout, AgentCliInstallError, cwd)
 
 
 def ensure_agent_clis(prefix: Path | str | None = None) -> Path:
@@ -126,21 +113,7 @@ def ensure_agent_clis(prefix: Path | str | None = None) -> Path:
             f"{' and '.join(NPM_SPECS)}, but not installed (Debian/Ubuntu: apt-get install nodejs npm; "
             f"Node.js 18 or newer)"
         )
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = prefix.parent / f".{prefix.name}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if _is_ready(prefix):
-                return bins
-            try:
-                _install(prefix)
-            except AgentCliInstallError as exc:
-                raise AgentCliInstallError(
-                    f"{exc}\n(prefix: {prefix}; set {PREFIX_ENV_VAR} to install elsewhere)"
-                ) from None
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    install_once(prefix, _is_ready, _install, AgentCliInstallError, PREFIX_ENV_VAR)
     return bins
 
 

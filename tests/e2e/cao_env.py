@@ -38,23 +38,46 @@ def _bin_dir(venv: Path) -> Path:
     return venv / ("Scripts" if os.name == "nt" else "bin")
 
 
-def _run(cmd: list[str], what: str, timeout: float) -> None:
+def run_install_step(cmd: list[str], what: str, timeout: float, error: type[Exception] = None,
+                     cwd: Path | None = None) -> str:
+    """Run one install command; `error` (default CaoInstallError) with its last output if it fails."""
+    error = error or CaoInstallError
     try:
         proc = subprocess.run(
             cmd,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             timeout=timeout,
         )
     except subprocess.TimeoutExpired as exc:
-        raise CaoInstallError(f"{what} timed out after {timeout:.0f}s: {' '.join(cmd)}") from exc
+        raise error(f"{what} timed out after {timeout:.0f}s: {' '.join(cmd)}") from exc
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-40:])
-        raise CaoInstallError(
+        raise error(
             f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n"
             f"--- last output ---\n{tail}"
         )
+    return proc.stdout
+
+
+def install_once(target: Path, is_ready, install, error: type[Exception], env_var: str) -> None:
+    """Install into `target` unless a finished install is there; a lock file serialises
+    concurrent callers (parallel pytest workers, two checkouts sharing a cache)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if is_ready(target):          # another process finished it while we waited
+                return
+            try:
+                install(target)
+            except error as exc:
+                raise error(f"{exc}\n(installed into {target}; set {env_var} to install elsewhere)") from None
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _is_ready(venv: Path) -> bool:
@@ -80,22 +103,7 @@ def ensure_cao(cache_dir: Path | str | None = None) -> Path:
     if _is_ready(venv):
         return server
 
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = venv.parent / f".{venv.name}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            # Another process may have finished the install while we waited.
-            if _is_ready(venv):
-                return server
-            try:
-                _install(venv)
-            except CaoInstallError as exc:
-                raise CaoInstallError(
-                    f"{exc}\n(virtualenv: {venv}; set {VENV_ENV_VAR} to install elsewhere)"
-                ) from None
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    install_once(venv, _is_ready, _install, CaoInstallError, VENV_ENV_VAR)
     return server
 
 
@@ -106,9 +114,9 @@ def _install(venv: Path) -> None:
     python = _bin_dir(venv) / "python"
     if not python.exists():
         # --clear: a half-built directory from a crashed run must not confuse venv.
-        _run([sys.executable, "-m", "venv", "--clear", str(venv)], "creating the CAO virtualenv", 300)
+        run_install_step([sys.executable, "-m", "venv", "--clear", str(venv)], "creating the CAO virtualenv", 300)
     pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    _run(pip + ["install", "--quiet", CAO_REQUIREMENT], f"pip install {CAO_REQUIREMENT}", 900)
+    run_install_step(pip + ["install", "--quiet", CAO_REQUIREMENT], f"pip install {CAO_REQUIREMENT}", 900)
     bins = _bin_dir(venv)
     missing = [name for name in ("cao-server", "cao") if not (bins / name).exists()]
     if missing:

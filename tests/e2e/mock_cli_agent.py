@@ -319,6 +319,20 @@ def mentioned_response_files(message: str) -> list[tuple[int, str]]:
     return found
 
 
+def classify_message(message: str, last_role: str | None) -> tuple[str, str | None, str | None]:
+    """(kind, role, response path) of a message: "prompt" (names the file to write), "reminder"
+    (names a response file only; the role last prompted wins when several are named) or "other"."""
+    path = find_marker_path(message, WRITE_MARKER)
+    if path:
+        return "prompt", RESPONSE_FILE_ROLES.get(os.path.basename(path)), path
+    mentioned = [p for _pos, p in mentioned_response_files(message)]
+    if mentioned:
+        by_role = {RESPONSE_FILE_ROLES[os.path.basename(p)]: p for p in reversed(mentioned)}
+        role = last_role if last_role in by_role else RESPONSE_FILE_ROLES[os.path.basename(mentioned[0])]
+        return "reminder", role, by_role[role]
+    return "other", None, None
+
+
 class Agent:
     def __init__(self, home: Home, default_think_ms: int):
         self.home = home
@@ -371,17 +385,7 @@ class Agent:
             self.finish("ok")
 
     def classify(self, message: str) -> tuple[str, str | None, str | None]:
-        path = find_marker_path(message, WRITE_MARKER)
-        if path:
-            return "prompt", RESPONSE_FILE_ROLES.get(os.path.basename(path)), path
-        mentioned = [p for _pos, p in mentioned_response_files(message)]
-        if mentioned:
-            by_role = {RESPONSE_FILE_ROLES[os.path.basename(p)]: p for p in reversed(mentioned)}
-            role = self.last_role if self.last_role in by_role else RESPONSE_FILE_ROLES[
-                os.path.basename(mentioned[0])
-            ]
-            return "reminder", role, by_role[role]
-        return "other", None, None
+        return classify_message(message, self.last_role)
 
     def answer_prompt(self, role: str | None, path: str) -> None:
         if role is None:

@@ -69,8 +69,8 @@ if __package__:
         INDIRECTION_MARKER,
         RESPONSE_FILE_ROLES,
         WRITE_MARKER,
+        classify_message,
         find_marker_path,
-        mentioned_response_files,
     )
 else:  # run as a script or imported with tests/e2e on sys.path
     from mock_cli_agent import (
@@ -78,8 +78,8 @@ else:  # run as a script or imported with tests/e2e on sys.path
         INDIRECTION_MARKER,
         RESPONSE_FILE_ROLES,
         WRITE_MARKER,
+        classify_message,
         find_marker_path,
-        mentioned_response_files,
     )
 
 ACTIONS = {"write", "no_file", "write_on_reminder", "write_twice", "error"}
@@ -210,16 +210,9 @@ def write_command(path: str, text: str) -> str:
 
 
 def classify(message: str, last_role: str | None) -> tuple[str, str | None, str | None]:
-    """Return (kind, role, response path): kind is "prompt", "reminder" or "side"."""
-    path = find_marker_path(message, WRITE_MARKER)
-    if path:
-        return "prompt", RESPONSE_FILE_ROLES.get(os.path.basename(path)), path
-    mentioned = [p for _pos, p in mentioned_response_files(message)]
-    if mentioned:
-        by_role = {RESPONSE_FILE_ROLES[os.path.basename(p)]: p for p in reversed(mentioned)}
-        role = last_role if last_role in by_role else RESPONSE_FILE_ROLES[os.path.basename(mentioned[0])]
-        return "reminder", role, by_role[role]
-    return "side", None, None
+    """Return (kind, role, response path): kind is "prompt", "reminder" or "side" (the scripted agent's rule)."""
+    kind, role, path = classify_message(message, last_role)
+    return ("side" if kind == "other" else kind), role, path
 
 
 def resolve_indirection(message: str) -> str:

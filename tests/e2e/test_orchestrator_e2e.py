@@ -269,15 +269,20 @@ def test_server_that_requires_a_token(cao_with_token):
     assert E2E_TOKEN not in result.stdout + result.stderr
 
 
-def test_story_mode_failed_then_complete(cao):
-    """Story mode on the real server: story 1 FAILED then COMPLETE (retry carries the reason), then story 2."""
-    run = Run(cao, STORY_MODE="1", START_AGENT="programmer")
-    change = run.wd / "openspec" / "changes" / "add-greeting"
+def write_two_story_change(wd: Path) -> None:
+    """An OpenSpec change with two stories (tasks.md sections) and one scenario."""
+    change = wd / "openspec" / "changes" / "add-greeting"
     (change / "specs" / "greeting").mkdir(parents=True)
     (change / "tasks.md").write_text("## 1. Parse the name\n- [ ] 1.1 Read NAME\n\n"
                                      "## 2. Print the greeting\n- [ ] 2.1 Print Hello, NAME!\n")
     (change / "specs" / "greeting" / "spec.md").write_text(
         "#### Scenario: Greets\n- **WHEN** `greet World` runs\n- **THEN** it prints `Hello, World!`\n")
+
+
+def test_story_mode_failed_then_complete(cao):
+    """Story mode on the real server: story 1 FAILED then COMPLETE (retry carries the reason), then story 2."""
+    run = Run(cao, STORY_MODE="1", START_AGENT="programmer")
+    write_two_story_change(run.wd)
     summary = "PROGRAMMER_SUMMARY:\n- Files changed: greet.py\n- Behavior implemented: a story\n"
     cao.set_script({"programmer": [summary + "<promise>FAILED: argv parsing crashes on empty NAME</promise>\n",
                                    summary + "<promise>COMPLETE</promise>\n"]})

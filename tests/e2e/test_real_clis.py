@@ -18,7 +18,7 @@ import pytest
 
 from .conftest import REAL_CLI_TURN_TIMES
 from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, SHORT_ROUND, Run, \
-    explain, numbered
+    explain, numbered, write_two_story_change
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
@@ -88,12 +88,7 @@ def test_codex_fail_then_pass(codex_cao):
 def test_claude_code_story_mode(claude_cao):
     """Story mode with Claude Code: two stories, each its own programmer turn, then review and test."""
     run = real_cli_run(claude_cao, STORY_MODE="1", START_AGENT="programmer")
-    change = run.wd / "openspec" / "changes" / "add-greeting"
-    (change / "specs" / "greeting").mkdir(parents=True)
-    (change / "tasks.md").write_text("## 1. Parse the name\n- [ ] 1.1 Read NAME\n\n"
-                                     "## 2. Print the greeting\n- [ ] 2.1 Print Hello, NAME!\n")
-    (change / "specs" / "greeting" / "spec.md").write_text(
-        "#### Scenario: Greets\n- **WHEN** `greet World` runs\n- **THEN** it prints `Hello, World!`\n")
+    write_two_story_change(run.wd)
     summary = "PROGRAMMER_SUMMARY:\n- Files changed: greet.py\n- Behavior implemented: one story\n"
     claude_cao.model.set_script({"programmer": [summary + "<promise>COMPLETE</promise>\n"]})
     result = run.run(timeout=600)
