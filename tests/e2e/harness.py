@@ -55,7 +55,7 @@ else:  # imported as a top-level module, with tests/e2e on sys.path
     from cao_env import ensure_cao
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MOCK_AGENT_SOURCE = Path(__file__).resolve().with_name("mock_cli_agent.py")
+MOCK_AGENT_SOURCE = REPO_ROOT / "orchestrator_scripted_agent.py"  # the scripted agent shipped as `mock_cli`
 
 # CAO profile name -> the repository's profile file stem (the same names).
 AGENT_PROFILES = (

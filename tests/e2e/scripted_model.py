@@ -8,7 +8,7 @@ model would: it reads the newest user prompt, and answers it with one shell
 tool call that writes the scripted reply into the prompt's response file;
 when the CLI sends back that tool's result, it ends the turn with a short text.
 
-Prompts are recognised like ``mock_cli_agent`` does:
+Prompts are recognised like the scripted agent (``orchestrator_scripted_agent``) does:
 
 * ``Read and follow the instructions in this file: <path>`` -> the file's
   content is the prompt.
@@ -63,24 +63,14 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-if __package__:
-    from .mock_cli_agent import (
-        DEFAULT_TEXTS,
-        INDIRECTION_MARKER,
-        RESPONSE_FILE_ROLES,
-        WRITE_MARKER,
-        classify_message,
-        find_marker_path,
-    )
-else:  # run as a script or imported with tests/e2e on sys.path
-    from mock_cli_agent import (
-        DEFAULT_TEXTS,
-        INDIRECTION_MARKER,
-        RESPONSE_FILE_ROLES,
-        WRITE_MARKER,
-        classify_message,
-        find_marker_path,
-    )
+from orchestrator_scripted_agent import (  # installed with the project
+    DEFAULT_TEXTS,
+    INDIRECTION_MARKER,
+    RESPONSE_FILE_ROLES,
+    WRITE_MARKER,
+    classify_message,
+    find_marker_path,
+)
 
 ACTIONS = {"write", "no_file", "write_on_reminder", "write_twice", "error"}
 REPLY_DELIMITER = "END_OF_REPLY"

@@ -1,4 +1,15 @@
-"""Scripted stand-in for an AI coding CLI, driven by CAO's ``mock_cli`` provider.
+"""A scripted agent for trying the orchestrator loop without any AI CLI.
+
+Installed with the project as the command ``mock_cli``: the program CAO's own
+``mock_cli`` provider starts in each terminal. Start cao-server where this
+command is on PATH, run the loop with ``PROVIDER=mock_cli``, and five scripted
+agents answer every prompt with a reply that passes the loop's checks (the
+reviewers approve with evidence, the tester reports PASS). It reads each
+prompt, finds the response file the prompt names, and writes its answer there,
+just as a real agent is asked to. It needs no settings; ``MOCK_AGENT_THINK_MS``
+sets its think time per turn (default 300) and ``MOCK_AGENT_HOME`` a directory
+holding a per-role script, script.json (described below). The test suite
+drives it the same way.
 
 CAO starts this program (installed on PATH as ``mock_cli``) in a tmux pane and
 decides the terminal status purely from what the pane prints:
@@ -13,9 +24,11 @@ after a message counts. Messages arrive as a bracketed paste
 (``ESC[200~ ... ESC[201~``) followed by Enter keys; CAO sends two Enters, the
 second one after a pause, and plain keystrokes for short control input.
 
-What the agent does for each message is read from ``$MOCK_AGENT_HOME/script.json``
-(re-read every time) so a test can steer five concurrent agents; everything
-they receive is appended to ``$MOCK_AGENT_HOME/received.jsonl``.
+With ``MOCK_AGENT_HOME`` set, what the agent does for each message is read
+from ``$MOCK_AGENT_HOME/script.json`` (re-read every time) so a test can steer
+five concurrent agents; everything they receive is appended to
+``$MOCK_AGENT_HOME/received.jsonl``. Without it, every prompt gets the default
+answer of its role and turns are counted per process.
 
 Messages:
 
@@ -153,10 +166,15 @@ def new_line() -> None:
 
 
 class Home:
-    """Files under $MOCK_AGENT_HOME shared by all agent processes of a test."""
+    """Files under $MOCK_AGENT_HOME shared by all agent processes of a test.
+
+    Without a home directory there is no script and nothing is recorded; the
+    turn counters live in this process only.
+    """
 
     def __init__(self, path: str | None):
         self.path = Path(path) if path else None
+        self._counters_in_memory: dict = {"turns": {}, "pending": {}}
 
     def _file(self, name: str) -> Path | None:
         return self.path / name if self.path else None
@@ -177,7 +195,7 @@ class Home:
         """Yield the shared counters dict under an exclusive lock, then save it."""
         f = self._file("counters.json")
         if f is None:
-            yield {}
+            yield self._counters_in_memory
             return
         f.parent.mkdir(parents=True, exist_ok=True)
         # A separate lock file: counters.json itself is replaced atomically by
@@ -529,9 +547,16 @@ def raw_terminal(fd: int):
         termios.tcsetattr(fd, termios.TCSANOW, old)
 
 
-def main() -> int:
-    # Command-line arguments are ignored: CAO always passes "--delay-ms 50",
-    # and tests set the pace through MOCK_AGENT_THINK_MS and script.json.
+def main(argv: list[str] | None = None) -> int:
+    """Serve one terminal until /exit or end of input.
+
+    Arguments other than --help are ignored: CAO always passes "--delay-ms 50",
+    and the pace comes from MOCK_AGENT_THINK_MS and script.json.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+        return 0
     try:
         think_ms = int(os.environ.get("MOCK_AGENT_THINK_MS", "300"))
     except ValueError:

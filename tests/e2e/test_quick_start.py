@@ -1,0 +1,132 @@
+"""The README's quick start, run as written: a fresh clone, a new virtual environment, a new
+HOME, a cao-server of its own on the default port, the shipped scripted agent -- and a PASS.
+
+The block is read from README.md (the first ``sh`` block under "## Quick start"), so the test
+follows the text a new user follows. Only the surroundings are set: a new HOME, a private tmux
+socket directory, and a PATH with nothing but the interpreter and the system directories (no
+virtual environment of ours, no settings of the loop). The shell traces every command with
+the seconds since the start; the transcript is written to ``$QUICK_START_TRANSCRIPT`` when set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import running_in_ci
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+README = REPO_ROOT / "README.md"
+PORT = 9889                                   # the README uses CAO's default address
+AGENT_LINK = Path("/usr/local/bin/mock_cli")  # where the README puts the scripted agent
+TIMEOUT = 900                                 # pip downloads on a cold cache included
+
+pytestmark = pytest.mark.e2e
+
+
+def quick_start_block(readme: str) -> str:
+    """The first ``sh`` code block of the README's Quick start section."""
+    section = readme.split("\n## Quick start", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```sh\n(.*?)\n```", section, re.S)
+    assert match, "README.md: the Quick start section has no ```sh block"
+    return match.group(1)
+
+
+def test_quick_start_block_is_what_the_test_runs():
+    block = quick_start_block(README.read_text(encoding="utf-8"))
+    assert "pip install ." in block and "PROVIDER=mock_cli" in block and "cao-orchestrator-loop" in block
+    assert "cao shutdown" in block  # the block also stops what it started
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _fresh_user_env(home: Path, tmux_dir: Path) -> dict[str, str]:
+    """What a new user's shell has: a HOME, the system PATH with a Python, pip's machine settings."""
+    python_bin = Path(sys.base_prefix) / "bin"
+    env = {
+        "HOME": str(home),
+        "PATH": os.pathsep.join([str(python_bin), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
+                                 "/usr/bin", "/sbin", "/bin"]),
+        "TMUX_TMPDIR": str(tmux_dir),      # a tmux server of its own, not the machine's
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+        "TERM": "xterm-256color",
+        "USER": os.environ.get("USER", "root"),
+        "SHELL": "/bin/bash",
+        "PS4": "+ [${SECONDS}s] ",
+    }
+    env.update({k: v for k, v in os.environ.items() if k.startswith("PIP_")})  # the machine's package index
+    return env
+
+
+def test_readme_quick_start_reaches_pass(tmp_path):
+    missing = [tool for tool in ("git", "tmux", "curl", "bash") if shutil.which(tool) is None]
+    if missing:
+        message = f"the quick start needs {', '.join(missing)}"
+        if running_in_ci():
+            pytest.fail(message + " (CI is set, so this fails instead of being skipped)", pytrace=False)
+        pytest.skip(message)
+    if _port_in_use(PORT):
+        pytest.fail(f"port {PORT} is in use; the README's quick start starts cao-server there. Stop "
+                    "whatever listens on it and run this test again", pytrace=False)
+    if not os.access(AGENT_LINK.parent, os.W_OK):
+        pytest.fail(f"{AGENT_LINK.parent} is not writable; the quick start links mock_cli there "
+                    "(run the suite as root, as CI does)", pytrace=False)
+
+    clone = tmp_path / "orchestrator-loop"
+    subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True, timeout=120)
+    home = tmp_path / "home"
+    tmux_dir = tmp_path / "tmux"
+    home.mkdir()
+    tmux_dir.mkdir()
+    env = _fresh_user_env(home, tmux_dir)
+    block = quick_start_block(README.read_text(encoding="utf-8"))
+    old_link = os.readlink(AGENT_LINK) if AGENT_LINK.is_symlink() else None
+
+    proc = subprocess.Popen(["bash", "-e", "-x", "-c", block], cwd=clone, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        transcript, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        transcript, _ = proc.communicate()
+        transcript += f"\n(timed out after {TIMEOUT}s)"
+    finally:
+        _clean_up(proc, env, old_link)
+    if os.environ.get("QUICK_START_TRANSCRIPT"):
+        Path(os.environ["QUICK_START_TRANSCRIPT"]).write_text(transcript, encoding="utf-8")
+
+    assert proc.returncode == 0, f"the quick start failed (exit {proc.returncode}):\n{transcript[-6000:]}"
+    assert re.search(r"PASS in round 1", transcript), transcript[-4000:]
+    summaries = list((home / "try-loop" / ".tmp").glob("*/summary.json"))
+    assert len(summaries) == 1, f"expected one run summary under {home / 'try-loop' / '.tmp'}"
+    summary = json.loads(summaries[0].read_text(encoding="utf-8"))
+    # Defaults: two review cycles for the analysis and the code (an approval counts from cycle 2),
+    # then the tester: 9 turns, each answered once.
+    assert (summary["result"], summary["exit_code"], summary["rounds"], summary["turns"]) == ("PASS", 0, 1, 9)
+
+
+def _clean_up(proc: subprocess.Popen, env: dict[str, str], old_link: str | None) -> None:
+    """Whatever the block left running (cao-server, the tmux server with the agents) is stopped,
+    and the machine's /usr/local/bin/mock_cli is what it was before."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=30)
+    if AGENT_LINK.is_symlink() or AGENT_LINK.exists():
+        AGENT_LINK.unlink()
+    if old_link is not None:
+        AGENT_LINK.symlink_to(old_link)
