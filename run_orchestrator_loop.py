@@ -738,6 +738,21 @@ class ApiClient:
             raise ApiError(f"CAO {what} answered without an output: {answer!r:.200}")
         return answer["output"]
 
+    def missing_agent_clis(self, providers: list[str]) -> list[tuple[str, str]]:
+        """(provider, binary) of each provider whose CLI the server says is not installed.
+
+        An older server without this route, or any other failure, means "cannot
+        tell": the answer is then empty, never an error.
+        """
+        try:
+            answer = self._call("list providers", "GET", "/agents/providers", retry=False)
+        except ApiError:
+            return []
+        listed = {entry.get("name"): entry for entry in answer if isinstance(entry, dict)} \
+            if isinstance(answer, list) else {}
+        return [(name, str(listed[name].get("binary") or name)) for name in providers
+                if name in listed and listed[name].get("installed") is False]
+
     def exit_terminal(self, terminal_id: str) -> None:
         self._call(f"exit terminal {terminal_id}", "POST", f"/terminals/{quote(terminal_id, safe='')}/exit")
 
@@ -2173,6 +2188,18 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     return first["session_name"], {role: created[role] for role in ROLES}
 
 
+def warn_about_missing_clis() -> None:
+    """Say at once when cao-server reports an agent CLI missing: its terminals would time out minutes later.
+
+    Only a warning: CAO looks the program up on its own PATH, while the
+    agents start in login shells, whose PATH can differ.
+    """
+    for provider, binary in api.missing_agent_clis(sorted({provider_for(role) for role in ROLES})):
+        log(f"warning: cao-server at {API} reports that `{binary}`, the CLI of provider {provider}, is not "
+            f"installed on its machine; creating its terminals will time out after a minute or two. Install "
+            f"it (and log in) where cao-server runs, or set PROVIDER to a CLI you have")
+
+
 def start_failure_hint(error: str) -> str:
     """What to check when CAO gave up waiting for an agent CLI to start (its own message hides the cause)."""
     if "initialization timed out" not in error:
@@ -2672,6 +2699,7 @@ def start_run(task: str) -> None:
     if plan.note:
         log(plan.note)
     set_task(task)
+    warn_about_missing_clis()
     init_new_run(plan)
 
 

@@ -133,6 +133,9 @@ class FakeCao:
                                                                   # answer then breaks off (a server restart)
     reported_status: str = ""            # answer every status read with this word (e.g. "unknown")
     create_hook: object = None           # callable(profile) run as each terminal creation starts
+    missing_clis: set = field(default_factory=set)  # providers whose CLI /agents/providers reports missing
+    provider_lookups: int = 0
+    providers_status: int = 200          # e.g. 404: a server without the providers route
     creating_now: int = 0
     creating_peak: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -175,7 +178,18 @@ class FakeCao:
         for kind, method, path, handler in routes:
             router.route(method=method, url__regex=rf"^{re.escape(base)}{path}").mock(
                 side_effect=self._guarded(kind, handler))
+        # Outside the guard: the start-up look at the providers is not part of what tests count.
+        router.route(method="GET", url__regex=rf"^{re.escape(base)}/agents/providers").mock(
+            side_effect=self._providers)
         return self
+
+    def _providers(self, request: httpx.Request) -> httpx.Response:
+        self.provider_lookups += 1
+        if self.providers_status != 200:
+            return httpx.Response(self.providers_status, json={"detail": "Not Found"})
+        return httpx.Response(200, json=[
+            {"name": name, "binary": binary, "installed": name not in self.missing_clis}
+            for name, binary in (("claude_code", "claude"), ("codex", "codex"), ("kiro_cli", "kiro-cli"))])
 
     def _guarded(self, kind: str, handler):
         """Outages, auth and injected 5xx answers apply to every route alike."""

@@ -326,6 +326,38 @@ def test_agent_cli_start_up_timeout_says_what_to_check(load_orch, fake_cao, prom
     assert "~/.aws/cli-agent-orchestrator/logs/" in err and "IS_SANDBOX=1" in err
 
 
+def test_a_cli_the_server_reports_missing_is_named_before_the_wait(load_orch, fake_cao, prompt_file, capsys):
+    """CAO lists each provider's CLI and whether it is installed: a missing one is named at once,
+    instead of only after the minutes CAO waits for it to start."""
+    fake_cao.missing_clis = {"codex"}
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert run_main(m) == 0       # a warning, not a refusal: the agents' login shells may still find it
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if "warning:" in line)
+    assert "`codex`, the CLI of provider codex, is not installed" in warning
+    assert out.index("warning:") < out.index("creating the five agent terminals")
+    assert fake_cao.provider_lookups == 1
+
+
+def test_no_warning_when_the_cli_is_installed_or_the_server_cannot_tell(load_orch, fake_cao, prompt_file,
+                                                                         capsys):
+    fake_cao.missing_clis = {"claude_code"}           # not the provider this run uses
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert run_main(m) == 0
+    assert "warning:" not in capsys.readouterr().out
+    assert fake_cao.provider_lookups == 1
+
+
+def test_provider_lookup_that_fails_is_ignored(load_orch, fake_cao, prompt_file, capsys):
+    """A server without the route (or answering it with an error) does not stop the start."""
+    fake_cao.providers_status = 404
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert m.api.missing_agent_clis(["codex"]) == []
+    assert run_main(m) == 0
+    assert "warning:" not in capsys.readouterr().out
+    assert fake_cao.provider_lookups == 2
+
+
 def test_terminal_creation_runs_concurrently(load_orch, fake_cao, prompt_file):
     """The four extra terminals are created at the same time, not one after another."""
     fake_cao.create_delay = 0.2

@@ -64,7 +64,6 @@ def _fresh_user_env(home: Path, tmux_dir: Path) -> dict[str, str]:
         "TERM": "xterm-256color",
         "USER": os.environ.get("USER", "root"),
         "SHELL": "/bin/bash",
-        "PS4": "+ [${SECONDS}s] ",
     }
     env.update({k: v for k, v in os.environ.items() if k.startswith("PIP_")})  # the machine's package index
     return env
@@ -94,7 +93,9 @@ def test_readme_quick_start_reaches_pass(tmp_path):
     block = quick_start_block(README.read_text(encoding="utf-8"))
     old_link = os.readlink(AGENT_LINK) if AGENT_LINK.is_symlink() else None
 
-    proc = subprocess.Popen(["bash", "-e", "-x", "-c", block], cwd=clone, env=env,
+    # bash takes no PS4 from the environment when run as root: the trace prefix is set in the script.
+    traced = "PS4='+ [${SECONDS}s] '\n" + block
+    proc = subprocess.Popen(["bash", "-e", "-x", "-c", traced], cwd=clone, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

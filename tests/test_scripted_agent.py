@@ -1,0 +1,65 @@
+"""The scripted agent shipped as `mock_cli`: it works with no settings at all."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import orchestrator_scripted_agent as agent_module
+import run_orchestrator_loop as orch
+
+
+@pytest.fixture
+def bare_agent(monkeypatch, capsys):
+    """An agent as a user's cao-server starts it: no MOCK_AGENT_HOME, no think time set."""
+    monkeypatch.delenv("MOCK_AGENT_HOME", raising=False)
+    return agent_module.Agent(agent_module.Home(None), default_think_ms=0)
+
+
+def prompt_for(path: Path) -> str:
+    return f"Do the work.\n{agent_module.WRITE_MARKER} {path}\n"
+
+
+def test_answers_every_role_without_a_home_directory(bare_agent, tmp_path):
+    for name, role in agent_module.RESPONSE_FILE_ROLES.items():
+        path = tmp_path / name
+        bare_agent.handle(prompt_for(path))
+        assert path.read_text(encoding="utf-8") == agent_module.DEFAULT_TEXTS[role]
+
+
+def test_default_replies_pass_the_loops_checks(bare_agent, tmp_path):
+    """What a first run needs: approvals that count (from cycle 2) and a PASS."""
+    texts = agent_module.DEFAULT_TEXTS
+    assert orch.is_review_approved(texts["peer_analyst"], 2, "peer_analyst")
+    assert orch.is_review_approved(texts["peer_programmer"], 2, "peer_programmer")
+    assert orch.tester_result(texts["tester"]) == "PASS"
+
+
+def test_turns_are_counted_in_the_process_without_a_home(bare_agent, tmp_path):
+    path = tmp_path / "test_result.md"
+    bare_agent.handle(prompt_for(path))
+    bare_agent.handle(prompt_for(path))
+    with bare_agent.home._state() as counters:
+        assert counters["turns"] == {"tester": 2}
+
+
+def test_a_reminder_with_nothing_pending_is_answered(bare_agent, tmp_path, capsys):
+    bare_agent.handle(f"Please write {tmp_path / 'analyst_summary.md'} now.")
+    assert "reminder: nothing pending" in capsys.readouterr().out
+    assert not (tmp_path / "analyst_summary.md").exists()
+
+
+def test_help_says_what_it_is():
+    proc = subprocess.run([sys.executable, agent_module.__file__, "--help"], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0
+    assert "PROVIDER=mock_cli" in proc.stdout and "MOCK_AGENT_HOME" in proc.stdout
+
+
+def test_installed_as_the_command_cao_starts():
+    scripts = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts.get("mock_cli") == "orchestrator_scripted_agent:main"
