@@ -817,10 +817,12 @@ BUSY_STATUSES = ("processing", "waiting_user_answer")
 KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # How often the response file is looked at between two status polls:
 # reading a local file costs nothing, so a reply is noticed quickly.
-FILE_CHECK_SECONDS = 0.1
+FILE_CHECK_SECONDS = 0.05
 # A response file counts once it has not changed for this long, so a reply
-# still being written (or rewritten) is never read half-way.
-FILE_SETTLE_SECONDS = 0.2
+# still being written (or rewritten) is never read half-way. Agents write a
+# reply in one go (a tool call, a heredoc), and the turn also needs the agent
+# seen idle or its screen still, so a short settle is enough.
+FILE_SETTLE_SECONDS = 0.1
 
 # Run state (saved in the state file; see section 7).
 session_name: str = ""
@@ -940,7 +942,9 @@ MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 # CAO takes a message in the URL's query string and refuses one of about 64 KB
 # (encoded). Larger prompts are written to a file the agent is told to read.
 MAX_INLINE_PROMPT_BYTES = 32_000
-settled_terminals: set[str] = set()   # terminals seen ready twice in a row by this process
+# Terminals known ready for their first prompt: seen ready twice in a row, or
+# created by this process (CAO answers a creation once the agent CLI is ready).
+settled_terminals: set[str] = set()
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -973,7 +977,8 @@ def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
 
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
-    """Before the first prompt to a terminal: ready twice in a row (some CLIs show a prompt early).
+    """Before the first prompt to a terminal this process did not create (a resumed run's):
+    ready twice in a row, since some CLIs show their prompt before they take input.
 
     A status word the loop does not know (`unknown` after a cao-server
     restart) cannot become ready, so it counts as settled: the prompt goes out
@@ -1004,7 +1009,7 @@ class TurnWatch:
     file is the agent's own word, so it leads. wait_for_reply() does all the
     I/O and feeds the observations in; decide() applies the rules:
 
-      file     the response file's (mtime, size), looked at every 0.1 s
+      file     the response file's (mtime, size), looked at every 0.05 s
       status   CAO's status word, read at most once per POLL_SECONDS (plus
                once when a file has settled, so a finished turn ends at once)
       screen   the terminal's recent output, read with the status while the
@@ -2223,6 +2228,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, \
         in_flight, story_progress, turn_records
     session_name, terminal_ids = create_terminals()
+    settled_terminals.update(terminal_ids.values())   # CAO answered each creation once its CLI was ready
     replace_old_run(plan or StartPlan(False))
     current_round = 1
     final_status = "RUNNING"

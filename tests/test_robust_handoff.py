@@ -86,19 +86,40 @@ def test_agent_never_seen_working_gets_the_whole_prompt_again_not_a_reminder(loa
 
 # -- settle before the first prompt ----------------------------------------------
 
-def test_first_prompt_waits_until_terminal_is_ready_twice(load_orch, fake_cao, prompt_file):
-    """A new terminal still starting up gets its first prompt only after two ready readings in a row."""
-    fake_cao.startup_polls = 3
+def _status_reads_before_first_prompt(fake_cao, terminal_id: str) -> int:
+    reads = 0
+    for request in fake_cao.requests:
+        if request.url.path == f"/terminals/{terminal_id}/input":
+            return reads
+        if request.method == "GET" and request.url.path == f"/terminals/{terminal_id}":
+            reads += 1
+    raise AssertionError(f"terminal {terminal_id} got no prompt")
+
+
+def test_a_terminal_just_created_gets_its_first_prompt_without_status_reads(load_orch, fake_cao, prompt_file):
+    """CAO answers a terminal creation only once the agent CLI is ready: nothing to ask before the prompt."""
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
     assert run_main(m) == 0
-    tester = fake_cao.terminal_for("tester").id
-    before_input = []
-    for request in fake_cao.requests:
-        if request.url.path == f"/terminals/{tester}/input":
-            break
-        if request.method == "GET" and request.url.path == f"/terminals/{tester}":
-            before_input.append(request)
-    assert len(before_input) == 2 + 2          # two readings still starting, then ready twice
+    assert _status_reads_before_first_prompt(fake_cao, fake_cao.terminal_for("tester").id) == 0
+
+
+def test_a_resumed_runs_terminal_gets_its_first_prompt_after_ready_twice(load_orch, fake_cao, prompt_file):
+    """A terminal this process did not create may still be starting: two ready readings in a row first."""
+    ids = fake_cao.add_terminals()
+    tester = fake_cao.terminals[ids["tester"]]
+    tester.status, tester.polls_left = "processing", 3       # still starting: two busy readings, then ready
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    outputs = {key: "" for key in m.OUTPUT_KEYS}
+    outputs.update(analyst="ANALYST_SUMMARY:\n- done", programmer="PROGRAMMER_SUMMARY:\n- Files changed: a.py")
+    state = {"version": 1, "api": m.API, "provider": "codex", "wd": m.WD, "prompt": TASK_PROMPT,
+             "current_round": 1, "current_phase": "tester", "final_status": "RUNNING",
+             "session_name": "cao-saved", "terminals": ids, "feedback": "", "analyst_feedback": "",
+             "programmer_feedback": "", "outputs": outputs}
+    Path(m.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+    Path(m.STATE_FILE).write_text(json.dumps(state))
+    assert run_main(m) == 0
+    # the resume check (busy), one more busy reading, then ready twice in a row
+    assert _status_reads_before_first_prompt(fake_cao, ids["tester"]) == 2 + 2
 
 
 # -- permission prompts ----------------------------------------------------------
