@@ -2884,7 +2884,7 @@ def choose_commit_paths(top: str) -> tuple[list[str], list[str]]:
             accidents.append(path)
             continue
         chosen.append(path)
-    return chosen, accidents
+    return sorted(chosen), sorted(accidents)
 
 
 def commit_message(archive: dict) -> str:
@@ -3073,7 +3073,8 @@ def _after_run_notes() -> list[str]:
                      f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
     if COMMIT_ON_PASS and isinstance(commit, dict):
         result = commit.get("result")
-        notes.append(f"committed {commit.get('commit')} ({len(commit.get('files', []))} files)"
+        count = len(commit.get("files", []))
+        notes.append(f"committed {commit.get('commit')} ({count} file{'' if count == 1 else 's'})"
                      if result == "committed" else "nothing to commit" if result == "nothing" else
                      f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
     return notes
