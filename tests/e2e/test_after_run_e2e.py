@@ -117,3 +117,27 @@ def test_pass_archives_commits_exactly_the_work_and_notifies(cao, openspec_bin, 
     assert request["body"] == f"PASS in round 1; OpenSpec change add-greeting archived; committed {sha} (9 files)"
     assert "authorization" not in request["headers"]
     assert run.state()["after_run"]["commit"]["commit"] == sha
+
+
+def test_agent_error_stop_is_notified(cao):
+    """An agent that reports an error stops the run (exit 1, resumable) and the user is told, once."""
+    with NtfyRecorder() as ntfy:
+        run = Run(cao, START_AGENT="tester", NTFY_TOPIC="loop-e2e", NTFY_SERVER=ntfy.url, NTFY_TOKEN="tk_e2e_secret")
+        cao.set_script({"tester": [{"action": "error", "think_ms": 100}]})
+        result = run.run()
+    assert result.returncode == 1, explain(result)
+    [request] = ntfy.requests
+    assert request["headers"]["title"].startswith("Stopped, needs you in round 1: ")
+    assert request["headers"]["authorization"] == "Bearer tk_e2e_secret"
+    assert request["body"].startswith("Stopped in round 1: ") and "tester" in request["body"]
+    assert "tk_e2e_secret" not in result.stdout + result.stderr + run.state_file.read_text()
+
+
+def test_pass_stands_when_the_ntfy_server_hangs(cao):
+    with NtfyRecorder(mode="hang", hang_seconds=30) as ntfy:
+        run = Run(cao, START_AGENT="tester", NTFY_TOPIC="loop-e2e", NTFY_SERVER=ntfy.url)
+        cao.set_script({"tester": [PASS_REPLY]})
+        result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert len(ntfy.requests) == 1
+    assert "notify: could not send the PASS notification" in result.stdout
