@@ -2798,17 +2798,13 @@ def git_top(directory: str) -> str:
     return out.strip() if code == 0 else ""
 
 
-def git_changed_paths(top: str) -> list[str]:
-    """Paths (relative to the repository top) that git shows as changed or untracked under WD."""
-    code, out, err = git(["status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
-                          "--", WD], top)
+def git_changed_paths(top: str) -> dict[str, str]:
+    """{path relative to the repository top: git's two-letter status} for what is changed or untracked under WD."""
+    code, out, err = git(["--literal-pathspecs", "status", "--porcelain=v1", "-z", "--untracked-files=all",
+                          "--no-renames", "--", WD], top)
     if code != 0:
         raise OSError(f"git status failed: {(err or out).strip() or 'timed out'}")
-    paths = []
-    for entry in out.split("\0"):
-        if len(entry) > 3:
-            paths.append(entry[3:])
-    return paths
+    return {entry[3:]: entry[:2] for entry in out.split("\0") if len(entry) > 3}
 
 
 def fingerprint(path: Path) -> str:
@@ -2859,8 +2855,8 @@ def is_orchestrator_file(path: Path) -> bool:
                                             or path.name.startswith("." + state.name + "."))
 
 
-def choose_commit_paths(top: str) -> tuple[list[str], list[str]]:
-    """(paths to commit, accident files left out), relative to the repository top.
+def choose_commit_paths(top: str) -> tuple[list[str], list[str], list[str]]:
+    """(paths to commit, the new ones among them, accident files left out), relative to the repository top.
 
     A path is committed when git shows it changed and the run changed it: it
     was not in the start snapshot, or its content differs from then. The
@@ -2868,23 +2864,23 @@ def choose_commit_paths(top: str) -> tuple[list[str], list[str]]:
     Without a snapshot, untracked files are left out (nothing says the run
     made them).
     """
-    tracked_code, tracked_out, _ = git(["ls-files", "-z", "--", WD], top)
-    tracked = set(tracked_out.split("\0")) if tracked_code == 0 else set()
-    chosen, accidents = [], []
-    for path in git_changed_paths(top):
+    chosen, untracked, accidents = [], [], []
+    for path, status in git_changed_paths(top).items():
         absolute = Path(top) / path
-        if is_orchestrator_file(absolute):
+        if is_orchestrator_file(absolute) or path.endswith("/"):     # the loop's files; a nested repository
             continue
         if worktree_at_start is not None and worktree_at_start.get(path) == fingerprint(absolute):
             continue                        # as it was before the run: the user's, left alone
-        new = path not in tracked
+        new = status == "??" or status[0] == "A"
         if new and worktree_at_start is None:
             continue
         if new and is_accident_name(path):
             accidents.append(path)
             continue
         chosen.append(path)
-    return sorted(chosen), sorted(accidents)
+        if status == "??":
+            untracked.append(path)
+    return sorted(chosen), sorted(untracked), sorted(accidents)
 
 
 def commit_message(archive: dict) -> str:
@@ -2928,7 +2924,7 @@ def commit_run(archive: dict) -> dict:
         log(f"commit: skipped, {why} (git init it to have runs committed)")
         return {"result": "skipped", "reason": why}
     try:
-        paths, accidents = choose_commit_paths(top)
+        paths, untracked, accidents = choose_commit_paths(top)
     except OSError as exc:
         log(f"commit: failed, {exc}")
         return {"result": "failed", "reason": str(exc)}
@@ -2942,8 +2938,11 @@ def commit_run(archive: dict) -> dict:
         log("commit: nothing to commit, the run changed no files in the repository")
         return {"result": "nothing", "left_out": accidents}
     tmp_rel = os.path.relpath(Path(WD).resolve() / ".tmp", top)
-    spec = "\0".join([f":(top,literal){p}" for p in paths] + [f":(top,exclude){tmp_rel}/"]) + "\0"
-    code, out, err = git(["add", "--pathspec-from-file=-", "--pathspec-file-nul"], top, input_text=spec)
+    not_tmp = f":(top,exclude){tmp_rel}/"
+    spec = "\0".join([f":(top,literal){p}" for p in paths] + [not_tmp]) + "\0"
+    new_spec = "\0".join([f":(top,literal){p}" for p in untracked] + [not_tmp]) + "\0"
+    code, out, err = (git(["add", "--pathspec-from-file=-", "--pathspec-file-nul"], top, input_text=new_spec)
+                      if untracked else (0, "", ""))
     if code != 0:
         why = "git add timed out" if code is None else f"git add exited with {code}"
         log(f"commit: failed, {why}")
@@ -3028,6 +3027,16 @@ def notify_stopped(error: BaseException) -> None:
 
 # -- the steps, once ----------------------------------------------------------------
 
+def guarded_step(name: str, step, *args) -> dict:
+    """Run an after-run step so that nothing it runs into (a full disk, a fault here) undoes the PASS."""
+    try:
+        return step(*args)
+    except Exception as exc:
+        why = f"unexpected {exc.__class__.__name__}: {exc}"
+        log(f"{name}: failed, {why}")
+        return {"result": "failed", "reason": why}
+
+
 def record_after_run(step: str, outcome: object) -> None:
     """Note a step as done in the state file at once, so no resume or rerun repeats it."""
     after_run[step] = outcome
@@ -3046,11 +3055,11 @@ def finish_run(code: int) -> int:
         if ARCHIVE_ON_PASS and "archive" in after_run:
             log(f"archive: done already for this run ({after_run['archive'].get('result')}), not repeated")
         elif ARCHIVE_ON_PASS:
-            record_after_run("archive", archive_change())
+            record_after_run("archive", guarded_step("archive", archive_change))
         if COMMIT_ON_PASS and "commit" in after_run:
             log(f"commit: done already for this run ({after_run['commit'].get('result')}), not repeated")
         elif COMMIT_ON_PASS:
-            record_after_run("commit", commit_run(after_run.get("archive") or {}))
+            record_after_run("commit", guarded_step("commit", commit_run, after_run.get("archive") or {}))
         parts += _after_run_notes()
     final_line = "; ".join(parts)
     if ARCHIVE_ON_PASS or COMMIT_ON_PASS:

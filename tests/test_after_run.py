@@ -547,3 +547,40 @@ def test_whole_run_commits_its_work_and_notifies(load_orch, fake_cao, prompt_fil
     assert request["body"].startswith("PASS in round 1; committed ")
     summary = json.loads((Path(m.run_dir) / "summary.json").read_text())
     assert summary["after_run"]["commit"]["files"] == ["app.py"]
+
+
+def test_agent_staged_deletion_and_addition_are_committed(load_orch, workdir):
+    """Files an agent put in the index itself (git rm, git add) are part of the run's work."""
+    make_repo(workdir)
+    m = load_orch(COMMIT_ON_PASS="1")
+    passed_run(m)
+    git(workdir, "rm", "-q", "old.py")
+    (workdir / "added.py").write_text("y = 2\n")
+    git(workdir, "add", "added.py")
+    m.finish_run(0)
+    assert m.after_run["commit"]["result"] == "committed"
+    assert last_commit_files(workdir) == ["added.py", "old.py"]
+
+
+def test_wd_below_the_repository_top_commits_only_its_own_files(load_orch, tmp_path):
+    top = tmp_path / "mono"
+    (top / "svc").mkdir(parents=True)
+    make_repo(top)
+    m = load_orch(WD=str(top / "svc"), COMMIT_ON_PASS="1")
+    passed_run(m)
+    (top / "svc" / "main.py").write_text("run()\n")
+    (top / "app.py").write_text("outside WD\n")
+    m.finish_run(0)
+    assert last_commit_files(top) == ["svc/main.py"]
+
+
+def test_an_unexpected_fault_in_a_step_does_not_undo_the_pass(load_orch, workdir, monkeypatch, capsys):
+    m = load_orch(COMMIT_ON_PASS="1")
+    passed_run(m)
+
+    def broken(archive):
+        raise ValueError("something odd")
+    monkeypatch.setattr(m, "commit_run", broken)
+    assert m.finish_run(0) == 0
+    assert "commit: failed, unexpected ValueError: something odd" in capsys.readouterr().out
+    assert m.after_run["commit"]["result"] == "failed"
