@@ -3139,6 +3139,13 @@ def status_report() -> tuple[int, str]:
                  f"agents: CAO session {session} (watch: `tmux attach -t {session}`)")
     if data.get("run_dir"):
         lines.append(f"replies: {data['run_dir']}")
+    done = data.get("after_run")
+    if isinstance(done, dict) and done:
+        steps = [f"{step} {outcome.get('result')}" + (f" {outcome['commit']}" if outcome.get("commit") else "")
+                 for step, outcome in done.items() if isinstance(outcome, dict)]
+        if isinstance(done.get("notified"), str):
+            steps.append(f"notified {done['notified']}")
+        lines.append("after the run: " + ", ".join(steps))
     return 0, "\n".join(lines)
 
 

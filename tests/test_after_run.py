@@ -595,3 +595,15 @@ def test_help_and_readme_list_the_new_settings(orch):
         assert f"| `{name}` | `{setting.key}` |" in readme
         assert name in help_text and setting.key in help_text
     assert "| `NTFY_TOKEN` | – (environment only) |" in readme and "NTFY_TOKEN" in help_text
+
+
+def test_status_shows_what_was_done_after_the_run(load_orch, workdir):
+    make_repo(workdir)
+    m = load_orch(COMMIT_ON_PASS="1")
+    passed_run(m)
+    (workdir / "app.py").write_text("print('v2')\n")
+    m.finish_run(0)
+    m.save_state()
+    code, report = m.status_report()
+    sha = git(workdir, "rev-parse", "--short", "HEAD").strip()
+    assert code == 0 and f"after the run: commit committed {sha}" in report
