@@ -2655,7 +2655,7 @@ OPENSPEC_ENV = {"OPENSPEC_TELEMETRY": "0", "DO_NOT_TRACK": "1", "CI": "1"}
 # heredoc end marker, is taken for an agent's accident (a broken heredoc or
 # redirection writes files named `EOF)` or `x = 1`) and never committed.
 ACCIDENT_CHARACTERS = frozenset("=()'\"$`;|<>&\\")
-HEREDOC_MARKER_RE = re.compile(r"[A-Z_]*EOF[A-Z_]*|EOT|END|EOL|HEREDOC")
+HEREDOC_MARKER_RE = re.compile(r"(?:[A-Z]+_)?EOF(?:_[A-Z]+)?|PYEOF|SHEOF|EOT|END|EOL|HEREDOC")
 
 
 def is_accident_name(path: str) -> bool:

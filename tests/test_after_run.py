@@ -91,7 +91,7 @@ def passed_run(m, round_no: int = 2) -> None:
 
 # -- the accident-file rule ------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["EOF", "EOF)", "'EOF'", "PYEOF", "END", "x = 1", "a=b", "print('hi')",
+@pytest.mark.parametrize("name", ["EOF", "EOF)", "'EOF'", "PYEOF", "END", "CODE_EOF", "EOF;", "x = 1", "a=b", "print('hi')",
                                   "$(pwd)/notes.md", "`date`", "a;b", "out|tee", "<stdin>", "log>2",
                                   'say "hi"', "a&b", "back\\slash", "line\nbreak", "My Notes (1).md"])
 def test_accident_names_are_recognised(orch, name):
@@ -100,7 +100,7 @@ def test_accident_names_are_recognised(orch, name):
 
 
 @pytest.mark.parametrize("name", ["greet.py", "src/app/main.py", "My Notes.md", "[id].tsx", "café.txt",
-                                  "eof_handling.md", "Endpoint.java", "v1.2.3-rc1.tar.gz", "README",
+                                  "eof_handling.md", "Endpoint.java", "GEOFF", "EOFS.txt", "ENDING", "v1.2.3-rc1.tar.gz", "README",
                                   ".github/workflows/ci.yml", "docs/END-USER.md", "a+b.txt", "@scope/x.js"])
 def test_ordinary_names_are_not_accidents(orch, name):
     assert not orch.is_accident_name(name)
