@@ -47,7 +47,10 @@ Messages:
 script.json: ``{"<role>": [step, ...]}``. Turn N uses step N, the last step
 repeats. A step is a string (the answer text) or
 ``{"text": str, "think_ms": int, "action": "write" | "no_file" | "error" |
-"write_on_reminder"}``. A missing role or text gets a default answer that
+"write_on_reminder", "files": {path: content or null}}``; ``files`` are
+written (null: deleted) in the project before the answer, as an agent
+changes the code (a relative path is taken from the agent's working
+directory). A missing role or text gets a default answer that
 passes the orchestrator's checks; think time defaults to
 ``$MOCK_AGENT_THINK_MS`` (300). Per-role turn counts and held-back answers are
 kept in ``counters.json`` (shared, locked) so they survive across processes.
@@ -283,7 +286,10 @@ def normalise_step(step, role: str, default_think_ms: int) -> dict:
         think_ms = int(step.get("think_ms", default_think_ms))
     except (TypeError, ValueError):
         think_ms = default_think_ms
-    return {"text": text, "action": action, "think_ms": max(0, think_ms)}
+    files = step.get("files")
+    if not isinstance(files, dict):
+        files = {}
+    return {"text": text, "action": action, "think_ms": max(0, think_ms), "files": files}
 
 
 def pick_step(script: dict, role: str, turn: int, default_think_ms: int) -> dict:
@@ -417,6 +423,7 @@ class Agent:
         # A new prompt supersedes an answer still held back for a reminder.
         self.home.set_pending(role, None)
         self.think(step["think_ms"])
+        self.change_files(step["files"])
         action = step["action"]
         if action == "error":
             new_line()
@@ -440,6 +447,19 @@ class Agent:
         target = path if os.path.isabs(path) else pending.get("path") or path
         self.write_answer(target, pending.get("text", ""))
         self.finish(f"{role} reminder: wrote {os.path.basename(target)}")
+
+    def change_files(self, files: dict) -> None:
+        """The project edits a step asks for: write each file (making its folders), or delete it on null."""
+        for name, content in files.items():
+            path = Path(name)
+            try:
+                if content is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(str(content), encoding="utf-8")
+            except OSError as exc:
+                log(f"cannot change {path}: {exc}")
 
     def write_answer(self, path: str, text: str) -> None:
         try:

@@ -22,25 +22,33 @@ Usage:  python run_orchestrator_loop.py [config.json]
 Exit codes: 0 PASS, 1 FAIL or runtime error, 2 bad usage or configuration,
 75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 
+On PASS the run can archive its OpenSpec change and commit its work, and
+it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
+NTFY_TOPIC; all off by default).
+
 Sections, in the order data flows:
-    1. Configuration        6. Prompt builders
-    2. CAO API client       7. State file
-    3. Agent handoff        8. Init and resume
-    4. Review gate          9. Main loop
-    5. Condensation        10. Entry point
+    1. Configuration        7. State file
+    2. CAO API client       8. Init and resume
+    3. Agent handoff        9. Main loop
+    4. Review gate         10. After the run: archive, commit, notify
+    5. Condensation        11. Entry point
+    6. Prompt builders
 """
 
 from __future__ import annotations
 
 __version__ = "0.2.0"
 
+import base64
 import difflib
+import hashlib
 import fcntl
 import json
 import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -210,7 +218,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("STORY_MODE", "stories.enabled", False, "bool",
             "1: the programmer works one OpenSpec story (tasks.md section) at a time"),
     Setting("STORY_CHANGE", "stories.change", "", "text",
-            "the OpenSpec change to work story by story (empty: the only one in openspec/changes)"),
+            "the OpenSpec change to work story by story and to archive on PASS (empty: the only one in "
+            "openspec/changes)"),
     Setting("MAX_STORY_ATTEMPTS", "stories.max_attempts", 3, "count", "attempts per story before moving on"),
     Setting("CONDENSE_EXPLORE_ON_REPEAT", "condensation.condense_explore_on_repeat", True, "bool",
             "1: send the task text once per agent, then a back-reference"),
@@ -225,6 +234,17 @@ SETTINGS: tuple[Setting, ...] = (
             "1: pass only the summary sections from one phase to the next"),
     Setting("MAX_CROSS_PHASE_LINES", "condensation.max_cross_phase_lines", 40, "count",
             "lines passed from one phase to the next"),
+    Setting("ARCHIVE_ON_PASS", "on_pass.archive_change", False, "bool",
+            "1: on PASS, archive the run's OpenSpec change with `openspec archive <change> --yes`"),
+    Setting("OPENSPEC_COMMAND", "on_pass.openspec_command", "openspec", "text",
+            "the OpenSpec CLI that ARCHIVE_ON_PASS runs (a command line, e.g. 'npx openspec')"),
+    Setting("ARCHIVE_TIMEOUT", "on_pass.archive_timeout", 120.0, "seconds",
+            "longest wait for `openspec archive`; then it is stopped and the PASS stands"),
+    Setting("COMMIT_ON_PASS", "on_pass.commit", False, "bool",
+            "1: on PASS, commit what the run changed in WD's git repository (never $WD/.tmp/)"),
+    Setting("NTFY_TOPIC", "notify.ntfy_topic", "", "text",
+            "ntfy topic told of PASS, FAIL and stops that need a person (empty: no notifications)"),
+    Setting("NTFY_SERVER", "notify.ntfy_server", "https://ntfy.sh", "url", "ntfy server to publish to"),
     *_role_settings(),
 )
 
@@ -232,6 +252,8 @@ SETTINGS_BY_ENV = {s.env: s for s in SETTINGS}
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
 # Keys a config file may carry that are not settings (free text for people).
 CONFIG_NOTE_KEYS = ("description",)
+# Where a user might try to put a secret in a config file: refused, naming its variable.
+SECRET_CONFIG_KEYS = {"notify.ntfy_token": "NTFY_TOKEN", "notify.token": "NTFY_TOKEN"}
 
 _ENV_EXPECTED = {
     "text": "any text",
@@ -367,6 +389,10 @@ def read_config_file(path: str) -> dict[str, object]:
                     raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}; expected "
                                       f"{_JSON_EXPECTED[setting.kind]}") from None
                 continue
+            if key in SECRET_CONFIG_KEYS or name.upper() in SECRET_VARIABLES:
+                variable = SECRET_CONFIG_KEYS.get(key, name.upper())
+                raise ConfigError(f"config file {path}: key '{key}' is refused: the token is a secret, read only "
+                                  f"from the environment variable {variable} (so it never sits in a file)")
             allowed = _known_children(prefix)
             if name not in allowed:
                 where = f"in '{prefix}'" if prefix else "at the top level"
@@ -452,10 +478,20 @@ PEER_PROGRAMMER_PROVIDER: str = _initial("PEER_PROGRAMMER_PROVIDER")
 PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
 TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
 TESTER_PROFILE: str = _initial("TESTER_PROFILE")
+ARCHIVE_ON_PASS: bool = _initial("ARCHIVE_ON_PASS")
+OPENSPEC_COMMAND: str = _initial("OPENSPEC_COMMAND")
+ARCHIVE_TIMEOUT: float = _initial("ARCHIVE_TIMEOUT")
+COMMIT_ON_PASS: bool = _initial("COMMIT_ON_PASS")
+NTFY_TOPIC: str = _initial("NTFY_TOPIC")
+NTFY_SERVER: str = _initial("NTFY_SERVER")
 
 # CAO's own convention for a server started with a token. A secret, so it is
 # read from the environment only and never logged or saved.
 CAO_AUTH_LOCAL_TOKEN: str = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
+# The ntfy access token: a secret too, so environment only, never logged,
+# never saved, and refused as a config file key.
+NTFY_TOKEN: str = os.environ.get("NTFY_TOKEN", "")
+SECRET_VARIABLES = ("CAO_AUTH_LOCAL_TOKEN", "NTFY_TOKEN")
 
 # Names of the settings the user chose (environment or config file); on
 # resume these win over what the state file recorded.
@@ -470,7 +506,7 @@ SCENARIO_TEST: str = ""
 
 def misspelt_settings(environ: Mapping[str, str]) -> list[str]:
     """Warnings for environment variables that look like a setting with a typo (MAX_ROUND)."""
-    known = [setting.env for setting in SETTINGS] + ["CAO_AUTH_LOCAL_TOKEN"]
+    known = [setting.env for setting in SETTINGS] + list(SECRET_VARIABLES)
     warnings = []
     for name in sorted(environ):
         if name in known or len(name) < 4 or not name.isupper():
@@ -483,8 +519,9 @@ def misspelt_settings(environ: Mapping[str, str]) -> list[str]:
 
 def configure(argv: list[str]) -> None:
     """Settle every setting (env > JSON > default) and validate it, before anything runs."""
-    global explicit_settings, CAO_AUTH_LOCAL_TOKEN
+    global explicit_settings, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
     CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
+    NTFY_TOKEN = os.environ.get("NTFY_TOKEN", "")
     for warning in misspelt_settings(os.environ):
         print(warning, file=sys.stderr, flush=True)
     env_values, env_errors = read_env_settings(os.environ)
@@ -520,6 +557,14 @@ def validate_settings() -> None:
     if REVIEW_EVIDENCE_MIN_MATCH > checks:
         raise ConfigError(f"REVIEW_EVIDENCE_MIN_MATCH={REVIEW_EVIDENCE_MIN_MATCH} exceeds the {checks} evidence "
                           f"checks a review is scored on: use 1 to {checks}")
+    if NTFY_TOPIC and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", NTFY_TOPIC):
+        raise ConfigError(f"NTFY_TOPIC={NTFY_TOPIC!r} is not an ntfy topic: use 1 to 64 letters, digits, '_' or '-'")
+    try:
+        openspec_words = shlex.split(OPENSPEC_COMMAND)
+    except ValueError as exc:
+        raise ConfigError(f"OPENSPEC_COMMAND={OPENSPEC_COMMAND!r} is not a command line ({exc})") from None
+    if not openspec_words:
+        raise ConfigError("OPENSPEC_COMMAND is blank: leave it unset for 'openspec' or name the OpenSpec CLI")
 
 
 # Lines of prompt_template.md that stand for the user's own text: a task that
@@ -843,6 +888,8 @@ in_flight: dict = {}              # the prompt sent and not yet answered: role, 
 story_progress: dict = {}         # story mode: change, queue, current story, attempt, last failure, results
 context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
 turn_records: list[dict] = []     # one per answered turn: role, round, seconds, prompt bytes, outcome
+worktree_at_start: dict | None = None  # COMMIT_ON_PASS: each path git showed as changed at the start -> fingerprint
+after_run: dict = {}              # what was done once the run finished (archive, commit, notified): never twice
 
 
 def log_turn(role: str, message: str) -> None:
@@ -1919,6 +1966,8 @@ def save_state() -> None:
         "in_flight": in_flight or None,
         "story_progress": story_progress or None,
         "turn_records": turn_records,
+        "worktree_at_start": worktree_at_start,
+        "after_run": after_run or None,
     }
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1979,7 +2028,7 @@ def load_state() -> bool:
     global API, PROVIDER, WD, session_name, terminal_ids, current_round, current_phase, phase_cycle, \
         phase_step, final_status, feedback, analyst_feedback, programmer_feedback, \
         programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, in_flight, story_progress, \
-        turn_records
+        turn_records, worktree_at_start, after_run
     data = read_state_file()
     if data is None:
         return False
@@ -2015,7 +2064,19 @@ def load_state() -> bool:
     story_progress = data.get("story_progress") if isinstance(data.get("story_progress"), dict) else {}
     records = data.get("turn_records")
     turn_records = [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+    worktree_at_start = _fingerprints(data.get("worktree_at_start"))
+    done = data.get("after_run")
+    after_run = {k: v for k, v in done.items() if isinstance(k, str)} if isinstance(done, dict) else {}
     return True
+
+
+def _fingerprints(value: object) -> dict | None:
+    """The start-of-run worktree record if it is well formed (path -> fingerprint text), else None."""
+    if not isinstance(value, dict):
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return None
+    return value
 
 
 def state_backup_path() -> Path:
@@ -2226,7 +2287,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
     """
     global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
         programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, \
-        in_flight, story_progress, turn_records
+        in_flight, story_progress, turn_records, worktree_at_start, after_run
     session_name, terminal_ids = create_terminals()
     settled_terminals.update(terminal_ids.values())   # CAO answered each creation once its CLI was ready
     replace_old_run(plan or StartPlan(False))
@@ -2241,6 +2302,8 @@ def init_new_run(plan: StartPlan | None = None) -> None:
     terminals_exited = False
     in_flight = story_progress = {}
     turn_records = []
+    worktree_at_start = snapshot_worktree() if COMMIT_ON_PASS else None
+    after_run = {}
     save_state()
     log(f"new run: CAO session {session_name}, terminals "
         + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
@@ -2529,6 +2592,20 @@ def run_tester_phase() -> str:
 
 
 def run_loop() -> int:
+    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 10).
+
+    A stop that needs a person (an agent error, a timeout, an unreachable
+    server) is announced on its way out to main().
+    """
+    try:
+        code = drive_rounds()
+    except (RunError, ApiError) as exc:
+        notify_stopped(exc)
+        raise
+    return finish_run(code)
+
+
+def drive_rounds() -> int:
     """Drive the phases until the tester passes (0) or the rounds run out (1)."""
     global final_status
     while current_round <= MAX_ROUNDS:
@@ -2568,6 +2645,7 @@ def run_summary(exit_code: int) -> dict:
                                    if isinstance(r.get("seconds"), (int, float))), 1),
         "prompt_bytes": sum(r.get("prompt_bytes", 0) for r in turn_records),
         "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "after_run": after_run,
     }
 
 
@@ -2590,7 +2668,462 @@ def report_run_summary(exit_code: int) -> None:
 
 
 # ==========================================================================
-# 10. Entry point
+# 10. After the run: archive, commit, notify
+# ==========================================================================
+# Opt-in steps for runs nobody watches (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
+# NTFY_TOPIC). Each is done at most once per run -- after_run in the state
+# file records it -- and none of them can turn a PASS into a failure: what
+# goes wrong is logged with how to fix it, and the run's exit code stands.
+
+GIT_TIMEOUT_SECONDS = 60.0
+GIT_COMMIT_TIMEOUT_SECONDS = 300.0      # a commit hook may run the project's checks
+NOTIFY_TIMEOUT_SECONDS = 5.0
+HASH_LIMIT_BYTES = 64 * 1024 * 1024     # bigger files are fingerprinted by size and mtime only
+FALLBACK_GIT_IDENTITY = ("cao-orchestrator-loop", "orchestrator-loop@localhost")
+OPENSPEC_PACKAGE = "@fission-ai/openspec"
+# Keep an unattended archive from phoning home or asking anything.
+OPENSPEC_ENV = {"OPENSPEC_TELEMETRY": "0", "DO_NOT_TRACK": "1", "CI": "1"}
+
+# A new file whose path holds one of these characters, or a part that is a
+# heredoc end marker, is taken for an agent's accident (a broken heredoc or
+# redirection writes files named `EOF)` or `x = 1`) and never committed.
+ACCIDENT_CHARACTERS = frozenset("=()'\"$`;|<>&\\")
+HEREDOC_MARKER_RE = re.compile(r"(?:[A-Z]+_)?EOF(?:_[A-Z]+)?|PYEOF|SHEOF|EOT|END|EOL|HEREDOC")
+
+
+def is_accident_name(path: str) -> bool:
+    """True for a path an agent surely did not mean to create: shell or code characters, a heredoc marker.
+
+    Every part of the path counts, so `$(pwd)/notes.md` is caught too.
+    Spaces, dots, dashes, brackets and non-ASCII letters alone are normal names.
+    """
+    for part in path.split("/"):
+        if not part:
+            continue
+        if any(ch in ACCIDENT_CHARACTERS or ord(ch) < 32 or ord(ch) == 127 for ch in part):
+            return True
+        if HEREDOC_MARKER_RE.fullmatch(part.strip(" \t'\";)")):
+            return True
+    return False
+
+
+def task_title() -> str:
+    """The task's first line (without Markdown markers), for commit subjects and notification titles."""
+    for line in (EXPLORE_SUMMARY or PROMPT).splitlines():
+        text = line.strip().lstrip("#*->").strip()
+        if text:
+            return text if len(text) <= 72 else text[:69].rstrip() + "..."
+    return "orchestrator loop run"
+
+
+def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None = None,
+                env: Mapping[str, str] | None = None) -> tuple[int | None, str, str]:
+    """Run a program without a terminal: (exit code, stdout, stderr); exit code None after `timeout`.
+
+    It runs in its own process group, so a timeout stops the program and
+    everything it started (a wrapper script's children would otherwise
+    hold the output pipes open). OSError (not installed) is the caller's.
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = proc.communicate(input_text, timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        out, err = proc.communicate()
+        return None, out or "", err or ""
+    except BaseException:              # Ctrl-C: leave nothing running behind us
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
+        raise
+
+
+def _log_output(prefix: str, text: str, lines: int = 20) -> None:
+    """A command's last output lines, indented under the log line that explains them."""
+    tail = [line for line in text.splitlines() if line.strip()][-lines:]
+    for line in tail:
+        print(f"    {prefix}{line}", flush=True)
+
+
+# -- which change ---------------------------------------------------------------
+
+def change_to_archive() -> tuple[str, str]:
+    """(the change this run worked on, '') or ('', why none can be named).
+
+    Story mode (or STORY_CHANGE) names it; otherwise it is the only active
+    change under $WD/openspec/changes/ (the archive folder does not count).
+    """
+    changes = Path(WD) / "openspec" / "changes"
+    if STORY_CHANGE:
+        if (changes / STORY_CHANGE).is_dir():
+            return STORY_CHANGE, ""
+        return "", f"STORY_CHANGE={STORY_CHANGE} but {changes / STORY_CHANGE} is not a directory (archived already?)"
+    found = sorted(p.name for p in changes.iterdir() if p.is_dir() and p.name != "archive") \
+        if changes.is_dir() else []
+    if len(found) == 1:
+        return found[0], ""
+    if not found:
+        return "", f"no active OpenSpec change in {changes}"
+    return "", (f"{len(found)} active OpenSpec changes in {changes} ({', '.join(found)}): set STORY_CHANGE to "
+                "the one this run worked on")
+
+
+# -- archive ----------------------------------------------------------------------
+
+def archive_change() -> dict:
+    """ARCHIVE_ON_PASS: `openspec archive <change> --yes` in WD; the outcome for after_run.
+
+    result is "archived", "skipped" (no single change) or "failed" (missing
+    command, error, timeout); a failure keeps the commit from running.
+    """
+    change, why = change_to_archive()
+    if not change:
+        log(f"archive: skipped, {why}")
+        return {"result": "skipped", "reason": why}
+    cmd = shlex.split(OPENSPEC_COMMAND) + ["archive", change, "--yes"]
+    shown = " ".join(shlex.quote(word) for word in cmd)
+    log(f"archive: running `{shown}` in {WD}")
+    try:
+        code, out, err = run_command(cmd, WD, ARCHIVE_TIMEOUT, env=OPENSPEC_ENV)
+    except OSError as exc:
+        why = (f"`{cmd[0]}` cannot be run ({exc.strerror or exc}): install the OpenSpec CLI (npm install -g "
+               f"{OPENSPEC_PACKAGE}) or set OPENSPEC_COMMAND to it")
+        log(f"archive: failed, {why}")
+        return {"result": "failed", "change": change, "reason": why}
+    output = (out + ("\n" if out and err else "") + err).strip()
+    if code == 0:
+        log(f"archive: OpenSpec change {change} archived")
+        _log_output("openspec: ", output, lines=8)
+        return {"result": "archived", "change": change}
+    why = (f"`{shown}` did not finish within ARCHIVE_TIMEOUT={ARCHIVE_TIMEOUT:g}s and was stopped"
+           if code is None else f"`{shown}` exited with {code}")
+    log(f"archive: failed, {why}; the change stays in openspec/changes/ (run the command yourself once "
+        "the cause below is fixed)")
+    _log_output("openspec: ", output or "(no output)")
+    return {"result": "failed", "change": change, "reason": why}
+
+
+# -- commit ------------------------------------------------------------------------
+
+GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0", "GIT_EDITOR": "true"}
+
+
+def git(args: list[str], cwd: str, timeout: float = GIT_TIMEOUT_SECONDS,
+        input_text: str | None = None) -> tuple[int | None, str, str]:
+    """One git command; OSError if git is not installed."""
+    return run_command(["git", *args], cwd, timeout, input_text, GIT_ENV)
+
+
+def git_top(directory: str) -> str:
+    """The top of the git work tree holding `directory`, '' if there is none (or no git)."""
+    try:
+        code, out, _ = git(["rev-parse", "--show-toplevel"], directory)
+    except OSError:
+        return ""
+    return out.strip() if code == 0 else ""
+
+
+def git_changed_paths(top: str) -> dict[str, str]:
+    """{path relative to the repository top: git's two-letter status} for what is changed or untracked under WD."""
+    code, out, err = git(["--literal-pathspecs", "status", "--porcelain=v1", "-z", "--untracked-files=all",
+                          "--no-renames", "--", WD], top)
+    if code != 0:
+        raise OSError(f"git status failed: {(err or out).strip() or 'timed out'}")
+    return {entry[3:]: entry[:2] for entry in out.split("\0") if len(entry) > 3}
+
+
+def fingerprint(path: Path) -> str:
+    """What a path holds, to tell later whether the run touched it: a content hash, or 'absent'."""
+    try:
+        if path.is_symlink():
+            return "link:" + os.readlink(path)
+        stat = path.stat()
+        if not path.is_file():
+            return "other"
+        if stat.st_size > HASH_LIMIT_BYTES:
+            return f"size:{stat.st_size}:mtime:{stat.st_mtime_ns}"
+        digest = hashlib.sha1()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return "sha1:" + digest.hexdigest()
+    except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        return f"unreadable:{exc.errno}"
+
+
+def snapshot_worktree() -> dict | None:
+    """COMMIT_ON_PASS at a run's start: every path git shows as changed or untracked, with its fingerprint.
+
+    At the end, a path whose fingerprint is unchanged was the user's before
+    the run and is left alone. None when WD is not in a git repository.
+    """
+    top = git_top(WD)
+    if not top:
+        return None
+    try:
+        paths = git_changed_paths(top)
+    except OSError as exc:
+        log(f"commit: could not record the working tree at the start ({exc}); only tracked files will be "
+            "committed on PASS")
+        return None
+    return {path: fingerprint(Path(top) / path) for path in paths}
+
+
+def is_orchestrator_file(path: Path) -> bool:
+    """The loop's own files: everything under $WD/.tmp/, and the state file with its lock and backups."""
+    state, tmp = Path(STATE_FILE).resolve(), Path(WD).resolve() / ".tmp"
+    if path == tmp or tmp in path.parents:
+        return True
+    return path.parent == state.parent and (path.name == state.name or path.name.startswith(state.name + ".")
+                                            or path.name.startswith("." + state.name + "."))
+
+
+def choose_commit_paths(top: str) -> tuple[list[str], list[str], list[str]]:
+    """(paths to commit, the new ones among them, accident files left out), relative to the repository top.
+
+    A path is committed when git shows it changed and the run changed it: it
+    was not in the start snapshot, or its content differs from then. The
+    loop's own files and files with accident names are never committed.
+    Without a snapshot, untracked files are left out (nothing says the run
+    made them).
+    """
+    chosen, untracked, accidents = [], [], []
+    for path, status in git_changed_paths(top).items():
+        absolute = Path(top) / path
+        if is_orchestrator_file(absolute) or path.endswith("/"):     # the loop's files; a nested repository
+            continue
+        if worktree_at_start is not None and worktree_at_start.get(path) == fingerprint(absolute):
+            continue                        # as it was before the run: the user's, left alone
+        new = status == "??" or status[0] == "A"
+        if new and worktree_at_start is None:
+            continue
+        if new and is_accident_name(path):
+            accidents.append(path)
+            continue
+        chosen.append(path)
+        if status == "??":
+            untracked.append(path)
+    return sorted(chosen), sorted(untracked), sorted(accidents)
+
+
+def commit_message(archive: dict) -> str:
+    """Subject: the task's first line; body: the round it passed in and the OpenSpec change."""
+    lines = [task_title(), "", f"The tester reported PASS in round {current_round} of the orchestrator loop."]
+    change = archive.get("change") or change_to_archive()[0]
+    if change:
+        state = {"archived": "archived", "failed": "archive failed"}.get(archive.get("result", ""), "not archived")
+        lines.append(f"OpenSpec change: {change} ({state})")
+    return "\n".join(lines) + "\n"
+
+
+def git_identity_args(top: str) -> list[str]:
+    """`-c user.name=... -c user.email=...` for what git has no identity for; the user's config is not touched."""
+    args = []
+    for key, value, variable in (("user.name", FALLBACK_GIT_IDENTITY[0], "GIT_AUTHOR_NAME"),
+                                 ("user.email", FALLBACK_GIT_IDENTITY[1], "GIT_AUTHOR_EMAIL")):
+        code, out, _ = git(["config", "--get", key], top)
+        if (code != 0 or not out.strip()) and not os.environ.get(variable):
+            args += ["-c", f"{key}={value}"]
+    if args:
+        log(f"commit: git has no user.name/user.email here; committing as {FALLBACK_GIT_IDENTITY[0]} "
+            f"<{FALLBACK_GIT_IDENTITY[1]}> (set them with `git config user.name/user.email` to commit as you)")
+    return args
+
+
+def commit_run(archive: dict) -> dict:
+    """COMMIT_ON_PASS: commit exactly the paths the run changed; the outcome for after_run.
+
+    New files are added by literal pathspec (with $WD/.tmp/ excluded), then
+    `git commit --only` takes just the chosen paths, so whatever the user
+    had staged stays staged and out of this commit.
+    """
+    if archive.get("result") == "failed":
+        log("commit: skipped, the archive of the OpenSpec change failed (see above); commit by hand once it "
+            "is archived")
+        return {"result": "skipped", "reason": "archive failed"}
+    top = git_top(WD)
+    if not top:
+        why = "git is not installed" if not _git_installed() else f"{WD} is not in a git repository"
+        log(f"commit: skipped, {why} (git init it to have runs committed)")
+        return {"result": "skipped", "reason": why}
+    try:
+        paths, untracked, accidents = choose_commit_paths(top)
+    except OSError as exc:
+        log(f"commit: failed, {exc}")
+        return {"result": "failed", "reason": str(exc)}
+    if accidents:
+        log(f"commit: left out {len(accidents)} file(s) whose names look like shell or code fragments an agent "
+            f"created by accident (delete them if so): {', '.join(accidents)}")
+    if worktree_at_start is None:
+        log("commit: no record of the working tree at the run's start (COMMIT_ON_PASS was not set then), so "
+            "only changes to tracked files are committed; new files are left for you")
+    if not paths:
+        log("commit: nothing to commit, the run changed no files in the repository")
+        return {"result": "nothing", "left_out": accidents}
+    tmp_rel = os.path.relpath(Path(WD).resolve() / ".tmp", top)
+    not_tmp = f":(top,exclude){tmp_rel}/"
+    spec = "\0".join([f":(top,literal){p}" for p in paths] + [not_tmp]) + "\0"
+    new_spec = "\0".join([f":(top,literal){p}" for p in untracked] + [not_tmp]) + "\0"
+    code, out, err = (git(["add", "--pathspec-from-file=-", "--pathspec-file-nul"], top, input_text=new_spec)
+                      if untracked else (0, "", ""))
+    if code != 0:
+        why = "git add timed out" if code is None else f"git add exited with {code}"
+        log(f"commit: failed, {why}")
+        _log_output("git: ", out + err)
+        return {"result": "failed", "reason": why, "left_out": accidents}
+    message = commit_message(archive)
+    code, out, err = git([*git_identity_args(top), "commit", "--only", "-m", message,
+                          "--pathspec-from-file=-", "--pathspec-file-nul"],
+                         top, GIT_COMMIT_TIMEOUT_SECONDS, input_text=spec)
+    if code != 0:
+        why = "git commit timed out" if code is None else f"git commit exited with {code}"
+        log(f"commit: failed, {why} (a commit hook?); the changes are in the working tree, new files staged: "
+            "commit them yourself")
+        _log_output("git: ", out + err)
+        return {"result": "failed", "reason": why, "left_out": accidents}
+    _, sha, _ = git(["rev-parse", "--short", "HEAD"], top)
+    sha = sha.strip()
+    log(f"commit: {sha} \"{message.splitlines()[0]}\" with {len(paths)} file(s): {', '.join(paths)}")
+    return {"result": "committed", "commit": sha, "files": paths, "left_out": accidents}
+
+
+def _git_installed() -> bool:
+    try:
+        return git(["--version"], WD)[0] == 0
+    except OSError:
+        return False
+
+
+# -- notify ------------------------------------------------------------------------
+
+NOTIFY_EVENTS = {
+    # event: (title prefix, priority, tags)
+    "PASS": ("PASS", "default", "white_check_mark"),
+    "FAIL": ("FAIL", "high", "x"),
+    "STOPPED": ("Stopped, needs you", "high", "warning"),
+}
+
+
+def _header_text(text: str) -> str:
+    """A header value HTTP can carry: ASCII as it is, anything else as an RFC 2047 word ntfy decodes."""
+    if text.isascii():
+        return text
+    return "=?UTF-8?B?" + base64.b64encode(text.encode("utf-8")).decode("ascii") + "?="
+
+
+def notify(event: str, message: str) -> bool:
+    """Publish one ntfy message (POST {server}/{topic}); True if the server took it.
+
+    Nothing is sent without NTFY_TOPIC. A server that is down, slow or says
+    no is logged in one line and never stops the run; the token is sent
+    only when NTFY_TOKEN is set, and never shown.
+    """
+    if not NTFY_TOPIC:
+        return False
+    prefix, priority, tags = NOTIFY_EVENTS[event]
+    title = f"{prefix} in round {current_round}: {task_title()}"
+    headers = {"Title": _header_text(title), "Priority": priority, "Tags": tags}
+    if NTFY_TOKEN:
+        headers["Authorization"] = f"Bearer {NTFY_TOKEN}"
+    url = f"{NTFY_SERVER.rstrip('/')}/{quote(NTFY_TOPIC, safe='')}"
+    try:
+        response = httpx.post(url, content=message.encode("utf-8"), headers=headers,
+                              timeout=NOTIFY_TIMEOUT_SECONDS)
+    except Exception as exc:             # down, hanging, refused, a bad proxy: never the run's problem
+        log(f"notify: could not send the {event} notification to {url} ({exc.__class__.__name__}: "
+            f"{exc or 'no answer'}); check NTFY_SERVER and the network")
+        return False
+    if response.status_code >= 300:
+        hint = " (check NTFY_TOKEN)" if response.status_code in (401, 403) else ""
+        log(f"notify: {url} refused the {event} notification: HTTP {response.status_code} "
+            f"{response.text.strip()[:200]}{hint}")
+        return False
+    log(f"notify: {event} notification sent to {url}")
+    return True
+
+
+def notify_stopped(error: BaseException) -> None:
+    """A stop that needs a person (agent error, timeout, permission prompt, server gone): say so."""
+    message = getattr(error, "message", None) or str(error)
+    notify("STOPPED", f"Stopped in round {current_round}: {message}; state saved, rerun to resume")
+
+
+# -- the steps, once ----------------------------------------------------------------
+
+def guarded_step(name: str, step, *args) -> dict:
+    """Run an after-run step so that nothing it runs into (a full disk, a fault here) undoes the PASS."""
+    try:
+        return step(*args)
+    except Exception as exc:
+        why = f"unexpected {exc.__class__.__name__}: {exc}"
+        log(f"{name}: failed, {why}")
+        return {"result": "failed", "reason": why}
+
+
+def record_after_run(step: str, outcome: object) -> None:
+    """Note a step as done in the state file at once, so no resume or rerun repeats it."""
+    after_run[step] = outcome
+    save_state()
+
+
+def finish_run(code: int) -> int:
+    """After PASS: archive, then commit; after PASS or FAIL: notify. Each once per run; returns `code`.
+
+    Nothing here changes the exit code: a step that fails is logged and the
+    run's result stands.
+    """
+    parts = [f"PASS in round {current_round}" if code == 0 else
+             f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
+    if code == 0:
+        if ARCHIVE_ON_PASS and "archive" in after_run:
+            log(f"archive: done already for this run ({after_run['archive'].get('result')}), not repeated")
+        elif ARCHIVE_ON_PASS:
+            record_after_run("archive", guarded_step("archive", archive_change))
+        if COMMIT_ON_PASS and "commit" in after_run:
+            log(f"commit: done already for this run ({after_run['commit'].get('result')}), not repeated")
+        elif COMMIT_ON_PASS:
+            record_after_run("commit", guarded_step("commit", commit_run, after_run.get("archive") or {}))
+        parts += _after_run_notes()
+    final_line = "; ".join(parts)
+    if ARCHIVE_ON_PASS or COMMIT_ON_PASS:
+        log(final_line)
+    event = "PASS" if code == 0 else "FAIL"
+    if NTFY_TOPIC and after_run.get("notified") == event:
+        log(f"notify: the {event} notification was sent already for this run, not repeated")
+    elif notify(event, final_line):
+        record_after_run("notified", event)
+    return code
+
+
+def _after_run_notes() -> list[str]:
+    """Short words on the archive and commit for the run's last line."""
+    notes = []
+    archive, commit = after_run.get("archive"), after_run.get("commit")
+    if ARCHIVE_ON_PASS and isinstance(archive, dict):
+        result = archive.get("result")
+        notes.append(f"OpenSpec change {archive.get('change')} archived" if result == "archived" else
+                     f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
+    if COMMIT_ON_PASS and isinstance(commit, dict):
+        result = commit.get("result")
+        count = len(commit.get("files", []))
+        notes.append(f"committed {commit.get('commit')} ({count} file{'' if count == 1 else 's'})"
+                     if result == "committed" else "nothing to commit" if result == "nothing" else
+                     f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
+    return notes
+
+
+# ==========================================================================
+# 11. Entry point
 # ==========================================================================
 
 USAGE = "usage: run_orchestrator_loop.py [config.json] | --status [config.json] | --help | --version"
@@ -2639,6 +3172,13 @@ def status_report() -> tuple[int, str]:
                  f"agents: CAO session {session} (watch: `tmux attach -t {session}`)")
     if data.get("run_dir"):
         lines.append(f"replies: {data['run_dir']}")
+    done = data.get("after_run")
+    if isinstance(done, dict) and done:
+        steps = [f"{step} {outcome.get('result')}" + (f" {outcome['commit']}" if outcome.get("commit") else "")
+                 for step, outcome in done.items() if isinstance(outcome, dict)]
+        if isinstance(done.get("notified"), str):
+            steps.append(f"notified {done['notified']}")
+        lines.append("after the run: " + ", ".join(steps))
     return 0, "\n".join(lines)
 
 
@@ -2656,6 +3196,8 @@ def help_text() -> str:
         lines.append(f"      {setting.help}")
     lines.append(f"  {'CAO_AUTH_LOCAL_TOKEN':34} {'(environment only)':40} -")
     lines.append("      bearer token for a cao-server started with one; never logged or saved")
+    lines.append(f"  {'NTFY_TOKEN':34} {'(environment only)':40} -")
+    lines.append("      ntfy access token, sent as a bearer token with each notification; never logged or saved")
     lines += ["", "Exit codes:"] + [f"  {code:3}  {meaning}" for code, meaning in EXIT_CODES]
     lines += ["", f"Documentation: {readme if readme.exists() else 'README.md of the cao-orchestrator-loop project'}"]
     return "\n".join(lines)

@@ -17,7 +17,7 @@ if str(TESTS) not in sys.path:
 
 import run_orchestrator_loop  # noqa: E402
 
-SETTING_NAMES = [s.env for s in run_orchestrator_loop.SETTINGS] + ["CAO_AUTH_LOCAL_TOKEN"]
+SETTING_NAMES = [s.env for s in run_orchestrator_loop.SETTINGS] + list(run_orchestrator_loop.SECRET_VARIABLES)
 
 TASK_PROMPT = """Notes above the first header are ignored.
 *** ORIGINAL EXPLORE SUMMARY ***

@@ -166,6 +166,7 @@ class FakeCao:
 
     # -- wiring ---------------------------------------------------------------
     def install(self, router: respx.MockRouter) -> "FakeCao":
+        self.router = router              # a test may add routes, e.g. pass-through to a local server
         base = self.base_url
         routes = [
             ("create", "POST", r"/sessions\?", self._create_session),
