@@ -222,7 +222,7 @@ SETTINGS: tuple[Setting, ...] = (
             "openspec/changes)"),
     Setting("MAX_STORY_ATTEMPTS", "stories.max_attempts", 3, "count", "attempts per story before moving on"),
     Setting("CONDENSE_EXPLORE_ON_REPEAT", "condensation.condense_explore_on_repeat", True, "bool",
-            "1: send the task text once per agent, then a back-reference"),
+            "1: send the task text and each agent's fixed instructions once per agent, then a back-reference"),
     Setting("CONDENSE_REVIEW_FEEDBACK", "condensation.condense_review_feedback", True, "bool",
             "1: pass only REVIEW_NOTES back to the author"),
     Setting("MAX_FEEDBACK_LINES", "condensation.max_feedback_lines", 30, "count", "lines of review notes passed on"),
@@ -884,9 +884,10 @@ programmer_context_for_retry: str = ""
 outputs: dict[str, str] = {key: "" for key in OUTPUT_KEYS}
 run_dir: str = ""                 # where consumed replies are archived
 terminals_exited: bool = False    # CLEANUP_ON_EXIT ended the agents: never send them input again
-in_flight: dict = {}              # the prompt sent and not yet answered: role, position, sent_at
+in_flight: dict = {}              # the prompt sent and not yet answered: role, position, sent_at, sent_in_full
 story_progress: dict = {}         # story mode: change, queue, current story, attempt, last failure, results
-context_sent: set[str] = set()    # "<block>:<terminal id>" of task text already sent in full
+context_sent: set[str] = set()    # "<block>:<terminal id>" of once-per-terminal text already sent in full
+context_new: list[str] = []       # marks added while building the next prompt: what it carries in full
 turn_records: list[dict] = []     # one per answered turn: role, round, seconds, prompt bytes, outcome
 worktree_at_start: dict | None = None  # COMMIT_ON_PASS: each path git showed as changed at the start -> fingerprint
 after_run: dict = {}              # what was done once the run finished (archive, commit, notified): never twice
@@ -1373,6 +1374,7 @@ def ask_agent(role: str, prompt: str) -> str:
     terminal_id = terminal_ids[role]
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sent_in_full = take_context_new(terminal_id)
     carried = carried_over_turn(role, path)
     message = baseline_reply = None
     if carried == "reply":
@@ -1387,7 +1389,7 @@ def ask_agent(role: str, prompt: str) -> str:
         # Before the send: CAO's send returns only after pasting (seconds with
         # some CLIs), and a quick agent may have answered by then.
         baseline_reply = _last_output(terminal_id)
-        set_in_flight({**turn_position(role), "sent_at": time.time()})
+        set_in_flight({**turn_position(role), "sent_at": time.time(), "sent_in_full": sent_in_full})
         save_state()
         log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
         try:
@@ -1569,14 +1571,22 @@ def condense_programmer_for_tester(text: str) -> str:
     return "\n".join(kept[:MAX_CROSS_PHASE_LINES]).strip()
 
 
-def _once_per_terminal(block: str, terminal_id: str, text: str) -> str:
-    """Full text the first time a terminal gets this block, a back-reference afterwards."""
+def _once_per_terminal(block: str, terminal_id: str, text: str, back_reference: str = EXPLORE_BACK_REFERENCE) -> str:
+    """Full text the first time a terminal gets this block, a back-reference afterwards.
+
+    A block is text that stays the same for the whole run (the task, a role's
+    checks and answer format): the agent keeps it in its conversation, so
+    sending it again would only fill its context.
+    """
     if not terminal_id:                 # no terminal yet, so no history to refer to
         return text
     mark = f"{block}:{terminal_id}"
-    if CONDENSE_EXPLORE_ON_REPEAT and mark in context_sent:
-        return EXPLORE_BACK_REFERENCE
-    context_sent.add(mark)
+    if mark in context_sent:
+        if CONDENSE_EXPLORE_ON_REPEAT:
+            return back_reference
+    else:
+        context_sent.add(mark)
+        context_new.append(mark)
     return text
 
 
@@ -1591,9 +1601,27 @@ def scenario_block_for(terminal_id: str) -> str:
 
 
 def forget_context_sent(terminal_id: str) -> None:
-    """A send failed: the terminal may not have the task text, so send it in full next time."""
+    """A send failed: the terminal may lack the text sent once per terminal, so send it in full next time."""
     for mark in [m for m in context_sent if m.endswith(":" + terminal_id)]:
         context_sent.discard(mark)
+
+
+def take_context_new(terminal_id: str) -> list[str]:
+    """What the prompt about to go to this terminal carries in full (kept with the prompt in flight)."""
+    taken = [m for m in context_new if m.endswith(":" + terminal_id)]
+    context_new.clear()
+    return taken
+
+
+def forget_in_flight_context() -> None:
+    """On resume: the prompt in flight may never have arrived, so what it carried in full goes in full again.
+
+    If it did arrive, its turn is taken over without sending anything, and
+    building the prompt again records the text as sent once more.
+    """
+    marks = in_flight.get("sent_in_full")
+    if isinstance(marks, list):
+        context_sent.difference_update(m for m in marks if isinstance(m, str))
 
 
 # --------------------------------------------------------------------------
@@ -1702,16 +1730,49 @@ def _test_command_line() -> str:
 
 
 def _task_context(role: str) -> str:
+    """The task and its scenario test; one back-reference line for both once the terminal has them."""
     terminal_id = terminal_ids.get(role, "")
-    return (f"Explore summary (the task):\n{explore_block_for(terminal_id)}\n\n"
-            f"Scenario test (how the result will be checked):\n{scenario_block_for(terminal_id)}")
+    explore, scenario = explore_block_for(terminal_id), scenario_block_for(terminal_id)
+    if explore == scenario == EXPLORE_BACK_REFERENCE:
+        return f"Explore summary and scenario test:\n{EXPLORE_BACK_REFERENCE}"
+    return (f"Explore summary (the task):\n{explore}\n\n"
+            f"Scenario test (how the result will be checked):\n{scenario}")
+
+
+def _you_are(role: str, title: str) -> str:
+    """'You are the <title> in a five-agent development loop': the loop is named on the first prompt only."""
+    return f"You are the {title}" + _standing(role, "intro", " in a five-agent development loop", "")
+
+
+def _standing(role: str, block: str, text: str, back_reference: str) -> str:
+    """A role's fixed instructions (checks, answer format) in full on its terminal's first prompt only.
+
+    The back-reference names what it stands for and keeps the words the loop
+    reads back (REVIEW_RESULT, section labels), so nothing is left implicit.
+    """
+    return _once_per_terminal(block, terminal_ids.get(role, ""), text, back_reference)
+
+
+def _response_file_block(role: str) -> str:
+    """Where to write the answer, in every prompt; the example command only in the terminal's first one."""
+    return _standing(role, "response-file", response_file_instruction(role),
+                     "Response file (required; as in your first turn):\n"
+                     f"Write your complete answer to this file: {response_path(role)}\n"
+                     "Only this file is read; write it once, when your work is done.")
+
+
+def _review_back_reference(checks: str, author: str) -> str:
+    """What a reviewer is told in place of the checklist and answer format it already has."""
+    return (f"Checks and answer format: as in your first review -- four checks ({checks}), each with "
+            f"evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what {author} "
+            f"must change).")
 
 
 def build_analyst_prompt(round_num: int, analyst_cycle: int) -> str:
     """Analyst turn: turn the task into an OpenSpec change and a five-part summary."""
     parts = [
-        f"You are the system analyst in a five-agent development loop "
-        f"(round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
+        _you_are("analyst", "system analyst")
+        + f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
         _task_context("analyst"),
         f"Latest tester feedback:\n{_or_none(feedback)}",
     ]
@@ -1727,14 +1788,17 @@ def build_analyst_prompt(round_num: int, analyst_cycle: int) -> str:
         "Task:\n"
         "1. Use /opsx:explore to study the code and the task, then /opsx:ff to create or update the "
         "OpenSpec change (proposal.md, design.md, specs, tasks.md).\n"
-        "2. Answer with this summary; all five sections are mandatory:\n"
-        "ANALYST_SUMMARY:\n"
-        "- Change: <OpenSpec change name and directory>\n"
-        "- Artifacts: <files created or updated>\n"
-        "- P1 requirements: <must-have requirements, each traced to the task or the scenario test>\n"
-        "- Contracts: <interfaces, data formats and commands the programmer and tester rely on>\n"
-        "- Handoff: <actionable first steps for the programmer; open risks>",
-        response_file_instruction("analyst"),
+        + _standing("analyst", "answer-format",
+                    "2. Answer with this summary; all five sections are mandatory:\n"
+                    "ANALYST_SUMMARY:\n"
+                    "- Change: <OpenSpec change name and directory>\n"
+                    "- Artifacts: <files created or updated>\n"
+                    "- P1 requirements: <must-have requirements, each traced to the task or the scenario test>\n"
+                    "- Contracts: <interfaces, data formats and commands the programmer and tester rely on>\n"
+                    "- Handoff: <actionable first steps for the programmer; open risks>",
+                    "2. Answer with the ANALYST_SUMMARY as in your first turn; all five sections are "
+                    "mandatory: Change, Artifacts, P1 requirements, Contracts, Handoff."),
+        _response_file_block("analyst"),
     ]
     return "\n\n".join(parts)
 
@@ -1742,24 +1806,28 @@ def build_analyst_prompt(round_num: int, analyst_cycle: int) -> str:
 def build_analyst_review_prompt(analyst_out: str) -> str:
     """Peer analyst turn: check the analyst's change and say APPROVED or REVISE with evidence."""
     return "\n\n".join([
-        f"You are the peer analyst in a five-agent development loop (round {current_round} of {MAX_ROUNDS}, "
+        _you_are("peer_analyst", "peer analyst") + f" (round {current_round} of {MAX_ROUNDS}, "
         f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the system analyst's work.",
         _task_context("peer_analyst"),
         f"System analyst output to review:\n{_or_none(analyst_out)}",
         "Rules:\n"
         "- Review only: change no file except your response file.\n"
         "- Judge the OpenSpec artifacts on disk, not only the summary.",
-        "Check, citing what you looked at:\n"
-        "1. Artifacts: the change's proposal, design, specs and tasks exist and match the task.\n"
-        "2. P1 traceability: every P1 requirement traces to the task or the scenario test.\n"
-        "3. Downstream contracts: interfaces, formats and commands are exact enough to code and test against.\n"
-        "4. Handoff: the programmer's first steps are actionable.",
-        "Answer format:\n"
-        "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
-        "REVIEW_NOTES:\n"
-        "- <one line of evidence per check above>\n"
-        "- <for REVISE: each change the analyst must make>",
-        response_file_instruction("peer_analyst"),
+        _standing("peer_analyst", "review-checks",
+                  "Check, citing what you looked at:\n"
+                  "1. Artifacts: the change's proposal, design, specs and tasks exist and match the task.\n"
+                  "2. P1 traceability: every P1 requirement traces to the task or the scenario test.\n"
+                  "3. Downstream contracts: interfaces, formats and commands are exact enough to code and "
+                  "test against.\n"
+                  "4. Handoff: the programmer's first steps are actionable.\n\n"
+                  "Answer format:\n"
+                  "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
+                  "REVIEW_NOTES:\n"
+                  "- <one line of evidence per check above>\n"
+                  "- <for REVISE: each change the analyst must make>",
+                  _review_back_reference("Artifacts, P1 traceability, Downstream contracts, Handoff",
+                                         "the analyst")),
+        _response_file_block("peer_analyst"),
     ])
 
 
@@ -1769,14 +1837,14 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
     if round_num == 1:
         handoff = UPSTREAM_BACK_REFERENCE if repeat else _or_none(condense_analyst_for_programmer(analyst_out))
         parts = [
-            f"You are the programmer in a five-agent development loop (round {round_num} of {MAX_ROUNDS}, "
+            _you_are("programmer", "programmer") + f" (round {round_num} of {MAX_ROUNDS}, "
             f"programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
             _task_context("programmer"),
             f"System analyst handoff:\n{handoff}",
         ]
         if analyst_feedback.strip():
-            parts.append(f"Open peer analyst notes (the analysis was not approved; keep them in mind):\n"
-                         f"{analyst_feedback.strip()}")
+            notes = UPSTREAM_BACK_REFERENCE if repeat else analyst_feedback.strip()
+            parts.append(f"Open peer analyst notes (the analysis was not approved; keep them in mind):\n{notes}")
         task = ("Task:\n"
                 "1. Use /opsx:apply to implement the tasks of the OpenSpec change; mark each finished task "
                 "in tasks.md.\n"
@@ -1784,13 +1852,14 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
     else:
         failure = UPSTREAM_BACK_REFERENCE if repeat else _or_none(feedback)
         parts = [
-            f"You are the programmer in a five-agent development loop (round {round_num} of {MAX_ROUNDS}: "
+            _you_are("programmer", "programmer") + f" (round {round_num} of {MAX_ROUNDS}: "
             f"a retry after a failed test; programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
             _task_context("programmer"),
             f"Test failure feedback:\n{failure}",
         ]
         if programmer_context_for_retry.strip():
-            parts.append(f"Your previous changes (context):\n{programmer_context_for_retry.strip()}")
+            previous = UPSTREAM_BACK_REFERENCE if repeat else programmer_context_for_retry.strip()
+            parts.append(f"Your previous changes (context):\n{previous}")
         task = ("Task:\n"
                 "1. Use /opsx:explore to investigate the failure against the code and the OpenSpec change.\n"
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
@@ -1804,13 +1873,16 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
         "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
         f"- {_test_command_line()}",
         task,
-        "Answer format:\n"
-        "PROGRAMMER_SUMMARY:\n"
-        "- Files changed: <each file and what changed in it>\n"
-        "- Behavior implemented: <what the code now does, per requirement>\n"
-        "- Tests run: <commands and results>\n"
-        "- Known gaps: <anything left undone, or none>",
-        response_file_instruction("programmer"),
+        _standing("programmer", "answer-format",
+                  "Answer format:\n"
+                  "PROGRAMMER_SUMMARY:\n"
+                  "- Files changed: <each file and what changed in it>\n"
+                  "- Behavior implemented: <what the code now does, per requirement>\n"
+                  "- Tests run: <commands and results>\n"
+                  "- Known gaps: <anything left undone, or none>",
+                  "Answer format: as in your first turn -- PROGRAMMER_SUMMARY: with Files changed, "
+                  "Behavior implemented, Tests run, Known gaps."),
+        _response_file_block("programmer"),
     ]
     return "\n\n".join(parts)
 
@@ -1818,7 +1890,7 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
 def build_programmer_review_prompt(programmer_out: str) -> str:
     """Peer programmer turn: check the change and say APPROVED or REVISE with evidence."""
     return "\n\n".join([
-        f"You are the peer programmer in a five-agent development loop (round {current_round} of {MAX_ROUNDS}, "
+        _you_are("peer_programmer", "peer programmer") + f" (round {current_round} of {MAX_ROUNDS}, "
         f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the programmer's work.",
         _task_context("peer_programmer"),
         f"Programmer output to review:\n{_or_none(programmer_out)}",
@@ -1826,24 +1898,27 @@ def build_programmer_review_prompt(programmer_out: str) -> str:
         "- Review only: change no file except your response file.\n"
         "- Read the changed code and run the tests yourself.\n"
         f"- {_test_command_line()}",
-        "Check, citing what you looked at:\n"
-        "1. Tests: they run and pass (give the command and its result).\n"
-        "2. Files: the changed files do what the tasks ask (name them).\n"
-        "3. Requirements: each requirement and the scenario test is covered by the code.\n"
-        "4. Edge cases and error handling: no obvious regression or unhandled error.",
-        "Answer format:\n"
-        "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
-        "REVIEW_NOTES:\n"
-        "- <one line of evidence per check above>\n"
-        "- <for REVISE: each change the programmer must make>",
-        response_file_instruction("peer_programmer"),
+        _standing("peer_programmer", "review-checks",
+                  "Check, citing what you looked at:\n"
+                  "1. Tests: they run and pass (give the command and its result).\n"
+                  "2. Files: the changed files do what the tasks ask (name them).\n"
+                  "3. Requirements: each requirement and the scenario test is covered by the code.\n"
+                  "4. Edge cases and error handling: no obvious regression or unhandled error.\n\n"
+                  "Answer format:\n"
+                  "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
+                  "REVIEW_NOTES:\n"
+                  "- <one line of evidence per check above>\n"
+                  "- <for REVISE: each change the programmer must make>",
+                  _review_back_reference("Tests, Files, Requirements, Edge cases and error handling",
+                                         "the programmer")),
+        _response_file_block("peer_programmer"),
     ])
 
 
 def build_tester_prompt(programmer_out: str) -> str:
     """Tester turn: run the scenario test and report PASS or FAIL with evidence."""
     parts = [
-        f"You are the tester in a five-agent development loop (round {current_round} of {MAX_ROUNDS}).",
+        _you_are("tester", "tester") + f" (round {current_round} of {MAX_ROUNDS}).",
         _task_context("tester"),
         f"Programmer handoff:\n{_or_none(condense_programmer_for_tester(programmer_out))}",
     ]
@@ -1855,13 +1930,16 @@ def build_tester_prompt(programmer_out: str) -> str:
         "- Test only: do not change application code, tests or OpenSpec artifacts.\n"
         f"- {_test_command_line()}",
         "Task: run the test command and carry out the scenario test step by step.",
-        "Answer format:\n"
-        "RESULT: PASS  (or RESULT: FAIL)\n"
-        "EVIDENCE:\n"
-        "- <commands run and the output that matters>\n"
-        "- <for FAIL: the failing step, error messages, stack trace lines>\n"
-        "- Recommended next fix: <for FAIL: where to look first>",
-        response_file_instruction("tester"),
+        _standing("tester", "answer-format",
+                  "Answer format:\n"
+                  "RESULT: PASS  (or RESULT: FAIL)\n"
+                  "EVIDENCE:\n"
+                  "- <commands run and the output that matters>\n"
+                  "- <for FAIL: the failing step, error messages, stack trace lines>\n"
+                  "- Recommended next fix: <for FAIL: where to look first>",
+                  "Answer format: as in your first turn -- RESULT: PASS or RESULT: FAIL, then EVIDENCE: "
+                  "(for FAIL the failing step and a recommended next fix)."),
+        _response_file_block("tester"),
     ]
     return "\n\n".join(parts)
 
@@ -1889,7 +1967,7 @@ def story_tool_instructions() -> str:
 def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> str:
     """Programmer turn in story mode: one story of the change, ending in a promise signal."""
     parts = [
-        f"You are the programmer in a five-agent development loop (round {current_round} of {MAX_ROUNDS}), "
+        _you_are("programmer", "programmer") + f" (round {current_round} of {MAX_ROUNDS}), "
         f"working story by story. This turn: story {story.id} \"{story.title}\" "
         f"(attempt {attempt} of {MAX_STORY_ATTEMPTS}).",
         _task_context("programmer"),
@@ -1919,13 +1997,16 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
         "<promise>FAILED: {reason}</promise>, where {reason} says briefly what went wrong. This lets the "
         "orchestrator retry the story with that context.\n"
         "You MUST end with one of these two signals.",
-        "Answer format:\n"
-        "PROGRAMMER_SUMMARY:\n"
-        "- Files changed: <each file and what changed in it>\n"
-        "- Behavior implemented: <what the code now does>\n"
-        "- Tests run: <commands and results>\n"
-        "<promise>COMPLETE</promise>  (or <promise>FAILED: reason</promise>)",
-        response_file_instruction("programmer"),
+        _standing("programmer", "story-answer-format",
+                  "Answer format:\n"
+                  "PROGRAMMER_SUMMARY:\n"
+                  "- Files changed: <each file and what changed in it>\n"
+                  "- Behavior implemented: <what the code now does>\n"
+                  "- Tests run: <commands and results>\n"
+                  "<promise>COMPLETE</promise>  (or <promise>FAILED: reason</promise>)",
+                  "Answer format: as in your first story -- PROGRAMMER_SUMMARY: with Files changed, "
+                  "Behavior implemented, Tests run, then the completion signal."),
+        _response_file_block("programmer"),
     ]
     return "\n\n".join(parts)
 
@@ -3233,6 +3314,7 @@ def start_run(task: str) -> None:
     plan = refuse_bad_start(task)
     if plan.resume:
         load_state()
+        forget_in_flight_context()
         connect_api()
         if not PROMPT and task:
             set_task(task)

@@ -639,6 +639,26 @@ def test_explore_summary_sent_once_per_terminal_across_resume(load_orch, fake_ca
     assert all(summary not in p and m.EXPLORE_BACK_REFERENCE in p for p in analyst_prompts[1:])
     reviews = fake_cao.prompts_for("peer_analyst")
     assert [summary in p for p in reviews] == [True, False, False]
+    assert ["Check, citing what you looked at:" in p for p in reviews] == [True, False, False]
+    assert all("Checks and answer format: as in your first review" in p for p in reviews[1:])
+
+
+def test_new_run_sends_complete_prompts_to_its_new_terminals(load_orch, fake_cao, prompt_file):
+    """A new run after a finished one has new agents with no history: each gets the complete text first."""
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    first_run = len(fake_cao.prompts)
+    fake_cao.script["tester"] = [PASS_REPLY]
+    fake_cao.turns.clear()
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert [role for role, _ in fake_cao.prompts[first_run:]] == QUICK_ROUND
+    for role, prompt in fake_cao.prompts[first_run:]:
+        assert "Build a greeting CLI" in prompt and "For example:\nmkdir -p " in prompt, role
+        assert "in a five-agent development loop" in prompt, role
+    repeated = fake_cao.prompts_for("tester")[1]
+    assert "Build a greeting CLI" not in repeated and "Answer format: as in your first turn" in repeated
 
 
 def test_run_whose_agents_were_exited_is_never_resumed(load_orch, fake_cao, prompt_file, capsys):
@@ -722,6 +742,37 @@ def test_resume_ignores_a_reply_older_than_the_prompt_in_flight(load_orch, fake_
     assert fake_cao.roles_prompted() == ["tester"]               # sent again
     assert archived(m) == ["001-stale-test_result.md", "002-tester.md"]
     assert state_of(m)["final_status"] == "PASS"
+
+
+@pytest.mark.parametrize("first_prompt", [True, False])
+def test_resent_in_flight_prompt_is_complete_if_it_was_the_terminals_first(load_orch, fake_cao, prompt_file,
+                                                                            first_prompt):
+    """The loop stopped before its prompt arrived: sent again on resume, it is complete if it was the first."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    state = write_state(m, fake_cao, current_phase="tester",
+                        outputs={"analyst": "ANALYST_SUMMARY:\n- a", "programmer": PROGRAMMER_REPLY})
+    tester = state["terminals"]["tester"]
+    marks = [f"{block}:{tester}" for block in ("intro", "explore", "scenario", "answer-format", "response-file")]
+    state.update(context_sent=marks, in_flight={"role": "tester", "round": 1, "phase": "tester", "cycle": 1,
+                                                "sent_at": 1_700_000_000.0,
+                                                "sent_in_full": marks if first_prompt else []})
+    Path(m.STATE_FILE).write_text(json.dumps(state))
+    assert run_main(m) == 0
+    [prompt] = fake_cao.prompts_for("tester")
+    assert ("Build a greeting CLI" in prompt) is first_prompt
+    assert ("Answer format:\nRESULT: PASS  (or RESULT: FAIL)" in prompt) is first_prompt
+    assert ("For example:\nmkdir -p " in prompt) is first_prompt
+    assert (m.EXPLORE_BACK_REFERENCE in prompt) is not first_prompt
+
+
+def test_prompt_in_flight_records_what_it_carried_in_full(load_orch, fake_cao, prompt_file):
+    """The state names the text the prompt in flight carried in full, so a resume can send it again."""
+    fake_cao.script["tester"] = [interrupt(KeyboardInterrupt())]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert run_main(m) == 130
+    tester = state_of(m)["terminals"]["tester"]
+    assert sorted(state_of(m)["in_flight"]["sent_in_full"]) == sorted(
+        f"{block}:{tester}" for block in ("answer-format", "explore", "intro", "response-file", "scenario"))
 
 
 def test_in_flight_prompt_of_another_turn_is_not_carried_over(load_orch, fake_cao, prompt_file):

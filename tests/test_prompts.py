@@ -324,6 +324,26 @@ def test_retry_programmer_prompt_cycle_2_refers_back_to_failure_feedback(m):
     assert "Test failure feedback:\nRESULT: FAIL\nEVIDENCE:\n- failure-marker" in m.build_programmer_prompt(2, 2, "")
 
 
+def test_programmer_cycle_2_refers_back_to_open_peer_analyst_notes(m):
+    """Upstream condensation on repeat: the unapproved analysis notes are shown in cycle 1, referred to after."""
+    m.analyst_feedback = "REVIEW_NOTES:\n- open-analyst-note-marker"
+    label = "Open peer analyst notes (the analysis was not approved; keep them in mind):\n"
+    assert f"{label}REVIEW_NOTES:\n- open-analyst-note-marker" in m.build_programmer_prompt(1, 1, ANALYST_OUT)
+    assert f"{label}{m.UPSTREAM_BACK_REFERENCE}" in m.build_programmer_prompt(1, 2, ANALYST_OUT)
+    m.CONDENSE_UPSTREAM_ON_REPEAT = False
+    assert "open-analyst-note-marker" in m.build_programmer_prompt(1, 2, ANALYST_OUT)
+
+
+def test_retry_programmer_cycle_2_refers_back_to_previous_changes(m):
+    """Upstream condensation on repeat applied to spec 4's previous changes: full in cycle 1, referred to after."""
+    m.feedback = "RESULT: FAIL"
+    m.programmer_context_for_retry = RETRY_CONTEXT
+    assert f"Your previous changes (context):\n{RETRY_CONTEXT}" in m.build_programmer_prompt(2, 1, "")
+    assert f"Your previous changes (context):\n{m.UPSTREAM_BACK_REFERENCE}" in m.build_programmer_prompt(2, 2, "")
+    m.CONDENSE_UPSTREAM_ON_REPEAT = False
+    assert f"Your previous changes (context):\n{RETRY_CONTEXT}" in m.build_programmer_prompt(2, 2, "")
+
+
 def test_programmer_prompt_carries_peer_programmer_feedback(m):
     """Spec 1 Prompt builders: the programmer prompt carries the latest peer programmer feedback."""
     m.programmer_feedback = "REVIEW_NOTES:\n- peer-programmer-marker"
@@ -439,3 +459,206 @@ def test_response_file_heredoc_writes_file_with_awkward_wd(m, tmp_path):
         written = wd / ".tmp" / "agent-responses" / RESPONSE_FILES[role]
         assert written.read_text(encoding="utf-8") == answer + "\n", role
     assert not (tmp_path / "my").exists()
+
+
+# -- what every prompt kind carries, the first time and when repeated -----------------------
+#
+# A repeated prompt (the terminal has had one before) refers back to the text it
+# already has -- the task, the checks, the answer format, the example command --
+# but still carries everything the specs require of that prompt: guard lines,
+# task instructions, round and cycle, the feedback and handoff blocks under
+# their fixed labels, and the response-file instruction.
+
+STORY_CHANGE = "/project/openspec/changes/add-greeting"
+FAILURE = "RESULT: FAIL\nEVIDENCE:\n- failure-marker: comma missing"
+PEER_ANALYST_NOTES = "REVIEW_NOTES:\n- peer-analyst-notes-marker"
+PEER_PROGRAMMER_NOTES = "REVIEW_NOTES:\n- peer-programmer-notes-marker"
+BACK_REFERENCE_UPSTREAM = "(Same as in your previous cycle -- refer to your conversation history.)"
+TITLES = {"analyst": "system analyst", "peer_analyst": "peer analyst", "programmer": "programmer",
+          "peer_programmer": "peer programmer", "tester": "tester"}
+
+
+def response_line(m, role: str) -> str:
+    return f"Write your complete answer to this file: {m.response_path(role)}"
+
+
+def _analyst_retry(m):
+    m.feedback, m.programmer_context_for_retry, m.analyst_feedback = FAILURE, RETRY_CONTEXT, PEER_ANALYST_NOTES
+    return m.build_analyst_prompt(2, 1)
+
+
+def _programmer_after_review(m):
+    m.programmer_feedback = PEER_PROGRAMMER_NOTES
+    return m.build_programmer_prompt(1, 2, ANALYST_OUT)
+
+
+def _programmer_after_failure(m):
+    m.feedback, m.programmer_context_for_retry = FAILURE, RETRY_CONTEXT
+    return m.build_programmer_prompt(2, 1, ANALYST_OUT)
+
+
+def _story(m, attempt: int = 2, reason: str = "story-failure-marker"):
+    story = m.Story("2", "Print the greeting", [(False, "2.1 Print Hello, NAME!")])
+    scenarios = [("greeting", "Greets by name", ["- **WHEN** greet World runs", "- **THEN** it prints Hello"])]
+    return m.build_story_prompt(story, Path(STORY_CHANGE), scenarios, attempt, reason)
+
+
+def _reviewer_required(author: str, checks: tuple[str, ...]) -> list[str]:
+    return ["Rules:\n- Review only: change no file except your response file.", f"Review the {author}'s work",
+            "REVIEW_RESULT: APPROVED", "REVISE", "REVIEW_NOTES:", *checks]
+
+
+ANALYST_GUARDS = ["Do not write or change application code", "Work only inside {WD}", "Do not ask questions",
+                  "Address every point of the feedback above"]
+ANALYST_TASK = ["/opsx:explore", "/opsx:ff", "ANALYST_SUMMARY", "all five sections are mandatory",
+                "Change", "Artifacts", "P1 requirements", "Contracts", "Handoff"]
+PROGRAMMER_GUARDS = ["Work only inside {WD}", "Never weaken, skip or delete a test", "Do not ask questions",
+                     "Test command: none configured"]
+PROGRAMMER_FORMAT = ["PROGRAMMER_SUMMARY:", "Files changed", "Behavior implemented", "Tests run", "Known gaps"]
+RETRY_TASK = ["/opsx:explore to investigate the failure", "may update the OpenSpec artifacts with /opsx:ff",
+              "spec or design"]
+
+# kind: (role, build, text every form must carry,
+#        [(text only the complete form has, what a repeated form says instead)])
+PROMPT_KINDS = {
+    "analyst first": ("analyst", lambda m: m.build_analyst_prompt(1, 1), [
+        "round 1 of 8", "analyst cycle 1 of 3", "Latest tester feedback:\n(none)",
+        "Latest peer analyst feedback:\n(none)", *ANALYST_GUARDS, *ANALYST_TASK]),
+    "analyst retry": ("analyst", _analyst_retry, [
+        "round 2 of 8", "analyst cycle 1 of 3", f"Latest tester feedback:\n{FAILURE}",
+        f"Previous round programmer changes (context only):\n{RETRY_CONTEXT}",
+        f"Latest peer analyst feedback:\n{PEER_ANALYST_NOTES}", *ANALYST_GUARDS, *ANALYST_TASK]),
+    "analyst review": ("peer_analyst", lambda m: m.build_analyst_review_prompt(ANALYST_OUT), [
+        "round 1 of 8", "review cycle 1 of 3", "System analyst output to review:\nNarration before the summary.",
+        "analyst-marker-change", "Judge the OpenSpec artifacts on disk",
+        *_reviewer_required("system analyst", ("Artifacts", "P1 traceability", "Downstream contracts",
+                                               "Handoff"))]),
+    "programmer first": ("programmer", lambda m: m.build_programmer_prompt(1, 1, ANALYST_OUT), [
+        "round 1 of 8", "programmer cycle 1 of 3",
+        "System analyst handoff:\nANALYST_SUMMARY:\n- Change: openspec/changes/analyst-marker-change",
+        "Latest peer programmer feedback:\n(none)", "/opsx:apply", "Run the tests and fix what fails",
+        *PROGRAMMER_GUARDS, *PROGRAMMER_FORMAT]),
+    "programmer after review feedback": ("programmer", _programmer_after_review, [
+        "round 1 of 8", "programmer cycle 2 of 3", f"System analyst handoff:\n{BACK_REFERENCE_UPSTREAM}",
+        f"Latest peer programmer feedback:\n{PEER_PROGRAMMER_NOTES}", "/opsx:apply",
+        *PROGRAMMER_GUARDS, *PROGRAMMER_FORMAT]),
+    "programmer after test failure": ("programmer", _programmer_after_failure, [
+        "round 2 of 8", "a retry after a failed test", "programmer cycle 1 of 3", f"Test failure feedback:\n{FAILURE}",
+        f"Your previous changes (context):\n{RETRY_CONTEXT}", *RETRY_TASK, *PROGRAMMER_GUARDS, *PROGRAMMER_FORMAT]),
+    "programmer review": ("peer_programmer", lambda m: m.build_programmer_review_prompt(PROGRAMMER_OUT), [
+        "round 1 of 8", "review cycle 1 of 3", "Programmer output to review:\nPROGRAMMER_SUMMARY:",
+        "gap-marker", "Read the changed code and run the tests yourself", "Test command: none configured",
+        *_reviewer_required("programmer", ("Tests", "Files", "Requirements", "Edge cases"))]),
+    "tester": ("tester", lambda m: m.build_tester_prompt(PROGRAMMER_OUT), [
+        "round 1 of 8", "Programmer handoff:\n- Files changed: handoff_marker.py",
+        "Test only: do not change application code", "Test command: none configured",
+        "run the test command and carry out the scenario test step by step",
+        "RESULT: PASS", "RESULT: FAIL", "EVIDENCE:"]),
+    "story": ("programmer", _story, [
+        "round 1 of 8", 'story 2 "Print the greeting"', "attempt 2 of 3",
+        "Retry of story 2 -- the previous attempt failed:\nstory-failure-marker", "Try a different approach",
+        "Tasks of this story:\n- [ ] 2.1 Print Hello, NAME!", "Complete only the tasks of this story",
+        STORY_CHANGE, f"{STORY_CHANGE}/proposal.md", f"{STORY_CHANGE}/design.md",
+        "[greeting] Scenario: Greets by name\n  - **WHEN** greet World runs", "focus on those relevant",
+        "after completing the tasks, run the verification", "Test command: none configured",
+        "verification passes: <promise>COMPLETE</promise>", "<promise>FAILED: {reason}</promise>",
+        "says briefly what went wrong", "retry the story with that context",
+        "You MUST end with one of these two signals", "from `- [ ]` to `- [x]`",
+        "Never weaken, skip or delete a test", "Work only inside {WD}", "PROGRAMMER_SUMMARY:"]),
+}
+# What only a terminal's first prompt has in full, and what later ones say in its place.
+STANDING = {
+    "analyst": [("- P1 requirements: <must-have", "Answer with the ANALYST_SUMMARY as in your first turn")],
+    "peer_analyst": [("Check, citing what you looked at:\n1. Artifacts:",
+                      "Checks and answer format: as in your first review"),
+                     ("- <for REVISE: each change the analyst must make>", "what the analyst must change")],
+    "programmer": [("Answer format:\nPROGRAMMER_SUMMARY:\n- Files changed: <",
+                    "Answer format: as in your first turn -- PROGRAMMER_SUMMARY:")],
+    "peer_programmer": [("Check, citing what you looked at:\n1. Tests:",
+                         "Checks and answer format: as in your first review"),
+                        ("- <for REVISE: each change the programmer must make>", "what the programmer must change")],
+    "tester": [("Answer format:\nRESULT: PASS  (or RESULT: FAIL)\nEVIDENCE:\n- <",
+                "Answer format: as in your first turn -- RESULT: PASS or RESULT: FAIL, then EVIDENCE:")],
+}
+STORY_STANDING = [("Answer format:\nPROGRAMMER_SUMMARY:\n- Files changed: <",
+                   "Answer format: as in your first story -- PROGRAMMER_SUMMARY:")]
+
+
+def standing_text(m, kind: str) -> list[tuple[str, str]]:
+    """The once-per-terminal blocks of a prompt kind: (complete form, back-reference)."""
+    role = PROMPT_KINDS[kind][0]
+    return [(EXPLORE, BACK_REFERENCE), (SCENARIO, BACK_REFERENCE),
+            ("For example:\nmkdir -p ", "Response file (required; as in your first turn):"),
+            (" in a five-agent development loop", f"You are the {TITLES[role]} ("),
+            *(STORY_STANDING if kind == "story" else STANDING[role])]
+
+
+def first_and_repeated(m, kind: str) -> tuple[str, str]:
+    """The prompt to a terminal that has had none yet, and the same prompt once it has had one."""
+    build = PROMPT_KINDS[kind][1]
+    return build(m), build(m)
+
+
+@pytest.mark.parametrize("kind", list(PROMPT_KINDS))
+def test_first_and_repeated_prompts_carry_what_the_specs_require(m, kind):
+    """Spec 1 prompt builders, spec 2 and 4 retry blocks, spec 5 story prompt: in the first and in a repeated form."""
+    role, _build, required = PROMPT_KINDS[kind]
+    first, repeated = first_and_repeated(m, kind)
+    for form, prompt in (("first", first), ("repeated", repeated)):
+        for text in [*required, response_line(m, role), "Response file (required"]:
+            assert text.replace("{WD}", m.WD) in prompt, (kind, form, text)
+        assert "Only this file is read" in prompt and "when your work is done" in prompt, (kind, form)
+    for complete, back_reference in standing_text(m, kind):
+        assert complete in first and back_reference not in first, (kind, complete)
+        assert complete not in repeated and back_reference in repeated, (kind, back_reference)
+    assert len(repeated) < len(first)
+
+
+@pytest.mark.parametrize("kind", list(PROMPT_KINDS))
+def test_new_terminal_gets_the_complete_prompt_again(m, kind):
+    """A new terminal (a new run, a replaced agent) has no history to refer to: its first prompt is complete."""
+    role = PROMPT_KINDS[kind][0]
+    first, repeated = first_and_repeated(m, kind)
+    assert repeated != first
+    m.terminal_ids[role] = f"new-{role}"
+    again = PROMPT_KINDS[kind][1](m)
+    assert again == first
+
+
+@pytest.mark.parametrize("kind", list(PROMPT_KINDS))
+def test_failed_send_gets_the_complete_prompt_again(m, kind):
+    """forget_context_sent(): after a send that may not have arrived, the terminal gets the complete text."""
+    role = PROMPT_KINDS[kind][0]
+    first, _repeated = first_and_repeated(m, kind)
+    m.forget_context_sent(m.terminal_ids[role])
+    assert PROMPT_KINDS[kind][1](m) == first
+
+
+def test_fresh_context_record_gives_complete_prompts(m):
+    """A new run starts with an empty record (init_new_run): every prompt kind is complete again."""
+    for kind, (_role, build, _required) in PROMPT_KINDS.items():
+        m.context_sent = set()
+        first, repeated = build(m), build(m)
+        m.context_sent = set()
+        assert build(m) == first != repeated, kind
+
+
+def test_resumed_run_keeps_referring_back(m):
+    """context_sent is saved in the state: after a resume the terminals that have the text get back-references."""
+    for _role, build, _required in PROMPT_KINDS.values():
+        build(m)
+    m.save_state()
+    m.context_sent = set()
+    assert m.load_state()
+    for kind, (_role, build, _required) in PROMPT_KINDS.items():
+        prompt = build(m)
+        for complete, back_reference in standing_text(m, kind):
+            assert complete not in prompt and back_reference in prompt, (kind, complete)
+
+
+def test_repeated_prompts_complete_when_condense_explore_off(m):
+    """CONDENSE_EXPLORE_ON_REPEAT=0: nothing is sent once only, every prompt is complete."""
+    m.CONDENSE_EXPLORE_ON_REPEAT = False
+    for kind, (_role, build, _required) in PROMPT_KINDS.items():
+        first, repeated = build(m), build(m)
+        assert repeated == first, kind
