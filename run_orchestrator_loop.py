@@ -46,12 +46,13 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -743,9 +744,16 @@ class ApiClient:
             raise ApiError(f"CAO {what} answered without a terminal id and session name: {answer!r:.200}")
         return answer
 
-    def create_session(self, profile: str, provider: str | None = None) -> dict:
-        """A new CAO session whose first terminal runs `profile`; returns its id and session_name."""
+    def create_session(self, profile: str, provider: str | None = None, session_name: str | None = None) -> dict:
+        """A new CAO session whose first terminal runs `profile`; returns its id and session_name.
+
+        With `session_name` the caller picks the name, so that terminals can be
+        added to the session before this call returns; CAO 2.5.4 puts `cao-` in
+        front of a name that does not start with it, so read the name it answers.
+        """
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
+        if session_name is not None:
+            params["session_name"] = session_name
         return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params))
 
     def create_terminal(self, session_name: str, profile: str, provider: str | None = None) -> dict:
@@ -2296,43 +2304,78 @@ def signals_held(what: str) -> Iterator[list[int]]:
         raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
 
 
-def create_terminals() -> tuple[str, dict[str, str]]:
-    """The session with the analyst's terminal, then the other four at once.
+def new_session_name() -> str:
+    """A name for a new run's CAO session: recognizably this loop's, and unique by its random part.
 
-    CAO waits for each agent CLI to start (seconds per terminal), so the four
-    extra terminals are created concurrently. A failed or interrupted
-    start-up exits every terminal it created (interrupts wait for the
-    creations under way), and a failure names the role.
+    It starts with `cao-` because CAO stores any other name with that prefix
+    added, and the terminals are added to the session under the name asked for.
     """
-    created: dict[str, str] = {}
-    failures: list[str] = []
+    return f"cao-loop-{secrets.token_hex(4)}"
 
-    def collect(role: str, future: Future) -> dict | None:
-        try:
-            answer = future.result()
-        except Exception as exc:           # ApiError, or anything else: the others are still exited
-            failures.append(f"{role}: {exc}")
-            return None
-        created[role] = answer["id"]
-        return answer
 
+def create_terminals() -> tuple[str, dict[str, str]]:
+    """Create the five terminals in one CAO session, all at once.
+
+    CAO waits for each agent CLI to start (seconds per terminal), so the
+    session (with the analyst's terminal) is requested under a name chosen
+    here and the other four are added to that name at the same time, without
+    waiting for the session's answer (see add_to_session). A failed or
+    interrupted start-up exits every terminal it created (interrupts wait for
+    the creations under way), and a failure names the role. Returns the
+    session name CAO answered and the terminal id of each role.
+    """
+    name = new_session_name()
+    answers: dict[str, dict] = {}
+    failures: dict[str, str] = {}
     providers = sorted({provider_for(role) for role in ROLES})
-    log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}; CAO waits "
-        "for each agent CLI to start (seconds with the scripted agent, up to a minute with real CLIs)")
-    with ThreadPoolExecutor(max_workers=len(ROLES) - 1) as pool, \
+    log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
+        f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
+        "minute with real CLIs)")
+    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
             signals_held("exiting the terminals being created") as interrupted:
-        first = collect("analyst", pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst")))
-        if first is not None and not interrupted:
-            futures = {role: pool.submit(api.create_terminal, first["session_name"], profile_for(role),
-                                         provider_for(role)) for role in ROLES[1:]}
-            for role, future in futures.items():
-                collect(role, future)
+        session = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"), name)
+        futures = {"analyst": session}
+        for role in ROLES[1:]:
+            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
+        for role, future in futures.items():
+            try:
+                answer = future.result()
+            except Exception as exc:       # ApiError, or anything else: the others are still exited
+                failures[role] = f"{role}: {exc}"
+                continue
+            if answer is not None:
+                answers[role] = answer
         if failures or interrupted:
-            exit_terminals(list(created.values()))
+            exit_terminals([answer["id"] for answer in answers.values()])
         if failures and not interrupted:
-            error = "; ".join(failures)
+            # A failed session explains the rest: the adds failed or stopped because of it.
+            error = failures.get("analyst") or "; ".join(failures.values())
             raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
-    return first["session_name"], {role: created[role] for role in ROLES}
+    return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
+
+
+def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
+    """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
+
+    The session request gets a head start of a few hundredths of a second.
+    An add that still reaches CAO before the session exists is answered 404
+    "Session '<name>' not found": it is tried again after a growing pause
+    while the session request is under way, and once more after it succeeded.
+    It gives up, having created nothing (None), when the session request
+    failed or the start-up was interrupted.
+    """
+    pause = 0.05
+    while True:
+        wait_for_futures([session], timeout=pause)
+        session_finished = session.done()      # looked at before asking, so a 404 after it is final
+        if interrupted or (session_finished and session.exception() is not None):
+            return None
+        try:
+            return api.create_terminal(name, profile_for(role), provider_for(role))
+        except ApiError as exc:
+            if session_finished or not (exc.status_code == 404 and f"Session '{name}' not found" in str(exc)):
+                raise
+        pause = min(pause * 2, 0.5)
 
 
 def warn_about_missing_clis() -> None:
@@ -2348,7 +2391,13 @@ def warn_about_missing_clis() -> None:
 
 
 def start_failure_hint(error: str) -> str:
-    """What to check when CAO gave up waiting for an agent CLI to start (its own message hides the cause)."""
+    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
+
+    CAO gives up waiting for an agent CLI to start without saying why, and
+    refuses a session name that is taken without saying that it was picked here.
+    """
+    if re.search(r"Session '[^']*' already exists", error):
+        return "; another CAO session has the name this run picked at random: run it again to pick another"
     if "initialization timed out" not in error:
         return ""
     hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "

@@ -123,8 +123,13 @@ class FakeCao:
     prompt_files: list[tuple[str, str, str]] = field(default_factory=list)  # (role, path, message sent)
     requests: list[httpx.Request] = field(default_factory=list)
     fail_create: dict[str, tuple[int, str]] = field(default_factory=dict)  # profile -> (status, detail)
+    fail_late: set[str] = field(default_factory=set)  # profiles in fail_create whose session request fails
+                                                      # only after its session existed (agent start-up)
     turns: dict[str, int] = field(default_factory=dict)
-    create_delay: float = 0.0            # seconds each extra terminal takes to "start"
+    create_delay: float = 0.0            # seconds each terminal's agent takes to "start"
+    session_setup: float = 0.0           # seconds into a session request before its session exists
+    sessions: set[str] = field(default_factory=set)     # names of the sessions that exist
+    create_answers: list[tuple[str, int]] = field(default_factory=list)  # (profile, HTTP status) of creations
     startup_polls: int = 0               # polls a new terminal shows `processing` before it is ready
     outage: int = 0                      # the next N requests find the server down (connection refused)
     required_token: str = ""             # answer 401 to requests without this bearer token
@@ -132,7 +137,8 @@ class FakeCao:
     broken_answers: dict[str, int] = field(default_factory=dict)  # route kind -> requests carried out whose
                                                                   # answer then breaks off (a server restart)
     reported_status: str = ""            # answer every status read with this word (e.g. "unknown")
-    create_hook: object = None           # callable(profile) run as each terminal creation starts
+    create_hook: object = None           # callable(profile) run as each terminal creation starts (for an
+                                         # add: once its session exists)
     missing_clis: set = field(default_factory=set)  # providers whose CLI /agents/providers reports missing
     provider_lookups: int = 0
     providers_status: int = 200          # e.g. 404: a server without the providers route
@@ -157,6 +163,7 @@ class FakeCao:
     def add_terminals(self, session: str = "cao-saved") -> dict[str, str]:
         """Terminals that already exist on the server, as a saved run left them."""
         ids = {}
+        self.sessions.add(session)
         for profile, role in PROFILE_ROLES.items():
             terminal = Terminal(id=f"{next(self._ids):08x}", session=session, role=role, profile=profile,
                                 provider="codex", working_directory="")
@@ -216,35 +223,67 @@ class FakeCao:
     def _params(self, request: httpx.Request) -> dict[str, str]:
         return {k: v[0] for k, v in parse_qs(urlsplit(str(request.url)).query, keep_blank_values=True).items()}
 
-    def _new_terminal(self, request: httpx.Request, session: str) -> httpx.Response:
+    def _create_session(self, request: httpx.Request) -> httpx.Response:
+        """As CAO 2.5.4: the session exists while its first agent starts, and is gone again if that fails."""
         params = self._params(request)
         profile = params.get("agent_profile", "")
+        name = params.get("session_name") or f"{len(self.terminals) + 1:04d}"
+        name = name if name.startswith("cao-") else f"cao-{name}"
+        with self._lock:
+            if name in self.sessions:
+                return self._answer(profile, 400, {"detail": f"Session '{name}' already exists"})
         if self.create_hook is not None:
             self.create_hook(profile)
-        if profile in self.fail_create:
-            status, detail = self.fail_create[profile]
-            return httpx.Response(status, json={"detail": detail})
-        terminal = Terminal(id=f"{next(self._ids):08x}", session=session, role=PROFILE_ROLES.get(profile, profile),
-                            profile=profile, provider=params.get("provider", ""),
-                            working_directory=params.get("working_directory", ""))
-        if self.startup_polls:
-            terminal.status, terminal.polls_left = "processing", self.startup_polls
-        self.terminals[terminal.id] = terminal
-        return httpx.Response(201, json={"id": terminal.id, "session_name": session, "status": "idle",
-                                         "provider": terminal.provider, "agent_profile": profile})
-
-    def _create_session(self, request: httpx.Request) -> httpx.Response:
-        return self._new_terminal(request, f"cao-{len(self.terminals) + 1:04d}")
+        if profile in self.fail_create and profile not in self.fail_late:
+            return self._answer(profile, *self._refusal(profile))
+        time.sleep(self.session_setup)
+        with self._lock:
+            self.sessions.add(name)
+        response = self._start_agent(request, name)
+        if response.status_code >= 400:
+            with self._lock:
+                self.sessions.discard(name)
+        return response
 
     def _create_terminal(self, request: httpx.Request) -> httpx.Response:
         session = urlsplit(str(request.url)).path.split("/")[2]
+        profile = self._params(request).get("agent_profile", "")
+        with self._lock:
+            if session not in self.sessions:
+                return self._answer(profile, 404, {"detail": f"Session '{session}' not found"})
+        if self.create_hook is not None:
+            self.create_hook(profile)
+        return self._start_agent(request, session)
+
+    def _start_agent(self, request: httpx.Request, session: str) -> httpx.Response:
+        """The agent CLI starts (create_delay), then the terminal is answered, or its injected failure."""
+        params = self._params(request)
+        profile = params.get("agent_profile", "")
         with self._lock:
             self.creating_now += 1
             self.creating_peak = max(self.creating_peak, self.creating_now)
         time.sleep(self.create_delay)
         with self._lock:
             self.creating_now -= 1
-            return self._new_terminal(request, session)
+            if profile in self.fail_create:
+                return self._answer(profile, *self._refusal(profile))
+            terminal = Terminal(id=f"{next(self._ids):08x}", session=session,
+                                role=PROFILE_ROLES.get(profile, profile), profile=profile,
+                                provider=params.get("provider", ""),
+                                working_directory=params.get("working_directory", ""))
+            if self.startup_polls:
+                terminal.status, terminal.polls_left = "processing", self.startup_polls
+            self.terminals[terminal.id] = terminal
+            return self._answer(profile, 201, {"id": terminal.id, "session_name": session, "status": "idle",
+                                               "provider": terminal.provider, "agent_profile": profile})
+
+    def _refusal(self, profile: str) -> tuple[int, dict]:
+        status, detail = self.fail_create[profile]
+        return status, {"detail": detail}
+
+    def _answer(self, profile: str, status: int, body: dict) -> httpx.Response:
+        self.create_answers.append((profile, status))
+        return httpx.Response(status, json=body)
 
     def _terminal(self, request: httpx.Request) -> Terminal | None:
         terminal_id = urlsplit(str(request.url)).path.split("/")[2]

@@ -79,6 +79,15 @@ def test_create_session_with_explicit_provider(client, router):
     assert params["agent_profile"] == "tester"
 
 
+def test_create_session_under_a_chosen_name(client, router):
+    """The caller may pick the session's name; without one CAO picks it (no session_name is sent)."""
+    route = router.post("/sessions").mock(return_value=httpx.Response(201, json=terminal_answer()))
+    client.create_session("system_analyst", session_name="cao-loop-0a1b2c3d")
+    assert route.calls.last.request.url.params["session_name"] == "cao-loop-0a1b2c3d"
+    client.create_session("system_analyst")
+    assert "session_name" not in route.calls.last.request.url.params
+
+
 def test_create_terminal_adds_terminal_to_session(client, router, workdir):
     """Spec README: create_terminal(session_name, profile) POSTs /sessions/{name}/terminals with the params."""
     route = router.post(f"/sessions/{SESSION}/terminals").mock(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,25 @@ def explain(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-2000:]}"
 
 
+def assert_created_together(cao, state: dict) -> None:
+    """The run's five terminals are in the one session CAO named, and were created at the same time:
+    CAO had begun starting every agent CLI before any of them was ready (CAO's own log says when)."""
+    session = state["session_name"]
+    assert re.fullmatch(r"cao-loop-[0-9a-f]{8}", session)
+    ids = set(state["terminals"].values())
+    with cao.http() as client:
+        assert {client.get(f"/terminals/{tid}").json()["session_name"] for tid in ids} == {session}
+    log = "".join(path.read_text(errors="replace")
+                  for path in sorted((cao.home / ".aws" / "cli-agent-orchestrator" / "logs").glob("cao_*.log")))
+    events = [(kind, tid) for kind, tid in re.findall(
+        r"(Waiting for shell to be ready for terminal|wait_until_status) \[?([0-9a-f]{8})\]?(?:\.\.\.|: reached)", log)
+        if tid in ids]
+    started = [tid for kind, tid in events if kind.startswith("Waiting")]
+    first_ready = next(i for i, (kind, _) in enumerate(events) if kind == "wait_until_status")
+    assert sorted(started) == sorted(ids)
+    assert all(kind.startswith("Waiting") for kind, _ in events[:first_ready]) and first_ready == 5, events
+
+
 def test_one_round_all_approved_pass_exits_0(cao):
     """Scenario 1: default review minimum (2 cycles), everything approved, tester PASS -> exit 0."""
     run = Run(cao, MIN_REVIEW_CYCLES_BEFORE_APPROVAL="2")
@@ -106,6 +126,8 @@ def test_one_round_all_approved_pass_exits_0(cao):
     assert state["final_status"] == "PASS" and state["current_phase"] == "done" and state["current_round"] == 1
     assert set(state["terminals"]) == set(QUICK_ROUND)
     assert all(len(tid) == 8 for tid in state["terminals"].values())
+    assert_created_together(cao, state)
+    assert f"all at once in CAO session {state['session_name']}" in result.stdout
     assert run.archived() == numbered(sequence)
     assert run.archived_text("009-tester.md") == PASS_REPLY
     assert "RESULT: PASS" in result.stdout

@@ -325,9 +325,10 @@ def test_ctrl_c_during_start_up_exits_every_terminal_it_created(restartable_cao,
     """SIGINT while CAO creates the run's terminals: exit 130, and no agent of the run is left running.
 
     The interrupt is sent once the run's tmux session exists (CAO is starting
-    the analyst) or once it has a second window (the other four are being
-    created). Every terminal CAO made for the run must have been told to exit
-    -- its agent got ``/exit`` -- and stay a bare shell afterwards.
+    the analyst; the other four are added to it a moment later) or once it has
+    a second window (the other four are being created). Every terminal CAO made
+    for the run must have been told to exit -- its agent got ``/exit`` -- and
+    stay a bare shell afterwards, and no terminal may appear after that.
     """
     cao = restartable_cao
     run = unattended_run(cao)
@@ -354,8 +355,9 @@ def test_ctrl_c_during_start_up_exits_every_terminal_it_created(restartable_cao,
     assert run.roles_prompted() == [], live.explain()
 
     terminals = _session_terminals(cao, session)
-    expected_count = 1 if moment == "first terminal starting" else len(QUICK_ROUND)
-    assert len(terminals) == expected_count, (terminals, live.explain())
+    # The five creations go out together: the interrupt finds the adds not yet sent, or under way.
+    fewest = 1 if moment == "first terminal starting" else 2
+    assert fewest <= len(terminals) <= len(QUICK_ROUND), (terminals, live.explain())
 
     def all_exited() -> bool:
         told = {r.get("terminal_id") for r in cao.received() if r.get("message", "").strip() == "/exit"}

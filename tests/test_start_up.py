@@ -1,0 +1,193 @@
+"""Start-up: the five terminals of a new run are created at once in one CAO session.
+
+The session (with the analyst's terminal) is requested under a name the loop
+picks, and the other four terminals are added to that name without waiting
+for the session's answer. These tests drive create_terminals() through main()
+against the fake CAO, whose sessions exist, as in CAO 2.5.4, from a moment
+into the session request (`session_setup`) and are gone again if the
+session's first agent fails to start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import respx
+
+from conftest import FAST, run_main
+
+QUICK = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
+ADD_PROFILES = ("peer_system_analyst", "programmer", "peer_programmer", "tester")
+
+
+def creation_requests(fake) -> list[tuple[str, dict]]:
+    """("session" or "add", query parameters) of every creation request, in the order they arrived."""
+    found = []
+    for request in fake.requests:
+        if request.method == "POST" and request.url.path.startswith("/sessions"):
+            kind = "session" if request.url.path == "/sessions" else "add"
+            found.append((kind, dict(request.url.params)))
+    return found
+
+
+def answers_for(fake, profile: str) -> list[int]:
+    return [status for p, status in fake.create_answers if p == profile]
+
+
+def state_of(module) -> dict:
+    return json.loads(Path(module.STATE_FILE).read_text(encoding="utf-8"))
+
+
+# -- all at once, under a chosen name --------------------------------------------------
+
+def test_the_session_request_goes_first_and_the_adds_do_not_wait_for_its_answer(load_orch, fake_cao,
+                                                                                 prompt_file):
+    fake_cao.create_delay = 0.3                    # every agent takes this long to start
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    requests = creation_requests(fake_cao)
+    assert [kind for kind, _ in requests] == ["session"] + ["add"] * 4
+    assert fake_cao.creating_peak == 5             # the four adds started while the session's agent started
+    assert sorted(params["agent_profile"] for _, params in requests[1:]) == sorted(ADD_PROFILES)
+
+
+def test_the_session_is_requested_under_a_fresh_cao_loop_name_and_that_name_is_saved(load_orch, fake_cao,
+                                                                                      prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    (_, session_params), *adds = creation_requests(fake_cao)
+    name = session_params["session_name"]
+    assert re.fullmatch(r"cao-loop-[0-9a-f]{8}", name)
+    assert {t.session for t in fake_cao.terminals.values()} == {name}
+    assert state_of(m)["session_name"] == name
+    assert f"all at once in CAO session {name}" in capsys.readouterr().out
+    assert m.new_session_name() != m.new_session_name()
+
+
+def test_the_name_cao_answers_is_the_one_saved(orch, monkeypatch):
+    """Whatever name the session request asked for, the run keeps the name CAO reports."""
+    monkeypatch.setattr(orch, "new_session_name", lambda: "cao-loop-asked")
+    ids = iter(range(2, 6))
+
+    def added(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(201, json={"id": f"{next(ids):08x}", "session_name": "cao-loop-asked"})
+
+    with respx.mock(assert_all_mocked=True) as router:
+        router.post("http://cao.test/sessions").mock(return_value=httpx.Response(
+            201, json={"id": "00000001", "session_name": "cao-loop-asked-2", "status": "idle"}))
+        router.post(url__regex=r"^http://cao\.test/sessions/cao-loop-asked/terminals").mock(side_effect=added)
+        session_name, terminals = orch.create_terminals()
+    assert session_name == "cao-loop-asked-2"
+    assert terminals["analyst"] == "00000001"
+    assert sorted(terminals.values()) == [f"{i:08x}" for i in range(1, 6)]
+
+
+def test_an_add_that_comes_before_the_session_exists_is_tried_again(load_orch, fake_cao, prompt_file, capsys):
+    """CAO answers 404 "Session ... not found" until the session exists: the adds wait and try again."""
+    fake_cao.session_setup = 0.3
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    for profile in ADD_PROFILES:
+        statuses = answers_for(fake_cao, profile)
+        assert statuses[0] == 404 and statuses[-1] == 201 and set(statuses) == {404, 201}
+        assert len(statuses) < 10                  # a growing pause, not a tight loop
+    assert len(fake_cao.terminals) == 5
+    assert "not found" not in capsys.readouterr().err
+
+
+# -- failures: every terminal made is exited, the error names the role ----------------------
+
+def test_a_session_refused_at_once_stops_the_adds(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.fail_create["system_analyst"] = (400, "Working directory not allowed: /srv")
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    assert fake_cao.terminals == {}
+    assert all(status == 404 for profile in ADD_PROFILES for status in answers_for(fake_cao, profile))
+    assert len(creation_requests(fake_cao)) <= 1 + 4 * 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "(analyst: CAO create session failed: HTTP 400: Working directory not allowed: /srv)" in err
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_a_session_whose_agent_fails_to_start_exits_the_terminals_added_meanwhile(load_orch, fake_cao,
+                                                                                  prompt_file, capsys):
+    """The adds joined the session while its first agent started; that agent failed: they are all exited."""
+    fake_cao.fail_create["system_analyst"] = (
+        500, "Failed to create session: Claude Code initialization timed out after 60s")
+    fake_cao.fail_late.add("system_analyst")
+    fake_cao.create_delay = 0.2
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **QUICK)
+    assert run_main(m) == 1
+    assert sorted(t.role for t in fake_cao.terminals.values()) == \
+        ["peer_analyst", "peer_programmer", "programmer", "tester"]
+    assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "analyst: CAO create session failed: HTTP 500" in err and "peer_analyst" not in err
+    assert "installed, on cao-server's PATH and logged in" in err      # start_failure_hint still applies
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_a_failed_add_exits_the_session_and_the_other_terminals(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.fail_create["peer_programmer"] = (500, "Failed to create terminal: tmux failed")
+    fake_cao.create_delay = 0.1
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 1
+    assert sorted(t.role for t in fake_cao.terminals.values()) == ["analyst", "peer_analyst", "programmer", "tester"]
+    assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "peer_programmer: CAO create terminal (peer_programmer) failed: HTTP 500" in err
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_a_name_that_is_taken_is_said_so_and_the_terminals_added_to_it_are_exited(load_orch, fake_cao,
+                                                                                  prompt_file, capsys):
+    """Another session already has the name picked at random: nothing of the run is left in it."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    m.new_session_name = lambda: "cao-loop-0badf00d"
+    fake_cao.sessions.add("cao-loop-0badf00d")
+    assert run_main(m) == 1
+    assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "analyst: CAO create session failed: HTTP 400: Session 'cao-loop-0badf00d' already exists" in err
+    assert "run it again to pick another" in err
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_while_the_terminals_are_created_exits_all_of_them(load_orch, fake_cao, prompt_file,
+                                                                       signum, code):
+    """Ctrl-C or SIGTERM while the adds are under way: they finish, then all five are exited."""
+    def interrupt_while_creating(profile: str) -> None:
+        if profile == "tester":
+            signal.raise_signal(signum)
+
+    fake_cao.create_hook = interrupt_while_creating
+    fake_cao.create_delay = 0.2
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == code
+    assert len(fake_cao.terminals) == 5
+    assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_an_interrupt_before_the_session_exists_stops_the_adds(load_orch, fake_cao, prompt_file):
+    """Ctrl-C while the session is still being set up: the adds give up, the session's terminal is exited."""
+    def interrupt_while_creating(profile: str) -> None:
+        if profile == "system_analyst":
+            signal.raise_signal(signal.SIGINT)
+
+    fake_cao.create_hook = interrupt_while_creating
+    fake_cao.session_setup = 0.3
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    assert [t.role for t in fake_cao.terminals.values()] == ["analyst"]
+    assert fake_cao.exited_ids() == list(fake_cao.terminals)
+    assert all(status == 404 for profile in ADD_PROFILES for status in answers_for(fake_cao, profile))
