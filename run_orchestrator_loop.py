@@ -2495,7 +2495,10 @@ def choose_start() -> StartPlan:
         return StartPlan(True)
     if data is None:
         return StartPlan(False)
-    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings:
+    # A finished run with after-run steps left over is finished first (start_run, under the lock).
+    record = data.get("after_run") if isinstance(data.get("after_run"), dict) else {}
+    leftover = finished and bool(after_run_pending(0 if status == "PASS" else 1, record))
+    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
         raise AlreadyFinished(0 if status == "PASS" else 1,
                               f"the run in {STATE_FILE} {describe_state(data)}; REPORT_FINISHED_RUN=1, so "
                               "nothing was started (move the state file away to start a new run)")
@@ -2714,6 +2717,7 @@ def run_tester_phase() -> str:
         print(f"    {line}", flush=True)
     if result == "PASS":
         final_status = "PASS"
+        mark_after_run_due(0)
         set_position(PHASE_DONE)
     else:
         handle_tester_fail()
@@ -2754,6 +2758,7 @@ def drive_rounds() -> int:
         else:
             run_reviewed_phase(current_phase)
     final_status = "FAIL"
+    mark_after_run_due(1)
     set_position(PHASE_DONE)
     save_state()
     log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}")
@@ -3200,6 +3205,47 @@ def guarded_step(name: str, step, *args) -> dict:
         return {"result": "failed", "reason": why}
 
 
+def after_run_steps(code: int) -> list[str]:
+    """The steps the settings ask for after a run that ended with `code` (0: PASS)."""
+    steps = (["archive"] * ARCHIVE_ON_PASS + ["commit"] * COMMIT_ON_PASS) if code == 0 else []
+    return steps + ["notify"] * bool(NTFY_TOPIC)
+
+
+def mark_after_run_due(code: int) -> None:
+    """Saved with the run's result: the steps still to do, so a stop in the middle of them loses none."""
+    after_run["due"] = after_run_steps(code)
+
+
+def after_run_pending(code: int, record: dict) -> list[str]:
+    """The steps that were due when the run ended, are still asked for, and are not done yet."""
+    due = record.get("due") if isinstance(record.get("due"), list) else []
+    done = {"archive": "archive" in record, "commit": "commit" in record,
+            "notify": record.get("notified") == ("PASS" if code == 0 else "FAIL")}
+    return [step for step in after_run_steps(code) if step in due and not done[step]]
+
+
+def finish_stopped_run() -> None:
+    """A finished run stopped during its after-run steps (a kill, a reboot), or whose notification could
+    not be sent: do the rest now, each once.
+
+    Runs under the run's lock, before anything else is decided; a state file
+    that cannot be read is left to choose_start() to report.
+    """
+    try:
+        data = read_state_file()
+    except StateFileError:
+        return
+    status = (data or {}).get("final_status")
+    record = data.get("after_run") if data and isinstance(data.get("after_run"), dict) else {}
+    if status not in ("PASS", "FAIL") or not after_run_pending(0 if status == "PASS" else 1, record):
+        return
+    load_state()
+    code = 0 if final_status == "PASS" else 1
+    log(f"the run in {STATE_FILE} ended with {final_status} in round {current_round}; still to do after it: "
+        f"{', '.join(after_run_pending(code, after_run))} (stopped before, or not sent); doing that now")
+    finish_run(code)
+
+
 def record_after_run(step: str, outcome: object) -> None:
     """Note a step as done in the state file at once, so no resume or rerun repeats it."""
     after_run[step] = outcome
@@ -3358,8 +3404,10 @@ def start_run(task: str) -> None:
     """Resume the saved run or create a new one for `task`; nothing is written if this fails.
 
     Decided again under the run's lock: another process may have moved the
-    state on since refuse_bad_start() looked.
+    state on since refuse_bad_start() looked. A finished run that was stopped
+    during its after-run steps gets them done first (section 10).
     """
+    finish_stopped_run()
     plan = refuse_bad_start(task)
     if plan.resume:
         load_state()

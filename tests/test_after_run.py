@@ -607,3 +607,59 @@ def test_status_shows_what_was_done_after_the_run(load_orch, workdir):
     code, report = m.status_report()
     sha = git(workdir, "rev-parse", "--short", "HEAD").strip()
     assert code == 0 and f"after the run: commit committed {sha}" in report
+
+
+# -- a run stopped during its after-run steps ------------------------------------
+
+def test_steps_a_stopped_run_left_undone_are_done_by_the_next_invocation_once(
+        load_orch, fake_cao, prompt_file, workdir, monkeypatch, capsys):
+    """Killed while committing: the PASS is saved, the commit and the notification are not lost.
+    The next invocation (cron's, with REPORT_FINISHED_RUN=1) does them, once, and reports the run."""
+    make_repo(workdir)
+    settings = dict(PROMPT_FILE=str(prompt_file), START_AGENT="tester", COMMIT_ON_PASS="1",
+                    NTFY_TOPIC="loop-alerts", REPORT_FINISHED_RUN="1", **FAST)
+    with NtfyRecorder() as ntfy:
+        m = load_orch(NTFY_SERVER=ntfy.url, **settings)
+        fake_cao.router.route(host="127.0.0.1").pass_through()
+        take_snapshot = m.snapshot_worktree
+
+        def snapshot_then_work():
+            snapshot = take_snapshot()
+            (workdir / "app.py").write_text("print('v2')\n")
+            return snapshot
+
+        def killed(*args):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(m, "snapshot_worktree", snapshot_then_work)
+        monkeypatch.setattr(m, "commit_run", killed)
+        assert run_main(m) == 130
+        state = json.loads(Path(m.STATE_FILE).read_text())
+        assert state["final_status"] == "PASS" and state["after_run"]["due"] == ["commit", "notify"]
+        assert commits(workdir) == 1 and ntfy.requests == []
+        prompts = len(fake_cao.prompts)
+
+        m = load_orch(NTFY_SERVER=ntfy.url, **settings)
+        assert run_main(m) == 0
+        out = capsys.readouterr().out
+        assert "still to do after it: commit, notify (stopped before, or not sent); doing that now" in out
+        assert commits(workdir) == 2 and last_commit_files(workdir) == ["app.py"]
+        assert len(ntfy.requests) == 1 and ntfy.requests[0]["body"].startswith("PASS in round 1; committed ")
+
+        m = load_orch(NTFY_SERVER=ntfy.url, **settings)
+        assert run_main(m) == 0
+        assert "doing that now" not in capsys.readouterr().out
+    assert commits(workdir) == 2 and len(ntfy.requests) == 1
+    assert len(fake_cao.prompts) == prompts          # no agent was asked anything again
+
+
+def test_steps_turned_on_after_a_run_finished_are_not_applied_to_it(load_orch, fake_cao, prompt_file, workdir,
+                                                                    capsys):
+    """Only what the run was asked to do when it ended is finished later: a new setting is for new runs."""
+    make_repo(workdir)
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
+    assert run_main(m) == 0
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", COMMIT_ON_PASS="1",
+                  REPORT_FINISHED_RUN="1", **FAST)
+    assert run_main(m) == 0
+    assert "doing that now" not in capsys.readouterr().out
+    assert commits(workdir) == 1
