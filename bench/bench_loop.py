@@ -52,6 +52,8 @@ PASS = "RESULT: PASS\nEVIDENCE:\n- `greet World` printed `Hello, World!`\n- `gre
 
 def call_kind(method: str, path: str) -> str:
     parts = path.strip("/").split("/")
+    if parts[0] == "agents":
+        return "list providers"
     if parts[0] == "sessions":
         return "create session" if len(parts) == 1 else "create terminal"
     if len(parts) == 2:
