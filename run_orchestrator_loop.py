@@ -537,6 +537,12 @@ def configure(argv: list[str]) -> None:
     validate_settings()
 
 
+def is_copy_of_this_program(directory: Path) -> bool:
+    """This module's own directory, or a checkout of it (an installed command runs from site-packages)."""
+    return directory.resolve() == Path(__file__).resolve().parent or \
+        ((directory / Path(__file__).name).is_file() and (directory / "pyproject.toml").is_file())
+
+
 def validate_settings() -> None:
     """Cross-checks no single value can make, and making paths absolute."""
     global WD, STATE_FILE
@@ -544,9 +550,10 @@ def validate_settings() -> None:
         what = "does not exist" if not os.path.exists(WD) else "is not a directory"
         raise ConfigError(f"WD={WD} {what}: set WD (or 'wd' in the config file) to the project directory")
     WD = os.path.abspath(WD)
-    if Path(WD).resolve() == Path(__file__).resolve().parent and (Path(WD) / "pyproject.toml").exists():
-        raise ConfigError(f"WD={WD} is this program's own directory: the agents would rewrite the orchestrator. "
-                          "Make a directory for your project and set WD to it (or run from there)")
+    if is_copy_of_this_program(Path(WD)):
+        raise ConfigError(f"WD={WD} is this program's own directory (a checkout of the orchestrator loop): the "
+                          "agents would rewrite the orchestrator. Make a directory for your project and set WD "
+                          "to it (or run from there)")
     STATE_FILE = os.path.abspath(STATE_FILE)
     if os.path.isdir(STATE_FILE):
         raise ConfigError(f"STATE_FILE={STATE_FILE} is a directory: give it a file path")
@@ -3348,13 +3355,17 @@ def status_report() -> tuple[int, str]:
                  f"agents: CAO session {session} (watch: `tmux attach -t {session}`)")
     if data.get("run_dir"):
         lines.append(f"replies: {data['run_dir']}")
-    done = data.get("after_run")
-    if isinstance(done, dict) and done:
-        steps = [f"{step} {outcome.get('result')}" + (f" {outcome['commit']}" if outcome.get("commit") else "")
-                 for step, outcome in done.items() if isinstance(outcome, dict)]
-        if isinstance(done.get("notified"), str):
-            steps.append(f"notified {done['notified']}")
+    done = data.get("after_run") if isinstance(data.get("after_run"), dict) else {}
+    steps = [f"{step} {outcome.get('result')}" + (f" {outcome['commit']}" if outcome.get("commit") else "")
+             for step, outcome in done.items() if isinstance(outcome, dict)]
+    if isinstance(done.get("notified"), str):
+        steps.append(f"notified {done['notified']}")
+    if steps:
         lines.append("after the run: " + ", ".join(steps))
+    if data.get("final_status") in ("PASS", "FAIL"):
+        pending = after_run_pending(0 if data["final_status"] == "PASS" else 1, done)
+        if pending:
+            lines.append(f"still to do after the run: {', '.join(pending)} (the next invocation does it)")
     return 0, "\n".join(lines)
 
 

@@ -636,6 +636,7 @@ def test_steps_a_stopped_run_left_undone_are_done_by_the_next_invocation_once(
         state = json.loads(Path(m.STATE_FILE).read_text())
         assert state["final_status"] == "PASS" and state["after_run"]["due"] == ["commit", "notify"]
         assert commits(workdir) == 1 and ntfy.requests == []
+        assert "still to do after the run: commit, notify (the next invocation does it)" in m.status_report()[1]
         prompts = len(fake_cao.prompts)
 
         m = load_orch(NTFY_SERVER=ntfy.url, **settings)
@@ -658,6 +659,7 @@ def test_steps_turned_on_after_a_run_finished_are_not_applied_to_it(load_orch, f
     make_repo(workdir)
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
     assert run_main(m) == 0
+    assert "after the run" not in m.status_report()[1]          # nothing was asked, nothing to say
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", COMMIT_ON_PASS="1",
                   REPORT_FINISHED_RUN="1", **FAST)
     assert run_main(m) == 0

@@ -94,6 +94,18 @@ def test_wd_that_is_this_programs_own_directory_is_refused(load_orch, fake_cao, 
     assert fake_cao.requests == []
 
 
+def test_wd_that_is_a_checkout_of_this_program_is_refused(load_orch, fake_cao, prompt_file, tmp_path, capsys):
+    """An installed command runs from site-packages: a checkout it is started in is still its own source."""
+    checkout = tmp_path / "orchestrator-loop"
+    checkout.mkdir()
+    for name in ("run_orchestrator_loop.py", "pyproject.toml"):
+        (checkout / name).write_text((ROOT / name).read_text())
+    m = load_orch(PROMPT_FILE=str(prompt_file), WD=str(checkout))
+    assert run_main(m) == 2
+    assert "is this program's own directory (a checkout" in capsys.readouterr().err
+    assert fake_cao.requests == []
+
+
 def test_start_up_says_what_it_creates_with_which_provider(load_orch, fake_cao, prompt_file, capsys):
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", PROVIDER="claude_code", **FAST)
     assert run_main(m) == 0
