@@ -3214,8 +3214,9 @@ def guarded_step(name: str, step, *args) -> dict:
 
 def after_run_steps(code: int) -> list[str]:
     """The steps the settings ask for after a run that ended with `code` (0: PASS)."""
-    steps = (["archive"] * ARCHIVE_ON_PASS + ["commit"] * COMMIT_ON_PASS) if code == 0 else []
-    return steps + ["notify"] * bool(NTFY_TOPIC)
+    asked = [("archive", code == 0 and ARCHIVE_ON_PASS), ("commit", code == 0 and COMMIT_ON_PASS),
+             ("notify", bool(NTFY_TOPIC))]
+    return [step for step, wanted in asked if wanted]
 
 
 def mark_after_run_due(code: int) -> None:
