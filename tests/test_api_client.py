@@ -2,7 +2,7 @@
 
 Spec 1 "API client with httpx" (scenarios "Create session returns terminal ID
 and session name" and "Send input to terminal"), the HTTP API in
-shared/cao-facts.md, and the project's issue: clear ApiErrors for a server
+shared/cao-facts.md, and the error handling the loop promises: clear ApiErrors for a server
 that is down, an HTTP error or an answer of the wrong shape, and main()
 stopping with exit 1 and one line when the server cannot be reached.
 """
@@ -235,7 +235,7 @@ CALL_WORDS = {
 
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_refused_connection_says_server_not_reachable(orch, client, router, call):
-    """Issue: a refused connection is an ApiError saying CAO is not reachable at API, mentioning cao-server."""
+    """a refused connection is an ApiError saying CAO is not reachable at API, mentioning cao-server."""
     do, method, path = CALLS[call]
     router.route(method=method, path=path).mock(side_effect=httpx.ConnectError("[Errno 111] Connection refused"))
     with pytest.raises(orch.ApiError) as caught:
@@ -259,7 +259,7 @@ HTTP_ERRORS = [
 
 @pytest.mark.parametrize("call, status, detail", HTTP_ERRORS, ids=[f"{c}-{s}" for c, s, _ in HTTP_ERRORS])
 def test_http_error_names_call_status_and_detail(orch, client, router, call, status, detail):
-    """Issue: an HTTP error is an ApiError naming the call, the HTTP status and the server's detail."""
+    """an HTTP error is an ApiError naming the call, the HTTP status and the server's detail."""
     do, method, path = CALLS[call]
     router.route(method=method, path=path).mock(return_value=httpx.Response(status, json={"detail": detail}))
     with pytest.raises(orch.ApiError) as caught:
@@ -272,7 +272,7 @@ def test_http_error_names_call_status_and_detail(orch, client, router, call, sta
 
 @pytest.mark.parametrize("call", ["create_session", "create_terminal", "get_status", "get_last_output"])
 def test_answer_that_is_not_json_is_api_error(orch, client, router, call):
-    """Issue: an answer that is not JSON is a clear ApiError naming the call, not a decoding traceback."""
+    """an answer that is not JSON is a clear ApiError naming the call, not a decoding traceback."""
     do, method, path = CALLS[call]
     router.route(method=method, path=path).mock(
         return_value=httpx.Response(200, text="<html>proxy login</html>", headers={"content-type": "text/html"}))
@@ -297,7 +297,7 @@ SHAPE_ERRORS = [
 @pytest.mark.parametrize("call, answer, missing", SHAPE_ERRORS,
                          ids=[f"{c}-{type(a).__name__}-{m}" for c, a, m in SHAPE_ERRORS])
 def test_answer_lacking_id_status_or_output_is_api_error(orch, client, router, call, answer, missing):
-    """Issue: an answer without id / status / output is a clear ApiError naming what is missing."""
+    """an answer without id / status / output is a clear ApiError naming what is missing."""
     do, method, path = CALLS[call]
     router.route(method=method, path=path).mock(return_value=httpx.Response(200, json=answer))
     with pytest.raises(orch.ApiError) as caught:
@@ -310,7 +310,7 @@ def test_answer_lacking_id_status_or_output_is_api_error(orch, client, router, c
 # --------------------------------------------------------------------------
 
 def test_main_with_server_unreachable_exits_1_with_one_line(load_orch, prompt_file, fake_cao, capsys, workdir):
-    """Issue: main() with CAO unreachable exits 1 with one error line naming API and cao-server; no state file."""
+    """main() with CAO unreachable exits 1 with one error line naming API and cao-server; no state file."""
     fake_cao.outage = 10**6
     m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
     capsys.readouterr()
@@ -328,7 +328,7 @@ def test_main_with_server_unreachable_exits_1_with_one_line(load_orch, prompt_fi
 
 
 def test_main_with_nothing_listening_exits_1(load_orch, prompt_file, capsys, workdir):
-    """Issue: main() against an address where the connection is refused exits 1 with one line, no state file."""
+    """main() against an address where the connection is refused exits 1 with one line, no state file."""
     m = load_orch(PROMPT_FILE=str(prompt_file), API="http://cao.test", **FAST)
     with respx.mock(assert_all_called=False) as mock:
         mock.route().mock(side_effect=httpx.ConnectError("[Errno 111] Connection refused"))
