@@ -647,6 +647,11 @@ def provider_for(role: str) -> str:
     return globals()[f"{role.upper()}_PROVIDER"] or PROVIDER
 
 
+def providers_in_use() -> list[str]:
+    """Every provider the five roles run on, each once."""
+    return sorted({provider_for(role) for role in ROLES})
+
+
 def profile_for(role: str) -> str:
     return globals()[f"{role.upper()}_PROFILE"]
 
@@ -2334,7 +2339,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     name = new_session_name()
     answers: dict[str, dict] = {}
     failures: dict[str, str] = {}
-    providers = sorted({provider_for(role) for role in ROLES})
+    providers = providers_in_use()
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
@@ -2391,7 +2396,7 @@ def warn_about_missing_clis() -> None:
     Only a warning: CAO looks the program up on its own PATH, while the
     agents start in login shells, whose PATH can differ.
     """
-    for provider, binary in api.missing_agent_clis(sorted({provider_for(role) for role in ROLES})):
+    for provider, binary in api.missing_agent_clis(providers_in_use()):
         log(f"warning: cao-server at {API} reports that `{binary}`, the CLI of provider {provider}, is not "
             f"installed on its machine; creating its terminals will time out after a minute or two. Install "
             f"it (and log in) where cao-server runs, or set PROVIDER to a CLI you have")

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 if __package__:
-    from .cao_env import install_once, run_install_step
+    from .cao_env import cache_dir, install_once, installed_version, npm_install_global, run_install_step
 else:  # imported as a top-level module, with tests/e2e on sys.path
-    from cao_env import install_once, run_install_step
+    from cao_env import cache_dir, install_once, installed_version, npm_install_global, run_install_step
 
 CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
 CLAUDE_CODE_VERSION = "2.1.197"
@@ -55,30 +55,11 @@ class AgentCliInstallError(RuntimeError):
 
 # -- install -----------------------------------------------------------------
 def default_prefix() -> Path:
-    override = os.environ.get(PREFIX_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_root / "orchestrator-loop-tests" / f"agent-clis-claude-{CLAUDE_CODE_VERSION}-codex-{CODEX_VERSION}"
+    return cache_dir(PREFIX_ENV_VAR, f"agent-clis-claude-{CLAUDE_CODE_VERSION}-codex-{CODEX_VERSION}")
 
 
 def _marker_text() -> str:
     return "\n".join(NPM_SPECS) + "\n"
-
-
-def _version_of(binary: Path) -> str:
-    try:
-        proc = subprocess.run(
-            [str(binary), "--version"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
 def _is_ready(prefix: Path) -> bool:
@@ -121,21 +102,15 @@ def _install(prefix: Path) -> None:
     marker = prefix / _READY_MARKER
     if marker.exists():
         marker.unlink()
-    prefix.mkdir(parents=True, exist_ok=True)
-    _run(
-        ["npm", "install", "--global", "--prefix", str(prefix), "--no-audit", "--no-fund",
-         "--no-update-notifier", *NPM_SPECS],
-        f"npm install {' '.join(NPM_SPECS)}",
-        900,
-    )  # fmt: skip
+    npm_install_global(prefix, NPM_SPECS, 900, AgentCliInstallError)
     bins = prefix / "bin"
     claude_dir = prefix / "lib" / "node_modules" / CLAUDE_CODE_PACKAGE
     # Claude Code's postinstall swaps a placeholder for the native binary;
     # an npm that skips install scripts leaves the placeholder behind.
-    if CLAUDE_CODE_VERSION not in _version_of(bins / "claude") and (claude_dir / "install.cjs").is_file():
+    if CLAUDE_CODE_VERSION not in installed_version(bins / "claude") and (claude_dir / "install.cjs").is_file():
         _run(["node", "install.cjs"], "Claude Code's postinstall (node install.cjs)", 300, cwd=claude_dir)
     for name, version in (("claude", CLAUDE_CODE_VERSION), ("codex", CODEX_VERSION)):
-        got = _version_of(bins / name)
+        got = installed_version(bins / name)
         if version not in got:
             raise AgentCliInstallError(
                 f"{bins / name} --version answered {got!r} after the install, expected {version}"

@@ -26,12 +26,35 @@ class CaoInstallError(RuntimeError):
     """Raised when the pinned CAO release cannot be installed."""
 
 
-def default_venv_dir() -> Path:
-    override = os.environ.get(VENV_ENV_VAR)
+def cache_dir(env_var: str, name: str) -> Path:
+    """Where a pinned test tool is installed: ``$env_var`` if set, else ``name`` in the shared test cache."""
+    override = os.environ.get(env_var)
     if override:
         return Path(override).expanduser()
     cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_root / "orchestrator-loop-tests" / f"cao-{CAO_VERSION}"
+    return cache_root / "orchestrator-loop-tests" / name
+
+
+def default_venv_dir() -> Path:
+    return cache_dir(VENV_ENV_VAR, f"cao-{CAO_VERSION}")
+
+
+def installed_version(binary: Path) -> str:
+    """What ``binary --version`` prints, or "" when it cannot be run or fails."""
+    try:
+        proc = subprocess.run([str(binary), "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def npm_install_global(prefix: Path, specs: list[str] | tuple[str, ...], timeout: float,
+                       error: type[Exception]) -> None:
+    """``npm install --global`` of the pinned ``specs`` into a private ``prefix`` (bin/ and lib/ below it)."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    run_install_step(["npm", "install", "--global", "--prefix", str(prefix), "--no-audit", "--no-fund",
+                      "--no-update-notifier", *specs], f"npm install {' '.join(specs)}", timeout, error)
 
 
 def _bin_dir(venv: Path) -> Path:

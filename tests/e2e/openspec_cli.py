@@ -8,15 +8,13 @@ concurrent callers.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 if __package__:
-    from .cao_env import install_once, run_install_step
+    from .cao_env import cache_dir, install_once, installed_version, npm_install_global
 else:  # imported as a top-level module, with tests/e2e on sys.path
-    from cao_env import install_once, run_install_step
+    from cao_env import cache_dir, install_once, installed_version, npm_install_global
 
 OPENSPEC_PACKAGE = "@fission-ai/openspec"
 OPENSPEC_VERSION = "1.13.2"
@@ -29,20 +27,7 @@ class OpenSpecInstallError(RuntimeError):
 
 
 def default_prefix() -> Path:
-    override = os.environ.get(PREFIX_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_root / "orchestrator-loop-tests" / f"openspec-{OPENSPEC_VERSION}"
-
-
-def _version(binary: Path) -> str:
-    try:
-        proc = subprocess.run([str(binary), "--version"], stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout.strip() if proc.returncode == 0 else ""
+    return cache_dir(PREFIX_ENV_VAR, f"openspec-{OPENSPEC_VERSION}")
 
 
 def _is_ready(prefix: Path) -> bool:
@@ -55,11 +40,8 @@ def _install(prefix: Path) -> None:
     marker = prefix / _READY_MARKER
     if marker.exists():
         marker.unlink()
-    prefix.mkdir(parents=True, exist_ok=True)
-    spec = f"{OPENSPEC_PACKAGE}@{OPENSPEC_VERSION}"
-    run_install_step(["npm", "install", "--global", "--prefix", str(prefix), "--no-audit", "--no-fund",
-                      "--no-update-notifier", spec], f"npm install {spec}", 600, OpenSpecInstallError)
-    got = _version(prefix / "bin" / "openspec")
+    npm_install_global(prefix, [f"{OPENSPEC_PACKAGE}@{OPENSPEC_VERSION}"], 600, OpenSpecInstallError)
+    got = installed_version(prefix / "bin" / "openspec")
     if got != OPENSPEC_VERSION:
         raise OpenSpecInstallError(f"{prefix / 'bin' / 'openspec'} --version answered {got!r} after the "
                                    f"install, expected {OPENSPEC_VERSION}")
