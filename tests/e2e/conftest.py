@@ -153,7 +153,7 @@ def cao_with_token():
         server.kill_all_sessions()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def claude_cao():
     """A private server whose profiles run the pinned Claude Code against a ScriptedModel.
 
@@ -166,7 +166,7 @@ def claude_cao():
         server.kill_all_sessions()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def codex_cao():
     """A private server whose profiles run the pinned Codex CLI against a ScriptedModel.
 

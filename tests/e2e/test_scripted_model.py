@@ -257,3 +257,18 @@ def test_same_prompt_in_a_new_session_takes_the_next_step(model, tmp_path):
         subprocess.run(["bash", "-c", json.loads(raw)["content"][0]["input"]["command"]], check=True)
         assert target.read_text() == expected
     assert model.turns() == {"tester": 2}
+
+
+def test_a_client_hanging_up_prints_nothing_but_other_errors_do(model, capsys):
+    """An agent CLI killed with a keep-alive connection open must not print into another test's stderr."""
+    server = model._server
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        server.handle_error(None, ("127.0.0.1", 43258))
+    assert capsys.readouterr().err == ""
+    try:
+        raise ValueError("a bug in the handler")
+    except ValueError:
+        server.handle_error(None, ("127.0.0.1", 43259))
+    assert "ValueError: a bug in the handler" in capsys.readouterr().err
