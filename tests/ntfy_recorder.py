@@ -21,6 +21,7 @@ class NtfyRecorder:
         self.mode = mode
         self.hang_seconds = hang_seconds
         self.requests: list[dict] = []
+        self.answered = 0          # requests answered so far (a "hang" answers after hang_seconds)
         self._stop = threading.Event()
         recorder = self
 
@@ -42,6 +43,7 @@ class NtfyRecorder:
                     self.send_header("Content-Length", str(len(answer)))
                     self.end_headers()
                     self.wfile.write(answer)
+                    recorder.answered += 1
                 except OSError:
                     pass             # the client gave up waiting (the "hang" mode)
 
