@@ -26,13 +26,14 @@ On PASS the run can archive its OpenSpec change and commit its work, and
 it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 NTFY_TOPIC; all off by default).
 
-Sections, in the order data flows:
-    1. Configuration        7. State file
-    2. CAO API client       8. Init and resume
-    3. Agent handoff        9. Main loop
-    4. Review gate         10. After the run: archive, commit, notify
-    5. Condensation        11. Entry point
-    6. Prompt builders
+Sections, in the order data flows (each uses only what stands above it):
+    1. Configuration                   8. Condensation
+    2. CAO API client                  9. OpenSpec: the run's change and its stories
+    3. Run state: the state file      10. Prompt builders
+    4. Response files                 11. After the run: archive, commit, notify
+    5. The wait for a reply           12. Init and resume
+    6. Asking an agent                13. Main loop
+    7. Review gate                    14. Entry point
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
-from typing import Iterator, Mapping
+from types import SimpleNamespace
+from typing import Callable, Iterable, Iterator, Mapping
 from urllib.parse import quote
 
 import httpx
@@ -68,6 +71,27 @@ import httpx
 # code and one line for the user; the exits derive from SystemExit so that
 # nothing below main() can turn them into a traceback.
 # --------------------------------------------------------------------------
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 75, 130, 143
+EXIT_CODES = (
+    (EXIT_PASS, "the tester reported RESULT: PASS"),
+    (EXIT_FAIL, "no PASS within MAX_ROUNDS, or a runtime error (the state is saved: rerun to resume)"),
+    (EXIT_USAGE, "bad usage or configuration; nothing was started, contacted or written"),
+    (EXIT_LOCKED, "another process is driving the run in this state file; try again later"),
+    (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); state saved"),
+    (EXIT_SIGTERM, "terminated by SIGTERM; state saved"),
+)
+
+
+def exit_code_of(result: str) -> int:
+    """The exit code of a finished run's result (PASS or FAIL)."""
+    return EXIT_PASS if result == "PASS" else EXIT_FAIL
+
+
+def result_of(code: int) -> str:
+    """The result (PASS or FAIL) a finished run's exit code stands for."""
+    return "PASS" if code == EXIT_PASS else "FAIL"
+
 
 class OrchestratorExit(SystemExit):
     """A deliberate stop with an exit code and a one-line message."""
@@ -84,21 +108,21 @@ class ConfigError(OrchestratorExit):
     """Bad usage, configuration, prompt or state file: nothing was started."""
 
     def __init__(self, message: str):
-        super().__init__(2, message)
+        super().__init__(EXIT_USAGE, message)
 
 
 class RunError(OrchestratorExit):
     """The run started but cannot go on; its state stays resumable."""
 
     def __init__(self, message: str):
-        super().__init__(1, message)
+        super().__init__(EXIT_FAIL, message)
 
 
 class RunLocked(OrchestratorExit):
     """Another process drives the run in this state file: nothing was done, try again later."""
 
     def __init__(self, message: str):
-        super().__init__(75, message)       # EX_TEMPFAIL
+        super().__init__(EXIT_LOCKED, message)       # EX_TEMPFAIL
 
 
 class AlreadyFinished(OrchestratorExit):
@@ -163,7 +187,7 @@ class Setting:
     env: str
     key: str          # dotted JSON path, e.g. "limits.max_rounds"
     default: object
-    kind: str         # see _KIND_RULES
+    kind: str         # its rule in KIND_RULES, e.g. "count", "seconds", "url"
     help: str = ""
 
 
@@ -253,7 +277,9 @@ SETTINGS_BY_ENV = {s.env: s for s in SETTINGS}
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
 # Keys a config file may carry that are not settings (free text for people).
 CONFIG_NOTE_KEYS = ("description",)
-# Where a user might try to put a secret in a config file: refused, naming its variable.
+# Secrets: read from the environment only, never from a config file, never
+# logged or saved. A config key that looks like one is refused, naming its variable.
+SECRET_VARIABLES = ("CAO_AUTH_LOCAL_TOKEN", "NTFY_TOKEN")
 SECRET_CONFIG_KEYS = {"notify.ntfy_token": "NTFY_TOKEN", "notify.token": "NTFY_TOKEN"}
 
 _ENV_EXPECTED = {
@@ -275,34 +301,38 @@ _JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", count="a whole number
                       seconds0="a number of at least 0 (not a string)")
 
 
+def _is_whole(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is_seconds(value: object, least_exclusive: bool) -> bool:
+    """A finite number of seconds, at least 0 (greater than 0 if `least_exclusive`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value == float("inf"):
+        return False
+    return value > 0 if least_exclusive else value >= 0
+
+
+# kind -> whether an already typed value is one of that kind
+KIND_RULES: dict[str, Callable[[object], bool]] = {
+    "count": lambda v: _is_whole(v, 1),
+    "count0": lambda v: _is_whole(v, 0),
+    "seconds": lambda v: _is_seconds(v, True),
+    "seconds0": lambda v: _is_seconds(v, False),
+    "bool": lambda v: isinstance(v, bool),
+    "text": lambda v: isinstance(v, str),
+    "url": lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v)),
+    "provider": lambda v: v in KNOWN_PROVIDERS,
+    "role_provider": lambda v: isinstance(v, str) and (not v or v in KNOWN_PROVIDERS),
+    "role": lambda v: v in ROLES,
+    "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
+}
+
+
 def _check_value(setting: Setting, value: object) -> object:
-    """Apply the kind's rule to an already typed value; ValueError if it breaks it."""
-    kind = setting.kind
-    if kind in ("count", "count0"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if kind == "count" else 0):
-            raise ValueError
-    elif kind in ("seconds", "seconds0"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                or value == float("inf") or value < 0 or (kind == "seconds" and value == 0):
-            raise ValueError
-        value = float(value)
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise ValueError
-    else:
-        if not isinstance(value, str):
-            raise ValueError
-        if kind == "url" and not re.match(r"^https?://[^\s/]+", value):
-            raise ValueError
-        if kind == "provider" and value not in KNOWN_PROVIDERS:
-            raise ValueError
-        if kind == "role_provider" and value and value not in KNOWN_PROVIDERS:
-            raise ValueError
-        if kind == "role" and value not in ROLES:
-            raise ValueError
-        if kind == "name" and not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
-            raise ValueError
-    return value
+    """Apply the kind's rule to an already typed value; ValueError if it breaks it. Seconds become floats."""
+    if not KIND_RULES[setting.kind](value):
+        raise ValueError
+    return float(value) if setting.kind in ("seconds", "seconds0") else value
 
 
 def _parse_env_value(setting: Setting, raw: str) -> object:
@@ -351,6 +381,44 @@ def _known_children(prefix: str) -> list[str]:
     return sorted(names)
 
 
+def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]) -> None:
+    """Check one object of a config file (`prefix` its dotted key), putting its settings into `values`."""
+    for name, value in node.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if key in CONFIG_NOTE_KEYS:
+            if not isinstance(value, str):
+                raise ConfigError(f"config file {path}: key '{key}' must be text")
+            continue
+        if key in SETTINGS_BY_KEY:
+            setting = SETTINGS_BY_KEY[key]
+            if value is None or (value == "" and setting.kind in ("text", "role_provider")):
+                continue                # like an empty env variable: not set
+            try:
+                values[setting.env] = _check_value(setting, value)
+            except ValueError:
+                raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}; expected "
+                                  f"{_JSON_EXPECTED[setting.kind]}") from None
+            continue
+        if key in SECRET_CONFIG_KEYS or name.upper() in SECRET_VARIABLES:
+            variable = SECRET_CONFIG_KEYS.get(key, name.upper())
+            raise ConfigError(f"config file {path}: key '{key}' is refused: the token is a secret, read only "
+                              f"from the environment variable {variable} (so it never sits in a file)")
+        allowed = _known_children(prefix)
+        if name not in allowed:
+            where = f"in '{prefix}'" if prefix else "at the top level"
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            if name.upper() in SETTINGS_BY_ENV:
+                hint = (f"'{name}' is the environment variable; in a config file it is "
+                        f"'{SETTINGS_BY_ENV[name.upper()].key}'. ")
+            raise ConfigError(f"config file {path}: unknown key '{key}' ({hint}known keys {where}: "
+                              f"{', '.join(allowed)})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {path}: key '{key}' must be an object with keys "
+                              f"{', '.join(_known_children(key))}")
+        _config_values(path, value, key, values)
+
+
 def read_config_file(path: str) -> dict[str, object]:
     """Settings from a JSON config file, keyed by env name; ConfigError on any flaw."""
     try:
@@ -370,46 +438,8 @@ def read_config_file(path: str) -> dict[str, object]:
                           f"column {exc.colno}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a JSON object {{...}} at the top level")
-
     values: dict[str, object] = {}
-
-    def walk(node: dict, prefix: str) -> None:
-        for name, value in node.items():
-            key = f"{prefix}.{name}" if prefix else name
-            if key in CONFIG_NOTE_KEYS:
-                if not isinstance(value, str):
-                    raise ConfigError(f"config file {path}: key '{key}' must be text")
-                continue
-            if key in SETTINGS_BY_KEY:
-                setting = SETTINGS_BY_KEY[key]
-                if value is None or (value == "" and setting.kind in ("text", "role_provider")):
-                    continue                # like an empty env variable: not set
-                try:
-                    values[setting.env] = _check_value(setting, value)
-                except ValueError:
-                    raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}; expected "
-                                      f"{_JSON_EXPECTED[setting.kind]}") from None
-                continue
-            if key in SECRET_CONFIG_KEYS or name.upper() in SECRET_VARIABLES:
-                variable = SECRET_CONFIG_KEYS.get(key, name.upper())
-                raise ConfigError(f"config file {path}: key '{key}' is refused: the token is a secret, read only "
-                                  f"from the environment variable {variable} (so it never sits in a file)")
-            allowed = _known_children(prefix)
-            if name not in allowed:
-                where = f"in '{prefix}'" if prefix else "at the top level"
-                close = difflib.get_close_matches(name, allowed, n=1)
-                hint = f"did you mean '{close[0]}'? " if close else ""
-                if name.upper() in SETTINGS_BY_ENV:
-                    hint = (f"'{name}' is the environment variable; in a config file it is "
-                            f"'{SETTINGS_BY_ENV[name.upper()].key}'. ")
-                raise ConfigError(f"config file {path}: unknown key '{key}' ({hint}known keys {where}: "
-                                  f"{', '.join(allowed)})")
-            if not isinstance(value, dict):
-                raise ConfigError(f"config file {path}: key '{key}' must be an object with keys "
-                                  f"{', '.join(_known_children(key))}")
-            walk(value, key)
-
-    walk(data, "")
+    _config_values(path, data, "", values)
     return values
 
 
@@ -420,7 +450,7 @@ def default_state_file(wd: str) -> str:
 
 # The environment is read when the module starts, as in the shell script. A
 # bad value falls back to its default here; main() reports it.
-_env_values, _env_errors = read_env_settings(os.environ)
+_env_values, _ = read_env_settings(os.environ)
 
 
 def _initial(env_name: str) -> object:
@@ -492,7 +522,6 @@ CAO_AUTH_LOCAL_TOKEN: str = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
 # The ntfy access token: a secret too, so environment only, never logged,
 # never saved, and refused as a config file key.
 NTFY_TOKEN: str = os.environ.get("NTFY_TOKEN", "")
-SECRET_VARIABLES = ("CAO_AUTH_LOCAL_TOKEN", "NTFY_TOKEN")
 
 # Names of the settings the user chose (environment or config file); on
 # resume these win over what the state file recorded.
@@ -516,25 +545,6 @@ def misspelt_settings(environ: Mapping[str, str]) -> list[str]:
         if close:
             warnings.append(f"warning: {name} is not a setting (ignored); did you mean {close[0]}?")
     return warnings
-
-
-def configure(argv: list[str]) -> None:
-    """Settle every setting (env > JSON > default) and validate it, before anything runs."""
-    global explicit_settings, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
-    CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
-    NTFY_TOKEN = os.environ.get("NTFY_TOKEN", "")
-    for warning in misspelt_settings(os.environ):
-        print(warning, file=sys.stderr, flush=True)
-    env_values, env_errors = read_env_settings(os.environ)
-    if env_errors:
-        raise ConfigError(env_errors[0])
-    file_values = read_config_file(argv[0]) if argv else {}
-    chosen = {**file_values, **env_values}
-    if "WD" in chosen and "STATE_FILE" not in chosen:
-        chosen["STATE_FILE"] = default_state_file(os.path.abspath(chosen["WD"]))
-    globals().update(chosen)
-    explicit_settings = set(chosen)
-    validate_settings()
 
 
 def is_copy_of_this_program(directory: Path) -> bool:
@@ -573,6 +583,25 @@ def validate_settings() -> None:
         raise ConfigError(f"OPENSPEC_COMMAND={OPENSPEC_COMMAND!r} is not a command line ({exc})") from None
     if not openspec_words:
         raise ConfigError("OPENSPEC_COMMAND is blank: leave it unset for 'openspec' or name the OpenSpec CLI")
+
+
+def configure(argv: list[str]) -> None:
+    """Settle every setting (env > JSON > default) and validate it, before anything runs."""
+    global explicit_settings, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
+    CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
+    NTFY_TOKEN = os.environ.get("NTFY_TOKEN", "")
+    for warning in misspelt_settings(os.environ):
+        print(warning, file=sys.stderr, flush=True)
+    env_values, env_errors = read_env_settings(os.environ)
+    if env_errors:
+        raise ConfigError(env_errors[0])
+    file_values = read_config_file(argv[0]) if argv else {}
+    chosen = {**file_values, **env_values}
+    if "WD" in chosen and "STATE_FILE" not in chosen:
+        chosen["STATE_FILE"] = default_state_file(os.path.abspath(chosen["WD"]))
+    globals().update(chosen)
+    explicit_settings = set(chosen)
+    validate_settings()
 
 
 # Lines of prompt_template.md that stand for the user's own text: a task that
@@ -673,6 +702,28 @@ class ApiError(RuntimeError):
         self.status_code = status_code
         self.retryable = retryable
         self.unsent = unsent
+
+
+def _what_answered(response: httpx.Response) -> str:
+    """A few words on a non-JSON answer: an HTML page's title, else the start of the text, on one line."""
+    text = response.text or ""
+    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+    if title or "html" in response.headers.get("content-type", ""):
+        name = " ".join(title.group(1).split())[:80] if title else ""
+        return f"an HTML page{f' titled {name!r}' if name else ''}"
+    snippet = " ".join(text.split())[:80]
+    return f"the text {snippet!r}" if snippet else "an empty body"
+
+
+def _error_detail(response: httpx.Response) -> str:
+    """CAO's {"detail": ...} if it sent one, else the start of the body."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    if detail is None:
+        return _what_answered(response) if response.text.strip() else response.reason_phrase
+    return detail if isinstance(detail, str) else json.dumps(detail)[:300]
 
 
 class ApiClient:
@@ -825,28 +876,6 @@ class ApiClient:
         self._http.close()
 
 
-def _what_answered(response: httpx.Response) -> str:
-    """A few words on a non-JSON answer: an HTML page's title, else the start of the text, on one line."""
-    text = response.text or ""
-    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
-    if title or "html" in response.headers.get("content-type", ""):
-        name = " ".join(title.group(1).split())[:80] if title else ""
-        return f"an HTML page{f' titled {name!r}' if name else ''}"
-    snippet = " ".join(text.split())[:80]
-    return f"the text {snippet!r}" if snippet else "an empty body"
-
-
-def _error_detail(response: httpx.Response) -> str:
-    """CAO's {"detail": ...} if it sent one, else the start of the body."""
-    try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        detail = None
-    if detail is None:
-        return _what_answered(response) if response.text.strip() else response.reason_phrase
-    return detail if isinstance(detail, str) else json.dumps(detail)[:300]
-
-
 api = ApiClient(API, CAO_AUTH_LOCAL_TOKEN)
 
 
@@ -859,14 +888,445 @@ def connect_api() -> None:
 
 
 # ==========================================================================
-# 3. Agent handoff
+# 3. Run state: the state file and its lock
 # ==========================================================================
+# Everything a run must remember across an interruption is declared once, in
+# STATE_FIELDS below: save_state(), read_state_file(), load_state(), the reset
+# of a new run, --status and the description of a replaced run all derive from
+# it. Each field lives in a module global (the specs fix several names);
+# update_run() is where the loop changes them.
 
 PHASE_ANALYST = "analyst"
 PHASE_PROGRAMMER = "programmer"
 PHASE_TESTER = "tester"
 PHASE_DONE = "done"
 PHASES = (PHASE_ANALYST, PHASE_PROGRAMMER, PHASE_TESTER, PHASE_DONE)
+PHASE_STEPS = ("author", "review")    # whose turn is next in a reviewed phase
+STATE_VERSION = 1
+
+
+class StateFileError(Exception):
+    """The state file exists but cannot be used."""
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _whole(value: object) -> int | None:
+    """An int from a state value written by either script (the shell script writes some as text)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    return None
+
+
+def _positive_int(value: object) -> int:
+    number = _whole(value)
+    return number if number is not None and number >= 1 else 1
+
+
+def _number(value: object) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _strings(value: object) -> list[str]:
+    return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
+
+
+# -- the nested records: validated once, when a state file is read -------------
+
+@dataclass
+class InFlight:
+    """The prompt sent and not yet answered: which turn it is, when it went, the once-only blocks it carried."""
+
+    role: str
+    round: int
+    phase: str
+    cycle: int
+    story: str | None = None          # story mode: the story and attempt of a programmer turn
+    attempt: int | None = None
+    sent_at: float | None = None      # time.time() of the (last) send
+    sent_in_full: tuple[str, ...] = ()
+
+    def belongs_to(self, position: dict) -> bool:
+        """Whether this is the prompt of the turn at `position` (see turn_position())."""
+        return all(getattr(self, key, None) == value for key, value in position.items())
+
+    def to_json(self) -> dict:
+        data: dict = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle}
+        if self.story is not None:
+            data.update(story=self.story, attempt=self.attempt)
+        return {**data, "sent_at": self.sent_at, "sent_in_full": list(self.sent_in_full)}
+
+    @classmethod
+    def from_json(cls, raw: object) -> InFlight | None:
+        if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
+            return None
+        story = raw.get("story")
+        return cls(raw["role"], _whole(raw.get("round")) or 0, _text(raw.get("phase")), _whole(raw.get("cycle")) or 0,
+                   story if isinstance(story, str) else None, _whole(raw.get("attempt")),
+                   _number(raw.get("sent_at")), tuple(_strings(raw.get("sent_in_full"))))
+
+
+@dataclass
+class StoryResult:
+    """How one story of story mode ended."""
+
+    id: str
+    title: str
+    status: str                       # COMPLETE or FAILED
+    attempts: int
+    reason: str = ""
+    summary: str = ""
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_json(cls, raw: object) -> StoryResult | None:
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+            return None
+        return cls(raw["id"], _text(raw.get("title")), _text(raw.get("status")) or "FAILED",
+                   _positive_int(raw.get("attempts")), _text(raw.get("reason")), _text(raw.get("summary")))
+
+
+@dataclass
+class StoryProgress:
+    """Story mode: the change, the stories still to do, the one under way and how the others went."""
+
+    change: str
+    queue: list[str]
+    current: str                      # '' once every story in the queue is done
+    attempt: int = 1
+    last_failure: str = ""            # the reason the last attempt gave, for the retry prompt
+    results: list[StoryResult] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {**vars(self), "queue": list(self.queue), "results": [r.to_json() for r in self.results]}
+
+    @classmethod
+    def from_json(cls, raw: object) -> StoryProgress | None:
+        if not isinstance(raw, dict):
+            return None
+        results = [StoryResult.from_json(item) for item in raw.get("results") or []] \
+            if isinstance(raw.get("results"), list) else []
+        return cls(_text(raw.get("change")), _strings(raw.get("queue")), _text(raw.get("current")),
+                   _positive_int(raw.get("attempt")), _text(raw.get("last_failure")),
+                   [result for result in results if result is not None])
+
+
+@dataclass
+class TurnRecord:
+    """One answered turn, for the run summary."""
+
+    role: str
+    round: int
+    seconds: float | None             # from the (last) send to the reply; None if the send time is unknown
+    prompt_bytes: int
+    outcome: str | None = None        # the review verdict or test result it led to
+
+    def to_json(self) -> dict:
+        data = {"role": self.role, "round": self.round, "seconds": self.seconds, "prompt_bytes": self.prompt_bytes}
+        return data if self.outcome is None else {**data, "outcome": self.outcome}
+
+    @classmethod
+    def from_json(cls, raw: object) -> TurnRecord | None:
+        if not isinstance(raw, dict):
+            return None
+        return cls(_text(raw.get("role")), _whole(raw.get("round")) or 0, _number(raw.get("seconds")),
+                   _whole(raw.get("prompt_bytes")) or 0, raw.get("outcome") if isinstance(raw.get("outcome"), str)
+                   else None)
+
+
+@dataclass
+class AfterRun:
+    """What a finished run still had to do (`due`), and what it did: each step at most once per run."""
+
+    due: list[str] | None = None      # set when the run ends
+    archive: dict | None = None       # archive_change()'s outcome
+    commit: dict | None = None        # commit_run()'s outcome
+    notified: str | None = None       # the event (PASS or FAIL) the user was told of
+
+    def to_json(self) -> dict | None:
+        return {key: value for key, value in vars(self).items() if value is not None} or None
+
+    @classmethod
+    def from_json(cls, raw: object) -> AfterRun:
+        if not isinstance(raw, dict):
+            return cls()
+
+        def outcome(key: str) -> dict | None:
+            return raw[key] if isinstance(raw.get(key), dict) else None
+        notified = raw.get("notified")
+        due = _strings(raw["due"]) if isinstance(raw.get("due"), list) else None
+        return cls(due, outcome("archive"), outcome("commit"), notified if isinstance(notified, str) else None)
+
+
+def _terminals(raw: object) -> dict[str, str]:
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict) or not all(isinstance(value, str) for value in raw.values()):
+        raise ValueError("'terminals' must map roles to terminal id strings")
+    return {role: raw.get(role, "") for role in ROLES}
+
+
+def _outputs(raw: object) -> dict[str, str]:
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ValueError("'outputs' must be an object")
+    return {key: _text(raw.get(key)) for key in OUTPUT_KEYS}
+
+
+def _fingerprints(raw: object) -> dict | None:
+    """The start-of-run worktree record if it is well formed (path -> fingerprint text), else None."""
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        return None
+    return raw
+
+
+# -- the table -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StateField:
+    """One key of the state file and the module global that holds it.
+
+    `parse` turns the saved JSON value (None when the key is missing) into
+    the global's value, falling back to a default; a ValueError there makes
+    the whole file unusable. `kind` says what happens at a new run and at a
+    resume: "run" fields start from `new()`, "setting" fields are what the
+    run's terminals were created with (restored unless the user chose the
+    setting now), the "task" is restored as the run's task.
+    """
+
+    key: str
+    name: str
+    parse: Callable[[object], object]
+    new: Callable[[], object] = lambda: None
+    dump: Callable[[object], object] = lambda value: value
+    shell: bool = False               # a field of the shell orchestrator's state file (spec 1 and 2)
+    kind: str = "run"
+
+
+STATE_FIELDS: tuple[StateField, ...] = (
+    StateField("api", "API", _text, shell=True, kind="setting"),
+    StateField("provider", "PROVIDER", _text, shell=True, kind="setting"),
+    StateField("wd", "WD", _text, shell=True, kind="setting"),
+    StateField("prompt", "PROMPT", _text, shell=True, kind="task"),
+    StateField("current_round", "current_round", _positive_int, lambda: 1, shell=True),
+    StateField("current_phase", "current_phase", lambda v: v if v in PHASES else PHASE_ANALYST,
+               lambda: PHASE_ANALYST, shell=True),
+    StateField("final_status", "final_status", lambda v: _text(v) or "RUNNING", lambda: "RUNNING", shell=True),
+    StateField("session_name", "session_name", _text, lambda: "", shell=True),
+    StateField("terminals", "terminal_ids", _terminals, lambda: {role: "" for role in ROLES},
+               lambda ids: {role: ids.get(role, "") for role in ROLES}, shell=True),
+    StateField("feedback", "feedback", _text, lambda: "", shell=True),
+    StateField("analyst_feedback", "analyst_feedback", _text, lambda: "", shell=True),
+    StateField("programmer_feedback", "programmer_feedback", _text, lambda: "", shell=True),
+    StateField("outputs", "outputs", _outputs, lambda: {key: "" for key in OUTPUT_KEYS},
+               lambda texts: {key: texts.get(key, "") for key in OUTPUT_KEYS}, shell=True),
+    StateField("programmer_context_for_retry", "programmer_context_for_retry", _text, lambda: "", shell=True),
+    # Ours; the shell script ignores them.
+    StateField("phase_cycle", "phase_cycle", _positive_int, lambda: 1),
+    StateField("phase_step", "phase_step", lambda v: v if v in PHASE_STEPS else "author", lambda: "author"),
+    StateField("run_dir", "run_dir", _text, lambda: ""),
+    StateField("context_sent", "context_sent", lambda v: set(_strings(v)), set, sorted),
+    StateField("terminals_exited", "terminals_exited", lambda v: v is True, lambda: False),
+    StateField("in_flight", "in_flight", InFlight.from_json, dump=lambda r: r and r.to_json()),
+    StateField("story_progress", "story_progress", StoryProgress.from_json, dump=lambda r: r and r.to_json()),
+    StateField("turn_records", "turn_records",
+               lambda v: [r for r in map(TurnRecord.from_json, v) if r] if isinstance(v, list) else [], list,
+               lambda records: [r.to_json() for r in records]),
+    StateField("worktree_at_start", "worktree_at_start", _fingerprints),
+    StateField("after_run", "after_run", AfterRun.from_json, AfterRun, lambda record: record.to_json()),
+)
+RUN_FIELDS = tuple(f.name for f in STATE_FIELDS if f.kind == "run")
+STATE_FIELDS_BY_NAME = {f.name: f for f in STATE_FIELDS}
+
+
+def _new_value(name: str) -> object:
+    return STATE_FIELDS_BY_NAME[name].new()
+
+
+# The run's state: one global per "run" row of STATE_FIELDS, as the settings
+# above have one per row of SETTINGS. A new run starts from these values.
+session_name: str = _new_value("session_name")            # the run's CAO session
+terminal_ids: dict[str, str] = _new_value("terminal_ids")  # role -> its CAO terminal
+current_round: int = _new_value("current_round")
+current_phase: str = _new_value("current_phase")
+phase_cycle: int = _new_value("phase_cycle")              # review cycle within the current phase
+phase_step: str = _new_value("phase_step")                # "author" or "review": whose turn in the cycle is next
+final_status: str = _new_value("final_status")            # RUNNING, PASS or FAIL
+feedback: str = _new_value("feedback")                    # condensed tester evidence for the next round
+analyst_feedback: str = _new_value("analyst_feedback")    # condensed peer analyst notes for the next analyst cycle
+programmer_feedback: str = _new_value("programmer_feedback")  # condensed peer programmer notes, likewise
+programmer_context_for_retry: str = _new_value("programmer_context_for_retry")  # the failed round's changes
+outputs: dict[str, str] = _new_value("outputs")          # the latest answer of each agent (OUTPUT_KEYS)
+run_dir: str = _new_value("run_dir")                      # where consumed replies are archived
+context_sent: set[str] = _new_value("context_sent")      # "<block>:<terminal id>" of once-only text a terminal has
+terminals_exited: bool = _new_value("terminals_exited")  # CLEANUP_ON_EXIT ended the agents: never type into them
+in_flight: InFlight | None = _new_value("in_flight")
+story_progress: StoryProgress | None = _new_value("story_progress")
+turn_records: list[TurnRecord] = _new_value("turn_records")
+worktree_at_start: dict | None = _new_value("worktree_at_start")  # COMMIT_ON_PASS: changed paths at the start
+after_run: AfterRun = _new_value("after_run")
+
+
+def update_run(**changes: object) -> None:
+    """Change run-state globals: with load_state() the only place they are assigned."""
+    unknown = set(changes) - set(RUN_FIELDS)
+    if unknown:
+        raise AttributeError(f"not a run-state field: {', '.join(sorted(unknown))}")
+    globals().update(changes)
+
+
+def reset_run_state() -> None:
+    """Every run field at its value for a run that has done nothing yet."""
+    update_run(**{name: _new_value(name) for name in RUN_FIELDS})
+
+
+def save_state() -> None:
+    """Write the run's state atomically: a crash leaves the old file or the new one, never half."""
+    data = {"version": STATE_VERSION, "updated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    data.update({f.key: f.dump(globals()[f.name]) for f in STATE_FIELDS})
+    path = Path(STATE_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, ensure_ascii=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+class SavedState(SimpleNamespace):
+    """A state file as read back: one attribute per STATE_FIELDS name, plus `updated_at`."""
+
+    @property
+    def finished(self) -> bool:
+        return self.final_status in ("PASS", "FAIL")
+
+
+def read_state_file() -> SavedState | None:
+    """The state file, parsed and checked; None if there is none; StateFileError if unusable."""
+    path = Path(STATE_FILE)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StateFileError(f"state file {path} cannot be parsed ({exc})") from None
+    if not isinstance(data, dict):
+        raise StateFileError(f"state file {path} does not hold a JSON object")
+    if data.get("version", STATE_VERSION) != STATE_VERSION:
+        raise StateFileError(f"state file {path} has version {data.get('version')!r}; only version 1 is known")
+    try:
+        values = {f.name: f.parse(data.get(f.key)) for f in STATE_FIELDS}
+    except ValueError as exc:
+        raise StateFileError(f"state file {path}: {exc}") from None
+    updated_at = data.get("updated_at")
+    return SavedState(**values, updated_at=updated_at if isinstance(updated_at, str) else None)
+
+
+def load_state() -> bool:
+    """Restore the run from STATE_FILE; False if there is no state file.
+
+    The settings the terminals were created with come back too, unless the
+    user chose them now. What the prompt in flight carried in full counts as
+    sent only once it is known to have arrived (ask_agent records it then).
+    """
+    saved = read_state_file()
+    if saved is None:
+        return False
+    globals().update({f.name: getattr(saved, f.name) for f in STATE_FIELDS
+                      if f.kind == "setting" and getattr(saved, f.name) and f.name not in explicit_settings})
+    set_task(saved.PROMPT)
+    update_run(**{name: getattr(saved, name) for name in RUN_FIELDS})
+    if in_flight is not None:
+        context_sent.difference_update(in_flight.sent_in_full)
+    return True
+
+
+def record_sent(marks: Iterable[str]) -> None:
+    """Once-only blocks that reached a terminal (or may have): from now on it gets their back-references."""
+    context_sent.update(marks)
+
+
+def state_backup_path() -> Path:
+    """Where an old state file is kept when a new run replaces it."""
+    path = Path(STATE_FILE)
+    return path.with_name(f"{path.name}.{datetime.now().strftime('%Y%m%d-%H%M%S')}.bak")
+
+
+def describe_state(saved: SavedState) -> str:
+    """'finished with PASS in round 2, last saved 2026-11-22T10:00:00Z': what a state file holds."""
+    round_text = f"round {saved.current_round}"
+    what = (f"finished with {saved.final_status} in {round_text}" if saved.finished
+            else f"an unfinished run ({round_text}, {saved.current_phase} phase)")
+    return f"{what}, last saved {saved.updated_at or 'at an unknown time'}"
+
+
+# One process per run: an exclusive lock on a file beside the state file, held
+# until the process ends. The operating system drops it when the process dies,
+# so a killed run never blocks the next one.
+run_lock = None
+
+
+def acquire_run_lock() -> None:
+    """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
+    global run_lock
+    path = Path(STATE_FILE + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that has not yet said its pid"
+        handle.close()
+        raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
+                        f"Try again when it has finished (see its log), or stop that process first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    run_lock = handle
+
+
+def lock_holder() -> str:
+    """Who holds the run's lock ('' if nobody): looked at without taking it or writing anything."""
+    try:
+        handle = open(STATE_FILE + ".lock", encoding="utf-8")
+    except OSError:
+        return ""
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return handle.read().strip() or "a process"
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return ""
+
+
+def release_run_lock() -> None:
+    global run_lock
+    if run_lock is not None:
+        run_lock.close()
+        run_lock = None
+
+
+# ==========================================================================
+# 4. Response files
+# ==========================================================================
+# Each agent writes its answer to a file of its own; the file is the agent's
+# word, so it leads every decision about a turn (section 5).
 
 RESPONSE_FILES = {
     "analyst": "analyst_summary.md",
@@ -875,11 +1335,6 @@ RESPONSE_FILES = {
     "peer_programmer": "programmer_review.md",
     "tester": "test_result.md",
 }
-READY_STATUSES = ("idle", "completed")
-BUSY_STATUSES = ("processing", "waiting_user_answer")
-# Any other word ("unknown" after a cao-server restart, or one of a newer CAO)
-# means the server cannot tell; the response file and the screen decide.
-KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # How often the response file is looked at between two status polls:
 # reading a local file costs nothing, so a reply is noticed quickly.
 FILE_CHECK_SECONDS = 0.05
@@ -889,46 +1344,10 @@ FILE_CHECK_SECONDS = 0.05
 # seen idle or its screen still, so a short settle is enough.
 FILE_SETTLE_SECONDS = 0.1
 
-# Run state (saved in the state file; see section 7).
-session_name: str = ""
-terminal_ids: dict[str, str] = {role: "" for role in ROLES}
-current_round: int = 1
-current_phase: str = PHASE_ANALYST
-phase_cycle: int = 1              # review cycle within the current phase
-phase_step: str = "author"        # "author": the author's turn is next; "review": the reviewer's
-final_status: str = "RUNNING"
-feedback: str = ""                # condensed tester evidence for the next round
-analyst_feedback: str = ""        # condensed peer analyst notes for the next analyst cycle
-programmer_feedback: str = ""     # condensed peer programmer notes for the next programmer cycle
-programmer_context_for_retry: str = ""
-outputs: dict[str, str] = {key: "" for key in OUTPUT_KEYS}
-run_dir: str = ""                 # where consumed replies are archived
-terminals_exited: bool = False    # CLEANUP_ON_EXIT ended the agents: never send them input again
-in_flight: dict = {}              # the prompt sent and not yet answered: role, position, sent_at, sent_in_full
-story_progress: dict = {}         # story mode: change, queue, current story, attempt, last failure, results
-context_sent: set[str] = set()    # "<block>:<terminal id>" of once-per-terminal text already sent in full
-context_new: list[str] = []       # marks added while building the next prompt: what it carries in full
-turn_records: list[dict] = []     # one per answered turn: role, round, seconds, prompt bytes, outcome
-worktree_at_start: dict | None = None  # COMMIT_ON_PASS: each path git showed as changed at the start -> fingerprint
-after_run: dict = {}              # what was done once the run finished (archive, commit, notified): never twice
-
-
-def log_turn(role: str, message: str) -> None:
-    """A log line that says where in the loop it happened."""
-    where = f"round {current_round}/{MAX_ROUNDS} | {current_phase} phase"
-    if current_phase in (PHASE_ANALYST, PHASE_PROGRAMMER):
-        where += f" | cycle {phase_cycle}/{MAX_REVIEW_CYCLES}"
-    log(f"{where} | {role}: {message}")
-
 
 def new_run_dir() -> str:
     """Where a run keeps its consumed replies: $WD/.tmp/<run start time>."""
     return str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
-
-
-def set_run_dir(path: str) -> None:
-    global run_dir
-    run_dir = path
 
 
 def response_dir() -> Path:
@@ -967,6 +1386,14 @@ def set_aside_stale_reply(path: Path) -> None:
         os.replace(path, stale)
 
 
+def read_reply_file(path: Path) -> str:
+    """The response file's text, or '' while it is missing or blank."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").strip()
+    except (FileNotFoundError, IsADirectoryError):
+        return ""
+
+
 def archive_reply(role: str, text: str, response_file: Path) -> Path:
     """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, taking the response file along."""
     directory = Path(run_dir)
@@ -977,14 +1404,6 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
     else:                               # the reply came from the terminal, not the file
         target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
     return target
-
-
-def read_reply_file(path: Path) -> str:
-    """The response file's text, or '' while it is missing or blank."""
-    try:
-        return path.read_text(encoding="utf-8", errors="replace").strip()
-    except (FileNotFoundError, IsADirectoryError):
-        return ""
 
 
 def reply_file_version(path: Path) -> tuple[int, int] | None:
@@ -1003,16 +1422,249 @@ def reply_file_version(path: Path) -> tuple[int, int] | None:
     return (info.st_mtime_ns, info.st_size)
 
 
+# ==========================================================================
+# 5. The wait for a reply
+# ==========================================================================
+# CAO's status is a hint: it can lag, stick at `processing` when it misreads a
+# CLI's screen, or read `unknown` after a server restart. The response file is
+# the agent's own word, so it leads. The wait is a small state machine:
+#
+#   TurnFacts      what has been observed of the turn (pure questions on it)
+#   turn_state()   the named state those facts put the turn in
+#   WAIT_RULES     the decision table: (states, condition) -> verdict
+#   decide()       the first rule that applies; pure, so each rule is tested
+#                  alone on a fake clock
+#   ReadSchedule   what to ask the server, and when
+#   wait_for_reply() does the I/O: it feeds observations in and acts on verdicts.
+
+READY_STATUSES = ("idle", "completed")
+BUSY_STATUSES = ("processing", "waiting_user_answer")
+# Any other word ("unknown" after a cao-server restart, or one of a newer CAO)
+# means the server cannot tell; the response file and the screen decide.
+KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # Terminal text that means the agent's model provider failed, not the agent.
 PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"")
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
-# CAO takes a message in the URL's query string and refuses one of about 64 KB
-# (encoded). Larger prompts are written to a file the agent is told to read.
-MAX_INLINE_PROMPT_BYTES = 32_000
-# Terminals known ready for their first prompt: seen ready twice in a row, or
-# created by this process (CAO answers a creation once the agent CLI is ready).
-settled_terminals: set[str] = set()
+
+
+class TurnState(Enum):
+    """Where a turn stands, from what has been observed."""
+
+    AWAITING_SIGN_OF_LIFE = "awaiting a sign of life"   # no file; not idle, not yet seen working
+    SILENT = "idle, never seen working"                 # no file: the prompt may not have arrived
+    WORKING = "working"                                 # no file; busy, or seen working and not idle
+    IDLE_WITHOUT_FILE = "idle without a file"           # no file; seen working, now idle
+    FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
+    FILE_SETTLED = "file settled, awaiting confirmation"  # no ready status nor still screen since it appeared
+    DONE = "done"                                       # settled file, and the agent seen ready or still since
+    FAILED = "failed"                                   # CAO reports the terminal's status as `error`
+
+
+class Verdict(Enum):
+    """What the wait does next."""
+
+    WAIT = "wait"
+    TAKE_REPLY = "take the reply"
+    RESEND = "send the prompt again"
+    REMIND = "remind, or give up when the reminders are used"
+    ERROR = "stop: the agent reports an error"
+    TIMEOUT = "stop: RESPONSE_TIMEOUT"
+
+
+@dataclass
+class TurnFacts:
+    """What has been observed of one turn. Its note_* methods take observations in; the rest only asks.
+
+      file     the response file's (mtime, size), looked at every FILE_CHECK_SECONDS
+      status   CAO's status word, read at most once per POLL_SECONDS (plus once
+               when a file has settled, so a finished turn ends at once)
+      screen   the terminal's recent output, read with the status while the
+               status alone cannot end the turn
+      reply    CAO's last reply, read before the prompt and once more before
+               sending it again: a change means the agent worked
+
+    "Idle" is a ready status, or -- when the status is one the loop does not
+    know -- a screen that has not changed for QUIET_SCREEN_SECONDS.
+    """
+
+    started: float                    # when the prompt went out (or the wait began, for a carried-over turn)
+    guard_since: float                # the last prompt or reminder: not seen working on it yet at this time
+    prompt_known: bool                # the prompt can be sent again (not a turn carried over from an earlier process)
+    baseline_reply: str | None = None
+    seen_working: bool = False
+    status: str | None = None
+    status_at: float = float("-inf")
+    ready_since: float | None = None  # the first of the latest unbroken run of ready status reads
+    file_version: tuple[int, int] | None = None
+    file_seen_at: float = float("-inf")  # when file_version last changed (appeared, was rewritten, vanished)
+    ready_since_file: bool = False
+    screen: str | None = None
+    screen_changed_at: float = float("-inf")
+    resend_used: bool = False         # the one resend (or a carried-over turn's first reminder) is spent
+    reminders: int = 0
+
+    # -- observations ----------------------------------------------------------
+    def note_file(self, version: tuple[int, int] | None, now: float) -> None:
+        if version != self.file_version:
+            self.file_version, self.file_seen_at, self.ready_since_file = version, now, False
+            if version is not None:
+                self.seen_working = True
+
+    def note_status(self, status: str, now: float) -> None:
+        ready = status in READY_STATUSES
+        self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
+        self.status, self.status_at = status, now
+        if ready and self.file_version is not None:
+            self.ready_since_file = True
+        if status in BUSY_STATUSES:
+            self.seen_working = True
+
+    def note_screen(self, screen: str | None, now: float) -> None:
+        if screen is None or screen == self.screen:
+            return
+        if self.screen is not None and self.status not in KNOWN_STATUSES:
+            self.seen_working = True     # nothing else tells that it works
+        self.screen, self.screen_changed_at = screen, now
+
+    def note_reply(self, reply: str | None) -> None:
+        """A new last reply: it worked (before it went idle, so idle keeps counting)."""
+        if reply is not None and self.baseline_reply is not None and reply != self.baseline_reply:
+            self.seen_working = True
+
+    def note_sent(self, baseline_reply: str | None, now: float) -> None:
+        """After a prompt or reminder went out: the agent has not been seen working on it yet."""
+        self.guard_since, self.seen_working, self.baseline_reply = now, False, baseline_reply
+
+    # -- questions ---------------------------------------------------------------
+    def file_settled(self, now: float) -> bool:
+        return self.file_version is not None and now - self.file_seen_at >= FILE_SETTLE_SECONDS
+
+    def screen_still_since(self, since: float, now: float) -> bool:
+        return self.screen is not None and now - max(self.screen_changed_at, since) >= QUIET_SCREEN_SECONDS
+
+    def is_idle(self, now: float) -> bool:
+        if self.status in READY_STATUSES:
+            return True
+        return self.status not in KNOWN_STATUSES and self.screen_still_since(float("-inf"), now)
+
+    def idle_from(self) -> float:
+        """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
+        became_idle = self.ready_since if self.status in READY_STATUSES and self.ready_since is not None \
+            else self.screen_changed_at + QUIET_SCREEN_SECONDS
+        return max(became_idle, self.guard_since, self.file_seen_at)
+
+
+def turn_state(facts: TurnFacts, now: float) -> TurnState:
+    """The named state the observations put a turn in."""
+    if facts.status == "error":
+        return TurnState.FAILED
+    if facts.file_version is not None:
+        if not facts.file_settled(now):
+            return TurnState.FILE_SETTLING
+        confirmed = facts.ready_since_file or facts.screen_still_since(facts.file_seen_at, now)
+        return TurnState.DONE if confirmed else TurnState.FILE_SETTLED
+    if facts.is_idle(now):
+        return TurnState.IDLE_WITHOUT_FILE if facts.seen_working else TurnState.SILENT
+    return TurnState.WORKING if facts.seen_working else TurnState.AWAITING_SIGN_OF_LIFE
+
+
+@dataclass(frozen=True)
+class WaitRule:
+    """One row of the decision table."""
+
+    states: frozenset[TurnState]
+    condition: str                    # the rule in words
+    applies: Callable[[TurnFacts, float], bool]
+    verdict: Verdict
+
+
+OPEN_STATES = frozenset(TurnState) - {TurnState.DONE, TurnState.FAILED}
+WAIT_RULES: tuple[WaitRule, ...] = (
+    WaitRule(frozenset({TurnState.FAILED}), "always",
+             lambda f, now: True, Verdict.ERROR),
+    WaitRule(frozenset({TurnState.DONE}), "always",
+             lambda f, now: True, Verdict.TAKE_REPLY),
+    WaitRule(frozenset({TurnState.SILENT}), "less than IDLE_GRACE_SECONDS since the prompt or reminder",
+             lambda f, now: now - f.guard_since < IDLE_GRACE_SECONDS, Verdict.WAIT),
+    WaitRule(frozenset({TurnState.SILENT}), "the prompt is known and was not sent again yet",
+             lambda f, now: f.prompt_known and not f.resend_used, Verdict.RESEND),
+    WaitRule(frozenset({TurnState.SILENT}), "a turn carried over (no prompt to send again), not reminded yet",
+             lambda f, now: not f.prompt_known and not f.resend_used, Verdict.REMIND),
+    WaitRule(frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE}), "idle for IDLE_GRACE_SECONDS",
+             lambda f, now: now - f.idle_from() >= IDLE_GRACE_SECONDS, Verdict.REMIND),
+    WaitRule(OPEN_STATES, "RESPONSE_TIMEOUT since the prompt",
+             lambda f, now: now - f.started >= RESPONSE_TIMEOUT, Verdict.TIMEOUT),
+)
+
+
+def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
+    """The turn's state and the verdict of the first rule that applies to it (WAIT if none). Pure."""
+    state = turn_state(facts, now)
+    for rule in WAIT_RULES:
+        if state in rule.states and rule.applies(facts, now):
+            return state, rule.verdict
+    return state, Verdict.WAIT
+
+
+@dataclass
+class ReadSchedule:
+    """When to ask the server: the status once per POLL_SECONDS, and once early when a reply file has settled."""
+
+    next_status_at: float
+    early_read_used: bool = False
+
+    def status_due(self, facts: TurnFacts, now: float) -> bool:
+        if now >= self.next_status_at:
+            return True
+        return not self.early_read_used and facts.file_settled(now) and \
+            facts.status_at < facts.file_seen_at + FILE_SETTLE_SECONDS
+
+    def status_read(self, now: float, early: bool) -> None:
+        self.early_read_used = self.early_read_used or early
+        self.next_status_at = now + POLL_SECONDS
+
+    @staticmethod
+    def screen_due(facts: TurnFacts, now: float) -> bool:
+        """With a status read, when the status alone cannot end the turn."""
+        if facts.status in READY_STATUSES or facts.status == "error":
+            return False
+        return facts.file_settled(now) or facts.status not in KNOWN_STATUSES
+
+    def next_look_at(self, facts: TurnFacts, now: float) -> float:
+        """When something may change: the next status read, or the moment a new file settles."""
+        if facts.file_version is not None and not facts.file_settled(now):
+            return min(self.next_status_at, facts.file_seen_at + FILE_SETTLE_SECONDS)
+        return self.next_status_at
+
+
+@dataclass
+class PermissionAnswers:
+    """An agent's permission prompts in one turn: answered 'y' (rate-limited, capped) or reported once."""
+
+    answered: int = 0
+    last_answer_at: float = float("-inf")
+    told_blocked: bool = False
+
+    def next_step(self, now: float) -> str:
+        """'answer', 'tell' (that the agent is blocked, once) or '' (nothing now)."""
+        if not AUTO_ACCEPT_PERMISSIONS or self.answered >= MAX_PERMISSION_ANSWERS:
+            return "" if self.told_blocked else "tell"
+        return "answer" if now - self.last_answer_at >= PERMISSION_ANSWER_INTERVAL else ""
+
+
+@dataclass
+class Turn:
+    """One agent turn under way: who, where its answer goes, what was sent, and the wait's bookkeeping."""
+
+    role: str
+    terminal_id: str
+    path: Path
+    message: str | None               # what was sent; None for a turn carried over from an earlier process
+    facts: TurnFacts
+    reads: ReadSchedule
+    permissions: PermissionAnswers = field(default_factory=PermissionAnswers)
+    told_unknown: bool = False
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -1039,9 +1691,167 @@ def _tail(text: str | None, lines: int = 5) -> str:
     return " | ".join((text or "").strip().splitlines()[-lines:])
 
 
+def log_turn(role: str, message: str) -> None:
+    """A log line that says where in the loop it happened."""
+    where = f"round {current_round}/{MAX_ROUNDS} | {current_phase} phase"
+    if current_phase in (PHASE_ANALYST, PHASE_PROGRAMMER):
+        where += f" | cycle {phase_cycle}/{MAX_REVIEW_CYCLES}"
+    log(f"{where} | {role}: {message}")
+
+
 def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
     return RunError(f"the {role} agent (terminal {terminal_id}) {what}; look at it with "
                     f"`tmux attach -t {session_name}`, then rerun to resume")
+
+
+def resend_prompt(turn: Turn) -> None:
+    """Send the prompt again, as it was; the turn's clocks start over."""
+    baseline = _last_output(turn.terminal_id)
+    if in_flight is not None:
+        update_run(in_flight=replace(in_flight, sent_at=time.time()))
+    save_state()
+    api.send_input(turn.terminal_id, turn.message)
+    turn.facts.note_sent(baseline, time.monotonic())
+
+
+def idle_without_file(turn: Turn) -> str | None:
+    """The agent stopped without its file: stop on a provider error, remind it, then fail or fall back."""
+    role, terminal_id, path = turn.role, turn.terminal_id, turn.path
+    output = _last_output(terminal_id) or ""
+    if PROVIDER_ERROR.search(output):
+        raise agent_failed(role, terminal_id, f"stopped on a model provider error ({_tail(output, 2)})")
+    if turn.facts.reminders < MAX_FILE_REMINDERS:
+        turn.facts.reminders += 1
+        log_turn(role, f"idle without {path.name}; reminder {turn.facts.reminders}/{MAX_FILE_REMINDERS} sent")
+        api.send_input(terminal_id, f"Reminder: your answer has not arrived. Write your complete answer to "
+                                    f"{path} now; the orchestrator reads only that file.")
+        turn.facts.note_sent(output, time.monotonic())
+        return None
+    if STRICT_FILE_HANDOFF:
+        raise agent_failed(role, terminal_id, f"went idle without writing {path}; set STRICT_FILE_HANDOFF=0 "
+                                              "to accept its terminal output instead")
+    if not output.strip():
+        raise agent_failed(role, terminal_id, f"went idle without writing {path} and its terminal shows no reply")
+    log_turn(role, f"no response file; using the terminal's last output ({len(output.strip())} chars)")
+    return output.strip()
+
+
+def act_on(turn: Turn, verdict: Verdict) -> str | None:
+    """Carry out a verdict: the reply once there is one, else None (or a RunError for a turn that failed)."""
+    role, terminal_id, path = turn.role, turn.terminal_id, turn.path
+    if verdict is Verdict.TAKE_REPLY:
+        reply = read_reply_file(path)
+        if not reply:
+            turn.facts.note_file(None, time.monotonic())     # emptied again: keep waiting
+        return reply or None
+    if verdict is Verdict.ERROR:
+        output = _last_output(terminal_id)
+        raise agent_failed(role, terminal_id, "reports status 'error'" + (f" ({_tail(output, 3)})" if output else ""))
+    if verdict is Verdict.TIMEOUT:
+        raise agent_failed(role, terminal_id, f"gave no reply within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s; "
+                                              "raise RESPONSE_TIMEOUT if it needs longer")
+    if verdict in (Verdict.RESEND, Verdict.REMIND) and reply_file_version(path):
+        return None                                          # the file came in the meantime
+    if verdict is Verdict.RESEND:
+        turn.facts.note_reply(_last_output(terminal_id))     # the one look that can still tell it worked
+        if not turn.facts.seen_working:
+            log_turn(role, f"terminal {terminal_id} never showed that it got the prompt "
+                           f"({IDLE_GRACE_SECONDS:g}s idle, no new output); sending the whole prompt again")
+            turn.facts.resend_used = True
+            resend_prompt(turn)
+    elif verdict is Verdict.REMIND:
+        turn.facts.resend_used = True
+        return idle_without_file(turn)
+    return None
+
+
+def handle_permission_prompt(turn: Turn) -> None:
+    """An agent waits for a yes/no answer: say so once, or answer 'y' (rate-limited) if allowed."""
+    role, terminal_id, answers = turn.role, turn.terminal_id, turn.permissions
+    now = time.monotonic()
+    step = answers.next_step(now)
+    if step == "tell":
+        answers.told_blocked = True
+        if not AUTO_ACCEPT_PERMISSIONS:
+            log_turn(role, f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
+                           f"`tmux attach -t {session_name}` or set AUTO_ACCEPT_PERMISSIONS=1")
+        else:
+            log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; "
+                           f"no more automatic answers (terminal {terminal_id})")
+    elif step == "answer":
+        answers.answered += 1
+        answers.last_answer_at = now
+        log_turn(role, f"permission prompt on terminal {terminal_id} answered 'y' "
+                       f"({answers.answered}/{MAX_PERMISSION_ANSWERS}): {_tail(_last_output(terminal_id))}")
+        api.send_input(terminal_id, "y")
+
+
+def observe_terminal(turn: Turn, early: bool = False) -> None:
+    """One round of server reads for a turn: the status, and the screen or reply when they can tell more."""
+    status = api.get_status(turn.terminal_id)
+    now = time.monotonic()
+    turn.reads.status_read(now, early)
+    turn.facts.note_status(status, now)
+    if status not in KNOWN_STATUSES and not turn.told_unknown:
+        turn.told_unknown = True
+        log_turn(turn.role, f"CAO cannot tell the status of terminal {turn.terminal_id} ({status!r}, e.g. after "
+                            "a server restart); judging the turn by the response file and the screen")
+    if status == "waiting_user_answer":
+        handle_permission_prompt(turn)
+    if turn.reads.screen_due(turn.facts, now):
+        turn.facts.note_screen(_screen(turn.terminal_id), time.monotonic())
+
+
+def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
+                   baseline_reply: str | None) -> str:
+    """Wait until the turn's rules say the agent is done, and return its answer.
+
+    `message` is what was sent (None for a turn carried over from an earlier
+    process); it is sent again once if the agent never showed that it got it.
+    """
+    now = time.monotonic()
+    facts = TurnFacts(started=now, guard_since=now, prompt_known=message is not None, baseline_reply=baseline_reply)
+    # CAO's send returned only now: nothing new to read yet.
+    turn = Turn(role, terminal_id, path, message, facts, ReadSchedule(next_status_at=now + POLL_SECONDS))
+    while True:
+        now = time.monotonic()
+        turn.facts.note_file(reply_file_version(path), now)
+        if turn.reads.status_due(turn.facts, now):
+            observe_terminal(turn, early=now < turn.reads.next_status_at)
+        _state, verdict = decide(turn.facts, time.monotonic())
+        reply = act_on(turn, verdict)
+        if reply is not None:
+            return reply
+        now = time.monotonic()
+        time.sleep(max(0.0, min(FILE_CHECK_SECONDS, turn.reads.next_look_at(turn.facts, now) - now)))
+
+
+# ==========================================================================
+# 6. Asking an agent
+# ==========================================================================
+# One turn from end to end: the prompt out (once, and recorded as it goes),
+# the wait, the reply archived. A turn interrupted by a stop of the loop is
+# taken over by the next process without sending its prompt again.
+
+# CAO takes a message in the URL's query string and refuses one of about 64 KB
+# (encoded). Larger prompts are written to a file the agent is told to read.
+MAX_INLINE_PROMPT_BYTES = 32_000
+# Terminals known ready for their first prompt: seen ready twice in a row, or
+# created by this process (CAO answers a creation once the agent CLI is ready).
+settled_terminals: set[str] = set()
+
+
+class Prompt(str):
+    """A prompt's text, with the once-only blocks it carries in full ("<block>:<terminal id>").
+
+    A str, so it reads and compares as its text; ask_agent() records the
+    blocks as sent once the prompt has (or may have) reached the terminal.
+    """
+
+    def __new__(cls, text: str, carries_in_full: Iterable[str] = ()):
+        prompt = super().__new__(cls, text)
+        prompt.carries_in_full = tuple(carries_in_full)
+        return prompt
 
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
@@ -1069,274 +1879,10 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     settled_terminals.add(terminal_id)
 
 
-class TurnWatch:
-    """One agent turn: what has been observed, and the rules that end it.
-
-    CAO's status is a hint: it can lag, stick at `processing` when it misreads
-    a CLI's screen, or read `unknown` after a server restart. The response
-    file is the agent's own word, so it leads. wait_for_reply() does all the
-    I/O and feeds the observations in; decide() applies the rules:
-
-      file     the response file's (mtime, size), looked at every 0.05 s
-      status   CAO's status word, read at most once per POLL_SECONDS (plus
-               once when a file has settled, so a finished turn ends at once)
-      screen   the terminal's recent output, read with the status while the
-               status alone cannot end the turn
-      reply    CAO's last reply, read before the prompt and once more before
-               sending it again: a change means the agent worked
-
-    Rules, in order:
-      error    the status is `error`
-      done     the file is settled (unchanged for FILE_SETTLE_SECONDS) and
-               either a ready status was read since it appeared, or the
-               screen has not changed for QUIET_SCREEN_SECONDS while it was
-               there. A changing screen never ends a turn; a rewritten file
-               starts its clocks again
-      resend   no file, the agent idle and never seen working (no busy
-               status, no new reply) for IDLE_GRACE_SECONDS: the prompt never
-               arrived (once per turn)
-      remind   no file, idle for IDLE_GRACE_SECONDS after it worked
-      timeout  RESPONSE_TIMEOUT since the prompt
-      wait     anything else
-
-    "Idle" is a ready status, or -- when the status is one the loop does not
-    know -- a screen that has not changed for QUIET_SCREEN_SECONDS.
-    """
-
-    def __init__(self, role: str, terminal_id: str, path: Path, baseline_reply: str | None):
-        self.role, self.terminal_id, self.path = role, terminal_id, path
-        now = time.monotonic()
-        self.started = now
-        self.reminders = 0
-        self.resent = False
-        self.told_blocked = False
-        self.told_unknown = False
-        self.permission_answers = 0
-        self.last_answer_at = float("-inf")
-        self.status: str | None = None
-        self.status_at = float("-inf")
-        self.next_status_at = now + POLL_SECONDS    # CAO's send returned only now: nothing new yet
-        self.early_read_used = False
-        self.file_version: tuple[int, int] | None = None
-        self.file_seen_at = float("-inf")
-        self.ready_since_file = False
-        self.screen: str | None = None
-        self.screen_changed_at = now
-        self.arm_guard(baseline_reply)
-
-    def arm_guard(self, baseline_reply: str | None) -> None:
-        """After a prompt or reminder: the agent has not been seen working on it yet."""
-        self.guard_since = time.monotonic()
-        self.seen_working = False
-        self.idle_since: float | None = None
-        self.baseline_reply = baseline_reply
-
-    # -- observations --------------------------------------------------------
-    def note_file(self, version: tuple[int, int] | None) -> None:
-        if version != self.file_version:
-            self.file_version = version
-            self.file_seen_at = time.monotonic()
-            self.ready_since_file = False
-            if version is not None:
-                self.note_working()
-
-    def note_status(self, status: str) -> None:
-        now = time.monotonic()
-        self.status, self.status_at = status, now
-        self.next_status_at = now + POLL_SECONDS
-        if status in READY_STATUSES and self.file_version is not None:
-            self.ready_since_file = True
-        if status in BUSY_STATUSES:
-            self.note_working()
-
-    def note_screen(self, screen: str | None) -> None:
-        if screen is None or screen == self.screen:
-            return
-        if self.screen is not None and self.status not in KNOWN_STATUSES:
-            self.note_working()         # nothing else tells that it works
-        self.screen, self.screen_changed_at = screen, time.monotonic()
-
-    def note_reply(self, reply: str | None) -> None:
-        """A new last reply: it worked (before it went idle, so idle keeps counting)."""
-        if reply is not None and self.baseline_reply is not None and reply != self.baseline_reply:
-            self.seen_working = True
-
-    def note_working(self) -> None:
-        self.seen_working = True
-        self.idle_since = None
-
-    # -- what to read --------------------------------------------------------
-    def file_settled(self) -> bool:
-        return self.file_version is not None and time.monotonic() - self.file_seen_at >= FILE_SETTLE_SECONDS
-
-    def status_due(self) -> bool:
-        """Once per POLL_SECONDS -- and once early, when a reply file has just settled."""
-        if time.monotonic() >= self.next_status_at:
-            return True
-        if not self.early_read_used and self.file_settled() and \
-                self.status_at < self.file_seen_at + FILE_SETTLE_SECONDS:
-            self.early_read_used = True
-            return True
-        return False
-
-    def next_look_at(self) -> float:
-        """When something may change: the next status read, or the moment a new file settles."""
-        if self.file_version is not None and not self.file_settled():
-            return min(self.next_status_at, self.file_seen_at + FILE_SETTLE_SECONDS)
-        return self.next_status_at
-
-    def screen_due(self) -> bool:
-        """With a status read, when the status alone cannot end the turn."""
-        if self.status in READY_STATUSES or self.status == "error":
-            return False
-        return self.file_settled() or self.status not in KNOWN_STATUSES
-
-    # -- rules ---------------------------------------------------------------
-    def screen_still_since(self, since: float) -> bool:
-        quiet_from = max(self.screen_changed_at, since)
-        return self.screen is not None and time.monotonic() - quiet_from >= QUIET_SCREEN_SECONDS
-
-    def is_idle(self) -> bool:
-        if self.status in READY_STATUSES:
-            return True
-        return self.status not in KNOWN_STATUSES and self.screen_still_since(float("-inf"))
-
-    def decide(self) -> str:
-        now = time.monotonic()
-        if self.status == "error":
-            return "error"
-        if self.file_settled() and (self.ready_since_file or self.screen_still_since(self.file_seen_at)):
-            return "done"
-        if self.file_version is None and self.is_idle():
-            if self.idle_since is None:
-                self.idle_since = now
-            if not self.seen_working and now - self.guard_since < IDLE_GRACE_SECONDS:
-                return "wait"                 # may not have started yet: idle does not count
-            if not self.seen_working and not self.resent:
-                return "resend"
-            if now - self.idle_since >= IDLE_GRACE_SECONDS:
-                return "remind"
-        else:
-            self.idle_since = None
-        if now - self.started >= RESPONSE_TIMEOUT:
-            return "timeout"
-        return "wait"
-
-
-def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
-                   baseline_reply: str | None) -> str:
-    """Wait until the turn's rules say the agent is done, and return its answer.
-
-    `message` is what was sent (None for a turn carried over from an earlier
-    process); it is sent again once if the agent never showed that it got it.
-    """
-    turn = TurnWatch(role, terminal_id, path, baseline_reply)
-    while True:
-        turn.note_file(reply_file_version(path))
-        if turn.status_due():
-            observe_terminal(turn)
-        verdict = turn.decide()
-        if verdict == "done":
-            reply = read_reply_file(path)
-            if reply:
-                return reply
-            turn.note_file(None)             # emptied again: keep waiting
-        elif verdict == "error":
-            output = _last_output(terminal_id)
-            raise agent_failed(role, terminal_id, "reports status 'error'" + (f" ({_tail(output, 3)})" if output else ""))
-        elif verdict == "resend" and message is not None and not reply_file_version(path):
-            turn.note_reply(_last_output(terminal_id))    # the one look that can still tell it worked
-            if not turn.seen_working:
-                log_turn(role, f"terminal {terminal_id} never showed that it got the prompt "
-                               f"({IDLE_GRACE_SECONDS:g}s idle, no new output); sending the whole prompt again")
-                turn.resent = True
-                resend_prompt(role, terminal_id, message, turn)
-        elif verdict in ("resend", "remind") and not reply_file_version(path):
-            turn.resent = True
-            reply = idle_without_file(turn)
-            if reply is not None:
-                return reply
-        elif verdict == "timeout":
-            raise agent_failed(role, terminal_id, f"gave no reply within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s; "
-                                                  "raise RESPONSE_TIMEOUT if it needs longer")
-        time.sleep(max(0.0, min(FILE_CHECK_SECONDS, turn.next_look_at() - time.monotonic())))
-
-
-def observe_terminal(turn: TurnWatch) -> None:
-    """One round of server reads for a turn: the status, and the screen or reply when they can tell more."""
-    status = api.get_status(turn.terminal_id)
-    turn.note_status(status)
-    if status not in KNOWN_STATUSES and not turn.told_unknown:
-        turn.told_unknown = True
-        log_turn(turn.role, f"CAO cannot tell the status of terminal {turn.terminal_id} ({status!r}, e.g. after "
-                            "a server restart); judging the turn by the response file and the screen")
-    if status == "waiting_user_answer":
-        handle_permission_prompt(turn)
-    if turn.screen_due():
-        turn.note_screen(_screen(turn.terminal_id))
-
-
-def resend_prompt(role: str, terminal_id: str, message: str, turn: TurnWatch) -> None:
-    """Send the prompt again, as it was; the turn's clocks start over."""
-    baseline = _last_output(terminal_id)
-    set_in_flight({**in_flight, "sent_at": time.time()})
-    save_state()
-    api.send_input(terminal_id, message)
-    turn.arm_guard(baseline)
-
-
-def idle_without_file(turn: TurnWatch) -> str | None:
-    """The agent stopped without its file: stop on a provider error, remind it, then fail or fall back."""
-    role, terminal_id, path = turn.role, turn.terminal_id, turn.path
-    output = _last_output(terminal_id) or ""
-    provider_error = PROVIDER_ERROR.search(output)
-    if provider_error:
-        raise agent_failed(role, terminal_id, f"stopped on a model provider error ({_tail(output, 2)})")
-    if turn.reminders < MAX_FILE_REMINDERS:
-        turn.reminders += 1
-        log_turn(role, f"idle without {path.name}; reminder {turn.reminders}/{MAX_FILE_REMINDERS} sent")
-        api.send_input(terminal_id, f"Reminder: your answer has not arrived. Write your complete answer to "
-                                    f"{path} now; the orchestrator reads only that file.")
-        turn.arm_guard(output)
-        return None
-    if STRICT_FILE_HANDOFF:
-        raise agent_failed(role, terminal_id, f"went idle without writing {path}; set STRICT_FILE_HANDOFF=0 "
-                                              "to accept its terminal output instead")
-    if not output.strip():
-        raise agent_failed(role, terminal_id, f"went idle without writing {path} and its terminal shows no reply")
-    log_turn(role, f"no response file; using the terminal's last output ({len(output.strip())} chars)")
-    return output.strip()
-
-
-def handle_permission_prompt(turn: TurnWatch) -> None:
-    """An agent waits for a yes/no answer: say so once, or answer 'y' (rate-limited) if allowed."""
-    role, terminal_id = turn.role, turn.terminal_id
-    if not AUTO_ACCEPT_PERMISSIONS:
-        if not turn.told_blocked:
-            log_turn(role, f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
-                           f"`tmux attach -t {session_name}` or set AUTO_ACCEPT_PERMISSIONS=1")
-            turn.told_blocked = True
-        return
-    if turn.permission_answers >= MAX_PERMISSION_ANSWERS:
-        if not turn.told_blocked:
-            log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; "
-                           f"no more automatic answers (terminal {terminal_id})")
-            turn.told_blocked = True
-        return
-    now = time.monotonic()
-    if now - turn.last_answer_at < PERMISSION_ANSWER_INTERVAL:
-        return
-    turn.permission_answers += 1
-    turn.last_answer_at = now
-    log_turn(role, f"permission prompt on terminal {terminal_id} answered 'y' "
-                   f"({turn.permission_answers}/{MAX_PERMISSION_ANSWERS}): {_tail(_last_output(terminal_id))}")
-    api.send_input(terminal_id, "y")
-
-
 def deliverable_message(role: str, prompt: str) -> str:
     """The prompt itself, or -- if too long for CAO's query string -- a pointer to a file holding it."""
     if len(quote(prompt, safe="")) <= MAX_INLINE_PROMPT_BYTES:
-        return prompt
+        return str(prompt)
     directory = Path(WD) / ".tmp" / "agent-prompts"
     directory.mkdir(parents=True, exist_ok=True)
     number = len(list(directory.glob(f"{role}-*.md"))) + 1
@@ -1351,14 +1897,9 @@ def deliverable_message(role: str, prompt: str) -> str:
 def turn_position(role: str) -> dict:
     """Where in the loop a turn belongs; a resumed run compares it with the prompt in flight."""
     position = {"role": role, "round": current_round, "phase": current_phase, "cycle": phase_cycle}
-    if role == "programmer" and story_progress.get("current"):
-        position.update(story=story_progress["current"], attempt=story_progress.get("attempt", 1))
+    if role == "programmer" and story_progress is not None and story_progress.current:
+        position.update(story=story_progress.current, attempt=story_progress.attempt)
     return position
-
-
-def set_in_flight(turn: dict) -> None:
-    global in_flight
-    in_flight = turn
 
 
 def carried_over_turn(role: str, path: Path) -> str:
@@ -1369,11 +1910,7 @@ def carried_over_turn(role: str, path: Path) -> str:
     again. A response file older than the prompt is an earlier turn's and is
     moved aside.
     """
-    position = turn_position(role)
-    if not in_flight or {k: in_flight.get(k) for k in position} != position:
-        return ""
-    sent_at = in_flight.get("sent_at")
-    if not isinstance(sent_at, (int, float)):
+    if in_flight is None or in_flight.sent_at is None or not in_flight.belongs_to(turn_position(role)):
         return ""
     try:
         written_at = path.stat().st_mtime
@@ -1382,77 +1919,50 @@ def carried_over_turn(role: str, path: Path) -> str:
     if written_at is not None:
         # Filesystem timestamps can be coarse: a second of slack, and the
         # stale file of an earlier turn was moved aside before the send.
-        if written_at >= sent_at - 1.0 and read_reply_file(path):
+        if written_at >= in_flight.sent_at - 1.0 and read_reply_file(path):
             return "reply"
         set_aside_stale_reply(path)
     status = api.get_status(terminal_ids[role])
     return "working" if status not in READY_STATUSES and status != "error" else ""
 
 
-def ask_agent(role: str, prompt: str) -> str:
-    """Send one prompt to a role's terminal and return its answer (also archived)."""
+def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:
+    """Send a turn's prompt: (what was sent, the agent's last reply before it).
+
+    The turn is saved as in flight before the send, and what the prompt
+    carries in full is recorded as sent once the terminal has it -- or may
+    have it: a delivery whose answer broke off is watched, not repeated.
+    """
     terminal_id = terminal_ids[role]
-    path = response_path(role)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sent_in_full = take_context_new(terminal_id)
-    carried = carried_over_turn(role, path)
-    message = baseline_reply = None
-    if carried == "reply":
-        log_turn(role, "taking the reply written while the loop was down (prompt not sent again)")
-    elif carried == "working":
-        log_turn(role, f"terminal {terminal_id} is still working on the prompt sent before the interruption; "
-                       "waiting for it")
-    else:
-        wait_until_settled(role, terminal_id)
-        set_aside_stale_reply(path)
-        message = deliverable_message(role, prompt)
-        # Before the send: CAO's send returns only after pasting (seconds with
-        # some CLIs), and a quick agent may have answered by then.
-        baseline_reply = _last_output(terminal_id)
-        set_in_flight({**turn_position(role), "sent_at": time.time(), "sent_in_full": sent_in_full})
-        save_state()
-        log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
-        try:
-            api.send_input(terminal_id, message)
-        except ApiError as exc:
-            if exc.unsent or not exc.retryable:
-                forget_context_sent(terminal_id)
-                raise
-            # The request went out and the answer broke off (a server restart):
-            # the agent may have the prompt. The wait tells -- a reply, a busy
-            # agent or new output -- and sends it again only if nothing shows.
-            log_turn(role, f"delivery to terminal {terminal_id} broke off ({exc}); watching whether the "
-                           "prompt arrived before sending it again")
-        except BaseException:
-            forget_context_sent(terminal_id)
+    wait_until_settled(role, terminal_id)
+    set_aside_stale_reply(response_path(role))
+    message = deliverable_message(role, prompt)
+    # Before the send: CAO's send returns only after pasting (seconds with
+    # some CLIs), and a quick agent may have answered by then.
+    baseline_reply = _last_output(terminal_id)
+    update_run(in_flight=InFlight(**turn_position(role), sent_at=time.time(),
+                                  sent_in_full=getattr(prompt, "carries_in_full", ())))
+    save_state()
+    log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
+    try:
+        api.send_input(terminal_id, message)
+    except ApiError as exc:
+        if exc.unsent or not exc.retryable:
             raise
-    reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
-    timing = turn_timing(path)
-    record_turn(role, len(prompt.encode("utf-8")))
-    archived = archive_reply(role, reply, path)
-    set_in_flight({})
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived})")
-    return reply
-
-
-def record_turn(role: str, prompt_bytes: int) -> None:
-    """Remember an answered turn for the run summary (saved with the state)."""
-    sent_at = in_flight.get("sent_at")
-    seconds = round(time.time() - sent_at, 1) if isinstance(sent_at, (int, float)) else None
-    turn_records.append({"role": role, "round": current_round, "seconds": seconds, "prompt_bytes": prompt_bytes})
-
-
-def note_turn_outcome(outcome: str) -> None:
-    """The verdict or test result of the turn just answered, for the run summary."""
-    if turn_records:
-        turn_records[-1]["outcome"] = outcome
+        # The request went out and the answer broke off (a server restart):
+        # the agent may have the prompt. The wait tells -- a reply, a busy
+        # agent or new output -- and sends it again only if nothing shows.
+        log_turn(role, f"delivery to terminal {terminal_id} broke off ({exc}); watching whether the "
+                       "prompt arrived before sending it again")
+    record_sent(in_flight.sent_in_full)
+    return message, baseline_reply
 
 
 def turn_timing(path: Path) -> str:
     """' after 6.2s (file written 0.4s before)': how long the turn took, and how long the loop took to see it."""
     now = time.time()
-    sent_at = in_flight.get("sent_at")
-    text = f" after {now - sent_at:.1f}s" if isinstance(sent_at, (int, float)) else ""
+    sent_at = in_flight.sent_at if in_flight is not None else None
+    text = f" after {now - sent_at:.1f}s" if sent_at is not None else ""
     try:
         text += f" (file written {max(0.0, now - path.stat().st_mtime):.1f}s before)"
     except OSError:
@@ -1460,9 +1970,54 @@ def turn_timing(path: Path) -> str:
     return text
 
 
+def record_turn(role: str, prompt_bytes: int) -> None:
+    """Remember an answered turn for the run summary (saved with the state)."""
+    sent_at = in_flight.sent_at if in_flight is not None else None
+    seconds = round(time.time() - sent_at, 1) if sent_at is not None else None
+    turn_records.append(TurnRecord(role, current_round, seconds, prompt_bytes))
+
+
+def ask_agent(role: str, prompt: str) -> str:
+    """Send one prompt to a role's terminal and return its answer (also archived)."""
+    terminal_id = terminal_ids[role]
+    path = response_path(role)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    carried = carried_over_turn(role, path)
+    message = baseline_reply = None
+    if carried:
+        record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
+        log_turn(role, "taking the reply written while the loop was down (prompt not sent again)"
+                 if carried == "reply" else f"terminal {terminal_id} is still working on the prompt sent before "
+                 "the interruption; waiting for it")
+    else:
+        message, baseline_reply = send_prompt(role, prompt)
+    reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
+    timing = turn_timing(path)
+    record_turn(role, len(prompt.encode("utf-8")))
+    archived = archive_reply(role, reply, path)
+    update_run(in_flight=None)
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived})")
+    return reply
+
+
+def note_turn_outcome(outcome: str) -> None:
+    """The verdict or test result of the turn just answered, for the run summary."""
+    if turn_records:
+        turn_records[-1].outcome = outcome
+
+
 # ==========================================================================
-# 4. Review gate
+# 7. Review gate
 # ==========================================================================
+
+def _first_marker_line(lines: list[str], marker: str) -> int | None:
+    """Index of the first line that starts (after markdown decoration) with `marker:`."""
+    pattern = re.compile(r"^\W*" + re.escape(marker) + r"\W*:")
+    for index, line in enumerate(lines):
+        if pattern.match(line):
+            return index
+    return None
+
 
 def review_verdict(review_text: str) -> str:
     """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
@@ -1502,7 +2057,7 @@ def is_review_approved(review_text: str, review_cycle: int, review_role: str) ->
 
 
 # ==========================================================================
-# 5. Condensation
+# 8. Condensation
 # ==========================================================================
 
 _UPSTREAM_PLACEHOLDER = ("(No upstream output: this run was started at a later agent with START_AGENT. "
@@ -1516,15 +2071,6 @@ _LABEL_LINE = re.compile(r"^(?:[-*+]\s+|\d+[.)]\s+)?\**([A-Za-z][A-Za-z0-9 _/&()
 
 def _head(text: str, max_lines: int) -> str:
     return "\n".join((text or "").strip().splitlines()[:max_lines])
-
-
-def _first_marker_line(lines: list[str], marker: str) -> int | None:
-    """Index of the first line that starts (after markdown decoration) with `marker:`."""
-    pattern = re.compile(r"^\W*" + re.escape(marker) + r"\W*:")
-    for index, line in enumerate(lines):
-        if pattern.match(line):
-            return index
-    return None
 
 
 def extract_review_notes(text: str) -> str:
@@ -1591,68 +2137,48 @@ def condense_programmer_for_tester(text: str) -> str:
     return "\n".join(kept[:MAX_CROSS_PHASE_LINES]).strip()
 
 
-def _once_per_terminal(block: str, terminal_id: str, text: str, back_reference: str = EXPLORE_BACK_REFERENCE) -> str:
-    """Full text the first time a terminal gets this block, a back-reference afterwards.
-
-    A block is text that stays the same for the whole run (the task, a role's
-    checks and answer format): the agent keeps it in its conversation, so
-    sending it again would only fill its context.
-    """
-    if not terminal_id:                 # no terminal yet, so no history to refer to
-        return text
-    mark = f"{block}:{terminal_id}"
-    if mark in context_sent:
-        if CONDENSE_EXPLORE_ON_REPEAT:
-            return back_reference
-    else:
-        context_sent.add(mark)
-        context_new.append(mark)
-    return text
-
-
-def explore_block_for(terminal_id: str) -> str:
-    """The explore summary, in full only on the first send to this terminal."""
-    return _once_per_terminal("explore", terminal_id, EXPLORE_SUMMARY)
-
-
-def scenario_block_for(terminal_id: str) -> str:
-    """The scenario test, in full only on the first send to this terminal."""
-    return _once_per_terminal("scenario", terminal_id, SCENARIO_TEST)
-
-
-def forget_context_sent(terminal_id: str) -> None:
-    """A send failed: the terminal may lack the text sent once per terminal, so send it in full next time."""
-    for mark in [m for m in context_sent if m.endswith(":" + terminal_id)]:
-        context_sent.discard(mark)
-
-
-def take_context_new(terminal_id: str) -> list[str]:
-    """What the prompt about to go to this terminal carries in full (kept with the prompt in flight)."""
-    taken = [m for m in context_new if m.endswith(":" + terminal_id)]
-    context_new.clear()
-    return taken
-
-
-def forget_in_flight_context() -> None:
-    """On resume: the prompt in flight may never have arrived, so what it carried in full goes in full again.
-
-    If it did arrive, its turn is taken over without sending anything, and
-    building the prompt again records the text as sent once more.
-    """
-    marks = in_flight.get("sent_in_full")
-    if isinstance(marks, list):
-        context_sent.difference_update(m for m in marks if isinstance(m, str))
-
-
-# --------------------------------------------------------------------------
-# OpenSpec stories (STORY_MODE): what the programmer works through one by one.
-# --------------------------------------------------------------------------
+# ==========================================================================
+# 9. OpenSpec: the run's change and its stories
+# ==========================================================================
+# Story mode (STORY_MODE) works the change one story (tasks.md section) at a
+# time; ARCHIVE_ON_PASS archives the same change. Both ask openspec_change().
 
 STORY_HEADING = re.compile(r"^##\s+(\d+)\.?\s+(.*?)\s*#*\s*$")
 TASK_LINE = re.compile(r"^\s*[-*]\s+\[([ xX])\]\s+(.*?)\s*$")
 SCENARIO_HEADING = re.compile(r"^####\s+Scenario:\s*(.*?)\s*$")
 SCENARIO_STEP = re.compile(r"^\s*(?:[-*]\s+)?\**(GIVEN|WHEN|THEN|AND)\b", re.IGNORECASE)
 PROMISE_TAG = re.compile(r"<promise>\s*(.*?)\s*</promise>", re.DOTALL | re.IGNORECASE)
+
+
+def openspec_changes_dir() -> Path:
+    return Path(WD) / "openspec" / "changes"
+
+
+def openspec_change() -> tuple[str, list[str]]:
+    """(the run's change, the active changes found): STORY_CHANGE if it is a directory, else the only active one.
+
+    The name is '' when none can be named: STORY_CHANGE is not a directory,
+    or there is not exactly one active change (the archive folder does not count).
+    """
+    changes = openspec_changes_dir()
+    if STORY_CHANGE:
+        return (STORY_CHANGE if (changes / STORY_CHANGE).is_dir() else ""), []
+    found = sorted(p.name for p in changes.iterdir() if p.is_dir() and p.name != "archive") \
+        if changes.is_dir() else []
+    return (found[0] if len(found) == 1 else ""), found
+
+
+def find_story_change() -> Path:
+    """The change directory story mode works on; RunError naming the fix if there is none to name."""
+    changes = openspec_changes_dir()
+    name, found = openspec_change()
+    if name:
+        return changes / name
+    if STORY_CHANGE:
+        raise RunError(f"story mode: STORY_CHANGE={STORY_CHANGE} but {changes / STORY_CHANGE} is not a directory")
+    what = ", ".join(found) if found else "no change directory"
+    raise RunError(f"story mode needs exactly one OpenSpec change in {changes}, found {what}: "
+                   "set STORY_CHANGE to the change to work on")
 
 
 @dataclass
@@ -1666,23 +2192,6 @@ class Story:
     @property
     def finished(self) -> bool:
         return bool(self.tasks) and all(done for done, _ in self.tasks)
-
-
-def find_story_change() -> Path:
-    """The change directory story mode works on: STORY_CHANGE, or the only one there is."""
-    changes = Path(WD) / "openspec" / "changes"
-    if STORY_CHANGE:
-        chosen = changes / STORY_CHANGE
-        if not chosen.is_dir():
-            raise RunError(f"story mode: STORY_CHANGE={STORY_CHANGE} but {chosen} is not a directory")
-        return chosen
-    found = sorted(p.name for p in changes.iterdir() if p.is_dir() and p.name != "archive") \
-        if changes.is_dir() else []
-    if len(found) != 1:
-        what = ", ".join(found) if found else "no change directory"
-        raise RunError(f"story mode needs exactly one OpenSpec change in {changes}, found {what}: "
-                       "set STORY_CHANGE to the change to work on")
-    return changes / found[0]
 
 
 def _read_text(path: Path) -> str:
@@ -1736,8 +2245,156 @@ def promise_signal(reply: str) -> tuple[str, str]:
 
 
 # ==========================================================================
-# 6. Prompt builders
+# 10. Prompt builders
 # ==========================================================================
+# Text that stays the same for a whole run -- the task, a role's checks and
+# answer format, how to write the response file -- is sent to a terminal in
+# full once: the agent keeps it in its conversation, so sending it again would
+# only fill its context. Each such block is defined once, in ONCE_BLOCKS, with
+# the back-reference that stands in for it later; the back-reference names
+# what it stands for and keeps the words the loop reads back (REVIEW_RESULT,
+# section labels). Building a prompt changes nothing: the Prompt it returns
+# says which blocks it carries in full, and ask_agent() records them as sent.
+
+def _review_back_reference(checks: str, author: str) -> str:
+    """What a reviewer is told in place of the checklist and answer format it already has."""
+    return (f"Checks and answer format: as in your first review -- four checks ({checks}), each with "
+            f"evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what {author} "
+            f"must change).")
+
+
+def _review_checks(checks: tuple[str, ...], author: str) -> str:
+    return ("Check, citing what you looked at:\n"
+            + "".join(f"{number}. {check}\n" for number, check in enumerate(checks, 1))
+            + "\nAnswer format:\n"
+            "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
+            "REVIEW_NOTES:\n"
+            "- <one line of evidence per check above>\n"
+            f"- <for REVISE: each change {author} must make>")
+
+
+# role -> (full text, back-reference)
+ANSWER_FORMATS = {
+    "analyst": (
+        "2. Answer with this summary; all five sections are mandatory:\n"
+        "ANALYST_SUMMARY:\n"
+        "- Change: <OpenSpec change name and directory>\n"
+        "- Artifacts: <files created or updated>\n"
+        "- P1 requirements: <must-have requirements, each traced to the task or the scenario test>\n"
+        "- Contracts: <interfaces, data formats and commands the programmer and tester rely on>\n"
+        "- Handoff: <actionable first steps for the programmer; open risks>",
+        "2. Answer with the ANALYST_SUMMARY as in your first turn; all five sections are "
+        "mandatory: Change, Artifacts, P1 requirements, Contracts, Handoff."),
+    "programmer": (
+        "Answer format:\n"
+        "PROGRAMMER_SUMMARY:\n"
+        "- Files changed: <each file and what changed in it>\n"
+        "- Behavior implemented: <what the code now does, per requirement>\n"
+        "- Tests run: <commands and results>\n"
+        "- Known gaps: <anything left undone, or none>",
+        "Answer format: as in your first turn -- PROGRAMMER_SUMMARY: with Files changed, "
+        "Behavior implemented, Tests run, Known gaps."),
+    "tester": (
+        "Answer format:\n"
+        "RESULT: PASS  (or RESULT: FAIL)\n"
+        "EVIDENCE:\n"
+        "- <commands run and the output that matters>\n"
+        "- <for FAIL: the failing step, error messages, stack trace lines>\n"
+        "- Recommended next fix: <for FAIL: where to look first>",
+        "Answer format: as in your first turn -- RESULT: PASS or RESULT: FAIL, then EVIDENCE: "
+        "(for FAIL the failing step and a recommended next fix)."),
+}
+REVIEW_CHECKS = {
+    "peer_analyst": (
+        _review_checks(("Artifacts: the change's proposal, design, specs and tasks exist and match the task.",
+                        "P1 traceability: every P1 requirement traces to the task or the scenario test.",
+                        "Downstream contracts: interfaces, formats and commands are exact enough to code and "
+                        "test against.",
+                        "Handoff: the programmer's first steps are actionable."), "the analyst"),
+        _review_back_reference("Artifacts, P1 traceability, Downstream contracts, Handoff", "the analyst")),
+    "peer_programmer": (
+        _review_checks(("Tests: they run and pass (give the command and its result).",
+                        "Files: the changed files do what the tasks ask (name them).",
+                        "Requirements: each requirement and the scenario test is covered by the code.",
+                        "Edge cases and error handling: no obvious regression or unhandled error."),
+                       "the programmer"),
+        _review_back_reference("Tests, Files, Requirements, Edge cases and error handling", "the programmer")),
+}
+STORY_ANSWER_FORMAT = (
+    "Answer format:\n"
+    "PROGRAMMER_SUMMARY:\n"
+    "- Files changed: <each file and what changed in it>\n"
+    "- Behavior implemented: <what the code now does>\n"
+    "- Tests run: <commands and results>\n"
+    "<promise>COMPLETE</promise>  (or <promise>FAILED: reason</promise>)",
+    "Answer format: as in your first story -- PROGRAMMER_SUMMARY: with Files changed, "
+    "Behavior implemented, Tests run, then the completion signal.")
+
+
+@dataclass(frozen=True)
+class OnceBlock:
+    """A block sent in full in a terminal's first prompt that holds it, and as a back-reference after."""
+
+    name: str                                 # marks read "<name>:<terminal id>"
+    full: Callable[[str], str]                # role -> the complete text
+    back_reference: Callable[[str], str]      # role -> what stands in for it
+
+
+ONCE_BLOCKS = {block.name: block for block in (
+    OnceBlock("explore", lambda role: EXPLORE_SUMMARY, lambda role: EXPLORE_BACK_REFERENCE),
+    OnceBlock("scenario", lambda role: SCENARIO_TEST, lambda role: EXPLORE_BACK_REFERENCE),
+    OnceBlock("intro", lambda role: " in a five-agent development loop", lambda role: ""),
+    OnceBlock("response-file", response_file_instruction,
+              lambda role: "Response file (required; as in your first turn):\n"
+                           f"Write your complete answer to this file: {response_path(role)}\n"
+                           "Only this file is read; write it once, when your work is done."),
+    OnceBlock("answer-format", lambda role: ANSWER_FORMATS[role][0], lambda role: ANSWER_FORMATS[role][1]),
+    OnceBlock("review-checks", lambda role: REVIEW_CHECKS[role][0], lambda role: REVIEW_CHECKS[role][1]),
+    OnceBlock("story-answer-format", lambda role: STORY_ANSWER_FORMAT[0], lambda role: STORY_ANSWER_FORMAT[1]),
+)}
+
+
+class PromptDraft:
+    """A prompt being written for one role's terminal; notes the once-only blocks it puts in full."""
+
+    def __init__(self, role: str, terminal_id: str | None = None):
+        self.role = role
+        self.terminal_id = terminal_ids.get(role, "") if terminal_id is None else terminal_id
+        self.in_full: list[str] = []
+
+    def once(self, name: str) -> str:
+        """The block in full if this terminal has not had it (or condensing is off), else its back-reference."""
+        block = ONCE_BLOCKS[name]
+        if not self.terminal_id:             # no terminal yet, so no history to refer to
+            return block.full(self.role)
+        mark = f"{name}:{self.terminal_id}"
+        if mark in context_sent:
+            return block.back_reference(self.role) if CONDENSE_EXPLORE_ON_REPEAT else block.full(self.role)
+        if mark not in self.in_full:
+            self.in_full.append(mark)
+        return block.full(self.role)
+
+    def finish(self, parts: list[str]) -> Prompt:
+        return Prompt("\n\n".join(parts), self.in_full)
+
+
+def _block_sent_by_call(name: str, terminal_id: str) -> str:
+    """Spec 1's form of a once-only block: the call itself counts as the send."""
+    draft = PromptDraft("analyst", terminal_id)
+    text = draft.once(name)
+    record_sent(draft.in_full)
+    return text
+
+
+def explore_block_for(terminal_id: str) -> str:
+    """The explore summary: in full on the first call for this terminal, the back-reference after."""
+    return _block_sent_by_call("explore", terminal_id)
+
+
+def scenario_block_for(terminal_id: str) -> str:
+    """The scenario test: in full on the first call for this terminal, the back-reference after."""
+    return _block_sent_by_call("scenario", terminal_id)
+
 
 def _or_none(text: str) -> str:
     return text.strip() if text and text.strip() else "(none)"
@@ -1749,51 +2406,27 @@ def _test_command_line() -> str:
     return "Test command: none configured -- find and run the project's own test suite."
 
 
-def _task_context(role: str) -> str:
+def _task_context(draft: PromptDraft) -> str:
     """The task and its scenario test; one back-reference line for both once the terminal has them."""
-    terminal_id = terminal_ids.get(role, "")
-    explore, scenario = explore_block_for(terminal_id), scenario_block_for(terminal_id)
+    explore, scenario = draft.once("explore"), draft.once("scenario")
     if explore == scenario == EXPLORE_BACK_REFERENCE:
         return f"Explore summary and scenario test:\n{EXPLORE_BACK_REFERENCE}"
     return (f"Explore summary (the task):\n{explore}\n\n"
             f"Scenario test (how the result will be checked):\n{scenario}")
 
 
-def _you_are(role: str, title: str) -> str:
+def _you_are(draft: PromptDraft, title: str) -> str:
     """'You are the <title> in a five-agent development loop': the loop is named on the first prompt only."""
-    return f"You are the {title}" + _standing(role, "intro", " in a five-agent development loop", "")
+    return f"You are the {title}" + draft.once("intro")
 
 
-def _standing(role: str, block: str, text: str, back_reference: str) -> str:
-    """A role's fixed instructions (checks, answer format) in full on its terminal's first prompt only.
-
-    The back-reference names what it stands for and keeps the words the loop
-    reads back (REVIEW_RESULT, section labels), so nothing is left implicit.
-    """
-    return _once_per_terminal(block, terminal_ids.get(role, ""), text, back_reference)
-
-
-def _response_file_block(role: str) -> str:
-    """Where to write the answer, in every prompt; the example command only in the terminal's first one."""
-    return _standing(role, "response-file", response_file_instruction(role),
-                     "Response file (required; as in your first turn):\n"
-                     f"Write your complete answer to this file: {response_path(role)}\n"
-                     "Only this file is read; write it once, when your work is done.")
-
-
-def _review_back_reference(checks: str, author: str) -> str:
-    """What a reviewer is told in place of the checklist and answer format it already has."""
-    return (f"Checks and answer format: as in your first review -- four checks ({checks}), each with "
-            f"evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what {author} "
-            f"must change).")
-
-
-def build_analyst_prompt(round_num: int, analyst_cycle: int) -> str:
+def build_analyst_prompt(round_num: int, analyst_cycle: int) -> Prompt:
     """Analyst turn: turn the task into an OpenSpec change and a five-part summary."""
+    draft = PromptDraft("analyst")
     parts = [
-        _you_are("analyst", "system analyst")
+        _you_are(draft, "system analyst")
         + f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
-        _task_context("analyst"),
+        _task_context(draft),
         f"Latest tester feedback:\n{_or_none(feedback)}",
     ]
     if round_num > 1 and programmer_context_for_retry.strip():
@@ -1808,83 +2441,62 @@ def build_analyst_prompt(round_num: int, analyst_cycle: int) -> str:
         "Task:\n"
         "1. Use /opsx:explore to study the code and the task, then /opsx:ff to create or update the "
         "OpenSpec change (proposal.md, design.md, specs, tasks.md).\n"
-        + _standing("analyst", "answer-format",
-                    "2. Answer with this summary; all five sections are mandatory:\n"
-                    "ANALYST_SUMMARY:\n"
-                    "- Change: <OpenSpec change name and directory>\n"
-                    "- Artifacts: <files created or updated>\n"
-                    "- P1 requirements: <must-have requirements, each traced to the task or the scenario test>\n"
-                    "- Contracts: <interfaces, data formats and commands the programmer and tester rely on>\n"
-                    "- Handoff: <actionable first steps for the programmer; open risks>",
-                    "2. Answer with the ANALYST_SUMMARY as in your first turn; all five sections are "
-                    "mandatory: Change, Artifacts, P1 requirements, Contracts, Handoff."),
-        _response_file_block("analyst"),
+        + draft.once("answer-format"),
+        draft.once("response-file"),
     ]
-    return "\n\n".join(parts)
+    return draft.finish(parts)
 
 
-def build_analyst_review_prompt(analyst_out: str) -> str:
-    """Peer analyst turn: check the analyst's change and say APPROVED or REVISE with evidence."""
-    return "\n\n".join([
-        _you_are("peer_analyst", "peer analyst") + f" (round {current_round} of {MAX_ROUNDS}, "
-        f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the system analyst's work.",
-        _task_context("peer_analyst"),
-        f"System analyst output to review:\n{_or_none(analyst_out)}",
-        "Rules:\n"
-        "- Review only: change no file except your response file.\n"
-        "- Judge the OpenSpec artifacts on disk, not only the summary.",
-        _standing("peer_analyst", "review-checks",
-                  "Check, citing what you looked at:\n"
-                  "1. Artifacts: the change's proposal, design, specs and tasks exist and match the task.\n"
-                  "2. P1 traceability: every P1 requirement traces to the task or the scenario test.\n"
-                  "3. Downstream contracts: interfaces, formats and commands are exact enough to code and "
-                  "test against.\n"
-                  "4. Handoff: the programmer's first steps are actionable.\n\n"
-                  "Answer format:\n"
-                  "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
-                  "REVIEW_NOTES:\n"
-                  "- <one line of evidence per check above>\n"
-                  "- <for REVISE: each change the analyst must make>",
-                  _review_back_reference("Artifacts, P1 traceability, Downstream contracts, Handoff",
-                                         "the analyst")),
-        _response_file_block("peer_analyst"),
+def _review_prompt(reviewer: str, title: str, author: str, work: str, rules: list[str]) -> Prompt:
+    """A peer reviewer's turn: the work to review, the rules, the checks with their answer format."""
+    draft = PromptDraft(reviewer)
+    return draft.finish([
+        _you_are(draft, title) + f" (round {current_round} of {MAX_ROUNDS}, "
+        f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the {author}'s work.",
+        _task_context(draft),
+        f"{author[0].upper() + author[1:]} output to review:\n{_or_none(work)}",
+        "Rules:\n" + "\n".join(f"- {rule}" for rule in ["Review only: change no file except your response file.",
+                                                        *rules]),
+        draft.once("review-checks"),
+        draft.once("response-file"),
     ])
 
 
-def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: str) -> str:
+def build_analyst_review_prompt(analyst_out: str) -> Prompt:
+    """Peer analyst turn: check the analyst's change and say APPROVED or REVISE with evidence."""
+    return _review_prompt("peer_analyst", "peer analyst", "system analyst", analyst_out,
+                          ["Judge the OpenSpec artifacts on disk, not only the summary."])
+
+
+def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: str) -> Prompt:
     """Programmer turn: implement the change (round 1) or fix the failed test (retry rounds)."""
-    repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT
+    draft = PromptDraft("programmer")
     if round_num == 1:
-        handoff = UPSTREAM_BACK_REFERENCE if repeat else _or_none(condense_analyst_for_programmer(analyst_out))
-        parts = [
-            _you_are("programmer", "programmer") + f" (round {round_num} of {MAX_ROUNDS}, "
-            f"programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
-            _task_context("programmer"),
-            f"System analyst handoff:\n{handoff}",
-        ]
-        if analyst_feedback.strip():
-            notes = UPSTREAM_BACK_REFERENCE if repeat else analyst_feedback.strip()
-            parts.append(f"Open peer analyst notes (the analysis was not approved; keep them in mind):\n{notes}")
+        situation = f"round {round_num} of {MAX_ROUNDS}, "
+        # (label, text, shown when empty): what the programmer works from
+        upstream = [("System analyst handoff", _or_none(condense_analyst_for_programmer(analyst_out)), True),
+                    ("Open peer analyst notes (the analysis was not approved; keep them in mind)",
+                     analyst_feedback.strip(), False)]
         task = ("Task:\n"
                 "1. Use /opsx:apply to implement the tasks of the OpenSpec change; mark each finished task "
                 "in tasks.md.\n"
                 "2. Run the tests and fix what fails.")
     else:
-        failure = UPSTREAM_BACK_REFERENCE if repeat else _or_none(feedback)
-        parts = [
-            _you_are("programmer", "programmer") + f" (round {round_num} of {MAX_ROUNDS}: "
-            f"a retry after a failed test; programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
-            _task_context("programmer"),
-            f"Test failure feedback:\n{failure}",
-        ]
-        if programmer_context_for_retry.strip():
-            previous = UPSTREAM_BACK_REFERENCE if repeat else programmer_context_for_retry.strip()
-            parts.append(f"Your previous changes (context):\n{previous}")
+        situation = f"round {round_num} of {MAX_ROUNDS}: a retry after a failed test; "
+        upstream = [("Test failure feedback", _or_none(feedback), True),
+                    ("Your previous changes (context)", programmer_context_for_retry.strip(), False)]
         task = ("Task:\n"
                 "1. Use /opsx:explore to investigate the failure against the code and the OpenSpec change.\n"
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
                 "artifacts with /opsx:ff; say so in your summary.\n"
                 "3. Fix the code, run the tests and fix what fails.")
+    repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT    # the same upstream as last cycle
+    parts = [
+        _you_are(draft, "programmer") + f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
+        _task_context(draft),
+        *(f"{label}:\n{UPSTREAM_BACK_REFERENCE if repeat else text}" for label, text, always in upstream
+          if always or text),
+    ]
     parts += [
         f"Latest peer programmer feedback:\n{_or_none(programmer_feedback)}",
         "Rules:\n"
@@ -1893,53 +2505,24 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
         "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
         f"- {_test_command_line()}",
         task,
-        _standing("programmer", "answer-format",
-                  "Answer format:\n"
-                  "PROGRAMMER_SUMMARY:\n"
-                  "- Files changed: <each file and what changed in it>\n"
-                  "- Behavior implemented: <what the code now does, per requirement>\n"
-                  "- Tests run: <commands and results>\n"
-                  "- Known gaps: <anything left undone, or none>",
-                  "Answer format: as in your first turn -- PROGRAMMER_SUMMARY: with Files changed, "
-                  "Behavior implemented, Tests run, Known gaps."),
-        _response_file_block("programmer"),
+        draft.once("answer-format"),
+        draft.once("response-file"),
     ]
-    return "\n\n".join(parts)
+    return draft.finish(parts)
 
 
-def build_programmer_review_prompt(programmer_out: str) -> str:
+def build_programmer_review_prompt(programmer_out: str) -> Prompt:
     """Peer programmer turn: check the change and say APPROVED or REVISE with evidence."""
-    return "\n\n".join([
-        _you_are("peer_programmer", "peer programmer") + f" (round {current_round} of {MAX_ROUNDS}, "
-        f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the programmer's work.",
-        _task_context("peer_programmer"),
-        f"Programmer output to review:\n{_or_none(programmer_out)}",
-        "Rules:\n"
-        "- Review only: change no file except your response file.\n"
-        "- Read the changed code and run the tests yourself.\n"
-        f"- {_test_command_line()}",
-        _standing("peer_programmer", "review-checks",
-                  "Check, citing what you looked at:\n"
-                  "1. Tests: they run and pass (give the command and its result).\n"
-                  "2. Files: the changed files do what the tasks ask (name them).\n"
-                  "3. Requirements: each requirement and the scenario test is covered by the code.\n"
-                  "4. Edge cases and error handling: no obvious regression or unhandled error.\n\n"
-                  "Answer format:\n"
-                  "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
-                  "REVIEW_NOTES:\n"
-                  "- <one line of evidence per check above>\n"
-                  "- <for REVISE: each change the programmer must make>",
-                  _review_back_reference("Tests, Files, Requirements, Edge cases and error handling",
-                                         "the programmer")),
-        _response_file_block("peer_programmer"),
-    ])
+    return _review_prompt("peer_programmer", "peer programmer", "programmer", programmer_out,
+                          ["Read the changed code and run the tests yourself.", _test_command_line()])
 
 
-def build_tester_prompt(programmer_out: str) -> str:
+def build_tester_prompt(programmer_out: str) -> Prompt:
     """Tester turn: run the scenario test and report PASS or FAIL with evidence."""
+    draft = PromptDraft("tester")
     parts = [
-        _you_are("tester", "tester") + f" (round {current_round} of {MAX_ROUNDS}).",
-        _task_context("tester"),
+        _you_are(draft, "tester") + f" (round {current_round} of {MAX_ROUNDS}).",
+        _task_context(draft),
         f"Programmer handoff:\n{_or_none(condense_programmer_for_tester(programmer_out))}",
     ]
     if programmer_feedback.strip():
@@ -1950,18 +2533,10 @@ def build_tester_prompt(programmer_out: str) -> str:
         "- Test only: do not change application code, tests or OpenSpec artifacts.\n"
         f"- {_test_command_line()}",
         "Task: run the test command and carry out the scenario test step by step.",
-        _standing("tester", "answer-format",
-                  "Answer format:\n"
-                  "RESULT: PASS  (or RESULT: FAIL)\n"
-                  "EVIDENCE:\n"
-                  "- <commands run and the output that matters>\n"
-                  "- <for FAIL: the failing step, error messages, stack trace lines>\n"
-                  "- Recommended next fix: <for FAIL: where to look first>",
-                  "Answer format: as in your first turn -- RESULT: PASS or RESULT: FAIL, then EVIDENCE: "
-                  "(for FAIL the failing step and a recommended next fix)."),
-        _response_file_block("tester"),
+        draft.once("answer-format"),
+        draft.once("response-file"),
     ]
-    return "\n\n".join(parts)
+    return draft.finish(parts)
 
 
 def _story_tasks_block(story: Story) -> str:
@@ -1984,13 +2559,14 @@ def story_tool_instructions() -> str:
             "other stories.")
 
 
-def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> str:
+def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> Prompt:
     """Programmer turn in story mode: one story of the change, ending in a promise signal."""
+    draft = PromptDraft("programmer")
     parts = [
-        _you_are("programmer", "programmer") + f" (round {current_round} of {MAX_ROUNDS}), "
+        _you_are(draft, "programmer") + f" (round {current_round} of {MAX_ROUNDS}), "
         f"working story by story. This turn: story {story.id} \"{story.title}\" "
         f"(attempt {attempt} of {MAX_STORY_ATTEMPTS}).",
-        _task_context("programmer"),
+        _task_context(draft),
     ]
     if current_round > 1 and feedback.strip():
         parts.append(f"Test failure feedback:\n{feedback.strip()}")
@@ -2017,810 +2593,20 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
         "<promise>FAILED: {reason}</promise>, where {reason} says briefly what went wrong. This lets the "
         "orchestrator retry the story with that context.\n"
         "You MUST end with one of these two signals.",
-        _standing("programmer", "story-answer-format",
-                  "Answer format:\n"
-                  "PROGRAMMER_SUMMARY:\n"
-                  "- Files changed: <each file and what changed in it>\n"
-                  "- Behavior implemented: <what the code now does>\n"
-                  "- Tests run: <commands and results>\n"
-                  "<promise>COMPLETE</promise>  (or <promise>FAILED: reason</promise>)",
-                  "Answer format: as in your first story -- PROGRAMMER_SUMMARY: with Files changed, "
-                  "Behavior implemented, Tests run, then the completion signal."),
-        _response_file_block("programmer"),
+        draft.once("story-answer-format"),
+        draft.once("response-file"),
     ]
-    return "\n\n".join(parts)
+    return draft.finish(parts)
 
 
 # ==========================================================================
-# 7. State file
-# ==========================================================================
-
-class StateFileError(Exception):
-    """The state file exists but cannot be used."""
-
-
-def save_state() -> None:
-    """Write the run's state atomically: a crash leaves the old file or the new one, never half."""
-    data = {
-        "version": 1,
-        "updated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "api": API,
-        "provider": PROVIDER,
-        "wd": WD,
-        "prompt": PROMPT,
-        "current_round": current_round,
-        "current_phase": current_phase,
-        "final_status": final_status,
-        "session_name": session_name,
-        "terminals": {role: terminal_ids.get(role, "") for role in ROLES},
-        "feedback": feedback,
-        "analyst_feedback": analyst_feedback,
-        "programmer_feedback": programmer_feedback,
-        "outputs": {key: outputs.get(key, "") for key in OUTPUT_KEYS},
-        "programmer_context_for_retry": programmer_context_for_retry,
-        # Keys the shell script does not know; it ignores them.
-        "phase_cycle": phase_cycle,
-        "phase_step": phase_step,
-        "run_dir": run_dir,
-        "context_sent": sorted(context_sent),
-        "terminals_exited": terminals_exited,
-        "in_flight": in_flight or None,
-        "story_progress": story_progress or None,
-        "turn_records": turn_records,
-        "worktree_at_start": worktree_at_start,
-        "after_run": after_run or None,
-    }
-    path = Path(STATE_FILE)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, ensure_ascii=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def read_state_file() -> dict | None:
-    """The state file's JSON object, None if there is none; StateFileError if unusable."""
-    path = Path(STATE_FILE)
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StateFileError(f"state file {path} cannot be parsed ({exc})") from None
-    if not isinstance(data, dict):
-        raise StateFileError(f"state file {path} does not hold a JSON object")
-    if data.get("version", 1) != 1:
-        raise StateFileError(f"state file {path} has version {data.get('version')!r}; only version 1 is known")
-    terminals = data.get("terminals", {})
-    if not isinstance(terminals, dict) or not all(isinstance(v, str) for v in terminals.values()):
-        raise StateFileError(f"state file {path}: 'terminals' must map roles to terminal id strings")
-    if not isinstance(data.get("outputs", {}), dict):
-        raise StateFileError(f"state file {path}: 'outputs' must be an object")
-    return data
-
-
-def _text(data: dict, key: str) -> str:
-    value = data.get(key, "")
-    return value if isinstance(value, str) else ""
-
-
-def _positive_int(value: object, default: int) -> int:
-    """An int from a state value written by either script; the default if it is not one."""
-    if isinstance(value, bool):
-        return default
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        number = int(value.strip())
-    else:
-        return default
-    return number if number >= 1 else default
-
-
-def load_state() -> bool:
-    """Restore the run from STATE_FILE; False if there is no state file."""
-    global API, PROVIDER, WD, session_name, terminal_ids, current_round, current_phase, phase_cycle, \
-        phase_step, final_status, feedback, analyst_feedback, programmer_feedback, \
-        programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, in_flight, story_progress, \
-        turn_records, worktree_at_start, after_run
-    data = read_state_file()
-    if data is None:
-        return False
-    # What the terminals were created with, unless the user chose otherwise now.
-    if "API" not in explicit_settings and _text(data, "api"):
-        API = _text(data, "api")
-    if "PROVIDER" not in explicit_settings and _text(data, "provider"):
-        PROVIDER = _text(data, "provider")
-    if "WD" not in explicit_settings and _text(data, "wd"):
-        WD = _text(data, "wd")
-    set_task(_text(data, "prompt"))
-    session_name = _text(data, "session_name")
-    terminals = data.get("terminals", {})
-    terminal_ids = {role: terminals.get(role, "") for role in ROLES}
-    current_round = _positive_int(data.get("current_round"), 1)
-    phase = data.get("current_phase")
-    current_phase = phase if phase in PHASES else PHASE_ANALYST
-    phase_cycle = _positive_int(data.get("phase_cycle"), 1)
-    phase_step = data.get("phase_step") if data.get("phase_step") in ("author", "review") else "author"
-    final_status = _text(data, "final_status") or "RUNNING"
-    feedback = _text(data, "feedback")
-    analyst_feedback = _text(data, "analyst_feedback")
-    programmer_feedback = _text(data, "programmer_feedback")
-    programmer_context_for_retry = _text(data, "programmer_context_for_retry")
-    saved_outputs = data.get("outputs", {})
-    outputs = {key: saved_outputs.get(key, "") if isinstance(saved_outputs.get(key), str) else ""
-               for key in OUTPUT_KEYS}
-    run_dir = _text(data, "run_dir")
-    marks = data.get("context_sent", [])
-    context_sent = {m for m in marks if isinstance(m, str)} if isinstance(marks, list) else set()
-    terminals_exited = data.get("terminals_exited") is True
-    in_flight = data.get("in_flight") if isinstance(data.get("in_flight"), dict) else {}
-    story_progress = data.get("story_progress") if isinstance(data.get("story_progress"), dict) else {}
-    records = data.get("turn_records")
-    turn_records = [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
-    worktree_at_start = _fingerprints(data.get("worktree_at_start"))
-    done = data.get("after_run")
-    after_run = {k: v for k, v in done.items() if isinstance(k, str)} if isinstance(done, dict) else {}
-    return True
-
-
-def _fingerprints(value: object) -> dict | None:
-    """The start-of-run worktree record if it is well formed (path -> fingerprint text), else None."""
-    if not isinstance(value, dict):
-        return None
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        return None
-    return value
-
-
-def state_backup_path() -> Path:
-    """Where an old state file is kept when a new run replaces it."""
-    path = Path(STATE_FILE)
-    return path.with_name(f"{path.name}.{datetime.now().strftime('%Y%m%d-%H%M%S')}.bak")
-
-
-def describe_state(data: dict) -> str:
-    """'finished with PASS in round 2, last saved 2026-11-22T10:00:00Z': what a state file holds."""
-    status = data.get("final_status")
-    round_text = f"round {data.get('current_round', '?')}"
-    what = (f"finished with {status} in {round_text}" if status in ("PASS", "FAIL")
-            else f"an unfinished run ({round_text}, {data.get('current_phase', '?')} phase)")
-    return f"{what}, last saved {data.get('updated_at', 'at an unknown time')}"
-
-
-# One process per run: an exclusive lock on a file beside the state file, held
-# until the process ends. The operating system drops it when the process dies,
-# so a killed run never blocks the next one.
-run_lock = None
-
-
-def acquire_run_lock() -> None:
-    """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
-    global run_lock
-    path = Path(STATE_FILE + ".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "a process that has not yet said its pid"
-        handle.close()
-        raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
-                        f"Try again when it has finished (see its log), or stop that process first") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
-    handle.flush()
-    run_lock = handle
-
-
-def lock_holder() -> str:
-    """Who holds the run's lock ('' if nobody): looked at without taking it or writing anything."""
-    try:
-        handle = open(STATE_FILE + ".lock", encoding="utf-8")
-    except OSError:
-        return ""
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return handle.read().strip() or "a process"
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return ""
-
-
-def release_run_lock() -> None:
-    global run_lock
-    if run_lock is not None:
-        run_lock.close()
-        run_lock = None
-
-
-# ==========================================================================
-# 8. Init and resume
-# ==========================================================================
-
-# Where a run starts for each START_AGENT: phase, step, and the outputs
-# that hold _UPSTREAM_PLACEHOLDER because their agent was skipped.
-START_POSITIONS = {
-    "analyst": (PHASE_ANALYST, "author", ()),
-    "peer_analyst": (PHASE_ANALYST, "review", ("analyst",)),
-    "programmer": (PHASE_PROGRAMMER, "author", ("analyst",)),
-    "peer_programmer": (PHASE_PROGRAMMER, "review", ("analyst", "programmer")),
-    "tester": (PHASE_TESTER, "author", ("analyst", "programmer")),
-}
-
-
-def set_position(phase: str, cycle: int = 1, step: str = "author") -> None:
-    """Move the loop to a phase, cycle and step: the one place the position changes."""
-    global current_phase, phase_cycle, phase_step
-    current_phase, phase_cycle, phase_step = phase, cycle, step
-
-
-def cleanup_terminals() -> None:
-    """CLEANUP_ON_EXIT: end the five agents and record it, so no resume types into their shells."""
-    global terminals_exited
-    log("CLEANUP_ON_EXIT=1: exiting the five agent terminals")
-    exit_terminals([terminal_ids.get(role, "") for role in ROLES])
-    terminals_exited = True
-    save_state()
-
-
-def exit_terminals(ids: list[str]) -> None:
-    """Exit agent terminals, logging (not raising) what fails: used while stopping."""
-    for terminal_id in ids:
-        if not terminal_id:
-            continue
-        try:
-            api.exit_terminal(terminal_id)
-        except ApiError as exc:
-            log(f"could not exit terminal {terminal_id}: {exc}")
-
-
-@contextmanager
-def signals_held(what: str) -> Iterator[list[int]]:
-    """Hold Ctrl-C and SIGTERM while `what` finishes, then act on them.
-
-    Creating terminals cannot be cut short safely: a creation the server is
-    still carrying out would leave an agent nobody knows about. The list
-    yielded holds the signals that arrived; on leaving, the first one is
-    raised as usual (KeyboardInterrupt or Terminated).
-    """
-    received: list[int] = []
-
-    def hold(signum, frame) -> None:
-        if not received:
-            log(f"interrupted: {what} first, so that nothing is left behind")
-        received.append(signum)
-
-    previous = {}
-    try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, hold)
-    except ValueError:                     # not the main thread: signals cannot be held here
-        pass
-    try:
-        yield received
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if received:
-        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
-
-
-def new_session_name() -> str:
-    """A name for a new run's CAO session: recognizably this loop's, and unique by its random part.
-
-    It starts with `cao-` because CAO stores any other name with that prefix
-    added, and the terminals are added to the session under the name asked for.
-    """
-    return f"cao-loop-{secrets.token_hex(4)}"
-
-
-def create_terminals() -> tuple[str, dict[str, str]]:
-    """Create the five terminals in one CAO session, all at once.
-
-    CAO waits for each agent CLI to start (seconds per terminal), so the
-    session (with the analyst's terminal) is requested under a name chosen
-    here and the other four are added to that name at the same time, without
-    waiting for the session's answer (see add_to_session). A failed or
-    interrupted start-up exits every terminal it created (interrupts wait for
-    the creations under way), and a failure names the role. Returns the
-    session name CAO answered and the terminal id of each role.
-    """
-    name = new_session_name()
-    answers: dict[str, dict] = {}
-    failures: dict[str, str] = {}
-    providers = providers_in_use()
-    log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
-        f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
-        "minute with real CLIs)")
-    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
-            signals_held("exiting the terminals being created") as interrupted:
-        session = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"), name)
-        futures = {"analyst": session}
-        for role in ROLES[1:]:
-            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-        for role, future in futures.items():
-            try:
-                answer = future.result()
-            except Exception as exc:       # ApiError, or anything else: the others are still exited
-                failures[role] = f"{role}: {exc}"
-                continue
-            if answer is not None:
-                answers[role] = answer
-        if failures or interrupted:
-            exit_terminals([answer["id"] for answer in answers.values()])
-        if failures and not interrupted:
-            # A failed session explains the rest: the adds failed or stopped because of it.
-            error = failures.get("analyst") or "; ".join(failures.values())
-            raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
-    return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
-
-
-def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
-    """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
-
-    The session request gets a head start of a few hundredths of a second.
-    An add that still reaches CAO before the session exists is answered 404
-    "Session '<name>' not found": it is tried again after a growing pause
-    while the session request is under way, and once more after it succeeded.
-    It gives up, having created nothing (None), when the session request
-    failed or the start-up was interrupted.
-    """
-    pause = 0.05
-    while True:
-        wait_for_futures([session], timeout=pause)
-        session_finished = session.done()      # looked at before asking, so a 404 after it is final
-        if interrupted or (session_finished and session.exception() is not None):
-            return None
-        try:
-            return api.create_terminal(name, profile_for(role), provider_for(role))
-        except ApiError as exc:
-            if session_finished or not (exc.status_code == 404 and f"Session '{name}' not found" in str(exc)):
-                raise
-        pause = min(pause * 2, 0.5)
-
-
-def warn_about_missing_clis() -> None:
-    """Say at once when cao-server reports an agent CLI missing: its terminals would time out minutes later.
-
-    Only a warning: CAO looks the program up on its own PATH, while the
-    agents start in login shells, whose PATH can differ.
-    """
-    for provider, binary in api.missing_agent_clis(providers_in_use()):
-        log(f"warning: cao-server at {API} reports that `{binary}`, the CLI of provider {provider}, is not "
-            f"installed on its machine; creating its terminals will time out after a minute or two. Install "
-            f"it (and log in) where cao-server runs, or set PROVIDER to a CLI you have")
-
-
-def start_failure_hint(error: str) -> str:
-    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
-
-    CAO gives up waiting for an agent CLI to start without saying why, and
-    refuses a session name that is taken without saying that it was picked here.
-    """
-    if re.search(r"Session '[^']*' already exists", error):
-        return "; another CAO session has the name this run picked at random: run it again to pick another"
-    if "initialization timed out" not in error:
-        return ""
-    hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
-            "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
-            "of the user running cao-server")
-    if "Claude Code" in error:
-        hint += ("; a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code "
-                 "(which otherwise refuses --dangerously-skip-permissions)")
-    return hint
-
-
-def init_new_run(plan: StartPlan | None = None) -> None:
-    """Create the session and five terminals, reset the run, and write the first state.
-
-    The run it replaces (`plan`) is set aside only once the new terminals
-    exist, so a start that fails leaves the old state file where it was.
-    """
-    global session_name, terminal_ids, current_round, final_status, feedback, analyst_feedback, \
-        programmer_feedback, programmer_context_for_retry, outputs, run_dir, context_sent, terminals_exited, \
-        in_flight, story_progress, turn_records, worktree_at_start, after_run
-    session_name, terminal_ids = create_terminals()
-    settled_terminals.update(terminal_ids.values())   # CAO answered each creation once its CLI was ready
-    replace_old_run(plan or StartPlan(False))
-    current_round = 1
-    final_status = "RUNNING"
-    feedback = analyst_feedback = programmer_feedback = programmer_context_for_retry = ""
-    phase, step, skipped = START_POSITIONS[START_AGENT]
-    set_position(phase, 1, step)
-    outputs = {key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS}
-    run_dir = new_run_dir()
-    context_sent = set()
-    terminals_exited = False
-    in_flight = story_progress = {}
-    turn_records = []
-    worktree_at_start = snapshot_worktree() if COMMIT_ON_PASS else None
-    after_run = {}
-    save_state()
-    log(f"new run: CAO session {session_name}, terminals "
-        + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
-        + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
-
-
-def verify_resume_terminals() -> None:
-    """Make sure every terminal of the saved run still exists before touching it."""
-    for role in ROLES:
-        terminal_id = terminal_ids.get(role, "")
-        if not terminal_id:
-            raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
-                           "start a new run with RESUME=0")
-        try:
-            api.get_status(terminal_id)
-        except ApiError as exc:
-            if exc.status_code is None:
-                raise RunError(f"cannot resume: {exc}") from None
-            raise RunError(f"cannot resume: the {role} terminal {terminal_id} is not reachable ({exc}); "
-                           "start a new run with RESUME=0 (the old state file is kept aside)") from None
-
-
-@dataclass
-class StartPlan:
-    """What start_run() will do with the state file it found."""
-
-    resume: bool
-    note: str = ""                 # the first log line of a new run: what the old state file held
-    old_state: dict | None = None  # a run the new one replaces: its file is kept aside, its agents exited
-
-
-def choose_start() -> StartPlan:
-    """Resume, report a finished run, or start a new one -- and what happens to an old state file.
-
-    Decides only: nothing is moved or written here, so a run that then fails
-    to start leaves the state file as it found it.
-    """
-    try:
-        data = read_state_file()
-    except StateFileError as exc:
-        if RESUME:
-            raise ConfigError(f"RESUME=1 but {exc}; fix or remove it, or unset RESUME to start a new run") from None
-        return StartPlan(False, f"{exc}; starting a new run, the old file will be kept as {state_backup_path()}",
-                         {})
-    status = (data or {}).get("final_status")
-    finished = status in ("PASS", "FAIL")
-    # Input to an exited agent's terminal lands in a plain shell, so such a run is over.
-    exited = data is not None and data.get("terminals_exited") is True
-    if RESUME:
-        if data is None:
-            raise ConfigError(f"RESUME=1 but there is no state file at {STATE_FILE}: set STATE_FILE to the "
-                              "run's state file, or unset RESUME to start a new run")
-        if finished:
-            raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {status}; "
-                              "unset RESUME to start a new run")
-        if exited:
-            raise ConfigError(f"RESUME=1 but the agents of the run in {STATE_FILE} were exited "
-                              "(CLEANUP_ON_EXIT=1), so it cannot be resumed; unset RESUME to start a new run")
-        return StartPlan(True)
-    if data is None:
-        return StartPlan(False)
-    # A finished run with after-run steps left over is finished first (start_run, under the lock).
-    record = data.get("after_run") if isinstance(data.get("after_run"), dict) else {}
-    leftover = finished and bool(after_run_pending(0 if status == "PASS" else 1, record))
-    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
-        raise AlreadyFinished(0 if status == "PASS" else 1,
-                              f"the run in {STATE_FILE} {describe_state(data)}; REPORT_FINISHED_RUN=1, so "
-                              "nothing was started (move the state file away to start a new run)")
-    if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
-        return StartPlan(True)
-    why = " (RESUME=0)" if "RESUME" in explicit_settings else \
-        " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
-    return StartPlan(False, f"{STATE_FILE} holds {describe_state(data)}{why}; starting a new run, the old state "
-                            f"file will be kept as {state_backup_path()}", data)
-
-
-def replace_old_run(plan: StartPlan) -> None:
-    """The new run's terminals exist: keep the old state file aside and exit the old run's agents."""
-    if plan.old_state is None:
-        return
-    target = state_backup_path()
-    os.replace(STATE_FILE, target)
-    log(f"kept the old state file as {target}")
-    old = plan.old_state
-    ids = [i for i in (old.get("terminals") or {}).values() if isinstance(i, str) and i]
-    if not ids or old.get("terminals_exited") is True:
-        return
-    if str(old.get("api", API)).rstrip("/") != API.rstrip("/"):
-        log(f"the replaced run's agents (CAO session {old.get('session_name')}) ran on {old.get('api')}, "
-            "another server: left alone")
-        return
-    exited = 0
-    for terminal_id in ids:
-        try:
-            api.exit_terminal(terminal_id)
-            exited += 1
-        except ApiError as exc:
-            if exc.status_code != 404:
-                log(f"could not exit terminal {terminal_id} of the replaced run: {exc}")
-    log(f"exited {exited} agent terminal(s) of the replaced run (CAO session {old.get('session_name')})"
-        if exited else f"the replaced run's agents (CAO session {old.get('session_name')}) are gone already")
-
-
-# ==========================================================================
-# 9. Main loop
-# ==========================================================================
-
-PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
-PHASE_OUTPUTS = {PHASE_ANALYST: ("analyst", "analyst_review"), PHASE_PROGRAMMER: ("programmer", "programmer_review")}
-NEXT_PHASE = {PHASE_ANALYST: PHASE_PROGRAMMER, PHASE_PROGRAMMER: PHASE_TESTER}
-
-
-def set_review_feedback(phase: str, text: str) -> None:
-    """What the phase's author is told about its last review."""
-    global analyst_feedback, programmer_feedback
-    if phase == PHASE_ANALYST:
-        analyst_feedback = text
-    else:
-        programmer_feedback = text
-
-
-def author_prompt(phase: str, cycle: int) -> str:
-    if phase == PHASE_ANALYST:
-        return build_analyst_prompt(current_round, cycle)
-    return build_programmer_prompt(current_round, cycle, outputs["analyst"])
-
-
-def review_prompt(phase: str) -> str:
-    if phase == PHASE_ANALYST:
-        return build_analyst_review_prompt(outputs["analyst"])
-    return build_programmer_review_prompt(outputs["programmer"])
-
-
-def set_story_progress(progress: dict) -> None:
-    global story_progress
-    story_progress = progress
-
-
-def story_loop_due() -> bool:
-    """Story mode replaces the round's first programmer turn while the change has unfinished stories."""
-    if not STORY_MODE:
-        return False
-    if story_progress:
-        return True                      # resumed inside the story loop
-    change = find_story_change()
-    stories = parse_stories(_read_text(change / "tasks.md"))
-    if not stories:
-        log_turn("programmer", f"story mode: no '## N. Title' stories in {change / 'tasks.md'}; "
-                               "a normal programmer turn instead")
-    return any(not story.finished for story in stories)
-
-
-def run_story_loop() -> str:
-    """Each unfinished story in turn, retried on FAILED or no signal; returns the combined summary."""
-    change = find_story_change()
-    stories = {story.id: story for story in parse_stories(_read_text(change / "tasks.md"))}
-    scenarios = parse_scenarios(change / "specs")
-    if not story_progress:
-        queue = [story.id for story in stories.values() if not story.finished]
-        set_story_progress({"change": str(change), "queue": queue, "current": queue[0], "attempt": 1,
-                            "last_failure": "", "results": []})
-        save_state()
-    progress = story_progress
-    while progress.get("current"):
-        story = stories.get(progress["current"]) or Story(progress["current"], f"Story {progress['current']}", [])
-        attempt = progress["attempt"]
-        prompt = build_story_prompt(story, change, scenarios, attempt, progress["last_failure"])
-        try:
-            reply = ask_agent("programmer", prompt)
-            signal_name, reason = promise_signal(reply)
-        except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
-            log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
-            reply, signal_name, reason = "", "", ""
-        log_turn("programmer", f"story {story.id} attempt {attempt}/{MAX_STORY_ATTEMPTS}: "
-                               + (f"{signal_name} {reason}".strip() if signal_name else "no completion signal"))
-        if signal_name == "COMPLETE" or attempt >= MAX_STORY_ATTEMPTS:
-            status = "COMPLETE" if signal_name == "COMPLETE" else "FAILED"
-            progress["results"].append({
-                "id": story.id, "title": story.title, "status": status, "attempts": attempt,
-                "reason": "" if status == "COMPLETE" else (reason or "no completion signal"),
-                "summary": condense_programmer_for_tester(reply)})
-            queue = progress["queue"]
-            following = queue[queue.index(story.id) + 1:] if story.id in queue else []
-            progress.update(current=following[0] if following else "", attempt=1, last_failure="")
-        else:
-            progress.update(attempt=attempt + 1, last_failure=reason if signal_name == "FAILED" else "")
-        save_state()
-    combined = story_summary(progress["results"])
-    set_story_progress({})
-    return combined
-
-
-def story_summary(results: list[dict]) -> str:
-    """What the peer programmer reviews after the story loop: each story's outcome and changes."""
-    lines = ["PROGRAMMER_SUMMARY (story by story):", "Story results:"]
-    for result in results:
-        outcome = (f"COMPLETE (attempt {result['attempts']})" if result["status"] == "COMPLETE"
-                   else f"FAILED after {result['attempts']} attempts -- {result['reason']}")
-        lines.append(f"- Story {result['id']} \"{result['title']}\": {outcome}")
-    for result in results:
-        if result.get("summary"):
-            lines += [f"Story {result['id']}:", result["summary"]]
-    return "\n".join(lines)
-
-
-def run_reviewed_phase(phase: str) -> None:
-    """Author and peer reviewer take turns until an approval counts or the cycles run out."""
-    author, reviewer = PHASE_ROLES[phase]
-    out_key, review_key = PHASE_OUTPUTS[phase]
-    while True:
-        cycle = phase_cycle
-        if phase_step == "author":
-            if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
-                outputs[out_key] = run_story_loop()
-            else:
-                outputs[out_key] = ask_agent(author, author_prompt(phase, cycle))
-            set_position(phase, cycle, "review")
-            save_state()
-        review = ask_agent(reviewer, review_prompt(phase))
-        outputs[review_key] = review
-        verdict = review_verdict(review)
-        approved = is_review_approved(review, cycle, reviewer)
-        note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
-        if approved:
-            log_turn(reviewer, f"verdict {verdict}: approved")
-            set_review_feedback(phase, "")
-            set_position(NEXT_PHASE[phase])
-        else:
-            log_turn(reviewer, f"verdict {verdict}; approval not counted: {_why_not_approved(verdict, review, cycle, reviewer)}")
-            set_review_feedback(phase, review_feedback_from(review))
-            if cycle >= MAX_REVIEW_CYCLES:
-                log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
-                                   "review notes carried forward")
-                set_position(NEXT_PHASE[phase])
-            else:
-                set_position(phase, cycle + 1, "author")
-        save_state()
-        if current_phase != phase:
-            return
-
-
-def _why_not_approved(verdict: str, review: str, cycle: int, reviewer: str) -> str:
-    """A short reason for the log when a review does not count as approval."""
-    if verdict != "APPROVED":
-        return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
-    if cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
-        return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
-    return (f"REVIEW_NOTES show {review_evidence_matches(review, reviewer)} of the "
-            f"{REVIEW_EVIDENCE_MIN_MATCH} evidence checks required")
-
-
-def tester_result(text: str) -> str:
-    """PASS only if the last RESULT line says so; anything else is a FAIL."""
-    results = re.findall(r"^\W*RESULT\W*:\W*([A-Za-z]+)", text or "", re.MULTILINE)
-    return "PASS" if results and results[-1].upper() == "PASS" else "FAIL"
-
-
-def handle_tester_fail() -> None:
-    """Set up the retry round: programmer -> peer programmer -> tester, with the failure evidence."""
-    global feedback, programmer_context_for_retry, analyst_feedback, programmer_feedback, current_round
-    feedback = extract_test_evidence(outputs["tester"])
-    programmer_out = outputs["programmer"]
-    programmer_context_for_retry = ("" if programmer_out == _UPSTREAM_PLACEHOLDER
-                                    else condense_programmer_for_tester(programmer_out))
-    for key in ("programmer", "programmer_review", "tester"):
-        outputs[key] = ""
-    analyst_feedback = programmer_feedback = ""
-    set_story_progress({})
-    set_position(PHASE_PROGRAMMER)
-    current_round += 1
-
-
-def run_tester_phase() -> str:
-    """One tester turn; returns PASS or FAIL."""
-    global final_status
-    outputs["tester"] = ask_agent("tester", build_tester_prompt(outputs["programmer"]))
-    result = tester_result(outputs["tester"])
-    note_turn_outcome(result)
-    log_turn("tester", f"RESULT: {result}")
-    for line in extract_test_evidence(outputs["tester"]).splitlines():
-        print(f"    {line}", flush=True)
-    if result == "PASS":
-        final_status = "PASS"
-        mark_after_run_due(0)
-        set_position(PHASE_DONE)
-    else:
-        handle_tester_fail()
-    save_state()
-    return result
-
-
-def run_loop() -> int:
-    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 10).
-
-    A stop that needs a person (an agent error, a timeout, an unreachable
-    server) is announced on its way out to main().
-    """
-    try:
-        code = drive_rounds()
-    except (RunError, ApiError) as exc:
-        notify_stopped(exc)
-        raise
-    return finish_run(code)
-
-
-def drive_rounds() -> int:
-    """Drive the phases until the tester passes (0) or the rounds run out (1)."""
-    global final_status
-    while current_round <= MAX_ROUNDS:
-        if current_phase == PHASE_PROGRAMMER and not outputs["analyst"].strip():
-            log_turn("programmer", "no analyst output to work from; falling back to the analyst phase")
-            set_position(PHASE_ANALYST)
-        elif current_phase == PHASE_TESTER and not outputs["programmer"].strip():
-            log_turn("tester", "no programmer output to test; falling back to the programmer phase")
-            set_position(PHASE_PROGRAMMER)
-        elif current_phase == PHASE_DONE:
-            set_position(PHASE_TESTER)      # a RUNNING state left at "done": the test decides
-        elif current_phase == PHASE_TESTER:
-            if run_tester_phase() == "PASS":
-                log(f"PASS in round {current_round}; state in {STATE_FILE}")
-                return 0
-        else:
-            run_reviewed_phase(current_phase)
-    final_status = "FAIL"
-    mark_after_run_due(1)
-    set_position(PHASE_DONE)
-    save_state()
-    log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}")
-    return 1
-
-
-def run_summary(exit_code: int) -> dict:
-    """What the run did, from its turn records: for the last log lines and for CI dashboards."""
-    roles = {}
-    for role in ROLES:
-        mine = [r for r in turn_records if r.get("role") == role]
-        seconds = [r["seconds"] for r in mine if isinstance(r.get("seconds"), (int, float))]
-        roles[role] = {"turns": len(mine), "seconds": round(sum(seconds), 1),
-                       "outcomes": [r["outcome"] for r in mine if r.get("outcome")]}
-    return {
-        "result": final_status, "exit_code": exit_code, "rounds": current_round, "max_rounds": MAX_ROUNDS,
-        "turns": len(turn_records),
-        "agent_seconds": round(sum(r["seconds"] for r in turn_records
-                                   if isinstance(r.get("seconds"), (int, float))), 1),
-        "prompt_bytes": sum(r.get("prompt_bytes", 0) for r in turn_records),
-        "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
-        "after_run": after_run,
-    }
-
-
-def report_run_summary(exit_code: int) -> None:
-    """Log the run's summary and keep it as summary.json in the run's archive directory."""
-    summary = run_summary(exit_code)
-    per_role = ", ".join(f"{role} {r['turns']}x {r['seconds']:g}s" for role, r in summary["roles"].items()
-                         if r["turns"])
-    log(f"summary: {summary['result']} after round {summary['rounds']}/{summary['max_rounds']}; "
-        f"{summary['turns']} turns, {summary['agent_seconds']:g}s of agent time ({per_role or 'none'}); "
-        f"{summary['prompt_bytes'] / 1000:.1f} KB of prompts")
-    verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
-    if verdicts:
-        log("summary: " + "; ".join(verdicts))
-    if run_dir:
-        path = Path(run_dir) / "summary.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        log(f"summary written to {path}")
-
-
-# ==========================================================================
-# 10. After the run: archive, commit, notify
+# 11. After the run: archive, commit, notify
 # ==========================================================================
 # Opt-in steps for runs nobody watches (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
-# NTFY_TOPIC). Each is done at most once per run -- after_run in the state
-# file records it -- and none of them can turn a PASS into a failure: what
-# goes wrong is logged with how to fix it, and the run's exit code stands.
+# NTFY_TOPIC), one row each in AFTER_RUN_STEPS. Each is done at most once per
+# run -- after_run in the state file records it -- and none of them can turn
+# a PASS into a failure: what goes wrong is logged with how to fix it, and the
+# run's exit code stands.
 
 GIT_TIMEOUT_SECONDS = 60.0
 GIT_COMMIT_TIMEOUT_SECONDS = 300.0      # a commit hook may run the project's checks
@@ -2903,20 +2689,13 @@ def _log_output(prefix: str, text: str, lines: int = 20) -> None:
 # -- which change ---------------------------------------------------------------
 
 def change_to_archive() -> tuple[str, str]:
-    """(the change this run worked on, '') or ('', why none can be named).
-
-    Story mode (or STORY_CHANGE) names it; otherwise it is the only active
-    change under $WD/openspec/changes/ (the archive folder does not count).
-    """
-    changes = Path(WD) / "openspec" / "changes"
+    """(the change this run worked on, '') or ('', why none can be named)."""
+    name, found = openspec_change()
+    changes = openspec_changes_dir()
+    if name:
+        return name, ""
     if STORY_CHANGE:
-        if (changes / STORY_CHANGE).is_dir():
-            return STORY_CHANGE, ""
         return "", f"STORY_CHANGE={STORY_CHANGE} but {changes / STORY_CHANGE} is not a directory (archived already?)"
-    found = sorted(p.name for p in changes.iterdir() if p.is_dir() and p.name != "archive") \
-        if changes.is_dir() else []
-    if len(found) == 1:
-        return found[0], ""
     if not found:
         return "", f"no active OpenSpec change in {changes}"
     return "", (f"{len(found)} active OpenSpec changes in {changes} ({', '.join(found)}): set STORY_CHANGE to "
@@ -3087,6 +2866,42 @@ def git_identity_args(top: str) -> list[str]:
     return args
 
 
+def stage_and_commit(top: str, paths: list[str], untracked: list[str], archive: dict) -> dict:
+    """`git add` the new files among `paths`, then `git commit --only` all of them; the outcome for after_run."""
+    tmp_rel = os.path.relpath(Path(WD).resolve() / ".tmp", top)
+    not_tmp = f":(top,exclude){tmp_rel}/"
+    spec = "\0".join([f":(top,literal){p}" for p in paths] + [not_tmp]) + "\0"
+    new_spec = "\0".join([f":(top,literal){p}" for p in untracked] + [not_tmp]) + "\0"
+    code, out, err = (git(["add", "--pathspec-from-file=-", "--pathspec-file-nul"], top, input_text=new_spec)
+                      if untracked else (0, "", ""))
+    if code != 0:
+        why = "git add timed out" if code is None else f"git add exited with {code}"
+        log(f"commit: failed, {why}")
+        _log_output("git: ", out + err)
+        return {"result": "failed", "reason": why}
+    message = commit_message(archive)
+    code, out, err = git([*git_identity_args(top), "commit", "--only", "-m", message,
+                          "--pathspec-from-file=-", "--pathspec-file-nul"],
+                         top, GIT_COMMIT_TIMEOUT_SECONDS, input_text=spec)
+    if code != 0:
+        why = "git commit timed out" if code is None else f"git commit exited with {code}"
+        log(f"commit: failed, {why} (a commit hook?); the changes are in the working tree, new files staged: "
+            "commit them yourself")
+        _log_output("git: ", out + err)
+        return {"result": "failed", "reason": why}
+    _, sha, _ = git(["rev-parse", "--short", "HEAD"], top)
+    sha = sha.strip()
+    log(f"commit: {sha} \"{message.splitlines()[0]}\" with {len(paths)} file(s): {', '.join(paths)}")
+    return {"result": "committed", "commit": sha, "files": paths}
+
+
+def _git_installed() -> bool:
+    try:
+        return git(["--version"], WD)[0] == 0
+    except OSError:
+        return False
+
+
 def commit_run(archive: dict) -> dict:
     """COMMIT_ON_PASS: commit exactly the paths the run changed; the outcome for after_run.
 
@@ -3117,41 +2932,11 @@ def commit_run(archive: dict) -> dict:
     if not paths:
         log("commit: nothing to commit, the run changed no files in the repository")
         return {"result": "nothing", "left_out": accidents}
-    tmp_rel = os.path.relpath(Path(WD).resolve() / ".tmp", top)
-    not_tmp = f":(top,exclude){tmp_rel}/"
-    spec = "\0".join([f":(top,literal){p}" for p in paths] + [not_tmp]) + "\0"
-    new_spec = "\0".join([f":(top,literal){p}" for p in untracked] + [not_tmp]) + "\0"
-    code, out, err = (git(["add", "--pathspec-from-file=-", "--pathspec-file-nul"], top, input_text=new_spec)
-                      if untracked else (0, "", ""))
-    if code != 0:
-        why = "git add timed out" if code is None else f"git add exited with {code}"
-        log(f"commit: failed, {why}")
-        _log_output("git: ", out + err)
-        return {"result": "failed", "reason": why, "left_out": accidents}
-    message = commit_message(archive)
-    code, out, err = git([*git_identity_args(top), "commit", "--only", "-m", message,
-                          "--pathspec-from-file=-", "--pathspec-file-nul"],
-                         top, GIT_COMMIT_TIMEOUT_SECONDS, input_text=spec)
-    if code != 0:
-        why = "git commit timed out" if code is None else f"git commit exited with {code}"
-        log(f"commit: failed, {why} (a commit hook?); the changes are in the working tree, new files staged: "
-            "commit them yourself")
-        _log_output("git: ", out + err)
-        return {"result": "failed", "reason": why, "left_out": accidents}
-    _, sha, _ = git(["rev-parse", "--short", "HEAD"], top)
-    sha = sha.strip()
-    log(f"commit: {sha} \"{message.splitlines()[0]}\" with {len(paths)} file(s): {', '.join(paths)}")
-    return {"result": "committed", "commit": sha, "files": paths, "left_out": accidents}
-
-
-def _git_installed() -> bool:
-    try:
-        return git(["--version"], WD)[0] == 0
-    except OSError:
-        return False
+    return stage_and_commit(top, paths, untracked, archive) | {"left_out": accidents}
 
 
 # -- notify ------------------------------------------------------------------------
+
 
 NOTIFY_EVENTS = {
     # event: (title prefix, priority, tags)
@@ -3217,24 +3002,122 @@ def guarded_step(name: str, step, *args) -> dict:
         return {"result": "failed", "reason": why}
 
 
-def after_run_steps(code: int) -> list[str]:
-    """The steps the settings ask for after a run that ended with `code` (0: PASS)."""
-    asked = [("archive", code == 0 and ARCHIVE_ON_PASS), ("commit", code == 0 and COMMIT_ON_PASS),
-             ("notify", bool(NTFY_TOPIC))]
-    return [step for step, wanted in asked if wanted]
+def record_after_run(**done: object) -> None:
+    """Note a step as done in the state file at once, so no resume or rerun repeats it."""
+    for name, outcome in done.items():
+        setattr(after_run, name, outcome)
+    save_state()
 
 
-def mark_after_run_due(code: int) -> None:
+def _after_run_notes() -> list[str]:
+    """Short words on the archive and commit for the run's last line."""
+    notes = []
+    archive, commit = after_run.archive, after_run.commit
+    if ARCHIVE_ON_PASS and archive is not None:
+        result = archive.get("result")
+        notes.append(f"OpenSpec change {archive.get('change')} archived" if result == "archived" else
+                     f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
+    if COMMIT_ON_PASS and commit is not None:
+        result = commit.get("result")
+        count = len(commit.get("files", []))
+        notes.append(f"committed {commit.get('commit')} ({count} file{'' if count == 1 else 's'})"
+                     if result == "committed" else "nothing to commit" if result == "nothing" else
+                     f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
+    return notes
+
+
+def run_end_line(result: str) -> str:
+    """The run's last line: its result, and after a PASS what the archive and commit did."""
+    parts = [f"PASS in round {current_round}" if result == "PASS" else f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
+    if result == "PASS":
+        parts += _after_run_notes()
+    return "; ".join(parts)
+
+
+def _notify_run_end(result: str) -> None:
+    if notify(result, run_end_line(result)):
+        record_after_run(notified=result)
+
+
+@dataclass(frozen=True)
+class AfterRunStep:
+    """One thing done after a run: when the settings ask for it, whether it is done, and doing it.
+
+    A step with `done` is done at most once per run and listed in after_run.due
+    when the run ends, so a stop in the middle of the steps loses none.
+    """
+
+    name: str
+    asked: Callable[[str], bool]                    # the run's result (PASS or FAIL) -> wanted
+    run: Callable[[str], None]                      # do it (and record it)
+    done: Callable[[AfterRun, str], str] | None = None   # '' or why it is not done again
+
+
+def _outcome_recorded(step: str) -> Callable[[AfterRun, str], str]:
+    """An archive or commit counts as done once its outcome is recorded, whatever it was."""
+    def done(record: AfterRun, result: str) -> str:
+        outcome = getattr(record, step)
+        return "" if outcome is None else f"done already for this run ({outcome.get('result')}), not repeated"
+    return done
+
+
+def _notified(record: AfterRun, result: str) -> str:
+    """A notification counts as done once the server took it."""
+    return f"the {result} notification was sent already for this run, not repeated" \
+        if record.notified == result else ""
+
+
+def _archive_step(result: str) -> None:
+    record_after_run(archive=guarded_step("archive", archive_change))
+
+
+def _commit_step(result: str) -> None:
+    record_after_run(commit=guarded_step("commit", commit_run, after_run.archive or {}))
+
+
+def _report_step(result: str) -> None:
+    log(run_end_line(result))
+
+
+# In order: name, asked for when, action, done when (no `done`: not a once-only step).
+AFTER_RUN_STEPS: tuple[AfterRunStep, ...] = (
+    AfterRunStep("archive", lambda result: result == "PASS" and ARCHIVE_ON_PASS, _archive_step,
+                 _outcome_recorded("archive")),
+    AfterRunStep("commit", lambda result: result == "PASS" and COMMIT_ON_PASS, _commit_step,
+                 _outcome_recorded("commit")),
+    AfterRunStep("report", lambda result: ARCHIVE_ON_PASS or COMMIT_ON_PASS, _report_step),
+    AfterRunStep("notify", lambda result: bool(NTFY_TOPIC), _notify_run_end, _notified),
+)
+ONCE_STEPS = tuple(step for step in AFTER_RUN_STEPS if step.done is not None)
+
+
+def mark_after_run_due(result: str) -> None:
     """Saved with the run's result: the steps still to do, so a stop in the middle of them loses none."""
-    after_run["due"] = after_run_steps(code)
+    after_run.due = [step.name for step in ONCE_STEPS if step.asked(result)]
 
 
-def after_run_pending(code: int, record: dict) -> list[str]:
+def after_run_pending(result: str, record: AfterRun) -> list[str]:
     """The steps that were due when the run ended, are still asked for, and are not done yet."""
-    due = record.get("due") if isinstance(record.get("due"), list) else []
-    done = {"archive": "archive" in record, "commit": "commit" in record,
-            "notify": record.get("notified") == ("PASS" if code == 0 else "FAIL")}
-    return [step for step in after_run_steps(code) if step in due and not done[step]]
+    return [step.name for step in ONCE_STEPS
+            if step.asked(result) and step.name in (record.due or []) and not step.done(record, result)]
+
+
+def finish_run(code: int) -> int:
+    """The after-run steps, in order, each once per run; returns `code`.
+
+    Nothing here changes the exit code: a step that fails is logged and the
+    run's result stands.
+    """
+    result = result_of(code)
+    for step in AFTER_RUN_STEPS:
+        if not step.asked(result):
+            continue
+        already = step.done(after_run, result) if step.done else ""
+        if already:
+            log(f"{step.name}: {already}")
+        else:
+            step.run(result)
+    return code
 
 
 def finish_stopped_run() -> None:
@@ -3245,86 +3128,566 @@ def finish_stopped_run() -> None:
     that cannot be read is left to choose_start() to report.
     """
     try:
-        data = read_state_file()
+        saved = read_state_file()
     except StateFileError:
         return
-    status = (data or {}).get("final_status")
-    record = data.get("after_run") if data and isinstance(data.get("after_run"), dict) else {}
-    if status not in ("PASS", "FAIL") or not after_run_pending(0 if status == "PASS" else 1, record):
+    if saved is None or not saved.finished or not after_run_pending(saved.final_status, saved.after_run):
         return
     load_state()
-    code = 0 if final_status == "PASS" else 1
     log(f"the run in {STATE_FILE} ended with {final_status} in round {current_round}; still to do after it: "
-        f"{', '.join(after_run_pending(code, after_run))} (stopped before, or not sent); doing that now")
-    finish_run(code)
+        f"{', '.join(after_run_pending(final_status, after_run))} (stopped before, or not sent); doing that now")
+    finish_run(exit_code_of(final_status))
 
 
-def record_after_run(step: str, outcome: object) -> None:
-    """Note a step as done in the state file at once, so no resume or rerun repeats it."""
-    after_run[step] = outcome
+# ==========================================================================
+# 12. Init and resume
+# ==========================================================================
+
+# Where a run starts for each START_AGENT: phase, step, and the outputs
+# that hold _UPSTREAM_PLACEHOLDER because their agent was skipped.
+START_POSITIONS = {
+    "analyst": (PHASE_ANALYST, "author", ()),
+    "peer_analyst": (PHASE_ANALYST, "review", ("analyst",)),
+    "programmer": (PHASE_PROGRAMMER, "author", ("analyst",)),
+    "peer_programmer": (PHASE_PROGRAMMER, "review", ("analyst", "programmer")),
+    "tester": (PHASE_TESTER, "author", ("analyst", "programmer")),
+}
+
+
+def set_position(phase: str, cycle: int = 1, step: str = "author") -> None:
+    """Move the loop to a phase, cycle and step: the one place the position changes."""
+    update_run(current_phase=phase, phase_cycle=cycle, phase_step=step)
+
+
+def exit_terminals(ids: list[str]) -> None:
+    """Exit agent terminals, logging (not raising) what fails: used while stopping."""
+    for terminal_id in ids:
+        if not terminal_id:
+            continue
+        try:
+            api.exit_terminal(terminal_id)
+        except ApiError as exc:
+            log(f"could not exit terminal {terminal_id}: {exc}")
+
+
+def cleanup_terminals() -> None:
+    """CLEANUP_ON_EXIT: end the five agents and record it, so no resume types into their shells."""
+    log("CLEANUP_ON_EXIT=1: exiting the five agent terminals")
+    exit_terminals([terminal_ids.get(role, "") for role in ROLES])
+    update_run(terminals_exited=True)
     save_state()
 
 
-def finish_run(code: int) -> int:
-    """After PASS: archive, then commit; after PASS or FAIL: notify. Each once per run; returns `code`.
+@contextmanager
+def signals_held(what: str) -> Iterator[list[int]]:
+    """Hold Ctrl-C and SIGTERM while `what` finishes, then act on them.
 
-    Nothing here changes the exit code: a step that fails is logged and the
-    run's result stands.
+    Creating terminals cannot be cut short safely: a creation the server is
+    still carrying out would leave an agent nobody knows about. The list
+    yielded holds the signals that arrived; on leaving, the first one is
+    raised as usual (KeyboardInterrupt or Terminated).
     """
-    parts = [f"PASS in round {current_round}" if code == 0 else
-             f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
-    if code == 0:
-        if ARCHIVE_ON_PASS and "archive" in after_run:
-            log(f"archive: done already for this run ({after_run['archive'].get('result')}), not repeated")
-        elif ARCHIVE_ON_PASS:
-            record_after_run("archive", guarded_step("archive", archive_change))
-        if COMMIT_ON_PASS and "commit" in after_run:
-            log(f"commit: done already for this run ({after_run['commit'].get('result')}), not repeated")
-        elif COMMIT_ON_PASS:
-            record_after_run("commit", guarded_step("commit", commit_run, after_run.get("archive") or {}))
-        parts += _after_run_notes()
-    final_line = "; ".join(parts)
-    if ARCHIVE_ON_PASS or COMMIT_ON_PASS:
-        log(final_line)
-    event = "PASS" if code == 0 else "FAIL"
-    if NTFY_TOPIC and after_run.get("notified") == event:
-        log(f"notify: the {event} notification was sent already for this run, not repeated")
-    elif notify(event, final_line):
-        record_after_run("notified", event)
-    return code
+    received: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if not received:
+            log(f"interrupted: {what} first, so that nothing is left behind")
+        received.append(signum)
+
+    previous = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, hold)
+    except ValueError:                     # not the main thread: signals cannot be held here
+        pass
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
 
 
-def _after_run_notes() -> list[str]:
-    """Short words on the archive and commit for the run's last line."""
-    notes = []
-    archive, commit = after_run.get("archive"), after_run.get("commit")
-    if ARCHIVE_ON_PASS and isinstance(archive, dict):
-        result = archive.get("result")
-        notes.append(f"OpenSpec change {archive.get('change')} archived" if result == "archived" else
-                     f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
-    if COMMIT_ON_PASS and isinstance(commit, dict):
-        result = commit.get("result")
-        count = len(commit.get("files", []))
-        notes.append(f"committed {commit.get('commit')} ({count} file{'' if count == 1 else 's'})"
-                     if result == "committed" else "nothing to commit" if result == "nothing" else
-                     f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
-    return notes
+def new_session_name() -> str:
+    """A name for a new run's CAO session: recognizably this loop's, and unique by its random part.
+
+    It starts with `cao-` because CAO stores any other name with that prefix
+    added, and the terminals are added to the session under the name asked for.
+    """
+    return f"cao-loop-{secrets.token_hex(4)}"
+
+
+def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
+    """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
+
+    The session request gets a head start of a few hundredths of a second.
+    An add that still reaches CAO before the session exists is answered 404
+    "Session '<name>' not found": it is tried again after a growing pause
+    while the session request is under way, and once more after it succeeded.
+    It gives up, having created nothing (None), when the session request
+    failed or the start-up was interrupted.
+    """
+    pause = 0.05
+    while True:
+        wait_for_futures([session], timeout=pause)
+        session_finished = session.done()      # looked at before asking, so a 404 after it is final
+        if interrupted or (session_finished and session.exception() is not None):
+            return None
+        try:
+            return api.create_terminal(name, profile_for(role), provider_for(role))
+        except ApiError as exc:
+            if session_finished or not (exc.status_code == 404 and f"Session '{name}' not found" in str(exc)):
+                raise
+        pause = min(pause * 2, 0.5)
+
+
+def start_failure_hint(error: str) -> str:
+    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
+
+    CAO gives up waiting for an agent CLI to start without saying why, and
+    refuses a session name that is taken without saying that it was picked here.
+    """
+    if re.search(r"Session '[^']*' already exists", error):
+        return "; another CAO session has the name this run picked at random: run it again to pick another"
+    if "initialization timed out" not in error:
+        return ""
+    hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
+            "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
+            "of the user running cao-server")
+    if "Claude Code" in error:
+        hint += ("; a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code "
+                 "(which otherwise refuses --dangerously-skip-permissions)")
+    return hint
+
+
+def create_terminals() -> tuple[str, dict[str, str]]:
+    """Create the five terminals in one CAO session, all at once.
+
+    CAO waits for each agent CLI to start (seconds per terminal), so the
+    session (with the analyst's terminal) is requested under a name chosen
+    here and the other four are added to that name at the same time, without
+    waiting for the session's answer (see add_to_session). A failed or
+    interrupted start-up exits every terminal it created (interrupts wait for
+    the creations under way), and a failure names the role. Returns the
+    session name CAO answered and the terminal id of each role.
+    """
+    name = new_session_name()
+    answers: dict[str, dict] = {}
+    failures: dict[str, str] = {}
+    providers = providers_in_use()
+    log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
+        f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
+        "minute with real CLIs)")
+    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
+            signals_held("exiting the terminals being created") as interrupted:
+        session = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"), name)
+        futures = {"analyst": session}
+        for role in ROLES[1:]:
+            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
+        for role, future in futures.items():
+            try:
+                answer = future.result()
+            except Exception as exc:       # ApiError, or anything else: the others are still exited
+                failures[role] = f"{role}: {exc}"
+                continue
+            if answer is not None:
+                answers[role] = answer
+        if failures or interrupted:
+            exit_terminals([answer["id"] for answer in answers.values()])
+        if failures and not interrupted:
+            # A failed session explains the rest: the adds failed or stopped because of it.
+            error = failures.get("analyst") or "; ".join(failures.values())
+            raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
+    return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
+
+
+def warn_about_missing_clis() -> None:
+    """Say at once when cao-server reports an agent CLI missing: its terminals would time out minutes later.
+
+    Only a warning: CAO looks the program up on its own PATH, while the
+    agents start in login shells, whose PATH can differ.
+    """
+    for provider, binary in api.missing_agent_clis(providers_in_use()):
+        log(f"warning: cao-server at {API} reports that `{binary}`, the CLI of provider {provider}, is not "
+            f"installed on its machine; creating its terminals will time out after a minute or two. Install "
+            f"it (and log in) where cao-server runs, or set PROVIDER to a CLI you have")
+
+
+@dataclass
+class StartPlan:
+    """What start_run() will do with the state file it found."""
+
+    resume: bool
+    note: str = ""                     # the first log line of a new run: what the old state file held
+    set_aside: bool = False            # a new run replaces the state file: keep it as a backup
+    old_run: SavedState | None = None  # the run it replaces, if readable: its agents are exited
+
+
+def replace_old_run(plan: StartPlan) -> None:
+    """The new run's terminals exist: keep the old state file aside and exit the old run's agents."""
+    if not plan.set_aside:
+        return
+    target = state_backup_path()
+    os.replace(STATE_FILE, target)
+    log(f"kept the old state file as {target}")
+    old = plan.old_run
+    ids = [i for i in old.terminal_ids.values() if i] if old is not None else []
+    if not ids or old.terminals_exited:
+        return
+    if (old.API or API).rstrip("/") != API.rstrip("/"):
+        log(f"the replaced run's agents (CAO session {old.session_name}) ran on {old.API}, another server: "
+            "left alone")
+        return
+    exited = 0
+    for terminal_id in ids:
+        try:
+            api.exit_terminal(terminal_id)
+            exited += 1
+        except ApiError as exc:
+            if exc.status_code != 404:
+                log(f"could not exit terminal {terminal_id} of the replaced run: {exc}")
+    log(f"exited {exited} agent terminal(s) of the replaced run (CAO session {old.session_name})"
+        if exited else f"the replaced run's agents (CAO session {old.session_name}) are gone already")
+
+
+def init_new_run(plan: StartPlan | None = None) -> None:
+    """Create the session and five terminals, reset the run, and write the first state.
+
+    The run it replaces (`plan`) is set aside only once the new terminals
+    exist, so a start that fails leaves the old state file where it was.
+    """
+    session, terminals = create_terminals()
+    settled_terminals.update(terminals.values())   # CAO answered each creation once its CLI was ready
+    replace_old_run(plan or StartPlan(False))
+    reset_run_state()
+    phase, step, skipped = START_POSITIONS[START_AGENT]
+    update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
+               outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
+               worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
+    set_position(phase, 1, step)
+    save_state()
+    log(f"new run: CAO session {session_name}, terminals "
+        + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
+        + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
+
+
+def verify_resume_terminals() -> None:
+    """Make sure every terminal of the saved run still exists before touching it."""
+    for role in ROLES:
+        terminal_id = terminal_ids.get(role, "")
+        if not terminal_id:
+            raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
+                           "start a new run with RESUME=0")
+        try:
+            api.get_status(terminal_id)
+        except ApiError as exc:
+            if exc.status_code is None:
+                raise RunError(f"cannot resume: {exc}") from None
+            raise RunError(f"cannot resume: the {role} terminal {terminal_id} is not reachable ({exc}); "
+                           "start a new run with RESUME=0 (the old state file is kept aside)") from None
+
+
+def choose_start() -> StartPlan:
+    """Resume, report a finished run, or start a new one -- and what happens to an old state file.
+
+    Decides only: nothing is moved or written here, so a run that then fails
+    to start leaves the state file as it found it.
+    """
+    try:
+        saved = read_state_file()
+    except StateFileError as exc:
+        if RESUME:
+            raise ConfigError(f"RESUME=1 but {exc}; fix or remove it, or unset RESUME to start a new run") from None
+        return StartPlan(False, f"{exc}; starting a new run, the old file will be kept as {state_backup_path()}",
+                         set_aside=True)
+    if saved is None:
+        if RESUME:
+            raise ConfigError(f"RESUME=1 but there is no state file at {STATE_FILE}: set STATE_FILE to the "
+                              "run's state file, or unset RESUME to start a new run")
+        return StartPlan(False)
+    status, finished = saved.final_status, saved.finished
+    # Input to an exited agent's terminal lands in a plain shell, so such a run is over.
+    exited = saved.terminals_exited
+    if RESUME:
+        if finished:
+            raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {status}; "
+                              "unset RESUME to start a new run")
+        if exited:
+            raise ConfigError(f"RESUME=1 but the agents of the run in {STATE_FILE} were exited "
+                              "(CLEANUP_ON_EXIT=1), so it cannot be resumed; unset RESUME to start a new run")
+        return StartPlan(True)
+    # A finished run with after-run steps left over is finished first (start_run, under the lock).
+    leftover = finished and bool(after_run_pending(status, saved.after_run))
+    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
+        raise AlreadyFinished(exit_code_of(status),
+                              f"the run in {STATE_FILE} {describe_state(saved)}; REPORT_FINISHED_RUN=1, so "
+                              "nothing was started (move the state file away to start a new run)")
+    if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
+        return StartPlan(True)
+    why = " (RESUME=0)" if "RESUME" in explicit_settings else \
+        " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
+    return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
+                            f"file will be kept as {state_backup_path()}", set_aside=True, old_run=saved)
 
 
 # ==========================================================================
-# 11. Entry point
+# 13. Main loop
+# ==========================================================================
+
+PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
+PHASE_OUTPUTS = {PHASE_ANALYST: ("analyst", "analyst_review"), PHASE_PROGRAMMER: ("programmer", "programmer_review")}
+NEXT_PHASE = {PHASE_ANALYST: PHASE_PROGRAMMER, PHASE_PROGRAMMER: PHASE_TESTER}
+
+
+REVIEW_FEEDBACK = {PHASE_ANALYST: "analyst_feedback", PHASE_PROGRAMMER: "programmer_feedback"}
+
+
+def set_review_feedback(phase: str, text: str) -> None:
+    """What the phase's author is told about its last review."""
+    update_run(**{REVIEW_FEEDBACK[phase]: text})
+
+
+def author_prompt(phase: str, cycle: int) -> Prompt:
+    if phase == PHASE_ANALYST:
+        return build_analyst_prompt(current_round, cycle)
+    return build_programmer_prompt(current_round, cycle, outputs["analyst"])
+
+
+def review_prompt(phase: str) -> Prompt:
+    if phase == PHASE_ANALYST:
+        return build_analyst_review_prompt(outputs["analyst"])
+    return build_programmer_review_prompt(outputs["programmer"])
+
+
+def story_loop_due() -> bool:
+    """Story mode replaces the round's first programmer turn while the change has unfinished stories."""
+    if not STORY_MODE:
+        return False
+    if story_progress is not None:
+        return True                      # resumed inside the story loop
+    change = find_story_change()
+    stories = parse_stories(_read_text(change / "tasks.md"))
+    if not stories:
+        log_turn("programmer", f"story mode: no '## N. Title' stories in {change / 'tasks.md'}; "
+                               "a normal programmer turn instead")
+    return any(not story.finished for story in stories)
+
+
+def story_summary(results: list[StoryResult]) -> str:
+    """What the peer programmer reviews after the story loop: each story's outcome and changes."""
+    lines = ["PROGRAMMER_SUMMARY (story by story):", "Story results:"]
+    for result in results:
+        outcome = (f"COMPLETE (attempt {result.attempts})" if result.status == "COMPLETE"
+                   else f"FAILED after {result.attempts} attempts -- {result.reason}")
+        lines.append(f"- Story {result.id} \"{result.title}\": {outcome}")
+    for result in results:
+        if result.summary:
+            lines += [f"Story {result.id}:", result.summary]
+    return "\n".join(lines)
+
+
+def run_story_loop() -> str:
+    """Each unfinished story in turn, retried on FAILED or no signal; returns the combined summary."""
+    change = find_story_change()
+    stories = {story.id: story for story in parse_stories(_read_text(change / "tasks.md"))}
+    scenarios = parse_scenarios(change / "specs")
+    if story_progress is None:
+        queue = [story.id for story in stories.values() if not story.finished]
+        update_run(story_progress=StoryProgress(str(change), queue, queue[0]))
+        save_state()
+    progress = story_progress
+    while progress.current:
+        story = stories.get(progress.current) or Story(progress.current, f"Story {progress.current}", [])
+        attempt = progress.attempt
+        prompt = build_story_prompt(story, change, scenarios, attempt, progress.last_failure)
+        try:
+            reply = ask_agent("programmer", prompt)
+            signal_name, reason = promise_signal(reply)
+        except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
+            log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
+            reply, signal_name, reason = "", "", ""
+        log_turn("programmer", f"story {story.id} attempt {attempt}/{MAX_STORY_ATTEMPTS}: "
+                               + (f"{signal_name} {reason}".strip() if signal_name else "no completion signal"))
+        if signal_name == "COMPLETE" or attempt >= MAX_STORY_ATTEMPTS:
+            status = "COMPLETE" if signal_name == "COMPLETE" else "FAILED"
+            progress.results.append(StoryResult(
+                story.id, story.title, status, attempt,
+                "" if status == "COMPLETE" else (reason or "no completion signal"),
+                condense_programmer_for_tester(reply)))
+            queue = progress.queue
+            following = queue[queue.index(story.id) + 1:] if story.id in queue else []
+            progress.current, progress.attempt, progress.last_failure = (following[0] if following else ""), 1, ""
+        else:
+            progress.attempt, progress.last_failure = attempt + 1, (reason if signal_name == "FAILED" else "")
+        save_state()
+    combined = story_summary(progress.results)
+    update_run(story_progress=None)
+    return combined
+
+
+def _why_not_approved(verdict: str, review: str, cycle: int, reviewer: str) -> str:
+    """A short reason for the log when a review does not count as approval."""
+    if verdict != "APPROVED":
+        return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
+    if cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
+        return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
+    return (f"REVIEW_NOTES show {review_evidence_matches(review, reviewer)} of the "
+            f"{REVIEW_EVIDENCE_MIN_MATCH} evidence checks required")
+
+
+def run_reviewed_phase(phase: str) -> None:
+    """Author and peer reviewer take turns until an approval counts or the cycles run out."""
+    author, reviewer = PHASE_ROLES[phase]
+    out_key, review_key = PHASE_OUTPUTS[phase]
+    while True:
+        cycle = phase_cycle
+        if phase_step == "author":
+            if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
+                outputs[out_key] = run_story_loop()
+            else:
+                outputs[out_key] = ask_agent(author, author_prompt(phase, cycle))
+            set_position(phase, cycle, "review")
+            save_state()
+        review = ask_agent(reviewer, review_prompt(phase))
+        outputs[review_key] = review
+        verdict = review_verdict(review)
+        approved = is_review_approved(review, cycle, reviewer)
+        note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
+        if approved:
+            log_turn(reviewer, f"verdict {verdict}: approved")
+            set_review_feedback(phase, "")
+            set_position(NEXT_PHASE[phase])
+        else:
+            why = _why_not_approved(verdict, review, cycle, reviewer)
+            log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}")
+            set_review_feedback(phase, review_feedback_from(review))
+            if cycle >= MAX_REVIEW_CYCLES:
+                log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
+                                   "review notes carried forward")
+                set_position(NEXT_PHASE[phase])
+            else:
+                set_position(phase, cycle + 1, "author")
+        save_state()
+        if current_phase != phase:
+            return
+
+
+def tester_result(text: str) -> str:
+    """PASS only if the last RESULT line says so; anything else is a FAIL."""
+    results = re.findall(r"^\W*RESULT\W*:\W*([A-Za-z]+)", text or "", re.MULTILINE)
+    return "PASS" if results and results[-1].upper() == "PASS" else "FAIL"
+
+
+def handle_tester_fail() -> None:
+    """Set up the retry round: programmer -> peer programmer -> tester, with the failure evidence."""
+    programmer_out = outputs["programmer"]
+    update_run(feedback=extract_test_evidence(outputs["tester"]),
+               programmer_context_for_retry=("" if programmer_out == _UPSTREAM_PLACEHOLDER
+                                             else condense_programmer_for_tester(programmer_out)),
+               analyst_feedback="", programmer_feedback="", story_progress=None, current_round=current_round + 1)
+    for key in ("programmer", "programmer_review", "tester"):
+        outputs[key] = ""
+    set_position(PHASE_PROGRAMMER)
+
+
+def run_tester_phase() -> str:
+    """One tester turn; returns PASS or FAIL."""
+    outputs["tester"] = ask_agent("tester", build_tester_prompt(outputs["programmer"]))
+    result = tester_result(outputs["tester"])
+    note_turn_outcome(result)
+    log_turn("tester", f"RESULT: {result}")
+    for line in extract_test_evidence(outputs["tester"]).splitlines():
+        print(f"    {line}", flush=True)
+    if result == "PASS":
+        update_run(final_status="PASS")
+        mark_after_run_due(result)
+        set_position(PHASE_DONE)
+    else:
+        handle_tester_fail()
+    save_state()
+    return result
+
+
+def drive_rounds() -> int:
+    """Drive the phases until the tester passes (0) or the rounds run out (1)."""
+    while current_round <= MAX_ROUNDS:
+        if current_phase == PHASE_PROGRAMMER and not outputs["analyst"].strip():
+            log_turn("programmer", "no analyst output to work from; falling back to the analyst phase")
+            set_position(PHASE_ANALYST)
+        elif current_phase == PHASE_TESTER and not outputs["programmer"].strip():
+            log_turn("tester", "no programmer output to test; falling back to the programmer phase")
+            set_position(PHASE_PROGRAMMER)
+        elif current_phase == PHASE_DONE:
+            set_position(PHASE_TESTER)      # a RUNNING state left at "done": the test decides
+        elif current_phase == PHASE_TESTER:
+            if run_tester_phase() == "PASS":
+                log(f"PASS in round {current_round}; state in {STATE_FILE}")
+                return EXIT_PASS
+        else:
+            run_reviewed_phase(current_phase)
+    update_run(final_status="FAIL")
+    mark_after_run_due("FAIL")
+    set_position(PHASE_DONE)
+    save_state()
+    log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}")
+    return EXIT_FAIL
+
+
+def run_loop() -> int:
+    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 10).
+
+    A stop that needs a person (an agent error, a timeout, an unreachable
+    server) is announced on its way out to main().
+    """
+    try:
+        code = drive_rounds()
+    except (RunError, ApiError) as exc:
+        notify_stopped(exc)
+        raise
+    return finish_run(code)
+
+
+def run_summary(exit_code: int) -> dict:
+    """What the run did, from its turn records: for the last log lines and for CI dashboards."""
+    roles = {}
+    for role in ROLES:
+        mine = [r for r in turn_records if r.role == role]
+        roles[role] = {"turns": len(mine), "seconds": round(sum(r.seconds for r in mine if r.seconds is not None), 1),
+                       "outcomes": [r.outcome for r in mine if r.outcome]}
+    return {
+        "result": final_status, "exit_code": exit_code, "rounds": current_round, "max_rounds": MAX_ROUNDS,
+        "turns": len(turn_records),
+        "agent_seconds": round(sum(r.seconds for r in turn_records if r.seconds is not None), 1),
+        "prompt_bytes": sum(r.prompt_bytes for r in turn_records),
+        "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "after_run": after_run.to_json() or {},
+    }
+
+
+def report_run_summary(exit_code: int) -> None:
+    """Log the run's summary and keep it as summary.json in the run's archive directory."""
+    summary = run_summary(exit_code)
+    per_role = ", ".join(f"{role} {r['turns']}x {r['seconds']:g}s" for role, r in summary["roles"].items()
+                         if r["turns"])
+    log(f"summary: {summary['result']} after round {summary['rounds']}/{summary['max_rounds']}; "
+        f"{summary['turns']} turns, {summary['agent_seconds']:g}s of agent time ({per_role or 'none'}); "
+        f"{summary['prompt_bytes'] / 1000:.1f} KB of prompts")
+    verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
+    if verdicts:
+        log("summary: " + "; ".join(verdicts))
+    if run_dir:
+        path = Path(run_dir) / "summary.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        log(f"summary written to {path}")
+
+
+# ==========================================================================
+# 14. Entry point
 # ==========================================================================
 
 USAGE = "usage: run_orchestrator_loop.py [config.json] | --status [config.json] | --help | --version"
-
-EXIT_CODES = (
-    (0, "the tester reported RESULT: PASS"),
-    (1, "no PASS within MAX_ROUNDS, or a runtime error (the state is saved: rerun to resume)"),
-    (2, "bad usage or configuration; nothing was started, contacted or written"),
-    (75, "another process is driving the run in this state file; try again later"),
-    (130, "interrupted by SIGINT (Ctrl-C); state saved"),
-    (143, "terminated by SIGTERM; state saved"),
-)
 
 
 def _shown_default(setting: Setting) -> str:
@@ -3344,35 +3707,35 @@ def _shown_default(setting: Setting) -> str:
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
     try:
-        data = read_state_file()
+        saved = read_state_file()
     except StateFileError as exc:
-        return 1, f"{exc}"
-    if data is None:
-        return 1, f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE to look elsewhere)"
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(data)}"]
-    if data.get("final_status") not in ("PASS", "FAIL"):
-        lines[-1] += f" (cycle {data.get('phase_cycle', 1)}, next: {data.get('phase_step', 'author')})"
+        return EXIT_FAIL, f"{exc}"
+    if saved is None:
+        return EXIT_FAIL, (f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE to look "
+                           "elsewhere)")
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}"]
+    if not saved.finished:
+        lines[-1] += f" (cycle {saved.phase_cycle}, next: {saved.phase_step})"
     holder = lock_holder()
     lines.append(f"driven by: {holder}" if holder else
-                 "driven by: no process" + ("" if data.get("final_status") in ("PASS", "FAIL")
-                                            else " -- rerun the command to resume it"))
-    session = data.get("session_name") or "?"
-    lines.append("agents: exited (CLEANUP_ON_EXIT=1)" if data.get("terminals_exited") is True else
+                 "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
+    session = saved.session_name or "?"
+    lines.append("agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
                  f"agents: CAO session {session} (watch: `tmux attach -t {session}`)")
-    if data.get("run_dir"):
-        lines.append(f"replies: {data['run_dir']}")
-    done = data.get("after_run") if isinstance(data.get("after_run"), dict) else {}
+    if saved.run_dir:
+        lines.append(f"replies: {saved.run_dir}")
+    done = saved.after_run
     steps = [f"{step} {outcome.get('result')}" + (f" {outcome['commit']}" if outcome.get("commit") else "")
-             for step, outcome in done.items() if isinstance(outcome, dict)]
-    if isinstance(done.get("notified"), str):
-        steps.append(f"notified {done['notified']}")
+             for step, outcome in (("archive", done.archive), ("commit", done.commit)) if outcome is not None]
+    if done.notified is not None:
+        steps.append(f"notified {done.notified}")
     if steps:
         lines.append("after the run: " + ", ".join(steps))
-    if data.get("final_status") in ("PASS", "FAIL"):
-        pending = after_run_pending(0 if data["final_status"] == "PASS" else 1, done)
+    if saved.finished:
+        pending = after_run_pending(saved.final_status, done)
         if pending:
             lines.append(f"still to do after the run: {', '.join(pending)} (the next invocation does it)")
-    return 0, "\n".join(lines)
+    return EXIT_PASS, "\n".join(lines)
 
 
 def help_text() -> str:
@@ -3428,7 +3791,6 @@ def start_run(task: str) -> None:
     plan = refuse_bad_start(task)
     if plan.resume:
         load_state()
-        forget_in_flight_context()
         connect_api()
         if not PROMPT and task:
             set_task(task)
@@ -3436,7 +3798,7 @@ def start_run(task: str) -> None:
             log("note: resuming with the task saved in the state file; PROMPT/PROMPT_FILE is ignored")
         verify_resume_terminals()
         if not run_dir:                     # a state file written by the shell script
-            set_run_dir(new_run_dir())
+            update_run(run_dir=new_run_dir())
         log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
             f"session {session_name}")
         return
@@ -3447,29 +3809,61 @@ def start_run(task: str) -> None:
     init_new_run(plan)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in ("-h", "--help"):
-        print(help_text())
-        raise SystemExit(0)
-    if args and args[0] in ("-V", "--version"):
-        print(f"run_orchestrator_loop.py (cao-orchestrator-loop) {__version__}")
-        raise SystemExit(0)
-    if args and args[0] == "--status":
-        try:
-            if len(args) > 2:
-                raise ConfigError(f"--status takes at most a config file. {USAGE}")
-            configure(args[1:])
-        except OrchestratorExit as exc:
-            print(f"error: {exc.message}", file=sys.stderr, flush=True)
-            raise SystemExit(exc.code) from None
-        code, report = status_report()
-        print(report, file=sys.stdout if code == 0 else sys.stderr, flush=True)
-        raise SystemExit(code)
+def agents_left_note() -> str:
+    """The last line of a run whose agents stay up: where they are and how to stop them."""
+    return (f"the five agents of CAO session {session_name} are still running (watch: `tmux attach -t "
+            f"{session_name}`; stop: `cao shutdown --session {session_name}`, or set CLEANUP_ON_EXIT=1)")
+
+
+def status_command(args: list[str]) -> int:
+    """--status [config.json]: print where the run stands; its exit code."""
+    try:
+        if len(args) > 1:
+            raise ConfigError(f"--status takes at most a config file. {USAGE}")
+        configure(args)
+    except OrchestratorExit as exc:
+        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        return exc.code
+    code, report = status_report()
+    print(report, file=sys.stdout if code == EXIT_PASS else sys.stderr, flush=True)
+    return code
+
+
+def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
+    """The exit code and the one line for the user of a run that stopped on `exc`."""
+    saved = "; state saved, rerun to resume" if started else ""
+    if isinstance(exc, OrchestratorExit):
+        return exc.code, f"error: {exc.message}"
+    if isinstance(exc, ApiError):
+        return EXIT_FAIL, f"error: {exc}{saved}"
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_SIGINT, f"interrupted (SIGINT){saved}"
+    if isinstance(exc, Terminated):
+        return EXIT_SIGTERM, f"terminated (SIGTERM){saved}"
+    # the machine (a full disk, ...) or a fault of this script
+    return EXIT_FAIL, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
+
+
+def wind_down(code: int) -> int:
+    """A started run's last words: its state saved, its summary, its agents ended or where they are."""
+    try:
+        save_state()
+        report_run_summary(code)
+        if CLEANUP_ON_EXIT:
+            cleanup_terminals()
+        else:
+            log(agents_left_note())
+    except OSError as exc:
+        print(f"error: could not save the state to {STATE_FILE}: {exc}", file=sys.stderr, flush=True)
+        return code or EXIT_FAIL
+    return code
+
+
+def run_command_line(args: list[str]) -> int:
+    """Configure, start or resume the run, drive it; its exit code. Every stop is one line, never a traceback."""
     started = False
     previous_sigterm = signal.getsignal(signal.SIGTERM)
-    code = 1
+    code = EXIT_FAIL
     try:
         if len(args) > 1:
             raise ConfigError(f"expected at most one argument (a config file), got {len(args)}. {USAGE}")
@@ -3487,43 +3881,29 @@ def main(argv: list[str] | None = None) -> None:
     except AlreadyFinished as exc:
         code = exc.code
         log(exc.message)
-    except OrchestratorExit as exc:
-        code = exc.code
-        print(f"error: {exc.message}", file=sys.stderr, flush=True)
-    except ApiError as exc:
-        code = 1
-        print(f"error: {exc}" + ("; state saved, rerun to resume" if started else ""), file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        code = 130
-        print("interrupted (SIGINT)" + ("; state saved, rerun to resume" if started else ""), file=sys.stderr)
-    except Terminated:
-        code = 143
-        print("terminated (SIGTERM)" + ("; state saved, rerun to resume" if started else ""), file=sys.stderr)
-    except Exception as exc:              # the machine (a full disk, ...) or a fault of this script
-        code = 1
-        print(f"error: unexpected {exc.__class__.__name__}: {exc}"
-              + ("; state saved, rerun to resume" if started else ""), file=sys.stderr, flush=True)
+    except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
+        code, line = stop_line(exc, started)
+        print(line, file=sys.stderr, flush=True)
     finally:
         _install_sigterm(previous_sigterm)
         if started:
-            try:
-                save_state()
-                report_run_summary(code)
-                if CLEANUP_ON_EXIT:
-                    cleanup_terminals()
-                else:
-                    log(agents_left_note())
-            except OSError as exc:
-                code = code or 1
-                print(f"error: could not save the state to {STATE_FILE}: {exc}", file=sys.stderr, flush=True)
+            code = wind_down(code)
         release_run_lock()
-    raise SystemExit(code)
+    return code
 
 
-def agents_left_note() -> str:
-    """The last line of a run whose agents stay up: where they are and how to stop them."""
-    return (f"the five agents of CAO session {session_name} are still running (watch: `tmux attach -t "
-            f"{session_name}`; stop: `cao shutdown --session {session_name}`, or set CLEANUP_ON_EXIT=1)")
+def main(argv: list[str] | None = None) -> None:
+    """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in ("-h", "--help"):
+        print(help_text())
+        raise SystemExit(EXIT_PASS)
+    if args and args[0] in ("-V", "--version"):
+        print(f"run_orchestrator_loop.py (cao-orchestrator-loop) {__version__}")
+        raise SystemExit(EXIT_PASS)
+    if args and args[0] == "--status":
+        raise SystemExit(status_command(args[1:]))
+    raise SystemExit(run_command_line(args))
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def test_archive_runs_openspec_archive_yes_for_the_change(load_orch, workdir, tm
     passed_run(m)
     assert m.finish_run(0) == 0
     assert openspec_calls(tmp_path) == ["archive add-greeting --yes"]
-    assert m.after_run["archive"] == {"result": "archived", "change": "add-greeting"}
+    assert m.after_run.archive == {"result": "archived", "change": "add-greeting"}
     out = capsys.readouterr().out
     assert "archive: OpenSpec change add-greeting archived" in out and "openspec: Change 'add-greeting'" in out
     assert "PASS in round 2; OpenSpec change add-greeting archived" in out
@@ -164,7 +164,7 @@ def test_archive_skipped_with_reason_when_changes_are_ambiguous(load_orch, workd
     passed_run(m)
     assert m.finish_run(0) == 0
     assert openspec_calls(tmp_path) == []
-    assert m.after_run["archive"]["result"] == "skipped"
+    assert m.after_run.archive["result"] == "skipped"
     assert "archive: skipped, 2 active OpenSpec changes" in capsys.readouterr().out
 
 
@@ -179,7 +179,7 @@ def test_missing_openspec_is_logged_pass_stays_and_commit_is_skipped(load_orch, 
     assert "archive: failed, `/nonexistent/openspec` cannot be run" in out
     assert "npm install -g @fission-ai/openspec" in out
     assert "commit: skipped, the archive of the OpenSpec change failed" in out
-    assert m.after_run["commit"] == {"result": "skipped", "reason": "archive failed"}
+    assert m.after_run.commit == {"result": "skipped", "reason": "archive failed"}
     assert commits(workdir) == 1
 
 
@@ -191,7 +191,7 @@ def test_failing_archive_logs_its_output(load_orch, workdir, tmp_path, capsys):
     assert m.finish_run(0) == 0
     out = capsys.readouterr().out
     assert "exited with 1" in out and "openspec: Delta parsing found no operations" in out
-    assert m.after_run["archive"]["result"] == "failed"
+    assert m.after_run.archive["result"] == "failed"
     assert (workdir / "openspec" / "changes" / "add-greeting").is_dir()
 
 
@@ -206,7 +206,7 @@ def test_hanging_archive_is_stopped_after_archive_timeout(load_orch, workdir, tm
     out = capsys.readouterr().out
     assert "never" not in out
     assert "did not finish within ARCHIVE_TIMEOUT=0.5s and was stopped" in out and "openspec: working" in out
-    assert m.after_run["archive"]["result"] == "failed"
+    assert m.after_run.archive["result"] == "failed"
 
 
 # -- commit ----------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_commit_takes_exactly_what_the_run_changed(load_orch, workdir, capsys):
     status = git(workdir, "status", "--porcelain", "--untracked-files=all")
     assert "A  staged.txt" in status                                   # still staged, not committed
     assert "?? notes.txt" in status and '?? "x = 1"' in status and "?? EOF)" in status
-    record = m.after_run["commit"]
+    record = m.after_run.commit
     assert record["result"] == "committed" and record["files"] == ["app.py", "draft.md", "greet/cli.py", "old.py"]
     assert sorted(record["left_out"]) == ["EOF)", "x = 1"]
     out = capsys.readouterr().out
@@ -273,7 +273,7 @@ def test_no_git_repository_is_logged_and_pass_stays(load_orch, workdir, capsys):
     (workdir / "app.py").write_text("x\n")
     assert m.finish_run(0) == 0
     assert f"commit: skipped, {workdir} is not in a git repository" in capsys.readouterr().out
-    assert m.after_run["commit"]["result"] == "skipped"
+    assert m.after_run.commit["result"] == "skipped"
 
 
 def test_nothing_to_commit(load_orch, workdir, capsys):
@@ -286,7 +286,7 @@ def test_nothing_to_commit(load_orch, workdir, capsys):
     assert m.finish_run(0) == 0
     assert commits(workdir) == 1
     assert "commit: nothing to commit" in capsys.readouterr().out
-    assert m.after_run["commit"]["result"] == "nothing"
+    assert m.after_run.commit["result"] == "nothing"
 
 
 def test_failing_commit_hook_is_logged_and_pass_stays(load_orch, workdir, capsys):
@@ -301,7 +301,7 @@ def test_failing_commit_hook_is_logged_and_pass_stays(load_orch, workdir, capsys
     out = capsys.readouterr().out
     assert "commit: failed, git commit exited with 1 (a commit hook?)" in out and "git: lint: 3 problems" in out
     assert commits(workdir) == 1
-    assert m.after_run["commit"]["result"] == "failed"
+    assert m.after_run.commit["result"] == "failed"
 
 
 def test_missing_identity_uses_a_fallback_without_touching_git_config(load_orch, workdir, capsys):
@@ -346,7 +346,7 @@ def test_fail_neither_archives_nor_commits(load_orch, workdir, tmp_path):
     passed_run(m)
     (workdir / "app.py").write_text("print('v2')\n")
     assert m.finish_run(1) == 1
-    assert openspec_calls(tmp_path) == [] and commits(workdir) == 1 and m.after_run == {}
+    assert openspec_calls(tmp_path) == [] and commits(workdir) == 1 and m.after_run == m.AfterRun()
 
 
 # -- once per run ----------------------------------------------------------------
@@ -382,7 +382,7 @@ def test_a_malformed_record_of_the_start_is_dropped(orch, workdir):
     Path(orch.STATE_FILE).parent.mkdir(parents=True)
     Path(orch.STATE_FILE).write_text(json.dumps({"worktree_at_start": {"a.py": 3}, "after_run": "x"}))
     assert orch.load_state()
-    assert orch.worktree_at_start is None and orch.after_run == {}
+    assert orch.worktree_at_start is None and orch.after_run == orch.AfterRun()
 
 
 # -- notifications ---------------------------------------------------------------
@@ -398,7 +398,7 @@ def test_pass_notification_carries_title_round_and_last_line(load_orch, workdir)
     assert request["headers"]["priority"] == "default" and request["headers"]["tags"] == "white_check_mark"
     assert request["body"] == "PASS in round 2"
     assert "authorization" not in request["headers"]
-    assert m.after_run["notified"] == "PASS"
+    assert m.after_run.notified == "PASS"
 
 
 def test_token_is_sent_as_bearer_only_when_set_and_never_logged_or_saved(load_orch, workdir, capsys):
@@ -465,7 +465,7 @@ def test_server_down_is_logged_and_pass_stays(load_orch, workdir, capsys):
     passed_run(m)
     assert m.finish_run(0) == 0
     assert f"notify: could not send the PASS notification to {url}/loop-alerts" in capsys.readouterr().out
-    assert "notified" not in m.after_run
+    assert m.after_run.notified is None
 
 
 def test_hanging_server_is_given_up_on_quickly(load_orch, workdir, capsys):
@@ -566,7 +566,7 @@ def test_agent_staged_deletion_and_addition_are_committed(load_orch, workdir):
     (workdir / "added.py").write_text("y = 2\n")
     git(workdir, "add", "added.py")
     m.finish_run(0)
-    assert m.after_run["commit"]["result"] == "committed"
+    assert m.after_run.commit["result"] == "committed"
     assert last_commit_files(workdir) == ["added.py", "old.py"]
 
 
@@ -591,7 +591,7 @@ def test_an_unexpected_fault_in_a_step_does_not_undo_the_pass(load_orch, workdir
     monkeypatch.setattr(m, "commit_run", broken)
     assert m.finish_run(0) == 0
     assert "commit: failed, unexpected ValueError: something odd" in capsys.readouterr().out
-    assert m.after_run["commit"]["result"] == "failed"
+    assert m.after_run.commit["result"] == "failed"
 
 
 def test_help_and_readme_list_the_new_settings(orch):

@@ -103,9 +103,15 @@ def test_analyst_prompt_without_feedback_says_none(m):
     assert "Latest peer analyst feedback:\n(none)" in prompt
 
 
+def delivered(m, prompt):
+    """A prompt as ask_agent() handles it once it reached its terminal: what it carried in full is recorded."""
+    m.record_sent(prompt.carries_in_full)
+    return prompt
+
+
 def test_analyst_prompt_explore_summary_full_then_back_reference(m):
     """Spec 1 Explore summary condensation in prompts: the analyst's second prompt refers back to the first."""
-    first = m.build_analyst_prompt(1, 1)
+    first = delivered(m, m.build_analyst_prompt(1, 1))
     second = m.build_analyst_prompt(1, 2)
     assert EXPLORE in first
     assert EXPLORE not in second
@@ -115,7 +121,7 @@ def test_analyst_prompt_explore_summary_full_then_back_reference(m):
 def test_each_terminal_gets_the_full_explore_summary_once(m):
     """Spec 1 Explore summary condensation: each of the five agents gets the summary in full on its first prompt."""
     for role, build in BUILDERS.items():
-        assert EXPLORE in build(m), role
+        assert EXPLORE in delivered(m, build(m)), role
     for role, build in BUILDERS.items():
         prompt = build(m)
         assert EXPLORE not in prompt, role
@@ -125,7 +131,7 @@ def test_each_terminal_gets_the_full_explore_summary_once(m):
 def test_explore_summary_every_time_when_condense_explore_off(m):
     """Spec 1 Explore summary condensation: with CONDENSE_EXPLORE_ON_REPEAT off every prompt has the full summary."""
     m.CONDENSE_EXPLORE_ON_REPEAT = False
-    m.build_analyst_prompt(1, 1)
+    delivered(m, m.build_analyst_prompt(1, 1))
     prompt = m.build_analyst_prompt(1, 2)
     assert EXPLORE in prompt
     assert BACK_REFERENCE not in prompt
@@ -596,7 +602,7 @@ def standing_text(m, kind: str) -> list[tuple[str, str]]:
 def first_and_repeated(m, kind: str) -> tuple[str, str]:
     """The prompt to a terminal that has had none yet, and the same prompt once it has had one."""
     build = PROMPT_KINDS[kind][1]
-    return build(m), build(m)
+    return delivered(m, build(m)), build(m)
 
 
 @pytest.mark.parametrize("kind", list(PROMPT_KINDS))
@@ -626,19 +632,19 @@ def test_new_terminal_gets_the_complete_prompt_again(m, kind):
 
 
 @pytest.mark.parametrize("kind", list(PROMPT_KINDS))
-def test_failed_send_gets_the_complete_prompt_again(m, kind):
-    """forget_context_sent(): after a send that may not have arrived, the terminal gets the complete text."""
-    role = PROMPT_KINDS[kind][0]
-    first, _repeated = first_and_repeated(m, kind)
-    m.forget_context_sent(m.terminal_ids[role])
-    assert PROMPT_KINDS[kind][1](m) == first
+def test_building_a_prompt_records_nothing(m, kind):
+    """A prompt that never reached its terminal leaves no record: the next one to it is complete again."""
+    build = PROMPT_KINDS[kind][1]
+    first = build(m)
+    assert first.carries_in_full and m.context_sent == set()
+    assert build(m) == first
 
 
 def test_fresh_context_record_gives_complete_prompts(m):
     """A new run starts with an empty record (init_new_run): every prompt kind is complete again."""
     for kind, (_role, build, _required) in PROMPT_KINDS.items():
         m.context_sent = set()
-        first, repeated = build(m), build(m)
+        first, repeated = delivered(m, build(m)), build(m)
         m.context_sent = set()
         assert build(m) == first != repeated, kind
 
@@ -646,7 +652,7 @@ def test_fresh_context_record_gives_complete_prompts(m):
 def test_resumed_run_keeps_referring_back(m):
     """context_sent is saved in the state: after a resume the terminals that have the text get back-references."""
     for _role, build, _required in PROMPT_KINDS.values():
-        build(m)
+        delivered(m, build(m))
     m.save_state()
     m.context_sent = set()
     assert m.load_state()
@@ -660,5 +666,5 @@ def test_repeated_prompts_complete_when_condense_explore_off(m):
     """CONDENSE_EXPLORE_ON_REPEAT=0: nothing is sent once only, every prompt is complete."""
     m.CONDENSE_EXPLORE_ON_REPEAT = False
     for kind, (_role, build, _required) in PROMPT_KINDS.items():
-        first, repeated = build(m), build(m)
+        first, repeated = delivered(m, build(m)), build(m)
         assert repeated == first, kind

@@ -281,6 +281,35 @@ def test_prompt_whose_delivery_failed_before_it_arrived_is_sent_again_once(load_
     assert "HTTP 503" in out and "sending the whole prompt again" in out
 
 
+def test_prompt_that_never_reached_the_server_is_complete_when_sent_on_rerun(load_orch, fake_cao, prompt_file,
+                                                                             monkeypatch):
+    """A prompt refused before it left this machine counts as not sent: nothing it carried is recorded,
+    and the rerun sends the tester its complete prompt."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), API_RETRY_SECONDS="0", **TESTER_ONLY)
+    delivered = m.ApiClient.send_input
+
+    def refused_once(self, terminal_id, message):
+        monkeypatch.setattr(m.ApiClient, "send_input", delivered)
+        raise m.ApiError("CAO server is not reachable", retryable=True, unsent=True)
+    monkeypatch.setattr(m.ApiClient, "send_input", refused_once)
+    assert run_main(m) == 1
+    assert fake_cao.prompts == [] and state_of(m)["context_sent"] == []
+    assert run_main(m) == 0
+    [prompt] = fake_cao.prompts_for("tester")
+    assert "Build a greeting CLI" in prompt and "For example:\nmkdir -p " in prompt
+
+
+def test_prompt_whose_delivery_broke_off_counts_as_sent(load_orch, fake_cao, prompt_file):
+    """The server took the prompt and its answer broke off: the agent may have it, so what it carried in
+    full is recorded, and the terminal's next prompt refers back to it."""
+    fake_cao.broken_answers["input"] = 1              # the analyst's first prompt
+    m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
+    assert run_main(m) == 0
+    first, second = fake_cao.prompts_for("analyst")
+    assert "Build a greeting CLI" in first
+    assert "Build a greeting CLI" not in second and m.EXPLORE_BACK_REFERENCE in second
+
+
 def test_status_reads_are_retried_on_5xx(load_orch, fake_cao, prompt_file):
     fake_cao.server_errors["status"] = 3
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)

@@ -295,6 +295,84 @@ def test_old_shell_format_state_file_loads(orch):
     assert orch.programmer_context_for_retry == ""
 
 
+# -- the state table ---------------------------------------------------------------
+
+def test_state_file_holds_exactly_the_table_keys(orch):
+    """STATE_FIELDS is the state file's format: save_state() writes its keys (shell fields first) and no other."""
+    orch.save_state()
+    saved = json.loads(Path(orch.STATE_FILE).read_text())
+    keys = [f.key for f in orch.STATE_FIELDS]
+    assert list(saved) == ["version", "updated_at", *keys]
+    assert {f.key for f in orch.STATE_FIELDS if f.shell} | {"version", "updated_at"} == \
+        SHELL_FIELDS | {"programmer_context_for_retry"}
+    assert [f.shell for f in orch.STATE_FIELDS] == sorted((f.shell for f in orch.STATE_FIELDS), reverse=True)
+
+
+def test_every_run_field_is_a_declared_global_starting_at_its_default(orch):
+    """Each run row of the table has its module global, declared with its type, holding the row's default."""
+    for name in orch.RUN_FIELDS:
+        assert name in orch.__annotations__, name
+        assert getattr(orch, name) == orch.STATE_FIELDS_BY_NAME[name].new(), name
+
+
+def test_a_new_run_resets_every_run_field(orch):
+    """reset_run_state(): a loaded run's values are all gone, settings and task untouched."""
+    write_state(orch, {**shell_state(orch), "phase_cycle": 3, "run_dir": "/x", "context_sent": ["explore:t"],
+                       "in_flight": {"role": "tester", "round": 2, "phase": "tester", "cycle": 1, "sent_at": 1.0},
+                       "after_run": {"due": ["notify"], "notified": "FAIL"}})
+    assert orch.load_state()
+    orch.reset_run_state()
+    for name in orch.RUN_FIELDS:
+        assert getattr(orch, name) == orch.STATE_FIELDS_BY_NAME[name].new(), name
+    assert orch.PROMPT == TASK_PROMPT
+
+
+def test_update_run_refuses_a_name_that_is_not_run_state(orch):
+    with pytest.raises(AttributeError, match="not a run-state field: MAX_ROUNDS"):
+        orch.update_run(MAX_ROUNDS=3)
+
+
+@pytest.mark.parametrize("key, bad, default", [
+    ("current_round", "x", 1), ("phase_cycle", 0, 1), ("phase_step", "later", "author"),
+    ("final_status", 7, "RUNNING"), ("context_sent", "explore:t", set()), ("terminals_exited", "yes", False),
+    ("in_flight", ["tester"], None), ("story_progress", "1", None), ("turn_records", {"role": "x"}, []),
+    ("worktree_at_start", {"a.py": 3}, None),
+])
+def test_a_malformed_field_reads_as_its_default(orch, key, bad, default):
+    """A field of the wrong type (a hand-edited or foreign file) is read as its default, the rest as saved."""
+    write_state(orch, {**shell_state(orch), key: bad})
+    assert orch.load_state()
+    name = next(f.name for f in orch.STATE_FIELDS if f.key == key)
+    assert getattr(orch, name) == default
+    assert orch.session_name == "cao-shell"
+
+
+def test_nested_records_are_read_into_their_types(orch):
+    """in_flight, story_progress, turn_records and after_run come back as their record types, checked once."""
+    write_state(orch, {**shell_state(orch),
+                       "in_flight": {"role": "programmer", "round": "2", "phase": "programmer", "cycle": 1,
+                                     "story": "3", "attempt": 2, "sent_at": 5, "sent_in_full": ["a", 3]},
+                       "story_progress": {"change": "c", "queue": ["3", 4], "current": "3", "results": [
+                           {"id": "2", "title": "Two", "status": "COMPLETE", "attempts": 1}, "junk"]},
+                       "turn_records": [{"role": "tester", "round": 1, "seconds": 2.5, "prompt_bytes": 10}, 7],
+                       "after_run": {"due": ["commit"], "commit": {"result": "committed"}, "notified": 1}})
+    assert orch.load_state()
+    assert orch.in_flight == orch.InFlight("programmer", 2, "programmer", 1, "3", 2, 5, ("a",))
+    assert orch.story_progress == orch.StoryProgress("c", ["3"], "3", 1, "", [orch.StoryResult("2", "Two",
+                                                                                               "COMPLETE", 1)])
+    assert orch.turn_records == [orch.TurnRecord("tester", 1, 2.5, 10)]
+    assert orch.after_run == orch.AfterRun(["commit"], None, {"result": "committed"}, None)
+
+
+def test_readme_names_every_state_key(orch):
+    """The README's "State and resume" section names each key the state file holds."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## State and resume"):]
+    section = section[:section.index("\n## ", 1)]
+    missing = [f.key for f in orch.STATE_FIELDS if f"`{f.key}`" not in section]
+    assert missing == []
+
+
 def test_old_shell_format_state_survives_a_save(orch):
     """Spec 1 State file compatibility: loading a shell state and saving it keeps every shell field's value."""
     original = shell_state(orch)

@@ -1,0 +1,229 @@
+"""The wait's decision table, one rule at a time, on a fake clock.
+
+decide() is pure: it reads what has been observed of a turn (TurnFacts) and
+the time, and names the turn's state and the verdict of the first rule that
+applies. Each test puts the facts of one situation together by hand and asks.
+The wait loop that feeds real observations in is tested in
+test_turn_completion.py and test_robust_handoff.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+POLL, GRACE, QUIET, SETTLE, TIMEOUT = 2.0, 30.0, 5.0, 0.25, 1800.0   # exact in binary: no rounding at the edges
+FILE = (1_700_000_000_000_000_000, 42)
+
+
+@pytest.fixture
+def m(orch, monkeypatch):
+    for name, value in (("POLL_SECONDS", POLL), ("IDLE_GRACE_SECONDS", GRACE), ("QUIET_SCREEN_SECONDS", QUIET),
+                        ("FILE_SETTLE_SECONDS", SETTLE), ("RESPONSE_TIMEOUT", TIMEOUT)):
+        monkeypatch.setattr(orch, name, value)
+    return orch
+
+
+def sent_at_zero(m, prompt_known: bool = True):
+    """A turn whose prompt went out at t=0."""
+    return m.TurnFacts(started=0.0, guard_since=0.0, prompt_known=prompt_known, baseline_reply="before")
+
+
+def decide(m, facts, now):
+    state, verdict = m.decide(facts, now)
+    return state.name, verdict.name
+
+
+def test_nothing_seen_yet_is_awaiting_a_sign_of_life(m):
+    facts = sent_at_zero(m)
+    assert decide(m, facts, 1.0) == ("AWAITING_SIGN_OF_LIFE", "WAIT")
+
+
+def test_a_busy_status_is_working(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    assert decide(m, facts, 2.0) == ("WORKING", "WAIT")
+
+
+def test_status_error_fails_the_turn_whatever_else_is_seen(m):
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 1.0)
+    facts.note_status("error", 5.0)
+    assert decide(m, facts, 5.0) == ("FAILED", "ERROR")
+
+
+def test_a_file_is_settling_until_it_has_been_unchanged_for_file_settle_seconds(m):
+    facts = sent_at_zero(m)
+    facts.note_status("completed", 2.0)
+    facts.note_file(FILE, 3.0)
+    assert decide(m, facts, 3.0 + SETTLE / 2) == ("FILE_SETTLING", "WAIT")
+
+
+def test_a_settled_file_waits_for_a_ready_status_read_after_it_appeared(m):
+    facts = sent_at_zero(m)
+    facts.note_status("completed", 2.0)             # ready, but before the file: an earlier turn's end
+    facts.note_file(FILE, 3.0)
+    assert decide(m, facts, 4.0) == ("FILE_SETTLED", "WAIT")
+    facts.note_status("completed", 4.0)
+    assert decide(m, facts, 4.0) == ("DONE", "TAKE_REPLY")
+
+
+def test_a_settled_file_is_taken_once_the_screen_has_been_still_for_quiet_screen_seconds(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)            # CAO stuck at processing
+    facts.note_screen("spinner 1", 2.0)
+    facts.note_file(FILE, 3.0)
+    assert decide(m, facts, 3.0 + QUIET - 0.1) == ("FILE_SETTLED", "WAIT")
+    assert decide(m, facts, 3.0 + QUIET) == ("DONE", "TAKE_REPLY")
+
+
+def test_a_changing_screen_never_ends_a_turn(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_file(FILE, 3.0)
+    for second in range(4, 60):
+        facts.note_screen(f"spinner {second}", float(second))
+        assert decide(m, facts, second + 0.5) == ("FILE_SETTLED", "WAIT")
+
+
+def test_a_rewritten_file_starts_its_clocks_again(m):
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 3.0)
+    facts.note_status("completed", 4.0)
+    facts.note_file((FILE[0] + 1, 50), 4.5)           # rewritten after the ready read
+    assert decide(m, facts, 4.5 + SETTLE) == ("FILE_SETTLED", "WAIT")
+
+
+def test_silent_within_idle_grace_waits(m):
+    facts = sent_at_zero(m)
+    facts.note_status("idle", 2.0)
+    assert decide(m, facts, GRACE - 0.1) == ("SILENT", "WAIT")
+
+
+def test_silent_for_idle_grace_sends_the_prompt_again_once(m):
+    facts = sent_at_zero(m)
+    facts.note_status("idle", 2.0)
+    assert decide(m, facts, GRACE) == ("SILENT", "RESEND")
+    facts.resend_used = True
+    facts.note_sent("before", GRACE)
+    assert decide(m, facts, GRACE + 1) == ("SILENT", "WAIT")
+    assert decide(m, facts, 2 * GRACE) == ("SILENT", "REMIND")      # no second resend
+
+
+def test_a_carried_over_turn_is_reminded_where_a_resend_would_be(m):
+    """The prompt of a turn carried over from an earlier process is not at hand: a reminder stands in."""
+    facts = sent_at_zero(m, prompt_known=False)
+    facts.note_status("idle", 2.0)
+    assert decide(m, facts, GRACE) == ("SILENT", "REMIND")
+
+
+def test_idle_after_working_is_reminded_after_idle_grace(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_status("completed", 10.0)
+    assert decide(m, facts, 10.0 + GRACE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
+    assert decide(m, facts, 10.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
+
+
+def test_idle_counts_from_the_last_reminder(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_status("completed", 10.0)
+    facts.note_sent("reminder baseline", 40.0)
+    facts.seen_working = True                         # e.g. its reply changed
+    assert decide(m, facts, 40.0 + GRACE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
+    assert decide(m, facts, 40.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
+
+
+def test_a_new_reply_counts_as_working_without_restarting_the_idle_clock(m):
+    facts = sent_at_zero(m)
+    facts.note_status("idle", 2.0)
+    facts.note_reply("a new answer in the terminal")
+    assert decide(m, facts, 2.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
+
+
+def test_unknown_status_is_idle_once_the_screen_is_still(m):
+    """After a server restart every status reads `unknown`: the screen tells idle from working."""
+    facts = sent_at_zero(m)
+    facts.note_status("unknown", 2.0)
+    facts.note_screen("working 1", 2.0)
+    facts.note_screen("working 2", 3.0)               # a change: it works
+    assert decide(m, facts, 3.0 + QUIET - 0.1) == ("WORKING", "WAIT")
+    assert decide(m, facts, 3.0 + QUIET) == ("IDLE_WITHOUT_FILE", "WAIT")
+    assert decide(m, facts, 3.0 + QUIET + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
+
+
+def test_response_timeout_stops_a_turn_that_never_ends(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    assert decide(m, facts, TIMEOUT - 0.1) == ("WORKING", "WAIT")
+    assert decide(m, facts, TIMEOUT) == ("WORKING", "TIMEOUT")
+
+
+def test_decide_changes_nothing(m):
+    facts = sent_at_zero(m)
+    facts.note_status("idle", 2.0)
+    before = vars(facts).copy()
+    for now in (1.0, GRACE, 2 * GRACE, TIMEOUT):
+        m.decide(facts, now)
+    assert vars(facts) == before
+
+
+def test_every_rule_names_states_and_a_verdict(m):
+    """The table reads on its own: each row has states, a condition in words and a verdict."""
+    for rule in m.WAIT_RULES:
+        assert rule.states and rule.condition and isinstance(rule.verdict, m.Verdict)
+    assert {rule.verdict for rule in m.WAIT_RULES} == set(m.Verdict)          # every verdict has its rule
+
+
+# -- what to read, and when ---------------------------------------------------------
+
+def test_status_is_read_once_per_poll(m):
+    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL)
+    assert not reads.status_due(facts, POLL - 0.01)
+    assert reads.status_due(facts, POLL)
+    reads.status_read(POLL, early=False)
+    assert not reads.status_due(facts, 2 * POLL - 0.01)
+
+
+def test_status_is_read_once_early_when_a_file_has_settled(m):
+    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL)
+    facts.note_file(FILE, 0.5)
+    assert not reads.status_due(facts, 0.5 + SETTLE / 2)
+    assert reads.status_due(facts, 0.5 + SETTLE)
+    reads.status_read(0.5 + SETTLE, early=True)
+    facts.note_file((FILE[0] + 1, 43), 0.8)
+    assert not reads.status_due(facts, 0.8 + SETTLE)               # once per turn
+    assert reads.next_look_at(facts, 0.8) == pytest.approx(0.8 + SETTLE)
+
+
+def test_the_screen_is_read_only_while_the_status_cannot_end_the_turn(m):
+    facts = sent_at_zero(m)
+    facts.note_status("completed", 2.0)
+    assert not m.ReadSchedule.screen_due(facts, 2.0)
+    facts.note_status("unknown", 4.0)
+    assert m.ReadSchedule.screen_due(facts, 4.0)
+    facts.note_status("processing", 6.0)
+    assert not m.ReadSchedule.screen_due(facts, 6.0)
+    facts.note_file(FILE, 6.0)
+    assert m.ReadSchedule.screen_due(facts, 6.0 + SETTLE)
+
+
+# -- permission prompts -------------------------------------------------------------
+
+def test_permission_prompt_is_reported_once_without_auto_accept(m):
+    m.AUTO_ACCEPT_PERMISSIONS = False
+    answers = m.PermissionAnswers()
+    assert answers.next_step(0.0) == "tell"
+    answers.told_blocked = True
+    assert answers.next_step(100.0) == ""
+
+
+def test_permission_answers_are_spaced_and_capped(m):
+    m.AUTO_ACCEPT_PERMISSIONS = True
+    answers = m.PermissionAnswers()
+    assert answers.next_step(0.0) == "answer"
+    answers.answered, answers.last_answer_at = 1, 0.0
+    assert answers.next_step(m.PERMISSION_ANSWER_INTERVAL - 0.1) == ""
+    assert answers.next_step(m.PERMISSION_ANSWER_INTERVAL) == "answer"
+    answers.answered = m.MAX_PERMISSION_ANSWERS
+    assert answers.next_step(1000.0) == "tell"
