@@ -1111,36 +1111,38 @@ class StateField:
 
 
 STATE_FIELDS: tuple[StateField, ...] = (
-    StateField("api", "API", _text, shell=True, kind="setting"),
-    StateField("provider", "PROVIDER", _text, shell=True, kind="setting"),
-    StateField("wd", "WD", _text, shell=True, kind="setting"),
-    StateField("prompt", "PROMPT", _text, shell=True, kind="task"),
-    StateField("current_round", "current_round", _positive_int, lambda: 1, shell=True),
-    StateField("current_phase", "current_phase", lambda v: v if v in PHASES else PHASE_ANALYST,
-               lambda: PHASE_ANALYST, shell=True),
-    StateField("final_status", "final_status", lambda v: _text(v) or "RUNNING", lambda: "RUNNING", shell=True),
-    StateField("session_name", "session_name", _text, lambda: "", shell=True),
-    StateField("terminals", "terminal_ids", _terminals, lambda: {role: "" for role in ROLES},
-               lambda ids: {role: ids.get(role, "") for role in ROLES}, shell=True),
-    StateField("feedback", "feedback", _text, lambda: "", shell=True),
-    StateField("analyst_feedback", "analyst_feedback", _text, lambda: "", shell=True),
-    StateField("programmer_feedback", "programmer_feedback", _text, lambda: "", shell=True),
-    StateField("outputs", "outputs", _outputs, lambda: {key: "" for key in OUTPUT_KEYS},
-               lambda texts: {key: texts.get(key, "") for key in OUTPUT_KEYS}, shell=True),
-    StateField("programmer_context_for_retry", "programmer_context_for_retry", _text, lambda: "", shell=True),
+    # The shell orchestrator's fields (spec 1, and spec 2's retry context), in its order.
+    StateField("api", "API", parse=_text, shell=True, kind="setting"),
+    StateField("provider", "PROVIDER", parse=_text, shell=True, kind="setting"),
+    StateField("wd", "WD", parse=_text, shell=True, kind="setting"),
+    StateField("prompt", "PROMPT", parse=_text, shell=True, kind="task"),
+    StateField("current_round", "current_round", parse=_positive_int, new=lambda: 1, shell=True),
+    StateField("current_phase", "current_phase", parse=lambda v: v if v in PHASES else PHASE_ANALYST,
+               new=lambda: PHASE_ANALYST, shell=True),
+    StateField("final_status", "final_status", parse=lambda v: _text(v) or "RUNNING", new=lambda: "RUNNING",
+               shell=True),
+    StateField("session_name", "session_name", parse=_text, new=str, shell=True),
+    StateField("terminals", "terminal_ids", parse=_terminals, new=lambda: {role: "" for role in ROLES},
+               dump=lambda ids: {role: ids.get(role, "") for role in ROLES}, shell=True),
+    StateField("feedback", "feedback", parse=_text, new=str, shell=True),
+    StateField("analyst_feedback", "analyst_feedback", parse=_text, new=str, shell=True),
+    StateField("programmer_feedback", "programmer_feedback", parse=_text, new=str, shell=True),
+    StateField("outputs", "outputs", parse=_outputs, new=lambda: {key: "" for key in OUTPUT_KEYS},
+               dump=lambda texts: {key: texts.get(key, "") for key in OUTPUT_KEYS}, shell=True),
+    StateField("programmer_context_for_retry", "programmer_context_for_retry", parse=_text, new=str, shell=True),
     # Ours; the shell script ignores them.
-    StateField("phase_cycle", "phase_cycle", _positive_int, lambda: 1),
-    StateField("phase_step", "phase_step", lambda v: v if v in PHASE_STEPS else "author", lambda: "author"),
-    StateField("run_dir", "run_dir", _text, lambda: ""),
-    StateField("context_sent", "context_sent", lambda v: set(_strings(v)), set, sorted),
-    StateField("terminals_exited", "terminals_exited", lambda v: v is True, lambda: False),
-    StateField("in_flight", "in_flight", InFlight.from_json, dump=lambda r: r and r.to_json()),
-    StateField("story_progress", "story_progress", StoryProgress.from_json, dump=lambda r: r and r.to_json()),
-    StateField("turn_records", "turn_records",
-               lambda v: [r for r in map(TurnRecord.from_json, v) if r] if isinstance(v, list) else [], list,
-               lambda records: [r.to_json() for r in records]),
-    StateField("worktree_at_start", "worktree_at_start", _fingerprints),
-    StateField("after_run", "after_run", AfterRun.from_json, AfterRun, lambda record: record.to_json()),
+    StateField("phase_cycle", "phase_cycle", parse=_positive_int, new=lambda: 1),
+    StateField("phase_step", "phase_step", parse=lambda v: v if v in PHASE_STEPS else "author",
+               new=lambda: "author"),
+    StateField("run_dir", "run_dir", parse=_text, new=str),
+    StateField("context_sent", "context_sent", parse=lambda v: set(_strings(v)), new=set, dump=sorted),
+    StateField("terminals_exited", "terminals_exited", parse=lambda v: v is True, new=bool),
+    StateField("in_flight", "in_flight", parse=InFlight.from_json, dump=lambda r: r and r.to_json()),
+    StateField("story_progress", "story_progress", parse=StoryProgress.from_json, dump=lambda r: r and r.to_json()),
+    StateField("turn_records", "turn_records", new=list, dump=lambda records: [r.to_json() for r in records],
+               parse=lambda v: [r for r in map(TurnRecord.from_json, v) if r] if isinstance(v, list) else []),
+    StateField("worktree_at_start", "worktree_at_start", parse=_fingerprints),
+    StateField("after_run", "after_run", parse=AfterRun.from_json, new=AfterRun, dump=lambda r: r.to_json()),
 )
 RUN_FIELDS = tuple(f.name for f in STATE_FIELDS if f.kind == "run")
 STATE_FIELDS_BY_NAME = {f.name: f for f in STATE_FIELDS}
@@ -1175,7 +1177,7 @@ after_run: AfterRun = _new_value("after_run")
 
 
 def update_run(**changes: object) -> None:
-    """Change run-state globals: with load_state() the only place they are assigned."""
+    """Change run-state globals: the one place the loop assigns them (load_state() and resets come here too)."""
     unknown = set(changes) - set(RUN_FIELDS)
     if unknown:
         raise AttributeError(f"not a run-state field: {', '.join(sorted(unknown))}")
