@@ -14,12 +14,22 @@ A step is either a reply text or a dict:
 The role's last step repeats when its script runs out. A message that names
 no response file is a reminder (or a permission answer): it is recorded in
 `reminders` and uses no step; "write_on_reminder" writes its text only then.
+
+Tests that depend on what runs at the same time do not sleep and hope: the
+fake holds a request until the moment the test needs has come
+(`creations_at_once`, `session_exists_when`, `refusals_wait_for_session`,
+`wait_until`), and `MainThreadSignals` delivers Ctrl-C or SIGTERM and waits
+until Python has handled it. A hold that waits WAIT_SECONDS in vain lets the
+request go on and says so in `gave_up`, which such tests assert is empty.
 """
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import itertools
 import re
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -87,6 +97,9 @@ DEFAULT_REPLIES = {
     "tester": PASS_REPLY,
 }
 
+# The longest the fake holds a request for what a test arranged; then it goes on, noting it in `gave_up`.
+WAIT_SECONDS = 10.0
+
 RESPONSE_LINE = re.compile(r"^Write your complete answer to this file: (.+)$", re.MULTILINE)
 PROMPT_FILE_LINE = re.compile(r"^Read and follow the instructions in this file: (.+)$", re.MULTILINE)
 
@@ -144,7 +157,16 @@ class FakeCao:
     providers_status: int = 200          # e.g. 404: a server without the providers route
     creating_now: int = 0
     creating_peak: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    creations_at_once: int = 0           # each agent start waits until this many creations are under way at once
+    session_exists_when: object = None  # callable() -> bool: a session request waits for it before its
+                                         # session exists (after create_hook)
+    refusals_wait_for_session: bool = False  # an add refused "Session ... not found" is answered only once
+                                             # the session request is over (its thread done with it)
+    create_answered_at: list[float] = field(default_factory=list)  # time.monotonic() of each create_answers entry
+    gave_up: list[str] = field(default_factory=list)   # holds that waited WAIT_SECONDS in vain
+    _session_thread: int | None = None   # the thread that sent the (last) session request
+    _session_answered: bool = False
+    _lock: threading.RLock = field(default_factory=threading.RLock)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     # -- what tests look at -------------------------------------------------
@@ -160,6 +182,25 @@ class FakeCao:
     def exited_ids(self) -> list[str]:
         return [t.id for t in self.terminals.values() if t.exited]
 
+    def wait_until(self, what: str, ready) -> bool:
+        """Hold the calling request until ready() is true; after WAIT_SECONDS in vain go on, noting it in
+        `gave_up` (then later holds go on at once: the test fails anyway, and soon)."""
+        deadline = time.monotonic() + WAIT_SECONDS
+        with self._changed:
+            while not ready():
+                if self.gave_up or time.monotonic() >= deadline:
+                    self.gave_up.append(f"waited {WAIT_SECONDS:g}s for {what}")
+                    return False
+                self._changed.wait(0.01)    # also looks again by itself: some conditions are other threads' state
+        return True
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _session_request_over(self) -> bool:
+        return self._session_answered and not running_pool_task(self._session_thread)
+
     def add_terminals(self, session: str = "cao-saved") -> dict[str, str]:
         """Terminals that already exist on the server, as a saved run left them."""
         ids = {}
@@ -172,6 +213,9 @@ class FakeCao:
         return ids
 
     # -- wiring ---------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self._changed = threading.Condition(self._lock)
+
     def install(self, router: respx.MockRouter) -> "FakeCao":
         self.router = router              # a test may add routes, e.g. pass-through to a local server
         base = self.base_url
@@ -224,6 +268,16 @@ class FakeCao:
         return {k: v[0] for k, v in parse_qs(urlsplit(str(request.url)).query, keep_blank_values=True).items()}
 
     def _create_session(self, request: httpx.Request) -> httpx.Response:
+        with self._changed:
+            self._session_thread, self._session_answered = threading.get_ident(), False
+        try:
+            return self._create_session_now(request)
+        finally:
+            with self._changed:
+                self._session_answered = True
+                self._changed.notify_all()
+
+    def _create_session_now(self, request: httpx.Request) -> httpx.Response:
         """As CAO 2.5.4: the session exists while its first agent starts, and is gone again if that fails."""
         params = self._params(request)
         profile = params.get("agent_profile", "")
@@ -236,21 +290,28 @@ class FakeCao:
             self.create_hook(profile)
         if profile in self.fail_create and profile not in self.fail_late:
             return self._answer(profile, *self._refusal(profile))
+        if self.session_exists_when is not None:
+            self.wait_until(f"what the test set before session {name} may exist", self.session_exists_when)
         time.sleep(self.session_setup)
         with self._lock:
             self.sessions.add(name)
+        self._notify()
         response = self._start_agent(request, name)
         if response.status_code >= 400:
             with self._lock:
                 self.sessions.discard(name)
+            self._notify()
         return response
 
     def _create_terminal(self, request: httpx.Request) -> httpx.Response:
         session = urlsplit(str(request.url)).path.split("/")[2]
         profile = self._params(request).get("agent_profile", "")
         with self._lock:
-            if session not in self.sessions:
-                return self._answer(profile, 404, {"detail": f"Session '{session}' not found"})
+            refused = session not in self.sessions
+        if refused:
+            if self.refusals_wait_for_session:
+                self.wait_until("the session request to be over", self._session_request_over)
+            return self._answer(profile, 404, {"detail": f"Session '{session}' not found"})
         if self.create_hook is not None:
             self.create_hook(profile)
         return self._start_agent(request, session)
@@ -259,12 +320,17 @@ class FakeCao:
         """The agent CLI starts (create_delay), then the terminal is answered, or its injected failure."""
         params = self._params(request)
         profile = params.get("agent_profile", "")
-        with self._lock:
+        with self._changed:
             self.creating_now += 1
             self.creating_peak = max(self.creating_peak, self.creating_now)
+            self._changed.notify_all()
+        if self.creations_at_once:
+            self.wait_until(f"{self.creations_at_once} creations under way at once",
+                            lambda: self.creating_peak >= self.creations_at_once)
         time.sleep(self.create_delay)
-        with self._lock:
+        with self._changed:
             self.creating_now -= 1
+            self._changed.notify_all()
             if profile in self.fail_create:
                 return self._answer(profile, *self._refusal(profile))
             terminal = Terminal(id=f"{next(self._ids):08x}", session=session,
@@ -282,7 +348,10 @@ class FakeCao:
         return status, {"detail": detail}
 
     def _answer(self, profile: str, status: int, body: dict) -> httpx.Response:
-        self.create_answers.append((profile, status))
+        with self._changed:
+            self.create_answers.append((profile, status))
+            self.create_answered_at.append(time.monotonic())
+            self._changed.notify_all()
         return httpx.Response(status, json=body)
 
     def _terminal(self, request: httpx.Request) -> Terminal | None:
@@ -410,6 +479,54 @@ class FakeCao:
             return self._missing(request)
         terminal.exited = True
         return httpx.Response(200, json={"success": True})
+
+
+_POOL_TASK = concurrent.futures.thread._WorkItem.run.__code__
+
+
+def running_pool_task(thread_id: int | None) -> bool:
+    """Whether that thread is running a task of a concurrent.futures thread pool (such as one creation)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code is _POOL_TASK:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def pool_tasks_elsewhere() -> int:
+    """How many threads other than the caller's are running a thread-pool task."""
+    me = threading.get_ident()
+    return sum(running_pool_task(ident) for ident in sys._current_frames() if ident != me)
+
+
+class MainThreadSignals:
+    """Ctrl-C or SIGTERM sent to the main thread as from outside, and a way to know it has been handled.
+
+    A signal from a terminal or `kill` reaches the main thread, where Python
+    runs its handler at some moment afterwards. `send` follows the signal with
+    a marker signal of a higher number: CPython runs the handlers of pending
+    signals in the order of their numbers, so once the marker's handler has
+    set `handled`, the handler of the signal sent has run. Enter it in the
+    main thread (signal handlers can only be set there); `send` from any.
+    """
+
+    MARKER = getattr(signal, "SIGRTMIN", signal.SIGUSR2)
+
+    def __enter__(self) -> "MainThreadSignals":
+        assert self.MARKER > max(signal.SIGINT, signal.SIGTERM)
+        self.handled = threading.Event()
+        self._previous = signal.signal(self.MARKER, lambda signum, frame: self.handled.set())
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        signal.signal(self.MARKER, self._previous)
+
+    def send(self, signum: int) -> None:
+        self.handled.clear()
+        main = threading.main_thread().ident
+        signal.pthread_kill(main, signum)
+        signal.pthread_kill(main, self.MARKER)
 
 
 def review(verdict: str, notes: str = "") -> str:

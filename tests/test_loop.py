@@ -360,10 +360,10 @@ def test_provider_lookup_that_fails_is_ignored(load_orch, fake_cao, prompt_file,
 
 def test_terminal_creation_runs_concurrently(load_orch, fake_cao, prompt_file):
     """All five terminals are created at the same time, the session's among them, not one after another."""
-    fake_cao.create_delay = 0.2
+    fake_cao.creations_at_once = 5       # each agent start lasts until all five are under way (or 10 s)
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
     assert run_main(m) == 0
-    assert fake_cao.creating_peak == 5
+    assert fake_cao.creating_peak == 5, fake_cao.gave_up
     assert len(fake_cao.terminals) == 5
 
 

@@ -4,8 +4,10 @@ The session (with the analyst's terminal) is requested under a name the loop
 picks, and the other four terminals are added to that name without waiting
 for the session's answer. These tests drive create_terminals() through main()
 against the fake CAO, whose sessions exist, as in CAO 2.5.4, from a moment
-into the session request (`session_setup`) and are gone again if the
-session's first agent fails to start.
+into the session request and are gone again if the session's first agent
+fails to start. Where a test needs things to happen at the same time, the
+fake holds requests until they have (see fake_cao.py), instead of sleeps that
+a loaded machine can outlast.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import respx
 
 from conftest import FAST, run_main
+from fake_cao import MainThreadSignals, pool_tasks_elsewhere
 
 QUICK = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
 ADD_PROFILES = ("peer_system_analyst", "programmer", "peer_programmer", "tester")
@@ -39,6 +42,12 @@ def answers_for(fake, profile: str) -> list[int]:
     return [status for p, status in fake.create_answers if p == profile]
 
 
+def refused_at(fake, profile: str) -> list[float]:
+    """When each 404 to that profile's creation was answered (time.monotonic())."""
+    return [at for (p, status), at in zip(fake.create_answers, fake.create_answered_at)
+            if p == profile and status == 404]
+
+
 def state_of(module) -> dict:
     return json.loads(Path(module.STATE_FILE).read_text(encoding="utf-8"))
 
@@ -47,12 +56,12 @@ def state_of(module) -> dict:
 
 def test_the_session_request_goes_first_and_the_adds_do_not_wait_for_its_answer(load_orch, fake_cao,
                                                                                  prompt_file):
-    fake_cao.create_delay = 0.3                    # every agent takes this long to start
+    fake_cao.creations_at_once = 5                 # each agent start lasts until all five are under way (or 10 s)
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     assert run_main(m) == 0
     requests = creation_requests(fake_cao)
     assert [kind for kind, _ in requests] == ["session"] + ["add"] * 4
-    assert fake_cao.creating_peak == 5             # the four adds started while the session's agent started
+    assert fake_cao.creating_peak == 5, fake_cao.gave_up  # the four adds started while the session's agent started
     assert sorted(params["agent_profile"] for _, params in requests[1:]) == sorted(ADD_PROFILES)
 
 
@@ -89,13 +98,17 @@ def test_the_name_cao_answers_is_the_one_saved(orch, monkeypatch):
 
 def test_an_add_that_comes_before_the_session_exists_is_tried_again(load_orch, fake_cao, prompt_file, capsys):
     """CAO answers 404 "Session ... not found" until the session exists: the adds wait and try again."""
-    fake_cao.session_setup = 0.3
+    # The session comes to exist only once every add has been refused twice (or after 10 s).
+    fake_cao.session_exists_when = lambda: all(answers_for(fake_cao, p).count(404) >= 2 for p in ADD_PROFILES)
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     assert run_main(m) == 0
+    assert fake_cao.gave_up == []
     for profile in ADD_PROFILES:
         statuses = answers_for(fake_cao, profile)
         assert statuses[0] == 404 and statuses[-1] == 201 and set(statuses) == {404, 201}
-        assert len(statuses) < 10                  # a growing pause, not a tight loop
+        refused = refused_at(fake_cao, profile)
+        pauses = [later - earlier for earlier, later in zip(refused, refused[1:])]
+        assert min(pauses) >= 0.04, pauses        # a pause before each new try, not a tight loop
     assert len(fake_cao.terminals) == 5
     assert "not found" not in capsys.readouterr().err
 
@@ -104,8 +117,10 @@ def test_an_add_that_comes_before_the_session_exists_is_tried_again(load_orch, f
 
 def test_a_session_refused_at_once_stops_the_adds(load_orch, fake_cao, prompt_file, capsys):
     fake_cao.fail_create["system_analyst"] = (400, "Working directory not allowed: /srv")
+    fake_cao.refusals_wait_for_session = True      # an add that came too early hears 404 once the session failed
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     assert run_main(m) == 1
+    assert fake_cao.gave_up == []
     assert fake_cao.terminals == {}
     assert all(status == 404 for profile in ADD_PROFILES for status in answers_for(fake_cao, profile))
     assert len(creation_requests(fake_cao)) <= 1 + 4 * 2
@@ -121,9 +136,10 @@ def test_a_session_whose_agent_fails_to_start_exits_the_terminals_added_meanwhil
     fake_cao.fail_create["system_analyst"] = (
         500, "Failed to create session: Claude Code initialization timed out after 60s")
     fake_cao.fail_late.add("system_analyst")
-    fake_cao.create_delay = 0.2
+    fake_cao.creations_at_once = 5                 # the session's agent fails once all four adds are under way
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **QUICK)
     assert run_main(m) == 1
+    assert fake_cao.gave_up == []
     assert sorted(t.role for t in fake_cao.terminals.values()) == \
         ["peer_analyst", "peer_programmer", "programmer", "tester"]
     assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
@@ -166,13 +182,17 @@ def test_an_interrupt_while_the_terminals_are_created_exits_all_of_them(load_orc
                                                                        signum, code):
     """Ctrl-C or SIGTERM while the adds are under way: they finish, then all five are exited."""
     def interrupt_while_creating(profile: str) -> None:
-        if profile == "tester":
-            signal.raise_signal(signum)
+        if profile == "tester":                    # its agent starts once this returns, the other four's have
+            fake_cao.wait_until("the other four creations to be under way", lambda: fake_cao.creating_now == 4)
+            signals.send(signum)
+            fake_cao.wait_until(f"the main thread to handle signal {signum}", signals.handled.is_set)
 
     fake_cao.create_hook = interrupt_while_creating
-    fake_cao.create_delay = 0.2
+    fake_cao.creations_at_once = 5
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == code
+    with MainThreadSignals() as signals:
+        assert run_main(m) == code
+    assert fake_cao.gave_up == []
     assert len(fake_cao.terminals) == 5
     assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
     assert not Path(m.STATE_FILE).exists()
@@ -181,13 +201,16 @@ def test_an_interrupt_while_the_terminals_are_created_exits_all_of_them(load_orc
 def test_an_interrupt_before_the_session_exists_stops_the_adds(load_orch, fake_cao, prompt_file):
     """Ctrl-C while the session is still being set up: the adds give up, the session's terminal is exited."""
     def interrupt_while_creating(profile: str) -> None:
-        if profile == "system_analyst":
-            signal.raise_signal(signal.SIGINT)
+        if profile == "system_analyst":            # its session exists once this returns
+            signals.send(signal.SIGINT)
+            fake_cao.wait_until("the main thread to handle SIGINT", signals.handled.is_set)
+            fake_cao.wait_until("the adds to give up", lambda: pool_tasks_elsewhere() == 0)
 
     fake_cao.create_hook = interrupt_while_creating
-    fake_cao.session_setup = 0.3
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 130
+    with MainThreadSignals() as signals:
+        assert run_main(m) == 130
+    assert fake_cao.gave_up == []
     assert [t.role for t in fake_cao.terminals.values()] == ["analyst"]
     assert fake_cao.exited_ids() == list(fake_cao.terminals)
     assert all(status == 404 for profile in ADD_PROFILES for status in answers_for(fake_cao, profile))

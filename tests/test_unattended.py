@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, ROOT, TASK_PROMPT, run_main
-from fake_cao import FAIL_REPLY
+from fake_cao import FAIL_REPLY, MainThreadSignals, pool_tasks_elsewhere
 
 TESTER_ONLY = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
 
@@ -147,13 +147,16 @@ def test_run_whose_terminals_all_read_unknown_finishes(load_orch, fake_cao, prom
 def test_ctrl_c_while_the_session_is_being_created_exits_its_first_terminal(load_orch, fake_cao, prompt_file):
     """Ctrl-C in the first seconds: the creation under way finishes, and its terminal is exited."""
     def interrupt_while_creating(profile: str) -> None:
-        if profile == "system_analyst":
-            signal.raise_signal(signal.SIGINT)       # the main thread gets KeyboardInterrupt ...
-            time.sleep(0.3)                          # ... while this creation is still under way
+        if profile == "system_analyst":              # this creation goes on once the hook returns
+            signals.send(signal.SIGINT)              # Ctrl-C reaches the main thread ...
+            fake_cao.wait_until("the main thread to handle SIGINT", signals.handled.is_set)
+            fake_cao.wait_until("the adds to give up", lambda: pool_tasks_elsewhere() == 0)
 
     fake_cao.create_hook = interrupt_while_creating
     m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
-    assert run_main(m) == 130
+    with MainThreadSignals() as signals:             # ... and is handled while this creation is under way
+        assert run_main(m) == 130
+    assert fake_cao.gave_up == []
     assert len(fake_cao.terminals) == 1
     assert fake_cao.exited_ids() == list(fake_cao.terminals)
     assert not Path(m.STATE_FILE).exists()

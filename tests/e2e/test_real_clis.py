@@ -16,6 +16,8 @@ import re
 
 import pytest
 
+import run_orchestrator_loop
+
 from .conftest import REAL_CLI_TURN_TIMES
 from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, SHORT_ROUND, Run, \
     explain, numbered, write_two_story_change
@@ -23,9 +25,10 @@ from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUI
 pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
 POLL_SECONDS = 1.0
-# The loop's defaults: the bounds a turn may wait after its reply file was written.
-FILE_SETTLE_SECONDS = 0.2
-QUIET_SCREEN_SECONDS = 5.0
+# The loop's defaults: the bounds a turn may wait after its reply file was written. Read when this
+# module is collected, before any in-process test sets the module's FILE_SETTLE_SECONDS to a fast value.
+FILE_SETTLE_SECONDS = run_orchestrator_loop.FILE_SETTLE_SECONDS
+QUIET_SCREEN_SECONDS = run_orchestrator_loop.SETTINGS_BY_ENV["QUIET_SCREEN_SECONDS"].default
 # The agent CLI itself needs a moment after its shell command wrote the file:
 # it reads the tool result, asks the model for its final words and prints them.
 CLI_FINISH_SECONDS = 3.0
@@ -37,7 +40,7 @@ TURN_LINE = re.compile(r"\| (\w+): reply received after ([\d.]+)s \(file written
 def real_cli_run(cao, **settings: str) -> Run:
     """A run with the loop's default handoff settings, a faster poll, and room for real CLIs."""
     run = Run(cao, POLL_SECONDS=str(POLL_SECONDS), RESPONSE_TIMEOUT="300", **settings)
-    for name in ("IDLE_GRACE_SECONDS",):           # the defaults, as a user has them
+    for name in ("IDLE_GRACE_SECONDS", "QUIET_SCREEN_SECONDS"):   # the defaults, as a user has them
         run.env.pop(name, None)
     return run
 
