@@ -2075,13 +2075,18 @@ def _head(text: str, max_lines: int) -> str:
     return "\n".join((text or "").strip().splitlines()[:max_lines])
 
 
+def _marked_section(text: str, marker: str, max_lines: int) -> str:
+    """From the first `marker:` line on, capped at `max_lines` (else the head of the text)."""
+    lines = (text or "").strip().splitlines()
+    start = _first_marker_line(lines, marker)
+    if start is None:
+        return _head(text, max_lines)
+    return "\n".join(lines[start:start + max_lines]).strip()
+
+
 def extract_review_notes(text: str) -> str:
     """The REVIEW_NOTES section onward, capped at MAX_FEEDBACK_LINES (else the head of the text)."""
-    lines = (text or "").strip().splitlines()
-    start = _first_marker_line(lines, "REVIEW_NOTES")
-    if start is None:
-        return _head(text, MAX_FEEDBACK_LINES)
-    return "\n".join(lines[start:start + MAX_FEEDBACK_LINES]).strip()
+    return _marked_section(text, "REVIEW_NOTES", MAX_FEEDBACK_LINES)
 
 
 def extract_test_evidence(text: str) -> str:
@@ -2120,11 +2125,7 @@ def condense_analyst_for_programmer(text: str) -> str:
     """The ANALYST_SUMMARY section, capped at MAX_CROSS_PHASE_LINES (else the head of the text)."""
     if not CONDENSE_CROSS_PHASE or text == _UPSTREAM_PLACEHOLDER:
         return (text or "").strip()
-    lines = (text or "").strip().splitlines()
-    start = _first_marker_line(lines, "ANALYST_SUMMARY")
-    if start is None:
-        return _head(text, MAX_CROSS_PHASE_LINES)
-    return "\n".join(lines[start:start + MAX_CROSS_PHASE_LINES]).strip()
+    return _marked_section(text, "ANALYST_SUMMARY", MAX_CROSS_PHASE_LINES)
 
 
 def condense_programmer_for_tester(text: str) -> str:
