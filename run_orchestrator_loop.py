@@ -27,13 +27,14 @@ it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 NTFY_TOPIC; all off by default).
 
 Sections, in the order data flows (each uses only what stands above it):
-    1. Configuration                   8. Condensation
-    2. CAO API client                  9. OpenSpec: the run's change and its stories
-    3. Run state: the state file      10. Prompt builders
-    4. Response files                 11. After the run: archive, commit, notify
-    5. The wait for a reply           12. Init and resume
-    6. Asking an agent                13. Main loop
-    7. Review gate                    14. Entry point
+    1. Configuration                   9. Condensation
+    2. CAO API client                 10. OpenSpec: the run's change and its stories
+    3. Run state: the state file      11. Prompt builders
+    4. Response files                 12. After the run: archive, commit, notify
+    5. The wait for a reply           13. Init and resume
+    6. The agents' terminals          14. Main loop
+    7. Asking an agent                15. Entry point
+    8. Review gate
 """
 
 from __future__ import annotations
@@ -240,6 +241,22 @@ SETTINGS: tuple[Setting, ...] = (
             "1: answer an agent's permission prompt with 'y'"),
     Setting("API_RETRY_SECONDS", "handoff.api_retry_seconds", 120.0, "seconds0",
             "how long to retry an unreachable CAO server during a run"),
+    Setting("AGENT_STALL_SECONDS", "recovery.agent_stall_seconds", 300.0, "seconds",
+            "an agent whose screen has not changed for this long, with no response file, counts as lost "
+            "(a working agent CLI repaints its screen every second)"),
+    Setting("REPLACE_LOST_AGENTS", "recovery.replace_lost_agents", False, "bool",
+            "1: a lost agent (its CLI exited, its session gone, no sign of life) is replaced by a new one and "
+            "its turn sent again; 0: the run stops, naming the agent"),
+    Setting("MAX_AGENT_REPLACEMENTS", "recovery.max_agent_replacements", 3, "count0",
+            "replacements per run (all agents of a vanished session count as one); then the run stops"),
+    Setting("PROVIDER_ERROR_RETRIES", "recovery.provider_error_retries", 3, "count0",
+            "times an agent stopped by its model provider's error (overloaded, rate limited) is told to "
+            "continue, after a pause"),
+    Setting("PROVIDER_ERROR_PAUSE_SECONDS", "recovery.provider_error_pause_seconds", 60.0, "seconds",
+            "the pause before the first such retry; each further pause is twice as long"),
+    Setting("IGNORE_MISSING_CLI", "recovery.ignore_missing_cli", False, "bool",
+            "1: create the agents even when cao-server reports their CLI not installed (its PATH differs "
+            "from the agents' login PATH)"),
     Setting("STORY_MODE", "stories.enabled", False, "bool",
             "1: the programmer works one OpenSpec story (tasks.md section) at a time"),
     Setting("STORY_CHANGE", "stories.change", "", "text",
@@ -489,6 +506,12 @@ QUIET_SCREEN_SECONDS: float = _initial("QUIET_SCREEN_SECONDS")
 MAX_FILE_REMINDERS: int = _initial("MAX_FILE_REMINDERS")
 AUTO_ACCEPT_PERMISSIONS: bool = _initial("AUTO_ACCEPT_PERMISSIONS")
 API_RETRY_SECONDS: float = _initial("API_RETRY_SECONDS")
+AGENT_STALL_SECONDS: float = _initial("AGENT_STALL_SECONDS")
+REPLACE_LOST_AGENTS: bool = _initial("REPLACE_LOST_AGENTS")
+MAX_AGENT_REPLACEMENTS: int = _initial("MAX_AGENT_REPLACEMENTS")
+PROVIDER_ERROR_RETRIES: int = _initial("PROVIDER_ERROR_RETRIES")
+PROVIDER_ERROR_PAUSE_SECONDS: float = _initial("PROVIDER_ERROR_PAUSE_SECONDS")
+IGNORE_MISSING_CLI: bool = _initial("IGNORE_MISSING_CLI")
 STORY_MODE: bool = _initial("STORY_MODE")
 STORY_CHANGE: str = _initial("STORY_CHANGE")
 MAX_STORY_ATTEMPTS: int = _initial("MAX_STORY_ATTEMPTS")
@@ -854,20 +877,56 @@ class ApiClient:
             raise ApiError(f"CAO {what} answered without an output: {answer!r:.200}")
         return answer["output"]
 
-    def missing_agent_clis(self, providers: list[str]) -> list[tuple[str, str]]:
-        """(provider, binary) of each provider whose CLI the server says is not installed.
+    def provider_report(self) -> dict[str, tuple[str, bool]] | None:
+        """What the server says of its providers: name -> (the CLI's program, installed?).
 
-        An older server without this route, or any other failure, means "cannot
-        tell": the answer is then empty, never an error.
+        None when the server cannot tell (an older server without the route,
+        or any other failure): that is never an error. A provider the list
+        leaves out (CAO 2.5.4 leaves out `mock_cli`) is not known missing.
         """
         try:
             answer = self._call("list providers", "GET", "/agents/providers", retry=False)
         except ApiError:
-            return []
-        listed = {entry.get("name"): entry for entry in answer if isinstance(entry, dict)} \
-            if isinstance(answer, list) else {}
-        return [(name, str(listed[name].get("binary") or name)) for name in providers
-                if name in listed and listed[name].get("installed") is False]
+            return None
+        if not isinstance(answer, list):
+            return None
+        return {entry["name"]: (str(entry.get("binary") or entry["name"]), entry.get("installed") is not False)
+                for entry in answer if isinstance(entry, dict) and isinstance(entry.get("name"), str)}
+
+    def session_terminals(self, session: str) -> list[str] | None:
+        """The terminal ids the session's own record lists, or None when the session is gone.
+
+        CAO answers GET /terminals/{id} from its database even after the
+        agents' tmux session is gone (a killed tmux server, a reboot); the
+        session's record is looked up in tmux, so it tells.
+        """
+        what = f"session {session}"
+        try:
+            answer = self._call(what, "GET", f"/sessions/{quote(session, safe='')}")
+        except ApiError as exc:
+            if exc.status_code == 404:
+                return None
+            raise
+        terminals = answer.get("terminals") if isinstance(answer, dict) else None
+        if not isinstance(terminals, list):
+            raise ApiError(f"CAO {what} answered without its terminals: {answer!r:.200}")
+        return [entry["id"] for entry in terminals if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
+
+    def delete_terminal(self, terminal_id: str) -> None:
+        """Remove a terminal (its tmux window, whatever runs there); one that is gone already is fine."""
+        try:
+            self._call(f"delete terminal {terminal_id}", "DELETE", f"/terminals/{quote(terminal_id, safe='')}")
+        except ApiError as exc:
+            if exc.status_code != 404:
+                raise
+
+    def delete_session(self, session: str) -> None:
+        """Remove a CAO session (its tmux session and its record); one that is gone already is fine."""
+        try:
+            self._call(f"delete session {session}", "DELETE", f"/sessions/{quote(session, safe='')}")
+        except ApiError as exc:
+            if exc.status_code != 404:
+                raise
 
     def exit_terminal(self, terminal_id: str) -> None:
         self._call(f"exit terminal {terminal_id}", "POST", f"/terminals/{quote(terminal_id, safe='')}/exit")
@@ -1066,6 +1125,28 @@ class AfterRun:
         return cls(due, outcome("archive"), outcome("commit"), notified if isinstance(notified, str) else None)
 
 
+@dataclass
+class Replacement:
+    """A lost agent the run replaced: whose, which terminal by which, when (UTC) and why."""
+
+    role: str
+    old_terminal: str
+    new_terminal: str
+    at: str
+    why: str
+    event: int = 1                    # the run's n-th replacement (a vanished session's five share one)
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_json(cls, raw: object) -> Replacement | None:
+        if not isinstance(raw, dict):
+            return None
+        return cls(*(_text(raw.get(key)) for key in ("role", "old_terminal", "new_terminal", "at", "why")),
+                   _whole(raw.get("event")) or 1)
+
+
 def _terminals(raw: object) -> dict[str, str]:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict) or not all(isinstance(value, str) for value in raw.values()):
@@ -1143,6 +1224,8 @@ STATE_FIELDS: tuple[StateField, ...] = (
                parse=lambda v: [r for r in map(TurnRecord.from_json, v) if r] if isinstance(v, list) else []),
     StateField("worktree_at_start", "worktree_at_start", parse=_fingerprints),
     StateField("after_run", "after_run", parse=AfterRun.from_json, new=AfterRun, dump=lambda r: r.to_json()),
+    StateField("replacements", "replacements", new=list, dump=lambda events: [r.to_json() for r in events],
+               parse=lambda v: [r for r in map(Replacement.from_json, v) if r] if isinstance(v, list) else []),
 )
 RUN_FIELDS = tuple(f.name for f in STATE_FIELDS if f.kind == "run")
 STATE_FIELDS_BY_NAME = {f.name: f for f in STATE_FIELDS}
@@ -1174,6 +1257,7 @@ story_progress: StoryProgress | None = _new_value("story_progress")
 turn_records: list[TurnRecord] = _new_value("turn_records")
 worktree_at_start: dict | None = _new_value("worktree_at_start")  # COMMIT_ON_PASS: changed paths at the start
 after_run: AfterRun = _new_value("after_run")
+replacements: list[Replacement] = _new_value("replacements")   # lost agents replaced (REPLACE_LOST_AGENTS=1)
 
 
 def update_run(**changes: object) -> None:
@@ -1429,7 +1513,9 @@ def reply_file_version(path: Path) -> tuple[int, int] | None:
 # ==========================================================================
 # CAO's status is a hint: it can lag, stick at `processing` when it misreads a
 # CLI's screen, or read `unknown` after a server restart. The response file is
-# the agent's own word, so it leads. The wait is a small state machine:
+# the agent's own word, so it leads. Whether the agent is still there at all
+# is asked of the session's own record and of the screen (below). The wait is
+# a small state machine:
 #
 #   TurnFacts      what has been observed of the turn (pure questions on it)
 #   turn_state()   the named state those facts put the turn in
@@ -1448,15 +1534,117 @@ KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"")
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
+LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file asks whether its agent is still there
 
+# -- Is the agent still there? -------------------------------------------------
+# An agent CLI can die (a crash, the OOM killer) and leave its pane at a shell
+# prompt; the agents' tmux server can end (a logout, a reboot). CAO notices
+# neither: it keeps answering the terminal's last status from its database.
+# So the loop asks the session's own record, and reads the screen: a shell
+# prompt on its last line means the CLI is gone, and nothing may be typed
+# there -- a shell runs every line it is sent.
+
+ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[()*+][0-9A-Za-z]|[@-Z\\-_78=>c])")
+SHELL_PROMPT = re.compile(r"^(?:\([^)]*\)\s*)?(?:[\w.-]+@[\w.-]+(?:[: ]\S*)?|(?:ba|z|da|k|fi)?sh(?:-\d+(?:\.\d+)*)?)"
+                          r"\s?[$#%>]\s*$")
+
+
+def screen_lines(screen: str) -> list[str]:
+    """A terminal's raw output as the lines a person would read: escape sequences gone, blank lines dropped."""
+    text = ESCAPE_SEQUENCE.sub("", screen)
+    return [line.rstrip() for line in re.split(r"\r?\n|\r", text) if line.strip()]
+
+
+def last_screen_line(screen: str | None) -> str:
+    lines = screen_lines(screen or "")
+    return lines[-1].strip() if lines else ""
+
+
+def shows_shell_prompt(screen: str | None) -> bool:
+    """True when the screen's last line is a shell prompt: the agent CLI in that pane has exited."""
+    return bool(SHELL_PROMPT.match(last_screen_line(screen)))
+
+
+def _squeezed(text: str) -> str:
+    """Text without escape sequences or any whitespace: a CLI wraps, indents and re-renders what it echoes."""
+    return re.sub(r"\s+", "", ESCAPE_SEQUENCE.sub("", text))
+
+
+def prompt_markers(message: str) -> tuple[str, ...]:
+    """What shows on an agent's screen once it has a message: its first line, and the response-file line
+    every prompt carries (both agent CLIs echo a submitted prompt into their transcript; CAO's screen
+    holds only what the terminal printed since the last input, so an earlier prompt cannot be mistaken
+    for this one)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    markers = [_squeezed(lines[0])[:100]] if lines else []
+    markers += [_squeezed(line)[:60] for line in lines if line.startswith("Write your complete answer to this file:")]
+    return tuple(marker for marker in markers if marker)
+
+
+def shows_prompt(screen: str | None, markers: tuple[str, ...]) -> bool:
+    screen_text = _squeezed(screen or "")
+    return any(marker in screen_text for marker in markers)
+
+
+class AgentLost(RunError):
+    """An agent that is gone or gives no sign of life: replaced (REPLACE_LOST_AGENTS=1), else the run stops."""
+
+    def __init__(self, role: str, terminal_id: str, why: str, last_line: str = "", ways_on: str = "",
+                 when: str = ""):
+        self.role, self.terminal_id, self.why, self.last_line = role, terminal_id, why, last_line
+        shown = f"; last screen line: {last_line[:120]!r}" if last_line else ""
+        ways_on = ways_on or "set REPLACE_LOST_AGENTS=1 to go on with a new agent, or RESUME=0 to start the run over"
+        self.ways_on = ways_on
+        super().__init__(f"{when}the {role} agent (terminal {terminal_id}) is lost: {why}{shown}; {ways_on}")
+
+
+def why_gone(terminal_id: str, screen: str | None = None) -> str:
+    """'' while the agent can take input; else why not: its session gone, its terminal gone, its CLI exited."""
+    listed = api.session_terminals(session_name) if session_name else None
+    if listed is None:
+        return f"its CAO session {session_name or '?'} is gone (the agents' tmux session ended)"
+    if terminal_id not in listed:
+        return f"CAO session {session_name} no longer has this terminal"
+    if shows_shell_prompt(screen):
+        return "its agent CLI exited (its terminal shows a shell prompt)"
+    return ""
+
+
+def _screen(terminal_id: str) -> str | None:
+    """The terminal's recent output, or None if the server cannot say."""
+    try:
+        return api.get_screen(terminal_id)
+    except ApiError:
+        return None
+
+
+def lost_agent(role: str, terminal_id: str, why: str, screen: str | None) -> AgentLost:
+    """The AgentLost for a terminal, its last lines logged: what a person would look at to judge."""
+    lines = screen_lines(screen or "")
+    if lines:
+        log(f"{role}: terminal {terminal_id} ends with: " + " | ".join(line.strip() for line in lines[-5:]))
+    return AgentLost(role, terminal_id, why, lines[-1].strip() if lines else "")
+
+
+def check_alive(role: str, terminal_id: str) -> None:
+    """Before typing into a terminal: raise AgentLost if its agent is gone (never type into a shell)."""
+    screen = _screen(terminal_id)
+    why = why_gone(terminal_id, screen)
+    if why:
+        raise lost_agent(role, terminal_id, why, screen)
+
+
+# -- The turn's states and rules -----------------------------------------------
 
 class TurnState(Enum):
     """Where a turn stands, from what has been observed."""
 
-    AWAITING_SIGN_OF_LIFE = "awaiting a sign of life"   # no file; not idle, not yet seen working
-    SILENT = "idle, never seen working"                 # no file: the prompt may not have arrived
-    WORKING = "working"                                 # no file; busy, or seen working and not idle
-    IDLE_WITHOUT_FILE = "idle without a file"           # no file; seen working, now idle
+    LOST = "lost"                                       # the agent's session, terminal or CLI is gone
+    AWAITING_SIGN_OF_LIFE = "awaiting a sign of life"   # no file; the prompt not yet on screen, or not yet busy
+    PROMPT_NOT_SHOWN = "quiet, the prompt not on its screen"  # no file; the prompt did not arrive (a dialog took it)
+    SILENT = "idle, never seen working"                 # a carried-over turn, no file: it may never have started
+    WORKING = "working"                                 # no file; the prompt arrived, not idle
+    IDLE_WITHOUT_FILE = "idle without a file"           # no file; the prompt arrived, now idle
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
     FILE_SETTLED = "file settled, awaiting confirmation"  # no ready status nor still screen since it appeared
     DONE = "done"                                       # settled file, and the agent seen ready or still since
@@ -1470,6 +1658,8 @@ class Verdict(Enum):
     TAKE_REPLY = "take the reply"
     RESEND = "send the prompt again"
     REMIND = "remind, or give up when the reminders are used"
+    CONTINUE = "tell the agent to continue after its model provider's error"
+    LOST = "the agent is lost: replace it or stop"
     ERROR = "stop: the agent reports an error"
     TIMEOUT = "stop: RESPONSE_TIMEOUT"
 
@@ -1482,18 +1672,23 @@ class TurnFacts:
       status   CAO's status word, read at most once per POLL_SECONDS (plus once
                when a file has settled, so a finished turn ends at once)
       screen   the terminal's recent output, read with the status while the
-               status alone cannot end the turn
+               prompt is not yet seen on it or the status alone cannot end the
+               turn, and every LIVENESS_CHECK_SECONDS while there is no file
       reply    CAO's last reply, read before the prompt and once more before
                sending it again: a change means the agent worked
+      lost     why the agent is gone, once the session's record or the screen says so
 
     "Idle" is a ready status, or -- when the status is one the loop does not
-    know -- a screen that has not changed for QUIET_SCREEN_SECONDS.
+    know -- a screen that has not changed for QUIET_SCREEN_SECONDS. Whether a
+    prompt arrived is judged by the prompt on the screen, never by motion: a
+    dialog that swallows a prompt changes the screen too.
     """
 
     started: float                    # when the prompt went out (or the wait began, for a carried-over turn)
     guard_since: float                # the last prompt or reminder: not seen working on it yet at this time
-    prompt_known: bool                # the prompt can be sent again (not a turn carried over from an earlier process)
+    markers: tuple[str, ...] = ()     # what shows on screen once the prompt arrived; () for a carried-over turn
     baseline_reply: str | None = None
+    prompt_seen: bool = False         # the prompt (or its reply file) has shown up
     seen_working: bool = False
     status: str | None = None
     status_at: float = float("-inf")
@@ -1503,15 +1698,18 @@ class TurnFacts:
     ready_since_file: bool = False
     screen: str | None = None
     screen_changed_at: float = float("-inf")
+    lost: str = ""                    # why the agent is gone ("" while it is there)
     resend_used: bool = False         # the one resend (or a carried-over turn's first reminder) is spent
     reminders: int = 0
+    provider_errors: int = 0          # model provider errors waited out this turn
+    provider_pause_until: float | None = None  # a provider error's pause is under way until then
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
         if version != self.file_version:
             self.file_version, self.file_seen_at, self.ready_since_file = version, now, False
             if version is not None:
-                self.seen_working = True
+                self.seen_working = self.prompt_seen = True
 
     def note_status(self, status: str, now: float) -> None:
         ready = status in READY_STATUSES
@@ -1523,7 +1721,11 @@ class TurnFacts:
             self.seen_working = True
 
     def note_screen(self, screen: str | None, now: float) -> None:
-        if screen is None or screen == self.screen:
+        if screen is None:
+            return
+        if self.markers and not self.prompt_seen and shows_prompt(screen, self.markers):
+            self.prompt_seen = True
+        if screen == self.screen:
             return
         if self.screen is not None and self.status not in KNOWN_STATUSES:
             self.seen_working = True     # nothing else tells that it works
@@ -1534,21 +1736,33 @@ class TurnFacts:
         if reply is not None and self.baseline_reply is not None and reply != self.baseline_reply:
             self.seen_working = True
 
-    def note_sent(self, baseline_reply: str | None, now: float) -> None:
-        """After a prompt or reminder went out: the agent has not been seen working on it yet."""
+    def note_lost(self, why: str) -> None:
+        self.lost = why
+
+    def note_sent(self, baseline_reply: str | None, now: float, whole_prompt: bool = False) -> None:
+        """After a prompt or reminder went out: the agent has not been seen working on it yet
+        (nor, after the whole prompt again, seen to have it)."""
         self.guard_since, self.seen_working, self.baseline_reply = now, False, baseline_reply
+        self.provider_pause_until = None
+        if whole_prompt:
+            self.prompt_seen = False
 
     # -- questions ---------------------------------------------------------------
     def file_settled(self, now: float) -> bool:
         return self.file_version is not None and now - self.file_seen_at >= FILE_SETTLE_SECONDS
 
-    def screen_still_since(self, since: float, now: float) -> bool:
-        return self.screen is not None and now - max(self.screen_changed_at, since) >= QUIET_SCREEN_SECONDS
+    def screen_still_since(self, since: float, now: float, seconds: float | None = None) -> bool:
+        still_for = QUIET_SCREEN_SECONDS if seconds is None else seconds
+        return self.screen is not None and now - max(self.screen_changed_at, since) >= still_for
 
     def is_idle(self, now: float) -> bool:
         if self.status in READY_STATUSES:
             return True
         return self.status not in KNOWN_STATUSES and self.screen_still_since(float("-inf"), now)
+
+    def is_quiet(self, now: float) -> bool:
+        """Idle, or -- whatever the status says -- a screen still since the last prompt or reminder."""
+        return self.is_idle(now) or self.screen_still_since(self.guard_since, now)
 
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
@@ -1556,9 +1770,16 @@ class TurnFacts:
             else self.screen_changed_at + QUIET_SCREEN_SECONDS
         return max(became_idle, self.guard_since, self.file_seen_at)
 
+    def stalled(self, now: float) -> bool:
+        """No sign of life: the screen unchanged for AGENT_STALL_SECONDS (not while it asks for permission)."""
+        return self.status != "waiting_user_answer" and \
+            self.screen_still_since(self.guard_since, now, AGENT_STALL_SECONDS)
+
 
 def turn_state(facts: TurnFacts, now: float) -> TurnState:
     """The named state the observations put a turn in."""
+    if facts.lost:
+        return TurnState.LOST
     if facts.status == "error":
         return TurnState.FAILED
     if facts.file_version is not None:
@@ -1566,9 +1787,12 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
             return TurnState.FILE_SETTLING
         confirmed = facts.ready_since_file or facts.screen_still_since(facts.file_seen_at, now)
         return TurnState.DONE if confirmed else TurnState.FILE_SETTLED
+    if facts.markers and not facts.prompt_seen:
+        return TurnState.PROMPT_NOT_SHOWN if facts.is_quiet(now) else TurnState.AWAITING_SIGN_OF_LIFE
+    arrived = facts.seen_working or facts.prompt_seen
     if facts.is_idle(now):
-        return TurnState.IDLE_WITHOUT_FILE if facts.seen_working else TurnState.SILENT
-    return TurnState.WORKING if facts.seen_working else TurnState.AWAITING_SIGN_OF_LIFE
+        return TurnState.IDLE_WITHOUT_FILE if arrived else TurnState.SILENT
+    return TurnState.WORKING if arrived else TurnState.AWAITING_SIGN_OF_LIFE
 
 
 @dataclass(frozen=True)
@@ -1581,20 +1805,38 @@ class WaitRule:
     verdict: Verdict
 
 
-OPEN_STATES = frozenset(TurnState) - {TurnState.DONE, TurnState.FAILED}
+def _since_prompt(facts: TurnFacts, now: float) -> float:
+    return now - facts.guard_since
+
+
+OPEN_STATES = frozenset(TurnState) - {TurnState.DONE, TurnState.FAILED, TurnState.LOST}
+IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
+BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
+    WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)",
+             lambda f, now: True, Verdict.LOST),
     WaitRule(frozenset({TurnState.FAILED}), "always",
              lambda f, now: True, Verdict.ERROR),
     WaitRule(frozenset({TurnState.DONE}), "always",
              lambda f, now: True, Verdict.TAKE_REPLY),
-    WaitRule(frozenset({TurnState.SILENT}), "less than IDLE_GRACE_SECONDS since the prompt or reminder",
-             lambda f, now: now - f.guard_since < IDLE_GRACE_SECONDS, Verdict.WAIT),
-    WaitRule(frozenset({TurnState.SILENT}), "the prompt is known and was not sent again yet",
-             lambda f, now: f.prompt_known and not f.resend_used, Verdict.RESEND),
+    WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "less than IDLE_GRACE_SECONDS since the prompt",
+             lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
+    WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "not sent again yet",
+             lambda f, now: not f.resend_used, Verdict.RESEND),
+    WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "sent again, and still not on its screen",
+             lambda f, now: True, Verdict.LOST),
+    WaitRule(frozenset({TurnState.SILENT}), "less than IDLE_GRACE_SECONDS since the wait began",
+             lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.SILENT}), "a turn carried over (no prompt to send again), not reminded yet",
-             lambda f, now: not f.prompt_known and not f.resend_used, Verdict.REMIND),
-    WaitRule(frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE}), "idle for IDLE_GRACE_SECONDS",
+             lambda f, now: not f.resend_used, Verdict.REMIND),
+    WaitRule(IDLE_STATES, "a model provider error's pause is under way",
+             lambda f, now: f.provider_pause_until is not None and now < f.provider_pause_until, Verdict.WAIT),
+    WaitRule(IDLE_STATES, "a model provider error's pause is over",
+             lambda f, now: f.provider_pause_until is not None, Verdict.CONTINUE),
+    WaitRule(IDLE_STATES, "idle for IDLE_GRACE_SECONDS",
              lambda f, now: now - f.idle_from() >= IDLE_GRACE_SECONDS, Verdict.REMIND),
+    WaitRule(BUSY_STATES, "screen unchanged for AGENT_STALL_SECONDS, not asking for permission",
+             lambda f, now: f.stalled(now), Verdict.LOST),
     WaitRule(OPEN_STATES, "RESPONSE_TIMEOUT since the prompt",
              lambda f, now: now - f.started >= RESPONSE_TIMEOUT, Verdict.TIMEOUT),
 )
@@ -1611,10 +1853,12 @@ def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
 
 @dataclass
 class ReadSchedule:
-    """When to ask the server: the status once per POLL_SECONDS, and once early when a reply file has settled."""
+    """When to ask the server: the status once per POLL_SECONDS, and once early when a reply file has
+    settled; whether the agent is still there once per LIVENESS_CHECK_SECONDS while there is no file."""
 
     next_status_at: float
     early_read_used: bool = False
+    next_liveness_at: float = float("-inf")
 
     def status_due(self, facts: TurnFacts, now: float) -> bool:
         if now >= self.next_status_at:
@@ -1626,9 +1870,17 @@ class ReadSchedule:
         self.early_read_used = self.early_read_used or early
         self.next_status_at = now + POLL_SECONDS
 
+    def liveness_due(self, facts: TurnFacts, now: float) -> bool:
+        if facts.file_version is not None or now < self.next_liveness_at:
+            return False
+        self.next_liveness_at = now + LIVENESS_CHECK_SECONDS
+        return True
+
     @staticmethod
     def screen_due(facts: TurnFacts, now: float) -> bool:
-        """With a status read, when the status alone cannot end the turn."""
+        """With a status read, when the status alone cannot end the turn or the prompt is not yet seen."""
+        if facts.markers and not facts.prompt_seen and facts.file_version is None:
+            return True
         if facts.status in READY_STATUSES or facts.status == "error":
             return False
         return facts.file_settled(now) or facts.status not in KNOWN_STATUSES
@@ -1681,14 +1933,6 @@ def _last_output(terminal_id: str) -> str | None:
         return None
 
 
-def _screen(terminal_id: str) -> str | None:
-    """The terminal's recent output, or None if the server cannot say."""
-    try:
-        return api.get_screen(terminal_id)
-    except ApiError:
-        return None
-
-
 def _tail(text: str | None, lines: int = 5) -> str:
     return " | ".join((text or "").strip().splitlines()[-lines:])
 
@@ -1706,27 +1950,61 @@ def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
                     f"`tmux attach -t {session_name}`, then rerun to resume")
 
 
+def deliver(role: str, terminal_id: str, message: str) -> None:
+    """Type a message into an agent's terminal, but never into a pane whose agent is gone.
+
+    A delivery that fails is checked the same way: a gone agent raises
+    AgentLost; any other failure is the caller's to judge (ApiError).
+    """
+    check_alive(role, terminal_id)
+    try:
+        api.send_input(terminal_id, message)
+    except ApiError as exc:
+        if exc.unsent:                   # it never reached the server: nothing to tell about the agent
+            raise
+        screen = _screen(terminal_id)
+        why = why_gone(terminal_id, screen)
+        if why:
+            raise lost_agent(role, terminal_id, f"{why}; a delivery to it failed ({exc})", screen) from None
+        raise
+
+
 def resend_prompt(turn: Turn) -> None:
     """Send the prompt again, as it was; the turn's clocks start over."""
     baseline = _last_output(turn.terminal_id)
     if in_flight is not None:
         update_run(in_flight=replace(in_flight, sent_at=time.time()))
     save_state()
-    api.send_input(turn.terminal_id, turn.message)
-    turn.facts.note_sent(baseline, time.monotonic())
+    deliver(turn.role, turn.terminal_id, turn.message)
+    turn.facts.note_sent(baseline, time.monotonic(), whole_prompt=True)
+
+
+def provider_error_line(output: str) -> str:
+    """The line of an agent's output that names its model provider's error ('' if none does)."""
+    return next((line.strip() for line in output.splitlines() if PROVIDER_ERROR.search(line)), "")
 
 
 def idle_without_file(turn: Turn) -> str | None:
-    """The agent stopped without its file: stop on a provider error, remind it, then fail or fall back."""
+    """The agent stopped without its file: wait out a provider error, remind it, then fail or fall back."""
     role, terminal_id, path = turn.role, turn.terminal_id, turn.path
     output = _last_output(terminal_id) or ""
-    if PROVIDER_ERROR.search(output):
-        raise agent_failed(role, terminal_id, f"stopped on a model provider error ({_tail(output, 2)})")
+    error_line = provider_error_line(output)
+    if error_line:
+        facts = turn.facts
+        if facts.provider_errors >= PROVIDER_ERROR_RETRIES:
+            raise agent_failed(role, terminal_id, f"stopped on a model provider error ({error_line[:200]}) "
+                                                  f"{facts.provider_errors} time(s) after being told to continue")
+        facts.provider_errors += 1
+        pause = PROVIDER_ERROR_PAUSE_SECONDS * 2 ** (facts.provider_errors - 1)
+        facts.provider_pause_until = time.monotonic() + pause
+        log_turn(role, f"stopped on a model provider error ({error_line[:200]}); retry "
+                       f"{facts.provider_errors}/{PROVIDER_ERROR_RETRIES}: telling it to continue in {pause:g}s")
+        return None
     if turn.facts.reminders < MAX_FILE_REMINDERS:
         turn.facts.reminders += 1
         log_turn(role, f"idle without {path.name}; reminder {turn.facts.reminders}/{MAX_FILE_REMINDERS} sent")
-        api.send_input(terminal_id, f"Reminder: your answer has not arrived. Write your complete answer to "
-                                    f"{path} now; the orchestrator reads only that file.")
+        deliver(role, terminal_id, f"Reminder: your answer has not arrived. Write your complete answer to "
+                                   f"{path} now; the orchestrator reads only that file.")
         turn.facts.note_sent(output, time.monotonic())
         return None
     if STRICT_FILE_HANDOFF:
@@ -1738,7 +2016,25 @@ def idle_without_file(turn: Turn) -> str | None:
     return output.strip()
 
 
-def act_on(turn: Turn, verdict: Verdict) -> str | None:
+def continue_after_provider_error(turn: Turn) -> None:
+    """The pause after a provider error is over: the agent has its task in its conversation; tell it to go on."""
+    log_turn(turn.role, f"pause over; telling terminal {turn.terminal_id} to continue its task")
+    deliver(turn.role, turn.terminal_id,
+            "The model provider's error has passed. Continue the task above from where you stopped, then "
+            f"write your complete answer to {turn.path}; the orchestrator reads only that file.")
+    turn.facts.note_sent(_last_output(turn.terminal_id), time.monotonic())
+
+
+def why_lost(facts: TurnFacts, state: TurnState) -> str:
+    """The words for a LOST verdict: what the session or screen said, or what never happened."""
+    if facts.lost:
+        return facts.lost
+    if state is TurnState.PROMPT_NOT_SHOWN:
+        return "its screen never showed the prompt, though it was sent twice (a dialog may hold the terminal)"
+    return f"no sign of life for {AGENT_STALL_SECONDS:g}s (screen unchanged, no response file)"
+
+
+def act_on(turn: Turn, state: TurnState, verdict: Verdict) -> str | None:
     """Carry out a verdict: the reply once there is one, else None (or a RunError for a turn that failed)."""
     role, terminal_id, path = turn.role, turn.terminal_id, turn.path
     if verdict is Verdict.TAKE_REPLY:
@@ -1746,21 +2042,23 @@ def act_on(turn: Turn, verdict: Verdict) -> str | None:
         if not reply:
             turn.facts.note_file(None, time.monotonic())     # emptied again: keep waiting
         return reply or None
+    if verdict is Verdict.LOST:
+        raise lost_agent(role, terminal_id, why_lost(turn.facts, state), _screen(terminal_id))
     if verdict is Verdict.ERROR:
         output = _last_output(terminal_id)
         raise agent_failed(role, terminal_id, "reports status 'error'" + (f" ({_tail(output, 3)})" if output else ""))
     if verdict is Verdict.TIMEOUT:
         raise agent_failed(role, terminal_id, f"gave no reply within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s; "
                                               "raise RESPONSE_TIMEOUT if it needs longer")
-    if verdict in (Verdict.RESEND, Verdict.REMIND) and reply_file_version(path):
+    if verdict in (Verdict.RESEND, Verdict.REMIND, Verdict.CONTINUE) and reply_file_version(path):
         return None                                          # the file came in the meantime
     if verdict is Verdict.RESEND:
-        turn.facts.note_reply(_last_output(terminal_id))     # the one look that can still tell it worked
-        if not turn.facts.seen_working:
-            log_turn(role, f"terminal {terminal_id} never showed that it got the prompt "
-                           f"({IDLE_GRACE_SECONDS:g}s idle, no new output); sending the whole prompt again")
-            turn.facts.resend_used = True
-            resend_prompt(turn)
+        log_turn(role, f"terminal {terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it was "
+                       "sent, its screen quiet); sending the whole prompt again")
+        turn.facts.resend_used = True
+        resend_prompt(turn)
+    elif verdict is Verdict.CONTINUE:
+        continue_after_provider_error(turn)
     elif verdict is Verdict.REMIND:
         turn.facts.resend_used = True
         return idle_without_file(turn)
@@ -1785,11 +2083,12 @@ def handle_permission_prompt(turn: Turn) -> None:
         answers.last_answer_at = now
         log_turn(role, f"permission prompt on terminal {terminal_id} answered 'y' "
                        f"({answers.answered}/{MAX_PERMISSION_ANSWERS}): {_tail(_last_output(terminal_id))}")
-        api.send_input(terminal_id, "y")
+        deliver(role, terminal_id, "y")
 
 
 def observe_terminal(turn: Turn, early: bool = False) -> None:
-    """One round of server reads for a turn: the status, and the screen or reply when they can tell more."""
+    """One round of server reads for a turn: the status, the screen when it can tell more, and
+    (every LIVENESS_CHECK_SECONDS without a file) whether the agent is still there."""
     status = api.get_status(turn.terminal_id)
     now = time.monotonic()
     turn.reads.status_read(now, early)
@@ -1798,10 +2097,17 @@ def observe_terminal(turn: Turn, early: bool = False) -> None:
         turn.told_unknown = True
         log_turn(turn.role, f"CAO cannot tell the status of terminal {turn.terminal_id} ({status!r}, e.g. after "
                             "a server restart); judging the turn by the response file and the screen")
-    if status == "waiting_user_answer":
+    liveness = turn.reads.liveness_due(turn.facts, now)
+    screen = None
+    if liveness or turn.reads.screen_due(turn.facts, now):
+        screen = _screen(turn.terminal_id)
+        turn.facts.note_screen(screen, time.monotonic())
+    if liveness:
+        turn.facts.note_lost(why_gone(turn.terminal_id, screen))
+    elif shows_shell_prompt(screen):
+        turn.facts.note_lost(why_gone(turn.terminal_id, screen))
+    if status == "waiting_user_answer" and not turn.facts.lost:
         handle_permission_prompt(turn)
-    if turn.reads.screen_due(turn.facts, now):
-        turn.facts.note_screen(_screen(turn.terminal_id), time.monotonic())
 
 
 def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
@@ -1809,19 +2115,21 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     """Wait until the turn's rules say the agent is done, and return its answer.
 
     `message` is what was sent (None for a turn carried over from an earlier
-    process); it is sent again once if the agent never showed that it got it.
+    process); it is sent again once if the agent's screen never showed it.
     """
     now = time.monotonic()
-    facts = TurnFacts(started=now, guard_since=now, prompt_known=message is not None, baseline_reply=baseline_reply)
+    facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
+                      baseline_reply=baseline_reply)
     # CAO's send returned only now: nothing new to read yet.
-    turn = Turn(role, terminal_id, path, message, facts, ReadSchedule(next_status_at=now + POLL_SECONDS))
+    turn = Turn(role, terminal_id, path, message, facts,
+                ReadSchedule(next_status_at=now + POLL_SECONDS, next_liveness_at=now + LIVENESS_CHECK_SECONDS))
     while True:
         now = time.monotonic()
         turn.facts.note_file(reply_file_version(path), now)
         if turn.reads.status_due(turn.facts, now):
             observe_terminal(turn, early=now < turn.reads.next_status_at)
-        _state, verdict = decide(turn.facts, time.monotonic())
-        reply = act_on(turn, verdict)
+        state, verdict = decide(turn.facts, time.monotonic())
+        reply = act_on(turn, state, verdict)
         if reply is not None:
             return reply
         now = time.monotonic()
@@ -1829,7 +2137,231 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
 
 
 # ==========================================================================
-# 6. Asking an agent
+# 6. The agents' terminals: created, ended, replaced
+# ==========================================================================
+# A run's five agents live in one CAO session. They are created all at once;
+# a lost one is replaced in that session (or, when the session itself is
+# gone, all five in a new one); ended agents leave no empty session behind.
+
+# Terminals known ready for their first prompt: seen ready twice in a row, or
+# created by this process (CAO answers a creation once the agent CLI is ready).
+settled_terminals: set[str] = set()
+
+
+@contextmanager
+def signals_held(what: str) -> Iterator[list[int]]:
+    """Hold Ctrl-C and SIGTERM while `what` finishes, then act on them.
+
+    Creating terminals cannot be cut short safely: a creation the server is
+    still carrying out would leave an agent nobody knows about. The list
+    yielded holds the signals that arrived; on leaving, the first one is
+    raised as usual (KeyboardInterrupt or Terminated).
+    """
+    received: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if not received:
+            log(f"interrupted: {what} first, so that nothing is left behind")
+        received.append(signum)
+
+    previous = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, hold)
+    except ValueError:                     # not the main thread: signals cannot be held here
+        pass
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
+
+
+def new_session_name() -> str:
+    """A name for a new run's CAO session: recognizably this loop's, and unique by its random part.
+
+    It starts with `cao-` because CAO stores any other name with that prefix
+    added, and the terminals are added to the session under the name asked for.
+    """
+    return f"cao-loop-{secrets.token_hex(4)}"
+
+
+def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
+    """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
+
+    The session request gets a head start of a few hundredths of a second.
+    An add that still reaches CAO before the session exists is answered 404
+    "Session '<name>' not found": it is tried again after a growing pause
+    while the session request is under way, and once more after it succeeded,
+    then under the name the server answered (a server may answer another).
+    It gives up, having created nothing (None), when the session request
+    failed or the start-up was interrupted.
+    """
+    pause = 0.05
+    while True:
+        wait_for_futures([session], timeout=pause)
+        session_finished = session.done()      # looked at before asking, so a 404 after it is final
+        if interrupted or (session_finished and session.exception() is not None):
+            return None
+        if session_finished:                   # from now on, the name the server answered
+            name = session.result()["session_name"]
+        try:
+            return api.create_terminal(name, profile_for(role), provider_for(role))
+        except ApiError as exc:
+            if session_finished or not (exc.status_code == 404 and f"Session '{name}' not found" in str(exc)):
+                raise
+        pause = min(pause * 2, 0.5)
+
+
+def start_failure_hint(error: str) -> str:
+    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
+
+    CAO gives up waiting for an agent CLI to start without saying why, and
+    refuses a session name that is taken without saying that it was picked here.
+    """
+    if re.search(r"Session '[^']*' already exists", error):
+        return "; another CAO session has the name this run picked at random: run it again to pick another"
+    if "initialization timed out" not in error:
+        return ""
+    hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
+            "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
+            "of the user running cao-server")
+    if "Claude Code" in error:
+        hint += ("; a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code "
+                 "(which otherwise refuses --dangerously-skip-permissions)")
+    return hint
+
+
+def exit_terminals(ids: list[str]) -> None:
+    """Exit agent terminals, logging (not raising) what fails: used while stopping."""
+    for terminal_id in ids:
+        if not terminal_id:
+            continue
+        try:
+            api.exit_terminal(terminal_id)
+        except ApiError as exc:
+            if exc.status_code != 404:
+                log(f"could not exit terminal {terminal_id}: {exc}")
+
+
+def end_agents(ids: list[str], session: str) -> None:
+    """Exit the agents, then remove their CAO session: ended agents leave no session of idle shells behind.
+
+    Only for a session that holds nothing but these agents (a run's own, or
+    one whose agents are all being ended); failures are logged, not raised.
+    """
+    exit_terminals(ids)
+    if not session:
+        return
+    try:
+        api.delete_session(session)
+    except ApiError as exc:
+        log(f"could not remove CAO session {session}: {exc}")
+
+
+def create_terminals() -> tuple[str, dict[str, str]]:
+    """Create the five terminals in one CAO session, all at once.
+
+    CAO waits for each agent CLI to start (seconds per terminal), so the
+    session (with the analyst's terminal) is requested under a name chosen
+    here and the other four are added to that name at the same time, without
+    waiting for the session's answer (see add_to_session). A failed or
+    interrupted start-up exits every terminal it created (interrupts wait for
+    the creations under way), and a failure names the role. Returns the
+    session name CAO answered and the terminal id of each role.
+    """
+    name = new_session_name()
+    answers: dict[str, dict] = {}
+    failures: dict[str, str] = {}
+    providers = providers_in_use()
+    log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
+        f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
+        "minute with real CLIs)")
+    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
+            signals_held("exiting the terminals being created") as interrupted:
+        session = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"), name)
+        futures = {"analyst": session}
+        for role in ROLES[1:]:
+            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
+        for role, future in futures.items():
+            try:
+                answer = future.result()
+            except Exception as exc:       # ApiError, or anything else: the others are still exited
+                failures[role] = f"{role}: {exc}"
+                continue
+            if answer is not None:
+                answers[role] = answer
+        if failures or interrupted:
+            created = answers.get("analyst", {}).get("session_name", "")
+            end_agents([answer["id"] for answer in answers.values()], created)
+        if failures and not interrupted:
+            # A failed session explains the rest: the adds failed or stopped because of it.
+            error = failures.get("analyst") or "; ".join(failures.values())
+            raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
+    return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
+
+
+def replacements_used() -> int:
+    """Replacements this run has made: a vanished session's five new agents count as one."""
+    return len({r.event for r in replacements})
+
+
+def replacement_summary(events: list[Replacement]) -> str:
+    """'2 (programmer 1a2b -> 3c4d at ...: its agent CLI exited; ...)': the replacements, for people."""
+    count = len({r.event for r in events})
+    return f"{count} (" + "; ".join(f"{r.role} {r.old_terminal or '-'} -> {r.new_terminal} at {r.at}: {r.why}"
+                                    for r in events) + ")"
+
+
+def replace_lost_agent(lost: AgentLost) -> None:
+    """A new agent for a lost one (REPLACE_LOST_AGENTS=1), or the run stops on `lost`.
+
+    A lost agent in a live session gets a new terminal there (same role,
+    profile and provider) and its old one is removed; when the session
+    itself is gone, all five agents are made again in a new session. The new
+    agent has no conversation: its next prompt carries every once-only block
+    in full (they are recorded per terminal). The state records the replacement.
+    """
+    if not REPLACE_LOST_AGENTS:
+        raise lost
+    if replacements_used() >= MAX_AGENT_REPLACEMENTS:
+        raise AgentLost(lost.role, lost.terminal_id, lost.why, lost.last_line,
+                        f"{replacements_used()} replacement(s) made already, MAX_AGENT_REPLACEMENTS="
+                        f"{MAX_AGENT_REPLACEMENTS}: raise it to go on with a new agent, or set RESUME=0 to start "
+                        "the run over")
+    old_ids = dict(terminal_ids)
+    session_gone = api.session_terminals(session_name) is None if session_name else True
+    if session_gone:
+        log(f"replacing all five agents: their CAO session {session_name} is gone ({lost.role}: {lost.why})")
+        end_agents([], session_name)              # CAO still lists the gone session's terminals
+        new_session, new_ids = create_terminals()
+        roles = ROLES
+    else:
+        log(f"replacing the {lost.role} agent (terminal {lost.terminal_id}: {lost.why})")
+        with signals_held("creating the replacement agent"):
+            answer = api.create_terminal(session_name, profile_for(lost.role), provider_for(lost.role))
+        new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: answer["id"]}, (lost.role,)
+        try:
+            api.delete_terminal(lost.terminal_id)
+        except ApiError as exc:
+            log(f"could not remove the lost terminal {lost.terminal_id}: {exc}")
+    event = replacements_used() + 1
+    at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    update_run(session_name=new_session, terminal_ids=new_ids,
+               replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
+                                                        lost.why, event) for role in roles])
+    save_state()
+    settled_terminals.update(new_ids[role] for role in roles)
+    log(f"replacement {event}/{MAX_AGENT_REPLACEMENTS}: " + ", ".join(
+        f"{role} {old_ids.get(role) or '-'} -> {new_ids[role]}" for role in roles)
+        + f" in CAO session {new_session}; a new agent gets its whole prompt")
+
+
+
+# ==========================================================================
+# 7. Asking an agent
 # ==========================================================================
 # One turn from end to end: the prompt out (once, and recorded as it goes),
 # the wait, the reply archived. A turn interrupted by a stop of the loop is
@@ -1838,9 +2370,6 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
 # CAO takes a message in the URL's query string and refuses one of about 64 KB
 # (encoded). Larger prompts are written to a file the agent is told to read.
 MAX_INLINE_PROMPT_BYTES = 32_000
-# Terminals known ready for their first prompt: seen ready twice in a row, or
-# created by this process (CAO answers a creation once the agent CLI is ready).
-settled_terminals: set[str] = set()
 
 
 class Prompt(str):
@@ -1947,7 +2476,7 @@ def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:
     save_state()
     log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
     try:
-        api.send_input(terminal_id, message)
+        deliver(role, terminal_id, message)
     except ApiError as exc:
         if exc.unsent or not exc.retryable:
             raise
@@ -1979,11 +2508,13 @@ def record_turn(role: str, prompt_bytes: int) -> None:
     turn_records.append(TurnRecord(role, current_round, seconds, prompt_bytes))
 
 
-def ask_agent(role: str, prompt: str) -> str:
-    """Send one prompt to a role's terminal and return its answer (also archived)."""
+def take_turn(role: str, build: Callable[[], Prompt]) -> str:
+    """One turn on the role's current terminal: send the prompt built now (unless the turn was carried
+    over from an interrupted process), wait, and return the answer (also archived)."""
     terminal_id = terminal_ids[role]
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
+    prompt = build()
     carried = carried_over_turn(role, path)
     message = baseline_reply = None
     if carried:
@@ -2002,6 +2533,19 @@ def ask_agent(role: str, prompt: str) -> str:
     return reply
 
 
+def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
+    """The role's answer to the prompt `build()` writes; a lost agent is replaced and the turn sent again.
+
+    The prompt is built for the terminal it goes to, so a new agent gets
+    every once-only block in full; completed turns are never sent again.
+    """
+    while True:
+        try:
+            return take_turn(role, build)
+        except AgentLost as lost:
+            replace_lost_agent(lost)
+
+
 def note_turn_outcome(outcome: str) -> None:
     """The verdict or test result of the turn just answered, for the run summary."""
     if turn_records:
@@ -2009,7 +2553,7 @@ def note_turn_outcome(outcome: str) -> None:
 
 
 # ==========================================================================
-# 7. Review gate
+# 8. Review gate
 # ==========================================================================
 
 def _first_marker_line(lines: list[str], marker: str) -> int | None:
@@ -2059,7 +2603,7 @@ def is_review_approved(review_text: str, review_cycle: int, review_role: str) ->
 
 
 # ==========================================================================
-# 8. Condensation
+# 9. Condensation
 # ==========================================================================
 
 _UPSTREAM_PLACEHOLDER = ("(No upstream output: this run was started at a later agent with START_AGENT. "
@@ -2141,7 +2685,7 @@ def condense_programmer_for_tester(text: str) -> str:
 
 
 # ==========================================================================
-# 9. OpenSpec: the run's change and its stories
+# 10. OpenSpec: the run's change and its stories
 # ==========================================================================
 # Story mode (STORY_MODE) works the change one story (tasks.md section) at a
 # time; ARCHIVE_ON_PASS archives the same change. Both ask openspec_change().
@@ -2248,7 +2792,7 @@ def promise_signal(reply: str) -> tuple[str, str]:
 
 
 # ==========================================================================
-# 10. Prompt builders
+# 11. Prompt builders
 # ==========================================================================
 # Text that stays the same for a whole run -- the task, a role's checks and
 # answer format, how to write the response file -- is sent to a terminal in
@@ -2377,6 +2921,10 @@ class PromptDraft:
             self.in_full.append(mark)
         return block.full(self.role)
 
+    def has_history(self) -> bool:
+        """Whether this terminal has had a prompt already (every prompt opens with the "intro" block)."""
+        return f"intro:{self.terminal_id}" in context_sent
+
     def finish(self, parts: list[str]) -> Prompt:
         return Prompt("\n\n".join(parts), self.in_full)
 
@@ -2493,7 +3041,8 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
                 "artifacts with /opsx:ff; say so in your summary.\n"
                 "3. Fix the code, run the tests and fix what fails.")
-    repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT    # the same upstream as last cycle
+    # The same upstream as last cycle -- unless this terminal is a new agent, which never saw it.
+    repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT and draft.has_history()
     parts = [
         _you_are(draft, "programmer") + f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
         _task_context(draft),
@@ -2603,7 +3152,7 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
 
 
 # ==========================================================================
-# 11. After the run: archive, commit, notify
+# 12. After the run: archive, commit, notify
 # ==========================================================================
 # Opt-in steps for runs nobody watches (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 # NTFY_TOPIC), one row each in AFTER_RUN_STEPS. Each is done at most once per
@@ -3143,7 +3692,7 @@ def finish_stopped_run() -> None:
 
 
 # ==========================================================================
-# 12. Init and resume
+# 13. Init and resume
 # ==========================================================================
 
 # Where a run starts for each START_AGENT: phase, step, and the outputs
@@ -3162,159 +3711,41 @@ def set_position(phase: str, cycle: int = 1, step: str = "author") -> None:
     update_run(current_phase=phase, phase_cycle=cycle, phase_step=step)
 
 
-def exit_terminals(ids: list[str]) -> None:
-    """Exit agent terminals, logging (not raising) what fails: used while stopping."""
-    for terminal_id in ids:
-        if not terminal_id:
-            continue
-        try:
-            api.exit_terminal(terminal_id)
-        except ApiError as exc:
-            log(f"could not exit terminal {terminal_id}: {exc}")
-
-
 def cleanup_terminals() -> None:
-    """CLEANUP_ON_EXIT: end the five agents and record it, so no resume types into their shells."""
-    log("CLEANUP_ON_EXIT=1: exiting the five agent terminals")
-    exit_terminals([terminal_ids.get(role, "") for role in ROLES])
+    """CLEANUP_ON_EXIT: end the five agents and their CAO session, and record it, so no resume types
+    into their shells: a rerun starts a new run."""
+    log(f"CLEANUP_ON_EXIT=1: ending the five agents and removing CAO session {session_name}; a rerun starts "
+        "a new run")
+    end_agents([terminal_ids.get(role, "") for role in ROLES], session_name)
     update_run(terminals_exited=True)
     save_state()
 
 
-@contextmanager
-def signals_held(what: str) -> Iterator[list[int]]:
-    """Hold Ctrl-C and SIGTERM while `what` finishes, then act on them.
+def check_agent_clis() -> None:
+    """Stop before creating anything when cao-server reports a provider's CLI not installed.
 
-    Creating terminals cannot be cut short safely: a creation the server is
-    still carrying out would leave an agent nobody knows about. The list
-    yielded holds the signals that arrived; on leaving, the first one is
-    raised as usual (KeyboardInterrupt or Terminated).
+    CAO would wait for that CLI's start-up for a minute or two per terminal
+    and then fail. IGNORE_MISSING_CLI=1 tries anyway: CAO looks the program up
+    on its own PATH, while the agents start in login shells, whose PATH can differ.
     """
-    received: list[int] = []
-
-    def hold(signum, frame) -> None:
-        if not received:
-            log(f"interrupted: {what} first, so that nothing is left behind")
-        received.append(signum)
-
-    previous = {}
-    try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, hold)
-    except ValueError:                     # not the main thread: signals cannot be held here
-        pass
-    try:
-        yield received
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if received:
-        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
-
-
-def new_session_name() -> str:
-    """A name for a new run's CAO session: recognizably this loop's, and unique by its random part.
-
-    It starts with `cao-` because CAO stores any other name with that prefix
-    added, and the terminals are added to the session under the name asked for.
-    """
-    return f"cao-loop-{secrets.token_hex(4)}"
-
-
-def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
-    """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
-
-    The session request gets a head start of a few hundredths of a second.
-    An add that still reaches CAO before the session exists is answered 404
-    "Session '<name>' not found": it is tried again after a growing pause
-    while the session request is under way, and once more after it succeeded.
-    It gives up, having created nothing (None), when the session request
-    failed or the start-up was interrupted.
-    """
-    pause = 0.05
-    while True:
-        wait_for_futures([session], timeout=pause)
-        session_finished = session.done()      # looked at before asking, so a 404 after it is final
-        if interrupted or (session_finished and session.exception() is not None):
-            return None
-        try:
-            return api.create_terminal(name, profile_for(role), provider_for(role))
-        except ApiError as exc:
-            if session_finished or not (exc.status_code == 404 and f"Session '{name}' not found" in str(exc)):
-                raise
-        pause = min(pause * 2, 0.5)
-
-
-def start_failure_hint(error: str) -> str:
-    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
-
-    CAO gives up waiting for an agent CLI to start without saying why, and
-    refuses a session name that is taken without saying that it was picked here.
-    """
-    if re.search(r"Session '[^']*' already exists", error):
-        return "; another CAO session has the name this run picked at random: run it again to pick another"
-    if "initialization timed out" not in error:
-        return ""
-    hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
-            "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
-            "of the user running cao-server")
-    if "Claude Code" in error:
-        hint += ("; a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code "
-                 "(which otherwise refuses --dangerously-skip-permissions)")
-    return hint
-
-
-def create_terminals() -> tuple[str, dict[str, str]]:
-    """Create the five terminals in one CAO session, all at once.
-
-    CAO waits for each agent CLI to start (seconds per terminal), so the
-    session (with the analyst's terminal) is requested under a name chosen
-    here and the other four are added to that name at the same time, without
-    waiting for the session's answer (see add_to_session). A failed or
-    interrupted start-up exits every terminal it created (interrupts wait for
-    the creations under way), and a failure names the role. Returns the
-    session name CAO answered and the terminal id of each role.
-    """
-    name = new_session_name()
-    answers: dict[str, dict] = {}
-    failures: dict[str, str] = {}
-    providers = providers_in_use()
-    log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
-        f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
-        "minute with real CLIs)")
-    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
-            signals_held("exiting the terminals being created") as interrupted:
-        session = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"), name)
-        futures = {"analyst": session}
-        for role in ROLES[1:]:
-            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-        for role, future in futures.items():
-            try:
-                answer = future.result()
-            except Exception as exc:       # ApiError, or anything else: the others are still exited
-                failures[role] = f"{role}: {exc}"
-                continue
-            if answer is not None:
-                answers[role] = answer
-        if failures or interrupted:
-            exit_terminals([answer["id"] for answer in answers.values()])
-        if failures and not interrupted:
-            # A failed session explains the rest: the adds failed or stopped because of it.
-            error = failures.get("analyst") or "; ".join(failures.values())
-            raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
-    return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
-
-
-def warn_about_missing_clis() -> None:
-    """Say at once when cao-server reports an agent CLI missing: its terminals would time out minutes later.
-
-    Only a warning: CAO looks the program up on its own PATH, while the
-    agents start in login shells, whose PATH can differ.
-    """
-    for provider, binary in api.missing_agent_clis(providers_in_use()):
-        log(f"warning: cao-server at {API} reports that `{binary}`, the CLI of provider {provider}, is not "
-            f"installed on its machine; creating its terminals will time out after a minute or two. Install "
-            f"it (and log in) where cao-server runs, or set PROVIDER to a CLI you have")
+    report = api.provider_report()
+    if not report:
+        return
+    missing = [(role, provider) for role in ROLES for provider in [provider_for(role)]
+               if provider in report and not report[provider][1]]
+    if not missing:
+        return
+    role, provider = missing[0]
+    setting = f"{role.upper()}_PROVIDER" if globals()[f"{role.upper()}_PROVIDER"] else "PROVIDER"
+    installed = sorted(name for name, (_binary, present) in report.items() if present)
+    what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
+            f"({setting}={provider}), is not installed on its machine")
+    if IGNORE_MISSING_CLI:
+        log(f"warning: {what}; IGNORE_MISSING_CLI=1, so the agents are created anyway")
+        return
+    raise ConfigError(f"{what}; set {setting} to a provider whose CLI is installed ("
+                      f"{', '.join(installed) or 'the server lists none'}), install it where cao-server runs, "
+                      "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it")
 
 
 @dataclass
@@ -3327,14 +3758,17 @@ class StartPlan:
     old_run: SavedState | None = None  # the run it replaces, if readable: its agents are exited
 
 
-def replace_old_run(plan: StartPlan) -> None:
-    """The new run's terminals exist: keep the old state file aside and exit the old run's agents."""
-    if not plan.set_aside:
-        return
-    target = state_backup_path()
-    os.replace(STATE_FILE, target)
-    log(f"kept the old state file as {target}")
-    old = plan.old_run
+def set_aside_old_state(plan: StartPlan) -> None:
+    """The new run's terminals exist: keep the old state file aside (its agents are ended after)."""
+    if plan.set_aside:
+        target = state_backup_path()
+        os.replace(STATE_FILE, target)
+        log(f"kept the old state file as {target}")
+
+
+def end_old_run(plan: StartPlan) -> None:
+    """The new run's state is written: end the replaced run's agents and remove their CAO session."""
+    old = plan.old_run if plan.set_aside else None
     ids = [i for i in old.terminal_ids.values() if i] if old is not None else []
     if not ids or old.terminals_exited:
         return
@@ -3342,53 +3776,85 @@ def replace_old_run(plan: StartPlan) -> None:
         log(f"the replaced run's agents (CAO session {old.session_name}) ran on {old.API}, another server: "
             "left alone")
         return
-    exited = 0
-    for terminal_id in ids:
-        try:
-            api.exit_terminal(terminal_id)
-            exited += 1
-        except ApiError as exc:
-            if exc.status_code != 404:
-                log(f"could not exit terminal {terminal_id} of the replaced run: {exc}")
-    log(f"exited {exited} agent terminal(s) of the replaced run (CAO session {old.session_name})"
-        if exited else f"the replaced run's agents (CAO session {old.session_name}) are gone already")
+    try:
+        alive = api.session_terminals(old.session_name) if old.session_name else []
+    except ApiError as exc:
+        log(f"could not look up the replaced run's CAO session {old.session_name}: {exc}")
+        return
+    if alive is None:
+        log(f"the replaced run's agents (CAO session {old.session_name}) are gone already")
+        end_agents([], old.session_name)          # CAO still lists their terminals
+        return
+    end_agents([i for i in ids if i in alive], old.session_name)
+    log(f"ended the replaced run's agents and removed their CAO session {old.session_name}")
 
 
 def init_new_run(plan: StartPlan | None = None) -> None:
     """Create the session and five terminals, reset the run, and write the first state.
 
     The run it replaces (`plan`) is set aside only once the new terminals
-    exist, so a start that fails leaves the old state file where it was.
+    exist, so a start that fails leaves the old state file where it was; a
+    Ctrl-C from then on waits until the new state is written, so a rerun
+    resumes the new run. The old run's agents are ended last.
     """
-    session, terminals = create_terminals()
-    settled_terminals.update(terminals.values())   # CAO answered each creation once its CLI was ready
-    replace_old_run(plan or StartPlan(False))
-    reset_run_state()
-    phase, step, skipped = START_POSITIONS[START_AGENT]
-    update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
-               outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
-               worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
-    set_position(phase, 1, step)
-    save_state()
+    plan = plan or StartPlan(False)
+    with signals_held("writing the new run's state"):
+        session, terminals = create_terminals()
+        settled_terminals.update(terminals.values())   # CAO answered each creation once its CLI was ready
+        set_aside_old_state(plan)
+        reset_run_state()
+        phase, step, skipped = START_POSITIONS[START_AGENT]
+        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
+                   outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
+                   worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
+        set_position(phase, 1, step)
+        save_state()
     log(f"new run: CAO session {session_name}, terminals "
         + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
         + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
+    end_old_run(plan)
 
 
-def verify_resume_terminals() -> None:
-    """Make sure every terminal of the saved run still exists before touching it."""
+def first_lost_agent() -> AgentLost | None:
+    """The first of the saved run's agents that is gone (its terminal, its session or its CLI), if any.
+
+    CAO answers a terminal's status from its database even when its session
+    is gone (a reboot), so the session's record and the screen are asked too.
+    """
     for role in ROLES:
-        terminal_id = terminal_ids.get(role, "")
-        if not terminal_id:
-            raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
-                           "start a new run with RESUME=0")
+        terminal_id = terminal_ids[role]
         try:
             api.get_status(terminal_id)
         except ApiError as exc:
             if exc.status_code is None:
                 raise RunError(f"cannot resume: {exc}") from None
-            raise RunError(f"cannot resume: the {role} terminal {terminal_id} is not reachable ({exc}); "
-                           "start a new run with RESUME=0 (the old state file is kept aside)") from None
+            return AgentLost(role, terminal_id, f"CAO cannot reach this terminal ({exc})")
+        screen = _screen(terminal_id)
+        why = why_gone(terminal_id, screen)
+        if why:
+            return lost_agent(role, terminal_id, why, screen)
+    return None
+
+
+def verify_resume_terminals() -> None:
+    """Make sure every agent of the saved run is still there before touching it.
+
+    A lost one stops the resume with one line naming it, or -- with
+    REPLACE_LOST_AGENTS=1 -- is replaced before the run goes on at its saved turn.
+    """
+    for role in ROLES:
+        if not terminal_ids.get(role, ""):
+            raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
+                           "start a new run with RESUME=0")
+    while True:
+        lost = first_lost_agent()
+        if lost is None:
+            return
+        try:
+            replace_lost_agent(lost)
+        except AgentLost as stop:
+            raise AgentLost(stop.role, stop.terminal_id, stop.why, stop.last_line,
+                            stop.ways_on, when="cannot resume: ") from None
 
 
 def choose_start() -> StartPlan:
@@ -3435,7 +3901,7 @@ def choose_start() -> StartPlan:
 
 
 # ==========================================================================
-# 13. Main loop
+# 14. Main loop
 # ==========================================================================
 
 PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
@@ -3503,10 +3969,12 @@ def run_story_loop() -> str:
     while progress.current:
         story = stories.get(progress.current) or Story(progress.current, f"Story {progress.current}", [])
         attempt = progress.attempt
-        prompt = build_story_prompt(story, change, scenarios, attempt, progress.last_failure)
         try:
-            reply = ask_agent("programmer", prompt)
+            reply = ask_agent("programmer", lambda: build_story_prompt(story, change, scenarios, attempt,
+                                                                        progress.last_failure))
             signal_name, reason = promise_signal(reply)
+        except AgentLost:
+            raise                        # not the story's fault: the run stops (or the agent was replaced)
         except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
             log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
             reply, signal_name, reason = "", "", ""
@@ -3549,10 +4017,10 @@ def run_reviewed_phase(phase: str) -> None:
             if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
                 outputs[out_key] = run_story_loop()
             else:
-                outputs[out_key] = ask_agent(author, author_prompt(phase, cycle))
+                outputs[out_key] = ask_agent(author, lambda: author_prompt(phase, cycle))
             set_position(phase, cycle, "review")
             save_state()
-        review = ask_agent(reviewer, review_prompt(phase))
+        review = ask_agent(reviewer, lambda: review_prompt(phase))
         outputs[review_key] = review
         verdict = review_verdict(review)
         approved = is_review_approved(review, cycle, reviewer)
@@ -3596,7 +4064,7 @@ def handle_tester_fail() -> None:
 
 def run_tester_phase() -> str:
     """One tester turn; returns PASS or FAIL."""
-    outputs["tester"] = ask_agent("tester", build_tester_prompt(outputs["programmer"]))
+    outputs["tester"] = ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"]))
     result = tester_result(outputs["tester"])
     note_turn_outcome(result)
     log_turn("tester", f"RESULT: {result}")
@@ -3638,7 +4106,7 @@ def drive_rounds() -> int:
 
 
 def run_loop() -> int:
-    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 10).
+    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 12).
 
     A stop that needs a person (an agent error, a timeout, an unreachable
     server) is announced on its way out to main().
@@ -3665,6 +4133,7 @@ def run_summary(exit_code: int) -> dict:
         "prompt_bytes": sum(r.prompt_bytes for r in turn_records),
         "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
+        "replacements": [r.to_json() for r in replacements],
     }
 
 
@@ -3679,6 +4148,8 @@ def report_run_summary(exit_code: int) -> None:
     verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
     if verdicts:
         log("summary: " + "; ".join(verdicts))
+    if replacements:
+        log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
     if run_dir:
         path = Path(run_dir) / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -3687,7 +4158,7 @@ def report_run_summary(exit_code: int) -> None:
 
 
 # ==========================================================================
-# 14. Entry point
+# 15. Entry point
 # ==========================================================================
 
 USAGE = "usage: run_orchestrator_loop.py [config.json] | --status [config.json] | --help | --version"
@@ -3707,6 +4178,26 @@ def _shown_default(setting: Setting) -> str:
     return str(setting.default) if setting.default != "" else "-"
 
 
+def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
+    """Where a run's agents are, as the server tells it: still running (and how to watch and stop them)
+    only for agents it still has."""
+    run = saved or SimpleNamespace(session_name=session_name, terminal_ids=terminal_ids)
+    session = run.session_name
+    try:
+        listed = api.session_terminals(session) if session else None
+    except ApiError as exc:
+        return f"the agents of CAO session {session or '?'}: the server cannot say whether they still run ({exc})"
+    ids = [i for i in run.terminal_ids.values() if i]
+    if listed is None:
+        return f"the agents of CAO session {session or '?'} are gone (the server no longer has their session)"
+    running = [i for i in ids if i in listed]
+    if not running:
+        return f"the agents of CAO session {session} are gone (the server no longer has their terminals)"
+    count = "the five agents" if len(running) == len(ROLES) else f"{len(running)} of the five agents"
+    return (f"{count} of CAO session {session} are still running (watch: `tmux attach -t {session}`; stop: "
+            f"`cao shutdown --session {session}`, or set CLEANUP_ON_EXIT=1)")
+
+
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
     try:
@@ -3722,9 +4213,10 @@ def status_report() -> tuple[int, str]:
     holder = lock_holder()
     lines.append(f"driven by: {holder}" if holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
-    session = saved.session_name or "?"
     lines.append("agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
-                 f"agents: CAO session {session} (watch: `tmux attach -t {session}`)")
+                 f"agents: {agents_left_note(saved)}")
+    if saved.replacements:
+        lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
     if saved.run_dir:
         lines.append(f"replies: {saved.run_dir}")
     done = saved.after_run
@@ -3788,7 +4280,7 @@ def start_run(task: str) -> None:
 
     Decided again under the run's lock: another process may have moved the
     state on since refuse_bad_start() looked. A finished run that was stopped
-    during its after-run steps gets them done first (section 10).
+    during its after-run steps gets them done first (section 12).
     """
     finish_stopped_run()
     plan = refuse_bad_start(task)
@@ -3808,14 +4300,8 @@ def start_run(task: str) -> None:
     if plan.note:
         log(plan.note)
     set_task(task)
-    warn_about_missing_clis()
+    check_agent_clis()
     init_new_run(plan)
-
-
-def agents_left_note() -> str:
-    """The last line of a run whose agents stay up: where they are and how to stop them."""
-    return (f"the five agents of CAO session {session_name} are still running (watch: `tmux attach -t "
-            f"{session_name}`; stop: `cao shutdown --session {session_name}`, or set CLEANUP_ON_EXIT=1)")
 
 
 def status_command(args: list[str]) -> int:
@@ -3833,10 +4319,20 @@ def status_command(args: list[str]) -> int:
 
 
 def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
-    """The exit code and the one line for the user of a run that stopped on `exc`."""
-    saved = "; state saved, rerun to resume" if started else ""
+    """The exit code and the one line for the user of a run that stopped on `exc`.
+
+    With CLEANUP_ON_EXIT=1 the agents are ended on the way out, so a rerun
+    starts a new run: the line says so instead of "rerun to resume".
+    """
+    ended = started and CLEANUP_ON_EXIT
+    saved = "" if not started else "; CLEANUP_ON_EXIT=1 ends the agents, so a rerun starts a new run" if ended \
+        else "; state saved, rerun to resume"
     if isinstance(exc, OrchestratorExit):
-        return exc.code, f"error: {exc.message}"
+        message = exc.message
+        if ended and isinstance(exc, RunError):
+            message = message.replace("then rerun to resume", "then rerun to start a new run (CLEANUP_ON_EXIT=1 "
+                                      "ends the agents)")
+        return exc.code, f"error: {message}"
     if isinstance(exc, ApiError):
         return EXIT_FAIL, f"error: {exc}{saved}"
     if isinstance(exc, KeyboardInterrupt):

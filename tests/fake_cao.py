@@ -123,6 +123,9 @@ class Terminal:
     response_path: str = ""
     last_output: str = ""
     exited: bool = False
+    echo: str = ""                   # what the terminal printed since the last input (CAO clears it then)
+    cli_dead: bool = False           # the agent CLI died: the pane shows a shell prompt, input runs as commands
+    deleted: bool = False
 
 
 @dataclass
@@ -164,6 +167,10 @@ class FakeCao:
                                              # the session request is over (its thread done with it)
     create_answered_at: list[float] = field(default_factory=list)  # time.monotonic() of each create_answers entry
     gave_up: list[str] = field(default_factory=list)   # holds that waited WAIT_SECONDS in vain
+    swallow: dict[str, int] = field(default_factory=dict)  # role -> prompts a dialog swallows (never shown)
+    swallowed: list[tuple[str, str]] = field(default_factory=list)  # (role, message) taken by a dialog
+    shell_inputs: list[tuple[str, str]] = field(default_factory=list)  # (role, message) typed into a shell
+    deleted_sessions: list[str] = field(default_factory=list)
     _session_thread: int | None = None   # the thread that sent the (last) session request
     _session_answered: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -181,6 +188,26 @@ class FakeCao:
 
     def exited_ids(self) -> list[str]:
         return [t.id for t in self.terminals.values() if t.exited]
+
+    # -- faults ------------------------------------------------------------------
+    def kill_cli(self, role: str) -> Terminal:
+        """The role's agent CLI dies (a crash, the OOM killer): a shell prompt in its pane, the status stuck."""
+        terminal = self.current_terminal(role)
+        terminal.cli_dead, terminal.pending, terminal.status = True, None, "processing"
+        terminal.echo += "Killed\n\x1b[?2004hbash-5.2# "
+        return terminal
+
+    def end_session(self, session: str) -> None:
+        """The agents' tmux session ends (a killed tmux server, a reboot): CAO still answers for the terminals."""
+        with self._lock:
+            self.sessions.discard(session)
+        for terminal in self.terminals.values():
+            if terminal.session == session:
+                terminal.pending = None
+
+    def current_terminal(self, role: str) -> Terminal:
+        """The role's newest terminal that is not deleted (after a replacement, the new one)."""
+        return [t for t in self.terminals.values() if t.role == role and not t.deleted][-1]
 
     def wait_until(self, what: str, ready) -> bool:
         """Hold the calling request until ready() is true; after WAIT_SECONDS in vain go on, noting it in
@@ -226,6 +253,9 @@ class FakeCao:
             ("exit", "POST", r"/terminals/[^/]+/exit", self._exit),
             ("output", "GET", r"/terminals/[^/]+/output", self._output),
             ("status", "GET", r"/terminals/[^/?]+$", self._status),
+            ("delete", "DELETE", r"/terminals/[^/?]+$", self._delete_terminal),
+            ("session", "GET", r"/sessions/[^/?]+$", self._session),
+            ("delete", "DELETE", r"/sessions/[^/?]+$", self._delete_session),
         ]
         for kind, method, path, handler in routes:
             router.route(method=method, url__regex=rf"^{re.escape(base)}{path}").mock(
@@ -357,11 +387,38 @@ class FakeCao:
     def _terminal(self, request: httpx.Request) -> Terminal | None:
         terminal_id = urlsplit(str(request.url)).path.split("/")[2]
         terminal = self.terminals.get(terminal_id)
-        return None if terminal is None or terminal.exited else terminal
+        return None if terminal is None or terminal.exited or terminal.deleted else terminal
 
     def _missing(self, request: httpx.Request) -> httpx.Response:
         terminal_id = urlsplit(str(request.url)).path.split("/")[2]
         return httpx.Response(404, json={"detail": f"Terminal '{terminal_id}' not found"})
+
+    def _session(self, request: httpx.Request) -> httpx.Response:
+        name = urlsplit(str(request.url)).path.split("/")[2]
+        with self._lock:
+            if name not in self.sessions:
+                return httpx.Response(404, json={"detail": f"Session '{name}' not found"})
+            listed = [{"id": t.id, "status": t.status} for t in self.terminals.values()
+                      if t.session == name and not t.deleted]
+        return httpx.Response(200, json={"session": {"id": name, "name": name}, "terminals": listed})
+
+    def _delete_session(self, request: httpx.Request) -> httpx.Response:
+        name = urlsplit(str(request.url)).path.split("/")[2]
+        with self._lock:
+            self.deleted_sessions.append(name)
+            self.sessions.discard(name)
+            for terminal in self.terminals.values():
+                if terminal.session == name:
+                    terminal.deleted = True
+        return httpx.Response(200, json={"success": True, "deleted": [name]})
+
+    def _delete_terminal(self, request: httpx.Request) -> httpx.Response:
+        terminal_id = urlsplit(str(request.url)).path.split("/")[2]
+        terminal = self.terminals.get(terminal_id)
+        if terminal is None or terminal.deleted:
+            return self._missing(request)
+        terminal.deleted = True
+        return httpx.Response(200, json={"success": True})
 
     def _input(self, request: httpx.Request) -> httpx.Response:
         params = self._params(request)
@@ -369,6 +426,19 @@ class FakeCao:
         if terminal is None:
             return self._missing(request)
         message = params.get("message", "")
+        if terminal.session not in self.sessions:
+            return httpx.Response(500, json={"detail": "Failed to send input: Command '['tmux', 'load-buffer', "
+                                                       "'-b', 'cao_x', '-']' returned non-zero exit status 1."})
+        if terminal.cli_dead:
+            self.shell_inputs.append((terminal.role, message))
+            return httpx.Response(200, json={"success": True})
+        if self.swallow.get(terminal.role, 0) > 0 and RESPONSE_LINE.search(message):
+            self.swallow[terminal.role] -= 1
+            self.swallowed.append((terminal.role, message))
+            terminal.echo = "Trust this folder?\n> 1. Trust and continue\n"
+            return httpx.Response(200, json={"success": True})
+        lines = [line for line in message.splitlines() if line.strip()]
+        terminal.echo = "".join(f"> {line}\n" for line in lines[:1] + [l for l in lines[1:] if RESPONSE_LINE.match(l)])
         indirect = PROMPT_FILE_LINE.search(message)
         if indirect:                      # a long prompt, handed over as a file
             self.prompt_files.append((terminal.role, indirect.group(1).strip(), message))
@@ -422,7 +492,9 @@ class FakeCao:
                                          "session_name": terminal.session})
 
     def _status_for(self, terminal: Terminal) -> None:
-        """One status reading: the terminal's agent moves on by one step."""
+        """One status reading: the terminal's agent moves on by one step (none once it is gone)."""
+        if terminal.cli_dead or terminal.session not in self.sessions:
+            return
         if terminal.idle_polls > 0:
             terminal.idle_polls -= 1
             if terminal.idle_until and time.monotonic() >= terminal.idle_until:
@@ -466,10 +538,13 @@ class FakeCao:
         terminal.status = "completed"
 
     def _output(self, request: httpx.Request) -> httpx.Response:
-        self._params(request)
+        mode = self._params(request).get("mode", "full")
         terminal = self._terminal(request)
         if terminal is None:
             return self._missing(request)
+        if mode == "full":              # the screen since the last input: the echoed prompt, then the reply
+            screen = terminal.echo if terminal.cli_dead else terminal.echo + terminal.last_output
+            return httpx.Response(200, json={"output": screen, "mode": "full"})
         return httpx.Response(200, json={"output": terminal.last_output, "mode": "last"})
 
     def _exit(self, request: httpx.Request) -> httpx.Response:

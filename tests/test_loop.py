@@ -326,17 +326,38 @@ def test_agent_cli_start_up_timeout_says_what_to_check(load_orch, fake_cao, prom
     assert "~/.aws/cli-agent-orchestrator/logs/" in err and "IS_SANDBOX=1" in err
 
 
-def test_a_cli_the_server_reports_missing_is_named_before_the_wait(load_orch, fake_cao, prompt_file, capsys):
-    """CAO lists each provider's CLI and whether it is installed: a missing one is named at once,
-    instead of only after the minutes CAO waits for it to start."""
+def test_a_cli_the_server_reports_missing_stops_the_start_before_anything_is_created(
+        load_orch, fake_cao, prompt_file, capsys):
+    """CAO lists each provider's CLI and whether it is installed: a missing one stops the start at once
+    (exit 2), naming the provider, the setting that chose it and the providers that are installed,
+    instead of after the minutes CAO waits for it to start."""
     fake_cao.missing_clis = {"codex"}
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
-    assert run_main(m) == 0       # a warning, not a refusal: the agents' login shells may still find it
+    assert run_main(m) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "`codex`, the CLI of provider codex (PROVIDER=codex), is not installed" in err
+    assert "claude_code, kiro_cli" in err and "IGNORE_MISSING_CLI=1" in err
+    assert fake_cao.create_answers == [] and not fake_cao.terminals
+    assert not Path(m.STATE_FILE).exists()
+
+
+def test_a_role_provider_reported_missing_names_its_own_setting(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.missing_clis = {"claude_code"}
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", TESTER_PROVIDER="claude_code", **QUICK)
+    assert run_main(m) == 2
+    assert "(TESTER_PROVIDER=claude_code)" in capsys.readouterr().err
+
+
+def test_ignore_missing_cli_creates_the_agents_anyway_with_a_warning(load_orch, fake_cao, prompt_file, capsys):
+    """For a server whose PATH differs from the agents' login PATH."""
+    fake_cao.missing_clis = {"codex"}
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", IGNORE_MISSING_CLI="1", **QUICK)
+    assert run_main(m) == 0
     out = capsys.readouterr().out
     warning = next(line for line in out.splitlines() if "warning:" in line)
-    assert "`codex`, the CLI of provider codex, is not installed" in warning
+    assert "`codex`, the CLI of provider codex (PROVIDER=codex), is not installed" in warning
     assert out.index("warning:") < out.index("creating the five agent terminals")
-    assert fake_cao.provider_lookups == 1
 
 
 def test_no_warning_when_the_cli_is_installed_or_the_server_cannot_tell(load_orch, fake_cao, prompt_file,
@@ -352,7 +373,7 @@ def test_provider_lookup_that_fails_is_ignored(load_orch, fake_cao, prompt_file,
     """A server without the route (or answering it with an error) does not stop the start."""
     fake_cao.providers_status = 404
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
-    assert m.api.missing_agent_clis(["codex"]) == []
+    assert m.api.provider_report() is None
     assert run_main(m) == 0
     assert "warning:" not in capsys.readouterr().out
     assert fake_cao.provider_lookups == 2
@@ -582,7 +603,7 @@ def test_verify_resume_terminals_exits_when_a_terminal_is_unreachable(orch, fake
     """Spec 1: verify_resume_terminals() exits with an error message naming the terminal."""
     ids = fake_cao.add_terminals()
     fake_cao.terminals[ids["tester"]].exited = True
-    orch.terminal_ids = ids
+    orch.terminal_ids, orch.session_name = ids, "cao-saved"
     with pytest.raises(SystemExit) as stopped:
         orch.verify_resume_terminals()
     assert stopped.value.code == 1

@@ -292,6 +292,7 @@ def test_retry_programmer_prompt_with_upstream_placeholder(m):
 def test_programmer_prompt_condenses_upstream_on_repeat(m):
     """Spec 1 Prompt builders / Programmer prompt condenses upstream on repeat: cycle 2 -> back-reference."""
     assert m.CONDENSE_UPSTREAM_ON_REPEAT is True
+    delivered(m, m.build_programmer_prompt(1, 1, ANALYST_OUT))
     prompt = m.build_programmer_prompt(1, 2, ANALYST_OUT)
     assert "analyst-marker-change" not in prompt
     assert f"System analyst handoff:\n{m.UPSTREAM_BACK_REFERENCE}" in prompt
@@ -323,6 +324,7 @@ def test_programmer_prompt_upstream_not_condensed_when_off_by_env(load_orch):
 def test_retry_programmer_prompt_cycle_2_refers_back_to_failure_feedback(m):
     """Spec 1 upstream condensation on repeat applied to spec 4's retry block: cycle 2 refers back to the feedback."""
     m.feedback = "RESULT: FAIL\nEVIDENCE:\n- failure-marker"
+    delivered(m, m.build_programmer_prompt(2, 1, ANALYST_OUT))
     prompt = m.build_programmer_prompt(2, 2, ANALYST_OUT)
     assert f"Test failure feedback:\n{m.UPSTREAM_BACK_REFERENCE}" in prompt
     assert "failure-marker" not in prompt
@@ -334,7 +336,7 @@ def test_programmer_cycle_2_refers_back_to_open_peer_analyst_notes(m):
     """Upstream condensation on repeat: the unapproved analysis notes are shown in cycle 1, referred to after."""
     m.analyst_feedback = "REVIEW_NOTES:\n- open-analyst-note-marker"
     label = "Open peer analyst notes (the analysis was not approved; keep them in mind):\n"
-    assert f"{label}REVIEW_NOTES:\n- open-analyst-note-marker" in m.build_programmer_prompt(1, 1, ANALYST_OUT)
+    assert f"{label}REVIEW_NOTES:\n- open-analyst-note-marker" in delivered(m, m.build_programmer_prompt(1, 1, ANALYST_OUT))
     assert f"{label}{m.UPSTREAM_BACK_REFERENCE}" in m.build_programmer_prompt(1, 2, ANALYST_OUT)
     m.CONDENSE_UPSTREAM_ON_REPEAT = False
     assert "open-analyst-note-marker" in m.build_programmer_prompt(1, 2, ANALYST_OUT)
@@ -344,7 +346,7 @@ def test_retry_programmer_cycle_2_refers_back_to_previous_changes(m):
     """Upstream condensation on repeat applied to spec 4's previous changes: full in cycle 1, referred to after."""
     m.feedback = "RESULT: FAIL"
     m.programmer_context_for_retry = RETRY_CONTEXT
-    assert f"Your previous changes (context):\n{RETRY_CONTEXT}" in m.build_programmer_prompt(2, 1, "")
+    assert f"Your previous changes (context):\n{RETRY_CONTEXT}" in delivered(m, m.build_programmer_prompt(2, 1, ""))
     assert f"Your previous changes (context):\n{m.UPSTREAM_BACK_REFERENCE}" in m.build_programmer_prompt(2, 2, "")
     m.CONDENSE_UPSTREAM_ON_REPEAT = False
     assert f"Your previous changes (context):\n{RETRY_CONTEXT}" in m.build_programmer_prompt(2, 2, "")
@@ -479,7 +481,6 @@ STORY_CHANGE = "/project/openspec/changes/add-greeting"
 FAILURE = "RESULT: FAIL\nEVIDENCE:\n- failure-marker: comma missing"
 PEER_ANALYST_NOTES = "REVIEW_NOTES:\n- peer-analyst-notes-marker"
 PEER_PROGRAMMER_NOTES = "REVIEW_NOTES:\n- peer-programmer-notes-marker"
-BACK_REFERENCE_UPSTREAM = "(Same as in your previous cycle -- refer to your conversation history.)"
 TITLES = {"analyst": "system analyst", "peer_analyst": "peer analyst", "programmer": "programmer",
           "peer_programmer": "peer programmer", "tester": "tester"}
 
@@ -545,7 +546,8 @@ PROMPT_KINDS = {
         "Latest peer programmer feedback:\n(none)", "/opsx:apply", "Run the tests and fix what fails",
         *PROGRAMMER_GUARDS, *PROGRAMMER_FORMAT]),
     "programmer after review feedback": ("programmer", _programmer_after_review, [
-        "round 1 of 8", "programmer cycle 2 of 3", f"System analyst handoff:\n{BACK_REFERENCE_UPSTREAM}",
+        # in full to a terminal with no earlier prompt (a replaced agent), else a back-reference (tested below)
+        "round 1 of 8", "programmer cycle 2 of 3", "System analyst handoff:\n",
         f"Latest peer programmer feedback:\n{PEER_PROGRAMMER_NOTES}", "/opsx:apply",
         *PROGRAMMER_GUARDS, *PROGRAMMER_FORMAT]),
     "programmer after test failure": ("programmer", _programmer_after_failure, [
@@ -668,3 +670,15 @@ def test_repeated_prompts_complete_when_condense_explore_off(m):
     for kind, (_role, build, _required) in PROMPT_KINDS.items():
         first, repeated = delivered(m, build(m)), build(m)
         assert repeated == first, kind
+
+
+def test_a_new_agent_at_a_later_cycle_gets_the_upstream_in_full(m):
+    """A replaced agent has no conversation to refer back to: the upstream comes in full, as in cycle 1."""
+    delivered(m, m.build_programmer_prompt(1, 1, ANALYST_OUT))
+    assert m.UPSTREAM_BACK_REFERENCE in m.build_programmer_prompt(1, 2, ANALYST_OUT)
+    m.terminal_ids["programmer"] = "term-programmer-new"
+    prompt = m.build_programmer_prompt(1, 2, ANALYST_OUT)
+    assert "analyst-marker-change" in prompt and m.UPSTREAM_BACK_REFERENCE not in prompt
+    assert EXPLORE in prompt and m.EXPLORE_BACK_REFERENCE not in prompt
+    assert set(prompt.carries_in_full) >= {"intro:term-programmer-new", "answer-format:term-programmer-new",
+                                           "response-file:term-programmer-new"}

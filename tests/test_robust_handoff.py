@@ -70,17 +70,16 @@ def test_no_reminder_when_max_file_reminders_is_0(load_orch, fake_cao, prompt_fi
     assert fake_cao.reminders == []
 
 
-def test_agent_never_seen_working_gets_the_whole_prompt_again_not_a_reminder(load_orch, fake_cao, prompt_file,
-                                                                              capsys):
-    """An agent still idle IDLE_GRACE_SECONDS after its prompt, with no new output, never got it:
-    the same prompt goes out once more (logged), before any reminder."""
-    fake_cao.script["tester"] = [{"idle_seconds": 60, "text": "never"}, PASS_REPLY]
+def test_a_prompt_a_dialog_swallowed_is_sent_again_whole_not_reminded(load_orch, fake_cao, prompt_file, capsys):
+    """A dialog took the prompt (Codex's trust question): the screen never shows it, though it changed.
+    IDLE_GRACE_SECONDS later the same prompt goes out once more (logged), never a reminder first."""
+    fake_cao.swallow["tester"] = 1
     m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.3"})
     assert run_main(m) == 0
-    first, again = fake_cao.prompts_for("tester")
-    assert again == first
+    [(role, swallowed)] = fake_cao.swallowed
+    assert role == "tester" and fake_cao.prompts_for("tester") == [swallowed]
     assert fake_cao.reminders == []
-    assert "never showed that it got the prompt" in capsys.readouterr().out
+    assert "does not show the prompt" in capsys.readouterr().out
     assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY
 
 
@@ -161,11 +160,16 @@ def test_permission_auto_accept_cooldown_and_cap(load_orch, fake_cao, prompt_fil
 
 # -- agent and provider errors ---------------------------------------------------
 
-def test_provider_api_error_text_stops_the_run(load_orch, fake_cao, prompt_file, capsys):
-    """Claude Code's `API Error: 500` while idle without a file stops the run at once (no reminder)."""
-    output = ('API Error: 500 {"type":"error","error":{"type": "api_error","message":"Internal server error"}}')
-    fake_cao.script["tester"] = [{"action": "no_file", "text": output}]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+PROVIDER_FAILURE = 'API Error: 500 {"type":"error","error":{"type": "api_error","message":"Internal server error"}}'
+OVERLOADED = "\u25cf API Error: 529 Overloaded. This is a server-side issue, usually temporary\n\u273b Crunched for 2m 58s"
+
+
+def test_provider_error_with_no_retries_left_stops_the_run_naming_the_error_line(load_orch, fake_cao, prompt_file,
+                                                                                 capsys):
+    """Claude Code's `API Error: 500` while idle without a file, PROVIDER_ERROR_RETRIES=0: the run stops
+    at once (no reminder), quoting the error line itself."""
+    fake_cao.script["tester"] = [{"action": "no_file", "text": PROVIDER_FAILURE}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY, PROVIDER_ERROR_RETRIES="0")
     assert run_main(m) == 1
     err = capsys.readouterr().err.strip()
     assert "tester agent" in err and "model provider error" in err and "API Error: 500" in err
@@ -173,6 +177,34 @@ def test_provider_api_error_text_stops_the_run(load_orch, fake_cao, prompt_file,
     assert fake_cao.reminders == []
     state = state_of(m)
     assert state["final_status"] == "RUNNING" and state["current_phase"] == "tester"
+
+
+def test_an_overloaded_model_is_waited_out_and_the_agent_told_to_continue(load_orch, fake_cao, prompt_file, capsys):
+    """The CLI gave up on an overloaded model and went idle: after a pause it is told to continue its
+    task (its prompt is in its conversation), and the turn ends normally."""
+    fake_cao.script["tester"] = [{"action": "write_on_reminder", "text": PASS_REPLY, "output": OVERLOADED}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.3"},
+                  PROVIDER_ERROR_PAUSE_SECONDS="0.2")
+    assert run_main(m) == 0
+    [(role, told)] = fake_cao.reminders
+    assert role == "tester" and told.startswith("The model provider's error has passed. Continue the task above")
+    assert str(m.response_path("tester")) in told
+    out = capsys.readouterr().out
+    assert "model provider error (\u25cf API Error: 529 Overloaded." in out and "retry 1/3" in out
+    assert "telling it to continue in 0.2s" in out
+    assert fake_cao.prompts_for("tester") and len(fake_cao.prompts_for("tester")) == 1
+
+
+def test_provider_errors_past_the_retries_stop_the_run(load_orch, fake_cao, prompt_file, capsys):
+    """Each pause is twice the one before; after the last retry the run stops as before."""
+    fake_cao.script["tester"] = [{"action": "no_file", "text": OVERLOADED}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.3"},
+                  PROVIDER_ERROR_RETRIES="2", PROVIDER_ERROR_PAUSE_SECONDS="0.1")
+    assert run_main(m) == 1
+    out, err = capsys.readouterr()
+    assert "continue in 0.1s" in out and "continue in 0.2s" in out
+    assert len(fake_cao.reminders) == 2
+    assert "model provider error (\u25cf API Error: 529 Overloaded." in err and "2 time(s)" in err
 
 
 def test_api_error_json_body_is_recognised(orch):

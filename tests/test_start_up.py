@@ -78,20 +78,27 @@ def test_the_session_is_requested_under_a_fresh_cao_loop_name_and_that_name_is_s
     assert m.new_session_name() != m.new_session_name()
 
 
-def test_the_name_cao_answers_is_the_one_saved(orch, monkeypatch):
-    """Whatever name the session request asked for, the run keeps the name CAO reports."""
+def test_the_name_cao_answers_is_the_one_saved_and_used_for_the_adds(orch, monkeypatch):
+    """A server (or a proxy in front of it) that answers another name than the one asked for: the adds
+    still sent to the asked name are refused, and go to the answered name instead; that name is kept."""
     monkeypatch.setattr(orch, "new_session_name", lambda: "cao-loop-asked")
     ids = iter(range(2, 6))
+    added_to: list[str] = []
 
-    def added(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(201, json={"id": f"{next(ids):08x}", "session_name": "cao-loop-asked"})
+    def add(request: httpx.Request) -> httpx.Response:
+        name = request.url.path.split("/")[2]
+        if name != "cao-loop-asked-2":
+            return httpx.Response(404, json={"detail": f"Session '{name}' not found"})
+        added_to.append(name)
+        return httpx.Response(201, json={"id": f"{next(ids):08x}", "session_name": name})
 
     with respx.mock(assert_all_mocked=True) as router:
         router.post("http://cao.test/sessions").mock(return_value=httpx.Response(
             201, json={"id": "00000001", "session_name": "cao-loop-asked-2", "status": "idle"}))
-        router.post(url__regex=r"^http://cao\.test/sessions/cao-loop-asked/terminals").mock(side_effect=added)
+        router.post(url__regex=r"^http://cao\.test/sessions/[^/]+/terminals").mock(side_effect=add)
         session_name, terminals = orch.create_terminals()
     assert session_name == "cao-loop-asked-2"
+    assert added_to == ["cao-loop-asked-2"] * 4
     assert terminals["analyst"] == "00000001"
     assert sorted(terminals.values()) == [f"{i:08x}" for i in range(1, 6)]
 

@@ -47,6 +47,9 @@ class SimTerminal:
         monkeypatch.setattr(orch.time, "sleep", self.sleep)
         monkeypatch.setattr(orch, "api", self)
         monkeypatch.setattr(orch, "save_state", lambda: None)
+        monkeypatch.setattr(orch, "session_name", "cao-sim")
+        self.echo = ""                    # the prompt as the agent's transcript shows it ("" if it never arrived)
+        self.shows_prompt = True
         for name, value in (("POLL_SECONDS", POLL), ("IDLE_GRACE_SECONDS", GRACE), ("QUIET_SCREEN_SECONDS", QUIET),
                             ("FILE_SETTLE_SECONDS", SETTLE), ("RESPONSE_TIMEOUT", 1800.0),
                             ("MAX_FILE_REMINDERS", 1)):
@@ -78,20 +81,26 @@ class SimTerminal:
     def get_screen(self, terminal_id: str) -> str:
         self.screen_reads.append(self.now)
         if self.now < self.busy_screen_until:
-            return f"• Working ({int(self.now)}s • esc to interrupt)"
-        return self.still_screen
+            return f"{self.echo}• Working ({int(self.now)}s • esc to interrupt)"
+        return self.echo + self.still_screen
+
+    def session_terminals(self, session: str) -> list[str]:
+        return ["t1"]
 
     def get_last_output(self, terminal_id: str, retry: bool = True) -> str:
         return self.reply
 
     def send_input(self, terminal_id: str, message: str) -> None:
         self.sent.append(message)
+        if self.shows_prompt:
+            self.echo = f"> {message.splitlines()[0]}\n"
         if message.startswith("Reminder:"):
             self.reminder_at = self.now
 
     # -- running a turn --------------------------------------------------------
     def wait(self, message: str = "the prompt") -> tuple[str, float]:
         """Run the real wait loop; return the reply and the clock when it was taken."""
+        self.echo = f"> {message.splitlines()[0]}\n" if self.shows_prompt else ""
         reply = self.orch.wait_for_reply("tester", "t1", self.path, message, "previous reply")
         return reply, self.now
 
@@ -108,7 +117,8 @@ def test_ready_status_ends_the_turn_once_the_file_has_settled(sim):
     reply, taken_at = sim.wait()
     assert reply == FINAL.strip()
     assert SETTLE <= taken_at - sim.file_written_at <= SETTLE + 0.15
-    assert sim.screen_reads == []                       # the status alone was enough
+    # the status alone was enough (earlier reads looked for the prompt and whether the agent is there)
+    assert [t for t in sim.screen_reads if t >= sim.file_written_at] == []
     assert sim.sent == []
 
 
@@ -168,15 +178,26 @@ def test_a_draft_with_a_ready_status_read_before_it_is_not_taken(sim):
 
 
 def test_prompt_never_seen_arriving_is_sent_again_whole_before_any_reminder(sim, capsys):
-    """Idle from the start, no new reply, no busy status: after the grace the same prompt goes out again."""
+    """A dialog took the prompt: its screen never shows it. After the grace the same prompt goes out again."""
+    sim.shows_prompt = False
     sim.status = "idle"
+    sim.at(GRACE - 1, shows_prompt=True)                # the dialog is gone: the next input arrives
     sim.at(GRACE + 5, status="processing")
     sim.write_at(GRACE + 10, FINAL)
     sim.at(GRACE + 10, status="completed")
     reply, _ = sim.wait(message="the whole prompt")
     assert reply == FINAL.strip()
     assert sim.sent == ["the whole prompt"]
-    assert "never showed that it got the prompt" in capsys.readouterr().out
+    assert "does not show the prompt" in capsys.readouterr().out
+
+
+def test_a_prompt_that_never_shows_after_its_resend_counts_the_agent_lost_not_reminded(sim, orch):
+    """A reminder is never the first thing an agent sees of its task."""
+    sim.shows_prompt = False
+    sim.status = "processing"                           # as CAO reads Codex's idle composer
+    with pytest.raises(orch.AgentLost, match="never showed the prompt"):
+        sim.wait(message="the whole prompt")
+    assert sim.sent == ["the whole prompt"]
 
 
 def test_an_agent_that_worked_gets_a_reminder_not_the_prompt_again(sim):

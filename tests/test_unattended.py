@@ -163,14 +163,17 @@ def test_ctrl_c_while_the_session_is_being_created_exits_its_first_terminal(load
 
 
 def test_a_new_run_exits_the_agents_of_the_unfinished_run_it_replaces(load_orch, fake_cao, prompt_file, capsys):
-    """RESUME=0 over an unfinished run: its state is kept aside and its five agents are exited."""
+    """RESUME=0 over an unfinished run: its state is kept aside, its five agents are exited and their
+    CAO session removed (no session of idle shells is left behind)."""
     m = load_orch(PROMPT_FILE=str(prompt_file), RESUME="0", **TESTER_ONLY)
     old_ids = fake_cao.add_terminals(session="cao-old")
-    write_state(m, final_status="RUNNING", current_phase="tester", terminals=old_ids)
+    write_state(m, final_status="RUNNING", current_phase="tester", terminals=old_ids, session_name="cao-old")
     assert run_main(m) == 0
     assert sorted(fake_cao.exited_ids()) == sorted(old_ids.values())
+    assert fake_cao.deleted_sessions == ["cao-old"]
     out = capsys.readouterr().out
-    assert "exited 5 agent terminal(s) of the replaced run (CAO session cao-old)" in out
+    assert "ended the replaced run's agents and removed their CAO session cao-old" in out
+    assert out.index("new run: CAO session") < out.index("ended the replaced run's agents")
     backups = list(Path(m.STATE_FILE).parent.glob("*.bak"))
     assert len(backups) == 1 and json.loads(backups[0].read_text())["session_name"] == "cao-old"
 
@@ -214,7 +217,7 @@ def test_report_finished_run_exits_with_its_code_and_starts_nothing(load_orch, f
 def test_report_finished_run_still_continues_an_unfinished_run(load_orch, fake_cao, prompt_file):
     m = load_orch(PROMPT_FILE=str(prompt_file), REPORT_FINISHED_RUN="1", **TESTER_ONLY)
     write_state(m, final_status="RUNNING", current_phase="tester", current_round=1,
-                terminals=fake_cao.add_terminals(),
+                terminals=fake_cao.add_terminals(session="cao-old"),
                 outputs={"analyst": "x", "analyst_review": "", "programmer": "y", "programmer_review": "",
                          "tester": ""})
     assert run_main(m) == 0

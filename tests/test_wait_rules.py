@@ -12,20 +12,25 @@ from __future__ import annotations
 import pytest
 
 POLL, GRACE, QUIET, SETTLE, TIMEOUT = 2.0, 30.0, 5.0, 0.25, 1800.0   # exact in binary: no rounding at the edges
+STALL, PAUSE = 300.0, 60.0
 FILE = (1_700_000_000_000_000_000, 42)
+PROMPT = "You are the tester (round 2 of 8).\n\nWrite your complete answer to this file: /wd/.tmp/test_result.md"
 
 
 @pytest.fixture
 def m(orch, monkeypatch):
     for name, value in (("POLL_SECONDS", POLL), ("IDLE_GRACE_SECONDS", GRACE), ("QUIET_SCREEN_SECONDS", QUIET),
-                        ("FILE_SETTLE_SECONDS", SETTLE), ("RESPONSE_TIMEOUT", TIMEOUT)):
+                        ("FILE_SETTLE_SECONDS", SETTLE), ("RESPONSE_TIMEOUT", TIMEOUT),
+                        ("AGENT_STALL_SECONDS", STALL), ("PROVIDER_ERROR_PAUSE_SECONDS", PAUSE)):
         monkeypatch.setattr(orch, name, value)
     return orch
 
 
-def sent_at_zero(m, prompt_known: bool = True):
-    """A turn whose prompt went out at t=0."""
-    return m.TurnFacts(started=0.0, guard_since=0.0, prompt_known=prompt_known, baseline_reply="before")
+def sent_at_zero(m, prompt_known: bool = True, shown: bool = True):
+    """A turn whose prompt went out at t=0 (and, by default, showed on the agent's screen at once)."""
+    markers = m.prompt_markers(PROMPT) if prompt_known else ()
+    return m.TurnFacts(started=0.0, guard_since=0.0, markers=markers, baseline_reply="before",
+                       prompt_seen=shown and prompt_known)
 
 
 def decide(m, facts, now):
@@ -34,7 +39,9 @@ def decide(m, facts, now):
 
 
 def test_nothing_seen_yet_is_awaiting_a_sign_of_life(m):
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, shown=False)
+    assert decide(m, facts, 1.0) == ("AWAITING_SIGN_OF_LIFE", "WAIT")
+    facts = sent_at_zero(m, prompt_known=False)      # a carried-over turn: no prompt to look for
     assert decide(m, facts, 1.0) == ("AWAITING_SIGN_OF_LIFE", "WAIT")
 
 
@@ -93,21 +100,46 @@ def test_a_rewritten_file_starts_its_clocks_again(m):
     assert decide(m, facts, 4.5 + SETTLE) == ("FILE_SETTLED", "WAIT")
 
 
-def test_silent_within_idle_grace_waits(m):
-    facts = sent_at_zero(m)
+def test_a_prompt_not_on_a_quiet_screen_waits_within_idle_grace(m):
+    facts = sent_at_zero(m, shown=False)
     facts.note_status("idle", 2.0)
-    assert decide(m, facts, GRACE - 0.1) == ("SILENT", "WAIT")
+    facts.note_screen("Trust this folder?\n> 1. Trust and continue", 2.0)
+    assert decide(m, facts, GRACE - 0.1) == ("PROMPT_NOT_SHOWN", "WAIT")
 
 
-def test_silent_for_idle_grace_sends_the_prompt_again_once(m):
-    facts = sent_at_zero(m)
+def test_a_prompt_not_on_a_quiet_screen_is_sent_again_once_then_the_agent_counts_as_lost(m):
+    facts = sent_at_zero(m, shown=False)
     facts.note_status("idle", 2.0)
-    assert decide(m, facts, GRACE) == ("SILENT", "RESEND")
+    facts.note_screen("Trust this folder?", 2.0)
+    assert decide(m, facts, GRACE) == ("PROMPT_NOT_SHOWN", "RESEND")
     facts.resend_used = True
-    facts.note_sent("before", GRACE)
-    assert decide(m, facts, GRACE + 1) == ("SILENT", "WAIT")
-    assert decide(m, facts, 2 * GRACE) == ("SILENT", "REMIND")      # no second resend
+    facts.note_sent("before", GRACE, whole_prompt=True)
+    assert decide(m, facts, 2 * GRACE - 0.1) == ("PROMPT_NOT_SHOWN", "WAIT")
+    assert decide(m, facts, 2 * GRACE) == ("PROMPT_NOT_SHOWN", "LOST")     # never a reminder first
 
+
+def test_a_busy_status_and_a_changing_screen_are_no_sign_that_the_prompt_arrived(m):
+    """A dialog that takes the prompt's Enter changes the screen, and CAO may read `processing`."""
+    facts = sent_at_zero(m, shown=False)
+    facts.note_status("processing", 2.0)
+    facts.note_screen("Trust this folder?", 2.0)
+    facts.note_screen("> Ask Codex to do anything", 3.0)
+    assert decide(m, facts, 3.0 + QUIET - 0.1) == ("AWAITING_SIGN_OF_LIFE", "WAIT")
+    assert decide(m, facts, GRACE) == ("PROMPT_NOT_SHOWN", "RESEND")
+
+
+def test_the_prompt_on_screen_is_the_sign_that_it_arrived(m):
+    facts = sent_at_zero(m, shown=False)
+    facts.note_status("processing", 2.0)
+    facts.note_screen("\x1b[1m> You are the tester (round 2 of 8).\x1b[0m\n  Write your complete answer to\n"
+                      "  this file: /wd/.tmp/test_result.md\n\u273b Working", 2.0)
+    assert facts.prompt_seen
+    assert decide(m, facts, GRACE + 10) == ("WORKING", "WAIT")
+
+
+def test_an_earlier_prompt_on_screen_does_not_count_for_this_one(m):
+    assert not m.shows_prompt("> You are the tester (round 1 of 8).", m.prompt_markers("You are the tester "
+                                                                                       "(round 2 of 8)."))
 
 def test_a_carried_over_turn_is_reminded_where_a_resend_would_be(m):
     """The prompt of a turn carried over from an earlier process is not at hand: a reminder stands in."""
@@ -152,7 +184,44 @@ def test_unknown_status_is_idle_once_the_screen_is_still(m):
     assert decide(m, facts, 3.0 + QUIET + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
 
 
-def test_response_timeout_stops_a_turn_that_never_ends(m):
+def test_an_agent_whose_session_or_cli_is_gone_is_lost_at_once(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_file(FILE, 2.5)                     # even with a reply file on the way
+    facts.note_lost("its CAO session cao-x is gone")
+    assert decide(m, facts, 3.0) == ("LOST", "LOST")
+
+
+def test_a_working_agent_whose_screen_stays_unchanged_for_agent_stall_seconds_is_lost(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_screen("\u273b Working (3s)", 3.0)
+    assert decide(m, facts, 3.0 + STALL - 0.1) == ("WORKING", "WAIT")
+    assert decide(m, facts, 3.0 + STALL) == ("WORKING", "LOST")
+    facts.note_screen("\u273b Working (304s)", 3.0 + STALL)     # a repaint is a sign of life
+    assert decide(m, facts, 3.0 + STALL + 1) == ("WORKING", "WAIT")
+
+
+def test_an_agent_asking_for_permission_is_not_stalled(m):
+    facts = sent_at_zero(m)
+    facts.note_screen("Allow this command? (y/n)", 3.0)
+    facts.note_status("waiting_user_answer", 3.0)
+    assert decide(m, facts, 3.0 + 2 * STALL) == ("WORKING", "WAIT")
+
+
+def test_a_provider_error_pause_waits_then_tells_the_agent_to_continue(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_status("idle", 10.0)
+    facts.provider_errors, facts.provider_pause_until = 1, 10.0 + GRACE + PAUSE
+    assert decide(m, facts, 10.0 + GRACE + PAUSE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
+    assert decide(m, facts, 10.0 + GRACE + PAUSE) == ("IDLE_WITHOUT_FILE", "CONTINUE")
+    facts.note_sent("error text", 10.0 + GRACE + PAUSE)
+    assert facts.provider_pause_until is None and facts.prompt_seen      # a continue is not a new prompt
+
+
+def test_response_timeout_stops_a_turn_that_never_ends(m, monkeypatch):
+    monkeypatch.setattr(m, "AGENT_STALL_SECONDS", 2 * TIMEOUT)
     facts = sent_at_zero(m)
     facts.note_status("processing", 2.0)
     assert decide(m, facts, TIMEOUT - 0.1) == ("WORKING", "WAIT")
@@ -194,6 +263,23 @@ def test_status_is_read_once_early_when_a_file_has_settled(m):
     facts.note_file((FILE[0] + 1, 43), 0.8)
     assert not reads.status_due(facts, 0.8 + SETTLE)               # once per turn
     assert reads.next_look_at(facts, 0.8) == pytest.approx(0.8 + SETTLE)
+
+
+def test_whether_the_agent_is_there_is_asked_every_liveness_check_while_there_is_no_file(m):
+    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL, next_liveness_at=5.0)
+    assert not reads.liveness_due(facts, 4.9)
+    assert reads.liveness_due(facts, 5.0)
+    assert not reads.liveness_due(facts, 5.0 + m.LIVENESS_CHECK_SECONDS - 0.1)
+    facts.note_file(FILE, 9.0)
+    assert not reads.liveness_due(facts, 20.0)
+
+
+def test_the_screen_is_read_with_each_status_until_the_prompt_shows(m):
+    facts = sent_at_zero(m, shown=False)
+    facts.note_status("completed", 2.0)
+    assert m.ReadSchedule.screen_due(facts, 2.0)
+    facts.note_screen("> " + PROMPT, 2.0)
+    assert not m.ReadSchedule.screen_due(facts, 4.0)
 
 
 def test_the_screen_is_read_only_while_the_status_cannot_end_the_turn(m):

@@ -1,0 +1,224 @@
+"""Agents that die, vanish or never get their prompt, on the fake CAO.
+
+An agent CLI that dies leaves a shell prompt in its pane while CAO keeps
+reporting its last status; a tmux server that ends takes every agent's
+session with it while CAO still answers for the terminals from its database.
+The loop notices both within seconds. With the default REPLACE_LOST_AGENTS=0
+it stops with one line naming the agent and both ways on; with 1 it replaces
+the agent and sends the lost turn again, once, in full. It never types into a
+pane whose CLI is gone. The same faults against a real cao-server and tmux are
+in e2e/test_lost_agents_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, TASK_PROMPT, run_main
+from fake_cao import PASS_REPLY
+
+TESTER_ONLY = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
+QUICK = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1"}
+EXPLORE_LINE = "Build a greeting CLI"
+
+
+def kill_cli(fake, terminal) -> None:
+    fake.kill_cli(terminal.role)
+
+
+def end_session(fake, terminal) -> None:
+    fake.end_session(terminal.session)
+
+
+@pytest.fixture
+def run(load_orch, prompt_file):
+    """Load the module with these settings; the liveness check runs often so tests take no seconds."""
+    def load(**env):
+        module = load_orch(PROMPT_FILE=str(prompt_file), **env)
+        module.LIVENESS_CHECK_SECONDS = 0.05
+        return module
+    return load
+
+
+def state_of(module) -> dict:
+    return json.loads(Path(module.STATE_FILE).read_text())
+
+
+def one_line(capsys) -> tuple[str, str]:
+    out, err = capsys.readouterr()
+    err = err.strip()
+    assert "\n" not in err, err
+    return out, err
+
+
+# -- the default: stop at once, naming the agent ----------------------------------------
+
+def test_a_cli_that_dies_mid_turn_stops_the_run_naming_it_and_both_ways_on(run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli}]
+    m = run(**TESTER_ONLY)
+    assert run_main(m) == 1
+    out, err = one_line(capsys)
+    tester = fake_cao.terminal_for("tester").id
+    assert f"the tester agent (terminal {tester}) is lost: its agent CLI exited" in err
+    assert "last screen line: 'bash-5.2#'" in err
+    assert "REPLACE_LOST_AGENTS=1" in err and "RESUME=0" in err
+    assert "tester: terminal" in out and "Killed | bash-5.2#" in out         # its last lines, logged
+    assert fake_cao.shell_inputs == []                                      # no reminder typed into bash
+    state = state_of(m)
+    assert state["final_status"] == "RUNNING" and state["in_flight"]["role"] == "tester"
+
+
+def test_a_vanished_session_stops_the_run_and_the_last_line_does_not_call_the_agents_running(
+        run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": end_session}]
+    m = run(**TESTER_ONLY)
+    assert run_main(m) == 1
+    out, err = one_line(capsys)
+    assert f"its CAO session {m.session_name} is gone" in err
+    last = out.strip().splitlines()[-1]
+    assert "still running" not in last and f"CAO session {m.session_name} are gone" in last
+
+
+def test_an_agent_whose_cli_died_between_turns_is_never_typed_into(run, fake_cao, capsys):
+    """The programmer's turn kills the tester's CLI: the tester's prompt never goes into its shell."""
+    def kill_tester(fake, programmer):
+        fake.kill_cli("tester")
+        _write_reply(programmer)
+    fake_cao.script["programmer"] = [{"action": "call", "call": kill_tester}]
+    m = run(**{**QUICK, "START_AGENT": "programmer"})
+    assert run_main(m) == 1
+    _out, err = one_line(capsys)
+    assert "the tester agent" in err and "its agent CLI exited" in err
+    assert fake_cao.shell_inputs == [] and fake_cao.prompts_for("tester") == []
+
+
+def _write_reply(terminal) -> None:
+    """What a step's default action does: the reply file, then the agent shows completed."""
+    path = Path(terminal.response_path)
+    path.write_text("PROGRAMMER_SUMMARY:\n- Files changed: greet.py\n", encoding="utf-8")
+    terminal.status = "completed"
+
+
+# -- REPLACE_LOST_AGENTS=1 ---------------------------------------------------------------
+
+def test_a_cli_that_dies_mid_turn_is_replaced_and_its_turn_sent_once_more_in_full(run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli}, PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    assert run_main(m) == 0
+    old, new = [t for t in fake_cao.terminals.values() if t.role == "tester"]
+    assert old.deleted and not new.deleted and m.terminal_ids["tester"] == new.id
+    first, again = fake_cao.prompts_for("tester")
+    assert EXPLORE_LINE in again and " in a five-agent development loop" in again   # every block in full
+    assert again == first                                   # the same whole prompt, once more
+    assert fake_cao.shell_inputs == []
+    [record] = state_of(m)["replacements"]
+    assert (record["role"], record["old_terminal"], record["new_terminal"]) == ("tester", old.id, new.id)
+    assert "its agent CLI exited" in record["why"] and record["at"].endswith("Z") and record["event"] == 1
+    out = capsys.readouterr().out
+    assert f"replacement 1/3: tester {old.id} -> {new.id}" in out
+    assert "summary: lost agents replaced: 1 (tester" in out
+    summary = json.loads((Path(m.run_dir) / "summary.json").read_text())
+    assert summary["replacements"][0]["new_terminal"] == new.id
+
+
+def test_a_vanished_session_gets_five_new_agents_as_one_replacement(run, fake_cao, capsys):
+    """The agents' tmux server ended: all five are made again in a new session; the turn goes on there."""
+    fake_cao.script["peer_analyst"] = [{"action": "call", "call": end_session}, "REVIEW_RESULT: APPROVED\n"
+                                       "REVIEW_NOTES:\n- Artifacts: ok\n- P1 traceability: ok\n"
+                                       "- Downstream contract: ok\n- Handoff: ok\n"]
+    m = run(**QUICK, REPLACE_LOST_AGENTS="1")
+    assert run_main(m) == 0
+    records = state_of(m)["replacements"]
+    assert sorted(r["role"] for r in records) == sorted(m.ROLES) and {r["event"] for r in records} == {1}
+    first_session = next(t.session for t in fake_cao.terminals.values() if t.id == records[0]["old_terminal"])
+    assert first_session in fake_cao.deleted_sessions and m.session_name != first_session
+    assert [role for role, _ in fake_cao.prompts].count("analyst") == 1          # a completed turn: not again
+    assert [role for role, _ in fake_cao.prompts].count("peer_analyst") == 2     # the lost one: once more
+    assert "replacing all five agents" in capsys.readouterr().out
+
+
+def test_replacements_stop_at_max_agent_replacements(run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli}] * 2 + [PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1", MAX_AGENT_REPLACEMENTS="1")
+    assert run_main(m) == 1
+    _out, err = one_line(capsys)
+    assert "the tester agent" in err and "MAX_AGENT_REPLACEMENTS=1" in err and "RESUME=0" in err
+    assert len(state_of(m)["replacements"]) == 1
+
+
+# -- at resume: a reboot ---------------------------------------------------------------
+
+def _saved_run_whose_session_is_gone(m, fake_cao) -> dict:
+    ids = fake_cao.add_terminals(session="cao-old")
+    fake_cao.end_session("cao-old")
+    data = {"version": 1, "api": "http://cao.test", "provider": "codex", "wd": m.WD, "prompt": TASK_PROMPT,
+            "current_round": 1, "current_phase": "tester", "final_status": "RUNNING", "session_name": "cao-old",
+            "terminals": ids, "feedback": "", "analyst_feedback": "", "programmer_feedback": "",
+            "outputs": {"analyst": "x", "analyst_review": "", "programmer": "y", "programmer_review": "",
+                        "tester": ""}, "context_sent": [f"intro:{ids['tester']}", f"explore:{ids['tester']}"]}
+    Path(m.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+    Path(m.STATE_FILE).write_text(json.dumps(data))
+    return ids
+
+
+def test_after_a_reboot_the_resume_stops_naming_the_lost_agent(run, fake_cao, capsys):
+    """CAO still answers for the old terminals, but their session is gone: no wait, one line."""
+    m = run(**TESTER_ONLY)
+    _saved_run_whose_session_is_gone(m, fake_cao)
+    before = Path(m.STATE_FILE).read_bytes()
+    assert run_main(m) == 1
+    _out, err = one_line(capsys)
+    assert err.startswith("error: cannot resume: the analyst agent")
+    assert "its CAO session cao-old is gone" in err and "REPLACE_LOST_AGENTS=1" in err
+    assert Path(m.STATE_FILE).read_bytes() == before and fake_cao.prompts == []
+
+
+def test_after_a_reboot_every_lost_agent_is_replaced_before_the_run_goes_on_at_its_turn(run, fake_cao, capsys):
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    old_ids = _saved_run_whose_session_is_gone(m, fake_cao)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["tester"]
+    [prompt] = fake_cao.prompts_for("tester")
+    assert EXPLORE_LINE in prompt                                # the new agent never had the task
+    assert set(m.terminal_ids.values()).isdisjoint(old_ids.values())
+    assert len(state_of(m)["replacements"]) == 5 and state_of(m)["final_status"] == "PASS"
+    assert "cao-old" in fake_cao.deleted_sessions
+
+
+# -- leave nothing behind -----------------------------------------------------------------
+
+def test_cleanup_on_exit_removes_the_session_and_says_a_rerun_starts_a_new_run(run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "error", "text": "boom"}]
+    m = run(**TESTER_ONLY, CLEANUP_ON_EXIT="1")
+    assert run_main(m) == 1
+    out, err = capsys.readouterr()
+    assert fake_cao.deleted_sessions == [m.session_name]
+    assert "rerun to resume" not in err and "rerun to start a new run (CLEANUP_ON_EXIT=1" in err
+    assert "a rerun starts a new run" in out
+
+
+def test_a_ctrl_c_while_the_old_run_is_ended_leaves_the_new_run_resumable(run, fake_cao, capsys):
+    """The new run's state is written before the old agents are ended: a rerun resumes it."""
+    m = run(**TESTER_ONLY, RESUME="0")
+    old_ids = fake_cao.add_terminals(session="cao-old")
+    Path(m.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+    Path(m.STATE_FILE).write_text(json.dumps({
+        "version": 1, "api": "http://cao.test", "prompt": TASK_PROMPT, "final_status": "RUNNING",
+        "current_phase": "tester", "session_name": "cao-old", "terminals": old_ids}))
+    real_exit = m.api.exit_terminal
+
+    def interrupted(terminal_id):
+        if terminal_id in old_ids.values():
+            raise KeyboardInterrupt
+        return real_exit(terminal_id)
+    m.api.exit_terminal = interrupted
+    assert run_main(m) == 130
+    state = state_of(m)
+    assert state["final_status"] == "RUNNING" and state["session_name"] != "cao-old"
+    assert set(state["terminals"].values()).isdisjoint(old_ids.values())
+    m = run(**TESTER_ONLY)
+    assert run_main(m) == 0 and state_of(m)["final_status"] == "PASS"
+    assert "resuming run" in capsys.readouterr().out
