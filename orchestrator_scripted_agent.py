@@ -44,10 +44,15 @@ Messages:
 * ``/exit`` (what CAO's exit endpoint types) or Ctrl-D ends the program.
 * Anything else is answered ``> MOCK: #N ok``.
 
+Like a real agent CLI, it shows each message it gets in its transcript: the
+first line and the response-file line, each after ``›``.
+
 script.json: ``{"<role>": [step, ...]}``. Turn N uses step N, the last step
 repeats. A step is a string (the answer text) or
-``{"text": str, "think_ms": int, "action": "write" | "no_file" | "error" |
-"write_on_reminder", "files": {path: content or null}}``; ``files`` are
+``{"text": str, "think_ms": int, "silent": bool, "action": "write" | "no_file" |
+"error" | "write_on_reminder", "files": {path: content or null}}``; while it
+thinks the agent repaints a timer every second, as a working CLI does, unless
+``silent`` (a hung CLI); ``files`` are
 written (null: deleted) in the project before the answer, as an agent
 changes the code (a relative path is taken from the agent's working
 directory). A missing role or text gets a default answer that
@@ -289,7 +294,8 @@ def normalise_step(step, role: str, default_think_ms: int) -> dict:
     files = step.get("files")
     if not isinstance(files, dict):
         files = {}
-    return {"text": text, "action": action, "think_ms": max(0, think_ms), "files": files}
+    return {"text": text, "action": action, "think_ms": max(0, think_ms), "files": files,
+            "silent": step.get("silent") is True}
 
 
 def pick_step(script: dict, role: str, turn: int, default_think_ms: int) -> dict:
@@ -381,6 +387,7 @@ class Agent:
 
     def handle(self, raw: str) -> None:
         self.seq += 1
+        self.echo(raw)
         message = raw
         source_file = find_marker_path(raw, INDIRECTION_MARKER)
         if source_file:
@@ -422,7 +429,7 @@ class Agent:
         step = pick_step(self.home.script(), role, turn, self.default_think_ms)
         # A new prompt supersedes an answer still held back for a reminder.
         self.home.set_pending(role, None)
-        self.think(step["think_ms"])
+        self.think(step["think_ms"], step["silent"])
         self.change_files(step["files"])
         action = step["action"]
         if action == "error":
@@ -467,12 +474,31 @@ class Agent:
         except OSError as exc:
             log(f"cannot write {path}: {exc}")
 
-    def think(self, ms: int) -> None:
+    @staticmethod
+    def echo(raw: str) -> None:
+        """Show the message in the transcript, as real agent CLIs do: its first line and the line
+        naming the response file (the orchestrator looks for them to know the prompt arrived)."""
+        lines = [line.strip() for line in raw.splitlines() if line.strip()]
+        shown = lines[:1] + [line for line in lines[1:] if line.startswith(WRITE_MARKER)]
+        new_line()
+        say("".join(f"\u203a {line[:300]}\n" for line in shown))
+
+    def think(self, ms: int, silent: bool = False) -> None:
+        """Work for `ms` milliseconds, repainting a timer every second as a working CLI does
+        (`silent`: a hung CLI, which shows nothing)."""
         # Something must be printed at once: CAO only leaves the previous
         # turn's idle/completed state when new output without a prompt arrives.
         new_line()
-        say("· thinking\n")
-        time.sleep(ms / 1000.0)
+        say("· thinking")
+        started = time.monotonic()
+        while True:
+            left = ms / 1000.0 - (time.monotonic() - started)
+            if left <= 0:
+                break
+            time.sleep(min(1.0, left))
+            if not silent and time.monotonic() - started < ms / 1000.0:
+                say(f"\r· thinking ({int(time.monotonic() - started)}s)")
+        say("\n")
 
     def finish(self, summary: str) -> None:
         new_line()
