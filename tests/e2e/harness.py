@@ -324,6 +324,48 @@ class CaoServer:
         elif self.provider == "claude_code" and not path.is_relative_to(self.root / "work"):
             agent_clis.trust_claude_workdir(self.home, path)
 
+    # -- agents dying ---------------------------------------------------------
+    def agent_cli_pids(self, terminal_id: str) -> list[int]:
+        """The processes the terminal's pane shell runs: the agent CLI (empty once it has exited)."""
+        with self.http(timeout=10) as client:
+            terminal = client.get(f"/terminals/{terminal_id}").json()
+        pane = self.tmux("list-panes", "-t", f"={terminal['session_name']}:{terminal['name']}", "-F",
+                         "#{pane_pid}").stdout.split()
+        if not pane:
+            return []
+        children = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == int(pane[0]) and _is_alive(int(entry)):
+                children.append(int(entry))
+        return children
+
+    def kill_agent_cli(self, terminal_id: str) -> list[int]:
+        """SIGKILL the agent CLI in a terminal, as a crash or the OOM killer would: the pane drops back to
+        its shell. Returns the pids killed."""
+        pids = self.agent_cli_pids(terminal_id)
+        if not pids:
+            raise RuntimeError(f"no agent CLI runs in terminal {terminal_id}")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
+
+    def kill_tmux_server(self) -> None:
+        """End the agents' tmux server (a logout, a reboot): every agent and session goes; cao-server stays."""
+        self.tmux("kill-server")
+        deadline = time.monotonic() + 10
+        while self.tmux("list-sessions").returncode == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the tmux server still answers after kill-server")
+            time.sleep(0.1)
+
     # -- outages ----------------------------------------------------------
     def stop_server(self) -> None:
         """Kill cao-server with SIGKILL, as a crash or an OOM kill would.
@@ -379,7 +421,18 @@ class CaoServer:
             return ""
 
 
+def _write_tmux_conf(cao: CaoServer) -> None:
+    """The same options in HOME's ~/.tmux.conf: a tmux server that cao-server has to start itself
+    (after the agents' tmux server was killed) reads it, and must run the agents as this one does."""
+    settings = {"PATH": cao.server_env["PATH"], "MOCK_AGENT_HOME": cao.server_env["MOCK_AGENT_HOME"],
+                "MOCK_AGENT_THINK_MS": cao.server_env["MOCK_AGENT_THINK_MS"], **cao.tmux_env}
+    lines = ["set-option -g exit-empty off", 'set-option -g default-command "exec bash --noprofile --norc"']
+    lines += [f"set-environment -g {key} {shlex.quote(value)}" for key, value in settings.items()]
+    (cao.home / ".tmux.conf").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
 def _start_tmux(cao: CaoServer) -> None:
+    _write_tmux_conf(cao)
     # Options go in the same invocation as start-server: an empty server
     # would otherwise exit before a second command could reach it.
     extra: list[str] = []

@@ -1,0 +1,169 @@
+"""Agents that die or vanish, for real: a killed agent CLI, a killed tmux server, a reboot.
+
+Each test drives `python run_orchestrator_loop.py` against a private cao-server
+whose agents are the scripted ``mock_cli`` and causes the fault as it happens
+to users: the agent's process is killed with SIGKILL (its pane drops back to a
+shell), the agents' tmux server is killed, or -- a reboot -- the loop, the tmux
+server and cao-server are all killed and cao-server is started again before
+the same command runs again. CAO 2.5.4 notices none of this by itself.
+
+With the default the run stops with one line naming the agent, within
+seconds of the fault; with REPLACE_LOST_AGENTS=1 it reaches PASS. Either way
+the agents' own record (received.jsonl, counters.json) shows that no completed
+turn was sent again and that the lost turn was sent once more, to a new agent.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from .test_orchestrator_e2e import PROGRAMMER_REPLY, QUICK_ROUND
+from .test_unattended_e2e import LiveRun, start_run, unattended_run  # noqa: F401  (start_run: a fixture)
+
+pytestmark = pytest.mark.e2e
+
+# The programmer works 20 s on its first turn (repainting a timer): the fault comes while it works.
+SLOW_PROGRAMMER = {"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 20000}, PROGRAMMER_REPLY]}
+# A completed turn is never sent again; the lost programmer turn goes out once more, to a new agent.
+AFTER_ONE_LOST_TURN = {"analyst": 1, "peer_analyst": 1, "programmer": 2, "peer_programmer": 1, "tester": 1}
+STOP_WITHIN = 15.0          # seconds from the fault to the one-line stop (the loop checks every 5 s)
+LOST_LINE = r"is lost: "
+
+
+def start(cao, start_run, **settings) -> tuple[LiveRun, str]:
+    """A run whose programmer is at work on its first turn; returns it and the programmer's terminal."""
+    cao.set_script(SLOW_PROGRAMMER)
+    run = unattended_run(cao, **settings)
+    live = start_run(run)
+    live.wait_until(lambda: "programmer" in run.roles_prompted(), "the programmer got its prompt")
+    programmer = run.state()["terminals"]["programmer"]
+    live.wait_until(lambda: cao.agent_cli_pids(programmer), "the programmer's CLI runs", timeout=10)
+    time.sleep(1.0)                                   # well into its turn
+    return live, programmer
+
+
+def assert_one_line_stop(live: LiveRun, fault_at: float, *expected: str) -> float:
+    """Exit 1 with one line naming the agent and both ways on; returns seconds from the fault to the exit."""
+    code = live.finish(timeout=60)
+    took = time.monotonic() - fault_at
+    assert code == 1, live.explain()
+    err = live.stderr.strip()
+    assert "\n" not in err and LOST_LINE in err, live.explain()
+    assert "REPLACE_LOST_AGENTS=1" in err and "RESUME=0" in err, live.explain()
+    for text in expected:
+        assert text in err, live.explain()
+    assert took <= STOP_WITHIN, f"stopped {took:.1f}s after the fault\n{live.explain()}"
+    return took
+
+
+def assert_replaced_and_passed(live: LiveRun, roles_replaced: set[str]) -> None:
+    code = live.finish(timeout=150)
+    run = live.run
+    assert code == 0, live.explain()
+    state = run.state()
+    assert state["final_status"] == "PASS", live.explain()
+    assert {r["role"] for r in state["replacements"]} == roles_replaced, live.explain()
+    assert run.cao.counters().get("turns") == AFTER_ONE_LOST_TURN, live.explain()
+    first, again = [r for r in run.prompts() if r["role"] == "programmer"]
+    assert again["terminal_id"] != first["terminal_id"], live.explain()
+    assert again["message"] == first["message"], live.explain()       # the whole prompt, once more
+    stray = [(r.get("role"), r.get("kind")) for r in run.cao.received() if r.get("kind") != "prompt"]
+    assert stray == [], live.explain()
+    assert "summary: lost agents replaced" in live.stdout, live.explain()
+
+
+# ---------------------------------------------------------------------------
+# An agent CLI killed mid-turn
+# ---------------------------------------------------------------------------
+
+def test_agent_cli_killed_mid_turn_stops_the_run_in_seconds_naming_it(restartable_cao, start_run):
+    cao = restartable_cao
+    live, programmer = start(cao, start_run)
+    cao.kill_agent_cli(programmer)
+    fault_at = time.monotonic()
+    took = assert_one_line_stop(live, fault_at, f"the programmer agent (terminal {programmer})",
+                                "its agent CLI exited", "bash-5.2#")
+    print(f"fault-reaction: cli killed, stop: {took:.1f}s")
+    assert "peer_programmer" not in live.run.roles_prompted()
+    with cao.http(timeout=10) as client:
+        window = client.get(f"/terminals/{programmer}").json()["name"]
+    pane = cao.capture_pane(live.run.state()["session_name"], window)
+    assert "bash-5.2#" in pane and "command not found" not in pane and "Reminder" not in pane, pane
+
+
+def test_agent_cli_killed_mid_turn_is_replaced_and_the_run_passes(restartable_cao, start_run):
+    cao = restartable_cao
+    live, programmer = start(cao, start_run, REPLACE_LOST_AGENTS="1")
+    cao.kill_agent_cli(programmer)
+    fault_at = time.monotonic()
+    line = live.wait_for_line(r"replacement 1/3: programmer", timeout=30)
+    print(f"fault-reaction: cli killed, replaced: {time.monotonic() - fault_at:.1f}s")
+    assert programmer in line
+    assert_replaced_and_passed(live, {"programmer"})
+
+
+# ---------------------------------------------------------------------------
+# The agents' tmux server killed mid-run
+# ---------------------------------------------------------------------------
+
+def test_tmux_server_killed_mid_run_stops_the_run_in_seconds(restartable_cao, start_run):
+    cao = restartable_cao
+    live, _programmer = start(cao, start_run)
+    session = live.run.state()["session_name"]
+    cao.kill_tmux_server()
+    fault_at = time.monotonic()
+    took = assert_one_line_stop(live, fault_at, "the programmer agent", f"its CAO session {session} is gone")
+    print(f"fault-reaction: tmux killed, stop: {took:.1f}s")
+    last = live.stdout.strip().splitlines()[-1]
+    assert "still running" not in last and "are gone" in last, live.explain()
+
+
+def test_tmux_server_killed_mid_run_gets_five_new_agents_and_passes(restartable_cao, start_run):
+    cao = restartable_cao
+    live, _programmer = start(cao, start_run, REPLACE_LOST_AGENTS="1")
+    old_session = live.run.state()["session_name"]
+    cao.kill_tmux_server()
+    fault_at = time.monotonic()
+    live.wait_for_line(r"replacement 1/3: ", timeout=60)
+    print(f"fault-reaction: tmux killed, replaced: {time.monotonic() - fault_at:.1f}s")
+    assert_replaced_and_passed(live, set(QUICK_ROUND))
+    assert live.run.state()["session_name"] != old_session
+
+
+# ---------------------------------------------------------------------------
+# A reboot: the loop, the agents and cao-server killed; cao-server started again; the same command again
+# ---------------------------------------------------------------------------
+
+def reboot(cao, live: LiveRun) -> None:
+    live.process.send_signal(signal.SIGKILL)
+    live.process.wait(timeout=10)
+    cao.kill_tmux_server()
+    cao.stop_server()
+    cao.start_server_again()
+
+
+def test_after_a_reboot_the_same_command_stops_in_seconds_naming_the_lost_agent(restartable_cao, start_run):
+    cao = restartable_cao
+    live, _programmer = start(cao, start_run)
+    reboot(cao, live)
+    session = live.run.state()["session_name"]
+    again = start_run(live.run)
+    fault_at = time.monotonic()
+    took = assert_one_line_stop(again, fault_at, "cannot resume: the analyst agent",
+                                f"its CAO session {session} is gone")
+    print(f"fault-reaction: reboot, stop: {took:.1f}s")
+    assert live.run.state()["final_status"] == "RUNNING"
+
+
+def test_after_a_reboot_the_same_command_replaces_the_agents_and_passes(restartable_cao, start_run):
+    cao = restartable_cao
+    live, _programmer = start(cao, start_run, REPLACE_LOST_AGENTS="1")
+    reboot(cao, live)
+    again = start_run(live.run)
+    fault_at = time.monotonic()
+    again.wait_for_line(r"replacement 1/3: ", timeout=60)
+    print(f"fault-reaction: reboot, replaced: {time.monotonic() - fault_at:.1f}s")
+    assert_replaced_and_passed(again, set(QUICK_ROUND))
