@@ -31,7 +31,10 @@ the last step repeats. A step is the answer text or a dict::
 reported that command's result, the final text with a second tool call.
 ``error`` answers HTTP ``status`` (500) with an API style error body. Both
 CLIs retry 5xx answers on their own with growing pauses (Claude Code for
-minutes); ``"status": 400`` makes them give up at once.
+minutes); ``"status": 400`` makes them give up at once. ``fail_next(n, 529)``
+answers the next n task requests "overloaded" (or 429 "rate limited"), whatever
+the script says, and then lets the first message that gets through carry out
+the prompt they left undone.
 
 Every CLI sends the whole conversation each time, so decisions depend only on
 the newest message(s). A decision is remembered under (kind, role, hash of the
@@ -417,6 +420,16 @@ class ScriptedModel:
             self._after_tool: dict[str, Reply] = {}
             self._pending: dict[str, dict] = {}
             self._events: list[dict] = []
+            self._failures: list[int] = []            # statuses the next task requests get, in order
+            self._unanswered: dict[str, str] = {}     # role -> a prompt a failure left undone
+
+    def fail_next(self, count: int, status: int = 529) -> None:
+        """Answer the next ``count`` requests that carry a task (a prompt, or a message telling the agent
+        to go on) with HTTP ``status``: 529 "overloaded" or 429 "rate limited", as a busy model API does.
+        Side requests are answered as usual. A prompt left undone is carried out by the first later
+        message to that agent that gets through, as a model told to continue the task above would."""
+        with self._lock:
+            self._failures.extend([status] * count)
 
     def events(self) -> list[dict]:
         """Every decision taken, oldest first; ``time`` is when the answer went out (after thinking)."""
@@ -484,6 +497,16 @@ class ScriptedModel:
             self._record(convo.api, None, None, "side", "text", None)
             return Reply(text=side_text(convo))
 
+        with self._lock:
+            failure = self._failures.pop(0) if self._failures else None
+            if failure is not None and kind == "prompt" and role is not None:
+                self._unanswered[role] = message
+            elif failure is None and kind == "reminder" and role in self._unanswered:
+                message = self._unanswered.pop(role)          # "continue": the task above, done now
+                kind, role, path = classify(message, last_role)
+        if failure is not None:
+            self._record(convo.api, role, None, kind, "error", path, status=failure)
+            return Reply(error_status=failure, error_message="Overloaded" if failure == 529 else "Rate limited")
         key = (kind, role, _digest(message), convo.user_count, convo.conversation_id)
         with self._lock:
             plan = self._decided.get(key)

@@ -12,7 +12,10 @@ settle and screen bounds after its reply file was written.
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import time
 
 import pytest
 
@@ -102,3 +105,83 @@ def test_claude_code_story_mode(claude_cao):
     assert "story 1 attempt 1/3: COMPLETE" in result.stdout and "story 2 attempt 1/3: COMPLETE" in result.stdout
     assert '- Story 1 "Parse the name": COMPLETE (attempt 1)' in state["outputs"]["programmer"]
     assert '- Story 2 "Print the greeting": COMPLETE (attempt 1)' in state["outputs"]["programmer"]
+
+
+# ---------------------------------------------------------------------------
+# The agents' bad days, with the real CLIs
+# ---------------------------------------------------------------------------
+
+def test_codex_in_a_project_it_does_not_trust_gets_every_prompt_again_and_passes(codex_cao):
+    """Codex asks "Trust this folder?" in a project not in its config: the first prompt's Enter only
+    answers the dialog. Its screen changes but never shows the prompt, so each agent gets its whole
+    prompt once more (never a reminder first), and the FAIL -> PASS run completes with every agent
+    given its task."""
+    run = real_cli_run(codex_cao, IDLE_GRACE_SECONDS="10")
+    untrusted = codex_cao.root / "untrusted" / run.wd.name      # new_workdir() would pre-trust it
+    untrusted.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(untrusted)], check=True)        # a project, as users have them
+    run.wd, run.state_file = untrusted, untrusted / ".tmp" / "codex-3agents-loop-state.json"
+    run.env["WD"] = str(untrusted)
+    codex_cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+    result = run.run(timeout=900)
+    assert result.returncode == 0, explain(result)
+    sequence = QUICK_ROUND + SHORT_ROUND
+    assert run.archived() == numbered(sequence), explain(result)
+    assert codex_cao.model.turns() == {role: sequence.count(role) for role in set(sequence)}, \
+        codex_cao.model.events()
+    resent = re.findall(r"\| (\w+): terminal \w+ does not show the prompt", result.stdout)
+    assert sorted(resent) == sorted(QUICK_ROUND), explain(result)        # each agent's first prompt, once
+    assert "reminder" not in result.stdout and "reminder" not in [e["kind"] for e in codex_cao.model.events()]
+
+
+def test_claude_code_killed_mid_turn_is_replaced_and_the_run_passes(claude_cao):
+    """kill -9 of the programmer's `claude` process while it works: the pane drops to a shell, CAO keeps
+    answering `processing`. With REPLACE_LOST_AGENTS=1 a new Claude Code gets the whole prompt; no
+    completed turn is sent again."""
+    run = real_cli_run(claude_cao, REPLACE_LOST_AGENTS="1")
+    claude_cao.model.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 20000}, PROGRAMMER_REPLY]})
+    process = run.start()
+    try:
+        # The model has taken the programmer's prompt and "thinks" 20 s: Claude Code waits on it, working.
+        deadline = time.monotonic() + 300
+        while claude_cao.model.turns().get("programmer", 0) < 1:
+            assert process.poll() is None and time.monotonic() < deadline, "the programmer never got its prompt"
+            time.sleep(0.2)
+        time.sleep(2)
+        claude_cao.kill_agent_cli(run.state()["terminals"]["programmer"])
+        out, err = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    assert result.returncode == 0, explain(result)
+    assert "replacement 1/3: programmer" in result.stdout and "its agent CLI exited" in result.stdout, explain(result)
+    expected = {role: 1 for role in QUICK_ROUND}
+    expected["programmer"] = 2
+    assert claude_cao.model.turns() == expected, claude_cao.model.events()
+    assert run.archived() == numbered(QUICK_ROUND), explain(result)
+    assert [r["role"] for r in run.state()["replacements"]] == ["programmer"]
+
+
+def test_claude_code_whose_model_is_overloaded_three_times_recovers_and_passes(claude_cao):
+    """The model answers 529 "overloaded" until Claude Code gives up, three times over: each time the
+    loop pauses, tells the agent to continue, and the fourth try goes through."""
+    settings = claude_cao.home / ".claude" / "settings.json"
+    original = settings.read_text(encoding="utf-8")
+    data = json.loads(original)
+    data["env"]["CLAUDE_CODE_MAX_RETRIES"] = "0"          # it gives up at once instead of after ~3 minutes
+    settings.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    try:
+        run = real_cli_run(claude_cao, START_AGENT="tester", IDLE_GRACE_SECONDS="5",
+                           PROVIDER_ERROR_PAUSE_SECONDS="2")
+        claude_cao.model.set_script({"tester": [PASS_REPLY]})
+        claude_cao.model.fail_next(3, status=529)
+        result = run.run(timeout=600)
+    finally:
+        settings.write_text(original, encoding="utf-8")
+    assert result.returncode == 0, explain(result)
+    assert "retry 3/3" in result.stdout and "API Error: 529" in result.stdout, explain(result)
+    errors = [e for e in claude_cao.model.events() if e["action"] == "error"]
+    assert len(errors) == 3 and claude_cao.model.turns() == {"tester": 1}, claude_cao.model.events()
+    assert run.state()["final_status"] == "PASS"

@@ -272,3 +272,24 @@ def test_a_client_hanging_up_prints_nothing_but_other_errors_do(model, capsys):
     except ValueError:
         server.handle_error(None, ("127.0.0.1", 43259))
     assert "ValueError: a bug in the handler" in capsys.readouterr().err
+
+
+def test_overloaded_answers_then_a_continue_carries_out_the_prompt_left_undone(model, tmp_path):
+    """fail_next(): the next task requests get 529 "overloaded" (429 "rate limited" likewise), side
+    requests do not; the first message that gets through afterwards does the prompt that was left undone."""
+    target = tmp_path / "test_result.md"
+    model.set_script({"tester": ["RESULT: PASS\n"]})
+    model.fail_next(2, status=529)
+    chat = AnthropicChat(model)
+    status, [error] = chat.send(prompt_text(target))
+    assert status == 529 and error["error"]["type"] == "overloaded_error"
+    assert chat.request(tools=())[0] == 200                        # a title request: not counted
+    chat.messages.append({"role": "assistant", "content": "API Error: 529"})
+    status, _ = chat.send(f"Continue the task above, then write your complete answer to {target}.")
+    assert status == 529
+    chat.messages.append({"role": "assistant", "content": "API Error: 529"})
+    status, blocks = chat.send(f"Continue the task above, then write your complete answer to {target}.")
+    assert status == 200 and [b["type"] for b in blocks] == ["tool_use"]
+    chat.run_tools(blocks)
+    assert target.read_text() == "RESULT: PASS\n" and model.turns() == {"tester": 1}
+    assert [e["action"] for e in model.events() if e["kind"] != "side"][:2] == ["error", "error"]
