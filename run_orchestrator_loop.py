@@ -1544,7 +1544,9 @@ LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file as
 # prompt on its last line means the CLI is gone, and nothing may be typed
 # there -- a shell runs every line it is sent.
 
-ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[()*+][0-9A-Za-z]|[@-Z\\-_78=>c])")
+# CSI sequences, OSC strings, charset choices and the two-character escapes.
+ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[()*+][0-9A-Za-z]"
+                             r"|[@-Z\\-_78=>c])")
 SHELL_PROMPT = re.compile(r"^(?:\([^)]*\)\s*)?(?:[\w.-]+@[\w.-]+(?:[: ]\S*)?|(?:ba|z|da|k|fi)?sh(?:-\d+(?:\.\d+)*)?)"
                           r"\s?[$#%>]\s*$")
 
@@ -2357,7 +2359,6 @@ def replace_lost_agent(lost: AgentLost) -> None:
     log(f"replacement {event}/{MAX_AGENT_REPLACEMENTS}: " + ", ".join(
         f"{role} {old_ids.get(role) or '-'} -> {new_ids[role]}" for role in roles)
         + f" in CAO session {new_session}; a new agent gets its whole prompt")
-
 
 
 # ==========================================================================
@@ -3970,8 +3971,8 @@ def run_story_loop() -> str:
         story = stories.get(progress.current) or Story(progress.current, f"Story {progress.current}", [])
         attempt = progress.attempt
         try:
-            reply = ask_agent("programmer", lambda: build_story_prompt(story, change, scenarios, attempt,
-                                                                        progress.last_failure))
+            reply = ask_agent("programmer", lambda: build_story_prompt(
+                story, change, scenarios, attempt, progress.last_failure))
             signal_name, reason = promise_signal(reply)
         except AgentLost:
             raise                        # not the story's fault: the run stops (or the agent was replaced)
@@ -4310,6 +4311,7 @@ def status_command(args: list[str]) -> int:
         if len(args) > 1:
             raise ConfigError(f"--status takes at most a config file. {USAGE}")
         configure(args)
+        connect_api()
     except OrchestratorExit as exc:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
         return exc.code

@@ -438,7 +438,8 @@ class FakeCao:
             terminal.echo = "Trust this folder?\n> 1. Trust and continue\n"
             return httpx.Response(200, json={"success": True})
         lines = [line for line in message.splitlines() if line.strip()]
-        terminal.echo = "".join(f"> {line}\n" for line in lines[:1] + [l for l in lines[1:] if RESPONSE_LINE.match(l)])
+        shown = lines[:1] + [line for line in lines[1:] if RESPONSE_LINE.match(line)]
+        terminal.echo = "".join(f"> {line}\n" for line in shown)
         indirect = PROMPT_FILE_LINE.search(message)
         if indirect:                      # a long prompt, handed over as a file
             self.prompt_files.append((terminal.role, indirect.group(1).strip(), message))

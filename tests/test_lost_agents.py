@@ -222,3 +222,20 @@ def test_a_ctrl_c_while_the_old_run_is_ended_leaves_the_new_run_resumable(run, f
     m = run(**TESTER_ONLY)
     assert run_main(m) == 0 and state_of(m)["final_status"] == "PASS"
     assert "resuming run" in capsys.readouterr().out
+
+
+def test_status_says_still_running_only_of_agents_the_server_still_has(run, fake_cao, capsys):
+    m = run(**TESTER_ONLY)
+    assert run_main(m) == 0
+    capsys.readouterr()
+    assert run_main(m, "--status") == 0
+    assert f"agents: the five agents of CAO session {m.session_name} are still running" in capsys.readouterr().out
+    fake_cao.kill_cli("tester")
+    fake_cao.terminal_for("tester").deleted = True
+    assert run_main(m, "--status") == 0
+    assert f"agents: 4 of the five agents of CAO session {m.session_name} are still running" in \
+        capsys.readouterr().out
+    fake_cao.end_session(m.session_name)
+    assert run_main(m, "--status") == 0
+    out = capsys.readouterr().out
+    assert "still running" not in out and f"agents: the agents of CAO session {m.session_name} are gone" in out

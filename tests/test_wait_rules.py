@@ -141,6 +141,7 @@ def test_an_earlier_prompt_on_screen_does_not_count_for_this_one(m):
     assert not m.shows_prompt("> You are the tester (round 1 of 8).", m.prompt_markers("You are the tester "
                                                                                        "(round 2 of 8)."))
 
+
 def test_a_carried_over_turn_is_reminded_where_a_resend_would_be(m):
     """The prompt of a turn carried over from an earlier process is not at hand: a reminder stands in."""
     facts = sent_at_zero(m, prompt_known=False)
@@ -313,3 +314,27 @@ def test_permission_answers_are_spaced_and_capped(m):
     assert answers.next_step(m.PERMISSION_ANSWER_INTERVAL) == "answer"
     answers.answered = m.MAX_PERMISSION_ANSWERS
     assert answers.next_step(1000.0) == "tell"
+
+
+# -- is the agent still there? --------------------------------------------------------
+
+@pytest.mark.parametrize("last_line", ["bash-5.2# ", "bash-5.2$", "sh-5.2# ", "root@build-7:/srv/project# ",
+                                       "dev@laptop:~/work$ ", "(venv) dev@laptop:~/work$", "user@host ~/p> "])
+def test_a_shell_prompt_on_the_last_line_means_the_cli_exited(m, last_line):
+    screen = f"\x1b[1m\u273b Working\x1b[0m\r\nKilled\r\n\x1b[?2004h{last_line}"
+    assert m.shows_shell_prompt(screen)
+    assert m.last_screen_line(screen) == last_line.strip()
+
+
+@pytest.mark.parametrize("last_line", ["\u276f ", "\u203a Ask Codex to do anything", "# Summary", "RESULT: PASS",
+                                       "  \u23f5\u23f5 bypass permissions on (shift+tab to cycle)", "$5.00 spent",
+                                       "> MOCK: #3 tester turn 1: wrote test_result.md"])
+def test_an_agent_cli_screen_is_not_a_shell_prompt(m, last_line):
+    assert not m.shows_shell_prompt(f"some output\n{last_line}")
+
+
+def test_the_prompt_is_found_on_screen_however_the_cli_wraps_and_colours_it(m):
+    prompt = "You are the tester (round 2 of 8).\n\nRules: ...\nWrite your complete answer to this file: /wd/.tmp/t.md"
+    wrapped = "\x1b[2m> \x1b[0mYou are the tester\x1b[1C(round\r\n  2 of 8).\r\n"
+    assert m.shows_prompt(wrapped, m.prompt_markers(prompt))
+    assert m.shows_prompt("  Write your complete answer to this file:\n    /wd/.tmp/t.md", m.prompt_markers(prompt))

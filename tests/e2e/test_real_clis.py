@@ -39,7 +39,6 @@ CLI_FINISH_SECONDS = 3.0
 TURN_LINE = re.compile(r"\| (\w+): reply received after ([\d.]+)s \(file written ([\d.]+)s before\)")
 
 
-
 def real_cli_run(cao, **settings: str) -> Run:
     """A run with the loop's default handoff settings, a faster poll, and room for real CLIs."""
     run = Run(cao, POLL_SECONDS=str(POLL_SECONDS), RESPONSE_TIMEOUT="300", **settings)
