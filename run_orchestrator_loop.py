@@ -3744,8 +3744,8 @@ def check_agent_clis() -> None:
     if IGNORE_MISSING_CLI:
         log(f"warning: {what}; IGNORE_MISSING_CLI=1, so the agents are created anyway")
         return
-    raise ConfigError(f"{what}; set {setting} to a provider whose CLI is installed ("
-                      f"{', '.join(installed) or 'the server lists none'}), install it where cao-server runs, "
+    raise ConfigError(f"{what} (it reports installed: {', '.join(installed) or 'none of the CLIs it lists'}); "
+                      f"set {setting} to a provider whose CLI is installed, install it where cao-server runs, "
                       "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it")
 
 

@@ -337,7 +337,7 @@ def test_a_cli_the_server_reports_missing_stops_the_start_before_anything_is_cre
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
     assert "`codex`, the CLI of provider codex (PROVIDER=codex), is not installed" in err
-    assert "claude_code, kiro_cli" in err and "IGNORE_MISSING_CLI=1" in err
+    assert "(it reports installed: claude_code, kiro_cli)" in err and "IGNORE_MISSING_CLI=1" in err
     assert fake_cao.create_answers == [] and not fake_cao.terminals
     assert not Path(m.STATE_FILE).exists()
 

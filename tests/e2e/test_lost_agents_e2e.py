@@ -29,7 +29,9 @@ pytestmark = pytest.mark.e2e
 SLOW_PROGRAMMER = {"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 20000}, PROGRAMMER_REPLY]}
 # A completed turn is never sent again; the lost programmer turn goes out once more, to a new agent.
 AFTER_ONE_LOST_TURN = {"analyst": 1, "peer_analyst": 1, "programmer": 2, "peer_programmer": 1, "tester": 1}
-STOP_WITHIN = 15.0          # seconds from the fault to the one-line stop (the loop checks every 5 s)
+# Seconds from the fault to the one-line stop: a gone session within 10 s; a dead CLI (a shell prompt on
+# its screen) likewise, well inside the AGENT_STALL_SECONDS + 10 s the stall rule would take.
+STOP_WITHIN = 10.0
 LOST_LINE = r"is lost: "
 
 
@@ -45,7 +47,7 @@ def start(cao, start_run, **settings) -> tuple[LiveRun, str]:
     return live, programmer
 
 
-def assert_one_line_stop(live: LiveRun, fault_at: float, *expected: str) -> float:
+def assert_one_line_stop(live: LiveRun, fault_at: float, *expected: str, within: float = STOP_WITHIN) -> float:
     """Exit 1 with one line naming the agent and both ways on; returns seconds from the fault to the exit."""
     code = live.finish(timeout=60)
     took = time.monotonic() - fault_at
@@ -55,7 +57,7 @@ def assert_one_line_stop(live: LiveRun, fault_at: float, *expected: str) -> floa
     assert "REPLACE_LOST_AGENTS=1" in err and "RESUME=0" in err, live.explain()
     for text in expected:
         assert text in err, live.explain()
-    assert took <= STOP_WITHIN, f"stopped {took:.1f}s after the fault\n{live.explain()}"
+    assert took <= within, f"stopped {took:.1f}s after the fault\n{live.explain()}"
     return took
 
 
@@ -103,6 +105,18 @@ def test_agent_cli_killed_mid_turn_is_replaced_and_the_run_passes(restartable_ca
     print(f"fault-reaction: cli killed, replaced: {time.monotonic() - fault_at:.1f}s")
     assert programmer in line
     assert_replaced_and_passed(live, {"programmer"})
+
+
+def test_a_hung_agent_cli_counts_as_lost_after_agent_stall_seconds(restartable_cao, start_run):
+    """A CLI that hangs (alive, but its screen never changes again) is lost after AGENT_STALL_SECONDS."""
+    cao = restartable_cao
+    cao.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 120000, "silent": True}]})
+    run = unattended_run(cao, AGENT_STALL_SECONDS="8")
+    live = start_run(run)
+    live.wait_for_line(r"programmer: prompt sent to terminal", timeout=60)
+    fault_at = time.monotonic()                       # it hangs from the moment it has its prompt
+    took = assert_one_line_stop(live, fault_at, "the programmer agent", "no sign of life for 8s", within=8 + 10)
+    print(f"fault-reaction: hung cli, stop: {took:.1f}s")
 
 
 # ---------------------------------------------------------------------------
