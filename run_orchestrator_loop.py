@@ -904,7 +904,7 @@ class ApiClient:
         try:
             answer = self._call(what, "GET", f"/sessions/{quote(session, safe='')}")
         except ApiError as exc:
-            if exc.status_code == 404:
+            if exc.status_code == 404 and "Session '" in str(exc):   # CAO's answer, not a missing route
                 return None
             raise
         terminals = answer.get("terminals") if isinstance(answer, dict) else None
@@ -1601,8 +1601,17 @@ class AgentLost(RunError):
 
 
 def why_gone(terminal_id: str, screen: str | None = None) -> str:
-    """'' while the agent can take input; else why not: its session gone, its terminal gone, its CLI exited."""
-    listed = api.session_terminals(session_name) if session_name else None
+    """'' while the agent can take input; else why not: its session gone, its terminal gone, its CLI exited.
+
+    A server that cannot answer for sessions (an older CAO without the route)
+    leaves the screen to tell.
+    """
+    try:
+        listed = api.session_terminals(session_name) if session_name else None
+    except ApiError as exc:
+        if exc.status_code not in (404, 405):
+            raise
+        listed = [terminal_id]
     if listed is None:
         return f"its CAO session {session_name or '?'} is gone (the agents' tmux session ended)"
     if terminal_id not in listed:

@@ -239,3 +239,12 @@ def test_status_says_still_running_only_of_agents_the_server_still_has(run, fake
     assert run_main(m, "--status") == 0
     out = capsys.readouterr().out
     assert "still running" not in out and f"agents: the agents of CAO session {m.session_name} are gone" in out
+
+
+def test_a_server_without_the_session_route_is_not_taken_for_a_lost_session(run, fake_cao, capsys):
+    """An older CAO answers 404 "Not Found" for GET /sessions/{name}: the loop cannot ask, so it goes on."""
+    import httpx
+    fake_cao.router.route(method="GET", url__regex=r"^http://cao\.test/sessions/[^/?]+$").mock(
+        return_value=httpx.Response(404, json={"detail": "Not Found"}))
+    m = run(**TESTER_ONLY)
+    assert run_main(m) == 0
