@@ -3805,7 +3805,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
     The run it replaces (`plan`) is set aside only once the new terminals
     exist, so a start that fails leaves the old state file where it was; a
     Ctrl-C from then on waits until the new state is written, so a rerun
-    resumes the new run. The old run's agents are ended last.
+    resumes the new run. The old run's agents are ended after (end_old_run).
     """
     plan = plan or StartPlan(False)
     with signals_held("writing the new run's state"):
@@ -3822,7 +3822,6 @@ def init_new_run(plan: StartPlan | None = None) -> None:
     log(f"new run: CAO session {session_name}, terminals "
         + ", ".join(f"{role}={terminal_ids[role]}" for role in ROLES)
         + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
-    end_old_run(plan)
 
 
 def first_lost_agent() -> AgentLost | None:
@@ -4285,8 +4284,9 @@ def refuse_bad_start(task: str) -> StartPlan:
     return plan
 
 
-def start_run(task: str) -> None:
+def start_run(task: str) -> StartPlan:
     """Resume the saved run or create a new one for `task`; nothing is written if this fails.
+    Returns the plan: a run it replaced still has its agents (end_old_run() ends them).
 
     Decided again under the run's lock: another process may have moved the
     state on since refuse_bad_start() looked. A finished run that was stopped
@@ -4306,12 +4306,13 @@ def start_run(task: str) -> None:
             update_run(run_dir=new_run_dir())
         log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
             f"session {session_name}")
-        return
+        return plan
     if plan.note:
         log(plan.note)
     set_task(task)
     check_agent_clis()
     init_new_run(plan)
+    return plan
 
 
 def status_command(args: list[str]) -> int:
@@ -4383,8 +4384,9 @@ def run_command_line(args: list[str]) -> int:
         acquire_run_lock()
         connect_api()
         _install_sigterm(_raise_terminated)
-        start_run(task)
-        started = True
+        plan = start_run(task)
+        started = True                   # from here on the state file is this run's: a stop keeps it
+        end_old_run(plan)
         if isinstance(api, ApiClient):
             api.retry_seconds = API_RETRY_SECONDS     # from now on, ride out server restarts
         code = run_loop()

@@ -216,6 +216,7 @@ def test_a_ctrl_c_while_the_old_run_is_ended_leaves_the_new_run_resumable(run, f
         return real_exit(terminal_id)
     m.api.exit_terminal = interrupted
     assert run_main(m) == 130
+    assert "interrupted (SIGINT); state saved, rerun to resume" in capsys.readouterr().err
     state = state_of(m)
     assert state["final_status"] == "RUNNING" and state["session_name"] != "cao-old"
     assert set(state["terminals"].values()).isdisjoint(old_ids.values())
