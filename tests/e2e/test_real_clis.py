@@ -148,6 +148,7 @@ def test_claude_code_killed_mid_turn_is_replaced_and_the_run_passes(claude_cao):
             time.sleep(0.2)
         time.sleep(2)
         claude_cao.kill_agent_cli(run.state()["terminals"]["programmer"])
+        killed_at = time.time()
         out, err = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
@@ -156,6 +157,9 @@ def test_claude_code_killed_mid_turn_is_replaced_and_the_run_passes(claude_cao):
     result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
     assert result.returncode == 0, explain(result)
     assert "replacement 1/3: programmer" in result.stdout and "its agent CLI exited" in result.stdout, explain(result)
+    noticed = re.search(r"^\[([\d: -]+)\] replacing the programmer agent", result.stdout, re.MULTILINE)
+    print(f"fault-reaction: claude killed, replacing after "
+          f"{time.mktime(time.strptime(noticed.group(1), '%Y-%m-%d %H:%M:%S')) - killed_at:.0f}s (1 s resolution)")
     expected = {role: 1 for role in QUICK_ROUND}
     expected["programmer"] = 2
     assert claude_cao.model.turns() == expected, claude_cao.model.events()
