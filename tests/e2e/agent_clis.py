@@ -1,8 +1,8 @@
-"""Pinned real agent CLIs (Claude Code, Codex) for end-to-end tests, and their private homes.
+"""Pinned real agent CLIs (Claude Code, Codex, OpenCode) for end-to-end tests, and their private homes.
 
 ``ensure_agent_clis()`` installs the pinned npm releases once into a private
 prefix (the same cache root ``cao_env`` uses) and returns the directory that
-holds ``claude`` and ``codex``. The ``write_*_home`` functions prepare a
+holds ``claude``, ``codex`` and ``opencode``. The ``write_*_home`` functions prepare a
 private HOME so each CLI starts offline and unattended (as root too) against a
 scripted model endpoint on 127.0.0.1; ``*_tmux_env`` give the variables that
 must be in the environment of the tmux server CAO starts its panes in.
@@ -27,11 +27,14 @@ CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
 CLAUDE_CODE_VERSION = "2.1.197"
 CODEX_PACKAGE = "@openai/codex"
 CODEX_VERSION = "0.169.0"
-NPM_SPECS = (f"{CLAUDE_CODE_PACKAGE}@{CLAUDE_CODE_VERSION}", f"{CODEX_PACKAGE}@{CODEX_VERSION}")
+OPENCODE_PACKAGE = "opencode-ai"
+OPENCODE_VERSION = "1.18.33"
+NPM_SPECS = (f"{CLAUDE_CODE_PACKAGE}@{CLAUDE_CODE_VERSION}", f"{CODEX_PACKAGE}@{CODEX_VERSION}",
+             f"{OPENCODE_PACKAGE}@{OPENCODE_VERSION}")
 PREFIX_ENV_VAR = "AGENT_CLI_PREFIX"
 
 # CAO provider name -> the executable it launches.
-PROVIDER_BINARIES = {"claude_code": "claude", "codex": "codex"}
+PROVIDER_BINARIES = {"claude_code": "claude", "codex": "codex", "opencode_cli": "opencode"}
 
 # Written only after a complete, verified install: a prefix left by an
 # interrupted npm run is rebuilt instead of reused.
@@ -43,6 +46,8 @@ API_KEY = "sk-ant-e2e-scripted-0123456789abcdefghij"
 CODEX_PROVIDER_ID = "scripted"
 CODEX_MODEL = "scripted"
 CODEX_KEY_VAR = "SCRIPTED_MODEL_API_KEY"
+OPENCODE_PROVIDER_ID = "scripted"
+OPENCODE_MODEL = "scripted"
 
 
 class NpmMissing(RuntimeError):
@@ -55,7 +60,8 @@ class AgentCliInstallError(RuntimeError):
 
 # -- install -----------------------------------------------------------------
 def default_prefix() -> Path:
-    return cache_dir(PREFIX_ENV_VAR, f"agent-clis-claude-{CLAUDE_CODE_VERSION}-codex-{CODEX_VERSION}")
+    return cache_dir(PREFIX_ENV_VAR, f"agent-clis-claude-{CLAUDE_CODE_VERSION}-codex-{CODEX_VERSION}"
+                                     f"-opencode-{OPENCODE_VERSION}")
 
 
 def _marker_text() -> str:
@@ -77,7 +83,7 @@ def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None) -> 
 
 
 def ensure_agent_clis(prefix: Path | str | None = None) -> Path:
-    """Return the bin directory holding the pinned ``claude`` and ``codex``.
+    """Return the bin directory holding the pinned ``claude``, ``codex`` and ``opencode``.
 
     Installed with npm on first use and reused afterwards; a lock file
     serialises concurrent callers. Raises ``NpmMissing`` when npm or node is
@@ -109,7 +115,7 @@ def _install(prefix: Path) -> None:
     # an npm that skips install scripts leaves the placeholder behind.
     if CLAUDE_CODE_VERSION not in installed_version(bins / "claude") and (claude_dir / "install.cjs").is_file():
         _run(["node", "install.cjs"], "Claude Code's postinstall (node install.cjs)", 300, cwd=claude_dir)
-    for name, version in (("claude", CLAUDE_CODE_VERSION), ("codex", CODEX_VERSION)):
+    for name, version in (("claude", CLAUDE_CODE_VERSION), ("codex", CODEX_VERSION), ("opencode", OPENCODE_VERSION)):
         got = installed_version(bins / name)
         if version not in got:
             raise AgentCliInstallError(
@@ -251,6 +257,43 @@ def trust_codex_workdir(home: Path, workdir: Path) -> None:
         return
     with open(config, "a", encoding="utf-8") as fh:
         fh.write(f"\n{header}\ntrust_level = \"trusted\"\n")
+
+
+def opencode_config_path(home: Path) -> Path:
+    """Where CAO's opencode_cli provider points OpenCode for its config (OPENCODE_CONFIG)."""
+    return home / ".aws" / "opencode" / "opencode.json"
+
+
+def opencode_tmux_env() -> dict[str, str]:
+    """Offline quiet: no model catalogue fetch from the internet, no update check."""
+    return {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1"}
+
+
+def write_opencode_home(home: Path, model_url: str, api_key: str = API_KEY) -> None:
+    """``~/.aws/opencode/opencode.json``: the scripted endpoint as a custom provider, no dialogs.
+
+    `cao install --provider opencode_cli` adds its agents to this file's
+    directory and keeps these keys. Paths outside the project (the loop's
+    reply files) are allowed, or each such command would stop on a
+    permission dialog.
+    """
+    model = f"{OPENCODE_PROVIDER_ID}/{OPENCODE_MODEL}"
+    _write_json(opencode_config_path(home), {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {
+            OPENCODE_PROVIDER_ID: {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "Scripted model",
+                "options": {"baseURL": model_url.rstrip("/") + "/v1", "apiKey": api_key},
+                "models": {OPENCODE_MODEL: {"name": "Scripted", "tool_call": True}},
+            }
+        },
+        "model": model,
+        "small_model": model,
+        "autoupdate": False,
+        "share": "disabled",
+        "permission": {"external_directory": "allow"},
+    })
 
 
 def stop_codex_daemons(home: Path, codex_bin: Path | None = None, env: dict | None = None) -> list[str]:

@@ -1,6 +1,6 @@
 """Fixtures that run a real, private CAO server whose agents are a scripted program.
 
-``claude_cao`` and ``codex_cao`` run the real Claude Code or Codex CLI instead,
+``claude_cao``, ``codex_cao`` and ``opencode_cao`` run the real Claude Code, Codex or OpenCode CLI instead,
 against a scripted model endpoint (``scripted_model.py``).
 
 The server itself (start, profile install, stop and leak check) lives in
@@ -28,7 +28,7 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "real_cli: end-to-end test running the real Claude Code or Codex CLI under a private "
+        "real_cli: end-to-end test running the real Claude Code, Codex or OpenCode CLI under a private "
         "cao-server, against a scripted model endpoint",
     )
 
@@ -175,5 +175,18 @@ def codex_cao():
     """
     with contextlib.ExitStack() as stack:
         server = _start_real_cli_cao(stack, "codex")
+        yield server
+        server.kill_all_sessions()
+
+
+@pytest.fixture(scope="module")
+def opencode_cao():
+    """A private server whose profiles run the pinned OpenCode against a ScriptedModel.
+
+    As ``claude_cao``. CAO 2.5.4 answers ``completed`` for the whole of every
+    later turn in an OpenCode terminal: wait for the response file, not the status.
+    """
+    with contextlib.ExitStack() as stack:
+        server = _start_real_cli_cao(stack, "opencode_cli")
         yield server
         server.kill_all_sessions()

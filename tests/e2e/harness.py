@@ -16,7 +16,7 @@ Layout of one server (all under a fresh temporary root):
     profiles/   generated fallback agent profiles
     work/       working directories handed to CAO terminals
 
-With ``provider="claude_code"`` or ``"codex"`` the agents are the pinned real
+With ``provider="claude_code"``, ``"codex"`` or ``"opencode_cli"`` the agents are the pinned real
 CLIs (``agent_clis.py``), talking to a scripted model endpoint at
 ``model_url``; home/ then also holds their offline, unattended settings, and
 the root defaults to /var/tmp (Codex wants its home outside /tmp, CAO refuses
@@ -66,8 +66,8 @@ AGENT_PROFILES = (
     "tester",
 )
 
-PROVIDERS = ("mock_cli", "claude_code", "codex")
-REAL_CLI_PROVIDERS = ("claude_code", "codex")
+PROVIDERS = ("mock_cli", "claude_code", "codex", "opencode_cli")
+REAL_CLI_PROVIDERS = ("claude_code", "codex", "opencode_cli")
 # Default parent of the temporary root for the real CLIs: not /tmp (Codex
 # objects to helper files under a temporary directory) and not /root (CAO
 # refuses working directories there). CAO_E2E_TMPDIR overrides it.
@@ -179,7 +179,7 @@ class CaoServer:
     token: str = ""  # CAO_AUTH_LOCAL_TOKEN the server was started with ("" = no auth)
     provider: str = "mock_cli"  # the CAO provider the profiles were installed for
     model_url: str = ""  # the scripted model endpoint the real CLIs talk to ("" for mock_cli)
-    cli_bin: Path | None = None  # directory holding the pinned `claude` and `codex`
+    cli_bin: Path | None = None  # directory holding the pinned `claude`, `codex` and `opencode`
     tmux_env: dict = field(default_factory=dict)  # set in the tmux server's global environment
     model: object = None  # the scripted model endpoint, when a caller attached one
     _workdirs: int = 0
@@ -663,7 +663,7 @@ def private_cao(
     leftovers (they are killed, and listed in the message).
 
     ``provider`` is the CAO provider the profiles are installed for:
-    ``mock_cli`` (the scripted program), ``claude_code`` or ``codex`` (the
+    ``mock_cli`` (the scripted program), ``claude_code``, ``codex`` or ``opencode_cli`` (the
     pinned real CLIs, installed with npm on first use; no npm is a
     ``MissingPrerequisite``). The real CLIs talk to ``model_url`` (a scripted
     model endpoint, e.g. ``ScriptedModel.url``); without it they still start,
@@ -709,6 +709,9 @@ def private_cao(
         elif provider == "codex":
             agent_clis.write_codex_home(dirs["home"], model_url, workdirs=[dirs["work"]])
             tmux_env = agent_clis.codex_tmux_env()
+        elif provider == "opencode_cli":
+            agent_clis.write_opencode_home(dirs["home"], model_url)
+            tmux_env = agent_clis.opencode_tmux_env()
         cao = CaoServer(
             root=root,
             home=dirs["home"],

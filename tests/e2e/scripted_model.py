@@ -2,8 +2,10 @@
 
 ``ScriptedModel`` is an HTTP server on 127.0.0.1 that plays the *model* behind
 Claude Code (Anthropic Messages API: ``POST /v1/messages`` and
-``/v1/messages/count_tokens``) and Codex CLI (OpenAI Responses API:
-``POST /v1/responses``, ``GET /v1/models``). It drives each CLI the way a real
+``/v1/messages/count_tokens``), Codex CLI (OpenAI Responses API:
+``POST /v1/responses``, ``GET /v1/models``) and OpenCode (OpenAI chat
+completions: ``POST /v1/chat/completions``, streaming, its shell tool
+``bash``). It drives each CLI the way a real
 model would: it reads the newest user prompt, and answers it with one shell
 tool call that writes the scripted reply into the prompt's response file;
 when the CLI sends back that tool's result, it ends the turn with a short text.
@@ -86,6 +88,7 @@ CODEX_CONTEXT_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGE
 # Shell tools as the CLIs name them, best first.
 ANTHROPIC_SHELL_TOOLS = ("Bash",)
 RESPONSES_SHELL_TOOLS = ("exec_command", "shell_command", "shell", "container.exec")
+CHAT_SHELL_TOOLS = ("bash", "shell", "exec_command")
 MAX_LOGGED_BODIES = 5000
 
 
@@ -94,7 +97,7 @@ MAX_LOGGED_BODIES = 5000
 
 @dataclass
 class Conversation:
-    """A request reduced to what a decision needs, the same for both dialects."""
+    """A request reduced to what a decision needs, the same for every dialect."""
 
     api: str
     tool_names: list[str]
@@ -361,6 +364,46 @@ def parse_responses(body: dict) -> Conversation:
     return convo
 
 
+def parse_chat(body: dict) -> Conversation:
+    """Reduce a chat completions request (OpenCode) to its newest user, tool or assistant message."""
+    tools = []
+    for t in body.get("tools") or []:
+        if isinstance(t, dict):
+            tools.append(((t.get("function") or {}).get("name")) or t.get("type") or "")
+    convo = Conversation(api="chat", tool_names=tools, newest="none")
+    fmt = body.get("response_format") or {}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        convo.schema = (fmt.get("json_schema") or {}).get("schema") or {}
+    user_texts = []
+    newest = None
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        if role == "user":
+            text = _strip_reminders(_text_of(message.get("content")))
+            if text:
+                user_texts.append(text)
+                newest = message
+        elif role in ("assistant", "tool"):
+            newest = message
+    convo.user_count = len(user_texts)
+    if newest is None:
+        return convo
+    if newest.get("role") == "tool":
+        convo.newest = "tool_result"
+        convo.tool_call_id = newest.get("tool_call_id")
+        convo.tool_output = _text_of(newest.get("content"))[:2000]
+        convo.earlier_user_texts = user_texts
+    elif newest.get("role") == "assistant":
+        convo.newest = "assistant"
+    else:
+        convo.newest = "user"
+        convo.user_text = user_texts[-1]
+        convo.earlier_user_texts = user_texts[:-1]
+    return convo
+
+
 # ---------------------------------------------------------------- the model
 
 
@@ -604,7 +647,10 @@ class ScriptedModel:
         if isinstance(body, dict):
             summary["model"] = body.get("model")
             summary["stream"] = body.get("stream")
-            summary["tools"] = [t.get("name") or t.get("type") for t in body.get("tools") or [] if isinstance(t, dict)]
+            summary["tools"] = [t.get("name") or (t.get("function") or {}).get("name") or t.get("type")
+                                for t in body.get("tools") or [] if isinstance(t, dict)]
+        summary["headers"] = {k.lower(): v for k, v in dict(headers or {}).items()
+                              if k.lower() not in ("authorization", "x-api-key")}
         if not known:
             raw = body if isinstance(body, bytes) else json.dumps(body)[:200000].encode()
             record = {**summary, "headers": dict(headers), "body": raw.decode("utf-8", "replace")[:200000]}
@@ -643,7 +689,7 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """Routes requests of both dialects to the model."""
+    """Routes requests of every dialect to the model."""
 
     model: ScriptedModel
     protocol_version = "HTTP/1.1"
@@ -749,6 +795,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif route in ("/v1/responses", "/responses"):
             self.model.log_request("POST", self.path, self.headers, body, known=True)
             self._responses(body, len(raw))
+        elif route in ("/v1/chat/completions", "/chat/completions"):
+            self.model.log_request("POST", self.path, self.headers, body, known=True)
+            self._chat(body, len(raw))
         else:
             self._unknown(body)
 
@@ -889,6 +938,62 @@ class _Handler(BaseHTTPRequestHandler):
         return {"type": "message", "id": f"msg_noshell_{n:06d}", "role": "assistant", "status": "completed",
                 "content": [{"type": "output_text", "annotations": [],
                              "text": f"I cannot run commands here; the command was:\n{reply.command}"}]}
+
+
+    # ---- OpenAI chat completions
+
+    def _chat(self, body: dict, size: int) -> None:
+        """Answer a chat completions request (OpenCode), streaming when asked to."""
+        convo = parse_chat(body)
+        convo.conversation_id = self.headers.get("x-session-id", "")   # OpenCode's session, in a header
+        reply = self.model.decide(convo)
+        if reply.error_status:
+            kind = error_type(reply.error_status, "chat")
+            self._send_json(reply.error_status, {"error": {"type": kind, "code": kind,
+                                                           "message": reply.error_message, "param": None}})
+            return
+        n = next(self.model._ids)
+        text = reply.text
+        tool_calls = []
+        if reply.command is not None:
+            tool = next((t for t in CHAT_SHELL_TOOLS if t in convo.tool_names), None)
+            if tool is None:
+                self.model._log("problems.jsonl", {"time": time.time(), "problem": "no shell tool",
+                                                   "tools": convo.tool_names})
+                text = f"I cannot run commands here; the command was:\n{reply.command}"
+            else:
+                arguments = json.dumps({"command": reply.command, "description": "Write the answer file"})
+                tool_calls.append({"id": reply.call_id, "type": "function",
+                                   "function": {"name": tool, "arguments": arguments}})
+        finish = "tool_calls" if tool_calls else "stop"
+        prompt_tokens = max(1, size // 4)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}
+        head = {"id": f"chatcmpl-scripted-{n:06d}", "created": int(time.time()), "model": body.get("model") or "scripted"}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": text or None}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            self._send_json(200, {**head, "object": "chat.completion", "usage": usage,
+                                  "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+            return
+        self._start_stream()
+
+        def send(delta: dict, finish_reason=None, **extra) -> None:
+            chunk = {**head, "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode("utf-8"))
+            self.wfile.flush()
+
+        send({"role": "assistant", "content": ""})
+        if text:
+            send({"content": text})
+        for index, call in enumerate(tool_calls):
+            send({"tool_calls": [{"index": index, **call}]})
+        send({}, finish)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            self.wfile.write(f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n".encode("utf-8"))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
 
 
 # ---------------------------------------------------------------- manual use

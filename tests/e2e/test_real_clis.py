@@ -1,4 +1,4 @@
-"""The loop with the real agent CLIs users run: Claude Code and Codex, each under CAO's own provider.
+"""The loop with the real agent CLIs users run: Claude Code, Codex and OpenCode, each under CAO's own provider.
 
 Each CLI is the pinned npm release (``agent_clis.py``), started by a private
 cao-server with a private HOME, and talks to a scripted model endpoint on
@@ -90,20 +90,25 @@ def test_codex_fail_then_pass(codex_cao):
     fail_then_pass(codex_cao)
 
 
-def test_claude_code_story_mode(claude_cao):
-    """Story mode with Claude Code: two stories, each its own programmer turn, then review and test."""
-    run = real_cli_run(claude_cao, STORY_MODE="1", START_AGENT="programmer")
+def story_mode(cao) -> None:
+    """Story mode: two stories, each its own programmer turn, then review and test."""
+    run = real_cli_run(cao, STORY_MODE="1", START_AGENT="programmer")
     write_two_story_change(run.wd)
     summary = "PROGRAMMER_SUMMARY:\n- Files changed: greet.py\n- Behavior implemented: one story\n"
-    claude_cao.model.set_script({"programmer": [summary + "<promise>COMPLETE</promise>\n"]})
+    cao.model.set_script({"programmer": [summary + "<promise>COMPLETE</promise>\n"]})
     result = run.run(timeout=600)
     sequence = ["programmer", "programmer", "peer_programmer", "tester"]
-    check_every_turn_taken_once(claude_cao, run, result, sequence)
+    check_every_turn_taken_once(cao, run, result, sequence)
     state = run.state()
     assert state["final_status"] == "PASS"
     assert "story 1 attempt 1/3: COMPLETE" in result.stdout and "story 2 attempt 1/3: COMPLETE" in result.stdout
     assert '- Story 1 "Parse the name": COMPLETE (attempt 1)' in state["outputs"]["programmer"]
     assert '- Story 2 "Print the greeting": COMPLETE (attempt 1)' in state["outputs"]["programmer"]
+
+
+def test_claude_code_story_mode(claude_cao):
+    """Story mode with Claude Code."""
+    story_mode(claude_cao)
 
 
 # ---------------------------------------------------------------------------
@@ -133,21 +138,21 @@ def test_codex_in_a_project_it_does_not_trust_gets_every_prompt_again_and_passes
     assert "reminder" not in result.stdout and "reminder" not in [e["kind"] for e in codex_cao.model.events()]
 
 
-def test_claude_code_killed_mid_turn_is_replaced_and_the_run_passes(claude_cao):
-    """kill -9 of the programmer's `claude` process while it works: the pane drops to a shell, CAO keeps
-    answering `processing`. With REPLACE_LOST_AGENTS=1 a new Claude Code gets the whole prompt; no
-    completed turn is sent again."""
-    run = real_cli_run(claude_cao, REPLACE_LOST_AGENTS="1")
-    claude_cao.model.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 20000}, PROGRAMMER_REPLY]})
+def killed_mid_turn(cao, cli: str) -> None:
+    """kill -9 of the programmer's agent CLI while it works: the pane drops to a shell, CAO's status
+    cannot be trusted. With REPLACE_LOST_AGENTS=1 a new agent gets the whole prompt; no completed turn
+    is sent again."""
+    run = real_cli_run(cao, REPLACE_LOST_AGENTS="1")
+    cao.model.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 20000}, PROGRAMMER_REPLY]})
     process = run.start()
     try:
-        # The model has taken the programmer's prompt and "thinks" 20 s: Claude Code waits on it, working.
+        # The model has taken the programmer's prompt and "thinks" 20 s: the CLI waits on it, working.
         deadline = time.monotonic() + 300
-        while claude_cao.model.turns().get("programmer", 0) < 1:
+        while cao.model.turns().get("programmer", 0) < 1:
             assert process.poll() is None and time.monotonic() < deadline, "the programmer never got its prompt"
             time.sleep(0.2)
         time.sleep(2)
-        claude_cao.kill_agent_cli(run.state()["terminals"]["programmer"])
+        cao.kill_agent_cli(run.state()["terminals"]["programmer"])
         killed_at = time.time()
         out, err = process.communicate(timeout=600)
     finally:
@@ -158,13 +163,18 @@ def test_claude_code_killed_mid_turn_is_replaced_and_the_run_passes(claude_cao):
     assert result.returncode == 0, explain(result)
     assert "replacement 1/3: programmer" in result.stdout and "its agent CLI exited" in result.stdout, explain(result)
     noticed = re.search(r"^\[([\d: -]+)\] replacing the programmer agent", result.stdout, re.MULTILINE)
-    print(f"fault-reaction: claude killed, replacing after "
+    print(f"fault-reaction: {cli} killed, replacing after "
           f"{time.mktime(time.strptime(noticed.group(1), '%Y-%m-%d %H:%M:%S')) - killed_at:.0f}s (1 s resolution)")
     expected = {role: 1 for role in QUICK_ROUND}
     expected["programmer"] = 2
-    assert claude_cao.model.turns() == expected, claude_cao.model.events()
+    assert cao.model.turns() == expected, cao.model.events()
     assert run.archived() == numbered(QUICK_ROUND), explain(result)
     assert [r["role"] for r in run.state()["replacements"]] == ["programmer"]
+
+
+def test_claude_code_killed_mid_turn_is_replaced_and_the_run_passes(claude_cao):
+    """Claude Code's process killed while it works on the programmer's turn."""
+    killed_mid_turn(claude_cao, "claude")
 
 
 def test_claude_code_whose_model_is_overloaded_three_times_recovers_and_passes(claude_cao):
@@ -188,3 +198,23 @@ def test_claude_code_whose_model_is_overloaded_three_times_recovers_and_passes(c
     errors = [e for e in claude_cao.model.events() if e["action"] == "error"]
     assert len(errors) == 3 and claude_cao.model.turns() == {"tester": 1}, claude_cao.model.events()
     assert run.state()["final_status"] == "PASS"
+
+
+# ---------------------------------------------------------------------------
+# OpenCode, under CAO's opencode_cli provider
+# ---------------------------------------------------------------------------
+
+def test_opencode_fail_then_pass(opencode_cao):
+    """OpenCode: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend (CAO
+    answers `completed` throughout a later turn, so only the reply file can tell that it ended)."""
+    fail_then_pass(opencode_cao)
+
+
+def test_opencode_story_mode(opencode_cao):
+    """Story mode with OpenCode."""
+    story_mode(opencode_cao)
+
+
+def test_opencode_killed_mid_turn_is_replaced_and_the_run_passes(opencode_cao):
+    """OpenCode's process killed while it works on the programmer's turn."""
+    killed_mid_turn(opencode_cao, "opencode")
