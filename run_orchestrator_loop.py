@@ -2226,6 +2226,10 @@ def add_to_session(name: str, role: str, session: Future, interrupted: list[int]
         pause = min(pause * 2, 0.5)
 
 
+# What CAO answers when an agent CLI did not come up within its start-up limit.
+CLI_START_TIMED_OUT = "initialization timed out"
+
+
 def start_failure_hint(error: str) -> str:
     """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
 
@@ -2234,11 +2238,14 @@ def start_failure_hint(error: str) -> str:
     """
     if re.search(r"Session '[^']*' already exists", error):
         return "; another CAO session has the name this run picked at random: run it again to pick another"
-    if "initialization timed out" not in error:
+    if CLI_START_TIMED_OUT not in error:
         return ""
     hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
             "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
             "of the user running cao-server")
+    if "OpenCode" in error:
+        hint += ("; for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME "
+                 "sets itself up) and check the model provider in ~/.aws/opencode/opencode.json")
     if "Claude Code" in error:
         hint += ("; a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code "
                  "(which otherwise refuses --dangerously-skip-permissions)")
@@ -2273,15 +2280,17 @@ def end_agents(ids: list[str], session: str) -> None:
 
 
 def create_terminals() -> tuple[str, dict[str, str]]:
-    """Create the five terminals in one CAO session, all at once.
+    """Create the five terminals in one CAO session, all at once; what did not start in time, once more alone.
 
     CAO waits for each agent CLI to start (seconds per terminal), so the
     session (with the analyst's terminal) is requested under a name chosen
     here and the other four are added to that name at the same time, without
-    waiting for the session's answer (see add_to_session). A failed or
-    interrupted start-up exits every terminal it created (interrupts wait for
-    the creations under way), and a failure names the role. Returns the
-    session name CAO answered and the terminal id of each role.
+    waiting for the session's answer (see add_to_session). Five CLIs starting
+    together on a small machine can outlast CAO's start-up limit, so agents
+    that timed out get a second try, one at a time (start_again_one_at_a_time).
+    A failed or interrupted start-up exits every terminal it created
+    (interrupts wait for the creations under way), and a failure names the
+    role. Returns the session name CAO answered and the terminal id of each role.
     """
     name = new_session_name()
     answers: dict[str, dict] = {}
@@ -2304,6 +2313,8 @@ def create_terminals() -> tuple[str, dict[str, str]]:
                 continue
             if answer is not None:
                 answers[role] = answer
+        if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
+            failures = start_again_one_at_a_time(answers, failures, interrupted)
         if failures or interrupted:
             created = answers.get("analyst", {}).get("session_name", "")
             end_agents([answer["id"] for answer in answers.values()], created)
@@ -2312,6 +2323,37 @@ def create_terminals() -> tuple[str, dict[str, str]]:
             error = failures.get("analyst") or "; ".join(failures.values())
             raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
     return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
+
+
+def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str],
+                              interrupted: list[int]) -> dict[str, str]:
+    """The second try for agents whose CLI did not start in time while five started at once.
+
+    Only the roles that are missing are created again, each alone, in role
+    order; when the session's own agent (the analyst) was among them, CAO has
+    removed that session, so the agents that came up in it are ended and all
+    five are made again in a new session. The first role that fails again
+    ends the try. Fills `answers`; returns the failures left (empty when all are up).
+    """
+    if "analyst" not in answers:
+        end_agents([answer["id"] for answer in answers.values()], "")
+        answers.clear()
+    missing = [role for role in ROLES if role not in answers]
+    log(f"{', '.join(failures)}: the agent CLI did not start within CAO's time limit while {len(ROLES)} started "
+        f"at once; starting {', '.join(missing)} again, one at a time")
+    for role in missing:
+        if interrupted:
+            return {}
+        try:
+            if role == "analyst":
+                answers[role] = api.create_session(profile_for(role), provider_for(role), new_session_name())
+            else:
+                answers[role] = api.create_terminal(answers["analyst"]["session_name"], profile_for(role),
+                                                    provider_for(role))
+        except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
+            return {role: f"{role}: {exc} (on its second try too, started alone)"}
+    log("all five agents are up after the second try")
+    return {}
 
 
 def replacements_used() -> int:

@@ -9,7 +9,6 @@ local recorder of tests/ntfy_recorder.py.
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 from pathlib import Path

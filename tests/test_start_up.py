@@ -139,7 +139,8 @@ def test_a_session_refused_at_once_stops_the_adds(load_orch, fake_cao, prompt_fi
 
 def test_a_session_whose_agent_fails_to_start_exits_the_terminals_added_meanwhile(load_orch, fake_cao,
                                                                                   prompt_file, capsys):
-    """The adds joined the session while its first agent started; that agent failed: they are all exited."""
+    """The adds joined the session while its first agent started; that agent failed, and failed again when
+    tried alone: they are all exited."""
     fake_cao.fail_create["system_analyst"] = (
         500, "Failed to create session: Claude Code initialization timed out after 60s")
     fake_cao.fail_late.add("system_analyst")
@@ -153,8 +154,64 @@ def test_a_session_whose_agent_fails_to_start_exits_the_terminals_added_meanwhil
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
     assert "analyst: CAO create session failed: HTTP 500" in err and "peer_analyst" not in err
+    assert "(on its second try too, started alone)" in err
     assert "installed, on cao-server's PATH and logged in" in err      # start_failure_hint still applies
     assert not Path(m.STATE_FILE).exists()
+
+
+def fail_first_try(fake, profile: str, detail: str, late: bool = False) -> None:
+    """The agent CLI of `profile` does not start in time on its first try, and starts on its second."""
+    tries = []
+    fake.fail_create[profile] = (500, detail)
+    if late:
+        fake.fail_late.add(profile)
+
+    def on_create(created: str) -> None:
+        if created == profile:
+            tries.append(created)
+            if len(tries) == 2:
+                fake.fail_create.pop(profile)
+                fake.creations_at_once = 0         # the second try goes alone
+    fake.create_hook = on_create
+
+
+OPENCODE_TIMEOUT = "Failed to create terminal: OpenCode CLI initialization timed out after 120 seconds"
+
+
+def test_an_agent_that_did_not_start_in_time_among_five_is_started_again_alone(load_orch, fake_cao,
+                                                                             prompt_file, capsys):
+    """Five CLIs starting at once outlast CAO's limit for one of them: it is created again, alone, in the same
+    session; the four that came up are kept and the run goes on."""
+    fail_first_try(fake_cao, "peer_programmer", OPENCODE_TIMEOUT)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="opencode_cli", **QUICK)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert ("peer_programmer: the agent CLI did not start within CAO's time limit while 5 started at once; "
+            "starting peer_programmer again, one at a time") in out
+    assert "all five agents are up after the second try" in out
+    assert answers_for(fake_cao, "peer_programmer") == [500, 201]
+    assert [kind for kind, _ in creation_requests(fake_cao)] == ["session"] + ["add"] * 5
+    state = state_of(m)
+    assert sorted(state["terminals"].values()) == sorted(fake_cao.terminals)
+    assert {t.session for t in fake_cao.terminals.values()} == {state["session_name"]}
+
+
+def test_a_session_whose_agent_did_not_start_in_time_is_made_again_one_agent_at_a_time(load_orch, fake_cao,
+                                                                                     prompt_file, capsys):
+    """The session's own agent timed out after the four others joined it: CAO removed the session, so the four
+    are ended and all five are made again in a new session, one at a time."""
+    fail_first_try(fake_cao, "system_analyst", OPENCODE_TIMEOUT.replace("terminal", "session"), late=True)
+    fake_cao.creations_at_once = 5
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="opencode_cli", **QUICK)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert "starting analyst, peer_analyst, programmer, peer_programmer, tester again, one at a time" in out
+    first_four = [t for t in fake_cao.terminals.values() if t.exited]
+    assert sorted(t.role for t in first_four) == ["peer_analyst", "peer_programmer", "programmer", "tester"]
+    state = state_of(m)
+    live = {t.id for t in fake_cao.terminals.values() if not t.exited}
+    assert sorted(state["terminals"].values()) == sorted(live) and len(live) == 5
+    assert state["session_name"] != creation_requests(fake_cao)[0][1]["session_name"]
 
 
 def test_a_failed_add_exits_the_session_and_the_other_terminals(load_orch, fake_cao, prompt_file, capsys):

@@ -47,6 +47,8 @@ def pytest_runtest_logreport(report):
 # Real agent CLIs: provider -> [(role, turn seconds, seconds from reply file written to reply taken)],
 # as the loop's own log reported them (filled by test_real_clis.py).
 REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float]]] = {}
+# provider -> [(seconds until all five agents were up, whether some needed a second try)], in a fresh HOME.
+REAL_CLI_START_UPS: dict[str, list[tuple[float, bool]]] = {}
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -62,6 +64,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{provider}: {len(times)} turns; turn {statistics.median(took):.1f}s median, {max(took):.1f}s max; "
             f"reply taken {statistics.median(lag):.1f}s median, {max(lag):.1f}s max after its file was written")
+    for provider, start_ups in sorted(REAL_CLI_START_UPS.items()):
+        terminalreporter.write_line(
+            f"{provider}: five agents started at once in a fresh HOME {len(start_ups)} times: all up after "
+            + ", ".join(f"{seconds:.1f}s" + (" (with a second try)" if again else "") for seconds, again in start_ups))
 
 
 def running_in_ci() -> bool:

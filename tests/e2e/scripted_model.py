@@ -939,7 +939,6 @@ class _Handler(BaseHTTPRequestHandler):
                 "content": [{"type": "output_text", "annotations": [],
                              "text": f"I cannot run commands here; the command was:\n{reply.command}"}]}
 
-
     # ---- OpenAI chat completions
 
     def _chat(self, body: dict, size: int) -> None:
@@ -968,7 +967,8 @@ class _Handler(BaseHTTPRequestHandler):
         finish = "tool_calls" if tool_calls else "stop"
         prompt_tokens = max(1, size // 4)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}
-        head = {"id": f"chatcmpl-scripted-{n:06d}", "created": int(time.time()), "model": body.get("model") or "scripted"}
+        head = {"id": f"chatcmpl-scripted-{n:06d}", "created": int(time.time()),
+                "model": body.get("model") or "scripted"}
         if not body.get("stream"):
             message = {"role": "assistant", "content": text or None}
             if tool_calls:
@@ -978,11 +978,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._start_stream()
 
-        def send(delta: dict, finish_reason=None, **extra) -> None:
-            chunk = {**head, "object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode("utf-8"))
+        def send_chunk(chunk: dict) -> None:
+            self.wfile.write(f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', **chunk})}\n\n".encode())
             self.wfile.flush()
+
+        def send(delta: dict, finish_reason=None) -> None:
+            send_chunk({"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
 
         send({"role": "assistant", "content": ""})
         if text:
@@ -991,7 +992,7 @@ class _Handler(BaseHTTPRequestHandler):
             send({"tool_calls": [{"index": index, **call}]})
         send({}, finish)
         if (body.get("stream_options") or {}).get("include_usage"):
-            self.wfile.write(f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n".encode("utf-8"))
+            send_chunk({"choices": [], "usage": usage})
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 

@@ -12,18 +12,20 @@ settle and screen bounds after its reply file was written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
+import sys
 import time
 
 import pytest
 
 import run_orchestrator_loop
 
-from .conftest import REAL_CLI_TURN_TIMES
-from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, SHORT_ROUND, Run, \
-    explain, numbered, write_two_story_change
+from .conftest import REAL_CLI_START_UPS, REAL_CLI_TURN_TIMES, _start_real_cli_cao
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SHORT_ROUND, \
+    Run, explain, numbered, write_two_story_change
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
@@ -218,3 +220,33 @@ def test_opencode_story_mode(opencode_cao):
 def test_opencode_killed_mid_turn_is_replaced_and_the_run_passes(opencode_cao):
     """OpenCode's process killed while it works on the programmer's turn."""
     killed_mid_turn(opencode_cao, "opencode")
+
+
+START_UP_ONLY = """
+import json, run_orchestrator_loop as loop
+loop.configure([])
+loop.connect_api()
+started = loop.time.monotonic()
+session, terminals = loop.create_terminals()
+statuses = {role: loop.api.get_status(terminal) for role, terminal in terminals.items()}
+print(json.dumps({"seconds": loop.time.monotonic() - started, "statuses": statuses}))
+loop.end_agents(list(terminals.values()), session)
+"""
+
+
+def test_five_opencode_agents_start_at_once_in_a_fresh_home_three_times_in_a_row():
+    """The loop's own start-up (five terminals at once) with OpenCode in a fresh HOME, on three fresh
+    servers in a row: every agent comes up, on the first try or on the second, alone."""
+    for attempt in range(3):
+        with contextlib.ExitStack() as stack:
+            cao = _start_real_cli_cao(stack, "opencode_cli")
+            assert not (cao.home / ".local" / "share" / "opencode").exists()      # OpenCode never ran here
+            run = real_cli_run(cao)
+            result = subprocess.run([sys.executable, "-c", START_UP_ONLY], cwd=REPO_ROOT, env=run.env,
+                                    capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, explain(result)
+            report = json.loads(result.stdout.strip().splitlines()[-1])
+            assert sorted(report["statuses"]) == sorted(QUICK_ROUND)
+            assert all(status in ("idle", "completed") for status in report["statuses"].values()), report
+            second_try = "again, one at a time" in result.stdout
+            REAL_CLI_START_UPS.setdefault("opencode_cli", []).append((report["seconds"], second_try))

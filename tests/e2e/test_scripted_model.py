@@ -1,4 +1,4 @@
-"""The scripted model endpoint, driven with plain HTTP requests in both API dialects."""
+"""The scripted model endpoint, driven with plain HTTP requests in each API dialect it speaks."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def model(tmp_path):
         yield m
 
 
-def post(url: str, payload: dict) -> tuple[int, bytes]:
+def post(url: str, payload: dict, headers: dict | None = None) -> tuple[int, bytes]:
     """POST JSON and return (status, body), also for error statuses."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, resp.read()
@@ -118,6 +118,83 @@ class CodexChat:
         subprocess.run(argv, check=True)
         self.items.append({"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "exit 0"})
         return self.request()
+
+
+OPENCODE_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
+    "command": {"type": "string"}, "description": {"type": "string"}}}}} for name in ("read", "bash", "write")]
+
+
+class OpenCodeChat:
+    """A conversation as OpenCode keeps it: chat completions, its session id in a header."""
+
+    def __init__(self, model: ScriptedModel, session: str = "ses_1"):
+        self.model, self.session = model, session
+        self.messages = [{"role": "system", "content": "You are opencode."}]
+
+    def send(self, text: str) -> tuple[int, dict]:
+        self.messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
+        return self.request()
+
+    def request(self) -> tuple[int, dict]:
+        """The streamed chunks put back together: {"content": str, "tool_calls": [...], "finish": str}."""
+        status, raw = post(self.model.url + "/v1/chat/completions",
+                           {"model": "scripted", "stream": True, "stream_options": {"include_usage": True},
+                            "messages": self.messages, "tools": OPENCODE_TOOLS},
+                           headers={"x-session-id": self.session})
+        if status != 200:
+            return status, json.loads(raw)
+        assert raw.decode().rstrip().endswith("data: [DONE]")
+        chunks = [c for c in sse(raw.replace(b"data: [DONE]", b""))]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+        message = {"content": "", "tool_calls": [], "finish": None}
+        for chunk in chunks[:-1]:
+            choice = chunk["choices"][0]
+            message["content"] += choice["delta"].get("content") or ""
+            message["tool_calls"] += choice["delta"].get("tool_calls") or []
+            message["finish"] = choice["finish_reason"] or message["finish"]
+        return status, message
+
+    def run_tools(self, message: dict) -> tuple[int, dict]:
+        calls = message["tool_calls"]
+        assert len(calls) == 1 and calls[0]["function"]["name"] == "bash"
+        subprocess.run(["bash", "-c", json.loads(calls[0]["function"]["arguments"])["command"]], check=True)
+        self.messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {k: v for k, v in calls[0].items() if k != "index"}]})
+        self.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": "exit 0"})
+        return self.request()
+
+
+def test_opencode_chat_prompt_bash_call_then_final_text(model, tmp_path):
+    """OpenCode's dialect: the prompt is answered with one streamed `bash` call, its result with text."""
+    target = tmp_path / "deep" / "analyst_review.md"
+    model.set_script({"peer_analyst": ["APPROVED\n"]})
+    chat = OpenCodeChat(model)
+    status, message = chat.send(prompt_text(target))
+    assert status == 200 and message["finish"] == "tool_calls" and message["content"] == ""
+    status, message = chat.run_tools(message)
+    assert target.read_text() == "APPROVED\n"
+    assert message["finish"] == "stop" and str(target) in message["content"] and message["tool_calls"] == []
+    assert [(e["api"], e["kind"], e["action"]) for e in model.events()] == [
+        ("chat", "prompt", "write"), ("chat", "tool_result", "text")]
+
+
+def test_opencode_sessions_tell_a_new_agent_from_a_retry(model, tmp_path):
+    """The same prompt again in the same OpenCode session is a retry (no step); in a new session
+    (a replaced agent) it is a new turn and takes the next step."""
+    target = tmp_path / "test_result.md"
+    model.set_script({"tester": ["one\n", "two\n"]})
+    for session, expected in (("ses_a", "one\n"), ("ses_a", "one\n"), ("ses_b", "two\n")):
+        chat = OpenCodeChat(model, session)
+        _, message = chat.send(prompt_text(target))
+        chat.run_tools(message)
+        assert target.read_text() == expected
+    assert model.turns() == {"tester": 2}
+
+
+def test_opencode_rate_limited_gets_an_openai_error_body(model, tmp_path):
+    model.fail_next(1, status=429)
+    status, body = OpenCodeChat(model).send(prompt_text(tmp_path / "test_result.md"))
+    assert status == 429 and body["error"]["type"] == "rate_limit_exceeded"
 
 
 def test_anthropic_prompt_tool_call_then_final_text(model, tmp_path):
