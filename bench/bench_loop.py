@@ -50,15 +50,22 @@ FAIL = ("RESULT: FAIL\nEVIDENCE:\n- `greet World` printed `Hello World!`: the co
 PASS = "RESULT: PASS\nEVIDENCE:\n- `greet World` printed `Hello, World!`\n- `greet` exited 2 with a usage line\n"
 
 
-def call_kind(method: str, path: str) -> str:
+def call_kind(method: str, path: str, query: str = "") -> str:
+    """A name for one CAO request, as the README's performance section counts them."""
     parts = path.strip("/").split("/")
     if parts[0] == "agents":
         return "list providers"
     if parts[0] == "sessions":
-        return "create session" if len(parts) == 1 else "create terminal"
+        if len(parts) == 1:
+            return "create session"
+        if method == "GET":
+            return "session look-up"
+        return "remove session" if method == "DELETE" else "create terminal"
     if len(parts) == 2:
-        return "status"
-    return {"input": "send input", "output": "last output", "exit": "exit"}.get(parts[2], path)
+        return "remove terminal" if method == "DELETE" else "status"
+    if parts[2] == "output":
+        return "screen" if "mode=full" in query else "last output"
+    return {"input": "send input", "exit": "exit"}.get(parts[2], path)
 
 
 def one_run(think_ms: int) -> dict:
@@ -78,7 +85,7 @@ def one_run(think_ms: int) -> dict:
         role_of = {}
 
         def count(request) -> None:
-            kind = call_kind(request.method, request.url.path)
+            kind = call_kind(request.method, request.url.path, urlsplit(str(request.url)).query)
             requests[kind] += 1
             if kind == "send input":
                 message = parse_qs(urlsplit(str(request.url)).query).get("message", [""])[0]
