@@ -134,9 +134,53 @@ class Terminated(BaseException):
     """Raised from the SIGTERM handler so the loop unwinds like on Ctrl-C."""
 
 
+# The run's own copy of its log ($WD/.tmp/<run>/run.log), from the moment its folder is known
+# (open_run_log); the lines printed before that wait here and are written first.
+run_log_file: Path | None = None
+_early_log_lines: list[str] = []
+MAX_EARLY_LOG_LINES = 1000
+
+
 def log(message: str) -> None:
-    """Timestamped progress on stdout: what a person or a cron log reads to follow a run."""
-    print(f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}", flush=True)
+    """Timestamped progress on stdout: what a person or a cron log reads to follow a run (kept in run.log too)."""
+    line = f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}"
+    print(line, flush=True)
+    keep_in_run_log(line)
+
+
+def log_detail(line: str) -> None:
+    """An indented line under the log line it belongs to (a command's output, test evidence)."""
+    print(f"    {line}", flush=True)
+    keep_in_run_log(f"    {line}")
+
+
+def say_error(line: str) -> None:
+    """A run's last line when it stops on an error: on stderr, and in run.log like the rest."""
+    print(line, file=sys.stderr, flush=True)
+    keep_in_run_log(line)
+
+
+def keep_in_run_log(line: str) -> None:
+    """Append a printed line to run.log; a log file that cannot be written never stops the run."""
+    if run_log_file is None:
+        if len(_early_log_lines) < MAX_EARLY_LOG_LINES:
+            _early_log_lines.append(line)
+        return
+    try:
+        with open(run_log_file, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+    except OSError:
+        pass
+
+
+def open_run_log(path: Path) -> None:
+    """From now on every printed line also goes to `path` (appended: a resumed run goes on in the same file)."""
+    global run_log_file
+    run_log_file = path
+    early = _early_log_lines[:]
+    _early_log_lines.clear()
+    for line in early:
+        keep_in_run_log(line)
 
 
 # ==========================================================================
@@ -614,7 +658,7 @@ def configure(argv: list[str]) -> None:
     CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
     NTFY_TOKEN = os.environ.get("NTFY_TOKEN", "")
     for warning in misspelt_settings(os.environ):
-        print(warning, file=sys.stderr, flush=True)
+        say_error(warning)
     env_values, env_errors = read_env_settings(os.environ)
     if env_errors:
         raise ConfigError(env_errors[0])
@@ -1010,6 +1054,11 @@ class InFlight:
     attempt: int | None = None
     sent_at: float | None = None      # time.time() of the (last) send
     sent_in_full: tuple[str, ...] = ()
+    number: int | None = None         # NNN of its files in the run's folder: NNN-<role>.prompt.md, NNN-<role>.md
+    first_sent_at: float | None = None  # time.time() of the first send
+    prompt_bytes: int = 0
+    reminders: int = 0
+    resends: int = 0
 
     def belongs_to(self, position: dict) -> bool:
         """Whether this is the prompt of the turn at `position` (see turn_position())."""
@@ -1019,7 +1068,9 @@ class InFlight:
         data: dict = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle}
         if self.story is not None:
             data.update(story=self.story, attempt=self.attempt)
-        return {**data, "sent_at": self.sent_at, "sent_in_full": list(self.sent_in_full)}
+        return {**data, "sent_at": self.sent_at, "sent_in_full": list(self.sent_in_full), "number": self.number,
+                "first_sent_at": self.first_sent_at, "prompt_bytes": self.prompt_bytes,
+                "reminders": self.reminders, "resends": self.resends}
 
     @classmethod
     def from_json(cls, raw: object) -> InFlight | None:
@@ -1028,7 +1079,9 @@ class InFlight:
         story = raw.get("story")
         return cls(raw["role"], _whole(raw.get("round")) or 0, _text(raw.get("phase")), _whole(raw.get("cycle")) or 0,
                    story if isinstance(story, str) else None, _whole(raw.get("attempt")),
-                   _number(raw.get("sent_at")), tuple(_strings(raw.get("sent_in_full"))))
+                   _number(raw.get("sent_at")), tuple(_strings(raw.get("sent_in_full"))), _whole(raw.get("number")),
+                   _number(raw.get("first_sent_at")), _whole(raw.get("prompt_bytes")) or 0,
+                   _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0)
 
 
 @dataclass
@@ -1080,16 +1133,28 @@ class StoryProgress:
 
 @dataclass
 class TurnRecord:
-    """One answered turn, for the run summary."""
+    """One answered turn, for the run summary and its report: who, where in the run, when, how much."""
 
     role: str
     round: int
     seconds: float | None             # from the (last) send to the reply; None if the send time is unknown
     prompt_bytes: int
     outcome: str | None = None        # the review verdict or test result it led to
+    phase: str = ""
+    cycle: int = 0
+    sent_at: str = ""                 # ISO times (UTC) of the first send and of the reply taken
+    taken_at: str = ""
+    reply_bytes: int = 0
+    reminders: int = 0
+    resends: int = 0
+    prompt_file: str = ""             # file names in the run's folder ("" when not kept)
+    reply_file: str = ""
 
     def to_json(self) -> dict:
-        data = {"role": self.role, "round": self.round, "seconds": self.seconds, "prompt_bytes": self.prompt_bytes}
+        data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
+                "sent_at": self.sent_at, "taken_at": self.taken_at, "seconds": self.seconds,
+                "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
+                "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file}
         return data if self.outcome is None else {**data, "outcome": self.outcome}
 
     @classmethod
@@ -1098,7 +1163,10 @@ class TurnRecord:
             return None
         return cls(_text(raw.get("role")), _whole(raw.get("round")) or 0, _number(raw.get("seconds")),
                    _whole(raw.get("prompt_bytes")) or 0, raw.get("outcome") if isinstance(raw.get("outcome"), str)
-                   else None)
+                   else None, _text(raw.get("phase")), _whole(raw.get("cycle")) or 0, _text(raw.get("sent_at")),
+                   _text(raw.get("taken_at")), _whole(raw.get("reply_bytes")) or 0,
+                   _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
+                   _text(raw.get("prompt_file")), _text(raw.get("reply_file")))
 
 
 @dataclass
@@ -1216,6 +1284,7 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("phase_step", "phase_step", parse=lambda v: v if v in PHASE_STEPS else "author",
                new=lambda: "author"),
     StateField("run_dir", "run_dir", parse=_text, new=str),
+    StateField("started_at", "started_at", parse=_text, new=str),
     StateField("context_sent", "context_sent", parse=lambda v: set(_strings(v)), new=set, dump=sorted),
     StateField("terminals_exited", "terminals_exited", parse=lambda v: v is True, new=bool),
     StateField("in_flight", "in_flight", parse=InFlight.from_json, dump=lambda r: r and r.to_json()),
@@ -1249,7 +1318,8 @@ analyst_feedback: str = _new_value("analyst_feedback")    # condensed peer analy
 programmer_feedback: str = _new_value("programmer_feedback")  # condensed peer programmer notes, likewise
 programmer_context_for_retry: str = _new_value("programmer_context_for_retry")  # the failed round's changes
 outputs: dict[str, str] = _new_value("outputs")          # the latest answer of each agent (OUTPUT_KEYS)
-run_dir: str = _new_value("run_dir")                      # where consumed replies are archived
+run_dir: str = _new_value("run_dir")                      # the run's folder: prompts, replies, run.log, summary
+started_at: str = _new_value("started_at")                # when the run started (ISO, UTC)
 context_sent: set[str] = _new_value("context_sent")      # "<block>:<terminal id>" of once-only text a terminal has
 terminals_exited: bool = _new_value("terminals_exited")  # CLEANUP_ON_EXIT ended the agents: never type into them
 in_flight: InFlight | None = _new_value("in_flight")
@@ -1345,10 +1415,18 @@ def record_sent(marks: Iterable[str]) -> None:
     context_sent.update(marks)
 
 
-def state_backup_path() -> Path:
-    """Where an old state file is kept when a new run replaces it."""
+def state_backup_path(saved: SavedState | None = None) -> Path:
+    """Where an old state file is kept when a new run replaces it: named after the run it holds (its
+    folder's name, the time it started), else after the time it was set aside."""
     path = Path(STATE_FILE)
-    return path.with_name(f"{path.name}.{datetime.now().strftime('%Y%m%d-%H%M%S')}.bak")
+    held = Path(saved.run_dir).name if saved is not None and saved.run_dir else ""
+    stamp = held if re.fullmatch(r"\d{8}-\d{6}(-\d+)?", held) else datetime.now().strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.{stamp}.bak")
+    number = 2
+    while target.exists():
+        target = path.with_name(f"{path.name}.{stamp}-{number}.bak")
+        number += 1
+    return target
 
 
 def describe_state(saved: SavedState) -> str:
@@ -1432,8 +1510,33 @@ FILE_SETTLE_SECONDS = 0.1
 
 
 def new_run_dir() -> str:
-    """Where a run keeps its consumed replies: $WD/.tmp/<run start time>."""
-    return str(Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    """The run's folder: $WD/.tmp/<run start time>, with -2, -3, ... for a second run in the same second."""
+    base = Path(WD) / ".tmp" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    folder, number = base, 2
+    while folder.exists():
+        folder = base.with_name(f"{base.name}-{number}")
+        number += 1
+    return str(folder)
+
+
+def prepare_run_folder() -> None:
+    """Make the run's folder its record: run.log from now on, `.tmp/latest` pointing at it, and `.tmp/`
+    kept out of the project's `git status` by a .gitignore of its own."""
+    tmp = Path(WD) / ".tmp"
+    folder = Path(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    ignore = tmp / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# The orchestrator loop's own files: state, replies, run records.\n*\n", encoding="utf-8")
+    if folder.parent == tmp:
+        latest, temporary = tmp / "latest", tmp / f".latest.{os.getpid()}"
+        try:
+            temporary.unlink(missing_ok=True)
+            temporary.symlink_to(folder.name)
+            os.replace(temporary, latest)
+        except OSError:
+            temporary.unlink(missing_ok=True)
+    open_run_log(folder / "run.log")
 
 
 def response_dir() -> Path:
@@ -1480,11 +1583,46 @@ def read_reply_file(path: Path) -> str:
         return ""
 
 
+def utc_iso(timestamp: float | None = None) -> str:
+    """'2026-11-24T15:04:05Z': how the state file and the run summary write a time."""
+    return datetime.fromtimestamp(time.time() if timestamp is None else timestamp, timezone.utc) \
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def prompt_file_path(role: str, number: int) -> Path:
+    return Path(run_dir) / f"{number:03d}-{role}.prompt.md"
+
+
+def keep_sent(role: str, kind: str, message: str) -> None:
+    """Keep what the turn in flight was sent beside the reply it gets: the prompt (NNN-<role>.prompt.md),
+    then each resend, reminder or "continue" appended under a line that says what and when.
+
+    A file that cannot be written costs only the record, never the run.
+    """
+    if in_flight is None or in_flight.number is None or not run_dir:
+        return
+    path = prompt_file_path(role, in_flight.number)
+    text = message if kind == "prompt" else f"\n\n---- {kind} sent at {utc_iso()} ----\n\n{message}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w" if kind == "prompt" else "a", encoding="utf-8") as handle:
+            handle.write(text if text.endswith("\n") else text + "\n")
+    except OSError:
+        pass
+    if kind == "reminder":
+        update_run(in_flight=replace(in_flight, reminders=in_flight.reminders + 1))
+    elif kind == "resend":
+        update_run(in_flight=replace(in_flight, resends=in_flight.resends + 1))
+
+
 def archive_reply(role: str, text: str, response_file: Path) -> Path:
-    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, taking the response file along."""
+    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, beside its prompt, taking the response file along."""
     directory = Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{_next_archive_number():03d}-{role}.md"
+    number = in_flight.number if in_flight is not None and in_flight.role == role else None
+    target = directory / f"{number or _next_archive_number():03d}-{role}.md"
+    if target.exists():                 # never over an earlier reply
+        target = directory / f"{_next_archive_number():03d}-{role}.md"
     if read_reply_file(response_file):
         os.replace(response_file, target)
     else:                               # the reply came from the terminal, not the file
@@ -1985,6 +2123,7 @@ def resend_prompt(turn: Turn) -> None:
     baseline = _last_output(turn.terminal_id)
     if in_flight is not None:
         update_run(in_flight=replace(in_flight, sent_at=time.time()))
+    keep_sent(turn.role, "resend", turn.message)
     save_state()
     deliver(turn.role, turn.terminal_id, turn.message)
     turn.facts.note_sent(baseline, time.monotonic(), whole_prompt=True)
@@ -2014,8 +2153,10 @@ def idle_without_file(turn: Turn) -> str | None:
     if turn.facts.reminders < MAX_FILE_REMINDERS:
         turn.facts.reminders += 1
         log_turn(role, f"idle without {path.name}; reminder {turn.facts.reminders}/{MAX_FILE_REMINDERS} sent")
-        deliver(role, terminal_id, f"Reminder: your answer has not arrived. Write your complete answer to "
-                                   f"{path} now; the orchestrator reads only that file.")
+        reminder = (f"Reminder: your answer has not arrived. Write your complete answer to {path} now; the "
+                    "orchestrator reads only that file.")
+        keep_sent(role, "reminder", reminder)
+        deliver(role, terminal_id, reminder)
         turn.facts.note_sent(output, time.monotonic())
         return None
     if STRICT_FILE_HANDOFF:
@@ -2030,9 +2171,10 @@ def idle_without_file(turn: Turn) -> str | None:
 def continue_after_provider_error(turn: Turn) -> None:
     """The pause after a provider error is over: the agent has its task in its conversation; tell it to go on."""
     log_turn(turn.role, f"pause over; telling terminal {turn.terminal_id} to continue its task")
-    deliver(turn.role, turn.terminal_id,
-            "The model provider's error has passed. Continue the task above from where you stopped, then "
-            f"write your complete answer to {turn.path}; the orchestrator reads only that file.")
+    message = ("The model provider's error has passed. Continue the task above from where you stopped, then "
+               f"write your complete answer to {turn.path}; the orchestrator reads only that file.")
+    keep_sent(turn.role, "continue", message)
+    deliver(turn.role, turn.terminal_id, message)
     turn.facts.note_sent(_last_output(turn.terminal_id), time.monotonic())
 
 
@@ -2523,9 +2665,16 @@ def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:
     # Before the send: CAO's send returns only after pasting (seconds with
     # some CLIs), and a quick agent may have answered by then.
     baseline_reply = _last_output(terminal_id)
-    update_run(in_flight=InFlight(**turn_position(role), sent_at=time.time(),
-                                  sent_in_full=getattr(prompt, "carries_in_full", ())))
+    now = time.time()
+    position = turn_position(role)
+    again = in_flight is not None and in_flight.belongs_to(position) and in_flight.number is not None
+    update_run(in_flight=InFlight(**position, sent_at=now, sent_in_full=getattr(prompt, "carries_in_full", ()),
+                                  number=in_flight.number if again else _next_archive_number(),
+                                  first_sent_at=in_flight.first_sent_at if again else now,
+                                  prompt_bytes=len(prompt.encode("utf-8")),
+                                  resends=in_flight.resends if again else 0))
     save_state()
+    keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
     log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
     try:
         deliver(role, terminal_id, message)
@@ -2553,11 +2702,20 @@ def turn_timing(path: Path) -> str:
     return text
 
 
-def record_turn(role: str, prompt_bytes: int) -> None:
-    """Remember an answered turn for the run summary (saved with the state)."""
-    sent_at = in_flight.sent_at if in_flight is not None else None
+def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> None:
+    """Remember an answered turn for the run summary and report (saved with the state)."""
+    sent = in_flight if in_flight is not None and in_flight.role == role else None
+    sent_at = sent.sent_at if sent is not None else None
     seconds = round(time.time() - sent_at, 1) if sent_at is not None else None
-    turn_records.append(TurnRecord(role, current_round, seconds, prompt_bytes))
+    first_sent = sent.first_sent_at or sent_at if sent is not None else None
+    prompt_file = prompt_file_path(role, sent.number) if sent is not None and sent.number else None
+    turn_records.append(TurnRecord(
+        role, current_round, seconds, prompt_bytes, phase=sent.phase if sent else current_phase,
+        cycle=sent.cycle if sent else phase_cycle, sent_at=utc_iso(first_sent) if first_sent else "",
+        taken_at=utc_iso(), reply_bytes=len(reply.encode("utf-8")),
+        reminders=sent.reminders if sent else 0, resends=sent.resends if sent else 0,
+        prompt_file=prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
+        reply_file=archived.name))
 
 
 def take_turn(role: str, build: Callable[[], Prompt]) -> str:
@@ -2578,8 +2736,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         message, baseline_reply = send_prompt(role, prompt)
     reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
     timing = turn_timing(path)
-    record_turn(role, len(prompt.encode("utf-8")))
     archived = archive_reply(role, reply, path)
+    record_turn(role, len(prompt.encode("utf-8")), reply, archived)
     update_run(in_flight=None)
     log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived})")
     return reply
@@ -3287,7 +3445,7 @@ def _log_output(prefix: str, text: str, lines: int = 20) -> None:
     """A command's last output lines, indented under the log line that explains them."""
     tail = [line for line in text.splitlines() if line.strip()][-lines:]
     for line in tail:
-        print(f"    {prefix}{line}", flush=True)
+        log_detail(f"{prefix}{line}")
 
 
 # -- which change ---------------------------------------------------------------
@@ -3813,7 +3971,7 @@ class StartPlan:
 def set_aside_old_state(plan: StartPlan) -> None:
     """The new run's terminals exist: keep the old state file aside (its agents are ended after)."""
     if plan.set_aside:
-        target = state_backup_path()
+        target = state_backup_path(plan.old_run)
         os.replace(STATE_FILE, target)
         log(f"kept the old state file as {target}")
 
@@ -3856,7 +4014,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         set_aside_old_state(plan)
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
-        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
+        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), started_at=utc_iso(),
                    outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
                    worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
         set_position(phase, 1, step)
@@ -3948,7 +4106,7 @@ def choose_start() -> StartPlan:
     why = " (RESUME=0)" if "RESUME" in explicit_settings else \
         " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
     return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
-                            f"file will be kept as {state_backup_path()}", set_aside=True, old_run=saved)
+                            f"file will be kept as {state_backup_path(saved)}", set_aside=True, old_run=saved)
 
 
 # ==========================================================================
@@ -4120,7 +4278,7 @@ def run_tester_phase() -> str:
     note_turn_outcome(result)
     log_turn("tester", f"RESULT: {result}")
     for line in extract_test_evidence(outputs["tester"]).splitlines():
-        print(f"    {line}", flush=True)
+        log_detail(line)
     if result == "PASS":
         update_run(final_status="PASS")
         mark_after_run_due(result)
@@ -4171,20 +4329,45 @@ def run_loop() -> int:
 
 
 def run_summary(exit_code: int) -> dict:
-    """What the run did, from its turn records: for the last log lines and for CI dashboards."""
+    """What the run did, from its turn records: for the last log lines, CI dashboards and the report.
+
+    A prompt sent and not answered (an interrupted run) is listed among the
+    turns with no reply and counted in the prompts sent.
+    """
     roles = {}
     for role in ROLES:
         mine = [r for r in turn_records if r.role == role]
         roles[role] = {"turns": len(mine), "seconds": round(sum(r.seconds for r in mine if r.seconds is not None), 1),
                        "outcomes": [r.outcome for r in mine if r.outcome]}
+    turns = [r.to_json() for r in turn_records]
+    if in_flight is not None:
+        first_sent = in_flight.first_sent_at or in_flight.sent_at
+        prompt_file = prompt_file_path(in_flight.role, in_flight.number) if in_flight.number else None
+        turns.append({"role": in_flight.role, "round": in_flight.round, "phase": in_flight.phase,
+                      "cycle": in_flight.cycle, "sent_at": utc_iso(first_sent) if first_sent else "", "taken_at": "",
+                      "seconds": None, "prompt_bytes": in_flight.prompt_bytes, "reply_bytes": 0,
+                      "reminders": in_flight.reminders, "resends": in_flight.resends,
+                      "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
+                      "reply_file": "", "outcome": "unanswered"})
+    ended_at = utc_iso()
+    try:
+        wall = (datetime.fromisoformat(ended_at.replace("Z", "+00:00"))
+                - datetime.fromisoformat(started_at.replace("Z", "+00:00"))).total_seconds()
+    except ValueError:
+        wall = None
     return {
-        "result": final_status, "exit_code": exit_code, "rounds": current_round, "max_rounds": MAX_ROUNDS,
-        "turns": len(turn_records),
+        "result": final_status, "exit_code": exit_code, "task": task_title(), "wd": WD,
+        "providers": {role: provider_for(role) for role in ROLES},
+        "started_at": started_at, "ended_at": ended_at, "wall_seconds": wall,
+        "rounds": current_round, "max_rounds": MAX_ROUNDS,
+        "turns": len(turn_records), "prompts_sent": len(turns),
         "agent_seconds": round(sum(r.seconds for r in turn_records if r.seconds is not None), 1),
-        "prompt_bytes": sum(r.prompt_bytes for r in turn_records),
+        "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
+        "reply_bytes": sum(r.reply_bytes for r in turn_records),
         "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
+        "turn_list": turns,
     }
 
 
@@ -4193,8 +4376,10 @@ def report_run_summary(exit_code: int) -> None:
     summary = run_summary(exit_code)
     per_role = ", ".join(f"{role} {r['turns']}x {r['seconds']:g}s" for role, r in summary["roles"].items()
                          if r["turns"])
+    unanswered = summary["prompts_sent"] - summary["turns"]
     log(f"summary: {summary['result']} after round {summary['rounds']}/{summary['max_rounds']}; "
-        f"{summary['turns']} turns, {summary['agent_seconds']:g}s of agent time ({per_role or 'none'}); "
+        f"{summary['turns']} turns" + (f" and {unanswered} prompt not answered yet" if unanswered else "")
+        + f", {summary['agent_seconds']:g}s of agent time ({per_role or 'none'}); "
         f"{summary['prompt_bytes'] / 1000:.1f} KB of prompts")
     verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
     if verdicts:
@@ -4346,6 +4531,7 @@ def start_run(task: str) -> StartPlan:
         verify_resume_terminals()
         if not run_dir:                     # a state file written by the shell script
             update_run(run_dir=new_run_dir())
+        prepare_run_folder()
         log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
             f"session {session_name}")
         return plan
@@ -4354,6 +4540,7 @@ def start_run(task: str) -> StartPlan:
     set_task(task)
     check_agent_clis()
     init_new_run(plan)
+    prepare_run_folder()
     return plan
 
 
@@ -4407,7 +4594,7 @@ def wind_down(code: int) -> int:
         else:
             log(agents_left_note())
     except OSError as exc:
-        print(f"error: could not save the state to {STATE_FILE}: {exc}", file=sys.stderr, flush=True)
+        say_error(f"error: could not save the state to {STATE_FILE}: {exc}")
         return code or EXIT_FAIL
     return code
 
@@ -4437,7 +4624,7 @@ def run_command_line(args: list[str]) -> int:
         log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
         code, line = stop_line(exc, started)
-        print(line, file=sys.stderr, flush=True)
+        say_error(line)
     finally:
         _install_sigterm(previous_sigterm)
         if started:

@@ -104,7 +104,8 @@ def one_run(think_ms: int) -> dict:
         prompt_bytes = Counter({role_of.get(k, k): v for k, v in prompt_bytes.items()})
 
         prompts = [r for r in cao.received() if r.get("kind") == "prompt"]
-        replies = sorted(p for p in Path(loop.run_dir).glob("[0-9][0-9][0-9]-*") if "-stale-" not in p.name)
+        replies = sorted(p for p in Path(loop.run_dir).glob("[0-9][0-9][0-9]-*")
+                         if "-stale-" not in p.name and not p.name.endswith(".prompt.md"))
         latencies = [prompts[i + 1]["time"] - replies[i].stat().st_mtime
                      for i in range(min(len(replies), len(prompts)) - 1)]
         turns = len(replies)

@@ -31,7 +31,8 @@ def state_of(module) -> dict:
 
 
 def archived(module) -> list[str]:
-    return sorted(p.name for p in Path(module.run_dir).glob("[0-9][0-9][0-9]-*"))
+    return sorted(p.name for p in Path(module.run_dir).glob("[0-9][0-9][0-9]-*")
+                  if not p.name.endswith(".prompt.md"))
 
 
 def interrupt(exc: BaseException):

@@ -232,7 +232,8 @@ def report(wd: Path) -> None:
     say(f"  final_status {state.get('final_status')}, round {state.get('current_round')}, "
         f"phase {state.get('current_phase')}")
     run_dir = Path(state.get("run_dir") or wd / ".tmp")
-    replies = sorted(p.name for p in run_dir.glob("[0-9][0-9][0-9]-*.md")) if run_dir.is_dir() else []
+    replies = sorted(p.name for p in run_dir.glob("[0-9][0-9][0-9]-*.md")
+                     if not p.name.endswith(".prompt.md")) if run_dir.is_dir() else []
     say(f"archived replies: {run_dir}/")
     if replies:
         say(f"  {', '.join(replies)}")

@@ -71,7 +71,8 @@ class Run:
 
     def archived(self) -> list[str]:
         """The archived replies (NNN-<role>.md), without the run summary."""
-        return sorted(p.name for p in Path(self.state()["run_dir"]).glob("[0-9][0-9][0-9]-*"))
+        return sorted(p.name for p in Path(self.state()["run_dir"]).glob("[0-9][0-9][0-9]-*")
+                      if not p.name.endswith(".prompt.md"))
 
     def archived_text(self, name: str) -> str:
         return (Path(self.state()["run_dir"]) / name).read_text(encoding="utf-8")
