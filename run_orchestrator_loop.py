@@ -285,6 +285,9 @@ SETTINGS: tuple[Setting, ...] = (
             "1: answer an agent's permission prompt with 'y'"),
     Setting("API_RETRY_SECONDS", "handoff.api_retry_seconds", 120.0, "seconds0",
             "how long to retry an unreachable CAO server during a run"),
+    Setting("PROGRESS_SECONDS", "handoff.progress_seconds", 60.0, "seconds0",
+            "while an agent works, a log line every this many seconds: who, for how long, what the loop sees; "
+            "0: none"),
     Setting("AGENT_STALL_SECONDS", "recovery.agent_stall_seconds", 300.0, "seconds",
             "an agent whose screen has not changed for this long, with no response file, counts as lost "
             "(a working agent CLI repaints its screen every second)"),
@@ -550,6 +553,7 @@ QUIET_SCREEN_SECONDS: float = _initial("QUIET_SCREEN_SECONDS")
 MAX_FILE_REMINDERS: int = _initial("MAX_FILE_REMINDERS")
 AUTO_ACCEPT_PERMISSIONS: bool = _initial("AUTO_ACCEPT_PERMISSIONS")
 API_RETRY_SECONDS: float = _initial("API_RETRY_SECONDS")
+PROGRESS_SECONDS: float = _initial("PROGRESS_SECONDS")
 AGENT_STALL_SECONDS: float = _initial("AGENT_STALL_SECONDS")
 REPLACE_LOST_AGENTS: bool = _initial("REPLACE_LOST_AGENTS")
 MAX_AGENT_REPLACEMENTS: int = _initial("MAX_AGENT_REPLACEMENTS")
@@ -2094,6 +2098,33 @@ def log_turn(role: str, message: str) -> None:
     log(f"{where} | {role}: {message}")
 
 
+def duration_text(seconds: float) -> str:
+    """'45s', '2m 5s', '1h 3m': a span of time as a person reads it."""
+    seconds = int(max(0, seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
+
+
+def progress_text(facts: TurnFacts, began: float, now: float) -> str:
+    """'working for 2m 0s; screen changing; CAO status processing; no response file yet': what the loop
+    sees of a turn under way, for the PROGRESS_SECONDS log line."""
+    parts = [f"working for {duration_text(now - began)}"]
+    if facts.markers and not facts.prompt_seen:
+        parts.append("its screen does not show the prompt yet")
+    if facts.screen is not None:
+        still = now - facts.screen_changed_at
+        parts.append("screen changing" if still < 2 * LIVENESS_CHECK_SECONDS else f"screen still for "
+                                                                                   f"{duration_text(still)}")
+    if facts.status is not None:
+        parts.append(f"CAO status {facts.status}")
+    parts.append("no response file yet" if facts.file_version is None else
+                 f"response file written {duration_text(now - facts.file_seen_at)} ago, settling")
+    return "; ".join(parts)
+
+
 def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
     return RunError(f"the {role} agent (terminal {terminal_id}) {what}; look at it with "
                     f"`tmux attach -t {session_name}`, then rerun to resume")
@@ -2276,6 +2307,7 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     # CAO's send returned only now: nothing new to read yet.
     turn = Turn(role, terminal_id, path, message, facts,
                 ReadSchedule(next_status_at=now + POLL_SECONDS, next_liveness_at=now + LIVENESS_CHECK_SECONDS))
+    began, next_progress_at = now, now + PROGRESS_SECONDS
     while True:
         now = time.monotonic()
         turn.facts.note_file(reply_file_version(path), now)
@@ -2285,6 +2317,9 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
         reply = act_on(turn, state, verdict)
         if reply is not None:
             return reply
+        if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
+            log_turn(role, progress_text(turn.facts, began, time.monotonic()))
+            next_progress_at += PROGRESS_SECONDS
         now = time.monotonic()
         time.sleep(max(0.0, min(FILE_CHECK_SECONDS, turn.reads.next_look_at(turn.facts, now) - now)))
 

@@ -338,3 +338,29 @@ def test_the_prompt_is_found_on_screen_however_the_cli_wraps_and_colours_it(m):
     wrapped = "\x1b[2m> \x1b[0mYou are the tester\x1b[1C(round\r\n  2 of 8).\r\n"
     assert m.shows_prompt(wrapped, m.prompt_markers(prompt))
     assert m.shows_prompt("  Write your complete answer to this file:\n    /wd/.tmp/t.md", m.prompt_markers(prompt))
+
+
+# -- the progress line (PROGRESS_SECONDS): what the loop sees of a turn under way ----------------------
+
+def test_progress_names_the_time_the_screen_the_status_and_the_missing_file(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 58.0)
+    facts.note_screen("· thinking (58s)", 58.0)
+    assert m.progress_text(facts, 0.0, 60.0) == \
+        "working for 1m 0s; screen changing; CAO status processing; no response file yet"
+
+
+def test_progress_says_how_long_the_screen_has_been_still_and_that_a_file_is_settling(m):
+    facts = sent_at_zero(m)
+    facts.note_screen("done", 10.0)
+    facts.note_status("completed", 60.0)
+    facts.note_file(FILE, 115.0)
+    assert m.progress_text(facts, 0.0, 120.0) == \
+        "working for 2m 0s; screen still for 1m 50s; CAO status completed; response file written 5s ago, settling"
+
+
+def test_progress_says_when_the_prompt_has_not_shown_on_the_screen(m):
+    facts = sent_at_zero(m, shown=False)
+    facts.note_screen("Trust this folder?", 1.0)
+    assert m.progress_text(facts, 0.0, 3700.0).startswith(
+        "working for 1h 1m; its screen does not show the prompt yet; screen still for 1h 1m")
