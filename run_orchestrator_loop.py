@@ -4469,6 +4469,29 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
             f"`cao shutdown --session {session}`, or set CLEANUP_ON_EXIT=1)")
 
 
+def turns_left_at_most(saved: SavedState) -> int:
+    """The most agent turns an unfinished run can still take (story attempts not counted), with the
+    limits in force now: what is left of the current phase, then every remaining round in full."""
+    if saved.finished or saved.current_phase == PHASE_DONE:
+        return 0
+    reviewed_phase = 2 * (MAX_REVIEW_CYCLES - saved.phase_cycle + 1) - (1 if saved.phase_step == "review" else 0)
+    code_round = 2 * MAX_REVIEW_CYCLES + 1
+    left_in_round = {PHASE_ANALYST: reviewed_phase + code_round, PHASE_PROGRAMMER: reviewed_phase + 1,
+                     PHASE_TESTER: 1}[saved.current_phase]
+    return max(0, left_in_round) + max(0, MAX_ROUNDS - saved.current_round) * code_round
+
+
+def working_now(saved: SavedState) -> str:
+    """'programmer (terminal 1a2b3c4d), prompt sent 2026-11-24 15:00:00 UTC, 2m 5s ago': the turn under way."""
+    turn = saved.in_flight
+    if turn is None:
+        return "no agent (between turns)"
+    sent = turn.first_sent_at or turn.sent_at
+    when = "" if sent is None else (f", prompt sent {utc_iso(sent).replace('T', ' ').replace('Z', ' UTC')}, "
+                                    f"{duration_text(time.time() - sent)} ago")
+    return f"{turn.role} (terminal {saved.terminal_ids.get(turn.role) or '?'}){when}"
+
+
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
     try:
@@ -4481,6 +4504,12 @@ def status_report() -> tuple[int, str]:
     lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}"]
     if not saved.finished:
         lines[-1] += f" (cycle {saved.phase_cycle}, next: {saved.phase_step})"
+        lines.append(f"working now: {working_now(saved)}")
+        lines.append(f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
+                     f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
+                     + (", story attempts not counted)" if STORY_MODE else ")"))
+    else:
+        lines.append(f"turns: {len(saved.turn_records)} answered")
     holder = lock_holder()
     lines.append(f"driven by: {holder}" if holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))

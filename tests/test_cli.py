@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -174,3 +176,34 @@ def test_status_without_a_state_file(load_orch, fake_cao, capsys):
     assert run_main(m, "--status") == 1
     assert "no state file at" in capsys.readouterr().err
     assert fake_cao.requests == []
+
+
+def test_status_names_the_agent_working_now_the_turns_used_and_the_most_left(load_orch, fake_cao, prompt_file,
+                                                                             capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
+    assert run_main(m) == 0
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    sent = time.time() - 125
+    state.update(final_status="RUNNING", current_phase="programmer", current_round=2, phase_cycle=1,
+                 phase_step="review", in_flight={"role": "peer_programmer", "round": 2, "phase": "programmer",
+                                                 "cycle": 1, "sent_at": sent, "first_sent_at": sent})
+    Path(m.STATE_FILE).write_text(json.dumps(state))
+    capsys.readouterr()
+    m = load_orch(MAX_ROUNDS="3", MAX_REVIEW_CYCLES="3")
+    assert run_main(m, "--status") == 0
+    out = capsys.readouterr().out
+    terminal = state["terminals"]["peer_programmer"]
+    assert re.search(rf"working now: peer_programmer \(terminal {terminal}\), prompt sent [\d -:]+ UTC, 2m 5s ago",
+                     out), out
+    # round 2: this review and two more cycles (5 turns) and the test; round 3: 3 cycles and the test
+    assert "turns: 1 answered, at most 13 left (MAX_ROUNDS=3, MAX_REVIEW_CYCLES=3)" in out
+    assert "are still running" in out            # the agents' session is there
+
+
+def test_the_most_turns_left_follow_the_readme_worst_case(orch):
+    """A new run with the defaults can take at most the README's 62 turns."""
+    saved = orch.SavedState(final_status="RUNNING", current_phase="analyst", phase_cycle=1, phase_step="author",
+                            current_round=1)
+    assert orch.turns_left_at_most(saved) == 62
+    saved.current_phase = "tester"
+    assert orch.turns_left_at_most(saved) == 1 + 7 * 7
