@@ -419,6 +419,24 @@ def _parse_env_value(setting: Setting, raw: str) -> object:
     return _check_value(setting, raw if setting.kind == "text" else text)
 
 
+# kind -> the values it allows, for a "did you mean" on a value that is close
+KIND_CHOICES: dict[str, tuple[str, ...]] = {"provider": KNOWN_PROVIDERS, "role_provider": KNOWN_PROVIDERS,
+                                            "role": ROLES}
+
+
+def did_you_mean(setting: Setting, value: object) -> str:
+    """' (did you mean claude_code?)' for a value close to one the setting allows: another case, the start
+    of a name, a typo. '' when nothing is close."""
+    choices = KIND_CHOICES.get(setting.kind)
+    if not choices or not isinstance(value, str) or not value.strip():
+        return ""
+    typed = value.strip().lower()
+    close = [choice for choice in choices if choice.lower() == typed] \
+        or [choice for choice in choices if choice.startswith(typed) or typed.startswith(choice)] \
+        or difflib.get_close_matches(typed, choices, n=1, cutoff=0.7)
+    return f" (did you mean {close[0]}?)" if len(close) == 1 else ""
+
+
 def read_env_settings(environ: Mapping[str, str]) -> tuple[dict[str, object], list[str]]:
     """Settings given in the environment (an empty variable counts as unset), and errors."""
     values: dict[str, object] = {}
@@ -430,7 +448,8 @@ def read_env_settings(environ: Mapping[str, str]) -> tuple[dict[str, object], li
         try:
             values[setting.env] = _parse_env_value(setting, raw)
         except ValueError:
-            errors.append(f"{setting.env}={raw!r} is not valid: expected {_ENV_EXPECTED[setting.kind]}")
+            errors.append(f"{setting.env}={raw!r} is not valid{did_you_mean(setting, raw)}: expected "
+                          f"{_ENV_EXPECTED[setting.kind]}")
     return values, errors
 
 
@@ -460,8 +479,8 @@ def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]
             try:
                 values[setting.env] = _check_value(setting, value)
             except ValueError:
-                raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}; expected "
-                                  f"{_JSON_EXPECTED[setting.kind]}") from None
+                raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}"
+                                  f"{did_you_mean(setting, value)}; expected {_JSON_EXPECTED[setting.kind]}") from None
             continue
         if key in SECRET_CONFIG_KEYS or name.upper() in SECRET_VARIABLES:
             variable = SECRET_CONFIG_KEYS.get(key, name.upper())
@@ -472,9 +491,12 @@ def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]
             where = f"in '{prefix}'" if prefix else "at the top level"
             close = difflib.get_close_matches(name, allowed, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            if name.upper() in SETTINGS_BY_ENV:
-                hint = (f"'{name}' is the environment variable; in a config file it is "
-                        f"'{SETTINGS_BY_ENV[name.upper()].key}'. ")
+            if name.upper() in SETTINGS_BY_ENV and SETTINGS_BY_ENV[name.upper()].key != key:
+                setting = SETTINGS_BY_ENV[name.upper()]
+                parent, _, leaf = setting.key.rpartition(".")
+                hint = (f"'{name}' is the environment variable; in a config file it is '{setting.key}'. "
+                        if name == name.upper() else f"'{name}' belongs at the top level. " if not parent else
+                        f"'{name}' belongs inside '{parent}': {{\"{parent}\": {{\"{leaf}\": ...}}}}. ")
             raise ConfigError(f"config file {path}: unknown key '{key}' ({hint}known keys {where}: "
                               f"{', '.join(allowed)})")
         if not isinstance(value, dict):

@@ -671,3 +671,46 @@ def test_deleted_current_directory_is_reported_not_a_traceback(load_orch, fake_c
     assert capsys.readouterr().err.strip() == (
         "error: WD=/nonexistent/deleted-project does not exist: set WD (or 'wd' in the config file) "
         "to the project directory")
+
+
+@pytest.mark.parametrize("variable, value, suggestion", [
+    ("PROVIDER", "claude", "claude_code"),
+    ("PROVIDER", "Claude_Code", "claude_code"),
+    ("PROVIDER", "opencode", "opencode_cli"),
+    ("PROVIDER", "kiro-cli", "kiro_cli"),
+    ("START_AGENT", "Tester", "tester"),
+])
+def test_a_value_close_to_an_allowed_one_gets_a_did_you_mean(load_orch, prompt_file, fake_cao, capsys,
+                                                              variable, value, suggestion):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{variable: value})
+    assert run_main(m) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {variable}={value!r} is not valid (did you mean {suggestion}?): expected one of")
+    assert "\n" not in err
+
+
+def test_a_json_value_close_to_an_allowed_one_gets_a_did_you_mean(load_orch, prompt_file, fake_cao, capsys,
+                                                                   tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"provider": "claude"}))
+    m = load_orch(PROMPT_FILE=str(prompt_file))
+    assert run_main(m, str(config)) == 2
+    assert "key 'provider' is \"claude\" (did you mean claude_code?); expected one of" in capsys.readouterr().err
+
+
+def test_a_setting_key_at_the_wrong_level_is_told_where_it_belongs(load_orch, prompt_file, fake_cao, capsys,
+                                                                    tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"max_rounds": 2}))
+    m = load_orch(PROMPT_FILE=str(prompt_file))
+    assert run_main(m, str(config)) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'max_rounds' ('max_rounds' belongs inside 'limits': {\"limits\": {\"max_rounds\": ...}}." in err
+    assert "environment variable" not in err
+    config.write_text(json.dumps({"limits": {"provider": "codex"}}))
+    assert run_main(m, str(config)) == 2
+    assert "('provider' belongs at the top level." in capsys.readouterr().err
+    config.write_text(json.dumps({"MAX_ROUNDS": 2}))
+    assert run_main(m, str(config)) == 2
+    assert "'MAX_ROUNDS' is the environment variable; in a config file it is 'limits.max_rounds'" in \
+        capsys.readouterr().err
