@@ -41,6 +41,7 @@ from __future__ import annotations
 
 __version__ = "0.2.0"
 
+import argparse
 import base64
 import difflib
 import hashlib
@@ -53,12 +54,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from enum import Enum
+from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, Mapping
@@ -141,22 +144,36 @@ _early_log_lines: list[str] = []
 MAX_EARLY_LOG_LINES = 1000
 
 
+def emit(line: str, stream=None) -> None:
+    """Print a line; a reader that went away (`| head`, a closed terminal) ends the printing, not the run."""
+    stream = stream or sys.stdout
+    try:
+        print(line, file=stream, flush=True)
+    except BrokenPipeError:
+        try:                            # no second error when Python flushes the stream at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):
+            pass
+    except (OSError, ValueError):
+        pass
+
+
 def log(message: str) -> None:
     """Timestamped progress on stdout: what a person or a cron log reads to follow a run (kept in run.log too)."""
     line = f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-    print(line, flush=True)
+    emit(line)
     keep_in_run_log(line)
 
 
 def log_detail(line: str) -> None:
     """An indented line under the log line it belongs to (a command's output, test evidence)."""
-    print(f"    {line}", flush=True)
+    emit(f"    {line}")
     keep_in_run_log(f"    {line}")
 
 
 def say_error(line: str) -> None:
-    """A run's last line when it stops on an error: on stderr, and in run.log like the rest."""
-    print(line, file=sys.stderr, flush=True)
+    """A line about something wrong (the run's last line when it stops): on stderr, and in run.log too."""
+    emit(line, sys.stderr)
     keep_in_run_log(line)
 
 
@@ -256,7 +273,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PROMPT_FILE", "prompt_file", "", "text", "task prompt file"),
     Setting("PROJECT_TEST_CMD", "project_test_cmd", "", "text", "test command for programmer and tester"),
     Setting("STATE_FILE", "state_file", "", "text", "state file (empty: $WD/.tmp/" + STATE_FILE_NAME + ")"),
-    Setting("RESUME", "resume", False, "bool", "1: resume the run in STATE_FILE"),
+    Setting("RESUME", "resume", False, "bool",
+            "unset: resume a RUNNING run, else start a new one; 1: resume (stop if there is none); 0: always "
+            "start a new run"),
     Setting("CLEANUP_ON_EXIT", "cleanup_on_exit", False, "bool", "1: exit all five agents when the loop stops"),
     Setting("REPORT_FINISHED_RUN", "report_finished_run", False, "bool",
             "1: a finished run in STATE_FILE is reported and the command exits with its code (0 PASS, 1 FAIL) "
@@ -344,6 +363,9 @@ CONFIG_NOTE_KEYS = ("description",)
 # Secrets: read from the environment only, never from a config file, never
 # logged or saved. A config key that looks like one is refused, naming its variable.
 SECRET_VARIABLES = ("CAO_AUTH_LOCAL_TOKEN", "NTFY_TOKEN")
+SECRET_HELP = (("CAO_AUTH_LOCAL_TOKEN", "bearer token for a cao-server started with one; never logged or saved"),
+               ("NTFY_TOKEN", "ntfy access token, sent as a bearer token with each notification; never logged or "
+                              "saved"))
 SECRET_CONFIG_KEYS = {"notify.ntfy_token": "NTFY_TOKEN", "notify.token": "NTFY_TOKEN"}
 
 _ENV_EXPECTED = {
@@ -619,6 +641,8 @@ NTFY_TOKEN: str = os.environ.get("NTFY_TOKEN", "")
 # Names of the settings the user chose (environment or config file); on
 # resume these win over what the state file recorded.
 explicit_settings: set[str] = set(_env_values)
+# Warnings for environment variables that look like a misspelt setting: said first and again last.
+setting_warnings: list[str] = []
 
 # The task, parsed from PROMPT / PROMPT_FILE (or from the state on resume).
 EXPLORE_HEADER = "*** ORIGINAL EXPLORE SUMMARY ***"
@@ -680,10 +704,11 @@ def validate_settings() -> None:
 
 def configure(argv: list[str]) -> None:
     """Settle every setting (env > JSON > default) and validate it, before anything runs."""
-    global explicit_settings, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
+    global explicit_settings, setting_warnings, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
     CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
     NTFY_TOKEN = os.environ.get("NTFY_TOKEN", "")
-    for warning in misspelt_settings(os.environ):
+    setting_warnings = misspelt_settings(os.environ)
+    for warning in setting_warnings:
         say_error(warning)
     env_values, env_errors = read_env_settings(os.environ)
     if env_errors:
@@ -4454,20 +4479,59 @@ def report_run_summary(exit_code: int) -> None:
 # 15. Entry point
 # ==========================================================================
 
-USAGE = "usage: run_orchestrator_loop.py [config.json] | --status [config.json] | --help | --version"
+PACKAGE_NAME = "cao-orchestrator-loop"
+# The settings most runs set; the short --help lists them, --help-settings all of them.
+COMMON_SETTINGS = ("API", "PROVIDER", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
+                   "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT", "PROGRESS_SECONDS")
+
+
+def command_name() -> str:
+    """The name the user ran: the installed command, or the script (python run_orchestrator_loop.py)."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name if name in (PACKAGE_NAME, Path(__file__).name) else PACKAGE_NAME
+
+
+def usage_lines() -> list[str]:
+    name = command_name()
+    return [f"usage: {name} [config.json]", f"       {name} --status [config.json]",
+            f"       {name} --help | --help-settings | --readme | --version"]
+
+
+class CommandLine(argparse.ArgumentParser):
+    """argparse, with its errors as the loop's one line (exit 2) and the loop's own --help."""
+
+    def error(self, message: str) -> None:
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            words = unknown.group(1).split()
+            options = [word for word in words if word.startswith("-")]
+            message = (f"unknown option {options[0]}" if options else
+                       f"one config file at most, got also {' '.join(words)}")
+        raise ConfigError(f"{message} (see {command_name()} --help)")
+
+
+def command_line() -> CommandLine:
+    parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
+    parser.add_argument("config", nargs="?")
+    for flag in ("--status", "--help-settings", "--readme"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("-V", "--version", action="store_true")
+    return parser
 
 
 def _shown_default(setting: Setting) -> str:
     """A setting's default as a user would type it."""
-    special = {"WD": "current directory", "STATE_FILE": f"$WD/.tmp/{STATE_FILE_NAME}"}
+    special = {"WD": "current directory", "STATE_FILE": f"$WD/.tmp/{STATE_FILE_NAME}",
+               "RESUME": "unset (automatic)"}
     if setting.env in special:
         return special[setting.env]
     if setting.kind == "role_provider":
         return "PROVIDER"
     if isinstance(setting.default, bool):
         return "1" if setting.default else "0"
-    if isinstance(setting.default, float):
-        return f"{setting.default:g}"
+    if setting.kind in ("seconds", "seconds0"):
+        return f"{setting.default:g} s"
     return str(setting.default) if setting.default != "" else "-"
 
 
@@ -4555,24 +4619,59 @@ def status_report() -> tuple[int, str]:
     return EXIT_PASS, "\n".join(lines)
 
 
+def readme_text() -> str:
+    """The README: beside the script in a checkout, else from the installed package's metadata."""
+    beside = Path(__file__).resolve().with_name("README.md")
+    if beside.is_file():
+        return beside.read_text(encoding="utf-8")
+    try:
+        return metadata.metadata(PACKAGE_NAME).get_payload() or ""
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def help_text() -> str:
-    """--help: usage, every setting (from SETTINGS, so it cannot drift), exit codes, where the README is."""
-    readme = Path(__file__).resolve().with_name("README.md")
-    lines = [USAGE, "",
-             "Runs a five-agent development loop (analyst, peer analyst, programmer, peer programmer,",
-             "tester) on a CAO server until the tester reports PASS. Settings come from environment",
-             "variables and/or the JSON config file; environment wins. RESUME=1 continues an",
-             "interrupted run (a RUNNING state file is resumed anyway).", "",
-             "Settings (environment variable, JSON key, default: meaning):"]
+    """--help: what the command does, how to run it, the settings most runs set, where the rest is."""
+    name = command_name()
+    lines = usage_lines() + ["",
+             "Runs five AI coding agents (analyst, peer analyst, programmer, peer programmer,",
+             "tester) on a CAO server until the tester reports PASS. Settings come from",
+             "environment variables and/or a JSON config file; the environment wins.", "",
+             "  config.json      settings as JSON (see config-fresh.json in the documentation)",
+             "  --status         where the run in STATE_FILE stands; changes nothing",
+             "  --help-settings  every setting: variable, JSON key, default, meaning",
+             "  --readme         print the full documentation (README)",
+             "  --version        print the version", "",
+             "Settings most runs set (environment variable, default):"]
+    for env in COMMON_SETTINGS:
+        setting = SETTINGS_BY_ENV[env]
+        lines.append(f"  {env:20} {_shown_default(setting)}")
+    lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(KNOWN_PROVIDERS), 78, subsequent_indent="  ")
+    lines += ["", "Example:",
+              f"  API=http://localhost:9889 PROVIDER=claude_code WD=~/my-project \\",
+              f"    PROMPT_FILE=~/my-project/task.md {name}", "",
+              "Exit codes: " + ", ".join(f"{code} {short}" for code, short in (
+                  (EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL or error"), (EXIT_USAGE, "bad settings"))) + ",",
+             "  " + ", ".join(f"{code} {short}" for code, short in (
+                  (EXIT_LOCKED, "another process drives the run"), (EXIT_SIGINT, "Ctrl-C"),
+                  (EXIT_SIGTERM, "SIGTERM"))),
+             f"Documentation: {name} --readme (the project's README.md)"]
+    return "\n".join(lines)
+
+
+def settings_help_text() -> str:
+    """--help-settings: every setting (from SETTINGS, so it cannot drift), and the exit codes."""
+    lines = ["Settings: environment variable (JSON key in the config file; default)", ""]
     for setting in SETTINGS:
-        lines.append(f"  {setting.env:34} {setting.key:40} {_shown_default(setting)}")
-        lines.append(f"      {setting.help}")
-    lines.append(f"  {'CAO_AUTH_LOCAL_TOKEN':34} {'(environment only)':40} -")
-    lines.append("      bearer token for a cao-server started with one; never logged or saved")
-    lines.append(f"  {'NTFY_TOKEN':34} {'(environment only)':40} -")
-    lines.append("      ntfy access token, sent as a bearer token with each notification; never logged or saved")
-    lines += ["", "Exit codes:"] + [f"  {code:3}  {meaning}" for code, meaning in EXIT_CODES]
-    lines += ["", f"Documentation: {readme if readme.exists() else 'README.md of the cao-orchestrator-loop project'}"]
+        lines += textwrap.wrap(f"{setting.env}  ({setting.key}; default {_shown_default(setting)})", 78,
+                               subsequent_indent="    ")
+        lines += textwrap.wrap(setting.help, 78, initial_indent="    ", subsequent_indent="    ")
+    for env, meaning in SECRET_HELP:
+        lines.append(f"{env}  (environment only; default -)")
+        lines += textwrap.wrap(meaning, 78, initial_indent="    ", subsequent_indent="    ")
+    lines += ["", "Exit codes:"]
+    for code, meaning in EXIT_CODES:
+        lines += textwrap.wrap(f"  {code:3}  {meaning}", 78, subsequent_indent=" " * 7)
     return "\n".join(lines)
 
 
@@ -4634,7 +4733,7 @@ def status_command(args: list[str]) -> int:
     """--status [config.json]: print where the run stands; its exit code."""
     try:
         if len(args) > 1:
-            raise ConfigError(f"--status takes at most a config file. {USAGE}")
+            raise ConfigError(f"--status takes at most a config file (see {command_name()} --help)")
         configure(args)
         connect_api()
     except OrchestratorExit as exc:
@@ -4679,6 +4778,8 @@ def wind_down(code: int) -> int:
             cleanup_terminals()
         else:
             log(agents_left_note())
+        for warning in setting_warnings:     # said first, and again last: it must not scroll away unseen
+            say_error(warning)
     except OSError as exc:
         say_error(f"error: could not save the state to {STATE_FILE}: {exc}")
         return code or EXIT_FAIL
@@ -4692,7 +4793,8 @@ def run_command_line(args: list[str]) -> int:
     code = EXIT_FAIL
     try:
         if len(args) > 1:
-            raise ConfigError(f"expected at most one argument (a config file), got {len(args)}. {USAGE}")
+            raise ConfigError(f"expected at most one argument (a config file), got {len(args)} (see "
+                              f"{command_name()} --help)")
         configure(args)
         task = read_task_prompt()
         refuse_bad_start(task)           # usage errors before anything is written, the lock included
@@ -4722,15 +4824,21 @@ def run_command_line(args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in ("-h", "--help"):
-        print(help_text())
+    try:
+        options = command_line().parse_args(args)
+    except ConfigError as exc:
+        say_error(f"error: {exc.message}")
+        raise SystemExit(exc.code) from None
+    pages = {"help": help_text, "help_settings": settings_help_text, "readme": readme_text}
+    for option, page in pages.items():
+        if getattr(options, option):
+            emit(page().rstrip("\n"))
+            raise SystemExit(EXIT_PASS)
+    if options.version:
+        emit(f"{command_name()} ({PACKAGE_NAME}) {__version__}")
         raise SystemExit(EXIT_PASS)
-    if args and args[0] in ("-V", "--version"):
-        print(f"run_orchestrator_loop.py (cao-orchestrator-loop) {__version__}")
-        raise SystemExit(EXIT_PASS)
-    if args and args[0] == "--status":
-        raise SystemExit(status_command(args[1:]))
-    raise SystemExit(run_command_line(args))
+    config = [options.config] if options.config else []
+    raise SystemExit(status_command(config) if options.status else run_command_line(config))
 
 
 if __name__ == "__main__":

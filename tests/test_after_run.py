@@ -595,7 +595,7 @@ def test_an_unexpected_fault_in_a_step_does_not_undo_the_pass(load_orch, workdir
 
 def test_help_and_readme_list_the_new_settings(orch):
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    help_text = orch.help_text()
+    help_text = orch.settings_help_text()
     for name in ("ARCHIVE_ON_PASS", "OPENSPEC_COMMAND", "ARCHIVE_TIMEOUT", "COMMIT_ON_PASS", "NTFY_TOPIC",
                  "NTFY_SERVER"):
         setting = orch.SETTINGS_BY_ENV[name]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 import respx
 
 from conftest import FAST, ROOT, run_main
@@ -21,30 +23,94 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
 
 
-def test_help_lists_every_setting_with_its_env_name_json_key_and_default(orch):
+def test_help_is_one_screen_with_usage_example_providers_and_where_the_rest_is(orch):
     result = run_cli("--help")
     assert result.returncode == 0 and result.stderr == ""
     lines = result.stdout.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80
+    assert lines[0] == "usage: run_orchestrator_loop.py [config.json]"
+    for env in orch.COMMON_SETTINGS:
+        assert any(line.split()[:1] == [env] for line in lines), env
+    assert any(line.split() == ["RESUME", "unset", "(automatic)"] for line in lines)
+    assert any(line.split() == ["RESPONSE_TIMEOUT", "1800", "s"] for line in lines)
+    text = " ".join(result.stdout.split())
+    assert all(provider in text for provider in orch.KNOWN_PROVIDERS)
+    assert "Example: API=http://localhost:9889 PROVIDER=claude_code" in text
+    assert "--help-settings" in text and lines[-1] == "Documentation: run_orchestrator_loop.py --readme (the project's README.md)"
+
+
+def test_help_settings_lists_every_setting_with_its_env_name_json_key_and_default(orch):
+    result = run_cli("--help-settings")
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    text = result.stdout
     for setting in orch.SETTINGS:
-        row = next((line for line in lines if line.split()[:2] == [setting.env, setting.key]), None)
-        assert row is not None, f"{setting.env} missing from --help"
-        assert row.split()[-1] == orch._shown_default(setting).split()[-1]
+        assert f"{setting.env} ({setting.key}; default {orch._shown_default(setting)})" in " ".join(text.split()), \
+            setting.env
+    for env, _ in orch.SECRET_HELP:
+        assert f"{env}  (environment only; default -)" in lines
     for code, _ in orch.EXIT_CODES:
         assert any(line.strip().startswith(f"{code} ") for line in lines), code
-    assert "README.md" in lines[-1]
+
+
+def test_the_installed_command_calls_itself_by_its_name(orch, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/cao-orchestrator-loop", "--help"])
+    with pytest.raises(SystemExit):
+        orch.main()
+    out = capsys.readouterr().out
+    assert out.startswith("usage: cao-orchestrator-loop [config.json]\n")
+    assert "Documentation: cao-orchestrator-loop --readme" in out
+
+
+def test_readme_prints_the_documentation(orch):
+    result = run_cli("--readme")
+    assert result.returncode == 0 and result.stdout == (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_an_installed_copy_reads_its_readme_from_the_package_metadata(orch, monkeypatch, tmp_path):
+    monkeypatch.setattr(orch, "__file__", str(tmp_path / "site-packages" / "run_orchestrator_loop.py"))
+    payload = "# Orchestrator loop\n\nfrom the metadata\n"
+
+    class Metadata:
+        def get_payload(self):
+            return payload
+    monkeypatch.setattr(orch.metadata, "metadata", lambda name: Metadata() if name == orch.PACKAGE_NAME else None)
+    assert orch.readme_text() == payload
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--stats"], "error: unknown option --stats (see run_orchestrator_loop.py --help)"),
+    (["config.json", "--verbose"], "error: unknown option --verbose (see run_orchestrator_loop.py --help)"),
+    (["--stat"], "error: unknown option --stat (see run_orchestrator_loop.py --help)"),
+    (["a.json", "b.json"], "error: one config file at most, got also b.json (see run_orchestrator_loop.py --help)"),
+])
+def test_unknown_options_and_extra_arguments_are_refused_in_one_line(args, expected):
+    result = run_cli(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == expected + "\n"
+
+
+def test_a_reader_that_closes_the_pipe_ends_help_quietly():
+    for _ in range(5):
+        result = subprocess.run(f"{shlex.quote(sys.executable)} {shlex.quote(str(SCRIPT))} --help-settings | head -1",
+                                shell=True, capture_output=True, text=True, timeout=60)
+        assert result.stdout.startswith("Settings:") and result.stderr == ""
 
 
 def test_version(orch):
     result = run_cli("--version")
     assert result.returncode == 0
-    assert result.stdout.strip().endswith(orch.__version__)
+    assert result.stdout.strip() == f"run_orchestrator_loop.py (cao-orchestrator-loop) {orch.__version__}"
 
 
-def test_misspelt_environment_variable_gets_a_warning_and_the_run_goes_on(load_orch, fake_cao, prompt_file, capsys):
+def test_misspelt_environment_variable_is_warned_of_first_and_last_and_the_run_goes_on(load_orch, fake_cao, prompt_file, capsys):
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUND="3", **FAST)
     assert run_main(m) == 0
-    err = capsys.readouterr().err
-    assert "warning: MAX_ROUND is not a setting (ignored); did you mean MAX_ROUNDS?" in err
+    err = capsys.readouterr().err.splitlines()
+    warning = "warning: MAX_ROUND is not a setting (ignored); did you mean MAX_ROUNDS?"
+    assert err[0] == warning and err[-1] == warning          # the run's first line, and again its last
+    assert (Path(m.run_dir) / "run.log").read_text().splitlines()[-1] == warning
 
 
 def test_ordinary_environment_variables_get_no_warning(orch):
