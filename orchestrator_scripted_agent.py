@@ -6,7 +6,10 @@ command is on PATH, run the loop with ``PROVIDER=mock_cli``, and five scripted
 agents answer every prompt with a reply that passes the loop's checks (the
 reviewers approve with evidence, the tester reports PASS). It reads each
 prompt, finds the response file the prompt names, and writes its answer there,
-just as a real agent is asked to. It needs no settings; ``MOCK_AGENT_THINK_MS``
+just as a real agent is asked to. It writes no code: its answers are canned
+text (an analysis, a review, "RESULT: PASS"), so the task's files (a greet.py,
+say) never appear unless a script step names them under ``files``; it shows
+the loop's mechanics, not an agent's work. It needs no settings; ``MOCK_AGENT_THINK_MS``
 sets its think time per turn (default 300) and ``MOCK_AGENT_HOME`` a directory
 holding a per-role script, script.json (described below). The test suite
 drives it the same way.
@@ -69,6 +72,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import fcntl
+import importlib.metadata
 import json
 import os
 import re
@@ -593,15 +597,26 @@ def raw_terminal(fd: int):
         termios.tcsetattr(fd, termios.TCSANOW, old)
 
 
+def package_version() -> str:
+    """The installed project's version ("unknown" when run from a copy that is not installed)."""
+    try:
+        return importlib.metadata.version("cao-orchestrator-loop")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve one terminal until /exit or end of input.
 
-    Arguments other than --help are ignored: CAO always passes "--delay-ms 50",
-    and the pace comes from MOCK_AGENT_THINK_MS and script.json.
+    Arguments other than --help and --version are ignored: CAO always passes
+    "--delay-ms 50", and the pace comes from MOCK_AGENT_THINK_MS and script.json.
     """
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+        print(__doc__.strip())
+        return 0
+    if "--version" in argv or "-V" in argv:
+        print(f"mock_cli (cao-orchestrator-loop) {package_version()}")
         return 0
     try:
         think_ms = int(os.environ.get("MOCK_AGENT_THINK_MS", "300"))

@@ -58,6 +58,16 @@ def test_help_says_what_it_is():
                           timeout=30)
     assert proc.returncode == 0
     assert "PROVIDER=mock_cli" in proc.stdout and "MOCK_AGENT_HOME" in proc.stdout
+    assert "It writes no code" in proc.stdout
+    assert "script.json: ``{\"<role>\": [step, ...]}``" in proc.stdout      # the description it promises
+
+
+def test_version_is_answered_without_starting_the_agent():
+    proc = subprocess.run([sys.executable, agent_module.__file__, "--version"], capture_output=True, text=True,
+                          timeout=30, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0
+    assert proc.stdout == f"mock_cli (cao-orchestrator-loop) {agent_module.package_version()}\n"
+    assert "ready" not in proc.stdout
 
 
 def test_installed_as_the_command_cao_starts():

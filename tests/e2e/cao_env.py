@@ -8,6 +8,7 @@ exact same release.
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -114,13 +115,28 @@ def _is_ready(venv: Path) -> bool:
     )
 
 
+def installed_here() -> Path | None:
+    """``cao-server`` of the pinned release if this Python environment has it (pip install
+    cli-agent-orchestrator==CAO_VERSION), with ``cao`` beside it; else None."""
+    try:
+        if importlib.metadata.version("cli-agent-orchestrator") != CAO_VERSION:
+            return None
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    server = Path(sys.executable).parent / "cao-server"
+    return server if server.is_file() and (server.parent / "cao").is_file() else None
+
+
 def ensure_cao(cache_dir: Path | str | None = None) -> Path:
     """Return the path of a ``cao-server`` executable from the pinned release.
 
-    The ``cao`` CLI lives in the same directory. The virtualenv is created on
-    first use and reused afterwards; a lock file serialises concurrent callers
-    (parallel pytest workers, two checkouts sharing a cache).
+    The ``cao`` CLI lives in the same directory. The pinned release installed
+    in this Python environment is used as it is; else a private virtualenv is
+    created on first use and reused afterwards; a lock file serialises
+    concurrent callers (parallel pytest workers, two checkouts sharing a cache).
     """
+    if cache_dir is None and installed_here() is not None:
+        return installed_here()
     venv = Path(cache_dir).expanduser() if cache_dir is not None else default_venv_dir()
     server = _bin_dir(venv) / "cao-server"
     if _is_ready(venv):

@@ -43,6 +43,7 @@ LOOP_SETTINGS = {
     "POLL_SECONDS": "0.5",
     "IDLE_GRACE_SECONDS": "5",
     "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1",
+    "CLEANUP_ON_EXIT": "1",          # the demo removes its server afterwards: the loop ends its agents itself
 }
 
 TASK = """\
@@ -244,7 +245,9 @@ def demo(keep: bool) -> int:
     from harness import private_cao
 
     started = time.monotonic()
-    if not cao_env._is_ready(cao_env.default_venv_dir()):
+    if cao_env.installed_here() is not None:
+        say(f"using {cao_env.CAO_REQUIREMENT}, installed here ({cao_env.installed_here().parent})")
+    elif not cao_env._is_ready(cao_env.default_venv_dir()):
         say(f"first run: installing {cao_env.CAO_REQUIREMENT} into {cao_env.default_venv_dir()} "
             "(a minute or two)")
     say(f"starting a private cao-server with scripted mock_cli agents ({THINK_MS} ms think time per turn)")

@@ -45,6 +45,7 @@ def test_quick_start_block_is_what_the_test_runs():
     block = quick_start_block(README.read_text(encoding="utf-8"))
     assert "pip install ." in block and "PROVIDER=mock_cli" in block and "cao-orchestrator-loop" in block
     assert "cao shutdown" in block  # the block also stops what it started
+    assert "rm -f /usr/local/bin/mock_cli" in block   # and undoes what it changed outside the clone
 
 
 def _port_in_use(port: int) -> bool:
@@ -98,8 +99,10 @@ def test_readme_quick_start_reaches_pass(tmp_path):
     proc = subprocess.Popen(["bash", "-e", "-x", "-c", traced], cwd=clone, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    left_link = True
     try:
         transcript, _ = proc.communicate(timeout=TIMEOUT)
+        left_link = AGENT_LINK.is_symlink() or AGENT_LINK.exists()
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         transcript, _ = proc.communicate()
@@ -111,7 +114,8 @@ def test_readme_quick_start_reaches_pass(tmp_path):
 
     assert proc.returncode == 0, f"the quick start failed (exit {proc.returncode}):\n{transcript[-6000:]}"
     assert re.search(r"PASS in round 1", transcript), transcript[-4000:]
-    summaries = list((home / "try-loop" / ".tmp").glob("*/summary.json"))
+    assert not left_link, "the quick start left /usr/local/bin/mock_cli behind"
+    summaries = [p for p in (home / "try-loop" / ".tmp").glob("*/summary.json") if p.parent.name != "latest"]
     assert len(summaries) == 1, f"expected one run summary under {home / 'try-loop' / '.tmp'}"
     summary = json.loads(summaries[0].read_text(encoding="utf-8"))
     # Defaults: two review cycles for the analysis and the code (an approval counts from cycle 2),
