@@ -70,7 +70,7 @@ def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str]) -> N
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(times)
 
 
-def fail_then_pass(cao) -> None:
+def fail_then_pass(cao) -> str:
     """Round 1 (analyst .. tester) ends in FAIL, round 2 (programmer, peer, tester) in PASS."""
     run = real_cli_run(cao)
     cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
@@ -80,6 +80,7 @@ def fail_then_pass(cao) -> None:
     assert state["final_status"] == "PASS" and state["current_round"] == 2
     assert run.archived_text("005-tester.md").strip() == FAIL_REPLY.strip()
     assert run.archived_text("008-tester.md").strip() == PASS_REPLY.strip()
+    return result.stdout
 
 
 def test_claude_code_fail_then_pass(claude_cao):
@@ -206,10 +207,22 @@ def test_claude_code_whose_model_is_overloaded_three_times_recovers_and_passes(c
 # OpenCode, under CAO's opencode_cli provider
 # ---------------------------------------------------------------------------
 
+def start_up_seconds(stdout: str) -> float:
+    """From the log line that starts creating the five terminals to the one that reports them made."""
+    stamps = [re.search(rf"^\[([\d: -]+)\] {what}", stdout, re.MULTILINE) for what in ("creating the five", "new run:")]
+    begin, end = (time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) for stamp in stamps)
+    return end - begin
+
+
 def test_opencode_fail_then_pass(opencode_cao):
     """OpenCode: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend (CAO
-    answers `completed` throughout a later turn, so only the reply file can tell that it ended)."""
-    fail_then_pass(opencode_cao)
+    answers `completed` throughout a later turn, so only the reply file can tell that it ended).
+    Its five agents are the first OpenCode started in this server's HOME: the first of the fresh-HOME
+    start-ups counted below."""
+    assert not (opencode_cao.home / ".local" / "share" / "opencode").exists()      # OpenCode never ran here
+    stdout = fail_then_pass(opencode_cao)
+    REAL_CLI_START_UPS.setdefault("opencode_cli", []).append(
+        (start_up_seconds(stdout), "again, one at a time" in stdout))
 
 
 def test_opencode_story_mode(opencode_cao):
@@ -234,10 +247,11 @@ loop.end_agents(list(terminals.values()), session)
 """
 
 
-def test_five_opencode_agents_start_at_once_in_a_fresh_home_three_times_in_a_row():
-    """The loop's own start-up (five terminals at once) with OpenCode in a fresh HOME, on three fresh
-    servers in a row: every agent comes up, on the first try or on the second, alone."""
-    for attempt in range(3):
+def test_five_opencode_agents_start_at_once_in_a_fresh_home_two_more_times():
+    """The loop's own start-up (five terminals at once) with OpenCode in a fresh HOME, on two more fresh
+    servers (the FAIL -> PASS run above was the first): every agent comes up, on the first try or on
+    the second, alone."""
+    for attempt in range(2):
         with contextlib.ExitStack() as stack:
             cao = _start_real_cli_cao(stack, "opencode_cli")
             assert not (cao.home / ".local" / "share" / "opencode").exists()      # OpenCode never ran here
