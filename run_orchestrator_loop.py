@@ -30,7 +30,7 @@ Sections, in the order data flows (each uses only what stands above it):
     1. Configuration                   9. Condensation
     2. CAO API client                 10. OpenSpec: the run's change and its stories
     3. Run state: the state file      11. Prompt builders
-    4. Response files                 12. After the run: archive, commit, notify
+    4. Response files, run record     12. After the run: archive, commit, notify
     5. The wait for a reply           13. Init and resume
     6. The agents' terminals          14. Main loop
     7. Asking an agent                15. Entry point
@@ -45,6 +45,7 @@ import argparse
 import base64
 import difflib
 import hashlib
+import html
 import fcntl
 import json
 import os
@@ -1538,7 +1539,7 @@ def release_run_lock() -> None:
 
 
 # ==========================================================================
-# 4. Response files
+# 4. Response files and the run record
 # ==========================================================================
 # Each agent writes its answer to a file of its own; the file is the agent's
 # word, so it leads every decision about a turn (section 5).
@@ -1634,10 +1635,11 @@ def read_reply_file(path: Path) -> str:
         return ""
 
 
-def utc_iso(timestamp: float | None = None) -> str:
-    """'2026-11-24T15:04:05Z': how the state file and the run summary write a time."""
-    return datetime.fromtimestamp(time.time() if timestamp is None else timestamp, timezone.utc) \
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
+def utc_iso(timestamp: float | None = None, precise: bool = False) -> str:
+    """'2026-11-24T15:04:05Z' (precise: '2026-11-24T15:04:05.123Z'): how the state file and the run
+    summary write a time; turns are timed to the millisecond, so short ones still show on the timeline."""
+    moment = datetime.fromtimestamp(time.time() if timestamp is None else timestamp, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S") + (f".{moment.microsecond // 1000:03d}" if precise else "") + "Z"
 
 
 def prompt_file_path(role: str, number: int) -> Path:
@@ -1695,6 +1697,179 @@ def reply_file_version(path: Path) -> tuple[int, int] | None:
     if info.st_size == 0 or not read_reply_file(path):
         return None
     return (info.st_mtime_ns, info.st_size)
+
+
+def duration_text(seconds: float) -> str:
+    """'45s', '2m 5s', '1h 3m': a span of time as a person reads it."""
+    seconds = int(max(0, seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
+
+
+def task_title() -> str:
+    """The task's first line (without Markdown markers), for commit subjects and notification titles."""
+    for line in (EXPLORE_SUMMARY or PROMPT).splitlines():
+        text = line.strip().lstrip("#*->").strip()
+        if text:
+            return text if len(text) <= 72 else text[:69].rstrip() + "..."
+    return "orchestrator loop run"
+
+
+def run_summary(exit_code: int) -> dict:
+    """What the run did, from its turn records: for the last log lines, CI dashboards and the report.
+
+    A prompt sent and not answered (an interrupted run) is listed among the
+    turns with no reply and counted in the prompts sent.
+    """
+    roles = {}
+    for role in ROLES:
+        mine = [r for r in turn_records if r.role == role]
+        roles[role] = {"turns": len(mine), "seconds": round(sum(r.seconds for r in mine if r.seconds is not None), 1),
+                       "outcomes": [r.outcome for r in mine if r.outcome]}
+    turns = [r.to_json() for r in turn_records]
+    if in_flight is not None:
+        first_sent = in_flight.first_sent_at or in_flight.sent_at
+        prompt_file = prompt_file_path(in_flight.role, in_flight.number) if in_flight.number else None
+        turns.append({"role": in_flight.role, "round": in_flight.round, "phase": in_flight.phase,
+                      "cycle": in_flight.cycle, "sent_at": utc_iso(first_sent, precise=True) if first_sent else "",
+                      "taken_at": "",
+                      "seconds": None, "prompt_bytes": in_flight.prompt_bytes, "reply_bytes": 0,
+                      "reminders": in_flight.reminders, "resends": in_flight.resends,
+                      "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
+                      "reply_file": "", "outcome": "unanswered"})
+    ended_at = utc_iso(precise=True)
+    try:
+        wall = (datetime.fromisoformat(ended_at.replace("Z", "+00:00"))
+                - datetime.fromisoformat(started_at.replace("Z", "+00:00"))).total_seconds()
+    except ValueError:
+        wall = None
+    return {
+        "result": final_status, "exit_code": exit_code, "task": task_title(), "wd": WD,
+        "providers": {role: provider_for(role) for role in ROLES},
+        "started_at": started_at, "ended_at": ended_at, "wall_seconds": wall,
+        "rounds": current_round, "max_rounds": MAX_ROUNDS,
+        "turns": len(turn_records), "prompts_sent": len(turns),
+        "agent_seconds": round(sum(r.seconds for r in turn_records if r.seconds is not None), 1),
+        "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
+        "reply_bytes": sum(r.reply_bytes for r in turn_records),
+        "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "after_run": after_run.to_json() or {},
+        "replacements": [r.to_json() for r in replacements],
+        "turn_list": turns,
+    }
+
+
+# The page a person opens to see a run (report.html in the run's folder): colours by verdict.
+REPORT_COLOURS = {"PASS": "#2e7d32", "FAIL": "#d32f2f", "APPROVED": "#66bb6a", "REVISE": "#f9a825",
+                  "MISSING": "#8d6e63", "COMPLETE": "#26a69a", "unanswered": "#9e9e9e", "": "#1976d2"}
+REPORT_TEXT_LIMIT = 200_000          # characters of one prompt or reply shown in the report
+
+
+def _verdict_of(outcome: str | None) -> str:
+    """The REPORT_COLOURS key of a turn's outcome ('APPROVED (not counted)' -> 'APPROVED')."""
+    word = (outcome or "").split(" ")[0]
+    return word if word in REPORT_COLOURS else ("" if not outcome else "MISSING")
+
+
+def _seconds_since(start: str, when: str) -> float | None:
+    try:
+        return (datetime.fromisoformat(when.replace("Z", "+00:00"))
+                - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+    except ValueError:
+        return None
+
+
+def _kept_text(name: str) -> str:
+    """A prompt or reply kept in the run's folder, for the report ('' when it is not there)."""
+    if not name or not run_dir:
+        return ""
+    try:
+        text = (Path(run_dir) / name).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return text if len(text) <= REPORT_TEXT_LIMIT else text[:REPORT_TEXT_LIMIT] + "\n[... cut here in the report]"
+
+
+def report_html(summary: dict) -> str:
+    """report.html: the task, the result, a timeline with one lane per role (a bar per turn, coloured by its
+    verdict) and every turn's prompt and reply, in one file that needs nothing from the network."""
+    turns = summary["turn_list"]
+    start = summary["started_at"] or (turns[0]["sent_at"] if turns else "")
+    ends = [_seconds_since(start, t["taken_at"] or summary["ended_at"]) or 0.0 for t in turns]
+    span = max([1.0, *ends])
+    esc = html.escape
+    figures = [("result", summary["result"]), ("started", summary["started_at"] or "-"),
+               ("last written", summary["ended_at"]),
+               ("wall time", duration_text(summary["wall_seconds"]) if summary["wall_seconds"] is not None else "-"),
+               ("rounds", f"{summary['rounds']} of {summary['max_rounds']}"),
+               ("turns", f"{summary['turns']} answered, {summary['prompts_sent']} prompts sent"),
+               ("agent time", f"{summary['agent_seconds']:g} s"),
+               ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
+               ("providers", ", ".join(sorted(set(summary["providers"].values())))), ("project", summary["wd"])]
+    out = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>{esc(summary['result'])}: {esc(summary['task'])}</title>", "<style>",
+           "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}"
+           "h1{font-size:1.3em}dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}"
+           "dt{color:#666}.lane{display:flex;align-items:center;margin:.3em 0}"
+           ".lane-label{width:9em;flex:none}.track{position:relative;flex:1;height:1.6em;background:#f1f1f1}"
+           ".turn{position:absolute;top:0;bottom:0;min-width:4px;color:#fff;font-size:11px;text-align:center;"
+           "overflow:hidden;text-decoration:none}pre{white-space:pre-wrap;background:#f7f7f7;padding:.6em}"
+           "summary{cursor:pointer;padding:.2em 0}.legend span{display:inline-block;padding:0 .5em;"
+           "margin-right:.4em;color:#fff}", "</style></head><body>",
+           f"<h1>{esc(summary['task'] or 'orchestrator loop run')}</h1>",
+           f'<p class="result" data-result="{esc(summary["result"])}" style="font-size:1.2em">Result: '
+           f"<b>{esc(summary['result'])}</b></p>", "<dl>"]
+    out += [f"<dt>{esc(name)}</dt><dd>{esc(str(value))}</dd>" for name, value in figures]
+    out += ["</dl>", '<section id="timeline"><h2>Timeline</h2>']
+    for role in ROLES:
+        out.append(f'<div class="lane" data-role="{role}"><span class="lane-label">{role}</span><div class="track">')
+        for number, turn in enumerate(turns, 1):
+            if turn["role"] != role:
+                continue
+            begin = max(0.0, _seconds_since(start, turn["sent_at"]) or 0.0)
+            left, width = 100 * begin / span, max(0.4, 100 * (ends[number - 1] - begin) / span)
+            verdict = _verdict_of(turn.get("outcome"))
+            out.append(f'<a class="turn" href="#turn-{number}" data-turn="{number}" data-verdict="{verdict}" '
+                       f'style="left:{left:.2f}%;width:{width:.2f}%;background:{REPORT_COLOURS[verdict]}" '
+                       f'title="{number}: {role}, round {turn["round"]}, {esc(turn.get("outcome") or "")}">'
+                       f"{number}</a>")
+        out.append("</div></div>")
+    out.append('<p class="legend">' + "".join(
+        f'<span style="background:{colour}">{esc(name or "author turn")}</span>'
+        for name, colour in REPORT_COLOURS.items()) + f"</p><p>0 to {duration_text(span)}</p></section>")
+    out.append('<section id="turns"><h2>Turns</h2>')
+    for number, turn in enumerate(turns, 1):
+        where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
+        extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
+        took = f"{turn['seconds']:g} s" if turn["seconds"] is not None else "no reply yet"
+        out += [f'<details id="turn-{number}" class="turn-detail"><summary>{number:03d} {turn["role"]}: {where}; '
+                f"{took}; {esc(turn.get('outcome') or 'no verdict')}{extra}</summary>",
+                f'<h3>Prompt ({turn["prompt_bytes"]:,} bytes, sent {esc(turn["sent_at"])})</h3>'
+                f'<pre class="prompt">{esc(_kept_text(turn["prompt_file"]))}</pre>',
+                f'<h3>Reply ({turn["reply_bytes"]:,} bytes, taken {esc(turn["taken_at"] or "-")})</h3>'
+                f'<pre class="reply">{esc(_kept_text(turn["reply_file"]))}</pre></details>']
+    out += ["</section>",
+            "<script>function openTurn(){var d=document.getElementById(location.hash.slice(1));"
+            "if(d&&d.tagName==='DETAILS'){d.open=true;}}"
+            "window.addEventListener('hashchange',openTurn);openTurn();</script>", "</body></html>"]
+    return "\n".join(out) + "\n"
+
+
+def write_report(exit_code: int | None = None) -> None:
+    """Write report.html (and nothing else) into the run's folder; a page that cannot be written never
+    stops the run. Rewritten after every turn, so a page opened mid-run shows how far it got."""
+    if not run_dir:
+        return
+    path = Path(run_dir) / "report.html"
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(report_html(run_summary(exit_code)), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
 
 
 # ==========================================================================
@@ -2143,16 +2318,6 @@ def log_turn(role: str, message: str) -> None:
     if current_phase in (PHASE_ANALYST, PHASE_PROGRAMMER):
         where += f" | cycle {phase_cycle}/{MAX_REVIEW_CYCLES}"
     log(f"{where} | {role}: {message}")
-
-
-def duration_text(seconds: float) -> str:
-    """'45s', '2m 5s', '1h 3m': a span of time as a person reads it."""
-    seconds = int(max(0, seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m {seconds % 60}s"
-    return f"{seconds // 3600}h {seconds % 3600 // 60}m"
 
 
 def progress_text(facts: TurnFacts, began: float, now: float) -> str:
@@ -2757,6 +2922,7 @@ def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:
                                   resends=in_flight.resends if again else 0))
     save_state()
     keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
+    write_report()
     log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
     try:
         deliver(role, terminal_id, message)
@@ -2793,8 +2959,8 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> Non
     prompt_file = prompt_file_path(role, sent.number) if sent is not None and sent.number else None
     turn_records.append(TurnRecord(
         role, current_round, seconds, prompt_bytes, phase=sent.phase if sent else current_phase,
-        cycle=sent.cycle if sent else phase_cycle, sent_at=utc_iso(first_sent) if first_sent else "",
-        taken_at=utc_iso(), reply_bytes=len(reply.encode("utf-8")),
+        cycle=sent.cycle if sent else phase_cycle, sent_at=utc_iso(first_sent, precise=True) if first_sent else "",
+        taken_at=utc_iso(precise=True), reply_bytes=len(reply.encode("utf-8")),
         reminders=sent.reminders if sent else 0, resends=sent.resends if sent else 0,
         prompt_file=prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
         reply_file=archived.name))
@@ -2820,6 +2986,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     timing = turn_timing(path)
     archived = archive_reply(role, reply, path)
     record_turn(role, len(prompt.encode("utf-8")), reply, archived)
+    write_report()
     update_run(in_flight=None)
     log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived})")
     return reply
@@ -3484,15 +3651,6 @@ def is_accident_name(path: str) -> bool:
     return False
 
 
-def task_title() -> str:
-    """The task's first line (without Markdown markers), for commit subjects and notification titles."""
-    for line in (EXPLORE_SUMMARY or PROMPT).splitlines():
-        text = line.strip().lstrip("#*->").strip()
-        if text:
-            return text if len(text) <= 72 else text[:69].rstrip() + "..."
-    return "orchestrator loop run"
-
-
 def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None = None,
                 env: Mapping[str, str] | None = None) -> tuple[int | None, str, str]:
     """Run a program without a terminal: (exit code, stdout, stderr); exit code None after `timeout`.
@@ -4096,7 +4254,8 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         set_aside_old_state(plan)
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
-        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), started_at=utc_iso(),
+        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
+                   started_at=utc_iso(precise=True),
                    outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
                    worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
         set_position(phase, 1, step)
@@ -4410,49 +4569,6 @@ def run_loop() -> int:
     return finish_run(code)
 
 
-def run_summary(exit_code: int) -> dict:
-    """What the run did, from its turn records: for the last log lines, CI dashboards and the report.
-
-    A prompt sent and not answered (an interrupted run) is listed among the
-    turns with no reply and counted in the prompts sent.
-    """
-    roles = {}
-    for role in ROLES:
-        mine = [r for r in turn_records if r.role == role]
-        roles[role] = {"turns": len(mine), "seconds": round(sum(r.seconds for r in mine if r.seconds is not None), 1),
-                       "outcomes": [r.outcome for r in mine if r.outcome]}
-    turns = [r.to_json() for r in turn_records]
-    if in_flight is not None:
-        first_sent = in_flight.first_sent_at or in_flight.sent_at
-        prompt_file = prompt_file_path(in_flight.role, in_flight.number) if in_flight.number else None
-        turns.append({"role": in_flight.role, "round": in_flight.round, "phase": in_flight.phase,
-                      "cycle": in_flight.cycle, "sent_at": utc_iso(first_sent) if first_sent else "", "taken_at": "",
-                      "seconds": None, "prompt_bytes": in_flight.prompt_bytes, "reply_bytes": 0,
-                      "reminders": in_flight.reminders, "resends": in_flight.resends,
-                      "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
-                      "reply_file": "", "outcome": "unanswered"})
-    ended_at = utc_iso()
-    try:
-        wall = (datetime.fromisoformat(ended_at.replace("Z", "+00:00"))
-                - datetime.fromisoformat(started_at.replace("Z", "+00:00"))).total_seconds()
-    except ValueError:
-        wall = None
-    return {
-        "result": final_status, "exit_code": exit_code, "task": task_title(), "wd": WD,
-        "providers": {role: provider_for(role) for role in ROLES},
-        "started_at": started_at, "ended_at": ended_at, "wall_seconds": wall,
-        "rounds": current_round, "max_rounds": MAX_ROUNDS,
-        "turns": len(turn_records), "prompts_sent": len(turns),
-        "agent_seconds": round(sum(r.seconds for r in turn_records if r.seconds is not None), 1),
-        "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
-        "reply_bytes": sum(r.reply_bytes for r in turn_records),
-        "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
-        "after_run": after_run.to_json() or {},
-        "replacements": [r.to_json() for r in replacements],
-        "turn_list": turns,
-    }
-
-
 def report_run_summary(exit_code: int) -> None:
     """Log the run's summary and keep it as summary.json in the run's archive directory."""
     summary = run_summary(exit_code)
@@ -4472,7 +4588,8 @@ def report_run_summary(exit_code: int) -> None:
         path = Path(run_dir) / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        log(f"summary written to {path}")
+        write_report(exit_code)
+        log(f"summary written to {path}; the run's page: {path.with_name('report.html')}")
 
 
 # ==========================================================================
