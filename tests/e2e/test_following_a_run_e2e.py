@@ -62,6 +62,11 @@ def test_a_slow_agent_gets_progress_lines_and_a_fail_then_pass_run_leaves_its_re
     assert [t["outcome"] for t in summary["turn_list"] if t["role"] == "tester"] == ["FAIL", "PASS"]
     assert all(t["prompt_file"] and t["reply_file"] and t["sent_at"] <= t["taken_at"] for t in summary["turn_list"])
 
+    page = (folder / "report.html").read_text(encoding="utf-8")
+    assert re.findall(r'<a class="turn" href="#turn-(\d+)"', page) and \
+        sorted(map(int, re.findall(r'<a class="turn" href="#turn-(\d+)"', page))) == list(range(1, 9))
+    assert 'data-result="PASS"' in page
+
     assert (run.wd / ".tmp" / "latest").resolve() == folder.resolve()
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=run.wd,
                             capture_output=True, text=True, check=True).stdout
