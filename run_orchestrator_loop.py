@@ -2328,8 +2328,8 @@ def progress_text(facts: TurnFacts, began: float, now: float) -> str:
         parts.append("its screen does not show the prompt yet")
     if facts.screen is not None:
         still = now - facts.screen_changed_at
-        parts.append("screen changing" if still < 2 * LIVENESS_CHECK_SECONDS else f"screen still for "
-                                                                                   f"{duration_text(still)}")
+        parts.append("screen changing" if still < 2 * LIVENESS_CHECK_SECONDS
+                     else f"screen still for {duration_text(still)}")
     if facts.status is not None:
         parts.append(f"CAO status {facts.status}")
     parts.append("no response file yet" if facts.file_version is None else
@@ -4750,29 +4750,29 @@ def readme_text() -> str:
 def help_text() -> str:
     """--help: what the command does, how to run it, the settings most runs set, where the rest is."""
     name = command_name()
-    lines = usage_lines() + ["",
-             "Runs five AI coding agents (analyst, peer analyst, programmer, peer programmer,",
-             "tester) on a CAO server until the tester reports PASS. Settings come from",
-             "environment variables and/or a JSON config file; the environment wins.", "",
-             "  config.json      settings as JSON (see config-fresh.json in the documentation)",
-             "  --status         where the run in STATE_FILE stands; changes nothing",
-             "  --help-settings  every setting: variable, JSON key, default, meaning",
-             "  --readme         print the full documentation (README)",
-             "  --version        print the version", "",
-             "Settings most runs set (environment variable, default):"]
+    lines = usage_lines() + [
+        "",
+        "Runs five AI coding agents (analyst, peer analyst, programmer, peer programmer,",
+        "tester) on a CAO server until the tester reports PASS. Settings come from",
+        "environment variables and/or a JSON config file; the environment wins.", "",
+        "  config.json      settings as JSON (see config-fresh.json in the documentation)",
+        "  --status         where the run in STATE_FILE stands; changes nothing",
+        "  --help-settings  every setting: variable, JSON key, default, meaning",
+        "  --readme         print the full documentation (README)",
+        "  --version        print the version", "",
+        "Settings most runs set (environment variable, default):"]
     for env in COMMON_SETTINGS:
         setting = SETTINGS_BY_ENV[env]
         lines.append(f"  {env:20} {_shown_default(setting)}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(KNOWN_PROVIDERS), 78, subsequent_indent="  ")
+    first_codes = ((EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL or error"), (EXIT_USAGE, "bad settings"))
+    more_codes = ((EXIT_LOCKED, "another process drives the run"), (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
     lines += ["", "Example:",
-              f"  API=http://localhost:9889 PROVIDER=claude_code WD=~/my-project \\",
+              "  API=http://localhost:9889 PROVIDER=claude_code WD=~/my-project \\",
               f"    PROMPT_FILE=~/my-project/task.md {name}", "",
-              "Exit codes: " + ", ".join(f"{code} {short}" for code, short in (
-                  (EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL or error"), (EXIT_USAGE, "bad settings"))) + ",",
-             "  " + ", ".join(f"{code} {short}" for code, short in (
-                  (EXIT_LOCKED, "another process drives the run"), (EXIT_SIGINT, "Ctrl-C"),
-                  (EXIT_SIGTERM, "SIGTERM"))),
-             f"Documentation: {name} --readme (the project's README.md)"]
+              "Exit codes: " + ", ".join(f"{code} {short}" for code, short in first_codes) + ",",
+              "  " + ", ".join(f"{code} {short}" for code, short in more_codes),
+              f"Documentation: {name} --readme (the project's README.md)"]
     return "\n".join(lines)
 
 
