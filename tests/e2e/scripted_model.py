@@ -346,21 +346,23 @@ def parse_responses(body: dict) -> Conversation:
                 newest = item
         elif kind.endswith("_call_output"):
             newest = item
-    convo.user_count = len(user_texts)
     if newest is None:
-        return convo
+        return _with_newest(convo, "none", user_texts)
     if newest.get("type", "message") != "message":
-        convo.newest = "tool_result"
-        convo.tool_call_id = newest.get("call_id")
         output = newest.get("output")
-        convo.tool_output = (output if isinstance(output, str) else json.dumps(output))[:2000]
-        convo.earlier_user_texts = user_texts
-    elif newest.get("role") == "assistant":
-        convo.newest = "assistant"
-    else:
-        convo.newest = "user"
-        convo.user_text = user_texts[-1]
-        convo.earlier_user_texts = user_texts[:-1]
+        return _with_newest(convo, "tool_result", user_texts, newest.get("call_id"),
+                            output if isinstance(output, str) else json.dumps(output))
+    return _with_newest(convo, "assistant" if newest.get("role") == "assistant" else "user", user_texts)
+
+
+def _with_newest(convo: Conversation, newest: str, user_texts: list[str], call_id: str | None = None,
+                 output: str = "") -> Conversation:
+    """Complete a parsed request from what its newest relevant message is (the same for every dialect)."""
+    convo.user_count, convo.newest = len(user_texts), newest
+    if newest == "tool_result":
+        convo.tool_call_id, convo.tool_output, convo.earlier_user_texts = call_id, output[:2000], user_texts
+    elif newest == "user":
+        convo.user_text, convo.earlier_user_texts = user_texts[-1], user_texts[:-1]
     return convo
 
 
@@ -387,21 +389,12 @@ def parse_chat(body: dict) -> Conversation:
                 newest = message
         elif role in ("assistant", "tool"):
             newest = message
-    convo.user_count = len(user_texts)
     if newest is None:
-        return convo
+        return _with_newest(convo, "none", user_texts)
     if newest.get("role") == "tool":
-        convo.newest = "tool_result"
-        convo.tool_call_id = newest.get("tool_call_id")
-        convo.tool_output = _text_of(newest.get("content"))[:2000]
-        convo.earlier_user_texts = user_texts
-    elif newest.get("role") == "assistant":
-        convo.newest = "assistant"
-    else:
-        convo.newest = "user"
-        convo.user_text = user_texts[-1]
-        convo.earlier_user_texts = user_texts[:-1]
-    return convo
+        return _with_newest(convo, "tool_result", user_texts, newest.get("tool_call_id"),
+                            _text_of(newest.get("content")))
+    return _with_newest(convo, "assistant" if newest.get("role") == "assistant" else "user", user_texts)
 
 
 # ---------------------------------------------------------------- the model
