@@ -39,7 +39,7 @@ Sections, in the order data flows (each uses only what stands above it):
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 import argparse
 import base64
