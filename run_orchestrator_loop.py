@@ -255,12 +255,14 @@ class Setting:
 
 
 def _role_settings() -> list[Setting]:
-    """Per-role provider and CAO profile, e.g. PEER_ANALYST_PROFILE."""
+    """Per-role provider, model and CAO profile, e.g. PEER_ANALYST_PROFILE."""
     settings = []
     for role in ROLES:
         prefix = role.upper()
         settings.append(Setting(f"{prefix}_PROVIDER", f"agents.{role}.provider", "",
                                 "role_provider", f"CAO provider for the {role} (empty: PROVIDER)"))
+        settings.append(Setting(f"{prefix}_MODEL", f"agents.{role}.model", "",
+                                "model", f"model the {role}'s agent CLI is started with (empty: MODEL)"))
         settings.append(Setting(f"{prefix}_PROFILE", f"agents.{role}.profile",
                                 DEFAULT_PROFILES[role], "name", f"CAO agent profile for the {role}"))
     return settings
@@ -269,6 +271,8 @@ def _role_settings() -> list[Setting]:
 SETTINGS: tuple[Setting, ...] = (
     Setting("API", "api", "http://localhost:9889", "url", "CAO server base URL"),
     Setting("PROVIDER", "provider", "codex", "provider", "CAO provider for every agent"),
+    Setting("MODEL", "model", "", "model",
+            "model every agent CLI is started with, passed to CAO at creation (empty: each CLI's own default)"),
     Setting("WD", "wd", "", "text", "working directory of the agents (empty: current directory)"),
     Setting("PROMPT", "prompt", "", "text", "task prompt text (same format as a prompt file)"),
     Setting("PROMPT_FILE", "prompt_file", "", "text", "task prompt file"),
@@ -381,6 +385,7 @@ _ENV_EXPECTED = {
     "role_provider": "empty or one of " + ", ".join(KNOWN_PROVIDERS),
     "role": "one of " + ", ".join(ROLES),
     "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
+    "model": "empty or a model id of at most 128 letters, digits and '.', '_', ':', '/', '-' (e.g. claude-haiku-4-5)",
 }
 _JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", count="a whole number of at least 1 (not a string)",
                       count0="a whole number of at least 0 (not a string)",
@@ -412,6 +417,8 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "role_provider": lambda v: isinstance(v, str) and (not v or v in KNOWN_PROVIDERS),
     "role": lambda v: v in ROLES,
     "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
+    # CAO 2.5.4 refuses any other model id (HTTP 400) before it starts anything.
+    "model": lambda v: isinstance(v, str) and (not v or (len(v) <= 128 and bool(re.fullmatch(r"[A-Za-z0-9._:/-]+", v)))),
 }
 
 
@@ -497,7 +504,7 @@ def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]
             continue
         if key in SETTINGS_BY_KEY:
             setting = SETTINGS_BY_KEY[key]
-            if value is None or (value == "" and setting.kind in ("text", "role_provider")):
+            if value is None or (value == "" and setting.kind in ("text", "role_provider", "model")):
                 continue                # like an empty env variable: not set
             try:
                 values[setting.env] = _check_value(setting, value)
@@ -576,6 +583,7 @@ def _current_directory() -> str:
 
 API: str = _initial("API")
 PROVIDER: str = _initial("PROVIDER")
+MODEL: str = _initial("MODEL")
 WD: str = _initial("WD") or _current_directory()
 PROMPT: str = _initial("PROMPT")
 PROMPT_FILE: str = _initial("PROMPT_FILE")
@@ -616,14 +624,19 @@ CONDENSE_UPSTREAM_ON_REPEAT: bool = _initial("CONDENSE_UPSTREAM_ON_REPEAT")
 CONDENSE_CROSS_PHASE: bool = _initial("CONDENSE_CROSS_PHASE")
 MAX_CROSS_PHASE_LINES: int = _initial("MAX_CROSS_PHASE_LINES")
 ANALYST_PROVIDER: str = _initial("ANALYST_PROVIDER")
+ANALYST_MODEL: str = _initial("ANALYST_MODEL")
 ANALYST_PROFILE: str = _initial("ANALYST_PROFILE")
 PEER_ANALYST_PROVIDER: str = _initial("PEER_ANALYST_PROVIDER")
+PEER_ANALYST_MODEL: str = _initial("PEER_ANALYST_MODEL")
 PEER_ANALYST_PROFILE: str = _initial("PEER_ANALYST_PROFILE")
 PROGRAMMER_PROVIDER: str = _initial("PROGRAMMER_PROVIDER")
+PROGRAMMER_MODEL: str = _initial("PROGRAMMER_MODEL")
 PROGRAMMER_PROFILE: str = _initial("PROGRAMMER_PROFILE")
 PEER_PROGRAMMER_PROVIDER: str = _initial("PEER_PROGRAMMER_PROVIDER")
+PEER_PROGRAMMER_MODEL: str = _initial("PEER_PROGRAMMER_MODEL")
 PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
 TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
+TESTER_MODEL: str = _initial("TESTER_MODEL")
 TESTER_PROFILE: str = _initial("TESTER_PROFILE")
 ARCHIVE_ON_PASS: bool = _initial("ARCHIVE_ON_PASS")
 OPENSPEC_COMMAND: str = _initial("OPENSPEC_COMMAND")
@@ -795,6 +808,11 @@ def provider_for(role: str) -> str:
     return globals()[f"{role.upper()}_PROVIDER"] or PROVIDER
 
 
+def model_for(role: str) -> str:
+    """The model the role's agent CLI is started with: its own, else MODEL; '' leaves the CLI's default."""
+    return globals()[f"{role.upper()}_MODEL"] or MODEL
+
+
 def providers_in_use() -> list[str]:
     """Every provider the five roles run on, each once."""
     return sorted({provider_for(role) for role in ROLES})
@@ -926,21 +944,27 @@ class ApiClient:
             raise ApiError(f"CAO {what} answered without a terminal id and session name: {answer!r:.200}")
         return answer
 
-    def create_session(self, profile: str, provider: str | None = None, session_name: str | None = None) -> dict:
+    def create_session(self, profile: str, provider: str | None = None, session_name: str | None = None,
+                       model: str = "") -> dict:
         """A new CAO session whose first terminal runs `profile`; returns its id and session_name.
 
         With `session_name` the caller picks the name, so that terminals can be
         added to the session before this call returns; CAO 2.5.4 puts `cao-` in
         front of a name that does not start with it, so read the name it answers.
+        A `model` goes along only when one is asked for (CAO answers `model_honored`).
         """
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
         if session_name is not None:
             params["session_name"] = session_name
+        if model:
+            params["model"] = model
         return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params))
 
-    def create_terminal(self, session_name: str, profile: str, provider: str | None = None) -> dict:
+    def create_terminal(self, session_name: str, profile: str, provider: str | None = None, model: str = "") -> dict:
         """Another terminal in an existing session; returns its id and session_name."""
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
+        if model:
+            params["model"] = model
         what = f"create terminal ({profile})"
         return self._terminal_answer(
             what, self._call(what, "POST", f"/sessions/{quote(session_name, safe='')}/terminals", params))
@@ -1274,6 +1298,13 @@ def _terminals(raw: object) -> dict[str, str]:
     return {role: raw.get(role, "") for role in ROLES}
 
 
+def _models(raw: object) -> dict[str, str]:
+    """role -> the model its agent was created with ('' for the CLI's default); lenient, as it only informs."""
+    if not isinstance(raw, dict):
+        return {}
+    return {role: raw[role] for role in ROLES if isinstance(raw.get(role), str)}
+
+
 def _outputs(raw: object) -> dict[str, str]:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
@@ -1337,6 +1368,7 @@ STATE_FIELDS: tuple[StateField, ...] = (
                new=lambda: "author"),
     StateField("run_dir", "run_dir", parse=_text, new=str),
     StateField("started_at", "started_at", parse=_text, new=str),
+    StateField("models", "agent_models", parse=_models, new=dict),
     StateField("context_sent", "context_sent", parse=lambda v: set(_strings(v)), new=set, dump=sorted),
     StateField("terminals_exited", "terminals_exited", parse=lambda v: v is True, new=bool),
     StateField("in_flight", "in_flight", parse=InFlight.from_json, dump=lambda r: r and r.to_json()),
@@ -1372,6 +1404,7 @@ programmer_context_for_retry: str = _new_value("programmer_context_for_retry")  
 outputs: dict[str, str] = _new_value("outputs")          # the latest answer of each agent (OUTPUT_KEYS)
 run_dir: str = _new_value("run_dir")                      # the run's folder: prompts, replies, run.log, summary
 started_at: str = _new_value("started_at")                # when the run started (ISO, UTC)
+agent_models: dict[str, str] = _new_value("agent_models")  # role -> the model its agent asked for ("": default)
 context_sent: set[str] = _new_value("context_sent")      # "<block>:<terminal id>" of once-only text a terminal has
 terminals_exited: bool = _new_value("terminals_exited")  # CLEANUP_ON_EXIT ended the agents: never type into them
 in_flight: InFlight | None = _new_value("in_flight")
@@ -1749,6 +1782,7 @@ def run_summary(exit_code: int) -> dict:
     return {
         "result": final_status, "exit_code": exit_code, "task": task_title(), "wd": WD,
         "providers": {role: provider_for(role) for role in ROLES},
+        "models": {role: agent_models.get(role, "") for role in ROLES},
         "started_at": started_at, "ended_at": ended_at, "wall_seconds": wall,
         "rounds": current_round, "max_rounds": MAX_ROUNDS,
         "turns": len(turn_records), "prompts_sent": len(turns),
@@ -2588,6 +2622,26 @@ def new_session_name() -> str:
     return f"cao-loop-{secrets.token_hex(4)}"
 
 
+def request_agent(role: str, session: str, first: bool = False) -> dict:
+    """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`."""
+    if first:
+        return api.create_session(profile_for(role), provider_for(role), session, model_for(role))
+    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role))
+
+
+def note_model_answers(answers: dict[str, dict]) -> None:
+    """One warning per role whose model CAO's provider cannot pass on (it answers `model_honored: false`)."""
+    for role, answer in answers.items():
+        if model_for(role) and answer.get("model_honored") is False:
+            log(f"warning: CAO's {provider_for(role)} provider does not start its CLI with a chosen model: the "
+                f"{role} runs on its CLI's default model, not {model_for(role)}")
+
+
+def model_refused(error: str) -> bool:
+    """CAO refused the model id itself (HTTP 400 before it started anything)."""
+    return bool(re.search(r"\bmodel\b.*(is invalid|exceeds the)", error))
+
+
 def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
     """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
 
@@ -2608,7 +2662,7 @@ def add_to_session(name: str, role: str, session: Future, interrupted: list[int]
         if session_finished:                   # from now on, the name the server answered
             name = session.result()["session_name"]
         try:
-            return api.create_terminal(name, profile_for(role), provider_for(role))
+            return request_agent(role, name)
         except ApiError as exc:
             if session_finished or not (exc.status_code == 404 and f"Session '{name}' not found" in str(exc)):
                 raise
@@ -2690,7 +2744,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         "minute with real CLIs)")
     with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
             signals_held("exiting the terminals being created") as interrupted:
-        session = pool.submit(api.create_session, profile_for("analyst"), provider_for("analyst"), name)
+        session = pool.submit(request_agent, "analyst", name, True)
         futures = {"analyst": session}
         for role in ROLES[1:]:
             futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
@@ -2710,7 +2764,11 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         if failures and not interrupted:
             # A failed session explains the rest: the adds failed or stopped because of it.
             error = failures.get("analyst") or "; ".join(failures.values())
+            if model_refused(error):
+                raise ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
+                                  "accepts, or leave it empty for each CLI's own default")
             raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
+    note_model_answers(answers)
     return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
 
 
@@ -2735,10 +2793,9 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
             return {}
         try:
             if role == "analyst":
-                answers[role] = api.create_session(profile_for(role), provider_for(role), new_session_name())
+                answers[role] = request_agent(role, new_session_name(), first=True)
             else:
-                answers[role] = api.create_terminal(answers["analyst"]["session_name"], profile_for(role),
-                                                    provider_for(role))
+                answers[role] = request_agent(role, answers["analyst"]["session_name"])
         except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
             return {role: f"{role}: {exc} (on its second try too, started alone)"}
     log("all five agents are up after the second try")
@@ -2783,7 +2840,8 @@ def replace_lost_agent(lost: AgentLost) -> None:
     else:
         log(f"replacing the {lost.role} agent (terminal {lost.terminal_id}: {lost.why})")
         with signals_held("creating the replacement agent"):
-            answer = api.create_terminal(session_name, profile_for(lost.role), provider_for(lost.role))
+            answer = request_agent(lost.role, session_name)
+        note_model_answers({lost.role: answer})
         new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: answer["id"]}, (lost.role,)
         try:
             api.delete_terminal(lost.terminal_id)
@@ -2792,6 +2850,7 @@ def replace_lost_agent(lost: AgentLost) -> None:
     event = replacements_used() + 1
     at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     update_run(session_name=new_session, terminal_ids=new_ids,
+               agent_models={**agent_models, **{role: model_for(role) for role in roles}},
                replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
                                                         lost.why, event) for role in roles])
     save_state()
@@ -4255,7 +4314,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
         update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
-                   started_at=utc_iso(precise=True),
+                   started_at=utc_iso(precise=True), agent_models={role: model_for(role) for role in ROLES},
                    outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
                    worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
         set_position(phase, 1, step)
@@ -4598,7 +4657,7 @@ def report_run_summary(exit_code: int) -> None:
 
 PACKAGE_NAME = "cao-orchestrator-loop"
 # The settings most runs set; the short --help lists them, --help-settings all of them.
-COMMON_SETTINGS = ("API", "PROVIDER", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
+COMMON_SETTINGS = ("API", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT", "PROGRESS_SECONDS")
 
 
@@ -4718,6 +4777,9 @@ def status_report() -> tuple[int, str]:
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
     lines.append("agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
                  f"agents: {agents_left_note(saved)}")
+    if any(saved.agent_models.values()):
+        lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
+                                                      for role in ROLES))
     if saved.replacements:
         lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
     if saved.run_dir:

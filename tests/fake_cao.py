@@ -370,8 +370,11 @@ class FakeCao:
             if self.startup_polls:
                 terminal.status, terminal.polls_left = "processing", self.startup_polls
             self.terminals[terminal.id] = terminal
+            # As CAO 2.5.4: the model asked for, and whether the provider passes it to its CLI (mock_cli does not).
+            model = params.get("model")
             return self._answer(profile, 201, {"id": terminal.id, "session_name": session, "status": "idle",
-                                               "provider": terminal.provider, "agent_profile": profile})
+                                               "provider": terminal.provider, "agent_profile": profile,
+                                               "model": model, "model_honored": terminal.provider != "mock_cli"})
 
     def _refusal(self, profile: str) -> tuple[int, dict]:
         status, detail = self.fail_create[profile]

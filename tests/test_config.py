@@ -373,7 +373,7 @@ BAD_JSON = [
     ({"handoff": {"poll_second": 2}}, "poll_second"),
     ({"condensation": {"max_evidence_lines": 50}}, "max_evidence_lines"),
     ({"agents": {"boss": {"provider": "codex"}}}, "boss"),
-    ({"agents": {"tester": {"model": "gpt"}}}, "model"),
+    ({"agents": {"tester": {"temperature": 0.2}}}, "temperature"),
     ({"limits": {"max_rounds": 8, "extra": {"deep": 1}}}, "extra"),
     # sections of the wrong type
     ({"limits": 8}, "limits"),

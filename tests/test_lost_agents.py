@@ -249,3 +249,13 @@ def test_a_server_without_the_session_route_is_not_taken_for_a_lost_session(run,
         return_value=httpx.Response(404, json={"detail": "Not Found"}))
     m = run(**TESTER_ONLY)
     assert run_main(m) == 0
+
+
+def test_a_replaced_agent_asks_for_the_roles_model_again(run, fake_cao):
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli}, PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1", MODEL="big-model", TESTER_MODEL="small-model")
+    assert run_main(m) == 0
+    tester_creations = [dict(r.url.params) for r in fake_cao.requests
+                        if r.method == "POST" and r.url.path.startswith("/sessions")
+                        and dict(r.url.params).get("agent_profile") == "tester"]
+    assert [c.get("model") for c in tester_creations] == ["small-model", "small-model"]
