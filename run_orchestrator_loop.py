@@ -355,6 +355,11 @@ SETTINGS: tuple[Setting, ...] = (
             "longest wait for `openspec archive`; then it is stopped and the PASS stands"),
     Setting("COMMIT_ON_PASS", "on_pass.commit", False, "bool",
             "1: on PASS, commit what the run changed in WD's git repository (never $WD/.tmp/)"),
+    Setting("VERIFY_PASS", "on_pass.verify", False, "bool",
+            "1: after the tester's PASS, the loop runs PROJECT_TEST_CMD in WD itself; only its exit 0 lets the "
+            "PASS stand, anything else counts as a FAIL of that round"),
+    Setting("VERIFY_TIMEOUT", "on_pass.verify_timeout", 900.0, "seconds",
+            "how long PROJECT_TEST_CMD may run for VERIFY_PASS; at the limit it (and all it started) is stopped"),
     Setting("NTFY_TOPIC", "notify.ntfy_topic", "", "text",
             "ntfy topic told of PASS, FAIL and stops that need a person (empty: no notifications)"),
     Setting("NTFY_SERVER", "notify.ntfy_server", "https://ntfy.sh", "url", "ntfy server to publish to"),
@@ -418,7 +423,8 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "role": lambda v: v in ROLES,
     "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
     # CAO 2.5.4 refuses any other model id (HTTP 400) before it starts anything.
-    "model": lambda v: isinstance(v, str) and (not v or (len(v) <= 128 and bool(re.fullmatch(r"[A-Za-z0-9._:/-]+", v)))),
+    "model": lambda v: isinstance(v, str) and (not v or (len(v) <= 128
+                                                         and bool(re.fullmatch(r"[A-Za-z0-9._:/-]+", v)))),
 }
 
 
@@ -642,6 +648,8 @@ ARCHIVE_ON_PASS: bool = _initial("ARCHIVE_ON_PASS")
 OPENSPEC_COMMAND: str = _initial("OPENSPEC_COMMAND")
 ARCHIVE_TIMEOUT: float = _initial("ARCHIVE_TIMEOUT")
 COMMIT_ON_PASS: bool = _initial("COMMIT_ON_PASS")
+VERIFY_PASS: bool = _initial("VERIFY_PASS")
+VERIFY_TIMEOUT: float = _initial("VERIFY_TIMEOUT")
 NTFY_TOPIC: str = _initial("NTFY_TOPIC")
 NTFY_SERVER: str = _initial("NTFY_SERVER")
 
@@ -696,6 +704,9 @@ def validate_settings() -> None:
                           "agents would rewrite the orchestrator. Make a directory for your project and set WD "
                           "to it (or run from there)")
     STATE_FILE = os.path.abspath(STATE_FILE)
+    if VERIFY_PASS and not PROJECT_TEST_CMD.strip():
+        raise ConfigError("VERIFY_PASS=1 needs PROJECT_TEST_CMD: set it to the command that runs the project's "
+                          "tests (exit 0 when they pass), or unset VERIFY_PASS")
     if os.path.isdir(STATE_FILE):
         raise ConfigError(f"STATE_FILE={STATE_FILE} is a directory: give it a file path")
     if MIN_REVIEW_CYCLES_BEFORE_APPROVAL > MAX_REVIEW_CYCLES:
@@ -1080,7 +1091,7 @@ PHASE_PROGRAMMER = "programmer"
 PHASE_TESTER = "tester"
 PHASE_DONE = "done"
 PHASES = (PHASE_ANALYST, PHASE_PROGRAMMER, PHASE_TESTER, PHASE_DONE)
-PHASE_STEPS = ("author", "review")    # whose turn is next in a reviewed phase
+PHASE_STEPS = ("author", "review", "verify")   # whose turn is next in a phase; "verify": the loop's own check
 STATE_VERSION = 1
 
 
@@ -1369,6 +1380,8 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("run_dir", "run_dir", parse=_text, new=str),
     StateField("started_at", "started_at", parse=_text, new=str),
     StateField("models", "agent_models", parse=_models, new=dict),
+    StateField("verifications", "verifications", new=list,
+               parse=lambda v: [r for r in v if isinstance(r, dict)] if isinstance(v, list) else []),
     StateField("context_sent", "context_sent", parse=lambda v: set(_strings(v)), new=set, dump=sorted),
     StateField("terminals_exited", "terminals_exited", parse=lambda v: v is True, new=bool),
     StateField("in_flight", "in_flight", parse=InFlight.from_json, dump=lambda r: r and r.to_json()),
@@ -1405,6 +1418,7 @@ outputs: dict[str, str] = _new_value("outputs")          # the latest answer of 
 run_dir: str = _new_value("run_dir")                      # the run's folder: prompts, replies, run.log, summary
 started_at: str = _new_value("started_at")                # when the run started (ISO, UTC)
 agent_models: dict[str, str] = _new_value("agent_models")  # role -> the model its agent asked for ("": default)
+verifications: list[dict] = _new_value("verifications")    # VERIFY_PASS: each check of a tester's PASS
 context_sent: set[str] = _new_value("context_sent")      # "<block>:<terminal id>" of once-only text a terminal has
 terminals_exited: bool = _new_value("terminals_exited")  # CLEANUP_ON_EXIT ended the agents: never type into them
 in_flight: InFlight | None = _new_value("in_flight")
@@ -1783,6 +1797,8 @@ def run_summary(exit_code: int) -> dict:
         "result": final_status, "exit_code": exit_code, "task": task_title(), "wd": WD,
         "providers": {role: provider_for(role) for role in ROLES},
         "models": {role: agent_models.get(role, "") for role in ROLES},
+        "verified": (verifications[-1]["result"] == "passed") if verifications else None,
+        "verifications": verifications,
         "started_at": started_at, "ended_at": ended_at, "wall_seconds": wall,
         "rounds": current_round, "max_rounds": MAX_ROUNDS,
         "turns": len(turn_records), "prompts_sent": len(turns),
@@ -1843,6 +1859,11 @@ def report_html(summary: dict) -> str:
                ("agent time", f"{summary['agent_seconds']:g} s"),
                ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
                ("providers", ", ".join(sorted(set(summary["providers"].values())))), ("project", summary["wd"])]
+    if summary["verifications"]:
+        last = summary["verifications"][-1]
+        ended = "timed out" if last["exit_code"] is None else f"exited {last['exit_code']}"
+        figures.insert(1, ("verified", f"{'yes' if summary['verified'] else 'no'}: PROJECT_TEST_CMD {ended} in "
+                                       f"round {last['round']} ({len(summary['verifications'])} check(s))"))
     out = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
            f"<title>{esc(summary['result'])}: {esc(summary['task'])}</title>", "<style>",
            "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}"
@@ -4571,14 +4592,63 @@ def handle_tester_fail() -> None:
     set_position(PHASE_PROGRAMMER)
 
 
-def run_tester_phase() -> str:
-    """One tester turn; returns PASS or FAIL."""
-    outputs["tester"] = ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"]))
-    result = tester_result(outputs["tester"])
-    note_turn_outcome(result)
-    log_turn("tester", f"RESULT: {result}")
-    for line in extract_test_evidence(outputs["tester"]).splitlines():
+def verify_pass() -> str:
+    """VERIFY_PASS: run PROJECT_TEST_CMD in WD after the tester's PASS; 'PASS' when it exits 0.
+
+    Anything else makes the round a FAIL whose test evidence is the command's
+    exit code and the last MAX_TEST_EVIDENCE_LINES lines of its output, headed
+    so that the programmer sees the tester said PASS and the command did not.
+    The check runs under VERIFY_TIMEOUT; a stop during it is resumed by
+    running it again, never by asking the tester again.
+    """
+    log_turn("tester", f"the tester reported PASS; checking it with PROJECT_TEST_CMD in {WD} (VERIFY_PASS=1, at "
+                       f"most {VERIFY_TIMEOUT:g}s): {PROJECT_TEST_CMD}")
+    started = time.monotonic()
+    try:
+        code, out, err = run_command(["sh", "-c", PROJECT_TEST_CMD], WD, VERIFY_TIMEOUT)
+    except OSError as exc:
+        code, out, err = 127, "", f"could not run sh: {exc}"
+    seconds = round(time.monotonic() - started, 1)
+    outcome = "exited 0" if code == 0 else (f"was stopped after VERIFY_TIMEOUT={VERIFY_TIMEOUT:g}s" if code is None
+                                            else f"exited {code}")
+    update_run(verifications=verifications + [{"round": current_round, "result": "passed" if code == 0 else "failed",
+                                               "exit_code": code, "seconds": seconds, "at": utc_iso()}])
+    if code == 0:
+        log_turn("tester", f"PASS verified: PROJECT_TEST_CMD exited 0 after {seconds:g}s")
+        return "PASS"
+    lines = [line for line in (out + ("\n" if out and err else "") + err).splitlines() if line.strip()]
+    shown = lines[-max(1, MAX_TEST_EVIDENCE_LINES - 4):]     # with the lines above it, within the evidence cap
+    outputs["tester"] = "\n".join([
+        "RESULT: FAIL",
+        "EVIDENCE:",
+        f"- The tester reported PASS, but the project's test command disagreed: `{PROJECT_TEST_CMD}` {outcome} "
+        f"(run by the orchestrator in {WD}).",
+        f"- Its last {len(shown)} lines of output:" if shown else "- It printed nothing.",
+        *[f"    {line}" for line in shown]])
+    log_turn("tester", f"PASS not verified: PROJECT_TEST_CMD {outcome} after {seconds:g}s; the round counts as a FAIL")
+    for line in shown[-10:]:
         log_detail(line)
+    return "FAIL"
+
+
+def run_tester_phase() -> str:
+    """One tester turn (and, with VERIFY_PASS, the loop's own check of a PASS); returns PASS or FAIL."""
+    if phase_step == "verify":             # resumed during the check: the tester said PASS already
+        log_turn("tester", "resuming the check of the tester's PASS (the tester is not asked again)" if VERIFY_PASS
+                 else "the tester's PASS stands: VERIFY_PASS is off now")
+        result = "PASS"
+    else:
+        outputs["tester"] = ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"]))
+        result = tester_result(outputs["tester"])
+        note_turn_outcome(result)
+        log_turn("tester", f"RESULT: {result}")
+        for line in extract_test_evidence(outputs["tester"]).splitlines():
+            log_detail(line)
+        if result == "PASS" and VERIFY_PASS:
+            set_position(PHASE_TESTER, 1, "verify")
+            save_state()
+    if result == "PASS" and VERIFY_PASS:
+        result = verify_pass()
     if result == "PASS":
         update_run(final_status="PASS")
         mark_after_run_due(result)

@@ -109,6 +109,7 @@ class Conversation:
     earlier_user_texts: list[str] = field(default_factory=list)
     schema: dict | None = None  # a JSON schema the answer must follow (title requests)
     conversation_id: str = ""  # sent by the CLI, the same across its own retries
+    model: str = ""            # the model the request names
 
 
 @dataclass
@@ -276,6 +277,7 @@ def parse_anthropic(body: dict) -> Conversation:
     tools = [t.get("name", "") for t in body.get("tools") or [] if isinstance(t, dict)]
     messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
     convo = Conversation(api="anthropic", tool_names=tools, newest="none")
+    convo.model = str(body.get("model") or "")
     convo.conversation_id = anthropic_conversation_id(body)
     fmt = (body.get("output_config") or {}).get("format") or {}
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
@@ -323,6 +325,7 @@ def parse_responses(body: dict) -> Conversation:
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
     convo = Conversation(api="responses", tool_names=tools, newest="none")
+    convo.model = str(body.get("model") or "")
     meta = body.get("client_metadata") if isinstance(body.get("client_metadata"), dict) else {}
     convo.conversation_id = str(body.get("prompt_cache_key") or meta.get("session_id") or "")
     fmt = (body.get("text") or {}).get("format") or {}
@@ -373,6 +376,7 @@ def parse_chat(body: dict) -> Conversation:
         if isinstance(t, dict):
             tools.append(((t.get("function") or {}).get("name")) or t.get("type") or "")
     convo = Conversation(api="chat", tool_names=tools, newest="none")
+    convo.model = str(body.get("model") or "")
     fmt = body.get("response_format") or {}
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         convo.schema = (fmt.get("json_schema") or {}).get("schema") or {}
@@ -488,9 +492,18 @@ class ScriptedModel:
 
     # ---- decisions
 
-    def _record(self, api: str, role, turn, kind: str, action: str, path, **extra) -> None:
-        """Append one decision record (caller holds no lock)."""
-        entry = {"time": time.time(), "api": api, "role": role, "turn": turn, "kind": kind, "action": action, "path": path}
+    def models_by_role(self) -> dict[str, set[str]]:
+        """role -> the models its requests named (side requests, which have no role, left out)."""
+        found: dict[str, set[str]] = {}
+        for event in self.events():
+            if event["role"] is not None:
+                found.setdefault(event["role"], set()).add(event["model"])
+        return found
+
+    def _record(self, convo: "Conversation", role, turn, kind: str, action: str, path, **extra) -> None:
+        """Append one decision record, with the model the request named (caller holds no lock)."""
+        entry = {"time": time.time(), "api": convo.api, "model": convo.model, "role": role, "turn": turn,
+                 "kind": kind, "action": action, "path": path}
         entry.update(extra)
         with self._lock:
             self._events.append(entry)
@@ -507,18 +520,18 @@ class ScriptedModel:
     def _write_reply(self, convo: Conversation, plan: dict, text: str, stage: str, kind: str) -> Reply:
         """A tool call writing ``text`` to the plan's path, recorded as a write."""
         call_id = self._new_call(convo.api, plan, stage)
-        self._record(convo.api, plan["role"], plan["turn"], kind, "write", plan["path"], draft=stage == "draft")
+        self._record(convo, plan["role"], plan["turn"], kind, "write", plan["path"], draft=stage == "draft")
         return Reply(command=write_command(plan["path"], text), call_id=call_id)
 
     def decide(self, convo: Conversation) -> Reply:
         """Choose the answer to one request, waiting the think time where the script says so."""
         if not convo.tool_names:
-            self._record(convo.api, None, None, "side", "text", None)
+            self._record(convo, None, None, "side", "text", None)
             return Reply(text=side_text(convo))
         if convo.newest == "tool_result":
             return self._answer_tool_result(convo)
         if convo.newest != "user":
-            self._record(convo.api, None, None, "side", "text", None)
+            self._record(convo, None, None, "side", "text", None)
             return Reply(text=side_text(convo))
 
         message = resolve_indirection(convo.user_text)
@@ -530,7 +543,7 @@ class ScriptedModel:
                 break
         kind, role, path = classify(message, last_role)
         if kind == "side":
-            self._record(convo.api, None, None, "side", "text", None)
+            self._record(convo, None, None, "side", "text", None)
             return Reply(text=side_text(convo))
 
         with self._lock:
@@ -541,7 +554,7 @@ class ScriptedModel:
                 message = self._unanswered.pop(role)          # "continue": the task above, done now
                 kind, role, path = classify(message, last_role)
         if failure is not None:
-            self._record(convo.api, role, None, kind, "error", path, status=failure)
+            self._record(convo, role, None, kind, "error", path, status=failure)
             return Reply(error_status=failure, error_message="Overloaded" if failure == 529 else "Rate limited")
         key = (kind, role, _digest(message), convo.user_count, convo.conversation_id)
         with self._lock:
@@ -585,13 +598,13 @@ class ScriptedModel:
         action = plan["action"]
         role, turn, path = plan["role"], plan["turn"], plan["path"]
         if action == "error":
-            self._record(convo.api, role, turn, kind, "error", path)
+            self._record(convo, role, turn, kind, "error", path)
             return Reply(error_status=plan["status"], error_message="Scripted server error")
         if action == "write_on_reminder":
-            self._record(convo.api, role, turn, kind, "hold", path)
+            self._record(convo, role, turn, kind, "hold", path)
             return Reply(text=f"I have the answer ready and will write it to {path} when asked again.")
         if action == "no_file":
-            self._record(convo.api, role, turn, kind, "text", path)
+            self._record(convo, role, turn, kind, "text", path)
             return Reply(text=plan.get("say", "I looked into it and have nothing to write this time."))
         if action == "write_twice":
             return self._write_reply(convo, plan, plan["draft"], "draft", kind)
@@ -604,18 +617,18 @@ class ScriptedModel:
             cached = self._after_tool.get(call_id)
             call = self._calls.get(call_id)
         if cached is not None:
-            self._record(convo.api, call["plan"]["role"] if call else None, call["plan"]["turn"] if call else None,
+            self._record(convo, call["plan"]["role"] if call else None, call["plan"]["turn"] if call else None,
                          "repeat", "write" if cached.command else "text", call["plan"]["path"] if call else None)
             return cached
         if call is None:
-            self._record(convo.api, None, None, "tool_result", "text", None)
+            self._record(convo, None, None, "tool_result", "text", None)
             return Reply(text="Done.")
         plan = call["plan"]
         if call["stage"] == "draft":
             time.sleep(plan["rewrite_after"])
             reply = self._write_reply(convo, plan, plan["text"], "final", "tool_result")
         else:
-            self._record(convo.api, plan["role"], plan["turn"], "tool_result", "text", plan["path"])
+            self._record(convo, plan["role"], plan["turn"], "tool_result", "text", plan["path"])
             reply = Reply(text=f"Wrote the answer to {plan['path']}.")
         with self._lock:
             self._after_tool[call_id] = reply

@@ -70,9 +70,9 @@ def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str]) -> N
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(times)
 
 
-def fail_then_pass(cao) -> str:
+def fail_then_pass(cao, **settings: str) -> str:
     """Round 1 (analyst .. tester) ends in FAIL, round 2 (programmer, peer, tester) in PASS."""
-    run = real_cli_run(cao)
+    run = real_cli_run(cao, **settings)
     cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
     result = run.run(timeout=900)
     check_every_turn_taken_once(cao, run, result, QUICK_ROUND + SHORT_ROUND)
@@ -83,14 +83,30 @@ def fail_then_pass(cao) -> str:
     return result.stdout
 
 
-def test_claude_code_fail_then_pass(claude_cao):
-    """Claude Code under CAO's claude_code provider: FAIL in round 1, PASS in round 2."""
-    fail_then_pass(claude_cao)
+def cheaper_reviewers(big: str, small: str) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """Settings for a model per role (the reviewers and the tester on the cheaper one), and the models the
+    scripted endpoint must then see named in each role's requests."""
+    settings = {"MODEL": big, "PEER_ANALYST_MODEL": small, "PEER_PROGRAMMER_MODEL": small, "TESTER_MODEL": small}
+    expected = {role: {small if role.startswith("peer_") or role == "tester" else big} for role in QUICK_ROUND}
+    return settings, expected
 
 
-def test_codex_fail_then_pass(codex_cao):
-    """Codex under CAO's codex provider, whose status sticks at `processing` after each turn."""
-    fail_then_pass(codex_cao)
+def test_claude_code_fail_then_pass_with_a_model_per_role(claude_cao):
+    """Claude Code under CAO's claude_code provider: FAIL in round 1, PASS in round 2; the reviewers and
+    the tester run on another model than the analyst and the programmer."""
+    settings, expected = cheaper_reviewers("claude-sonnet-4-5", "claude-haiku-4-5")
+    stdout = fail_then_pass(claude_cao, **settings)
+    assert claude_cao.model.models_by_role() == expected
+    assert "warning" not in stdout
+
+
+def test_codex_fail_then_pass_with_a_model_per_role(codex_cao):
+    """Codex under CAO's codex provider, whose status sticks at `processing` after each turn; a model per
+    role as for Claude Code (slugs Codex does not know, so it keeps its standard tools)."""
+    settings, expected = cheaper_reviewers("scripted-large", "scripted-small")
+    stdout = fail_then_pass(codex_cao, **settings)
+    assert codex_cao.model.models_by_role() == expected
+    assert "warning" not in stdout
 
 
 def story_mode(cao) -> None:
