@@ -44,6 +44,8 @@ def pytest_runtest_logreport(report):
         _e2e_outcomes.append((report.outcome.upper(), report.nodeid))
 
 
+REAL_CLI_THINK_SECONDS = 0.2    # the scripted model's think time per request in the real-CLI tests
+
 # Real agent CLIs: provider -> [(role, turn seconds, seconds from reply file written to reply taken)],
 # as the loop's own log reported them (filled by test_real_clis.py).
 REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float]]] = {}
@@ -99,7 +101,8 @@ def _start_real_cli_cao(stack: contextlib.ExitStack, provider: str) -> CaoServer
         from .scripted_model import ScriptedModel
     except ImportError as exc:
         _missing(MissingPrerequisite(f"the scripted model endpoint cannot be imported ({exc})"))
-    model = stack.enter_context(ScriptedModel())
+    # A quick model: the CLIs' own work (and the loop's handoff) is what these tests time.
+    model = stack.enter_context(ScriptedModel(think_seconds=REAL_CLI_THINK_SECONDS))
     server = _start_private_cao(stack, provider=provider, model_url=model.url)
     server.model = model
     return server

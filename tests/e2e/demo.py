@@ -38,7 +38,8 @@ E2E_DIR = Path(__file__).resolve().parent
 REPO_ROOT = E2E_DIR.parents[1]
 ORCHESTRATOR = REPO_ROOT / "run_orchestrator_loop.py"
 
-THINK_MS = 1500
+# The scripted agents' think time per turn; MOCK_AGENT_THINK_MS overrides it (the test suite runs it faster).
+THINK_MS = int(os.environ.get("MOCK_AGENT_THINK_MS") or 1500)
 LOOP_SETTINGS = {
     "POLL_SECONDS": "0.5",
     "IDLE_GRACE_SECONDS": "5",

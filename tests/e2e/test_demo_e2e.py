@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ DEMO = Path(__file__).resolve().with_name("demo.py")
 
 
 def test_the_demo_passes_and_its_last_lines_fit_what_it_left():
-    result = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "MOCK_AGENT_THINK_MS": "300"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "----- orchestrator exited with 0 (PASS) -----" in out

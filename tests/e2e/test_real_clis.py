@@ -139,7 +139,7 @@ def test_codex_in_a_project_it_does_not_trust_gets_every_prompt_again_and_passes
     answers the dialog. Its screen changes but never shows the prompt, so each agent gets its whole
     prompt once more (never a reminder first), and the FAIL -> PASS run completes with every agent
     given its task."""
-    run = real_cli_run(codex_cao, IDLE_GRACE_SECONDS="10")
+    run = real_cli_run(codex_cao, IDLE_GRACE_SECONDS="5")
     untrusted = codex_cao.root / "untrusted" / run.wd.name      # new_workdir() would pre-trust it
     untrusted.mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(untrusted)], check=True)        # a project, as users have them
