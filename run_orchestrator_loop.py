@@ -1954,6 +1954,7 @@ PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|\"type\": *\"(?:api_error|ove
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file asks whether its agent is still there
+CONFIRM_READ_SECONDS = 0.5            # how often a settled reply file's turn asks whether the agent has finished
 
 # -- Is the agent still there? -------------------------------------------------
 # An agent CLI can die (a crash, the OOM killer) and leave its pane at a shell
@@ -2005,6 +2006,24 @@ def prompt_markers(message: str) -> tuple[str, ...]:
 def shows_prompt(screen: str | None, markers: tuple[str, ...]) -> bool:
     screen_text = _squeezed(screen or "")
     return any(marker in screen_text for marker in markers)
+
+
+# Codex announces its turn's state to the terminal as it goes: `ESC ] 7501 ; state=working:app=codex`
+# when a turn starts, `state=done`, then `state=idle` when it has ended. CAO's status for Codex is
+# wrong both ways (`processing` for good after a finished turn, a stale `completed` while it works),
+# so this mark, when there is one, outranks it: the loop learns at once that a turn is over, and
+# never takes a half-written answer for a finished one. CAO's screen holds only what was printed
+# since the last input, so the newest mark there belongs to the turn under way.
+TURN_STATE_MARK = re.compile(r"\x1b\]7501;state=(\w+)")
+TURN_ENDED_MARKS = ("done", "idle")
+
+
+def turn_mark(screen: str | None) -> str | None:
+    """What the newest turn-state mark on the screen says: 'ended', 'working', or None (no mark)."""
+    marks = TURN_STATE_MARK.findall(screen or "")
+    if not marks:
+        return None
+    return "ended" if marks[-1] in TURN_ENDED_MARKS else "working"
 
 
 class AgentLost(RunError):
@@ -2076,8 +2095,8 @@ class TurnState(Enum):
     WORKING = "working"                                 # no file; the prompt arrived, not idle
     IDLE_WITHOUT_FILE = "idle without a file"           # no file; the prompt arrived, now idle
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
-    FILE_SETTLED = "file settled, awaiting confirmation"  # no ready status nor still screen since it appeared
-    DONE = "done"                                       # settled file, and the agent seen ready or still since
+    FILE_SETTLED = "file settled, awaiting confirmation"  # not yet seen finished (ready, end mark, still screen)
+    DONE = "done"                                       # settled file, and the agent seen finished since
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
 
 
@@ -2099,19 +2118,23 @@ class TurnFacts:
     """What has been observed of one turn. Its note_* methods take observations in; the rest only asks.
 
       file     the response file's (mtime, size), looked at every FILE_CHECK_SECONDS
-      status   CAO's status word, read at most once per POLL_SECONDS (plus once
-               when a file has settled, so a finished turn ends at once)
+      status   CAO's status word, read at most once per POLL_SECONDS (plus at once
+               when a file has settled and every CONFIRM_READ_SECONDS after, so a
+               finished turn ends at once)
       screen   the terminal's recent output, read with the status while the
                prompt is not yet seen on it or the status alone cannot end the
-               turn, and every LIVENESS_CHECK_SECONDS while there is no file
+               turn, and every LIVENESS_CHECK_SECONDS while there is no file;
+               an agent CLI that marks its turn's end there (Codex) says so
       reply    CAO's last reply, read before the prompt and once more before
                sending it again: a change means the agent worked
       lost     why the agent is gone, once the session's record or the screen says so
 
-    "Idle" is a ready status, or -- when the status is one the loop does not
-    know -- a screen that has not changed for QUIET_SCREEN_SECONDS. Whether a
-    prompt arrived is judged by the prompt on the screen, never by motion: a
-    dialog that swallows a prompt changes the screen too.
+    "Idle" is a ready status, the CLI's own mark that its turn has ended, or
+    -- when the status is one the loop does not know -- a screen that has not
+    changed for QUIET_SCREEN_SECONDS; a CLI whose mark says it works is never
+    idle, whatever CAO says. Whether a prompt arrived is judged by the prompt
+    on the screen, never by motion: a dialog that swallows a prompt changes
+    the screen too.
     """
 
     started: float                    # when the prompt went out (or the wait began, for a carried-over turn)
@@ -2125,8 +2148,10 @@ class TurnFacts:
     ready_since: float | None = None  # the first of the latest unbroken run of ready status reads
     file_version: tuple[int, int] | None = None
     file_seen_at: float = float("-inf")  # when file_version last changed (appeared, was rewritten, vanished)
-    ready_since_file: bool = False
+    ready_since_file: bool = False    # since the file's last change: a ready status read, or the CLI's end mark seen
     screen: str | None = None
+    mark: str | None = None           # the CLI's own word on its screen: 'working', 'ended' or None (no mark)
+    turn_ended_at: float | None = None  # when the screen first showed the CLI's mark that its turn has ended
     screen_changed_at: float = float("-inf")
     lost: str = ""                    # why the agent is gone ("" while it is there)
     resend_used: bool = False         # the one resend (or a carried-over turn's first reminder) is spent
@@ -2155,6 +2180,12 @@ class TurnFacts:
             return
         if self.markers and not self.prompt_seen and shows_prompt(screen, self.markers):
             self.prompt_seen = True
+        self.mark = turn_mark(screen)
+        if self.mark == "ended":
+            self.turn_ended_at = now if self.turn_ended_at is None else self.turn_ended_at
+            self.ready_since_file = self.ready_since_file or self.file_version is not None
+        else:
+            self.turn_ended_at = None
         if screen == self.screen:
             return
         if self.screen is not None and self.status not in KNOWN_STATUSES:
@@ -2173,7 +2204,7 @@ class TurnFacts:
         """After a prompt or reminder went out: the agent has not been seen working on it yet
         (nor, after the whole prompt again, seen to have it)."""
         self.guard_since, self.seen_working, self.baseline_reply = now, False, baseline_reply
-        self.provider_pause_until = None
+        self.provider_pause_until, self.turn_ended_at, self.mark = None, None, None
         if whole_prompt:
             self.prompt_seen = False
 
@@ -2186,7 +2217,9 @@ class TurnFacts:
         return self.screen is not None and now - max(self.screen_changed_at, since) >= still_for
 
     def is_idle(self, now: float) -> bool:
-        if self.status in READY_STATUSES:
+        if self.mark == "working":        # the CLI's own word outranks CAO's status
+            return False
+        if self.status in READY_STATUSES or self.turn_ended_at is not None:
             return True
         return self.status not in KNOWN_STATUSES and self.screen_still_since(float("-inf"), now)
 
@@ -2196,8 +2229,12 @@ class TurnFacts:
 
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
-        became_idle = self.ready_since if self.status in READY_STATUSES and self.ready_since is not None \
-            else self.screen_changed_at + QUIET_SCREEN_SECONDS
+        if self.status in READY_STATUSES and self.ready_since is not None:
+            became_idle = self.ready_since
+        elif self.turn_ended_at is not None:
+            became_idle = self.turn_ended_at
+        else:
+            became_idle = self.screen_changed_at + QUIET_SCREEN_SECONDS
         return max(became_idle, self.guard_since, self.file_seen_at)
 
     def stalled(self, now: float) -> bool:
@@ -2215,7 +2252,8 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
     if facts.file_version is not None:
         if not facts.file_settled(now):
             return TurnState.FILE_SETTLING
-        confirmed = facts.ready_since_file or facts.screen_still_since(facts.file_seen_at, now)
+        said_done = facts.ready_since_file and facts.mark != "working"
+        confirmed = said_done or facts.screen_still_since(facts.file_seen_at, now)
         return TurnState.DONE if confirmed else TurnState.FILE_SETTLED
     if facts.markers and not facts.prompt_seen:
         return TurnState.PROMPT_NOT_SHOWN if facts.is_quiet(now) else TurnState.AWAITING_SIGN_OF_LIFE
@@ -2283,21 +2321,29 @@ def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
 
 @dataclass
 class ReadSchedule:
-    """When to ask the server: the status once per POLL_SECONDS, and once early when a reply file has
-    settled; whether the agent is still there once per LIVENESS_CHECK_SECONDS while there is no file."""
+    """When to ask the server: the status once per POLL_SECONDS; as soon as a reply file has settled,
+    then every CONFIRM_READ_SECONDS until the agent is seen finished (the next agent waits on it), for
+    at most QUIET_SCREEN_SECONDS (an agent still working after that is asked at the usual pace);
+    whether the agent is still there once per LIVENESS_CHECK_SECONDS while there is no file."""
 
     next_status_at: float
-    early_read_used: bool = False
     next_liveness_at: float = float("-inf")
 
-    def status_due(self, facts: TurnFacts, now: float) -> bool:
-        if now >= self.next_status_at:
-            return True
-        return not self.early_read_used and facts.file_settled(now) and \
-            facts.status_at < facts.file_seen_at + FILE_SETTLE_SECONDS
+    def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
+        """When a settled file's turn is next asked whether it has finished (None: no such file)."""
+        if not facts.file_settled(now) or turn_state(facts, now) is not TurnState.FILE_SETTLED:
+            return None
+        settled_at = facts.file_seen_at + FILE_SETTLE_SECONDS
+        if facts.status_at < settled_at:
+            return settled_at
+        next_at = facts.status_at + CONFIRM_READ_SECONDS
+        return next_at if next_at <= settled_at + QUIET_SCREEN_SECONDS else None
 
-    def status_read(self, now: float, early: bool) -> None:
-        self.early_read_used = self.early_read_used or early
+    def status_due(self, facts: TurnFacts, now: float) -> bool:
+        confirm_at = self.confirm_read_at(facts, now)
+        return now >= self.next_status_at or (confirm_at is not None and now >= confirm_at)
+
+    def status_read(self, now: float) -> None:
         self.next_status_at = now + POLL_SECONDS
 
     def liveness_due(self, facts: TurnFacts, now: float) -> bool:
@@ -2308,18 +2354,22 @@ class ReadSchedule:
 
     @staticmethod
     def screen_due(facts: TurnFacts, now: float) -> bool:
-        """With a status read, when the status alone cannot end the turn or the prompt is not yet seen."""
+        """With a status read, when the prompt is not yet seen, when a settled file waits for the agent's
+        word that it has finished (the screen can say so, or say that a ready status is stale), or when
+        the status is one the loop does not know."""
         if facts.markers and not facts.prompt_seen and facts.file_version is None:
             return True
-        if facts.status in READY_STATUSES or facts.status == "error":
+        if facts.status == "error":
             return False
         return facts.file_settled(now) or facts.status not in KNOWN_STATUSES
 
     def next_look_at(self, facts: TurnFacts, now: float) -> float:
-        """When something may change: the next status read, or the moment a new file settles."""
+        """When something may change: the next status read, the moment a new file settles, or the next
+        read that asks whether a settled file's turn has finished."""
         if facts.file_version is not None and not facts.file_settled(now):
             return min(self.next_status_at, facts.file_seen_at + FILE_SETTLE_SECONDS)
-        return self.next_status_at
+        confirm_at = self.confirm_read_at(facts, now)
+        return self.next_status_at if confirm_at is None else min(self.next_status_at, confirm_at)
 
 
 @dataclass
@@ -2537,12 +2587,12 @@ def handle_permission_prompt(turn: Turn) -> None:
         deliver(role, terminal_id, "y")
 
 
-def observe_terminal(turn: Turn, early: bool = False) -> None:
+def observe_terminal(turn: Turn) -> None:
     """One round of server reads for a turn: the status, the screen when it can tell more, and
     (every LIVENESS_CHECK_SECONDS without a file) whether the agent is still there."""
     status = api.get_status(turn.terminal_id)
     now = time.monotonic()
-    turn.reads.status_read(now, early)
+    turn.reads.status_read(now)
     turn.facts.note_status(status, now)
     if status not in KNOWN_STATUSES and not turn.told_unknown:
         turn.told_unknown = True
@@ -2579,7 +2629,7 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
         now = time.monotonic()
         turn.facts.note_file(reply_file_version(path), now)
         if turn.reads.status_due(turn.facts, now):
-            observe_terminal(turn, early=now < turn.reads.next_status_at)
+            observe_terminal(turn)
         state, verdict = decide(turn.facts, time.monotonic())
         reply = act_on(turn, state, verdict)
         if reply is not None:

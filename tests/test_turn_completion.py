@@ -36,6 +36,7 @@ class SimTerminal:
         self.status = "processing"
         self.still_screen = "› idle composer"
         self.busy_screen_until = 0.0
+        self.busy_mark = ""               # what a CLI that marks its turn's state prints as it starts working
         self.reply = "previous reply"
         self.events: list[tuple[float, object]] = []
         self.sent: list[str] = []
@@ -81,7 +82,7 @@ class SimTerminal:
     def get_screen(self, terminal_id: str) -> str:
         self.screen_reads.append(self.now)
         if self.now < self.busy_screen_until:
-            return f"{self.echo}• Working ({int(self.now)}s • esc to interrupt)"
+            return f"{self.echo}{self.busy_mark}• Working ({int(self.now)}s • esc to interrupt)"
         return self.echo + self.still_screen
 
     def session_terminals(self, session: str) -> list[str]:
@@ -117,8 +118,9 @@ def test_ready_status_ends_the_turn_once_the_file_has_settled(sim):
     reply, taken_at = sim.wait()
     assert reply == FINAL.strip()
     assert SETTLE <= taken_at - sim.file_written_at <= SETTLE + 0.15
-    # the status alone was enough (earlier reads looked for the prompt and whether the agent is there)
-    assert [t for t in sim.screen_reads if t >= sim.file_written_at] == []
+    # one read of status and screen was enough (the screen read with it could have said the CLI still works)
+    assert len([t for t in sim.screen_reads if t >= sim.file_written_at]) == 1
+    assert len([t for t in sim.status_reads if t >= sim.file_written_at]) == 1
     assert sim.sent == []
 
 
@@ -131,6 +133,35 @@ def test_stuck_processing_with_a_still_screen_ends_after_the_quiet_bound(sim):
     assert taken_at - 8.0 >= QUIET                      # never before the screen was still long enough
     assert taken_at - 8.0 <= QUIET + 2 * POLL + SETTLE  # and within the bounds after it stopped
     assert sim.sent == []
+
+
+WORKING_MARK, DONE_MARK = "\x1b]7501;state=working:app=codex\x07", "\x1b]7501;state=done:app=codex\x07"
+
+
+def test_a_cli_that_marks_its_turn_ended_is_taken_within_a_confirm_read_of_the_mark(sim, orch):
+    """Codex under CAO 2.5.4: status `processing` for good, but Codex marks its turn's end on its screen.
+    The reply is taken once that mark shows, not QUIET_SCREEN_SECONDS after the screen went still."""
+    sim.busy_screen_until = 10**9                     # the working screen, then the mark: no still screen at all
+    sim.busy_mark = WORKING_MARK
+    sim.write_at(7.5, FINAL)
+    sim.at(8.0, busy_screen_until=0.0, still_screen=f"{WORKING_MARK}{DONE_MARK} Worked for 8s › Ask Codex")
+    reply, taken_at = sim.wait()
+    assert reply == FINAL.strip()
+    assert 8.0 <= taken_at <= 8.0 + orch.CONFIRM_READ_SECONDS + 0.1
+    assert sim.sent == []
+
+
+def test_a_draft_under_a_stale_completed_status_waits_for_the_final_answer(sim):
+    """CAO answers `completed` left over from before while Codex, marked working, writes a draft and then
+    its answer: only the answer is read."""
+    sim.status = "completed"
+    sim.busy_screen_until = 10**9
+    sim.busy_mark = WORKING_MARK
+    sim.write_at(3.0, DRAFT)
+    sim.write_at(6.0, FINAL)
+    sim.at(6.5, busy_screen_until=0.0, still_screen=f"{WORKING_MARK}{DONE_MARK} Worked for 6s")
+    reply, taken_at = sim.wait()
+    assert reply == FINAL.strip() and taken_at >= 6.5
 
 
 def test_a_changing_screen_is_never_cut_short(sim):
@@ -219,17 +250,21 @@ def test_a_reply_that_arrives_just_before_the_reminder_gets_none(sim):
 
 
 def test_status_reads_stay_at_poll_rate_while_the_file_waits_for_a_ready_status(sim, orch, monkeypatch):
-    """File written, status never ready, screen always changing: at most one status read per POLL_SECONDS."""
+    """File written, status never ready, screen always changing: one status read per POLL_SECONDS, plus
+    the quicker ones of the QUIET_SCREEN_SECONDS after the file settled."""
     monkeypatch.setattr(orch, "RESPONSE_TIMEOUT", 120.0)
     sim.busy_screen_until = 10**9
     sim.write_at(1.0, FINAL)
     with pytest.raises(orch.RunError, match="RESPONSE_TIMEOUT"):
         sim.wait()
-    allowed = sim.now / POLL + 2                        # the regular reads, plus one when the file settled
+    quick = orch.QUIET_SCREEN_SECONDS / orch.CONFIRM_READ_SECONDS + 1     # asked whether it has finished
+    allowed = sim.now / POLL + 1 + quick
     assert len(sim.status_reads) <= allowed
     assert len(sim.screen_reads) <= allowed
     gaps = [b - a for a, b in zip(sim.status_reads, sim.status_reads[1:])]
-    assert sum(1 for gap in gaps if gap < POLL - 1e-9) <= 1
+    assert sum(1 for gap in gaps if gap < POLL - 1e-9) <= quick
+    late = [t for t in sim.status_reads if t > 1.0 + orch.FILE_SETTLE_SECONDS + orch.QUIET_SCREEN_SECONDS + POLL]
+    assert all(b - a >= POLL - 1e-9 for a, b in zip(late, late[1:]))      # then back at the usual pace
 
 
 def test_error_status_stops_the_turn(sim, orch):

@@ -251,19 +251,133 @@ def test_status_is_read_once_per_poll(m):
     facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL)
     assert not reads.status_due(facts, POLL - 0.01)
     assert reads.status_due(facts, POLL)
-    reads.status_read(POLL, early=False)
+    reads.status_read(POLL)
     assert not reads.status_due(facts, 2 * POLL - 0.01)
 
 
-def test_status_is_read_once_early_when_a_file_has_settled(m):
+def read(facts, reads, now, status="processing", screen=None):
+    """One status read (and screen read, when given) at `now`, as observe_terminal does."""
+    reads.status_read(now)
+    facts.note_status(status, now)
+    if screen is not None:
+        facts.note_screen(screen, now)
+
+
+def test_a_settled_file_is_asked_about_at_once_then_every_confirm_read_seconds(m):
+    """The next agent waits on this turn's end: once its file has settled the agent is asked at once
+    whether it has finished, then every CONFIRM_READ_SECONDS, not once per POLL_SECONDS."""
     facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL)
     facts.note_file(FILE, 0.5)
     assert not reads.status_due(facts, 0.5 + SETTLE / 2)
+    assert reads.next_look_at(facts, 0.5) == pytest.approx(0.5 + SETTLE)
     assert reads.status_due(facts, 0.5 + SETTLE)
-    reads.status_read(0.5 + SETTLE, early=True)
+    read(facts, reads, 0.5 + SETTLE)
+    confirm = m.CONFIRM_READ_SECONDS
+    assert not reads.status_due(facts, 0.5 + SETTLE + confirm - 0.01)
+    assert reads.next_look_at(facts, 0.5 + SETTLE) == pytest.approx(0.5 + SETTLE + confirm)
+    assert reads.status_due(facts, 0.5 + SETTLE + confirm)
+    read(facts, reads, 0.5 + SETTLE + confirm, status="completed")
+    assert decide(m, facts, 0.5 + SETTLE + confirm) == ("DONE", "TAKE_REPLY")
+    assert reads.confirm_read_at(facts, 0.5 + SETTLE + confirm) is None          # nothing left to ask
+
+
+def test_quick_reads_last_quiet_screen_seconds_then_the_usual_pace_returns(m):
+    """An agent that goes on working after writing its file is not asked twice a second for long."""
+    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL)
+    facts.note_file(FILE, 0.5)
+    now, quick = 0.5 + SETTLE, 0
+    while now < 60.0:
+        if reads.status_due(facts, now):
+            quick += now < reads.next_status_at
+            read(facts, reads, now, screen=f"spinner {now}")
+        now += 0.05
+    assert quick <= QUIET / m.CONFIRM_READ_SECONDS + 1
+    assert reads.confirm_read_at(facts, 60.0) is None
+
+
+def test_a_rewritten_file_is_asked_about_at_once_when_it_settles_again(m):
+    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL)
+    facts.note_file(FILE, 0.5)
+    read(facts, reads, 0.5 + SETTLE)
     facts.note_file((FILE[0] + 1, 43), 0.8)
-    assert not reads.status_due(facts, 0.8 + SETTLE)               # once per turn
-    assert reads.next_look_at(facts, 0.8) == pytest.approx(0.8 + SETTLE)
+    assert not reads.status_due(facts, 0.8 + SETTLE / 2)
+    assert reads.status_due(facts, 0.8 + SETTLE)
+
+
+# -- an agent CLI that marks the end of its turn on its screen (Codex) ---------------
+
+WORKING_MARK, DONE_MARK, IDLE_MARK = ("\x1b]7501;state=working:app=codex\x07", "\x1b]7501;state=done:app=codex\x07",
+                                      "\x1b]7501;state=idle:app=codex\x07")
+
+
+def test_the_newest_turn_state_mark_on_a_screen_decides(m):
+    assert m.turn_mark(None) is None and m.turn_mark("plain text, no marks") is None
+    assert m.turn_mark("\x1b]0;state=done\x07") is None                       # another escape's text
+    assert m.turn_mark(f"> prompt{WORKING_MARK} Working (2s - esc to interrupt)") == "working"
+    assert m.turn_mark(f"{WORKING_MARK} Working{DONE_MARK} Worked for 3s{IDLE_MARK}") == "ended"
+    assert m.turn_mark(f"{WORKING_MARK}{DONE_MARK}") == "ended"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK} again") == "working"
+
+
+def test_a_cli_marked_working_outranks_a_stale_ready_status(m):
+    """CAO answers `completed` left over from before, while Codex's screen says it works on a draft:
+    the draft is not taken, and the agent does not count as idle."""
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 3.0)
+    facts.note_status("completed", 3.0 + SETTLE)
+    assert m.ReadSchedule.screen_due(facts, 3.0 + SETTLE)                 # the screen may say otherwise
+    facts.note_screen(f"{WORKING_MARK} Working (1s)", 3.0 + SETTLE)
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    facts = sent_at_zero(m)
+    facts.note_status("completed", 2.0)
+    facts.note_screen(f"{WORKING_MARK} Working (2s)", 2.0)
+    facts.note_screen(f"{WORKING_MARK} Working (40s)", 40.0)
+    assert decide(m, facts, 2.0 + GRACE + 10) == ("WORKING", "WAIT")         # never reminded while it works
+
+
+def test_a_settled_file_is_taken_once_the_cli_marks_its_turn_ended_though_cao_says_processing(m):
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_screen(f"{WORKING_MARK} Working", 2.0)
+    facts.note_file(FILE, 3.0)
+    facts.note_screen(f"{WORKING_MARK} Working (3s){DONE_MARK}{IDLE_MARK} > Ask Codex", 3.0 + SETTLE)
+    facts.note_status("processing", 3.0 + SETTLE)
+    assert decide(m, facts, 3.0 + SETTLE) == ("DONE", "TAKE_REPLY")               # not QUIET seconds later
+
+
+def test_a_cli_still_marked_working_keeps_a_settled_file_waiting(m):
+    """The CLI wrote a draft and works on: its newest mark says working, so the file is not final yet."""
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_file(FILE, 3.0)
+    for second in range(4, 4 + int(QUIET)):
+        facts.note_screen(f"{WORKING_MARK} Working ({second}s)", float(second))
+        assert decide(m, facts, float(second)) == ("FILE_SETTLED", "WAIT")
+
+
+def test_an_end_mark_seen_before_the_file_changed_counts_only_when_seen_again(m):
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 3.0)
+    facts.note_screen(f"{WORKING_MARK}{DONE_MARK}", 3.5)
+    facts.note_file((FILE[0] + 1, 50), 4.0)                          # rewritten after that read
+    assert decide(m, facts, 4.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    facts.note_screen(f"{WORKING_MARK}{DONE_MARK}", 4.0 + SETTLE)
+    assert decide(m, facts, 4.0 + SETTLE) == ("DONE", "TAKE_REPLY")
+
+
+def test_an_end_mark_without_a_file_is_idle_and_reminded_after_idle_grace(m):
+    """CAO says processing for good, but Codex marked its turn ended with no file written: reminded after
+    IDLE_GRACE_SECONDS from the mark, not left until AGENT_STALL_SECONDS counts it lost."""
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_screen(f"> {PROMPT}{WORKING_MARK} Working", 2.0)
+    facts.note_screen(f"> {PROMPT}{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK}", 10.0)
+    facts.note_status("processing", 12.0)
+    assert decide(m, facts, 10.0 + GRACE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
+    assert decide(m, facts, 10.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
+    facts.note_sent("before", 10.0 + GRACE)                          # the reminder clears the mark
+    assert facts.turn_ended_at is None
+    assert decide(m, facts, 10.0 + GRACE + 1) == ("WORKING", "WAIT")
 
 
 def test_whether_the_agent_is_there_is_asked_every_liveness_check_while_there_is_no_file(m):

@@ -27,10 +27,12 @@ the last step repeats. A step is the answer text or a dict::
 
     {"text": str, "think_ms": int, "action": "write" | "no_file" | "error"
      | "write_on_reminder" | "write_twice", "draft": str,
-     "rewrite_after_ms": int, "status": int}
+     "rewrite_after_ms": int, "closing_ms": int, "status": int}
 
 ``write_twice`` writes ``draft`` first and, ``rewrite_after_ms`` after the CLI
 reported that command's result, the final text with a second tool call.
+``closing_ms`` is how long the model takes over its closing message, after the CLI reported that
+the reply was written (0: at once), as a real model's few closing words take.
 ``error`` answers HTTP ``status`` (500) with an API style error body. Both
 CLIs retry 5xx answers on their own with growing pauses (Claude Code for
 minutes); ``"status": 400`` makes them give up at once. ``fail_next(n, 529)``
@@ -251,6 +253,7 @@ def normalise_step(step, role: str | None, think_seconds: float) -> dict:
         "draft": draft,
         "think": number("think_ms", think_seconds * 1000) / 1000.0,
         "rewrite_after": number("rewrite_after_ms", 1000) / 1000.0,
+        "closing": number("closing_ms", 0) / 1000.0,
         "status": int(number("status", 500)) or 500,
     }
 
@@ -628,6 +631,7 @@ class ScriptedModel:
             time.sleep(plan["rewrite_after"])
             reply = self._write_reply(convo, plan, plan["text"], "final", "tool_result")
         else:
+            time.sleep(plan.get("closing", 0.0))
             self._record(convo, plan["role"], plan["turn"], "tool_result", "text", plan["path"])
             reply = Reply(text=f"Wrote the answer to {plan['path']}.")
         with self._lock:

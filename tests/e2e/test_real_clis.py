@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import time
 import pytest
 
 import run_orchestrator_loop
+from orchestrator_scripted_agent import DEFAULT_TEXTS
 
 from .conftest import REAL_CLI_START_UPS, REAL_CLI_TURN_TIMES, _start_real_cli_cao
 from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SHORT_ROUND, \
@@ -38,6 +40,8 @@ QUIET_SCREEN_SECONDS = run_orchestrator_loop.SETTINGS_BY_ENV["QUIET_SCREEN_SECON
 # it reads the tool result, asks the model for its final words and prints them.
 CLI_FINISH_SECONDS = 3.0
 
+# What a Codex turn's reply may wait, median, from its file's last write to the loop taking it.
+CODEX_REPLY_TAKEN_SECONDS = 1.5
 TURN_LINE = re.compile(r"\| (\w+): reply received after ([\d.]+)s \(file written ([\d.]+)s before\)")
 
 
@@ -70,14 +74,26 @@ def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str]) -> N
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(times)
 
 
+ANALYST_FINAL = DEFAULT_TEXTS["analyst"]
+# The analyst writes a draft first and its final answer 2 s later, in a second command of the same turn:
+# the draft settles, but the CLI is still at work, so only the final answer may be read.
+ANALYST_IN_TWO_WRITES = {"action": "write_twice", "draft": "DRAFT: not the answer yet\n", "text": ANALYST_FINAL,
+                         "rewrite_after_ms": 2000}
+
+
 def fail_then_pass(cao, **settings: str) -> str:
-    """Round 1 (analyst .. tester) ends in FAIL, round 2 (programmer, peer, tester) in PASS."""
+    """Round 1 (analyst .. tester) ends in FAIL, round 2 (programmer, peer, tester) in PASS; the analyst's
+    reply file is written twice in its turn, and the loop reads only the second."""
     run = real_cli_run(cao, **settings)
-    cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+    cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY],
+                          "analyst": [ANALYST_IN_TWO_WRITES]})
     result = run.run(timeout=900)
     check_every_turn_taken_once(cao, run, result, QUICK_ROUND + SHORT_ROUND)
     state = run.state()
     assert state["final_status"] == "PASS" and state["current_round"] == 2
+    analyst_writes = [w["draft"] for w in cao.model.writes() if w["role"] == "analyst"]
+    assert analyst_writes[0] and not analyst_writes[-1], cao.model.events()      # a draft, then the answer
+    assert run.archived_text("001-analyst.md").strip() == ANALYST_FINAL.strip(), explain(result)
     assert run.archived_text("005-tester.md").strip() == FAIL_REPLY.strip()
     assert run.archived_text("008-tester.md").strip() == PASS_REPLY.strip()
     return result.stdout
@@ -107,6 +123,10 @@ def test_codex_fail_then_pass_with_a_model_per_role(codex_cao):
     stdout = fail_then_pass(codex_cao, **settings)
     assert codex_cao.model.models_by_role() == expected
     assert "warning" not in stdout
+    # Codex marks the end of its turn on its screen: its replies are taken as soon as that shows, not
+    # QUIET_SCREEN_SECONDS after its screen went still.
+    lags = [lag for _, _, lag in turn_times(stdout)]
+    assert statistics.median(lags) <= CODEX_REPLY_TAKEN_SECONDS, lags
 
 
 def story_mode(cao) -> None:
