@@ -2018,6 +2018,33 @@ TURN_STATE_MARK = re.compile(r"\x1b\]7501;state=(\w+)")
 TURN_ENDED_MARKS = ("done", "idle")
 
 
+# What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
+# screen its own way, and for some it reads wrong: OpenCode 1.18 is reported
+# `idle` or `completed` while it works (in a terminal's later turns, for the
+# whole turn), so a reply file it rewrites later in its turn would be taken at
+# its first write. For such a CLI a ready status counts for nothing -- the
+# loop judges by the screen as it does for a status it does not know -- and a
+# settled reply file is confirmed by a still screen: OpenCode repaints its busy
+# bar about twenty times a second while it works (measured under CAO 2.5.4),
+# so a screen still for two seconds means its turn is over.
+@dataclass(frozen=True)
+class CliTraits:
+    """How far CAO's status can be trusted for one provider's CLI, and what its screen does while it works."""
+
+    ready_status_trusted: bool = True        # CAO's idle/completed means the turn has ended
+    still_screen_ends_turn: float | None = None  # seconds of still screen that confirm a settled file
+    #                                              (None: QUIET_SCREEN_SECONDS)
+
+
+CLI_TRAITS: dict[str, CliTraits] = {
+    "opencode_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
+}
+
+
+def cli_traits(provider: str) -> CliTraits:
+    return CLI_TRAITS.get(provider, CliTraits())
+
+
 def turn_mark(screen: str | None) -> str | None:
     """What the newest turn-state mark on the screen says: 'ended', 'working', or None (no mark)."""
     marks = TURN_STATE_MARK.findall(screen or "")
@@ -2158,6 +2185,8 @@ class TurnFacts:
     reminders: int = 0
     provider_errors: int = 0          # model provider errors waited out this turn
     provider_pause_until: float | None = None  # a provider error's pause is under way until then
+    cli: CliTraits = CliTraits()      # the agent CLI's traits: whether its ready status counts
+    cao_status: str | None = None     # what CAO last said, as said (`status` is what the rules go by)
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -2167,6 +2196,9 @@ class TurnFacts:
                 self.seen_working = self.prompt_seen = True
 
     def note_status(self, status: str, now: float) -> None:
+        self.cao_status = status
+        if status in READY_STATUSES and not self.cli.ready_status_trusted:
+            status = "unknown"           # CAO misreads this CLI as ready: the screen decides
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
@@ -2253,7 +2285,7 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
         if not facts.file_settled(now):
             return TurnState.FILE_SETTLING
         said_done = facts.ready_since_file and facts.mark != "working"
-        confirmed = said_done or facts.screen_still_since(facts.file_seen_at, now)
+        confirmed = said_done or facts.screen_still_since(facts.file_seen_at, now, facts.cli.still_screen_ends_turn)
         return TurnState.DONE if confirmed else TurnState.FILE_SETTLED
     if facts.markers and not facts.prompt_seen:
         return TurnState.PROMPT_NOT_SHOWN if facts.is_quiet(now) else TurnState.AWAITING_SIGN_OF_LIFE
@@ -2435,8 +2467,8 @@ def progress_text(facts: TurnFacts, began: float, now: float) -> str:
         still = now - facts.screen_changed_at
         parts.append("screen changing" if still < 2 * LIVENESS_CHECK_SECONDS
                      else f"screen still for {duration_text(still)}")
-    if facts.status is not None:
-        parts.append(f"CAO status {facts.status}")
+    if facts.cao_status is not None:
+        parts.append(f"CAO status {facts.cao_status}")
     parts.append("no response file yet" if facts.file_version is None else
                  f"response file written {duration_text(now - facts.file_seen_at)} ago, settling")
     return "; ".join(parts)
@@ -2620,7 +2652,7 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     """
     now = time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
-                      baseline_reply=baseline_reply)
+                      baseline_reply=baseline_reply, cli=cli_traits(provider_for(role)))
     # CAO's send returned only now: nothing new to read yet.
     turn = Turn(role, terminal_id, path, message, facts,
                 ReadSchedule(next_status_at=now + POLL_SECONDS, next_liveness_at=now + LIVENESS_CHECK_SECONDS))
@@ -3025,7 +3057,9 @@ def carried_over_turn(role: str, path: Path) -> str:
             return "reply"
         set_aside_stale_reply(path)
     status = api.get_status(terminal_ids[role])
-    return "working" if status not in READY_STATUSES and status != "error" else ""
+    if status == "error" or (status in READY_STATUSES and cli_traits(provider_for(role)).ready_status_trusted):
+        return ""
+    return "working"             # busy, or a status that cannot tell: the wait judges by file and screen
 
 
 def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:

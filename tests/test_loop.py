@@ -748,6 +748,21 @@ def test_resume_waits_for_agent_still_working_on_the_prompt(load_orch, fake_cao,
     assert state_of(m)["final_status"] == "PASS"
 
 
+def test_resume_waits_for_an_agent_whose_cli_cao_reports_ready_while_it_works(load_orch, fake_cao, prompt_file,
+                                                                              capsys):
+    """OpenCode is reported `completed` while it works: after a Ctrl-C, that word does not make the loop
+    send the prompt again (a paid turn twice); it waits for the reply file."""
+    fake_cao.script["tester"] = [interrupt_while_agent_keeps_working(PASS_REPLY, polls=5)]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", PROVIDER="opencode_cli", **QUICK)
+    assert run_main(m) == 130
+    fake_cao.reported_status = "completed"
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="opencode_cli", **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["tester"]
+    assert "still working on the prompt sent before the interruption" in capsys.readouterr().out
+    assert state_of(m)["final_status"] == "PASS"
+
+
 def test_resume_ignores_a_reply_older_than_the_prompt_in_flight(load_orch, fake_cao, prompt_file):
     """A response file from an earlier turn is never taken for the interrupted prompt's answer."""
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)

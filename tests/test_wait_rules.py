@@ -380,6 +380,59 @@ def test_an_end_mark_without_a_file_is_idle_and_reminded_after_idle_grace(m):
     assert decide(m, facts, 10.0 + GRACE + 1) == ("WORKING", "WAIT")
 
 
+# -- an agent CLI whose ready status CAO misreads (OpenCode) -----------------------
+
+def opencode_turn(m):
+    """A turn of a CLI that CAO reports ready while it works: its ready status counts for nothing."""
+    facts = sent_at_zero(m)
+    facts.cli = m.cli_traits("opencode_cli")
+    return facts
+
+
+def test_opencode_is_the_cli_whose_ready_status_is_not_trusted(m):
+    assert not m.cli_traits("opencode_cli").ready_status_trusted
+    assert m.cli_traits("claude_code").ready_status_trusted and m.cli_traits("mock_cli").ready_status_trusted
+
+
+def test_a_settled_file_of_a_cli_reported_ready_while_it_works_waits_for_a_still_screen(m):
+    """CAO says `completed` while OpenCode, having written a draft, repaints its busy bar: the draft is not
+    taken; once the screen has been still for the CLI's window, the file is."""
+    window = m.cli_traits("opencode_cli").still_screen_ends_turn
+    facts = opencode_turn(m)
+    facts.note_file(FILE, 3.0)
+    for tick in range(0, 20):                                   # a frame every 0.25 s for 5 s
+        now = 3.0 + SETTLE + tick / 4
+        facts.note_status("completed", now)
+        facts.note_screen(f"busy bar frame {tick}", now)
+        assert decide(m, facts, now) == ("FILE_SETTLED", "WAIT")
+    last_frame = 3.0 + SETTLE + 19 / 4
+    assert decide(m, facts, last_frame + window - 0.01) == ("FILE_SETTLED", "WAIT")
+    assert decide(m, facts, last_frame + window) == ("DONE", "TAKE_REPLY")
+    assert window < QUIET                                       # sooner than a CLI judged by QUIET_SCREEN_SECONDS
+
+
+def test_the_same_facts_with_a_trusted_ready_status_take_the_file_at_once(m):
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 3.0)
+    facts.note_status("completed", 3.0 + SETTLE)
+    facts.note_screen("busy bar frame 0", 3.0 + SETTLE)
+    assert decide(m, facts, 3.0 + SETTLE) == ("DONE", "TAKE_REPLY")
+
+
+def test_a_cli_reported_ready_while_it_works_is_not_reminded_while_its_screen_moves(m):
+    """No file yet, CAO says `completed` for the whole turn: the agent counts as working while its screen
+    changes, and is reminded only IDLE_GRACE_SECONDS after its screen went still."""
+    facts = opencode_turn(m)
+    for second in range(1, 61):
+        facts.note_status("completed", float(second))
+        facts.note_screen(f"busy bar frame {second}", float(second))
+        assert decide(m, facts, float(second)) == ("WORKING", "WAIT")
+    facts.note_status("completed", 61.0)
+    assert decide(m, facts, 60.0 + QUIET + GRACE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
+    assert decide(m, facts, 60.0 + QUIET + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
+    assert facts.cao_status == "completed"                      # what CAO said is kept for the progress line
+
+
 def test_whether_the_agent_is_there_is_asked_every_liveness_check_while_there_is_no_file(m):
     facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL, next_liveness_at=5.0)
     assert not reads.liveness_due(facts, 4.9)
