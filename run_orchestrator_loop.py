@@ -2952,7 +2952,10 @@ def replace_lost_agent(lost: AgentLost) -> None:
             log(f"could not remove the lost terminal {lost.terminal_id}: {exc}")
     event = replacements_used() + 1
     at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    update_run(session_name=new_session, terminal_ids=new_ids,
+    # The prompt in flight went to a terminal that is gone: the new agent has not got it, whatever its
+    # status reads (a fresh OpenCode can read `completed`), so the turn is sent again, not waited for.
+    unsent = replace(in_flight, sent_at=None) if in_flight is not None and in_flight.role in roles else in_flight
+    update_run(in_flight=unsent, session_name=new_session, terminal_ids=new_ids,
                agent_models={**agent_models, **{role: model_for(role) for role in roles}},
                replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
                                                         lost.why, event) for role in roles])

@@ -124,6 +124,17 @@ def test_a_cli_that_dies_mid_turn_is_replaced_and_its_turn_sent_once_more_in_ful
     assert summary["replacements"][0]["new_terminal"] == new.id
 
 
+def test_a_replaced_agent_is_sent_the_lost_turn_whatever_its_first_status_reads(run, fake_cao, capsys):
+    """The new agent never had the prompt: it is sent the turn, also where a ready status counts for nothing
+    (OpenCode), instead of being waited on as if it worked on it."""
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli}, PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1", PROVIDER="opencode_cli")
+    assert run_main(m) == 0
+    assert len(fake_cao.prompts_for("tester")) == 2
+    out = capsys.readouterr().out
+    assert "still working on the prompt sent before" not in out and "reminder" not in out
+
+
 def test_a_vanished_session_gets_five_new_agents_as_one_replacement(run, fake_cao, capsys):
     """The agents' tmux server ended: all five are made again in a new session; the turn goes on there."""
     fake_cao.script["peer_analyst"] = [{"action": "call", "call": end_session}, "REVIEW_RESULT: APPROVED\n"
