@@ -56,6 +56,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import contextmanager
@@ -891,9 +892,21 @@ class ApiClient:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.retry_seconds = 0.0
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.base_url, timeout=self.TIMEOUT, headers=headers,
-                                  transport=transport)
+        self._transport = transport
+        self._client: httpx.Client | None = None
+        self._client_lock = threading.Lock()
+
+    @property
+    def _http(self) -> httpx.Client:
+        """The connection pool, made at the first request (start-up creates terminals from several
+        threads): building its TLS context takes a noticeable part of a second, which `--help`,
+        `--version` and a refused setting need not pay."""
+        with self._client_lock:
+            if self._client is None:
+                headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+                self._client = httpx.Client(base_url=self.base_url, timeout=self.TIMEOUT, headers=headers,
+                                            transport=self._transport)
+            return self._client
 
     def _call(self, what: str, method: str, path: str, params: dict | None = None,
               retry: bool = True) -> object:
@@ -1063,7 +1076,9 @@ class ApiClient:
         self._call(f"exit terminal {terminal_id}", "POST", f"/terminals/{quote(terminal_id, safe='')}/exit")
 
     def close(self) -> None:
-        self._http.close()
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
 
 
 api = ApiClient(API, CAO_AUTH_LOCAL_TOKEN)
