@@ -2050,6 +2050,10 @@ class CliTraits:
     still_screen_ends_turn: float | None = None  # seconds of still screen that confirm a settled file
     #                                              (None: QUIET_SCREEN_SECONDS)
 
+    def status_word(self, status: str) -> str:
+        """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
+        return "unknown" if status in READY_STATUSES and not self.ready_status_trusted else status
+
 
 CLI_TRAITS: dict[str, CliTraits] = {
     "opencode_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
@@ -2211,9 +2215,7 @@ class TurnFacts:
                 self.seen_working = self.prompt_seen = True
 
     def note_status(self, status: str, now: float) -> None:
-        self.cao_status = status
-        if status in READY_STATUSES and not self.cli.ready_status_trusted:
-            status = "unknown"           # CAO misreads this CLI as ready: the screen decides
+        self.cao_status, status = status, self.cli.status_word(status)   # a misread ready: the screen decides
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
@@ -3074,8 +3076,8 @@ def carried_over_turn(role: str, path: Path) -> str:
         if written_at >= in_flight.sent_at - 1.0 and read_reply_file(path):
             return "reply"
         set_aside_stale_reply(path)
-    status = api.get_status(terminal_ids[role])
-    if status == "error" or (status in READY_STATUSES and cli_traits(provider_for(role)).ready_status_trusted):
+    status = cli_traits(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
+    if status == "error" or status in READY_STATUSES:
         return ""
     return "working"             # busy, or a status that cannot tell: the wait judges by file and screen
 
