@@ -61,13 +61,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from enum import Enum
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, Mapping
 from urllib.parse import quote
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import httpx
 
@@ -225,6 +226,7 @@ DEFAULT_PROFILES = {
 }
 
 STATE_FILE_NAME = "codex-3agents-loop-state.json"
+FRESH_CONTEXT_CHOICES = ("off", "round")     # FRESH_CONTEXT: when an agent starts a new conversation
 
 # Evidence the peer reviewer's REVIEW_NOTES must show before an approval
 # counts: one regex per check the review prompt asks for.
@@ -326,6 +328,16 @@ SETTINGS: tuple[Setting, ...] = (
             "continue, after a pause"),
     Setting("PROVIDER_ERROR_PAUSE_SECONDS", "recovery.provider_error_pause_seconds", 60.0, "seconds",
             "the pause before the first such retry; each further pause is twice as long"),
+    Setting("USAGE_LIMIT_MAX_WAIT", "recovery.usage_limit_max_wait", 18000.0, "seconds0",
+            "an agent stopped by its account's usage limit is waited for until the limit resets, if that is at "
+            "most this many seconds away (5 hours: a 5-hour limit); past it, or with no reset time, the run "
+            "stops (exit 1) saying when to rerun; 0: never wait"),
+    Setting("USAGE_LIMIT_MARGIN_SECONDS", "recovery.usage_limit_margin_seconds", 60.0, "seconds0",
+            "how long after the reset time the agent is told to continue"),
+    Setting("FRESH_CONTEXT", "context.fresh_context", "off", "fresh_context",
+            "off: each agent keeps one conversation for the whole run (its CLI compacts it when it fills; the "
+            "loop then sends the full task again); round: every round after the first starts each agent "
+            "anew, with a new conversation and the full task"),
     Setting("IGNORE_MISSING_CLI", "recovery.ignore_missing_cli", False, "bool",
             "1: create the agents even when cao-server reports their CLI not installed (its PATH differs "
             "from the agents' login PATH)"),
@@ -390,6 +402,7 @@ _ENV_EXPECTED = {
     "provider": "one of " + ", ".join(KNOWN_PROVIDERS),
     "role_provider": "empty or one of " + ", ".join(KNOWN_PROVIDERS),
     "role": "one of " + ", ".join(ROLES),
+    "fresh_context": "one of " + ", ".join(FRESH_CONTEXT_CHOICES),
     "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
     "model": "empty or a model id of at most 128 letters, digits and '.', '_', ':', '/', '-' (e.g. claude-haiku-4-5)",
 }
@@ -422,6 +435,7 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "provider": lambda v: v in KNOWN_PROVIDERS,
     "role_provider": lambda v: isinstance(v, str) and (not v or v in KNOWN_PROVIDERS),
     "role": lambda v: v in ROLES,
+    "fresh_context": lambda v: v in FRESH_CONTEXT_CHOICES,
     "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
     # CAO 2.5.4 refuses any other model id (HTTP 400) before it starts anything.
     "model": lambda v: isinstance(v, str) and (not v or (len(v) <= 128
@@ -458,7 +472,7 @@ def _parse_env_value(setting: Setting, raw: str) -> object:
 
 # kind -> the values it allows, for a "did you mean" on a value that is close
 KIND_CHOICES: dict[str, tuple[str, ...]] = {"provider": KNOWN_PROVIDERS, "role_provider": KNOWN_PROVIDERS,
-                                            "role": ROLES}
+                                            "role": ROLES, "fresh_context": FRESH_CONTEXT_CHOICES}
 
 
 def did_you_mean(setting: Setting, value: object) -> str:
@@ -619,6 +633,9 @@ REPLACE_LOST_AGENTS: bool = _initial("REPLACE_LOST_AGENTS")
 MAX_AGENT_REPLACEMENTS: int = _initial("MAX_AGENT_REPLACEMENTS")
 PROVIDER_ERROR_RETRIES: int = _initial("PROVIDER_ERROR_RETRIES")
 PROVIDER_ERROR_PAUSE_SECONDS: float = _initial("PROVIDER_ERROR_PAUSE_SECONDS")
+USAGE_LIMIT_MAX_WAIT: float = _initial("USAGE_LIMIT_MAX_WAIT")
+USAGE_LIMIT_MARGIN_SECONDS: float = _initial("USAGE_LIMIT_MARGIN_SECONDS")
+FRESH_CONTEXT: str = _initial("FRESH_CONTEXT")
 IGNORE_MISSING_CLI: bool = _initial("IGNORE_MISSING_CLI")
 STORY_MODE: bool = _initial("STORY_MODE")
 STORY_CHANGE: str = _initial("STORY_CHANGE")
@@ -997,6 +1014,11 @@ class ApiClient:
         self._call(f"send input to terminal {terminal_id}", "POST",
                    f"/terminals/{quote(terminal_id, safe='')}/input", {"message": message})
 
+    def send_key(self, terminal_id: str, key: str) -> None:
+        """One key press (a digit, Enter, ...), for a menu that a pasted line would not answer."""
+        self._call(f"send key {key!r} to terminal {terminal_id}", "POST",
+                   f"/terminals/{quote(terminal_id, safe='')}/key", {"key": key})
+
     def get_status(self, terminal_id: str) -> str:
         """The terminal's status word: idle, processing, completed, waiting_user_answer or error."""
         what = f"status of terminal {terminal_id}"
@@ -1161,6 +1183,8 @@ class InFlight:
     prompt_bytes: int = 0
     reminders: int = 0
     resends: int = 0
+    limit_line: str = ""              # the agent stopped at its usage limit: what its screen said ("" if not)
+    limit_until: float | None = None  # time.time() when it is told to continue (None: no reset time given)
 
     def belongs_to(self, position: dict) -> bool:
         """Whether this is the prompt of the turn at `position` (see turn_position())."""
@@ -1172,7 +1196,8 @@ class InFlight:
             data.update(story=self.story, attempt=self.attempt)
         return {**data, "sent_at": self.sent_at, "sent_in_full": list(self.sent_in_full), "number": self.number,
                 "first_sent_at": self.first_sent_at, "prompt_bytes": self.prompt_bytes,
-                "reminders": self.reminders, "resends": self.resends}
+                "reminders": self.reminders, "resends": self.resends,
+                **({"limit_line": self.limit_line, "limit_until": self.limit_until} if self.limit_line else {})}
 
     @classmethod
     def from_json(cls, raw: object) -> InFlight | None:
@@ -1183,7 +1208,8 @@ class InFlight:
                    story if isinstance(story, str) else None, _whole(raw.get("attempt")),
                    _number(raw.get("sent_at")), tuple(_strings(raw.get("sent_in_full"))), _whole(raw.get("number")),
                    _number(raw.get("first_sent_at")), _whole(raw.get("prompt_bytes")) or 0,
-                   _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0)
+                   _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
+                   _text(raw.get("limit_line")), _number(raw.get("limit_until")))
 
 
 @dataclass
@@ -1317,6 +1343,27 @@ class Replacement:
                    _whole(raw.get("event")) or 1)
 
 
+@dataclass
+class AgentEvent:
+    """Something that happened to an agent's conversation or account: compacted, cleared, nearly full, a new
+    conversation started, a usage limit waited out. For the run record, the report and --status."""
+
+    role: str
+    terminal: str
+    at: str                           # ISO time (UTC)
+    what: str                         # one of AGENT_EVENT_KINDS
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_json(cls, raw: object) -> AgentEvent | None:
+        if not isinstance(raw, dict) or not isinstance(raw.get("what"), str):
+            return None
+        return cls(*(_text(raw.get(key)) for key in ("role", "terminal", "at", "what", "detail")))
+
+
 def _terminals(raw: object) -> dict[str, str]:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict) or not all(isinstance(value, str) for value in raw.values()):
@@ -1407,6 +1454,11 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("after_run", "after_run", parse=AfterRun.from_json, new=AfterRun, dump=lambda r: r.to_json()),
     StateField("replacements", "replacements", new=list, dump=lambda events: [r.to_json() for r in events],
                parse=lambda v: [r for r in map(Replacement.from_json, v) if r] if isinstance(v, list) else []),
+    StateField("agent_events", "agent_events", new=list, dump=lambda events: [e.to_json() for e in events],
+               parse=lambda v: [e for e in map(AgentEvent.from_json, v) if e] if isinstance(v, list) else []),
+    StateField("fresh_agents_due", "fresh_agents_due", new=dict,
+               parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
+               if isinstance(v, dict) else {}),
 )
 RUN_FIELDS = tuple(f.name for f in STATE_FIELDS if f.kind == "run")
 STATE_FIELDS_BY_NAME = {f.name: f for f in STATE_FIELDS}
@@ -1442,6 +1494,8 @@ turn_records: list[TurnRecord] = _new_value("turn_records")
 worktree_at_start: dict | None = _new_value("worktree_at_start")  # COMMIT_ON_PASS: changed paths at the start
 after_run: AfterRun = _new_value("after_run")
 replacements: list[Replacement] = _new_value("replacements")   # lost agents replaced (REPLACE_LOST_AGENTS=1)
+agent_events: list[AgentEvent] = _new_value("agent_events")    # conversations compacted, cleared, started anew
+fresh_agents_due: dict[str, str] = _new_value("fresh_agents_due")  # role -> why its next turn needs a new agent
 
 
 def update_run(**changes: object) -> None:
@@ -1823,6 +1877,7 @@ def run_summary(exit_code: int) -> dict:
         "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
+        "agent_events": [e.to_json() for e in agent_events],
         "turn_list": turns,
     }
 
@@ -1893,7 +1948,13 @@ def report_html(summary: dict) -> str:
            f'<p class="result" data-result="{esc(summary["result"])}" style="font-size:1.2em">Result: '
            f"<b>{esc(summary['result'])}</b></p>", "<dl>"]
     out += [f"<dt>{esc(name)}</dt><dd>{esc(str(value))}</dd>" for name, value in figures]
-    out += ["</dl>", '<section id="timeline"><h2>Timeline</h2>']
+    out += ["</dl>"]
+    if summary["agent_events"]:
+        out += ['<section id="agent-events"><h2>Agents\' conversations and limits</h2><ul>',
+                *(f'<li data-what="{esc(e["what"])}">{esc(e["at"])}: {esc(e["role"])} (terminal {esc(e["terminal"])})'
+                  f': {esc(e["what"])}' + (f" -- {esc(e['detail'])}" if e["detail"] else "") + "</li>"
+                  for e in summary["agent_events"]), "</ul></section>"]
+    out.append('<section id="timeline"><h2>Timeline</h2>')
     for role in ROLES:
         out.append(f'<div class="lane" data-role="{role}"><span class="lane-label">{role}</span><div class="track">')
         for number, turn in enumerate(turns, 1):
@@ -2072,6 +2133,124 @@ def turn_mark(screen: str | None) -> str | None:
     return "ended" if marks[-1] in TURN_ENDED_MARKS else "working"
 
 
+# -- What the screen says of the agent's conversation and its account -----------
+# An agent CLI summarises its conversation when it nears its context window
+# (or when a person types /compact), and /clear starts it over: from then on
+# the agent has a model-written summary, or nothing, instead of what it was
+# told. The loop sends some text only once per conversation (section 11), so
+# it must hear of this: the CLI says so on its screen. The raw screen may move
+# the cursor between two words, so the words are matched with whitespace and
+# escape sequences removed. Words of Claude Code 2.1 and Codex 0.169.
+CONVERSATION_LOST_WORDS = (
+    ("Compactingconversation", "compacted"),  # Claude Code, while it summarises
+    ("Conversationcompacted", "compacted"),   # Claude Code: "✻ Conversation compacted (ctrl+o for history)"
+    ("Compactingcontext", "compacted"),       # Codex, while it summarises
+    ("Contextcompacted", "compacted"),        # Codex
+)
+# Claude Code with auto-compact off: "Context low (8% remaining)", its context nearly full and nothing
+# will compact it (matched squeezed, as above).
+CONTEXT_LOW = re.compile(r"Contextlow\((\d+)%remaining\)")
+
+
+def conversation_change(screen: str | None, markers: tuple[str, ...] = ()) -> tuple[str, str]:
+    """What the screen says happened to the agent's conversation: ('compacted', ''), ('context low', 'Context
+    low (8% remaining)') or ('', ''). With the markers of the prompt under way, only what the screen shows
+    after that prompt counts: a screen CAO reads from the pane's history also holds earlier turns."""
+    text = _squeezed(screen or "")
+    if markers:
+        start = max(text.rfind(marker) for marker in markers)
+        if start < 0:
+            return "", ""
+        text = text[start:]
+    for words, what in CONVERSATION_LOST_WORDS:
+        if words in text:
+            return what, ""
+    low = CONTEXT_LOW.findall(text)
+    return ("context low", f"Context low ({low[-1]}% remaining)") if low else ("", "")
+
+
+# An account's usage limit stops the agent until a reset time its CLI names:
+#   Codex        "You've hit your usage limit. Try again at 3:05 PM."  (another day: "Jan 5th, 2026 3:05 PM";
+#                no time known: "Try again later.")
+#   Claude Code  "You've hit your session limit · resets 3pm (Europe/Berlin)"  (5-hour limit; also "weekly
+#                limit", "usage limit"; more than a day ahead: "resets Jan 5, 3pm (UTC)")
+# Claude Code may also open a menu whose first choice waits: "1. Stop and wait for limit to reset".
+USAGE_LIMIT = re.compile(r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})")
+RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)\s*(?:\((?P<zone>[\w/+-]+)\))?\s*(?:[.·]|$)")
+RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
+                        r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
+LIMIT_MENU_CHOICE = re.compile(r"(\d)\.\s*Stop and wait for limit to reset")
+MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+@dataclass(frozen=True)
+class UsageLimit:
+    """An agent stopped by its account's usage limit: what its screen said, and when the limit resets."""
+
+    line: str
+    resets_at: float | None           # time.time() of the reset; None when the CLI names no time
+
+
+def reset_time(when: str, zone: str | None, now: float) -> float | None:
+    """The reset a CLI names ('3:05 PM', '3pm', 'Jan 5th, 2026 3:05 PM') as time.time(), or None.
+
+    A time of day without a date is the next such time (within a few minutes
+    back it is today's: the limit has just reset). The zone is the one the
+    CLI names, else this machine's: the CLIs print the time of their machine.
+    """
+    match = RESET_WHEN.match(when.strip())
+    if not match:
+        return None
+    try:
+        tz = ZoneInfo(zone) if zone else None
+    except (ZoneInfoNotFoundError, ValueError):
+        tz = None
+    local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
+    hour, minute = int(match["hour"]), int(match["minute"] or 0)
+    if match["half"]:
+        if not 1 <= hour <= 12:
+            return None
+        hour = hour % 12 + (12 if match["half"][0] in "Pp" else 0)
+    try:
+        if match["month"]:
+            year = int(match["year"] or local_now.year)
+            moment = local_now.replace(year=year, month=MONTHS.index(match["month"]) + 1, day=int(match["day"]),
+                                       hour=hour, minute=minute, second=0, microsecond=0)
+            if not match["year"] and moment < local_now - timedelta(days=1):
+                moment = moment.replace(year=year + 1)
+        else:
+            moment = local_now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+            if moment < local_now - timedelta(minutes=10):
+                moment += timedelta(days=1)
+    except ValueError:                     # no such month, day or hour
+        return None
+    return moment.timestamp()
+
+
+def usage_limit_on(screen: str | None, now: float) -> UsageLimit | None:
+    """The usage limit the end of the agent's screen reports, if it reports one."""
+    found = None
+    for line in screen_lines(screen or "")[-30:]:
+        found = USAGE_LIMIT.search(line) or found     # the newest report counts
+    if found is None:
+        return None
+    line = re.sub(r"\s+", " ", found.group(0)).strip()
+    reset = RESET_AT.search(found["rest"])
+    return UsageLimit(line, reset_time(reset["when"], reset["zone"], now) if reset else None)
+
+
+def limit_menu_choice(screen: str | None) -> str:
+    """The key that picks "Stop and wait for limit to reset" in Claude Code's usage-limit menu ('' if none)."""
+    found = LIMIT_MENU_CHOICE.search(ESCAPE_SEQUENCE.sub("", screen or ""))
+    return found.group(1) if found else ""
+
+
+def clock_text(when: float) -> str:
+    """'15:05' (today) or 'Nov 26 15:05': a moment in this machine's local time."""
+    moment = datetime.fromtimestamp(when)
+    return moment.strftime("%H:%M") if moment.date() == datetime.now().date() else moment.strftime("%b %d %H:%M")
+
+
 class AgentLost(RunError):
     """An agent that is gone or gives no sign of life: replaced (REPLACE_LOST_AGENTS=1), else the run stops."""
 
@@ -2154,6 +2333,8 @@ class Verdict(Enum):
     RESEND = "send the prompt again"
     REMIND = "remind, or give up when the reminders are used"
     CONTINUE = "tell the agent to continue after its model provider's error"
+    WAIT_OUT_LIMIT = "wait until the account's usage limit resets (or stop, saying when to rerun)"
+    CONTINUE_AFTER_LIMIT = "tell the agent to continue: its usage limit has reset"
     LOST = "the agent is lost: replace it or stop"
     ERROR = "stop: the agent reports an error"
     TIMEOUT = "stop: RESPONSE_TIMEOUT"
@@ -2206,6 +2387,8 @@ class TurnFacts:
     provider_pause_until: float | None = None  # a provider error's pause is under way until then
     cli: CliTraits = CliTraits()      # the agent CLI's traits: whether its ready status counts
     cao_status: str | None = None     # what CAO last said, as said (`status` is what the rules go by)
+    usage_limit: UsageLimit | None = None  # the screen says the account's usage limit stopped the agent
+    limit_wait_until: float | None = None  # a usage-limit wait is under way until then
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -2249,11 +2432,16 @@ class TurnFacts:
     def note_lost(self, why: str) -> None:
         self.lost = why
 
+    def note_usage_limit(self, limit: UsageLimit | None) -> None:
+        """What the latest screen says of a usage limit (None: nothing, or a reply file is there)."""
+        self.usage_limit = limit if self.file_version is None else None
+
     def note_sent(self, baseline_reply: str | None, now: float, whole_prompt: bool = False) -> None:
         """After a prompt or reminder went out: the agent has not been seen working on it yet
         (nor, after the whole prompt again, seen to have it)."""
         self.guard_since, self.seen_working, self.baseline_reply = now, False, baseline_reply
         self.provider_pause_until, self.turn_ended_at, self.mark = None, None, None
+        self.usage_limit = self.limit_wait_until = None
         if whole_prompt:
             self.prompt_seen = False
 
@@ -2336,6 +2524,12 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: True, Verdict.ERROR),
     WaitRule(frozenset({TurnState.DONE}), "always",
              lambda f, now: True, Verdict.TAKE_REPLY),
+    WaitRule(OPEN_STATES, "a usage-limit wait is under way",
+             lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
+    WaitRule(IDLE_STATES, "a usage-limit wait is over",
+             lambda f, now: f.limit_wait_until is not None, Verdict.CONTINUE_AFTER_LIMIT),
+    WaitRule(IDLE_STATES, "its screen says its account's usage limit is reached",
+             lambda f, now: f.usage_limit is not None, Verdict.WAIT_OUT_LIMIT),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "less than IDLE_GRACE_SECONDS since the prompt",
              lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "not sent again yet",
@@ -2410,6 +2604,8 @@ class ReadSchedule:
             return True
         if facts.status == "error":
             return False
+        if facts.status == "waiting_user_answer":
+            return True                  # a question: a permission prompt, or Claude Code's usage-limit menu
         return facts.file_settled(now) or facts.status not in KNOWN_STATUSES
 
     def next_look_at(self, facts: TurnFacts, now: float) -> float:
@@ -2448,6 +2644,7 @@ class Turn:
     reads: ReadSchedule
     permissions: PermissionAnswers = field(default_factory=PermissionAnswers)
     told_unknown: bool = False
+    menu_answered_at: float = float("-inf")   # when Claude Code's usage-limit menu was last answered
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -2486,6 +2683,8 @@ def progress_text(facts: TurnFacts, began: float, now: float) -> str:
                      else f"screen still for {duration_text(still)}")
     if facts.cao_status is not None:
         parts.append(f"CAO status {facts.cao_status}")
+    if facts.limit_wait_until is not None and now < facts.limit_wait_until:
+        parts.append(f"waiting out its usage limit for {duration_text(facts.limit_wait_until - now)} more")
     parts.append("no response file yet" if facts.file_version is None else
                  f"response file written {duration_text(now - facts.file_seen_at)} ago, settling")
     return "; ".join(parts)
@@ -2575,6 +2774,80 @@ def continue_after_provider_error(turn: Turn) -> None:
     turn.facts.note_sent(_last_output(turn.terminal_id), time.monotonic())
 
 
+def note_limit_in_flight(role: str, line: str, until: float | None) -> None:
+    """Save that the turn in flight waits out a usage limit ('' : no longer): a rerun then continues the turn."""
+    if in_flight is not None and in_flight.role == role:
+        update_run(in_flight=replace(in_flight, limit_line=line, limit_until=until if line else None))
+        save_state()
+
+
+def usage_limit_stop(turn: Turn, line: str, until: float | None) -> RunError:
+    """The stop for a usage limit the loop will not wait out: when to rerun, and that the rerun continues."""
+    rerun = "to continue the turn (its prompt is not sent again)"
+    if until is None:
+        when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}"
+    else:
+        when = (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
+                f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
+                f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
+    return RunError(f"the {turn.role} agent (terminal {turn.terminal_id}) stopped at its account's usage limit "
+                    f"({line[:200]}); {when}")
+
+
+def begin_limit_wait(turn: Turn, limit: UsageLimit) -> None:
+    """The agent stopped at its usage limit: wait until the reset and a margin (at most USAGE_LIMIT_MAX_WAIT),
+    or stop saying when to rerun. Saved first, so a rerun during the wait waits on instead of resending."""
+    now = time.time()
+    until = None if limit.resets_at is None else max(now, limit.resets_at + USAGE_LIMIT_MARGIN_SECONDS)
+    waits = until is not None and until - now <= USAGE_LIMIT_MAX_WAIT
+    record_agent_event(turn.role, turn.terminal_id, "usage limit", limit.line[:200] + (
+        f"; waited until {clock_text(until)}" if waits else "; the run stopped"))
+    note_limit_in_flight(turn.role, limit.line, until)
+    if not waits:
+        raise usage_limit_stop(turn, limit.line, until)
+    turn.facts.limit_wait_until = time.monotonic() + (until - now)
+    log_turn(turn.role, f"usage limit reached; waiting until {clock_text(until)} (in {duration_text(until - now)}), "
+                        f"then it continues ({limit.line[:200]})")
+
+
+def resume_limit_wait(turn: Turn) -> None:
+    """A turn carried over while its agent waited out a usage limit: wait on (or stop again); never resend it."""
+    line, until = in_flight.limit_line, in_flight.limit_until
+    now = time.time()
+    if until is not None and until - now > USAGE_LIMIT_MAX_WAIT:
+        raise usage_limit_stop(turn, line, until)
+    remaining = max(0.0, (until or now) - now)
+    turn.facts.limit_wait_until = time.monotonic() + remaining
+    log_turn(turn.role, f"its agent stopped at its usage limit before the interruption ({line[:200]}); "
+             + (f"waiting until {clock_text(until)} (in {duration_text(remaining)}), then it continues"
+                if remaining else "telling it to continue"))
+
+
+def continue_after_usage_limit(turn: Turn) -> None:
+    """The usage limit has reset: the agent has its task in its conversation; tell it to go on. The turn's
+    RESPONSE_TIMEOUT counts from here."""
+    log_turn(turn.role, f"usage limit reset; telling terminal {turn.terminal_id} to continue its task")
+    message = ("Your usage limit has reset. Continue the task above from where you stopped, then write your "
+               f"complete answer to {turn.path}; the orchestrator reads only that file.")
+    keep_sent(turn.role, "continue", message)
+    deliver(turn.role, turn.terminal_id, message)
+    note_limit_in_flight(turn.role, "", None)
+    turn.facts.note_sent(_last_output(turn.terminal_id), time.monotonic())
+    turn.facts.started = time.monotonic()
+
+
+def answer_limit_menu(turn: Turn, key: str) -> None:
+    """Claude Code asks what to do at its usage limit: pick "Stop and wait for limit to reset" (at most every
+    PERMISSION_ANSWER_INTERVAL seconds); the wait then sees the limit on its screen."""
+    now = time.monotonic()
+    if now - turn.menu_answered_at < PERMISSION_ANSWER_INTERVAL:
+        return
+    turn.menu_answered_at = now
+    log_turn(turn.role, f"usage-limit menu on terminal {turn.terminal_id}: choosing {key}. \"Stop and wait for "
+                        "limit to reset\"")
+    api.send_key(turn.terminal_id, key)
+
+
 def why_lost(facts: TurnFacts, state: TurnState) -> str:
     """The words for a LOST verdict: what the session or screen said, or what never happened."""
     if facts.lost:
@@ -2600,8 +2873,13 @@ def act_on(turn: Turn, state: TurnState, verdict: Verdict) -> str | None:
     if verdict is Verdict.TIMEOUT:
         raise agent_failed(role, terminal_id, f"gave no reply within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s; "
                                               "raise RESPONSE_TIMEOUT if it needs longer")
-    if verdict in (Verdict.RESEND, Verdict.REMIND, Verdict.CONTINUE) and reply_file_version(path):
+    if verdict in (Verdict.RESEND, Verdict.REMIND, Verdict.CONTINUE, Verdict.CONTINUE_AFTER_LIMIT,
+                   Verdict.WAIT_OUT_LIMIT) and reply_file_version(path):
         return None                                          # the file came in the meantime
+    if verdict is Verdict.WAIT_OUT_LIMIT:
+        begin_limit_wait(turn, turn.facts.usage_limit)
+    elif verdict is Verdict.CONTINUE_AFTER_LIMIT:
+        continue_after_usage_limit(turn)
     if verdict is Verdict.RESEND:
         log_turn(role, f"terminal {terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it was "
                        "sent, its screen quiet); sending the whole prompt again")
@@ -2610,6 +2888,11 @@ def act_on(turn: Turn, state: TurnState, verdict: Verdict) -> str | None:
     elif verdict is Verdict.CONTINUE:
         continue_after_provider_error(turn)
     elif verdict is Verdict.REMIND:
+        # Before a reminder, the screen once more: a usage limit is waited out, not reminded of.
+        turn.facts.note_usage_limit(usage_limit_on(_screen(terminal_id), time.time()))
+        if turn.facts.usage_limit is not None:
+            begin_limit_wait(turn, turn.facts.usage_limit)
+            return None
         turn.facts.resend_used = True
         return idle_without_file(turn)
     return None
@@ -2652,11 +2935,17 @@ def observe_terminal(turn: Turn) -> None:
     if liveness or turn.reads.screen_due(turn.facts, now):
         screen = _screen(turn.terminal_id)
         turn.facts.note_screen(screen, time.monotonic())
+        if screen is not None:
+            turn.facts.note_usage_limit(usage_limit_on(screen, time.time()))
+            note_conversation(turn.role, turn.terminal_id, screen, turn.facts.markers)
     if liveness:
         turn.facts.note_lost(why_gone(turn.terminal_id, screen))
     elif shows_shell_prompt(screen):
         turn.facts.note_lost(why_gone(turn.terminal_id, screen))
-    if status == "waiting_user_answer" and not turn.facts.lost:
+    menu_key = limit_menu_choice(screen)
+    if menu_key and not turn.facts.lost:
+        answer_limit_menu(turn, menu_key)
+    elif status == "waiting_user_answer" and not turn.facts.lost:
         handle_permission_prompt(turn)
 
 
@@ -2673,6 +2962,8 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     # CAO's send returned only now: nothing new to read yet.
     turn = Turn(role, terminal_id, path, message, facts,
                 ReadSchedule(next_status_at=now + POLL_SECONDS, next_liveness_at=now + LIVENESS_CHECK_SECONDS))
+    if message is None and in_flight is not None and in_flight.role == role and in_flight.limit_line:
+        resume_limit_wait(turn)
     began, next_progress_at = now, now + PROGRESS_SECONDS
     while True:
         now = time.monotonic()
@@ -2934,6 +3225,11 @@ def replacement_summary(events: list[Replacement]) -> str:
                                     for r in events) + ")"
 
 
+def agent_events_summary(events: list[AgentEvent]) -> str:
+    """'programmer compacted at ...; tester usage limit at ... (...)': the agent events, for people."""
+    return "; ".join(f"{e.role} {e.what} at {e.at}" + (f" ({e.detail})" if e.detail else "") for e in events)
+
+
 def replace_lost_agent(lost: AgentLost) -> None:
     """A new agent for a lost one (REPLACE_LOST_AGENTS=1), or the run stops on `lost`.
 
@@ -2974,6 +3270,7 @@ def replace_lost_agent(lost: AgentLost) -> None:
     unsent = replace(in_flight, sent_at=None) if in_flight is not None and in_flight.role in roles else in_flight
     update_run(in_flight=unsent, session_name=new_session, terminal_ids=new_ids,
                agent_models={**agent_models, **{role: model_for(role) for role in roles}},
+               fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles},
                replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
                                                         lost.why, event) for role in roles])
     save_state()
@@ -3057,9 +3354,10 @@ def turn_position(role: str) -> dict:
 
 
 def carried_over_turn(role: str, path: Path) -> str:
-    """After an interruption: did this very prompt already go out? 'reply', 'working' or ''.
+    """After an interruption: did this very prompt already go out? 'reply', 'limited', 'working' or ''.
 
     'reply': the agent has written its answer since the prompt was sent;
+    'limited': it stopped at its usage limit, which the wait waits out;
     'working': it is still busy with it. Either way the prompt is not sent
     again. A response file older than the prompt is an earlier turn's and is
     moved aside.
@@ -3076,6 +3374,8 @@ def carried_over_turn(role: str, path: Path) -> str:
         if written_at >= in_flight.sent_at - 1.0 and read_reply_file(path):
             return "reply"
         set_aside_stale_reply(path)
+    if in_flight.limit_line:
+        return "limited"         # its agent waits out a usage limit: the wait continues the turn
     status = cli_traits(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
     if status == "error" or status in READY_STATUSES:
         return ""
@@ -3150,9 +3450,94 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> Non
         reply_file=archived.name))
 
 
+# -- The agent's conversation ---------------------------------------------------
+# Once-only text (section 11) is worth sending once only while the agent's
+# conversation still holds it. A CLI that compacts its conversation (or a
+# person who types /compact or /clear) leaves it with a summary: the loop
+# forgets what that terminal was sent, so its next prompt carries everything
+# in full, as a new agent's would. A conversation can also be started anew on
+# purpose: each round (FRESH_CONTEXT=round), or when the CLI says its context
+# is nearly full and it will not compact it (Claude Code with auto-compact off)
+# -- a new agent then takes the role's next turn.
+
+def record_agent_event(role: str, terminal_id: str, what: str, detail: str = "") -> None:
+    """Keep what happened to an agent's conversation or account in the run's record (saved with the state)."""
+    at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    update_run(agent_events=agent_events + [AgentEvent(role, terminal_id, at, what, detail)])
+
+
+def forget_conversation(role: str, terminal_id: str, what: str) -> None:
+    """The terminal's conversation lost what it was told once: its next prompt carries every block in full."""
+    marks = {mark for mark in context_sent if mark.rpartition(":")[2] == terminal_id}
+    if not marks:
+        return                           # already forgotten (the same words seen again), or never sent
+    record_agent_event(role, terminal_id, what)
+    update_run(context_sent=context_sent - marks)
+    save_state()
+    log_turn(role, f"its conversation was {what}; the next prompt carries the full task again")
+
+
+def note_conversation(role: str, terminal_id: str, screen: str | None, markers: tuple[str, ...] = ()) -> None:
+    """Act on what the agent's screen says of its conversation (after the prompt whose `markers` are given):
+    compacted, or its context nearly full."""
+    change, detail = conversation_change(screen, markers)
+    if change == "compacted":
+        forget_conversation(role, terminal_id, change)
+    elif change == "context low" and role not in fresh_agents_due and terminal_ids.get(role) == terminal_id:
+        why = f"its context is nearly full ({detail}) and its CLI will not compact it"
+        record_agent_event(role, terminal_id, "context low", detail)
+        update_run(fresh_agents_due={**fresh_agents_due, role: why})
+        save_state()
+        log_turn(role, f"{why}; a new agent takes its next turn, with the full task")
+
+
+def stale_round_reason(role: str) -> str:
+    """FRESH_CONTEXT=round: why the role's conversation must start anew before this turn ('' if it need not)."""
+    if FRESH_CONTEXT != "round" or not PromptDraft(role).has_history():
+        return ""
+    rounds = [record.round for record in turn_records if record.role == role]
+    if rounds and max(rounds) < current_round:
+        return f"FRESH_CONTEXT=round: round {current_round} starts with a new conversation"
+    return ""
+
+
+def start_fresh_agent(role: str, why: str) -> None:
+    """A new agent for the role, in the run's session, and the old one ended: a new conversation."""
+    old = terminal_ids[role]
+    check_alive(role, old)                # a session that is gone is the replacement's to handle
+    with signals_held("creating the new agent"):
+        answer = request_agent(role, session_name)
+    note_model_answers({role: answer})
+    new = answer["id"]
+    record_agent_event(role, old, "new conversation", f"{why}; new terminal {new}")
+    update_run(terminal_ids={**terminal_ids, role: new}, agent_models={**agent_models, role: model_for(role)},
+               fresh_agents_due={r: w for r, w in fresh_agents_due.items() if r != role})
+    save_state()
+    settled_terminals.add(new)
+    exit_terminals([old])
+    try:
+        api.delete_terminal(old)
+    except ApiError as exc:
+        log(f"could not remove terminal {old}: {exc}")
+    log_turn(role, f"{why}: a new agent (terminal {new}, was {old}) takes the turn, with the full task")
+
+
+def prepare_conversation(role: str) -> None:
+    """Before a turn's prompt is built: hear what the screen says of the conversation since the last turn
+    (/compact or /clear typed by a person), and start a new one where one is due."""
+    sent = in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role))
+    if sent:
+        return                            # a turn carried over: its agent has the prompt
+    note_conversation(role, terminal_ids[role], _screen(terminal_ids[role]))
+    why = fresh_agents_due.get(role) or stale_round_reason(role)
+    if why:
+        start_fresh_agent(role, why)
+
+
 def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     """One turn on the role's current terminal: send the prompt built now (unless the turn was carried
     over from an interrupted process), wait, and return the answer (also archived)."""
+    prepare_conversation(role)
     terminal_id = terminal_ids[role]
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -3161,9 +3546,10 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     message = baseline_reply = None
     if carried:
         record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
-        log_turn(role, "taking the reply written while the loop was down (prompt not sent again)"
-                 if carried == "reply" else f"terminal {terminal_id} is still working on the prompt sent before "
-                 "the interruption; waiting for it")
+        if carried != "limited":
+            log_turn(role, "taking the reply written while the loop was down (prompt not sent again)"
+                     if carried == "reply" else f"terminal {terminal_id} is still working on the prompt sent before "
+                     "the interruption; waiting for it")
     else:
         message, baseline_reply = send_prompt(role, prompt)
     reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
@@ -4925,6 +5311,10 @@ def working_now(saved: SavedState) -> str:
     sent = turn.first_sent_at or turn.sent_at
     when = "" if sent is None else (f", prompt sent {utc_iso(sent).replace('T', ' ').replace('Z', ' UTC')}, "
                                     f"{duration_text(time.time() - sent)} ago")
+    if turn.limit_line:
+        until = (f"continues at {clock_text(turn.limit_until)} (in {duration_text(turn.limit_until - time.time())})"
+                 if turn.limit_until is not None else "its CLI named no reset time")
+        when += f"; stopped at its usage limit ({turn.limit_line[:120]}), {until}"
     return f"{turn.role} (terminal {saved.terminal_ids.get(turn.role) or '?'}){when}"
 
 
@@ -4956,6 +5346,8 @@ def status_report() -> tuple[int, str]:
                                                       for role in ROLES))
     if saved.replacements:
         lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
+    if saved.agent_events:
+        lines.append(f"agents' conversations and limits: {agent_events_summary(saved.agent_events)}")
     if saved.run_dir:
         lines.append(f"replies: {saved.run_dir}")
     done = saved.after_run

@@ -123,7 +123,8 @@ class Terminal:
     response_path: str = ""
     last_output: str = ""
     exited: bool = False
-    echo: str = ""                   # what the terminal printed since the last input (CAO clears it then)
+    echo: str = ""                   # the input echoed since the last input (CAO clears its screen then)
+    printed: str = ""                # what the agent printed since the last input (likewise)
     cli_dead: bool = False           # the agent CLI died: the pane shows a shell prompt, input runs as commands
     deleted: bool = False
 
@@ -171,6 +172,8 @@ class FakeCao:
     swallowed: list[tuple[str, str]] = field(default_factory=list)  # (role, message) taken by a dialog
     shell_inputs: list[tuple[str, str]] = field(default_factory=list)  # (role, message) typed into a shell
     deleted_sessions: list[str] = field(default_factory=list)
+    keys: list[tuple[str, str]] = field(default_factory=list)  # (role, key) of single key presses
+    key_hook: object = None              # callable(fake, terminal, key) run on each key press
     _session_thread: int | None = None   # the thread that sent the (last) session request
     _session_answered: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -250,6 +253,7 @@ class FakeCao:
             ("create", "POST", r"/sessions\?", self._create_session),
             ("create", "POST", r"/sessions/[^/]+/terminals", self._create_terminal),
             ("input", "POST", r"/terminals/[^/]+/input", self._input),
+            ("key", "POST", r"/terminals/[^/]+/key", self._key),
             ("exit", "POST", r"/terminals/[^/]+/exit", self._exit),
             ("output", "GET", r"/terminals/[^/]+/output", self._output),
             ("status", "GET", r"/terminals/[^/?]+$", self._status),
@@ -440,6 +444,7 @@ class FakeCao:
             self.swallowed.append((terminal.role, message))
             terminal.echo = "Trust this folder?\n> 1. Trust and continue\n"
             return httpx.Response(200, json={"success": True})
+        terminal.printed = ""
         lines = [line for line in message.splitlines() if line.strip()]
         shown = lines[:1] + [line for line in lines[1:] if RESPONSE_LINE.match(line)]
         terminal.echo = "".join(f"> {line}\n" for line in shown)
@@ -467,8 +472,19 @@ class FakeCao:
         terminal.status = "idle" if terminal.idle_polls else "processing"
         return httpx.Response(200, json={"success": True})
 
+    def _key(self, request: httpx.Request) -> httpx.Response:
+        key = self._params(request).get("key", "")
+        terminal = self._terminal(request)
+        if terminal is None:
+            return self._missing(request)
+        self.keys.append((terminal.role, key))
+        if self.key_hook is not None:
+            self.key_hook(self, terminal, key)
+        return httpx.Response(200, json={"success": True})
+
     def _other_input(self, terminal: Terminal, message: str) -> httpx.Response:
         self.reminders.append((terminal.role, message))
+        terminal.printed = ""
         terminal.idle_polls = 0
         if message == "y" and terminal.status == "waiting_user_answer":
             terminal.permission_answers += 1
@@ -525,7 +541,7 @@ class FakeCao:
         step, terminal.pending = terminal.pending or {}, None
         action = step.get("action", "write")
         text = step.get("text", "")
-        terminal.last_output = text
+        terminal.last_output = terminal.printed = text
         if action == "call":
             step["call"](self, terminal)
             return
@@ -534,7 +550,7 @@ class FakeCao:
             return
         if action == "write_on_reminder":
             terminal.held_text = text
-            terminal.last_output = step.get("output", "")
+            terminal.last_output = terminal.printed = step.get("output", "")
         if action == "write" and terminal.response_path:
             path = Path(terminal.response_path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -547,7 +563,7 @@ class FakeCao:
         if terminal is None:
             return self._missing(request)
         if mode == "full":              # the screen since the last input: the echoed prompt, then the reply
-            screen = terminal.echo if terminal.cli_dead else terminal.echo + terminal.last_output
+            screen = terminal.echo if terminal.cli_dead else terminal.echo + terminal.printed
             return httpx.Response(200, json={"output": screen, "mode": "full"})
         return httpx.Response(200, json={"output": terminal.last_output, "mode": "last"})
 
