@@ -2138,14 +2138,18 @@ def turn_mark(screen: str | None) -> str | None:
 # (or when a person types /compact), and /clear starts it over: from then on
 # the agent has a model-written summary, or nothing, instead of what it was
 # told. The loop sends some text only once per conversation (section 11), so
-# it must hear of this: the CLI says so on its screen. The raw screen may move
-# the cursor between two words, so the words are matched with whitespace and
-# escape sequences removed. Words of Claude Code 2.1 and Codex 0.169.
+# it must hear of this: the CLI says so on its screen. Claude Code draws the
+# spaces of a line as cursor moves and colours a word in pieces, so the words
+# are matched with whitespace and escape sequences removed. Words of Claude
+# Code 2.1.197 and Codex 0.169.0, as seen in CAO's raw screen:
 CONVERSATION_LOST_WORDS = (
-    ("Compactingconversation", "compacted"),  # Claude Code, while it summarises
+    ("Compactingconversation", "compacted"),  # Claude Code, while it summarises (also for /compact)
     ("Conversationcompacted", "compacted"),   # Claude Code: "✻ Conversation compacted (ctrl+o for history)"
-    ("Compactingcontext", "compacted"),       # Codex, while it summarises
-    ("Contextcompacted", "compacted"),        # Codex
+    ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # Claude Code after /compact typed by hand
+    ("Compactingcontext", "compacted"),       # Codex, while it summarises (also for /compact)
+    ("Contextcompacted", "compacted"),        # Codex: "• Context compacted · 0s"
+    ("❯/clear", "cleared"),                   # Claude Code: /clear typed by hand (it prints nothing else)
+    (">_OpenAICodex", "cleared"),             # Codex: /new or /clear draws its start-up header again
 )
 # Claude Code with auto-compact off: "Context low (8% remaining)", its context nearly full and nothing
 # will compact it (matched squeezed, as above).
@@ -2155,13 +2159,11 @@ CONTEXT_LOW = re.compile(r"Contextlow\((\d+)%remaining\)")
 def conversation_change(screen: str | None, markers: tuple[str, ...] = ()) -> tuple[str, str]:
     """What the screen says happened to the agent's conversation: ('compacted', ''), ('context low', 'Context
     low (8% remaining)') or ('', ''). With the markers of the prompt under way, only what the screen shows
-    after that prompt counts: a screen CAO reads from the pane's history also holds earlier turns."""
+    after that prompt counts where the screen still shows it (CAO's screen holds the last 32 KB since the
+    input; a screen read from the pane's history also holds earlier turns)."""
     text = _squeezed(screen or "")
     if markers:
-        start = max(text.rfind(marker) for marker in markers)
-        if start < 0:
-            return "", ""
-        text = text[start:]
+        text = text[max(0, max(text.rfind(marker) for marker in markers)):]
     for words, what in CONVERSATION_LOST_WORDS:
         if words in text:
             return what, ""
@@ -2176,7 +2178,7 @@ def conversation_change(screen: str | None, markers: tuple[str, ...] = ()) -> tu
 #                limit", "usage limit"; more than a day ahead: "resets Jan 5, 3pm (UTC)")
 # Claude Code may also open a menu whose first choice waits: "1. Stop and wait for limit to reset".
 USAGE_LIMIT = re.compile(r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})")
-RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)\s*(?:\((?P<zone>[\w/+-]+)\))?\s*(?:[.·]|$)")
+RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
 RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
                         r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
 LIMIT_MENU_CHOICE = re.compile(r"(\d)\.\s*Stop and wait for limit to reset")
@@ -2234,8 +2236,11 @@ def usage_limit_on(screen: str | None, now: float) -> UsageLimit | None:
         found = USAGE_LIMIT.search(line) or found     # the newest report counts
     if found is None:
         return None
-    line = re.sub(r"\s+", " ", found.group(0)).strip()
+    # The raw screen may run the next things drawn into the same line: the report ends with its reset time,
+    # or with its first full stop.
     reset = RESET_AT.search(found["rest"])
+    rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
+    line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
     return UsageLimit(line, reset_time(reset["when"], reset["zone"], now) if reset else None)
 
 
@@ -2526,10 +2531,10 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: True, Verdict.TAKE_REPLY),
     WaitRule(OPEN_STATES, "a usage-limit wait is under way",
              lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
-    WaitRule(IDLE_STATES, "a usage-limit wait is over",
-             lambda f, now: f.limit_wait_until is not None, Verdict.CONTINUE_AFTER_LIMIT),
-    WaitRule(IDLE_STATES, "its screen says its account's usage limit is reached",
-             lambda f, now: f.usage_limit is not None, Verdict.WAIT_OUT_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet (CAO reads Codex busy)",
+             lambda f, now: f.limit_wait_until is not None and f.is_quiet(now), Verdict.CONTINUE_AFTER_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet",
+             lambda f, now: f.usage_limit is not None and f.is_quiet(now), Verdict.WAIT_OUT_LIMIT),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "less than IDLE_GRACE_SECONDS since the prompt",
              lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "not sent again yet",

@@ -88,6 +88,18 @@ def test_an_idle_agent_is_told_to_continue_once_the_wait_is_over(m):
     assert decide(m, facts, 100.0) == ("IDLE_WITHOUT_FILE", "CONTINUE_AFTER_LIMIT")
 
 
+def test_codex_read_busy_by_cao_at_its_limit_is_waited_out_once_its_screen_is_still(m):
+    """CAO reads Codex `processing` through a usage limit and the wait: a still screen tells instead."""
+    facts = idle_since_two(m)
+    facts.note_status("processing", 3.0)
+    facts.note_screen("■ You’ve hit your usage limit. Try again at 8:20 AM.", 3.0)
+    facts.note_usage_limit(a_limit(m))
+    assert decide(m, facts, 4.0) == ("WORKING", "WAIT")                # the screen may still move
+    assert decide(m, facts, 3.0 + 5.0) == ("WORKING", "WAIT_OUT_LIMIT")
+    facts.limit_wait_until = 100.0
+    assert decide(m, facts, 100.0) == ("WORKING", "CONTINUE_AFTER_LIMIT")
+
+
 def test_an_agent_that_works_again_after_the_wait_is_not_told_to_continue(m):
     facts = idle_since_two(m)
     facts.limit_wait_until = 100.0
@@ -193,6 +205,12 @@ def test_the_menu_choice_that_waits_is_found(m):
     ("• Context compacted\n", "compacted"),
     ("◦ Compacting context (3s • esc to interrupt)", "compacted"),
     ("Context low (8% remaining) · Run /compact to compact & continue", "context low"),
+    ("\x1b[38;5;246m \x1b[3G⎿\x1b[6G\x1b[39m\x1b[2mCompacted\x1b[16G(ctrl+o\x1b[24Gto\x1b[27Gsee\x1b[31Gfull"
+     "\x1b[36Gsummary)\x1b[22m", "compacted"),                         # /compact typed into Claude Code
+    ("\x1b[38;5;246m✻\x1b[3GConversation\x1b[16Gcompacted\x1b[26G(ctrl+o", "compacted"),
+    ("\x1b[38;5;147m✽\x1b[3GCompacting conve\x1b[38;5;153mrsa\x1b[38;5;147mtion… ", "compacted"),
+    ("❯ /clear\n\n❯ ", "cleared"),
+    ("╭──────╮\n│ >_ OpenAI Codex (v0.169.0) │\n› Ask Codex to do anything", "cleared"),   # Codex after /new
     ("> You are the tester\n42% until auto-compact", ""),
     ("", ""),
 ])
@@ -210,7 +228,8 @@ def test_only_what_shows_after_the_prompt_under_way_counts(m):
     history = "✻ Conversation compacted\n> You are the tester (round 1 of 8).\nold reply\n"
     assert m.conversation_change(history + "> " + PROMPT + "\nworking", markers) == ("", "")
     assert m.conversation_change(history + "> " + PROMPT + "\n✻ Conversation compacted", markers)[0] == "compacted"
-    assert m.conversation_change(history, markers) == ("", "")          # this prompt not on the screen yet
+    # A long turn's screen may have lost the prompt's echo (CAO keeps the last 32 KB): then all of it counts.
+    assert m.conversation_change("working\n" * 3 + "✻ Conversation compacted", markers)[0] == "compacted"
 
 
 # -- the loop: compaction ------------------------------------------------------------------------

@@ -6,6 +6,9 @@ holds ``claude``, ``codex`` and ``opencode``. The ``write_*_home`` functions pre
 private HOME so each CLI starts offline and unattended (as root too) against a
 scripted model endpoint on 127.0.0.1; ``*_tmux_env`` give the variables that
 must be in the environment of the tmux server CAO starts its panes in.
+``compact_claude_early`` and ``compact_codex_early`` lower the point where each
+CLI compacts its conversation, for tests of long runs (by default neither
+compacts before a real model's context window is nearly full).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ CODEX_MODEL = "scripted"
 CODEX_KEY_VAR = "SCRIPTED_MODEL_API_KEY"
 OPENCODE_PROVIDER_ID = "scripted"
 OPENCODE_MODEL = "scripted"
+# Claude Code accepts an auto-compact window of 100000..1000000 tokens; it compacts at about
+# window - 33000 (window - min(max output, 20000) - 13000).
+CLAUDE_MIN_AUTO_COMPACT_WINDOW = 100_000
 
 
 class NpmMissing(RuntimeError):
@@ -144,8 +150,12 @@ def claude_tmux_env(model_url: str, api_key: str = API_KEY) -> dict[str, str]:
     }
 
 
-def write_claude_home(home: Path, api_key: str = API_KEY, workdirs: list[Path] = ()) -> None:
-    """``~/.claude.json`` and ``~/.claude/settings.json`` for an offline, dialog-free start."""
+def write_claude_home(home: Path, api_key: str = API_KEY, workdirs: list[Path] = (),
+                      auto_compact_window: int | None = None) -> None:
+    """``~/.claude.json`` and ``~/.claude/settings.json`` for an offline, dialog-free start.
+
+    ``auto_compact_window``: see ``compact_claude_early`` (None: Claude Code's default).
+    """
     projects = {str(Path(wd)): _claude_project_entry() for wd in workdirs}
     _write_json(
         home / ".claude.json",
@@ -181,6 +191,24 @@ def write_claude_home(home: Path, api_key: str = API_KEY, workdirs: list[Path] =
             "includeCoAuthoredBy": False,
         },
     )
+    if auto_compact_window is not None:
+        compact_claude_early(home, auto_compact_window)
+
+
+def compact_claude_early(home: Path, window: int = CLAUDE_MIN_AUTO_COMPACT_WINDOW) -> None:
+    """Give Claude Code an auto-compact window of ``window`` tokens (``autoCompactWindow``).
+
+    It must be a setting in ``~/.claude/settings.json``: CAO's launch line unsets every
+    ``CLAUDE*`` variable, CLAUDE_CODE_AUTO_COMPACT_WINDOW included. Claude Code reads it when it
+    starts, so call this before creating the terminals. With the smallest window (100000) a
+    response reporting about 70000 input tokens makes it compact before its next request.
+    """
+    if not CLAUDE_MIN_AUTO_COMPACT_WINDOW <= window <= 1_000_000:
+        raise ValueError(f"Claude Code ignores an autoCompactWindow of {window} (100000..1000000)")
+    path = home / ".claude" / "settings.json"
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    data["autoCompactWindow"] = int(window)
+    _write_json(path, data)
 
 
 def _claude_project_entry() -> dict:
@@ -205,8 +233,12 @@ def _toml_str(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string
 
 
-def write_codex_home(home: Path, model_url: str, workdirs: list[Path] = ()) -> None:
-    """``~/.codex/config.toml``: the scripted provider, no approvals, no network chatter."""
+def write_codex_home(home: Path, model_url: str, workdirs: list[Path] = (),
+                     auto_compact_token_limit: int | None = None) -> None:
+    """``~/.codex/config.toml``: the scripted provider, no approvals, no network chatter.
+
+    ``auto_compact_token_limit``: see ``compact_codex_early`` (None: Codex's default).
+    """
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -244,8 +276,32 @@ def write_codex_home(home: Path, model_url: str, workdirs: list[Path] = ()) -> N
         "",
     ]
     (codex_home / "config.toml").write_text("\n".join(lines), encoding="utf-8")
+    if auto_compact_token_limit is not None:
+        compact_codex_early(home, auto_compact_token_limit)
     for wd in workdirs:
         trust_codex_workdir(home, wd)
+
+
+CODEX_COMPACTION_KEYS = ("model_auto_compact_token_limit", "model_context_window")
+
+
+def compact_codex_early(home: Path, token_limit: int, context_window: int | None = None) -> None:
+    """Make Codex compact once a response reports ``token_limit`` total tokens or more.
+
+    Sets ``model_auto_compact_token_limit`` and ``model_context_window`` (default: four times the
+    limit; Codex knows no window for the scripted model's slug) at the top of
+    ``~/.codex/config.toml``, where top-level keys must stand. Codex reads them when it starts, so
+    call this before creating the terminals.
+    """
+    config = home / ".codex" / "config.toml"
+    window = int(context_window) if context_window is not None else 4 * int(token_limit)
+    lines = config.read_text(encoding="utf-8").splitlines()
+    first_table = next((i for i, line in enumerate(lines) if line.startswith("[")), len(lines))
+    top = [line for line in lines[:first_table] if line.split("=", 1)[0].strip() not in CODEX_COMPACTION_KEYS]
+    while top and not top[-1].strip():
+        top.pop()
+    top += [f"model_auto_compact_token_limit = {int(token_limit)}", f"model_context_window = {window}", ""]
+    config.write_text("\n".join(top + lines[first_table:]) + "\n", encoding="utf-8")
 
 
 def trust_codex_workdir(home: Path, workdir: Path) -> None:

@@ -27,7 +27,7 @@ the last step repeats. A step is the answer text or a dict::
 
     {"text": str, "think_ms": int, "action": "write" | "no_file" | "error"
      | "write_on_reminder" | "write_twice", "draft": str,
-     "rewrite_after_ms": int, "closing_ms": int, "status": int}
+     "rewrite_after_ms": int, "closing_ms": int, "status": int, "usage_tokens": int}
 
 ``write_twice`` writes ``draft`` first and, ``rewrite_after_ms`` after the CLI
 reported that command's result, the final text with a second tool call.
@@ -38,7 +38,21 @@ CLIs retry 5xx answers on their own with growing pauses (Claude Code for
 minutes); ``"status": 400`` makes them give up at once. ``fail_next(n, 529)``
 answers the next n task requests "overloaded" (or 429 "rate limited"), whatever
 the script says, and then lets the first message that gets through carry out
-the prompt they left undone.
+the prompt they left undone. ``usage_limit_next(n, resets_at)`` does the same with
+the HTTP 429 a spent plan gets (for Codex: ``usage_limit_reached`` and the unix
+time the limit resets, which it shows as ``You've hit your usage limit. Try again
+at ...`` and does not retry).
+
+``usage_tokens`` makes every response of that turn report that many input
+tokens as its usage (default: the request's size / 4), so a CLI whose
+auto-compaction threshold is below it compacts its conversation before its next
+request. Compaction requests (Claude Code's "create a detailed summary of the
+conversation so far", Codex's "CONTEXT CHECKPOINT COMPACTION") get a short
+``<analysis>``/``<summary>`` text whatever tools they offer; they take no step
+and are recorded with kind ``compaction`` (``compactions()``). The summary
+names the last response file but never carries the prompt's
+``Write your complete answer to this file:`` line, so the message that
+continues a compacted conversation is no new prompt.
 
 Every CLI sends the whole conversation each time, so decisions depend only on
 the newest message(s). A decision is remembered under (kind, role, hash of the
@@ -92,6 +106,10 @@ ANTHROPIC_SHELL_TOOLS = ("Bash",)
 RESPONSES_SHELL_TOOLS = ("exec_command", "shell_command", "shell", "container.exec")
 CHAT_SHELL_TOOLS = ("bash", "shell", "exec_command")
 MAX_LOGGED_BODIES = 5000
+# The last user message of a compaction request: Claude Code's (it begins "CRITICAL: Respond with
+# TEXT ONLY") contains the first, Codex's begins with the second.
+CLAUDE_COMPACTION_MARKER = "Your task is to create a detailed summary of the conversation so far"
+CODEX_COMPACTION_PREFIX = "You are performing a CONTEXT CHECKPOINT COMPACTION"
 
 
 # ---------------------------------------------------------------- data
@@ -112,6 +130,9 @@ class Conversation:
     schema: dict | None = None  # a JSON schema the answer must follow (title requests)
     conversation_id: str = ""  # sent by the CLI, the same across its own retries
     model: str = ""            # the model the request names
+    # The newest user message's text, also when it carries tool results: Claude Code appends its
+    # compaction prompt to the last message of the request it compacts, a tool result too.
+    newest_text: str = ""
 
 
 @dataclass
@@ -123,6 +144,9 @@ class Reply:
     call_id: str | None = None
     error_status: int | None = None
     error_message: str = ""
+    usage_tokens: int | None = None   # input tokens to report (None: the request's size / 4)
+    usage_limit: bool = False         # the error is a spent plan, not a busy API
+    resets_at: int | None = None      # when that plan limit resets (unix seconds)
 
 
 # ---------------------------------------------------------------- helpers
@@ -192,6 +216,69 @@ def error_type(status: int, api: str) -> str:
     return "api_error" if api == "anthropic" else "server_error"
 
 
+def is_compaction(convo: "Conversation") -> bool:
+    """True for a CLI's request to summarise its conversation (auto-compaction or /compact)."""
+    text = convo.newest_text or (convo.user_text if convo.newest == "user" else "")
+    return CLAUDE_COMPACTION_MARKER in text or text.lstrip().startswith(CODEX_COMPACTION_PREFIX)
+
+
+def compaction_summary(role: str | None, path: str | None) -> str:
+    """A real model's kind of summary, short; it must not repeat a prompt's write-marker line."""
+    work = f"the {role} role" if role else "the tasks given"
+    where = f" The latest answer is in {path}." if path else ""
+    return (
+        "<analysis>\nThe user sent tasks one after another; each was answered by writing the "
+        "requested file with one shell command.\n</analysis>\n"
+        f"<summary>\n1. Primary Request and Intent: work as {work}; every answer goes into the "
+        f"file the task names.{where}\n2. Pending Tasks: none; wait for the next task.\n</summary>"
+    )
+
+
+def last_prompted_role(texts: list[str], mentions: bool = False) -> tuple[str | None, str | None]:
+    """(role, response path) of the newest text that names a response file to write; with
+    ``mentions``, also of one that only names a response file (as a compacted conversation's summary does)."""
+    for earlier in reversed(texts):
+        text = resolve_indirection(earlier)
+        p = find_marker_path(text, WRITE_MARKER)
+        if p and os.path.basename(p) in RESPONSE_FILE_ROLES:
+            return RESPONSE_FILE_ROLES[os.path.basename(p)], p
+        if mentions:
+            kind, role, path = classify(text, None)
+            if kind == "reminder":
+                return role, path
+    return None, None
+
+
+def error_body(reply: Reply, api: str) -> tuple[dict, dict]:
+    """(JSON body, extra headers) of an error reply in an API's dialect.
+
+    A plan limit is, for Codex, a 429 whose ``error.type`` is ``usage_limit_reached`` with
+    ``resets_at`` (unix seconds; left out when unknown); for Claude Code it carries the
+    ``anthropic-ratelimit-unified-*`` headers a subscription's limit comes with.
+    """
+    status = reply.error_status or 500
+    if reply.usage_limit and api == "anthropic":
+        headers = {"anthropic-ratelimit-unified-status": "rejected",
+                   "anthropic-ratelimit-unified-representative-claim": "five_hour"}
+        if reply.resets_at is not None:
+            headers["anthropic-ratelimit-unified-reset"] = str(reply.resets_at)
+        return {"type": "error", "error": {"type": "rate_limit_error", "message": reply.error_message}}, headers
+    if reply.usage_limit:
+        error = {"type": "usage_limit_reached", "code": "usage_limit_reached", "message": reply.error_message}
+        if reply.resets_at is not None:
+            error["resets_at"] = int(reply.resets_at)
+        return {"error": error}, {}
+    kind = error_type(status, api)
+    if api == "anthropic":
+        return {"type": "error", "error": {"type": kind, "message": reply.error_message}}, {}
+    return {"error": {"type": kind, "code": kind, "message": reply.error_message, "param": None}}, {}
+
+
+def input_tokens(reply: Reply, size: int) -> int:
+    """The input tokens a response reports: the script's ``usage_tokens``, else the request's size / 4."""
+    return reply.usage_tokens if reply.usage_tokens is not None else max(1, size // 4)
+
+
 def write_command(path: str, text: str) -> str:
     """Shell command that writes ``text`` to ``path`` through a quoted heredoc."""
     body = text if text.endswith("\n") else text + "\n"
@@ -255,6 +342,7 @@ def normalise_step(step, role: str | None, think_seconds: float) -> dict:
         "rewrite_after": number("rewrite_after_ms", 1000) / 1000.0,
         "closing": number("closing_ms", 0) / 1000.0,
         "status": int(number("status", 500)) or 500,
+        "usage_tokens": int(step["usage_tokens"]) if isinstance(step.get("usage_tokens"), (int, float)) else None,
     }
 
 
@@ -303,6 +391,7 @@ def parse_anthropic(body: dict) -> Conversation:
         convo.newest = "assistant"
         return convo
     content = newest.get("content")
+    convo.newest_text = _strip_reminders(_text_of(content)) if newest.get("role") == "user" else ""
     results = [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"] if isinstance(
         content, list
     ) else []
@@ -463,7 +552,7 @@ class ScriptedModel:
             self._after_tool: dict[str, Reply] = {}
             self._pending: dict[str, dict] = {}
             self._events: list[dict] = []
-            self._failures: list[int] = []            # statuses the next task requests get, in order
+            self._failures: list[dict] = []           # errors the next task requests get, in order
             self._unanswered: dict[str, str] = {}     # role -> a prompt a failure left undone
 
     def fail_next(self, count: int, status: int = 529) -> None:
@@ -472,7 +561,15 @@ class ScriptedModel:
         Side requests are answered as usual. A prompt left undone is carried out by the first later
         message to that agent that gets through, as a model told to continue the task above would."""
         with self._lock:
-            self._failures.extend([status] * count)
+            self._failures.extend({"status": status} for _ in range(count))
+
+    def usage_limit_next(self, count: int, resets_at: float | None = None) -> None:
+        """As ``fail_next``, with the HTTP 429 of a spent plan: Codex reads ``usage_limit_reached`` and
+        ``resets_at`` (unix seconds; None: unknown) and stops the turn without retrying."""
+        with self._lock:
+            self._failures.extend({"status": 429, "usage_limit": True,
+                                   "resets_at": None if resets_at is None else int(resets_at)}
+                                  for _ in range(count))
 
     def events(self) -> list[dict]:
         """Every decision taken, oldest first; ``time`` is when the answer went out (after thinking)."""
@@ -492,6 +589,11 @@ class ScriptedModel:
         """Prompts taken per role."""
         with self._lock:
             return dict(self._turns)
+
+    def compactions(self) -> list[dict]:
+        """The compaction requests answered, oldest first, each with the role whose conversation it was."""
+        with self._lock:
+            return [dict(e) for e in self._events if e["kind"] == "compaction"]
 
     # ---- decisions
 
@@ -524,10 +626,16 @@ class ScriptedModel:
         """A tool call writing ``text`` to the plan's path, recorded as a write."""
         call_id = self._new_call(convo.api, plan, stage)
         self._record(convo, plan["role"], plan["turn"], kind, "write", plan["path"], draft=stage == "draft")
-        return Reply(command=write_command(plan["path"], text), call_id=call_id)
+        return Reply(command=write_command(plan["path"], text), call_id=call_id, usage_tokens=plan.get("usage_tokens"))
 
     def decide(self, convo: Conversation) -> Reply:
         """Choose the answer to one request, waiting the think time where the script says so."""
+        if is_compaction(convo):
+            # The prompt of the turn being compacted may share the message with the compaction prompt.
+            role, path = last_prompted_role(convo.earlier_user_texts + [convo.newest_text or convo.user_text],
+                                            mentions=True)
+            self._record(convo, role, None, "compaction", "text", path)
+            return Reply(text=compaction_summary(role, path))
         if not convo.tool_names:
             self._record(convo, None, None, "side", "text", None)
             return Reply(text=side_text(convo))
@@ -538,12 +646,7 @@ class ScriptedModel:
             return Reply(text=side_text(convo))
 
         message = resolve_indirection(convo.user_text)
-        last_role = None
-        for earlier in reversed(convo.earlier_user_texts):
-            p = find_marker_path(resolve_indirection(earlier), WRITE_MARKER)
-            if p and os.path.basename(p) in RESPONSE_FILE_ROLES:
-                last_role = RESPONSE_FILE_ROLES[os.path.basename(p)]
-                break
+        last_role, _ = last_prompted_role(convo.earlier_user_texts)
         kind, role, path = classify(message, last_role)
         if kind == "side":
             self._record(convo, None, None, "side", "text", None)
@@ -556,9 +659,16 @@ class ScriptedModel:
             elif failure is None and kind == "reminder" and role in self._unanswered:
                 message = self._unanswered.pop(role)          # "continue": the task above, done now
                 kind, role, path = classify(message, last_role)
+            elif failure is None and kind == "prompt":
+                self._unanswered.pop(role, None)              # a new prompt supersedes the one left undone
         if failure is not None:
-            self._record(convo, role, None, kind, "error", path, status=failure)
-            return Reply(error_status=failure, error_message="Overloaded" if failure == 529 else "Rate limited")
+            status, limit = failure["status"], failure.get("usage_limit", False)
+            extra = {"usage_limit": True, "resets_at": failure.get("resets_at")} if limit else {}
+            self._record(convo, role, None, kind, "error", path, status=status, **extra)
+            message = ("You've hit your usage limit." if limit
+                       else "Overloaded" if status == 529 else "Rate limited")
+            return Reply(error_status=status, error_message=message, usage_limit=limit,
+                         resets_at=failure.get("resets_at"))
         key = (kind, role, _digest(message), convo.user_count, convo.conversation_id)
         with self._lock:
             plan = self._decided.get(key)
@@ -605,10 +715,12 @@ class ScriptedModel:
             return Reply(error_status=plan["status"], error_message="Scripted server error")
         if action == "write_on_reminder":
             self._record(convo, role, turn, kind, "hold", path)
-            return Reply(text=f"I have the answer ready and will write it to {path} when asked again.")
+            return Reply(text=f"I have the answer ready and will write it to {path} when asked again.",
+                         usage_tokens=plan.get("usage_tokens"))
         if action == "no_file":
             self._record(convo, role, turn, kind, "text", path)
-            return Reply(text=plan.get("say", "I looked into it and have nothing to write this time."))
+            return Reply(text=plan.get("say", "I looked into it and have nothing to write this time."),
+                         usage_tokens=plan.get("usage_tokens"))
         if action == "write_twice":
             return self._write_reply(convo, plan, plan["draft"], "draft", kind)
         return self._write_reply(convo, plan, plan["text"], "final", kind)
@@ -633,7 +745,7 @@ class ScriptedModel:
         else:
             time.sleep(plan.get("closing", 0.0))
             self._record(convo, plan["role"], plan["turn"], "tool_result", "text", plan["path"])
-            reply = Reply(text=f"Wrote the answer to {plan['path']}.")
+            reply = Reply(text=f"Wrote the answer to {plan['path']}.", usage_tokens=plan.get("usage_tokens"))
         with self._lock:
             self._after_tool[call_id] = reply
         return reply
@@ -732,12 +844,14 @@ class _Handler(BaseHTTPRequestHandler):
             raw = zlib.decompress(raw)
         return raw
 
-    def _send_json(self, status: int, payload) -> None:
+    def _send_json(self, status: int, payload, headers: dict | None = None) -> None:
         """Send a complete JSON response."""
         data = json.dumps(payload).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -818,8 +932,7 @@ class _Handler(BaseHTTPRequestHandler):
         convo = parse_anthropic(body)
         reply = self.model.decide(convo)
         if reply.error_status:
-            self._send_json(reply.error_status, {"type": "error", "error": {
-                "type": error_type(reply.error_status, "anthropic"), "message": reply.error_message}})
+            self._send_json(reply.error_status, *error_body(reply, "anthropic"))
             return
         blocks = []
         if reply.text:
@@ -833,7 +946,7 @@ class _Handler(BaseHTTPRequestHandler):
                 blocks.append({"type": "tool_use", "id": reply.call_id, "name": tool,
                                "input": {"command": reply.command, "description": "Write the answer file"}})
         stop = "tool_use" if any(b["type"] == "tool_use" for b in blocks) else "end_turn"
-        usage = {"input_tokens": max(1, size // 4), "output_tokens": 20,
+        usage = {"input_tokens": input_tokens(reply, size), "output_tokens": 20,
                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
         message = {"id": f"msg_scripted_{next(self.model._ids):06d}", "type": "message", "role": "assistant",
                    "model": body.get("model") or "scripted", "stop_sequence": None}
@@ -866,9 +979,7 @@ class _Handler(BaseHTTPRequestHandler):
         convo = parse_responses(body)
         reply = self.model.decide(convo)
         if reply.error_status:
-            kind = error_type(reply.error_status, "responses")
-            self._send_json(reply.error_status, {"error": {"type": kind, "code": kind,
-                                                           "message": reply.error_message, "param": None}})
+            self._send_json(reply.error_status, *error_body(reply, "responses"))
             return
         n = next(self.model._ids)
         items = []
@@ -877,9 +988,10 @@ class _Handler(BaseHTTPRequestHandler):
                           "content": [{"type": "output_text", "text": reply.text, "annotations": []}]})
         if reply.command is not None:
             items.append(self._shell_item(body, reply, n))
-        usage = {"input_tokens": max(1, size // 4), "input_tokens_details": {"cached_tokens": 0},
+        tokens = input_tokens(reply, size)
+        usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": 0},
                  "output_tokens": 20, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": max(1, size // 4) + 20}
+                 "total_tokens": tokens + 20}
         response = {"id": f"resp_scripted_{n:06d}", "object": "response", "created_at": int(time.time()),
                     "model": body.get("model") or "scripted", "status": "completed", "output": items, "usage": usage}
         if not body.get("stream"):
@@ -957,9 +1069,7 @@ class _Handler(BaseHTTPRequestHandler):
         convo.conversation_id = self.headers.get("x-session-id", "")   # OpenCode's session, in a header
         reply = self.model.decide(convo)
         if reply.error_status:
-            kind = error_type(reply.error_status, "chat")
-            self._send_json(reply.error_status, {"error": {"type": kind, "code": kind,
-                                                           "message": reply.error_message, "param": None}})
+            self._send_json(reply.error_status, *error_body(reply, "chat"))
             return
         n = next(self.model._ids)
         text = reply.text
@@ -975,7 +1085,7 @@ class _Handler(BaseHTTPRequestHandler):
                 tool_calls.append({"id": reply.call_id, "type": "function",
                                    "function": {"name": tool, "arguments": arguments}})
         finish = "tool_calls" if tool_calls else "stop"
-        prompt_tokens = max(1, size // 4)
+        prompt_tokens = input_tokens(reply, size)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}
         head = {"id": f"chatcmpl-scripted-{n:06d}", "created": int(time.time()),
                 "model": body.get("model") or "scripted"}

@@ -370,3 +370,139 @@ def test_overloaded_answers_then_a_continue_carries_out_the_prompt_left_undone(m
     chat.run_tools(blocks)
     assert target.read_text() == "RESULT: PASS\n" and model.turns() == {"tester": 1}
     assert [e["action"] for e in model.events() if e["kind"] != "side"][:2] == ["error", "error"]
+
+
+CLAUDE_COMPACT_PROMPT = ("CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.\n\nYour task is to create a detailed "
+                         "summary of the conversation so far, paying close attention to the user's explicit requests.")
+CODEX_COMPACT_PROMPT = "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary for another LLM."
+
+
+def test_usage_tokens_are_reported_by_every_response_of_that_turn_only(model, tmp_path):
+    """A step's usage_tokens is what a CLI's auto-compaction counts: its tool call and its closing text
+    report it, in each dialect's usage fields; the turns before and after report the request's size."""
+    target = tmp_path / "programmer_summary.md"
+    model.set_script({"programmer": [{"text": "one\n", "usage_tokens": 90000}, "two\n"]})
+    status, raw = post(model.url + "/v1/messages", {"model": "m", "stream": True, "tools": [SHELL_TOOL_ANTHROPIC],
+                                                    "messages": [{"role": "user", "content": prompt_text(target)}]})
+    start = sse(raw)[0]
+    assert start["type"] == "message_start" and start["message"]["usage"]["input_tokens"] == 90000
+    tool_use = [e for e in sse(raw) if e["type"] == "content_block_start"][0]["content_block"]
+    body = {"model": "m", "stream": False, "tools": [SHELL_TOOL_ANTHROPIC], "messages": [
+        {"role": "user", "content": prompt_text(target)},
+        {"role": "assistant", "content": [{**tool_use, "input": {"command": "true"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": "ok"}]}]}
+    _, raw = post(model.url + "/v1/messages", body)
+    assert json.loads(raw)["content"][0]["type"] == "text" and json.loads(raw)["usage"]["input_tokens"] == 90000
+
+    model.set_script({"programmer": [{"text": "one\n", "usage_tokens": 70000}, "two\n"]})
+    chat = CodexChat(model)
+    status, raw = post(model.url + "/v1/responses", {"model": "scripted", "stream": True, "tools": chat.tools,
+                                                     "input": chat.items + [{"type": "message", "role": "user",
+                                                                             "content": prompt_text(target)}]})
+    usage = sse(raw)[-1]["response"]["usage"]
+    assert usage["input_tokens"] == 70000 and usage["total_tokens"] == 70000 + usage["output_tokens"]
+    _, items = chat.send(prompt_text(target, " again"))
+    chat.run_tools(items)
+    assert target.read_text() == "two\n"
+
+    model.set_script({"programmer": [{"text": "one\n", "usage_tokens": 50000}]})
+    status, raw = post(model.url + "/v1/chat/completions", {
+        "model": "scripted", "stream": False, "tools": OPENCODE_TOOLS,
+        "messages": [{"role": "user", "content": prompt_text(target)}]})
+    assert json.loads(raw)["usage"]["prompt_tokens"] == 50000
+
+
+def test_claude_compaction_is_answered_with_a_summary_and_takes_no_step(model, tmp_path):
+    """Claude Code appends its compaction prompt to the last message of the request it compacts (a
+    prompt, or a tool result). The answer is a summary without the prompt's write-marker line; the
+    prompt that follows the summary is still a prompt for its role."""
+    target = tmp_path / "programmer_summary.md"
+    model.set_script({"programmer": ["one\n", "two\n", "three\n"]})
+    chat = AnthropicChat(model)
+    _, blocks = chat.send(prompt_text(target))
+    chat.run_tools(blocks)
+    # compacting while the next prompt is being answered: the compaction prompt shares its message
+    compacting = chat.messages + [{"role": "user", "content": [{"type": "text", "text": prompt_text(target, " 2")},
+                                                               {"type": "text", "text": CLAUDE_COMPACT_PROMPT}]}]
+    status, raw = post(model.url + "/v1/messages", {"model": "m", "stream": False, "tools": [SHELL_TOOL_ANTHROPIC],
+                                                    "messages": compacting})
+    [block] = json.loads(raw)["content"]
+    assert status == 200 and block["type"] == "text"
+    assert block["text"].startswith("<analysis>") and "<summary>" in block["text"]
+    assert "Write your complete answer to this file:" not in block["text"]
+    # after a tool result, as /compact sends it after a finished turn
+    status, raw = post(model.url + "/v1/messages", {"model": "m", "stream": False, "tools": [SHELL_TOOL_ANTHROPIC],
+                                                    "messages": chat.messages[:-1] + [{"role": "user", "content": [
+                                                        *chat.messages[-1]["content"],
+                                                        {"type": "text", "text": CLAUDE_COMPACT_PROMPT}]}]})
+    assert json.loads(raw)["content"][0]["text"].startswith("<analysis>")
+    assert [(c["role"], c["action"], c["path"]) for c in model.compactions()] == [
+        ("programmer", "text", str(target))] * 2
+    assert model.turns() == {"programmer": 1}
+    summary = block["text"].split("<summary>")[1].split("</summary>")[0]
+    continued = AnthropicChat(model)
+    continued.messages = [{"role": "user", "content": "This session is being continued from a previous conversation "
+                                                      "that ran out of context.\n\nSummary:\n" + summary}]
+    _, blocks = continued.send(prompt_text(target, " 2"))
+    continued.run_tools(blocks)
+    assert target.read_text() == "two\n" and model.turns() == {"programmer": 2}
+    # compacting again, with only the summary left to name the role
+    post(model.url + "/v1/messages", {"model": "m", "stream": False, "tools": [SHELL_TOOL_ANTHROPIC], "messages": [
+        continued.messages[0], {"role": "user", "content": CLAUDE_COMPACT_PROMPT}]})
+    assert model.compactions()[-1]["role"] == "programmer" and model.turns() == {"programmer": 2}
+
+
+def test_codex_compaction_is_answered_with_a_summary_and_takes_no_step(model, tmp_path):
+    target = tmp_path / "test_result.md"
+    model.set_script({"tester": ["RESULT: FAIL\n", "RESULT: PASS\n"]})
+    chat = CodexChat(model)
+    _, items = chat.send(prompt_text(target))
+    _, items = chat.run_tools(items)
+    chat.items.extend(items)
+    status, items = chat.send(CODEX_COMPACT_PROMPT)
+    assert status == 200 and [i["type"] for i in items] == ["message"]
+    text = items[0]["content"][0]["text"]
+    assert "<summary>" in text and "Write your complete answer to this file:" not in text
+    assert [(c["role"], c["kind"]) for c in model.compactions()] == [("tester", "compaction")]
+    chat.items = chat.items[:2] + [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": prompt_text(target)}]}, {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Another language model started to solve this problem:\n" + text}]}]
+    _, items = chat.send(prompt_text(target, " next"))
+    chat.run_tools(items)
+    assert target.read_text() == "RESULT: PASS\n" and model.turns() == {"tester": 2}
+
+
+def test_a_compaction_is_never_failed_and_takes_no_failure(model, tmp_path):
+    model.fail_next(1, status=529)
+    status, items = CodexChat(model).send(CODEX_COMPACT_PROMPT)
+    assert status == 200 and model.compactions()[0]["role"] is None
+    status, _ = CodexChat(model).send(prompt_text(tmp_path / "test_result.md"))
+    assert status == 529
+
+
+def test_codex_usage_limit_then_the_continue_message_carries_out_the_prompt(model, tmp_path):
+    """usage_limit_next(): the 429 body Codex reads as a spent plan (usage_limit_reached, resets_at);
+    after the reset, "continue the task above" does the prompt that was refused."""
+    target = tmp_path / "test_result.md"
+    model.set_script({"tester": ["RESULT: PASS\n"]})
+    model.usage_limit_next(1, resets_at=1767625500)
+    chat = CodexChat(model)
+    status, [body] = chat.send(prompt_text(target))
+    assert status == 429
+    assert body["error"]["type"] == "usage_limit_reached" and body["error"]["resets_at"] == 1767625500
+    chat.items.append({"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "You've hit your usage limit."}]})
+    status, items = chat.send(f"Your usage limit has reset. Continue the task above from where you stopped, then "
+                              f"write your complete answer to {target}; the orchestrator reads only that file.")
+    assert status == 200
+    chat.run_tools(items)
+    assert target.read_text() == "RESULT: PASS\n" and model.turns() == {"tester": 1}
+    errors = [e for e in model.events() if e["action"] == "error"]
+    assert errors[0]["usage_limit"] and errors[0]["resets_at"] == 1767625500 and errors[0]["status"] == 429
+
+    model.usage_limit_next(1)
+    status, [body] = CodexChat(model).send(prompt_text(target))
+    assert status == 429 and body["error"]["type"] == "usage_limit_reached" and "resets_at" not in body["error"]
+    model.usage_limit_next(1, resets_at=1767625500)
+    status, [body] = AnthropicChat(model).send(prompt_text(target))
+    assert status == 429 and body["error"]["type"] == "rate_limit_error"

@@ -1,0 +1,166 @@
+"""Long runs with the real Claude Code and Codex: a compacted conversation, a usage limit.
+
+The scripted model reports usage that makes a CLI compact its conversation
+(``usage_tokens`` on a turn) and answers a request the way Codex's API answers
+an account that has hit its usage limit. What is asserted is what a paying user
+cares about: after a compaction the next prompt to that agent carries the task
+in full (and only then: other agents keep their back-references), a usage limit
+is waited out without a reminder or a repeated turn, and a limit too far away
+stops the run cleanly with a rerun that continues the turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from .agent_clis import compact_claude_early, compact_codex_early
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, SHORT_ROUND, explain, numbered
+from .test_real_clis import real_cli_run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
+
+EXPLORE_TEXT = "Build a greeting CLI: `greet NAME` prints `Hello, NAME!`."
+SCENARIO_TEXT = "Run `greet World` and expect `Hello, World!` on stdout."
+BACK_REFERENCE = "(Same as initial turn -- refer to your conversation history.)"
+# Usage the scripted model reports for the tester's third turn: above both CLIs' compaction thresholds
+# as the fixtures below set them (Claude Code: autoCompactWindow 100000 -> about 67,000 tokens; Codex:
+# model_auto_compact_token_limit 50000).
+BIG_USAGE = 90_000
+CODEX_COMPACT_LIMIT = 50_000
+
+
+@contextlib.contextmanager
+def files_restored(*paths: Path):
+    """Put files back as they were: the servers are shared by the module's other tests."""
+    saved = {path: path.read_text(encoding="utf-8") for path in paths}
+    try:
+        yield
+    finally:
+        for path, text in saved.items():
+            path.write_text(text, encoding="utf-8")
+
+
+@pytest.fixture
+def claude_compacting_cao(claude_cao):
+    """Claude Code that compacts early: autoCompactWindow 100000, read by each CLI the run starts."""
+    with files_restored(claude_cao.home / ".claude" / "settings.json"):
+        compact_claude_early(claude_cao.home)
+        yield claude_cao
+
+
+@pytest.fixture
+def codex_compacting_cao(codex_cao):
+    """Codex that compacts once a response reports CODEX_COMPACT_LIMIT tokens."""
+    with files_restored(codex_cao.home / ".codex" / "config.toml"):
+        compact_codex_early(codex_cao.home, CODEX_COMPACT_LIMIT)
+        yield codex_cao
+
+
+def kept_prompts(run, role: str) -> list[str]:
+    """The prompts the loop sent to `role`, in order, as it kept them in the run's folder."""
+    folder = Path(run.state()["run_dir"])
+    return [p.read_text(encoding="utf-8") for p in sorted(folder.glob(f"[0-9][0-9][0-9]-{role}.prompt.md"))]
+
+
+def carries_the_full_task(prompt: str) -> bool:
+    return EXPLORE_TEXT in prompt and SCENARIO_TEXT in prompt and BACK_REFERENCE not in prompt
+
+
+def compaction_run(cao) -> None:
+    """Five rounds from the programmer on (the tester fails four times); the tester's third answer reports
+    usage that makes its CLI compact. The compaction request reaches the model, the next prompt to the tester
+    after it carries the explore summary and the scenario test in full, the run passes, and every other
+    prompt after an agent's first keeps its back-reference."""
+    run = real_cli_run(cao, START_AGENT="programmer")
+    tester = [FAIL_REPLY, FAIL_REPLY, {"text": FAIL_REPLY, "usage_tokens": BIG_USAGE}, FAIL_REPLY, PASS_REPLY]
+    cao.model.set_script({"tester": tester, "programmer": [PROGRAMMER_REPLY]})
+    result = run.run(timeout=1200)
+    assert result.returncode == 0, explain(result)
+    state = run.state()
+    assert state["final_status"] == "PASS" and state["current_round"] == 5
+    assert run.archived() == numbered(SHORT_ROUND * 5), explain(result)
+    assert cao.model.turns() == {"programmer": 5, "peer_programmer": 5, "tester": 5}, cao.model.events()
+
+    # The big usage is reported by both of the third turn's answers: Claude Code compacts in that turn and
+    # again when the next prompt is submitted, Codex once, in that turn. Each one is seen and costs one
+    # prompt in full, the next one to that agent.
+    compactions = cao.model.compactions()
+    assert compactions and {c["role"] for c in compactions} == {"tester"}, cao.model.events()
+    events = [(e["role"], e["what"]) for e in state["agent_events"]]
+    assert events == [("tester", "compacted")] * len(compactions), explain(result)
+    assert "tester: its conversation was compacted; the next prompt carries the full task again" in result.stdout
+
+    prompts = kept_prompts(run, "tester")
+    full = [carries_the_full_task(p) for p in prompts]
+    assert full[0] and not any(full[1:3]), full          # before the compaction: back-references
+    first_after = full.index(True, 1)
+    assert first_after == 3, full                        # the prompt after the turn that compacted
+    assert full[3:] == [True] * len(compactions) + [False] * (len(full) - 3 - len(compactions)), full
+    for role in ("programmer", "peer_programmer"):       # no compaction there: no byte resent
+        later = [carries_the_full_task(p) for p in kept_prompts(run, role)[1:]]
+        assert later and not any(later), (role, later)
+    size_full, size_first = len(prompts[first_after].encode()), len(prompts[0].encode())
+    print(f"compaction ({cao.env['PROVIDER']}): tester prompt {first_after + 1} after the compaction "
+          f"{size_full} bytes, its first prompt {size_first} bytes, a back-referencing one "
+          f"{len(prompts[1].encode())} bytes")
+
+
+def test_claude_code_compacts_its_conversation_and_gets_the_full_task_again(claude_compacting_cao):
+    compaction_run(claude_compacting_cao)
+
+
+def test_codex_compacts_its_conversation_and_gets_the_full_task_again(codex_compacting_cao):
+    compaction_run(codex_compacting_cao)
+
+
+def test_codex_at_its_usage_limit_is_waited_out_and_continues(codex_cao):
+    """The model answers the tester's prompt: usage limit reached, reset in 5 s. Codex shows "You've hit your
+    usage limit. Try again at ..."; the loop waits for the reset and a margin, tells it to continue, and the
+    run passes: the prompt sent once, no reminder, one turn at the model."""
+    run = real_cli_run(codex_cao, START_AGENT="tester", USAGE_LIMIT_MARGIN_SECONDS="3")
+    codex_cao.model.set_script({"tester": [PASS_REPLY]})
+    codex_cao.model.usage_limit_next(1, resets_at=int(time.time()) + 5)
+    result = run.run(timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert re.search(r"tester: usage limit reached; waiting until \d\d:\d\d \(in \d+s\), then it continues",
+                     result.stdout), explain(result)
+    assert re.search(r"then it continues \(You.ve hit your usage limit\. Try again at \d{1,2}:\d\d [AP]M\.\)$",
+                     result.stdout, re.MULTILINE), explain(result)
+    assert "usage limit reset; telling terminal" in result.stdout
+    assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout
+    assert codex_cao.model.turns() == {"tester": 1}, codex_cao.model.events()
+    assert len(kept_prompts(run, "tester")) == 1
+    state = run.state()
+    assert state["final_status"] == "PASS" and [e["what"] for e in state["agent_events"]] == ["usage limit"]
+    print("usage limit (codex): " + next(line for line in result.stdout.splitlines() if "usage limit reached" in line))
+
+
+def test_codex_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the_turn(codex_cao):
+    """A reset three hours away with USAGE_LIMIT_MAX_WAIT=1h: the run stops (exit 1) saying when to rerun;
+    once the reset time has come, the rerun tells the agent to continue -- the prompt is not sent again."""
+    run = real_cli_run(codex_cao, START_AGENT="tester", USAGE_LIMIT_MAX_WAIT="3600", USAGE_LIMIT_MARGIN_SECONDS="1")
+    codex_cao.model.set_script({"tester": [PASS_REPLY]})
+    codex_cao.model.usage_limit_next(1, resets_at=int(time.time()) + 3 * 3600)
+    stopped = run.run(timeout=600)
+    assert stopped.returncode == 1, explain(stopped)
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert "stopped at its account's usage limit (You" in last and "rerun the command after" in last, last
+    state = run.state()
+    assert state["final_status"] == "RUNNING" and state["in_flight"]["limit_line"], state["in_flight"]
+
+    # The reset has come (the state says when it is due): the same command continues the turn.
+    state["in_flight"]["limit_until"] = time.time() + 1
+    run.state_file.write_text(json.dumps(state, indent=2), encoding="utf-8")
+    result = run.run(timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert "its agent stopped at its usage limit before the interruption" in result.stdout, explain(result)
+    assert codex_cao.model.turns() == {"tester": 1}, codex_cao.model.events()
+    assert len(kept_prompts(run, "tester")) == 1
+    assert run.state()["final_status"] == "PASS"
+    print("usage limit stop (codex): " + last)
