@@ -2151,9 +2151,10 @@ CONVERSATION_LOST_WORDS = (
     ("❯/clear", "cleared"),                   # Claude Code: /clear typed by hand (it prints nothing else)
     (">_OpenAICodex", "cleared"),             # Codex: /new or /clear draws its start-up header again
 )
-# Claude Code with auto-compact off: "Context low (8% remaining)", its context nearly full and nothing
-# will compact it (matched squeezed, as above).
-CONTEXT_LOW = re.compile(r"Contextlow\((\d+)%remaining\)")
+# Claude Code with auto-compact off: "Context low (2% remaining)" in its status line, its context nearly
+# full and nothing will compact it; "Context limit reached · /compact or /clear to continue" once it is
+# full (matched squeezed, as above).
+CONTEXT_LOW = re.compile(r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)")
 
 
 def conversation_change(screen: str | None, markers: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -2168,7 +2169,10 @@ def conversation_change(screen: str | None, markers: tuple[str, ...] = ()) -> tu
         if words in text:
             return what, ""
     low = CONTEXT_LOW.findall(text)
-    return ("context low", f"Context low ({low[-1]}% remaining)") if low else ("", "")
+    if not low:
+        return "", ""
+    left, full = low[-1]
+    return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
 
 
 # An account's usage limit stops the agent until a reset time its CLI names:

@@ -205,6 +205,7 @@ def test_the_menu_choice_that_waits_is_found(m):
     ("• Context compacted\n", "compacted"),
     ("◦ Compacting context (3s • esc to interrupt)", "compacted"),
     ("Context low (8% remaining) · Run /compact to compact & continue", "context low"),
+    ("  ⎿  Context limit reached · /compact or /clear to continue", "context low"),
     ("\x1b[38;5;246m \x1b[3G⎿\x1b[6G\x1b[39m\x1b[2mCompacted\x1b[16G(ctrl+o\x1b[24Gto\x1b[27Gsee\x1b[31Gfull"
      "\x1b[36Gsummary)\x1b[22m", "compacted"),                         # /compact typed into Claude Code
     ("\x1b[38;5;246m✻\x1b[3GConversation\x1b[16Gcompacted\x1b[26G(ctrl+o", "compacted"),

@@ -14,16 +14,19 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from .agent_clis import compact_claude_early, compact_codex_early
-from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, SHORT_ROUND, explain, numbered
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, REPO_ROOT, SCRIPT, SHORT_ROUND, Run, \
+    explain, numbered
 from .test_real_clis import real_cli_run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
+pytestmark = pytest.mark.e2e
 
 EXPLORE_TEXT = "Build a greeting CLI: `greet NAME` prints `Hello, NAME!`."
 SCENARIO_TEXT = "Run `greet World` and expect `Hello, World!` on stdout."
@@ -111,14 +114,17 @@ def compaction_run(cao) -> None:
           f"{len(prompts[1].encode())} bytes")
 
 
+@pytest.mark.real_cli
 def test_claude_code_compacts_its_conversation_and_gets_the_full_task_again(claude_compacting_cao):
     compaction_run(claude_compacting_cao)
 
 
+@pytest.mark.real_cli
 def test_codex_compacts_its_conversation_and_gets_the_full_task_again(codex_compacting_cao):
     compaction_run(codex_compacting_cao)
 
 
+@pytest.mark.real_cli
 def test_codex_at_its_usage_limit_is_waited_out_and_continues(codex_cao):
     """The model answers the tester's prompt: usage limit reached, reset in 5 s. Codex shows "You've hit your
     usage limit. Try again at ..."; the loop waits for the reset and a margin, tells it to continue, and the
@@ -141,6 +147,7 @@ def test_codex_at_its_usage_limit_is_waited_out_and_continues(codex_cao):
     print("usage limit (codex): " + next(line for line in result.stdout.splitlines() if "usage limit reached" in line))
 
 
+@pytest.mark.real_cli
 def test_codex_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the_turn(codex_cao):
     """A reset three hours away with USAGE_LIMIT_MAX_WAIT=1h: the run stops (exit 1) saying when to rerun;
     once the reset time has come, the rerun tells the agent to continue -- the prompt is not sent again."""
@@ -164,3 +171,88 @@ def test_codex_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues
     assert len(kept_prompts(run, "tester")) == 1
     assert run.state()["final_status"] == "PASS"
     print("usage limit stop (codex): " + last)
+
+
+@pytest.mark.real_cli
+def test_codex_usage_limit_wait_survives_a_kill_9_and_the_rerun_never_resends(codex_cao):
+    """The loop is killed (-9) while it waits out Codex's usage limit: --status says the tester waits for its
+    limit, and the same command run again waits on and tells the agent to continue -- the prompt is sent
+    once in all, no reminder, one turn at the model."""
+    run = real_cli_run(codex_cao, START_AGENT="tester", USAGE_LIMIT_MARGIN_SECONDS="30")
+    codex_cao.model.set_script({"tester": [PASS_REPLY]})
+    codex_cao.model.usage_limit_next(1, resets_at=int(time.time()) + 40)
+    process = run.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (run.state_file.exists() and (run.state().get("in_flight") or {}).get("limit_line")):
+            assert process.poll() is None and time.monotonic() < deadline, "the loop never waited for the limit"
+            time.sleep(0.2)
+        process.kill()
+        process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    status = subprocess.run([sys.executable, str(SCRIPT), "--status"], cwd=REPO_ROOT, env=run.env,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "stopped at its usage limit (You" in status.stdout, explain(status)
+    assert re.search(r"continues at \d\d:\d\d", status.stdout), status.stdout
+
+    result = run.run(timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert "its agent stopped at its usage limit before the interruption" in result.stdout, explain(result)
+    assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout
+    assert codex_cao.model.turns() == {"tester": 1}, codex_cao.model.events()
+    assert len(kept_prompts(run, "tester")) == 1
+    assert run.state()["final_status"] == "PASS"
+
+
+def test_fresh_context_round_gives_later_rounds_new_agents(cao):
+    """FRESH_CONTEXT=round on a real cao-server: round 2's agents are new terminals in the run's session (the
+    old ones removed) whose prompts carry the full task; round 1's back-references are unchanged."""
+    run = Run(cao, START_AGENT="programmer", FRESH_CONTEXT="round")
+    cao.set_script({"tester": [FAIL_REPLY, PASS_REPLY]})
+    result = run.run(timeout=300)
+    assert result.returncode == 0, explain(result)
+    state = run.state()
+    fresh = [e for e in state["agent_events"] if e["what"] == "new conversation"]
+    assert [e["role"] for e in fresh] == SHORT_ROUND, explain(result)
+    for event in fresh:
+        assert state["terminals"][event["role"]] != event["terminal"]
+    with cao.http() as http:                              # the old agents are gone from the server
+        assert [http.get(f"/terminals/{e['terminal']}").status_code for e in fresh] == [404] * len(fresh)
+    for role in SHORT_ROUND:
+        first, second = kept_prompts(run, role)
+        assert carries_the_full_task(first) and carries_the_full_task(second), role
+
+
+@pytest.fixture
+def claude_without_auto_compact(claude_cao):
+    """Claude Code with auto-compact off (DISABLE_AUTO_COMPACT=1 in its settings' env)."""
+    settings = claude_cao.home / ".claude" / "settings.json"
+    with files_restored(settings):
+        data = json.loads(settings.read_text(encoding="utf-8"))
+        data.setdefault("env", {})["DISABLE_AUTO_COMPACT"] = "1"
+        settings.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        yield claude_cao
+
+
+@pytest.mark.real_cli
+def test_claude_code_with_its_context_nearly_full_gets_a_new_agent(claude_without_auto_compact):
+    """Auto-compact off and the tester's answer reporting 960,000 tokens (of Claude Code's 1M window for its
+    default model): it shows "Context low (2% remaining)"; the tester's next turn goes to a new agent whose
+    prompt carries the full task."""
+    cao = claude_without_auto_compact
+    run = real_cli_run(cao, START_AGENT="programmer")
+    cao.model.set_script({"tester": [{"text": FAIL_REPLY, "usage_tokens": 960_000}, PASS_REPLY],
+                          "programmer": [PROGRAMMER_REPLY]})
+    result = run.run(timeout=900)
+    assert result.returncode == 0, explain(result)
+    state = run.state()
+    events = [(e["role"], e["what"]) for e in state["agent_events"]]
+    assert events == [("tester", "context low"), ("tester", "new conversation")], explain(result)
+    assert re.search(r"tester: its context is nearly full \(Context low \(\d+% remaining\)\)", result.stdout)
+    assert cao.model.compactions() == []
+    first, second = kept_prompts(run, "tester")
+    assert carries_the_full_task(second), second
+    assert state["terminals"]["tester"] != state["agent_events"][0]["terminal"]
