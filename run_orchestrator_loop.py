@@ -39,7 +39,7 @@ Sections, in the order data flows (each uses only what stands above it):
 
 from __future__ import annotations
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 import argparse
 import base64
@@ -59,7 +59,7 @@ import textwrap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from enum import Enum
@@ -161,6 +161,11 @@ def emit(line: str, stream=None) -> None:
         pass
 
 
+def counted(number: int, noun: str) -> str:
+    """'1 turn', '3 turns': a count as a person writes it."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def log(message: str) -> None:
     """Timestamped progress on stdout: what a person or a cron log reads to follow a run (kept in run.log too)."""
     line = f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}"
@@ -225,7 +230,10 @@ DEFAULT_PROFILES = {
     "tester": "tester",
 }
 
-STATE_FILE_NAME = "codex-3agents-loop-state.json"
+STATE_FILE_NAME = "orchestrator-loop-state.json"
+# The name the shell orchestrator (and this loop, before it was renamed) gave its state file: a state
+# file there is still the one used, so a run under way resumes.
+OLD_STATE_FILE_NAME = "codex-3agents-loop-state.json"
 FRESH_CONTEXT_CHOICES = ("off", "round")     # FRESH_CONTEXT: when an agent starts a new conversation
 
 # Evidence the peer reviewer's REVIEW_NOTES must show before an approval
@@ -280,7 +288,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PROMPT", "prompt", "", "text", "task prompt text (same format as a prompt file)"),
     Setting("PROMPT_FILE", "prompt_file", "", "text", "task prompt file"),
     Setting("PROJECT_TEST_CMD", "project_test_cmd", "", "text", "test command for programmer and tester"),
-    Setting("STATE_FILE", "state_file", "", "text", "state file (empty: $WD/.tmp/" + STATE_FILE_NAME + ")"),
+    Setting("STATE_FILE", "state_file", "", "text", "state file (empty: $WD/.tmp/" + STATE_FILE_NAME + ", or "
+            "$WD/.tmp/" + OLD_STATE_FILE_NAME + " where only that one exists)"),
     Setting("RESUME", "resume", False, "bool",
             "unset: resume a RUNNING run, else start a new one; 1: resume (stop if there is none); 0: always "
             "start a new run"),
@@ -581,8 +590,10 @@ def read_config_file(path: str) -> dict[str, object]:
 
 
 def default_state_file(wd: str) -> str:
-    """The shell orchestrator's state file location, kept so both find each other's runs."""
-    return os.path.join(wd, ".tmp", STATE_FILE_NAME)
+    """$WD/.tmp/orchestrator-loop-state.json -- or the older name where only a state file of that name exists
+    (the shell orchestrator's, or one of an earlier release), so its run goes on."""
+    path, old = (os.path.join(wd, ".tmp", name) for name in (STATE_FILE_NAME, OLD_STATE_FILE_NAME))
+    return old if os.path.exists(old) and not os.path.exists(path) else path
 
 
 # The environment is read when the module starts, as in the shell script. A
@@ -1569,13 +1580,19 @@ def load_state() -> bool:
     saved = read_state_file()
     if saved is None:
         return False
-    globals().update({f.name: getattr(saved, f.name) for f in STATE_FIELDS
-                      if f.kind == "setting" and getattr(saved, f.name) and f.name not in explicit_settings})
+    restore_saved_settings(saved)
     set_task(saved.PROMPT)
     update_run(**{name: getattr(saved, name) for name in RUN_FIELDS})
     if in_flight is not None:
         context_sent.difference_update(in_flight.sent_in_full)
     return True
+
+
+def restore_saved_settings(saved: SavedState) -> None:
+    """The settings the run's terminals were created with (its server, provider, directory), unless the user
+    chose them now: a resume and --status ask the server the run is on."""
+    globals().update({f.name: getattr(saved, f.name) for f in STATE_FIELDS
+                      if f.kind == "setting" and getattr(saved, f.name) and f.name not in explicit_settings})
 
 
 def record_sent(marks: Iterable[str]) -> None:
@@ -1607,24 +1624,37 @@ def describe_state(saved: SavedState) -> str:
 
 # One process per run: an exclusive lock on a file beside the state file, held
 # until the process ends. The operating system drops it when the process dies,
-# so a killed run never blocks the next one.
+# so a killed run never blocks the next one. The file is removed when the lock
+# is given back (a start-up refused with exit 2 leaves nothing behind); a
+# process that locked a file removed meanwhile takes the lock again on the new one.
 run_lock = None
+run_lock_made_folder: Path | None = None     # the folder the lock file needed, made by this process
 
 
 def acquire_run_lock() -> None:
     """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
-    global run_lock
+    global run_lock, run_lock_made_folder
     path = Path(STATE_FILE + ".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "a process that has not yet said its pid"
-        handle.close()
-        raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
-                        f"Try again when it has finished (see its log), or stop that process first") from None
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        run_lock_made_folder = path.parent
+    while True:
+        handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process that has not yet said its pid"
+            handle.close()
+            raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
+                            f"Try again when it has finished (see its log), or stop that process first") from None
+        try:
+            same_file = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            same_file = False
+        if same_file:
+            break
+        handle.close()                   # its holder removed it as we opened it: lock the file there now
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -1648,10 +1678,16 @@ def lock_holder() -> str:
 
 
 def release_run_lock() -> None:
-    global run_lock
+    """Give the lock back and remove its file (while still holding it, so no other process loses its lock)."""
+    global run_lock, run_lock_made_folder
     if run_lock is not None:
+        Path(run_lock.name).unlink(missing_ok=True)
         run_lock.close()
         run_lock = None
+    if run_lock_made_folder is not None:
+        with suppress(OSError):          # kept when the run wrote anything there
+            run_lock_made_folder.rmdir()
+        run_lock_made_folder = None
 
 
 # ==========================================================================
@@ -2748,7 +2784,7 @@ def idle_without_file(turn: Turn) -> str | None:
         facts = turn.facts
         if facts.provider_errors >= PROVIDER_ERROR_RETRIES:
             raise agent_failed(role, terminal_id, f"stopped on a model provider error ({error_line[:200]}) "
-                                                  f"{facts.provider_errors} time(s) after being told to continue")
+                                                  f"{counted(facts.provider_errors, 'time')} after being told to continue")
         facts.provider_errors += 1
         pause = PROVIDER_ERROR_PAUSE_SECONDS * 2 ** (facts.provider_errors - 1)
         facts.provider_pause_until = time.monotonic() + pause
@@ -3252,7 +3288,7 @@ def replace_lost_agent(lost: AgentLost) -> None:
         raise lost
     if replacements_used() >= MAX_AGENT_REPLACEMENTS:
         raise AgentLost(lost.role, lost.terminal_id, lost.why, lost.last_line,
-                        f"{replacements_used()} replacement(s) made already, MAX_AGENT_REPLACEMENTS="
+                        f"{counted(replacements_used(), 'replacement')} made already, MAX_AGENT_REPLACEMENTS="
                         f"{MAX_AGENT_REPLACEMENTS}: raise it to go on with a new agent, or set RESUME=0 to start "
                         "the run over")
     old_ids = dict(terminal_ids)
@@ -3475,6 +3511,12 @@ def record_agent_event(role: str, terminal_id: str, what: str, detail: str = "")
     update_run(agent_events=agent_events + [AgentEvent(role, terminal_id, at, what, detail)])
 
 
+def conversation_started_over(terminal_id: str) -> bool:
+    """Whether the terminal's agent is known to have started (or lost) its conversation during the run."""
+    return terminal_id in {r.new_terminal for r in replacements} or any(
+        e.terminal == terminal_id for e in agent_events if e.what in ("compacted", "cleared", "new conversation"))
+
+
 def forget_conversation(role: str, terminal_id: str, what: str) -> None:
     """The terminal's conversation lost what it was told once: its next prompt carries every block in full."""
     marks = {mark for mark in context_sent if mark.rpartition(":")[2] == terminal_id}
@@ -3518,7 +3560,7 @@ def start_fresh_agent(role: str, why: str) -> None:
         answer = request_agent(role, session_name)
     note_model_answers({role: answer})
     new = answer["id"]
-    record_agent_event(role, old, "new conversation", f"{why}; new terminal {new}")
+    record_agent_event(role, new, "new conversation", f"{why}; was terminal {old}")
     update_run(terminal_ids={**terminal_ids, role: new}, agent_models={**agent_models, role: model_for(role)},
                fresh_agents_due={r: w for r, w in fresh_agents_due.items() if r != role})
     save_state()
@@ -3963,6 +4005,11 @@ class PromptDraft:
         """Whether this terminal has had a prompt already (every prompt opens with the "intro" block)."""
         return f"intro:{self.terminal_id}" in context_sent
 
+    def lacks_history(self) -> bool:
+        """Whether this terminal is known to lack what earlier prompts said: a new agent (a replacement, a new
+        conversation) or a conversation compacted or cleared since, that has had no prompt since."""
+        return not self.has_history() and conversation_started_over(self.terminal_id)
+
     def finish(self, parts: list[str]) -> Prompt:
         return Prompt("\n\n".join(parts), self.in_full)
 
@@ -4079,8 +4126,9 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
                 "artifacts with /opsx:ff; say so in your summary.\n"
                 "3. Fix the code, run the tests and fix what fails.")
-    # The same upstream as last cycle -- unless this terminal is a new agent, which never saw it.
-    repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT and draft.has_history()
+    # The same upstream as last cycle -- unless this terminal is known to lack it (a new agent, a compacted
+    # conversation).
+    repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT and not draft.lacks_history()
     parts = [
         _you_are(draft, "programmer") + f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
         _task_context(draft),
@@ -4472,7 +4520,7 @@ def stage_and_commit(top: str, paths: list[str], untracked: list[str], archive: 
         return {"result": "failed", "reason": why}
     _, sha, _ = git(["rev-parse", "--short", "HEAD"], top)
     sha = sha.strip()
-    log(f"commit: {sha} \"{message.splitlines()[0]}\" with {len(paths)} file(s): {', '.join(paths)}")
+    log(f"commit: {sha} \"{message.splitlines()[0]}\" with {counted(len(paths), 'file')}: {', '.join(paths)}")
     return {"result": "committed", "commit": sha, "files": paths}
 
 
@@ -4505,7 +4553,7 @@ def commit_run(archive: dict) -> dict:
         log(f"commit: failed, {exc}")
         return {"result": "failed", "reason": str(exc)}
     if accidents:
-        log(f"commit: left out {len(accidents)} file(s) whose names look like shell or code fragments an agent "
+        log(f"commit: left out {counted(len(accidents), 'file')} whose names look like shell or code fragments an agent "
             f"created by accident (delete them if so): {', '.join(accidents)}")
     if worktree_at_start is None:
         log("commit: no record of the working tree at the run's start (COMMIT_ON_PASS was not set then), so "
@@ -4848,7 +4896,8 @@ def first_lost_agent() -> AgentLost | None:
     """The first of the saved run's agents that is gone (its terminal, its session or its CLI), if any.
 
     CAO answers a terminal's status from its database even when its session
-    is gone (a reboot), so the session's record and the screen are asked too.
+    is gone (a reboot), so the session's record and the screen are asked too --
+    once every terminal's record is known to exist (a missing one ends the check).
     """
     for role in ROLES:
         terminal_id = terminal_ids[role]
@@ -4858,6 +4907,8 @@ def first_lost_agent() -> AgentLost | None:
             if exc.status_code is None:
                 raise RunError(f"cannot resume: {exc}") from None
             return AgentLost(role, terminal_id, f"CAO cannot reach this terminal ({exc})")
+    for role in ROLES:
+        terminal_id = terminal_ids[role]
         screen = _screen(terminal_id)
         why = why_gone(terminal_id, screen)
         if why:
@@ -5204,7 +5255,8 @@ def report_run_summary(exit_code: int) -> None:
                          if r["turns"])
     unanswered = summary["prompts_sent"] - summary["turns"]
     log(f"summary: {summary['result']} after round {summary['rounds']}/{summary['max_rounds']}; "
-        f"{summary['turns']} turns" + (f" and {unanswered} prompt not answered yet" if unanswered else "")
+        f"{counted(summary['turns'], 'turn')}"
+        + (f" and {counted(unanswered, 'prompt')} not answered yet" if unanswered else "")
         + f", {summary['agent_seconds']:g}s of agent time ({per_role or 'none'}); "
         f"{summary['prompt_bytes'] / 1000:.1f} KB of prompts")
     verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
@@ -5336,7 +5388,9 @@ def status_report() -> tuple[int, str]:
     if saved is None:
         return EXIT_FAIL, (f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE to look "
                            "elsewhere)")
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}"]
+    restore_saved_settings(saved)
+    connect_api()
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", f"CAO server: {API}"]
     if not saved.finished:
         lines[-1] += f" (cycle {saved.phase_cycle}, next: {saved.phase_step})"
         lines.append(f"working now: {working_now(saved)}")

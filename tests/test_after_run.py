@@ -239,7 +239,7 @@ def test_commit_takes_exactly_what_the_run_changed(load_orch, workdir, capsys):
     assert record["result"] == "committed" and record["files"] == ["app.py", "draft.md", "greet/cli.py", "old.py"]
     assert sorted(record["left_out"]) == ["EOF)", "x = 1"]
     out = capsys.readouterr().out
-    assert "commit: left out 2 file(s) whose names look like shell or code fragments" in out
+    assert "commit: left out 2 files whose names look like shell or code fragments" in out
     assert f"committed {record['commit']} (4 files)" in out
 
 

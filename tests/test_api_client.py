@@ -20,7 +20,7 @@ from conftest import FAST, run_main
 BASE = "http://cao.test"
 TID = "1a2b3c4d"
 SESSION = "cao-session-1"
-STATE_NAME = "codex-3agents-loop-state.json"
+STATE_NAME = "orchestrator-loop-state.json"
 
 
 def terminal_answer(terminal_id: str = TID, session: str = SESSION) -> dict:

@@ -237,6 +237,19 @@ def test_status_of_a_finished_run(load_orch, fake_cao, prompt_file, capsys):
     assert "run: finished with PASS in round 1" in out and "driven by: no process\n" in out
 
 
+def test_status_asks_the_server_the_run_is_on_not_the_default_one(load_orch, fake_cao, prompt_file, capsys):
+    """The run's server is not on the default port: --status without API asks the server the state file names."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", CLEANUP_ON_EXIT="0", **FAST)
+    assert run_main(m) == 0
+    capsys.readouterr()
+    m = load_orch(API=None)
+    assert m.API == "http://localhost:9889"
+    assert run_main(m, "--status") == 0
+    out = capsys.readouterr().out
+    assert "CAO server: http://cao.test" in out
+    assert "agents: the five agents of CAO session" in out and "are still running" in out
+
+
 def test_status_without_a_state_file(load_orch, fake_cao, capsys):
     m = load_orch()
     assert run_main(m, "--status") == 1

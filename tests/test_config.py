@@ -18,7 +18,7 @@ import pytest
 import run_orchestrator_loop
 from conftest import FAST, ROOT, TASK_PROMPT, run_main
 
-STATE_NAME = "codex-3agents-loop-state.json"
+STATE_NAME = "orchestrator-loop-state.json"
 
 # Every provider CAO 2.5.4 knows, plus the older q_cli.
 CAO_PROVIDERS = [
@@ -122,7 +122,7 @@ def test_default_configuration_matches_shell_script(load_orch, workdir):
 
 
 def test_default_state_file_is_under_wd_tmp(load_orch, workdir):
-    """Spec 1 (shell defaults): STATE_FILE defaults to $WD/.tmp/codex-3agents-loop-state.json."""
+    """STATE_FILE defaults to $WD/.tmp/orchestrator-loop-state.json."""
     m = load_orch()
     assert Path(m.STATE_FILE) == workdir / ".tmp" / STATE_NAME
 
@@ -577,7 +577,7 @@ def test_config_file_keys_map_to_settings(load_orch, prompt_file, fake_cao, tmp_
 
 
 def test_config_file_wd_moves_default_state_file(load_orch, prompt_file, fake_cao, tmp_path):
-    """Spec 1 default STATE_FILE follows a WD given in the config file: $WD/.tmp/codex-3agents-loop-state.json."""
+    """Spec 1 default STATE_FILE follows a WD given in the config file: $WD/.tmp/orchestrator-loop-state.json."""
     other_wd = tmp_path / "elsewhere"
     other_wd.mkdir()
     cfg = write_config(tmp_path, {"wd": str(other_wd), "start_agent": "tester"})

@@ -13,6 +13,7 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import FAST, run_main
@@ -341,6 +342,40 @@ def test_a_cli_the_server_reports_missing_stops_the_start_before_anything_is_cre
     assert "(it reports installed: claude_code, kiro_cli)" in err and "IGNORE_MISSING_CLI=1" in err
     assert fake_cao.create_answers == [] and not fake_cao.terminals
     assert not Path(m.STATE_FILE).exists()
+    assert not Path(m.WD, ".tmp").exists()              # exit 2: nothing written, not even the lock
+
+
+def test_a_finished_run_leaves_no_lock_file_behind(load_orch, fake_cao, prompt_file):
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert run_main(m) == 0
+    assert Path(m.STATE_FILE).exists() and not Path(m.STATE_FILE + ".lock").exists()
+
+
+def test_a_lock_file_removed_as_it_was_opened_is_locked_again_where_it_now_is(orch, monkeypatch):
+    """Between our open and our lock the holder gave the lock back and removed the file, and a third process
+    made it anew: the lock is taken on the file at the path, never on the removed one."""
+    import fcntl
+    original_flock = fcntl.flock
+    path = Path(orch.STATE_FILE + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    calls = []
+
+    def flock(handle, operation):
+        if not calls:                     # the first lock attempt: the file at the path is replaced first
+            path.unlink()
+            path.write_text("")
+        calls.append(handle.fileno())
+        return original_flock(handle, operation)
+
+    monkeypatch.setattr(orch.fcntl, "flock", flock)
+    orch.acquire_run_lock()
+    try:
+        assert len(calls) == 2
+        assert orch.os.fstat(orch.run_lock.fileno()).st_ino == path.stat().st_ino
+    finally:
+        monkeypatch.undo()
+        orch.release_run_lock()
+    assert not path.exists()
 
 
 def test_a_role_provider_reported_missing_names_its_own_setting(load_orch, fake_cao, prompt_file, capsys):
@@ -609,6 +644,28 @@ def test_verify_resume_terminals_exits_when_a_terminal_is_unreachable(orch, fake
         orch.verify_resume_terminals()
     assert stopped.value.code == 1
     assert ids["tester"] in str(stopped.value) and "tester" in str(stopped.value)
+
+
+def test_verify_resume_terminals_called_alone_asks_only_the_terminals_records(orch):
+    """Spec 1, as the spec states it: with only GET /terminals/{id} answered (one terminal unknown to the
+    server), verify_resume_terminals() stops with an error naming it, having asked nothing else."""
+    import respx
+
+    ids = {role: f"{n:08x}" for n, role in enumerate(orch.ROLES, 1)}
+    orch.terminal_ids, orch.session_name = dict(ids), "cao-saved"
+    with respx.mock(assert_all_called=False) as router:
+        for role, terminal in ids.items():
+            if role == "programmer":
+                answer = httpx.Response(404, json={"detail": f"Terminal '{terminal}' not found"})
+            else:
+                answer = httpx.Response(200, json={"id": terminal, "status": "idle"})
+            router.get(f"http://cao.test/terminals/{terminal}").mock(return_value=answer)
+        with pytest.raises(SystemExit) as stopped:
+            orch.verify_resume_terminals()
+        asked = [call.request.url.path for call in router.calls]
+    assert stopped.value.code == 1
+    assert "programmer" in str(stopped.value) and ids["programmer"] in str(stopped.value)
+    assert asked == [f"/terminals/{ids[role]}" for role in orch.ROLES[:orch.ROLES.index("programmer") + 1]]
 
 
 def test_resume_in_retry_state_preserves_short_pipeline(load_orch, fake_cao, prompt_file):

@@ -299,6 +299,23 @@ def test_programmer_prompt_condenses_upstream_on_repeat(m):
     assert "conversation history" in m.UPSTREAM_BACK_REFERENCE
 
 
+def test_programmer_prompt_condenses_upstream_on_repeat_when_called_alone(load_orch):
+    """Spec 1, as the spec states it: build_programmer_prompt() called with cycle 2 and
+    CONDENSE_UPSTREAM_ON_REPEAT, nothing else done before -> the analyst output is a back-reference."""
+    mod = load_orch()
+    prompt = mod.build_programmer_prompt(1, 2, ANALYST_OUT)
+    assert "analyst-marker-change" not in prompt
+    assert f"System analyst handoff:\n{mod.UPSTREAM_BACK_REFERENCE}" in prompt
+
+
+def test_a_compacted_conversation_at_a_later_cycle_gets_the_upstream_in_full(m):
+    """The programmer's conversation was compacted after its cycle-1 turn: cycle 2 carries the upstream again."""
+    delivered(m, m.build_programmer_prompt(1, 1, ANALYST_OUT))
+    m.forget_conversation("programmer", m.terminal_ids["programmer"], "compacted")
+    prompt = m.build_programmer_prompt(1, 2, ANALYST_OUT)
+    assert "analyst-marker-change" in prompt and m.UPSTREAM_BACK_REFERENCE not in prompt
+
+
 def test_programmer_prompt_cycle_1_has_analyst_output(m):
     """Spec 1 Prompt builders / Programmer prompt condenses upstream on repeat: cycle 1 has the analyst output."""
     prompt = m.build_programmer_prompt(1, 1, ANALYST_OUT)
@@ -676,7 +693,9 @@ def test_a_new_agent_at_a_later_cycle_gets_the_upstream_in_full(m):
     """A replaced agent has no conversation to refer back to: the upstream comes in full, as in cycle 1."""
     delivered(m, m.build_programmer_prompt(1, 1, ANALYST_OUT))
     assert m.UPSTREAM_BACK_REFERENCE in m.build_programmer_prompt(1, 2, ANALYST_OUT)
-    m.terminal_ids["programmer"] = "term-programmer-new"
+    m.update_run(terminal_ids={**m.terminal_ids, "programmer": "term-programmer-new"},
+                 replacements=[m.Replacement("programmer", "term-programmer", "term-programmer-new",
+                                             "2026-11-25T10:00:00Z", "its agent CLI exited")])
     prompt = m.build_programmer_prompt(1, 2, ANALYST_OUT)
     assert "analyst-marker-change" in prompt and m.UPSTREAM_BACK_REFERENCE not in prompt
     assert EXPLORE in prompt and m.EXPLORE_BACK_REFERENCE not in prompt

@@ -204,7 +204,7 @@ def test_provider_errors_past_the_retries_stop_the_run(load_orch, fake_cao, prom
     out, err = capsys.readouterr()
     assert "continue in 0.1s" in out and "continue in 0.2s" in out
     assert len(fake_cao.reminders) == 2
-    assert "model provider error (\u25cf API Error: 529 Overloaded." in err and "2 time(s)" in err
+    assert "model provider error (\u25cf API Error: 529 Overloaded." in err and "2 times" in err
 
 
 def test_api_error_json_body_is_recognised(orch):

@@ -107,8 +107,19 @@ def write_state(m, data: dict) -> None:
 # -- save_state fields -------------------------------------------------------------
 
 def test_state_file_default_location(orch):
-    """Spec 1 Configuration STATE_FILE: defaults to the shell script's $WD/.tmp/ state file."""
-    assert Path(orch.STATE_FILE) == Path(orch.WD) / ".tmp" / "codex-3agents-loop-state.json"
+    """Spec 1 Configuration STATE_FILE: a state file under $WD/.tmp/."""
+    assert Path(orch.STATE_FILE) == Path(orch.WD) / ".tmp" / "orchestrator-loop-state.json"
+
+
+def test_a_state_file_under_the_old_name_is_still_the_one_used(load_orch, workdir):
+    """A run saved under the shell orchestrator's name (codex-3agents-loop-state.json) is found and resumed;
+    once a state file of the new name exists, that one counts."""
+    old = workdir / ".tmp" / "codex-3agents-loop-state.json"
+    old.parent.mkdir()
+    old.write_text("{}")
+    assert Path(load_orch().STATE_FILE) == old
+    (workdir / ".tmp" / "orchestrator-loop-state.json").write_text("{}")
+    assert Path(load_orch().STATE_FILE) == workdir / ".tmp" / "orchestrator-loop-state.json"
 
 
 def test_save_state_has_shell_script_fields(orch):

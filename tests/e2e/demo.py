@@ -224,7 +224,7 @@ def run_orchestrator(env: dict[str, str]) -> int:
 
 
 def report(wd: Path) -> None:
-    state_file = wd / ".tmp" / "codex-3agents-loop-state.json"
+    state_file = wd / ".tmp" / "orchestrator-loop-state.json"
     try:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):

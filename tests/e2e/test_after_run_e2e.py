@@ -109,7 +109,7 @@ def test_pass_archives_commits_exactly_the_work_and_notifies(cao, openspec_bin, 
     assert "PASS in round 1" in message and "OpenSpec change: add-greeting (archived)" in message
     status = git(run.wd, "status", "--porcelain", "--untracked-files=all")
     assert "?? EOF)" in status and "?? notes.txt" in status
-    assert "commit: left out 1 file(s) whose names look like shell or code fragments" in result.stdout
+    assert "commit: left out 1 file whose names look like shell or code fragments" in result.stdout
 
     [request] = ntfy.requests
     assert request["path"] == "/loop-e2e" and request["headers"]["title"].startswith("PASS in round 1: ")

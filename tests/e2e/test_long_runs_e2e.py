@@ -217,10 +217,10 @@ def test_fresh_context_round_gives_later_rounds_new_agents(cao):
     state = run.state()
     fresh = [e for e in state["agent_events"] if e["what"] == "new conversation"]
     assert [e["role"] for e in fresh] == SHORT_ROUND, explain(result)
-    for event in fresh:
-        assert state["terminals"][event["role"]] != event["terminal"]
+    old = [re.search(r"was terminal (\w+)", e["detail"]).group(1) for e in fresh]
+    assert [state["terminals"][e["role"]] for e in fresh] == [e["terminal"] for e in fresh]
     with cao.http() as http:                              # the old agents are gone from the server
-        assert [http.get(f"/terminals/{e['terminal']}").status_code for e in fresh] == [404] * len(fresh)
+        assert [http.get(f"/terminals/{terminal}").status_code for terminal in old] == [404] * len(old)
     for role in SHORT_ROUND:
         first, second = kept_prompts(run, role)
         assert carries_the_full_task(first) and carries_the_full_task(second), role
@@ -255,4 +255,4 @@ def test_claude_code_with_its_context_nearly_full_gets_a_new_agent(claude_withou
     assert cao.model.compactions() == []
     first, second = kept_prompts(run, "tester")
     assert carries_the_full_task(second), second
-    assert state["terminals"]["tester"] != state["agent_events"][0]["terminal"]
+    assert state["terminals"]["tester"] == state["agent_events"][1]["terminal"] != state["agent_events"][0]["terminal"]

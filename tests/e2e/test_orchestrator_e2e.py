@@ -51,7 +51,7 @@ class Run:
         self.wd = cao.new_workdir("project")
         self.task = self.wd.parent / f"{self.wd.name}-task.md"
         self.task.write_text(TASK, encoding="utf-8")
-        self.state_file = self.wd / ".tmp" / "codex-3agents-loop-state.json"
+        self.state_file = self.wd / ".tmp" / "orchestrator-loop-state.json"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("CAO_", "MOCK_AGENT_", "NTFY_"))}
         self.env.update(cao.env)
         self.env.update(WD=str(self.wd), PROMPT_FILE=str(self.task), POLL_SECONDS="0.2",

@@ -102,10 +102,11 @@ def test_readme_quick_start_reaches_pass(tmp_path):
     proc = subprocess.Popen(["bash", "-e", "-x", "-c", traced], cwd=clone, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    left_link = True
+    left_link, tmux_servers_left = True, []
     try:
         transcript, _ = proc.communicate(timeout=TIMEOUT)
         left_link = AGENT_LINK.is_symlink() or AGENT_LINK.exists()
+        tmux_servers_left = _tmux_servers(home)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         transcript, _ = proc.communicate()
@@ -116,6 +117,7 @@ def test_readme_quick_start_reaches_pass(tmp_path):
         Path(os.environ["QUICK_START_TRANSCRIPT"]).write_text(transcript, encoding="utf-8")
 
     assert proc.returncode == 0, f"the quick start failed (exit {proc.returncode}):\n{transcript[-6000:]}"
+    assert not tmux_servers_left, f"the quick start left a tmux server running: {tmux_servers_left}"
     assert re.search(r"PASS in round 1", transcript), transcript[-4000:]
     assert not left_link, "the quick start left /usr/local/bin/mock_cli behind"
     summaries = [p for p in (home / "try-loop" / ".tmp").glob("*/summary.json") if p.parent.name != "latest"]
@@ -126,6 +128,19 @@ def test_readme_quick_start_reaches_pass(tmp_path):
     assert (summary["result"], summary["exit_code"], summary["rounds"], summary["turns"]) == ("PASS", 0, 1, 9)
 
 
+def _tmux_servers(home: Path) -> list[str]:
+    """The sockets of tmux servers still answering under the quick start's TMUX_TMPDIR (and the test's own)."""
+    sockets = [*(home / ".cache" / "try-loop-tmux").glob("tmux-*/*")]
+    alive = []
+    for socket_path in sockets:
+        if subprocess.run(["tmux", "-S", str(socket_path), "list-sessions"], capture_output=True,
+                          timeout=30).returncode == 0 or subprocess.run(
+                ["tmux", "-S", str(socket_path), "display-message", "-p", "x"], capture_output=True,
+                timeout=30).returncode == 0:
+            alive.append(str(socket_path))
+    return alive
+
+
 def _clean_up(proc: subprocess.Popen, env: dict[str, str], old_link: str | None) -> None:
     """Whatever the block left running (cao-server, the tmux server with the agents) is stopped,
     and the machine's /usr/local/bin/mock_cli is what it was before."""
@@ -134,7 +149,42 @@ def _clean_up(proc: subprocess.Popen, env: dict[str, str], old_link: str | None)
     except ProcessLookupError:
         pass
     subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=30)
+    private = Path(env["HOME"]) / ".cache" / "try-loop-tmux"
+    subprocess.run(["tmux", "kill-server"], env={**env, "TMUX_TMPDIR": str(private)}, capture_output=True,
+                   timeout=30)
     if AGENT_LINK.is_symlink() or AGENT_LINK.exists():
         AGENT_LINK.unlink()
     if old_link is not None:
         AGENT_LINK.symlink_to(old_link)
+
+
+def readme_unit_test_command(readme: str) -> str:
+    """The README's command for the unit tests alone (in its "## Test" section)."""
+    section = readme.split("\n## Test", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r'`(python -m pytest -m "not e2e")`', section)
+    assert match, "README.md: the Test section names no unit-test command"
+    return match.group(1)
+
+
+def test_readme_unit_test_command_runs_where_the_quick_start_installed_cao(tmp_path):
+    """A fresh clone and virtual environment holding the project and cli-agent-orchestrator 2.5.4, as the quick
+    start makes it (CAO brings libtmux, whose pytest plugin broke collection), plus the test extras: the
+    README's unit-test command, run as written, passes and reports no end-to-end section."""
+    clone = tmp_path / "orchestrator-loop"
+    subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True, timeout=120)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = _fresh_user_env(home, tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
+    install = subprocess.run(["pip", "install", "-q", "-e", ".[test]", "cli-agent-orchestrator==2.5.4"], cwd=clone,
+                             env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    command = readme_unit_test_command(README.read_text(encoding="utf-8"))
+    result = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert re.search(r"\d+ passed", output) and "Marks cannot be applied" not in output, output[-3000:]
+    assert "end-to-end tests against a real cao-server" not in output, output[-3000:]

@@ -163,7 +163,7 @@ def test_codex_in_a_project_it_does_not_trust_gets_every_prompt_again_and_passes
     untrusted = codex_cao.root / "untrusted" / run.wd.name      # new_workdir() would pre-trust it
     untrusted.mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(untrusted)], check=True)        # a project, as users have them
-    run.wd, run.state_file = untrusted, untrusted / ".tmp" / "codex-3agents-loop-state.json"
+    run.wd, run.state_file = untrusted, untrusted / ".tmp" / "orchestrator-loop-state.json"
     run.env["WD"] = str(untrusted)
     codex_cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
     result = run.run(timeout=900)
