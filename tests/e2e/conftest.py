@@ -36,10 +36,18 @@ def pytest_configure(config):
 _e2e_outcomes: list[tuple[str, str]] = []
 
 
+_e2e_ids: set[str] = set()
+
+
+def pytest_collection_modifyitems(items):
+    """Which collected tests are end-to-end ones (marked e2e); the scripted model's own tests are not."""
+    _e2e_ids.update(item.nodeid for item in items if item.get_closest_marker("e2e"))
+
+
 def pytest_runtest_logreport(report):
     """Remember each end-to-end test's outcome for the summary below."""
-    if "tests/e2e/" not in report.nodeid.replace("\\", "/") or "e2e" not in report.keywords:
-        return                           # the scripted model's own tests need no server
+    if report.nodeid not in _e2e_ids:
+        return
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         _e2e_outcomes.append((report.outcome.upper(), report.nodeid))
 
