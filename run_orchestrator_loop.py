@@ -65,6 +65,7 @@ from datetime import datetime, timedelta, timezone
 from enum import Enum
 from importlib import metadata
 from pathlib import Path
+from string import Template
 from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, Mapping
 from urllib.parse import quote
@@ -1870,47 +1871,82 @@ def task_title() -> str:
     return "orchestrator loop run"
 
 
-def run_summary(exit_code: int) -> dict:
+# Words of a task line that only labels what follows ("# Task", "Business goal", "Summary"): never the heading.
+TASK_LABEL_WORDS = frozenset(
+    "task tasks goal goals business summary overview context background description requirement requirements "
+    "problem objective objectives original explore scenario test the our and".split())
+# Markdown's marks at the start of a line: headings, quotes, list items.
+MARKDOWN_LEAD = re.compile(r"^(?:#{1,6}\s+|>\s*|[-*+]\s+|\d+[.)]\s+)+")
+
+
+def task_heading() -> str:
+    """The task's first meaningful line, whole: the report's heading. Lines that only label what follows
+    ("Business goal:", "# Task", "*** ORIGINAL EXPLORE SUMMARY ***", a code fence) are passed over."""
+    for line in (EXPLORE_SUMMARY or PROMPT).splitlines():
+        text = MARKDOWN_LEAD.sub("", line.strip()).replace("**", "").strip()
+        if not _is_task_label(line.strip(), text):
+            return text
+    return task_title()
+
+
+def _is_task_label(line: str, text: str) -> bool:
+    """Whether a task line (as written, and without its Markdown markers) only names what follows."""
+    if line.startswith(("```", "~~~")) or not re.search(r"\w", text) or text.endswith(":"):
+        return True
+    if re.fullmatch(r"([*=#~_-])\1{2,}.*\1{3}", line):        # a banner: *** ORIGINAL EXPLORE SUMMARY ***
+        return True
+    words = re.findall(r"[^\W\d_]+", text.lower())
+    return 0 < len(words) <= 4 and all(word in TASK_LABEL_WORDS for word in words)
+
+
+def _role_totals() -> dict[str, dict]:
+    """Per role: its answered turns, their seconds and the verdicts they led to."""
+    totals = {}
+    for role in ROLES:
+        mine = [r for r in turn_records if r.role == role]
+        totals[role] = {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
+                        "outcomes": [r.outcome for r in mine if r.outcome]}
+    return totals
+
+
+def _unanswered_turn() -> dict | None:
+    """The prompt in flight, as a turn of the run record with no reply (None when there is none)."""
+    if in_flight is None:
+        return None
+    first_sent = in_flight.first_sent_at or in_flight.sent_at
+    prompt_file = prompt_file_path(in_flight.role, in_flight.number) if in_flight.number else None
+    return {"role": in_flight.role, "round": in_flight.round, "phase": in_flight.phase, "cycle": in_flight.cycle,
+            "sent_at": utc_iso(first_sent, precise=True) if first_sent else "", "taken_at": "",
+            "seconds": None, "prompt_bytes": in_flight.prompt_bytes, "reply_bytes": 0,
+            "reminders": in_flight.reminders, "resends": in_flight.resends,
+            "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
+            "reply_file": "", "outcome": "unanswered"}
+
+
+def run_summary(exit_code: int | None) -> dict:
     """What the run did, from its turn records: for the last log lines, CI dashboards and the report.
 
     A prompt sent and not answered (an interrupted run) is listed among the
-    turns with no reply and counted in the prompts sent.
+    turns with no reply and counted in the prompts sent. `exit_code` is None
+    while the run is still going.
     """
-    roles = {}
-    for role in ROLES:
-        mine = [r for r in turn_records if r.role == role]
-        roles[role] = {"turns": len(mine), "seconds": round(sum(r.seconds for r in mine if r.seconds is not None), 1),
-                       "outcomes": [r.outcome for r in mine if r.outcome]}
-    turns = [r.to_json() for r in turn_records]
-    if in_flight is not None:
-        first_sent = in_flight.first_sent_at or in_flight.sent_at
-        prompt_file = prompt_file_path(in_flight.role, in_flight.number) if in_flight.number else None
-        turns.append({"role": in_flight.role, "round": in_flight.round, "phase": in_flight.phase,
-                      "cycle": in_flight.cycle, "sent_at": utc_iso(first_sent, precise=True) if first_sent else "",
-                      "taken_at": "",
-                      "seconds": None, "prompt_bytes": in_flight.prompt_bytes, "reply_bytes": 0,
-                      "reminders": in_flight.reminders, "resends": in_flight.resends,
-                      "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
-                      "reply_file": "", "outcome": "unanswered"})
+    unanswered = _unanswered_turn()
+    turns = [r.to_json() for r in turn_records] + ([unanswered] if unanswered else [])
     ended_at = utc_iso(precise=True)
-    try:
-        wall = (datetime.fromisoformat(ended_at.replace("Z", "+00:00"))
-                - datetime.fromisoformat(started_at.replace("Z", "+00:00"))).total_seconds()
-    except ValueError:
-        wall = None
     return {
-        "result": final_status, "exit_code": exit_code, "task": task_title(), "wd": WD,
+        "result": final_status, "exit_code": exit_code, "task": task_title(), "task_heading": task_heading(),
+        "scenario_test": SCENARIO_TEST, "wd": WD,
         "providers": {role: provider_for(role) for role in ROLES},
         "models": {role: agent_models.get(role, "") for role in ROLES},
         "verified": (verifications[-1]["result"] == "passed") if verifications else None,
         "verifications": verifications,
-        "started_at": started_at, "ended_at": ended_at, "wall_seconds": wall,
+        "started_at": started_at, "ended_at": ended_at, "wall_seconds": _seconds_since(started_at, ended_at),
         "rounds": current_round, "max_rounds": MAX_ROUNDS,
         "turns": len(turn_records), "prompts_sent": len(turns),
-        "agent_seconds": round(sum(r.seconds for r in turn_records if r.seconds is not None), 1),
+        "agent_seconds": round(sum(r.seconds or 0.0 for r in turn_records), 1),
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
-        "roles": roles, "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "roles": _role_totals(), "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
         "agent_events": [e.to_json() for e in agent_events],
@@ -1918,10 +1954,130 @@ def run_summary(exit_code: int) -> dict:
     }
 
 
-# The page a person opens to see a run (report.html in the run's folder): colours by verdict.
+# -- report.html: the page a person opens to see a run ----------------------------
+# The page is one template (REPORT_PAGE) filled by a few builders. Every value goes into the markup through
+# _fill() or _join(), which escape it; only fragments a builder made that way (ReportHtml) go in as they are.
+
 REPORT_COLOURS = {"PASS": "#2e7d32", "FAIL": "#d32f2f", "APPROVED": "#66bb6a", "REVISE": "#f9a825",
                   "MISSING": "#8d6e63", "COMPLETE": "#26a69a", "unanswered": "#9e9e9e", "": "#1976d2"}
 REPORT_TEXT_LIMIT = 200_000          # characters of one prompt or reply shown in the report
+REPORT_RELOAD_SECONDS = 10           # a page of a run still going reloads itself this often
+REPORT_RUN_FILES = ("run.log", "summary.json")   # linked from the page when they are there
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+
+REPORT_PAGE = Template("""\
+<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>$result: $title</title>
+<style>
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222 }
+h1 { font-size: 1.3em; overflow-wrap: anywhere }
+h2 { font-size: 1.1em; margin: 1.2em 0 .4em }
+code { background: #eee; padding: 0 .25em; border-radius: 3px }
+.overview { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 2em }
+@media (max-width: 900px) { .overview { grid-template-columns: minmax(0, 1fr) } }
+dl { display: grid; grid-template-columns: max-content auto; gap: .2em 1em; margin: 0 }
+dt { color: #666 }
+dd { margin: 0; overflow-wrap: anywhere }
+.lane { display: flex; align-items: center; margin: .3em 0 }
+.lane-label { width: 10em; flex: none }
+.track { position: relative; flex: 1; height: 1.6em; background: #f1f1f1 }
+.turn { position: absolute; top: 0; bottom: 0; min-width: 4px; color: #fff; font-size: 11px; text-align: center;
+        overflow: hidden; text-decoration: none }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: .6em; margin: .3em 0 }
+summary { cursor: pointer; padding: .2em 0 }
+.legend span { display: inline-block; padding: 0 .5em; margin-right: .4em; color: #fff }
+</style></head>
+<body data-result="$result" data-reload-seconds="$reload_seconds">
+<h1 id="task">$heading</h1>
+<p class="result" data-result="$result" style="font-size:1.2em">Result: <b>$result</b></p>
+<div class="overview">
+<dl id="figures">
+$figures
+</dl>
+<section id="outcome">
+$outcome
+</section>
+</div>
+$agent_events
+<section id="timeline"><h2>Timeline</h2>
+$lanes
+<p class="legend">$legend</p><p>0 to $span</p></section>
+<section id="turns"><h2>Turns</h2>
+$turns
+</section>
+<script>
+(function () {
+  var key = "report-view:" + location.pathname;
+  // A turn named in the address (a click on its bar) is opened.
+  function openTurn() {
+    var turn = document.getElementById(location.hash.slice(1));
+    if (turn && turn.tagName === "DETAILS") { turn.open = true; }
+  }
+  // After a reload: the turns the reader had open, and where the page was scrolled to.
+  function restoreView() {
+    var view = null;
+    try { view = JSON.parse(sessionStorage.getItem(key)); sessionStorage.removeItem(key); } catch (e) {}
+    if (!view) { return; }
+    view.open.forEach(function (id) {
+      var turn = document.getElementById(id);
+      if (turn) { turn.open = true; }
+    });
+    window.scrollTo(view.x, view.y);
+  }
+  function reload() {
+    var open = [];
+    document.querySelectorAll("details[open]").forEach(function (turn) { open.push(turn.id); });
+    try { sessionStorage.setItem(key, JSON.stringify({x: window.scrollX, y: window.scrollY, open: open})); }
+    catch (e) {}
+    location.reload();
+  }
+  restoreView();
+  openTurn();
+  window.addEventListener("hashchange", openTurn);
+  // A run still going: its page is rewritten after every prompt and reply, so it reloads itself.
+  var seconds = Number(document.body.dataset.reloadSeconds);
+  if (seconds > 0) { setTimeout(reload, seconds * 1000); }
+})();
+</script>
+</body></html>
+""")
+FIGURE = Template("<dt>$name</dt><dd>$value</dd>")
+LINK = Template('<a href="$href">$text</a>')
+CODE = Template("<code>$text</code>")
+SCENARIO_BLOCK = Template('<h2>Scenario test</h2>\n<pre id="scenario-test">$text</pre>')
+EVIDENCE_BLOCK = Template('<h2>Last test result: $what</h2>\n<pre id="final-evidence">$text</pre>\n'
+                          '<p>The whole reply: <a href="#turn-$number">turn $number</a></p>')
+NO_EVIDENCE = Template('<h2>Last test result</h2>\n<p id="final-evidence">$text</p>')
+AGENT_EVENTS = Template('<section id="agent-events"><h2>Agents\' conversations and limits</h2><ul>\n'
+                        '$items\n</ul></section>')
+AGENT_EVENT = Template('<li data-what="$what">$at: $role (terminal $terminal): $what$detail</li>')
+LANE = Template('<div class="lane" data-role="$role"><span class="lane-label">$role</span><div class="track">'
+                '$bars</div></div>')
+BAR = Template('<a class="turn" href="#turn-$number" data-turn="$number" data-verdict="$verdict" '
+               'style="left:$left%;width:$width%;background:$colour" title="$title">$number</a>')
+LEGEND_ENTRY = Template('<span data-verdict="$verdict" style="background:$colour">$name</span>')
+TURN_DETAIL = Template(
+    '<details id="turn-$number" class="turn-detail"><summary>$label</summary>\n'
+    '<h3>Prompt ($prompt_bytes bytes, sent $sent)</h3><pre class="prompt">$prompt</pre>\n'
+    '<h3>Reply ($reply_bytes bytes, taken $taken)</h3><pre class="reply">$reply</pre></details>')
+
+
+class ReportHtml(str):
+    """Markup a report builder made with _fill() or _join(): its values are escaped already."""
+
+
+def _markup(value: object) -> ReportHtml:
+    """The one place a value becomes markup: escaped, unless it is a builder's ReportHtml."""
+    return value if isinstance(value, ReportHtml) else ReportHtml(html.escape(str(value), quote=True))
+
+
+def _fill(template: Template, **values: object) -> ReportHtml:
+    return ReportHtml(template.substitute({name: _markup(value) for name, value in values.items()}))
+
+
+def _join(parts: Iterable[object], separator: str = "\n") -> ReportHtml:
+    return ReportHtml(separator.join(_markup(part) for part in parts))
 
 
 def _verdict_of(outcome: str | None) -> str:
@@ -1938,6 +2094,22 @@ def _seconds_since(start: str, when: str) -> float | None:
         return None
 
 
+def local_time(iso: str) -> str:
+    """'2026-11-25 09:13:29 CET': a time of the run record (ISO, UTC) in this machine's zone, for a person."""
+    try:
+        moment = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return iso or "-"
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def report_duration(seconds: float | None) -> str:
+    """A span on the page: duration_text's '2m 55s', '45s', with a tenth of a second below ten seconds."""
+    if seconds is None:
+        return "-"
+    return f"{max(0.0, seconds):.1f}s" if seconds < 10 else duration_text(seconds)
+
+
 def _kept_text(name: str) -> str:
     """A prompt or reply kept in the run's folder, for the report ('' when it is not there)."""
     if not name or not run_dir:
@@ -1949,85 +2121,147 @@ def _kept_text(name: str) -> str:
     return text if len(text) <= REPORT_TEXT_LIMIT else text[:REPORT_TEXT_LIMIT] + "\n[... cut here in the report]"
 
 
-def report_html(summary: dict) -> str:
-    """report.html: the task, the result, a timeline with one lane per role (a bar per turn, coloured by its
-    verdict) and every turn's prompt and reply, in one file that needs nothing from the network."""
+def tester_evidence(reply: str) -> str:
+    """A tester's reply from its RESULT line on (from its EVIDENCE line when that comes first); all of it
+    when it has no EVIDENCE line."""
+    result, evidence = (re.search(rf"^\W*{marker}\W*:", reply, re.MULTILINE) for marker in ("RESULT", "EVIDENCE"))
+    if evidence is None:
+        return reply.strip()
+    start = result.start() if result is not None and result.start() < evidence.start() else evidence.start()
+    return reply[start:].strip()
+
+
+def _with_code(text: str) -> ReportHtml:
+    """A line with its `code spans` shown as code."""
+    parts = CODE_SPAN.split(text)
+    return _join((_fill(CODE, text=part) if index % 2 else part for index, part in enumerate(parts)), "")
+
+
+def _figures(summary: dict) -> ReportHtml:
+    """The run's facts: its times, exit code, size, where it ran, and links to its own files."""
+    ended = summary["exit_code"] is not None
+    figures = [("started", local_time(summary["started_at"])),
+               ("ended" if ended else "last updated", local_time(summary["ended_at"])),
+               ("wall time", report_duration(summary["wall_seconds"]))]
+    if ended:
+        meaning = dict(EXIT_CODES).get(summary["exit_code"])
+        figures.append(("exit code", f"{summary['exit_code']}" + (f" ({meaning})" if meaning else "")))
+    if summary["verifications"]:
+        last = summary["verifications"][-1]
+        how = "timed out" if last["exit_code"] is None else f"exited {last['exit_code']}"
+        figures.append(("verified", f"{'yes' if summary['verified'] else 'no'}: PROJECT_TEST_CMD {how} in "
+                                    f"round {last['round']} ({len(summary['verifications'])} check(s))"))
+    figures += [("rounds", f"{summary['rounds']} of {summary['max_rounds']}"),
+                ("turns", f"{summary['turns']} answered, {summary['prompts_sent']} prompts sent"),
+                ("agent time", report_duration(summary["agent_seconds"])),
+                ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
+                ("providers", ", ".join(sorted(set(summary["providers"].values())))),
+                ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
+                ("state file", summary["state_file"])]
+    links = _run_file_links(summary["run_dir"])
+    if links:
+        figures.append(("run files", links))
+    return _join(_fill(FIGURE, name=name, value=value) for name, value in figures)
+
+
+def _run_file_links(folder: str) -> ReportHtml:
+    """Links to the run's own files beside the page (relative, so the folder can move), those that are there."""
+    there = [name for name in REPORT_RUN_FILES if folder and (Path(folder) / name).is_file()]
+    return _join((_fill(LINK, href=name, text=name) for name in there), ", ")
+
+
+def _outcome(summary: dict, replies: list[str]) -> ReportHtml:
+    """The test the run must pass and the tester's last word on it, shown open near the result."""
+    blocks = [_fill(SCENARIO_BLOCK, text=summary["scenario_test"])] if summary["scenario_test"] else []
+    answered = [number for number, turn in enumerate(summary["turn_list"], 1)
+                if turn["role"] == "tester" and replies[number - 1]]
+    if answered:
+        number = answered[-1]
+        turn = summary["turn_list"][number - 1]
+        what = f"{turn.get('outcome') or 'no result'} in round {turn['round']}"
+        blocks.append(_fill(EVIDENCE_BLOCK, what=what, text=tester_evidence(replies[number - 1]), number=number))
+    else:
+        blocks.append(_fill(NO_EVIDENCE, text="The tester has not answered yet."))
+    return _join(blocks)
+
+
+def _agent_events(events: list[dict]) -> ReportHtml:
+    """What happened to the agents' conversations and accounts (compacted, cleared, a usage limit), if anything."""
+    if not events:
+        return ReportHtml("")
+    items = (_fill(AGENT_EVENT, what=e["what"], at=local_time(e["at"]), role=e["role"], terminal=e["terminal"],
+                   detail=f" -- {e['detail']}" if e["detail"] else "") for e in events)
+    return _fill(AGENT_EVENTS, items=_join(items))
+
+
+def _bar(number: int, turn: dict, begin: float, end: float, span: float) -> ReportHtml:
+    """A turn's bar on its role's lane: from its send to its reply (or to now), in per cent of the span."""
+    verdict = _verdict_of(turn.get("outcome"))
+    return _fill(BAR, number=number, verdict=verdict, colour=REPORT_COLOURS[verdict],
+                 left=f"{100 * begin / span:.2f}", width=f"{max(0.4, 100 * (end - begin) / span):.2f}",
+                 title=f"{number}: {turn['role']}, round {turn['round']}, {turn.get('outcome') or ''}")
+
+
+def _timeline(summary: dict) -> dict[str, ReportHtml | str]:
+    """One lane per role with a bar per turn, placed by when it was sent and answered; the legend of the
+    verdicts that occur; the span the lanes cover."""
     turns = summary["turn_list"]
     start = summary["started_at"] or (turns[0]["sent_at"] if turns else "")
     ends = [_seconds_since(start, t["taken_at"] or summary["ended_at"]) or 0.0 for t in turns]
     span = max([1.0, *ends])
-    esc = html.escape
-    figures = [("result", summary["result"]), ("started", summary["started_at"] or "-"),
-               ("last written", summary["ended_at"]),
-               ("wall time", duration_text(summary["wall_seconds"]) if summary["wall_seconds"] is not None else "-"),
-               ("rounds", f"{summary['rounds']} of {summary['max_rounds']}"),
-               ("turns", f"{summary['turns']} answered, {summary['prompts_sent']} prompts sent"),
-               ("agent time", f"{summary['agent_seconds']:g} s"),
-               ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
-               ("providers", ", ".join(sorted(set(summary["providers"].values())))), ("project", summary["wd"])]
-    if summary["verifications"]:
-        last = summary["verifications"][-1]
-        ended = "timed out" if last["exit_code"] is None else f"exited {last['exit_code']}"
-        figures.insert(1, ("verified", f"{'yes' if summary['verified'] else 'no'}: PROJECT_TEST_CMD {ended} in "
-                                       f"round {last['round']} ({len(summary['verifications'])} check(s))"))
-    out = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
-           f"<title>{esc(summary['result'])}: {esc(summary['task'])}</title>", "<style>",
-           "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}"
-           "h1{font-size:1.3em}dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}"
-           "dt{color:#666}.lane{display:flex;align-items:center;margin:.3em 0}"
-           ".lane-label{width:9em;flex:none}.track{position:relative;flex:1;height:1.6em;background:#f1f1f1}"
-           ".turn{position:absolute;top:0;bottom:0;min-width:4px;color:#fff;font-size:11px;text-align:center;"
-           "overflow:hidden;text-decoration:none}pre{white-space:pre-wrap;background:#f7f7f7;padding:.6em}"
-           "summary{cursor:pointer;padding:.2em 0}.legend span{display:inline-block;padding:0 .5em;"
-           "margin-right:.4em;color:#fff}", "</style></head><body>",
-           f"<h1>{esc(summary['task'] or 'orchestrator loop run')}</h1>",
-           f'<p class="result" data-result="{esc(summary["result"])}" style="font-size:1.2em">Result: '
-           f"<b>{esc(summary['result'])}</b></p>", "<dl>"]
-    out += [f"<dt>{esc(name)}</dt><dd>{esc(str(value))}</dd>" for name, value in figures]
-    out += ["</dl>"]
-    if summary["agent_events"]:
-        out += ['<section id="agent-events"><h2>Agents\' conversations and limits</h2><ul>',
-                *(f'<li data-what="{esc(e["what"])}">{esc(e["at"])}: {esc(e["role"])} (terminal {esc(e["terminal"])})'
-                  f': {esc(e["what"])}' + (f" -- {esc(e['detail'])}" if e["detail"] else "") + "</li>"
-                  for e in summary["agent_events"]), "</ul></section>"]
-    out.append('<section id="timeline"><h2>Timeline</h2>')
-    for role in ROLES:
-        out.append(f'<div class="lane" data-role="{role}"><span class="lane-label">{role}</span><div class="track">')
-        for number, turn in enumerate(turns, 1):
-            if turn["role"] != role:
-                continue
+    bars: dict[str, list[ReportHtml]] = {role: [] for role in ROLES}
+    for number, turn in enumerate(turns, 1):
+        if turn["role"] in bars:
             begin = max(0.0, _seconds_since(start, turn["sent_at"]) or 0.0)
-            left, width = 100 * begin / span, max(0.4, 100 * (ends[number - 1] - begin) / span)
-            verdict = _verdict_of(turn.get("outcome"))
-            out.append(f'<a class="turn" href="#turn-{number}" data-turn="{number}" data-verdict="{verdict}" '
-                       f'style="left:{left:.2f}%;width:{width:.2f}%;background:{REPORT_COLOURS[verdict]}" '
-                       f'title="{number}: {role}, round {turn["round"]}, {esc(turn.get("outcome") or "")}">'
-                       f"{number}</a>")
-        out.append("</div></div>")
-    out.append('<p class="legend">' + "".join(
-        f'<span style="background:{colour}">{esc(name or "author turn")}</span>'
-        for name, colour in REPORT_COLOURS.items()) + f"</p><p>0 to {duration_text(span)}</p></section>")
-    out.append('<section id="turns"><h2>Turns</h2>')
+            bars[turn["role"]].append(_bar(number, turn, begin, ends[number - 1], span))
+    lanes = _join(_fill(LANE, role=role, bars=_join(role_bars, "")) for role, role_bars in bars.items())
+    return {"lanes": lanes, "legend": _legend(turns), "span": report_duration(span)}
+
+
+def _legend(turns: list[dict]) -> ReportHtml:
+    """The colours of the verdicts that occur in the run, in REPORT_COLOURS' order."""
+    seen = {_verdict_of(turn.get("outcome")) for turn in turns}
+    return _join((_fill(LEGEND_ENTRY, verdict=name, colour=colour, name=name or "author turn")
+                  for name, colour in REPORT_COLOURS.items() if name in seen), "")
+
+
+def _turn_details(turns: list[dict], prompts: list[str], replies: list[str]) -> ReportHtml:
+    """Every turn, collapsed: what it was, its prompt and its reply."""
+    details = []
     for number, turn in enumerate(turns, 1):
         where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
         extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
-        took = f"{turn['seconds']:g} s" if turn["seconds"] is not None else "no reply yet"
-        out += [f'<details id="turn-{number}" class="turn-detail"><summary>{number:03d} {turn["role"]}: {where}; '
-                f"{took}; {esc(turn.get('outcome') or 'no verdict')}{extra}</summary>",
-                f'<h3>Prompt ({turn["prompt_bytes"]:,} bytes, sent {esc(turn["sent_at"])})</h3>'
-                f'<pre class="prompt">{esc(_kept_text(turn["prompt_file"]))}</pre>',
-                f'<h3>Reply ({turn["reply_bytes"]:,} bytes, taken {esc(turn["taken_at"] or "-")})</h3>'
-                f'<pre class="reply">{esc(_kept_text(turn["reply_file"]))}</pre></details>']
-    out += ["</section>",
-            "<script>function openTurn(){var d=document.getElementById(location.hash.slice(1));"
-            "if(d&&d.tagName==='DETAILS'){d.open=true;}}"
-            "window.addEventListener('hashchange',openTurn);openTurn();</script>", "</body></html>"]
-    return "\n".join(out) + "\n"
+        took = report_duration(turn["seconds"]) if turn["seconds"] is not None else "no reply yet"
+        label = f"{number:03d} {turn['role']}: {where}; {took}; {turn.get('outcome') or 'no verdict'}{extra}"
+        details.append(_fill(TURN_DETAIL, number=number, label=label, prompt_bytes=f"{turn['prompt_bytes']:,}",
+                             sent=local_time(turn["sent_at"]), prompt=prompts[number - 1],
+                             reply_bytes=f"{turn['reply_bytes']:,}", reply=replies[number - 1],
+                             taken=local_time(turn["taken_at"]) if turn["taken_at"] else "-"))
+    return _join(details)
+
+
+def report_html(summary: dict) -> str:
+    """report.html: the task, the result with the scenario test and the tester's last evidence, the run's
+    facts and files, a timeline with one lane per role (a bar per turn, coloured by its verdict) and every
+    turn's prompt and reply, in one file that needs nothing from the network. While the run goes on (no
+    exit code yet) the page reloads itself every REPORT_RELOAD_SECONDS."""
+    turns = summary["turn_list"]
+    prompts = [_kept_text(turn["prompt_file"]) for turn in turns]       # each kept file read once per page
+    replies = [_kept_text(turn["reply_file"]) for turn in turns]
+    heading = summary["task_heading"] or "orchestrator loop run"
+    running = summary["result"] == "RUNNING" and summary["exit_code"] is None
+    page = _fill(REPORT_PAGE, result=summary["result"], title=heading.replace("`", ""),
+                 heading=_with_code(heading), reload_seconds=REPORT_RELOAD_SECONDS if running else 0,
+                 figures=_figures(summary),
+                 outcome=_outcome(summary, replies), agent_events=_agent_events(summary["agent_events"]),
+                 turns=_turn_details(turns, prompts, replies), **_timeline(summary))
+    return str(page)
 
 
 def write_report(exit_code: int | None = None) -> None:
     """Write report.html (and nothing else) into the run's folder; a page that cannot be written never
-    stops the run. Rewritten after every turn, so a page opened mid-run shows how far it got."""
+    stops the run. Rewritten after every prompt and reply, so a page opened mid-run shows how far it got
+    (and reloads itself until the run has ended)."""
     if not run_dir:
         return
     path = Path(run_dir) / "report.html"
@@ -2035,7 +2269,7 @@ def write_report(exit_code: int | None = None) -> None:
     try:
         temporary.write_text(report_html(run_summary(exit_code)), encoding="utf-8")
         os.replace(temporary, path)
-    except OSError:
+    except (OSError, ValueError):       # ValueError: text the page cannot hold (a lone surrogate from the state)
         temporary.unlink(missing_ok=True)
 
 

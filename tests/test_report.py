@@ -2,17 +2,28 @@
 
 The browser checks load the page of a FAIL -> PASS run in headless Chromium (Debian
 package `chromium`, which CI installs) and look at what it rendered: the DOM it
-dumps after loading (five lanes, a bar per turn, each turn's prompt and reply) and
-a screenshot (bars in the FAIL and PASS colours really painted).
+dumps after loading (five lanes, a bar per turn, each turn's prompt and reply, the
+heading, times, files, scenario test and last evidence), what a script finds
+visible, a screenshot (bars in the FAIL and PASS colours really painted), and the
+requests of a page served over HTTP (a page of a run still going reloads itself, a
+finished one does not).
 """
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
+import tempfile
+import threading
+import time
 import zlib
+from datetime import datetime
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -31,22 +42,53 @@ def running_in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def chromium(*args: str) -> subprocess.CompletedProcess:
+def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Headless Chromium with a profile of its own, nothing fetched for itself; all of its processes are
+    ended if it has not finished within `timeout` (then the test fails)."""
     if CHROMIUM is None:
         if running_in_ci():
             pytest.fail("chromium is not installed; CI is set, so the browser tests fail instead of being skipped "
                         "(.ci/run installs Debian's chromium)", pytrace=False)
         pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
-    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                           "--disable-dev-shm-usage", *args], capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory(prefix="report-chromium-") as profile:
+        process = subprocess.Popen(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+             f"--user-data-dir={profile}", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = None, None
+        finally:
+            try:                                # what is left of it: renderers, or all of it after a timeout
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if out is None:
+            process.communicate()
+            pytest.fail(f"chromium did not finish within {timeout} s", pytrace=False)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def dump_dom(target: str, *args: str, timeout: float = 120) -> "Dom":
+    dumped = chromium(*args, "--dump-dom", target, timeout=timeout)
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    return Dom(dumped.stdout)
 
 
 @pytest.fixture
-def passed_run(load_orch, fake_cao, prompt_file):
+def passed(load_orch, fake_cao, prompt_file):
+    """A run that fails its test in round 1 and passes in round 2: its module and its folder."""
     fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     assert run_main(m) == 0
-    return Path(state_of(m)["run_dir"])
+    return m, Path(state_of(m)["run_dir"])
+
+
+@pytest.fixture
+def passed_run(passed):
+    return passed[1]
 
 
 class Page(HTMLParser):
@@ -189,3 +231,441 @@ def test_headless_chromium_paints_the_fail_and_pass_bars_in_their_colours(passed
     assert count_in_timeline(shot, orch.REPORT_COLOURS["PASS"]) > 500
     assert count_in_timeline(shot, orch.REPORT_COLOURS["APPROVED"]) > 500
     assert count_in_timeline(shot, orch.REPORT_COLOURS["REVISE"]) == 0        # no review asked for changes
+
+
+# -- what a page says, and what a browser makes of it -----------------------------------------------
+
+SCENARIO = "Run `greet World` and expect `Hello, World!` on stdout."      # the scenario test of conftest's task
+VOID_TAGS = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+CET = "CET-1CEST,M3.5.0,M10.5.0/3"          # Central European time, without the zone database
+
+
+class Element:
+    def __init__(self, tag: str, attrs: dict, parent: Element | None):
+        self.tag, self.attrs, self.parent, self.children = tag, attrs, parent, []
+
+    @property
+    def text(self) -> str:
+        return "".join(child if isinstance(child, str) else child.text for child in self.children)
+
+    def walk(self):
+        for child in self.children:
+            if isinstance(child, Element):
+                yield child
+                yield from child.walk()
+
+    def find_all(self, tag: str | None = None, **attrs: str) -> list[Element]:
+        """Elements below this one of a tag and with attributes (`class_` names one of their classes)."""
+        def matches(element: Element) -> bool:
+            for name, value in attrs.items():
+                if name == "class_":
+                    if value not in (element.attrs.get("class") or "").split():
+                        return False
+                elif element.attrs.get(name.replace("_", "-")) != value:
+                    return False
+            return tag is None or element.tag == tag
+        return [element for element in self.walk() if matches(element)]
+
+    def one(self, tag: str | None = None, **attrs: str) -> Element:
+        found = self.find_all(tag, **attrs)
+        assert len(found) == 1, f"{len(found)} elements <{tag} {attrs}>"
+        return found[0]
+
+    def ancestors(self) -> list[str]:
+        element, tags = self.parent, []
+        while element is not None:
+            tags.append(element.tag)
+            element = element.parent
+        return tags
+
+
+class Dom(Element):
+    """A page's markup as a tree of elements (html.parser only)."""
+
+    def __init__(self, markup: str):
+        super().__init__("#document", {}, None)
+        self._open: Element = self
+        parser = HTMLParser(convert_charrefs=True)
+        parser.handle_starttag = self._start
+        parser.handle_startendtag = lambda tag, attrs: self._start(tag, attrs, void=True)
+        parser.handle_endtag = self._end
+        parser.handle_data = lambda data: self._open.children.append(data)
+        parser.feed(markup)
+        parser.close()
+
+    def _start(self, tag, attrs, void=False):
+        element = Element(tag, {name: value or "" for name, value in attrs}, self._open)
+        self._open.children.append(element)
+        if not void and tag not in VOID_TAGS:
+            self._open = element
+
+    def _end(self, tag):
+        element = self._open
+        while element is not self and element.tag != tag:
+            element = element.parent
+        if element is not self:
+            self._open = element.parent
+
+    def figures(self) -> dict[str, Element]:
+        """The run's facts: each <dt> name with its <dd>."""
+        items = [child for child in self.one("dl", id="figures").children if isinstance(child, Element)]
+        return {dt.text: dd for dt, dd in zip(items[::2], items[1::2])}
+
+    def by_id(self, element_id: str) -> Element:
+        return self.one(id=element_id)
+
+
+def with_probe(markup: str, script: str) -> str:
+    """The page with a script of the test's at its end, which writes what it finds into attributes."""
+    return markup.replace("</body>", f"<script>{script}</script>\n</body>")
+
+
+VISIBILITY_PROBE = """
+for (const selector of %s) {
+  const element = document.querySelector(selector);
+  const box = element ? element.getBoundingClientRect() : null;
+  const shown = !!element && element.checkVisibility() && box.width > 0 && box.height > 0;
+  document.body.insertAdjacentHTML("beforeend", "<i class='probe'></i>");
+  const mark = document.body.lastElementChild;
+  mark.setAttribute("data-selector", selector);
+  mark.setAttribute("data-visible", String(shown));
+  mark.setAttribute("data-text", element ? element.innerText : "");
+}
+"""
+
+
+def visibility(folder: Path, markup: str, *selectors: str) -> dict[str, tuple[bool, str]]:
+    """selector -> (whether Chromium shows that element, the text it renders there)."""
+    probe = folder / "probe.html"
+    probe.write_text(with_probe(markup, VISIBILITY_PROBE % json.dumps(selectors)), encoding="utf-8")
+    dom = dump_dom(probe.as_uri(), "--window-size=1200,900")
+    return {mark.attrs["data-selector"]: (mark.attrs["data-visible"] == "true", mark.attrs["data-text"])
+            for mark in dom.find_all("i", class_="probe")}
+
+
+def snapshot_then_answer(reply: str, snapshots: list[str]) -> dict:
+    """A tester step that keeps the run's page as it is while the tester works, then answers."""
+    def call(fake, terminal):
+        response = Path(terminal.response_path)
+        snapshots.append((response.parent.parent / "latest" / "report.html").read_text(encoding="utf-8"))
+        response.write_text(reply, encoding="utf-8")
+        terminal.status = "completed"
+    return {"action": "call", "call": call}
+
+
+@pytest.fixture
+def mid_run(load_orch, fake_cao, prompt_file):
+    """A FAIL -> PASS run, and its page as it was while the tester worked on round 1 (the run still going)."""
+    snapshots: list[str] = []
+    fake_cao.script["tester"] = [snapshot_then_answer(FAIL_REPLY, snapshots), PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    return Path(state_of(m)["run_dir"]), snapshots[0]
+
+
+@pytest.fixture
+def interrupted_run(load_orch, fake_cao, prompt_file):
+    """A run stopped by Ctrl-C while the programmer works (exit 130, still RUNNING in its state)."""
+    fake_cao.script["programmer"] = [interrupt(KeyboardInterrupt())]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    return Path(state_of(m)["run_dir"])
+
+
+@pytest.fixture
+def cet(monkeypatch):
+    """This machine's clock in Central European time."""
+    monkeypatch.setenv("TZ", CET)
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def render(m, folder: Path, summary: dict, name: str = "page.html") -> Path:
+    path = folder / name
+    path.write_text(m.report_html(summary), encoding="utf-8")
+    return path
+
+
+def summary_of(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+
+
+# -- the heading -------------------------------------------------------------------------------------
+
+LONG_LINE = ("Let anyone greet from the shell: `greet NAME` prints `Hello, NAME!`, and `greet --shout NAME` "
+             "prints it in capitals, for any NAME given on the command line")
+
+
+@pytest.mark.parametrize("explore, heading", [
+    ("Business goal:\n\nLet people greet each other.", "Let people greet each other."),
+    ("# Task\nBuild a greeting CLI.", "Build a greeting CLI."),
+    ("=== ORIGINAL REQUEST ===\n## Overview\n**Goal:**\n- Build `greet`.", "Build `greet`."),
+    ("---\nSummary\n\n> Add a --shout flag to greet", "Add a --shout flag to greet"),
+    ("```\n\n```\nTask description:\n1. Add tests for greet", "Add tests for greet"),
+    (LONG_LINE, LONG_LINE),
+    ("# Greeting CLI for the team", "Greeting CLI for the team"),
+    ("Цель:\nПриветствие для всех", "Приветствие для всех"),
+])
+def test_the_heading_is_the_tasks_first_meaningful_line_whole(orch, explore, heading):
+    orch.set_task(f"{orch.EXPLORE_HEADER}\n{explore}\n{orch.SCENARIO_HEADER}\nRun greet World.\n")
+    assert orch.task_heading() == heading
+
+
+def test_commit_subjects_and_notification_titles_keep_their_cut_first_line(orch):
+    orch.set_task(f"{orch.EXPLORE_HEADER}\n{LONG_LINE}\n{orch.SCENARIO_HEADER}\nRun greet World.\n")
+    assert orch.task_title() == LONG_LINE[:69].rstrip() + "..."
+
+
+def test_the_page_heads_with_the_first_meaningful_line_and_shows_its_code_as_code(load_orch, fake_cao, tmp_path):
+    task = tmp_path / "labelled-task.md"
+    task.write_text(f"*** ORIGINAL EXPLORE SUMMARY ***\nBusiness goal:\n\n# Task\n{LONG_LINE}\n\nMore detail.\n"
+                    f"*** SCENARIO TEST ***\n{SCENARIO}\n", encoding="utf-8")
+    m = load_orch(PROMPT_FILE=str(task), **QUICK)
+    assert run_main(m) == 0
+    dom = dump_dom((Path(m.run_dir) / "report.html").as_uri())
+    heading = dom.by_id("task")
+    assert heading.tag == "h1"
+    assert heading.text == LONG_LINE.replace("`", "")
+    assert [code.text for code in heading.find_all("code")] == ["greet NAME", "Hello, NAME!", "greet --shout NAME"]
+    assert dom.one("title").text == "PASS: " + LONG_LINE.replace("`", "")
+
+
+# -- times, durations, exit code, session and the run's files ----------------------------------------
+
+def test_start_and_end_are_shown_in_local_time_with_the_zone(cet, passed):
+    m, folder = passed
+    summary = summary_of(folder)
+    shown = dump_dom((folder / "report.html").as_uri()).figures()
+    for name, key in (("started", "started_at"), ("ended", "ended_at")):
+        local = datetime.fromisoformat(summary[key].replace("Z", "+00:00")).astimezone()
+        assert local.tzname() in ("CET", "CEST")
+        assert shown[name].text == local.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+    winter = dict(summary, started_at="2026-11-25T08:13:29.123Z", ended_at="2026-11-25T08:16:24.500Z",
+                  wall_seconds=175.377)
+    summer = dict(summary, started_at="2026-07-01T10:00:00.000Z", ended_at="2026-07-01T11:02:03.000Z",
+                  wall_seconds=3723.0)
+    shown = dump_dom(render(m, folder, winter).as_uri()).figures()
+    assert (shown["started"].text, shown["ended"].text) == ("2026-11-25 09:13:29 CET", "2026-11-25 09:16:24 CET")
+    assert "last updated" not in shown
+    shown = dump_dom(render(m, folder, summer).as_uri()).figures()
+    assert (shown["started"].text, shown["ended"].text) == ("2026-07-01 12:00:00 CEST", "2026-07-01 13:02:03 CEST")
+
+
+def test_a_page_of_a_run_still_going_says_when_it_was_last_updated_and_has_no_end_or_exit_code(cet, mid_run):
+    _, snapshot = mid_run
+    shown = Dom(snapshot).figures()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T", shown["last updated"].text)
+    assert "ended" not in shown and "exit code" not in shown
+    assert Dom(snapshot).one("p", class_="result").attrs["data-result"] == "RUNNING"
+
+
+DURATION = re.compile(r"^(?:\d\.\ds|[1-5]?\ds|\d+m [1-5]?\ds|\d+h [1-5]?\dm)$")   # 4.3s, 45s, 2m 55s, 1h 2m
+
+
+def test_every_duration_on_the_page_is_written_one_way(passed):
+    m, folder = passed
+    summary = summary_of(folder)
+    summary.update(wall_seconds=175.4, agent_seconds=175.0)
+    summary["turn_list"][0]["seconds"] = 12.3
+    summary["turn_list"][1]["seconds"] = 4.26
+    summary["turn_list"][2]["seconds"] = 3725.0
+    dom = dump_dom(render(m, folder, summary).as_uri())
+    shown = dom.figures()
+    assert shown["wall time"].text == "2m 55s" and shown["agent time"].text == "2m 55s"
+    labels = [details.one("summary").text for details in dom.find_all("details")]
+    assert [label.split("; ")[1] for label in labels[:3]] == ["12s", "4.3s", "1h 2m"]
+    took = [label.split("; ")[1] for label in labels]
+    assert all(DURATION.match(text) for text in took), took
+    span = dom.by_id("timeline").find_all("p")[-1].text
+    assert DURATION.match(span.removeprefix("0 to ")), span
+    assert not re.search(r"\d s\b", dom.one("body").text)         # no "175 s", "12.3 s" beside "2m 55s"
+
+
+def test_the_exit_code_session_state_file_and_links_to_the_runs_files_are_shown(passed):
+    m, folder = passed
+    summary = summary_of(folder)
+    markup = (folder / "report.html").read_text(encoding="utf-8")
+    probe = with_probe(markup, 'document.querySelectorAll("#figures a").forEach('
+                               'a => a.setAttribute("data-resolved", a.href));')
+    (folder / "probe.html").write_text(probe, encoding="utf-8")
+    shown = dump_dom((folder / "probe.html").as_uri()).figures()
+    assert shown["exit code"].text.startswith("0 (the tester reported RESULT: PASS")
+    assert shown["session"].text == summary["session_name"] == state_of(m)["session_name"] != ""
+    assert shown["state file"].text == m.STATE_FILE
+    links = shown["run files"].find_all("a")
+    assert [a.attrs["href"] for a in links] == ["run.log", "summary.json"]        # relative: beside the page
+    for a in links:
+        assert a.attrs["data-resolved"] == (folder / a.attrs["href"]).as_uri()
+        assert (folder / a.attrs["href"]).is_file()
+
+
+def test_a_stopped_run_shows_its_exit_code_and_a_run_still_going_links_only_what_is_there(mid_run, interrupted_run):
+    folder, snapshot = mid_run
+    assert [a.attrs["href"] for a in Dom(snapshot).figures()["run files"].find_all("a")] == ["run.log"]
+    shown = Dom((interrupted_run / "report.html").read_text(encoding="utf-8")).figures()
+    assert shown["exit code"].text.startswith("130 (interrupted by SIGINT")
+    assert [a.attrs["href"] for a in shown["run files"].find_all("a")] == ["run.log", "summary.json"]
+
+
+# -- the scenario test and the final evidence ---------------------------------------------------------
+
+def test_the_scenario_test_and_the_last_evidence_are_visible_without_a_click(passed_run):
+    markup = (passed_run / "report.html").read_text(encoding="utf-8")
+    seen = visibility(passed_run, markup, "#scenario-test", "#final-evidence", "#turn-8 pre.reply")
+    assert seen["#scenario-test"] == (True, SCENARIO)
+    assert seen["#final-evidence"] == (True, PASS_REPLY.strip())
+    assert seen["#turn-8 pre.reply"][0] is False            # the probe tells a closed turn from an open block
+    dom = Dom(markup)
+    for element_id in ("scenario-test", "final-evidence"):
+        assert "details" not in dom.by_id(element_id).ancestors()
+
+
+def test_a_page_before_the_first_test_result_says_the_tester_has_not_answered(mid_run):
+    folder, snapshot = mid_run
+    seen = visibility(folder, snapshot, "#scenario-test", "#final-evidence")
+    assert seen["#scenario-test"] == (True, SCENARIO)
+    assert seen["#final-evidence"] == (True, "The tester has not answered yet.")
+
+
+@pytest.mark.parametrize("reply, shown", [
+    ("I ran it.\nRESULT: FAIL\nNotes\nEVIDENCE:\n- wrong", "RESULT: FAIL\nNotes\nEVIDENCE:\n- wrong"),
+    ("Looked at it.\n**EVIDENCE:**\n- fine\nRESULT: PASS", "**EVIDENCE:**\n- fine\nRESULT: PASS"),
+    ("RESULT: PASS\nall good", "RESULT: PASS\nall good"),
+    ("  no markers at all\n", "no markers at all"),
+])
+def test_the_evidence_shown_is_the_replys_result_and_evidence(orch, reply, shown):
+    assert orch.tester_evidence(reply) == shown
+
+
+# -- the legend ----------------------------------------------------------------------------------------
+
+def test_the_legend_lists_only_the_verdicts_that_occur(passed_run, interrupted_run):
+    def legend(folder: Path) -> list[tuple[str, str]]:
+        dom = dump_dom((folder / "report.html").as_uri())
+        return [(span.attrs["data-verdict"], span.text) for span in dom.one("p", class_="legend").find_all("span")]
+    assert legend(passed_run) == [("PASS", "PASS"), ("FAIL", "FAIL"), ("APPROVED", "APPROVED"), ("", "author turn")]
+    assert legend(interrupted_run) == [("APPROVED", "APPROVED"), ("unanswered", "unanswered"), ("", "author turn")]
+
+
+# -- reloading -----------------------------------------------------------------------------------------
+
+class PageServer:
+    """report.html over HTTP on 127.0.0.1: the given versions, one per request (the last one repeats)."""
+
+    def __init__(self, versions: list[str]):
+        self.versions, self.requests = versions, 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path != "/report.html":
+                    self.send_error(404)
+                    return
+                body = server.versions[min(server.requests, len(server.versions) - 1)].encode("utf-8")
+                server.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/report.html"
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def load_in_virtual_time(versions: list[str], seconds: int = 60) -> tuple[int, Dom]:
+    """Open the page in Chromium and let `seconds` pass on the page's clock (in well under a real second):
+    how many times it was loaded, and the page it ended on. A page that kept reloading would never let
+    Chromium finish."""
+    server = PageServer(versions)
+    try:
+        dom = dump_dom(server.url, f"--virtual-time-budget={seconds * 1000}", timeout=60)
+    finally:
+        server.close()
+    return server.requests, dom
+
+
+READER = """
+document.getElementById("turn-2").open = true;      // a reader opens a turn while the run goes on
+"""
+
+
+def test_a_page_of_a_run_still_going_reloads_itself_until_the_run_has_ended(orch, mid_run):
+    folder, snapshot = mid_run
+    assert Dom(snapshot).one("body").attrs["data-reload-seconds"] == str(orch.REPORT_RELOAD_SECONDS)
+    final = (folder / "report.html").read_text(encoding="utf-8")
+    # The page as the run went on: still going, still going, then ended.
+    loads, dom = load_in_virtual_time([with_probe(snapshot, READER), snapshot, final])
+    assert loads == 3
+    assert dom.one("p", class_="result").attrs["data-result"] == "PASS"
+    assert [d.attrs["id"] for d in dom.find_all("details") if "open" in d.attrs] == ["turn-2"]   # kept open
+
+
+def test_a_finished_or_stopped_page_does_not_reload(passed_run, interrupted_run):
+    for folder in (passed_run, interrupted_run):
+        page = (folder / "report.html").read_text(encoding="utf-8")
+        loads, dom = load_in_virtual_time([page, page.replace("<body", "<body data-reloaded")])
+        assert loads == 1, folder
+        assert "data-reloaded" not in dom.one("body").attrs
+
+
+# -- escaping ------------------------------------------------------------------------------------------
+
+EVIL = '<script>document.documentElement.setAttribute("data-injected", "yes")</script>'
+
+
+def test_every_value_on_the_page_is_escaped(passed):
+    m, folder = passed
+    summary = summary_of(folder)
+    summary.update(task_heading=f"Fix `{EVIL}` and {EVIL}", scenario_test=EVIL, session_name=EVIL, wd=EVIL,
+                   state_file=EVIL, providers={"tester": EVIL}, result=f"RUNNING{EVIL}",
+                   agent_events=[{"role": EVIL, "terminal": EVIL, "at": EVIL, "what": 'x" onclick="alert(1)',
+                                  "detail": EVIL}],
+                   verifications=[{"round": EVIL, "exit_code": EVIL, "result": "failed"}], verified=False)
+    turns = summary["turn_list"]
+    turns[0]["role"], turns[1]["phase"], turns[2]["outcome"], turns[3]["sent_at"] = EVIL, EVIL, EVIL, EVIL
+    (folder / turns[4]["reply_file"]).write_text(EVIL, encoding="utf-8")       # the tester's reply itself
+    page = render(m, folder, summary)
+    assert page.read_text(encoding="utf-8").count("<script") == 1                # the page's own script only
+    dom = dump_dom(page.as_uri())
+    assert "data-injected" not in dom.one("html").attrs
+    assert [len(s.children) for s in dom.find_all("script")] == [1]
+    assert dom.by_id("task").text == f"Fix {EVIL} and {EVIL}"
+    assert dom.by_id("task").one("code").text == EVIL
+    assert dom.by_id("scenario-test").text == EVIL
+    event = dom.by_id("agent-events").one("li")
+    assert event.attrs["data-what"] == 'x" onclick="alert(1)' and "onclick" not in event.attrs
+    assert EVIL in event.text
+    shown = dom.figures()
+    assert shown["session"].text == shown["project"].text == shown["state file"].text == EVIL
+    assert EVIL in shown["verified"].text and shown["providers"].text == EVIL
+    labels = [d.one("summary").text for d in dom.find_all("details")]
+    assert labels[0].startswith(f"001 {EVIL}:") and EVIL in labels[1] and EVIL in labels[2]
+    assert EVIL in dom.by_id("turn-4").text
+    assert dom.by_id("turn-5").one("pre", class_="reply").text == EVIL
+    assert dom.one("p", class_="result").attrs["data-result"] == f"RUNNING{EVIL}"
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
+                                     UnicodeEncodeError("utf-8", "\udc80", 0, 1, "surrogates not allowed")])
+def test_a_page_that_cannot_be_written_never_stops_the_run(load_orch, fake_cao, prompt_file, monkeypatch, failure):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+
+    def cannot_write(summary):
+        raise failure
+    monkeypatch.setattr(m, "report_html", cannot_write)
+    assert run_main(m) == 0
+    folder = Path(m.run_dir)
+    assert (folder / "summary.json").is_file()
+    assert not (folder / "report.html").exists() and not list(folder.glob(".report.html.*"))
