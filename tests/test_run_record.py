@@ -132,3 +132,12 @@ def test_a_replaced_state_file_is_kept_under_the_name_of_the_run_it_holds(load_o
     assert backups == [f"{Path(m.STATE_FILE).name}.{first_run}.bak"]
     assert json.loads((Path(m.STATE_FILE).parent / backups[0]).read_text())["run_dir"].endswith(first_run)
     assert (Path(m.WD) / ".tmp" / "latest").resolve() == run_folder(m).resolve() != Path(m.WD, ".tmp", first_run)
+
+
+def test_counts_read_as_a_person_writes_them(load_orch, fake_cao, prompt_file, capsys):
+    """One turn is "1 turn", not "1 turns"."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **QUICK)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert "summary: PASS after round 1/8; 1 turn, " in out
+    assert m.counted(1, "prompt") == "1 prompt" and m.counted(0, "prompt") == "0 prompts"
