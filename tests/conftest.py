@@ -16,6 +16,37 @@ if str(TESTS) not in sys.path:
 
 import run_orchestrator_loop  # noqa: E402
 
+FULL_SUITE_COMMAND = "python -m pytest --full"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run the whole suite: also the end-to-end tests (a real cao-server, the real agent "
+                          "CLIs, npm installs on first use); without it only the fast tier runs")
+
+
+def _fast_tier_only(config) -> bool:
+    """A plain run (no --full, no -m, no paths named) is the fast tier: what needs no server or CLI."""
+    return not (config.getoption("--full") or config.getoption("markexpr") or config.option.file_or_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave the end-to-end tests out of the fast tier, saying so in the summary (never silently)."""
+    if not _fast_tier_only(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("e2e")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("e2e")]
+        config._left_out_e2e = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = getattr(config, "_left_out_e2e", 0)
+    if left_out:
+        terminalreporter.write_line(f"fast tier: {left_out} end-to-end tests left out; `{FULL_SUITE_COMMAND}` "
+                                    "runs the whole suite")
+
 SETTING_NAMES = [s.env for s in run_orchestrator_loop.SETTINGS] + list(run_orchestrator_loop.SECRET_VARIABLES)
 
 TASK_PROMPT = """Notes above the first header are ignored.
