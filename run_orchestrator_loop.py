@@ -5683,7 +5683,7 @@ def help_text() -> str:
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
         "  --status         where the run in STATE_FILE stands; changes nothing",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
-        "  --readme         print the full documentation (README)",
+        "  --readme         print the README (the rest of the documentation is in docs/)",
         "  --version        print the version", "",
         "Settings most runs set (environment variable, default):"]
     for env in COMMON_SETTINGS:
@@ -5697,7 +5697,7 @@ def help_text() -> str:
               f"    PROMPT_FILE=~/my-project/task.md {name}", "",
               "Exit codes: " + ", ".join(f"{code} {short}" for code, short in first_codes) + ",",
               "  " + ", ".join(f"{code} {short}" for code, short in more_codes),
-              f"Documentation: {name} --readme (the project's README.md)"]
+              f"Documentation: {name} --readme (README.md; the rest in docs/)"]
     return "\n".join(lines)
 
 

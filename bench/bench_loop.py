@@ -51,7 +51,7 @@ PASS = "RESULT: PASS\nEVIDENCE:\n- `greet World` printed `Hello, World!`\n- `gre
 
 
 def call_kind(method: str, path: str, query: str = "") -> str:
-    """A name for one CAO request, as the README's performance section counts them."""
+    """A name for one CAO request, as docs/performance.md counts them."""
     parts = path.strip("/").split("/")
     if parts[0] == "agents":
         return "list providers"

@@ -593,15 +593,15 @@ def test_an_unexpected_fault_in_a_step_does_not_undo_the_pass(load_orch, workdir
     assert m.after_run.commit["result"] == "failed"
 
 
-def test_help_and_readme_list_the_new_settings(orch):
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+def test_help_and_settings_doc_list_the_new_settings(orch):
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text(encoding="utf-8")
     help_text = orch.settings_help_text()
     for name in ("ARCHIVE_ON_PASS", "OPENSPEC_COMMAND", "ARCHIVE_TIMEOUT", "COMMIT_ON_PASS", "NTFY_TOPIC",
                  "NTFY_SERVER"):
         setting = orch.SETTINGS_BY_ENV[name]
-        assert f"| `{name}` | `{setting.key}` |" in readme
+        assert f"| `{name}` | `{setting.key}` |" in doc
         assert name in help_text and setting.key in help_text
-    assert "| `NTFY_TOKEN` | – (environment only) |" in readme and "NTFY_TOKEN" in help_text
+    assert "| `NTFY_TOKEN` | – (environment only) |" in doc and "NTFY_TOKEN" in help_text
 
 
 def test_status_shows_what_was_done_after_the_run(load_orch, workdir):

@@ -36,7 +36,7 @@ def test_help_is_one_screen_with_usage_example_providers_and_where_the_rest_is(o
     text = " ".join(result.stdout.split())
     assert all(provider in text for provider in orch.KNOWN_PROVIDERS)
     assert "Example: API=http://localhost:9889 PROVIDER=claude_code" in text
-    assert "--help-settings" in text and lines[-1] == "Documentation: run_orchestrator_loop.py --readme (the project's README.md)"
+    assert "--help-settings" in text and lines[-1] == "Documentation: run_orchestrator_loop.py --readme (README.md; the rest in docs/)"
 
 
 def test_help_settings_lists_every_setting_with_its_env_name_json_key_and_default(orch):
@@ -279,8 +279,8 @@ def test_status_names_the_agent_working_now_the_turns_used_and_the_most_left(loa
     assert "are still running" in out            # the agents' session is there
 
 
-def test_the_most_turns_left_follow_the_readme_worst_case(orch):
-    """A new run with the defaults can take at most the README's 62 turns."""
+def test_the_most_turns_left_follow_the_documented_worst_case(orch):
+    """A new run with the defaults can take at most the 62 turns of docs/following-a-run.md's worst case."""
     saved = orch.SavedState(final_status="RUNNING", current_phase="analyst", phase_cycle=1, phase_step="author",
                             current_round=1)
     assert orch.turns_left_at_most(saved) == 62

@@ -2,7 +2,7 @@
 
 Spec 1 "Configuration via environment variables" (names and defaults of the
 shell script), spec 3 decision 3 (MAX_TEST_EVIDENCE_LINES and the JSON key
-condensation.max_test_evidence_lines), and the configuration contract in README.md:
+condensation.max_test_evidence_lines), and the configuration contract in docs/settings.md:
 precedence env > JSON > default, and every bad value refused with one line on
 stderr and exit 2 before anything is written or contacted.
 """

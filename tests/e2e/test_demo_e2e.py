@@ -1,4 +1,4 @@
-"""The demo a newcomer runs (README, "Try it without any AI CLI"), run as written."""
+"""The demo a newcomer runs (docs/testing.md, "The demo"), run as written."""
 
 from __future__ import annotations
 

@@ -1,0 +1,187 @@
+"""The documentation cannot drift from the program, nor point nowhere.
+
+docs/settings.md holds one row per setting whose variable, JSON key and default are the program's
+own (``SETTINGS``, defaults as ``--help-settings`` shows them), and no row for a setting that does
+not exist; the README's short table obeys the same rule. Every relative Markdown link in README.md
+and docs/*.md leads to a file that exists, and every ``#anchor`` to a heading of that file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import run_orchestrator_loop as orch
+from conftest import FULL_SUITE_COMMAND, ROOT
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+SETTINGS_DOC = DOCS / "settings.md"
+TABLE_HEADER = "| variable | JSON key | default | meaning |"
+ENVIRONMENT_ONLY = "– (environment only)"
+README_LIMIT = 20_000
+
+
+def markdown_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def split_row(line: str) -> list[str]:
+    """The cells of a Markdown table row; a `|` inside a code span does not split."""
+    cells, cell, in_code = [], "", False
+    for char in line.strip().removeprefix("|").removesuffix("|"):
+        if char == "`":
+            in_code = not in_code
+        if char == "|" and not in_code:
+            cells.append(cell.strip())
+            cell = ""
+        else:
+            cell += char
+    cells.append(cell.strip())
+    return cells
+
+
+def settings_rows(text: str) -> list[list[str]]:
+    """Every row of every table headed like the settings table."""
+    rows, in_table = [], False
+    for line in text.splitlines():
+        if line.strip() == TABLE_HEADER:
+            in_table = True
+        elif in_table and line.startswith("|---"):
+            continue
+        elif in_table and line.startswith("|"):
+            rows.append(split_row(line))
+        else:
+            in_table = False
+    return rows
+
+
+def code_name(cell: str) -> str | None:
+    """`NAME` -> NAME; anything else (prose, several code spans) -> None."""
+    match = re.fullmatch(r"`([^`]+)`", cell)
+    return match.group(1) if match else None
+
+
+def default_matches(cell: str, shown: str) -> bool:
+    """The default cell says what --help-settings shows, perhaps with a note in brackets after it:
+    `1800` s is "1800 s", – (each CLI's own default) is "-"."""
+    plain = cell.replace("`", "").replace("–", "-").strip()
+    return plain == shown or plain.startswith(shown + " (")
+
+
+def check_rows(rows: list[list[str]], where: str) -> dict[str, list[list[str]]]:
+    """Each row names a setting or a secret, with its JSON key and default; returns rows by variable."""
+    by_name: dict[str, list[list[str]]] = {}
+    problems = []
+    for row in rows:
+        if len(row) != 4:
+            problems.append(f"{where}: a row without 4 cells: {row}")
+            continue
+        name = code_name(row[0])
+        if name is None:
+            problems.append(f"{where}: the variable cell is not one `NAME`: {row[0]!r}")
+            continue
+        by_name.setdefault(name, []).append(row)
+        if name in orch.SECRET_VARIABLES:
+            if row[1] != ENVIRONMENT_ONLY or not default_matches(row[2], "-"):
+                problems.append(f"{where}: {name} is a secret: JSON key {ENVIRONMENT_ONLY}, default -; got {row[1:3]}")
+            continue
+        setting = orch.SETTINGS_BY_ENV.get(name)
+        if setting is None:
+            problems.append(f"{where}: {name} is no setting of the program")
+            continue
+        if code_name(row[1]) != setting.key:
+            problems.append(f"{where}: {name}: JSON key {row[1]!r}, the program has `{setting.key}`")
+        if not default_matches(row[2], orch._shown_default(setting)):
+            problems.append(f"{where}: {name}: default {row[2]!r}, the program has {orch._shown_default(setting)!r}")
+    assert problems == []
+    return by_name
+
+
+def test_settings_doc_has_exactly_one_matching_row_per_setting():
+    by_name = check_rows(settings_rows(SETTINGS_DOC.read_text(encoding="utf-8")), "docs/settings.md")
+    for setting in orch.SETTINGS:
+        assert len(by_name.get(setting.env, [])) == 1, f"docs/settings.md: {setting.env} needs exactly one row"
+    for secret in orch.SECRET_VARIABLES:
+        assert len(by_name.get(secret, [])) == 1, f"docs/settings.md: {secret} needs exactly one row"
+    assert set(by_name) == {s.env for s in orch.SETTINGS} | set(orch.SECRET_VARIABLES)
+
+
+def test_readme_settings_table_is_the_programs_and_holds_the_settings_most_runs_set():
+    readme = README.read_text(encoding="utf-8")
+    by_name = check_rows(settings_rows(readme), "README.md")
+    assert all(len(rows) == 1 for rows in by_name.values()), by_name
+    missing = [env for env in orch.COMMON_SETTINGS if env not in by_name]
+    assert missing == [], f"README.md: --help's settings most runs set, not in its table: {missing}"
+
+
+def test_readme_is_a_front_door_that_lists_every_docs_page():
+    readme = README.read_text(encoding="utf-8")
+    assert len(readme.encode("utf-8")) <= README_LIMIT
+    where = readme.split("\n## Where the rest is", 1)[1]
+    assert [page.name for page in sorted(DOCS.glob("*.md")) if f"](docs/{page.name})" not in where] == []
+
+
+def test_readme_keeps_the_commands_the_suite_runs():
+    readme = README.read_text(encoding="utf-8")
+    quick_start = readme.split("\n## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"```sh\n.*?PROVIDER=mock_cli PROMPT_FILE=task\.md cao-orchestrator-loop.*?\n```", quick_start,
+                     re.S)
+    assert "TMUX_TMPDIR" in quick_start.split("```sh", 1)[1].split("\n```\n", 1)[1]
+    test = readme.split("\n## Test", 1)[1].split("\n## ", 1)[0]
+    assert f"```sh\npip install -e '.[test]' && {FULL_SUITE_COMMAND}\n```" in test
+    assert re.search(r"`(python -m pytest)` alone runs the fast tier", test)
+
+
+# -- links -----------------------------------------------------------------------------
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
+LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
+
+
+def without_code(text: str) -> str:
+    """The text without fenced blocks and inline code spans, where a link is no link."""
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
+
+
+def anchor(heading: str, seen: dict[str, int]) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens, -1, -2 for repeats."""
+    slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    return slug if count == 0 else f"{slug}-{count}"
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    text = FENCE.sub("", path.read_text(encoding="utf-8"))
+    return {anchor(match.group(1), seen) for match in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, re.M)}
+
+
+def test_the_anchor_of_a_heading_is_githubs():
+    seen: dict[str, int] = {}
+    assert anchor("Long runs: compacted conversations and usage limits", seen) == \
+        "long-runs-compacted-conversations-and-usage-limits"
+    assert anchor("When a real CLI's turn ends", seen) == "when-a-real-clis-turn-ends"
+    assert anchor("The scripted agent (mock_cli)", seen) == "the-scripted-agent-mock_cli"
+    assert [anchor("Notes", seen), anchor("Notes", seen)] == ["notes", "notes-1"]
+
+
+@pytest.mark.parametrize("page", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist(page: Path):
+    broken = []
+    links = LINK.findall(without_code(page.read_text(encoding="utf-8")))
+    for target in links:
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):      # http:, https:, mailto: ...
+            continue
+        path_part, _, fragment = target.partition("#")
+        linked = (page.parent / path_part).resolve() if path_part else page
+        if not linked.exists() or ROOT not in linked.parents:
+            broken.append(f"{target}: no such file in the repository")
+        elif fragment and (linked.suffix != ".md" or fragment not in anchors(linked)):
+            broken.append(f"{target}: no heading #{fragment} in {linked.relative_to(ROOT)}")
+    assert broken == [], f"{page.relative_to(ROOT)}: {broken}"
+    if page != README:
+        assert links, f"{page.relative_to(ROOT)} links nowhere"
