@@ -2427,14 +2427,16 @@ CONVERSATION_LOST_WORDS = (
 CONTEXT_LOW = re.compile(r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)")
 
 
-def conversation_change(screen: str | None, markers: tuple[str, ...] = ()) -> tuple[str, str]:
+def conversation_change(screen: str | None) -> tuple[str, str]:
     """What the screen says happened to the agent's conversation: ('compacted', ''), ('context low', 'Context
-    low (8% remaining)') or ('', ''). With the markers of the prompt under way, only what the screen shows
-    after that prompt counts where the screen still shows it (CAO's screen holds the last 32 KB since the
-    input; a screen read from the pane's history also holds earlier turns)."""
+    low (8% remaining)') or ('', '').
+
+    The whole screen counts, not only what follows the prompt's echo: Claude Code that compacts when a prompt
+    is submitted draws the prompt again below "Conversation compacted". CAO's screen holds what the pane
+    printed since the last input, so an earlier turn's words are gone -- except where CAO reads the pane's
+    history instead (after a cao-server restart): then an old compaction costs one prompt in full, never a
+    lost task."""
     text = _squeezed(screen or "")
-    if markers:
-        text = text[max(0, max(text.rfind(marker) for marker in markers)):]
     for words, what in CONVERSATION_LOST_WORDS:
         if words in text:
             return what, ""
@@ -3216,7 +3218,7 @@ def observe_terminal(turn: Turn) -> None:
         turn.facts.note_screen(screen, time.monotonic())
         if screen is not None:
             turn.facts.note_usage_limit(usage_limit_on(screen, time.time()))
-            note_conversation(turn.role, turn.terminal_id, screen, turn.facts.markers)
+            note_conversation(turn.role, turn.terminal_id, screen)
     if liveness:
         turn.facts.note_lost(why_gone(turn.terminal_id, screen))
     elif shows_shell_prompt(screen):
@@ -3762,10 +3764,9 @@ def forget_conversation(role: str, terminal_id: str, what: str) -> None:
     log_turn(role, f"its conversation was {what}; the next prompt carries the full task again")
 
 
-def note_conversation(role: str, terminal_id: str, screen: str | None, markers: tuple[str, ...] = ()) -> None:
-    """Act on what the agent's screen says of its conversation (after the prompt whose `markers` are given):
-    compacted, or its context nearly full."""
-    change, detail = conversation_change(screen, markers)
+def note_conversation(role: str, terminal_id: str, screen: str | None) -> None:
+    """Act on what the agent's screen says of its conversation: compacted, or its context nearly full."""
+    change, detail = conversation_change(screen)
     if change == "compacted":
         forget_conversation(role, terminal_id, change)
     elif change == "context low" and role not in fresh_agents_due and terminal_ids.get(role) == terminal_id:

@@ -224,13 +224,11 @@ def test_context_low_names_what_is_left(m):
         ("context low", "Context low (8% remaining)")
 
 
-def test_only_what_shows_after_the_prompt_under_way_counts(m):
-    markers = m.prompt_markers(PROMPT)
-    history = "✻ Conversation compacted\n> You are the tester (round 1 of 8).\nold reply\n"
-    assert m.conversation_change(history + "> " + PROMPT + "\nworking", markers) == ("", "")
-    assert m.conversation_change(history + "> " + PROMPT + "\n✻ Conversation compacted", markers)[0] == "compacted"
-    # A long turn's screen may have lost the prompt's echo (CAO keeps the last 32 KB): then all of it counts.
-    assert m.conversation_change("working\n" * 3 + "✻ Conversation compacted", markers)[0] == "compacted"
+def test_a_compaction_drawn_before_the_prompts_echo_counts(m):
+    """Claude Code compacting as a prompt is submitted draws "Conversation compacted", then the prompt again."""
+    screen = ("[Pasted text #1 +20 lines]\n✽ Compacting conversation…\n✻ Conversation compacted (ctrl+o for "
+              "history)\n❯ " + PROMPT + "\n● Bash(cat > /wd/.tmp/test_result.md)\n")
+    assert m.conversation_change(screen)[0] == "compacted"
 
 
 # -- the loop: compaction ------------------------------------------------------------------------
