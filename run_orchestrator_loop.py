@@ -3138,6 +3138,35 @@ def why_lost(facts: TurnFacts, state: TurnState) -> str:
     return f"no sign of life for {AGENT_STALL_SECONDS:g}s (screen unchanged, no response file)"
 
 
+def resend_unseen_prompt(turn: Turn) -> None:
+    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once."""
+    log_turn(turn.role, f"terminal {turn.terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it "
+                        "was sent, its screen quiet); sending the whole prompt again")
+    turn.facts.resend_used = True
+    resend_prompt(turn)
+
+
+def remind_unless_limited(turn: Turn) -> str | None:
+    """Before a reminder, the screen once more: a usage limit is waited out, not reminded of."""
+    turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time()))
+    if turn.facts.usage_limit is not None:
+        begin_limit_wait(turn, turn.facts.usage_limit)
+        return None
+    turn.facts.resend_used = True
+    return idle_without_file(turn)
+
+
+# The verdicts that type something into the agent's terminal (or wait for its limit): what each one does.
+# None of them is carried out once the reply file has come.
+NUDGES: dict[Verdict, Callable[[Turn], str | None]] = {
+    Verdict.RESEND: resend_unseen_prompt,
+    Verdict.REMIND: remind_unless_limited,
+    Verdict.CONTINUE: continue_after_provider_error,
+    Verdict.WAIT_OUT_LIMIT: lambda turn: begin_limit_wait(turn, turn.facts.usage_limit),
+    Verdict.CONTINUE_AFTER_LIMIT: continue_after_usage_limit,
+}
+
+
 def act_on(turn: Turn, state: TurnState, verdict: Verdict) -> str | None:
     """Carry out a verdict: the reply once there is one, else None (or a RunError for a turn that failed)."""
     role, terminal_id, path = turn.role, turn.terminal_id, turn.path
@@ -3154,29 +3183,10 @@ def act_on(turn: Turn, state: TurnState, verdict: Verdict) -> str | None:
     if verdict is Verdict.TIMEOUT:
         raise agent_failed(role, terminal_id, f"gave no reply within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s; "
                                               "raise RESPONSE_TIMEOUT if it needs longer")
-    if verdict in (Verdict.RESEND, Verdict.REMIND, Verdict.CONTINUE, Verdict.CONTINUE_AFTER_LIMIT,
-                   Verdict.WAIT_OUT_LIMIT) and reply_file_version(path):
-        return None                                          # the file came in the meantime
-    if verdict is Verdict.WAIT_OUT_LIMIT:
-        begin_limit_wait(turn, turn.facts.usage_limit)
-    elif verdict is Verdict.CONTINUE_AFTER_LIMIT:
-        continue_after_usage_limit(turn)
-    if verdict is Verdict.RESEND:
-        log_turn(role, f"terminal {terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it was "
-                       "sent, its screen quiet); sending the whole prompt again")
-        turn.facts.resend_used = True
-        resend_prompt(turn)
-    elif verdict is Verdict.CONTINUE:
-        continue_after_provider_error(turn)
-    elif verdict is Verdict.REMIND:
-        # Before a reminder, the screen once more: a usage limit is waited out, not reminded of.
-        turn.facts.note_usage_limit(usage_limit_on(_screen(terminal_id), time.time()))
-        if turn.facts.usage_limit is not None:
-            begin_limit_wait(turn, turn.facts.usage_limit)
-            return None
-        turn.facts.resend_used = True
-        return idle_without_file(turn)
-    return None
+    nudge = NUDGES.get(verdict)
+    if nudge is None or reply_file_version(path):
+        return None                                          # nothing to do, or the file came in the meantime
+    return nudge(turn)
 
 
 def handle_permission_prompt(turn: Turn) -> None:
