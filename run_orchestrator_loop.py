@@ -525,6 +525,49 @@ def _known_children(prefix: str) -> list[str]:
     return sorted(names)
 
 
+def _config_setting(path: str, key: str, value: object, values: dict[str, object]) -> None:
+    """Put a setting's value into `values`, checked as its variable's would be: a file is read as strictly."""
+    setting = SETTINGS_BY_KEY[key]
+    if value is None or (value == "" and setting.kind in ("text", "role_provider", "model")):
+        return                          # like an empty env variable: not set
+    try:
+        values[setting.env] = _check_value(setting, value)
+    except ValueError:
+        raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}"
+                          f"{did_you_mean(setting, value)}; expected {_JSON_EXPECTED[setting.kind]}") from None
+
+
+def _refuse_secret(path: str, key: str, name: str) -> None:
+    """A token in a config file is refused, naming its variable: secrets come from the environment only."""
+    if key in SECRET_CONFIG_KEYS or name.upper() in SECRET_VARIABLES:
+        variable = SECRET_CONFIG_KEYS.get(key, name.upper())
+        raise ConfigError(f"config file {path}: key '{key}' is refused: the token is a secret, read only "
+                          f"from the environment variable {variable} (so it never sits in a file)")
+
+
+def _misplaced_key_hint(name: str, key: str, allowed: list[str]) -> str:
+    """Where an unknown key belongs, when it is a setting's variable name or a setting out of place; else a
+    close known name: the likeliest slips say how to write them."""
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    setting = SETTINGS_BY_ENV.get(name.upper())
+    if setting is None or setting.key == key:
+        return hint
+    parent, _, leaf = setting.key.rpartition(".")
+    return (f"'{name}' is the environment variable; in a config file it is '{setting.key}'. "
+            if name == name.upper() else f"'{name}' belongs at the top level. " if not parent else
+            f"'{name}' belongs inside '{parent}': {{\"{parent}\": {{\"{leaf}\": ...}}}}. ")
+
+
+def _refuse_unknown_key(path: str, prefix: str, name: str, key: str) -> None:
+    """A key the config file may not hold at this place stops the start, listing the keys it may hold."""
+    allowed = _known_children(prefix)
+    if name not in allowed:
+        where = f"in '{prefix}'" if prefix else "at the top level"
+        raise ConfigError(f"config file {path}: unknown key '{key}' ({_misplaced_key_hint(name, key, allowed)}"
+                          f"known keys {where}: {', '.join(allowed)})")
+
+
 def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]) -> None:
     """Check one object of a config file (`prefix` its dotted key), putting its settings into `values`."""
     for name, value in node.items():
@@ -532,38 +575,15 @@ def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]
         if key in CONFIG_NOTE_KEYS:
             if not isinstance(value, str):
                 raise ConfigError(f"config file {path}: key '{key}' must be text")
-            continue
-        if key in SETTINGS_BY_KEY:
-            setting = SETTINGS_BY_KEY[key]
-            if value is None or (value == "" and setting.kind in ("text", "role_provider", "model")):
-                continue                # like an empty env variable: not set
-            try:
-                values[setting.env] = _check_value(setting, value)
-            except ValueError:
-                raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}"
-                                  f"{did_you_mean(setting, value)}; expected {_JSON_EXPECTED[setting.kind]}") from None
-            continue
-        if key in SECRET_CONFIG_KEYS or name.upper() in SECRET_VARIABLES:
-            variable = SECRET_CONFIG_KEYS.get(key, name.upper())
-            raise ConfigError(f"config file {path}: key '{key}' is refused: the token is a secret, read only "
-                              f"from the environment variable {variable} (so it never sits in a file)")
-        allowed = _known_children(prefix)
-        if name not in allowed:
-            where = f"in '{prefix}'" if prefix else "at the top level"
-            close = difflib.get_close_matches(name, allowed, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            if name.upper() in SETTINGS_BY_ENV and SETTINGS_BY_ENV[name.upper()].key != key:
-                setting = SETTINGS_BY_ENV[name.upper()]
-                parent, _, leaf = setting.key.rpartition(".")
-                hint = (f"'{name}' is the environment variable; in a config file it is '{setting.key}'. "
-                        if name == name.upper() else f"'{name}' belongs at the top level. " if not parent else
-                        f"'{name}' belongs inside '{parent}': {{\"{parent}\": {{\"{leaf}\": ...}}}}. ")
-            raise ConfigError(f"config file {path}: unknown key '{key}' ({hint}known keys {where}: "
-                              f"{', '.join(allowed)})")
-        if not isinstance(value, dict):
-            raise ConfigError(f"config file {path}: key '{key}' must be an object with keys "
-                              f"{', '.join(_known_children(key))}")
-        _config_values(path, value, key, values)
+        elif key in SETTINGS_BY_KEY:
+            _config_setting(path, key, value, values)
+        else:
+            _refuse_secret(path, key, name)
+            _refuse_unknown_key(path, prefix, name, key)
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path}: key '{key}' must be an object with keys "
+                                  f"{', '.join(_known_children(key))}")
+            _config_values(path, value, key, values)
 
 
 def read_config_file(path: str) -> dict[str, object]:
@@ -5624,6 +5644,46 @@ def working_now(saved: SavedState) -> str:
     return f"{turn.role} (terminal {saved.terminal_ids.get(turn.role) or '?'}){when}"
 
 
+def _status_progress(saved: SavedState) -> list[str]:
+    """The server, and for a run under way where it stands: what a person looks at first."""
+    if saved.finished:
+        return [f"CAO server: {API}", f"turns: {len(saved.turn_records)} answered"]
+    return [f"CAO server: {API} (cycle {saved.phase_cycle}, next: {saved.phase_step})",
+            f"working now: {working_now(saved)}",
+            f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
+            f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
+            + (", story attempts not counted)" if STORY_MODE else ")")]
+
+
+def _status_agents(saved: SavedState) -> list[str]:
+    """The run's agents and where their replies are kept: only what the run has to show."""
+    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else f"agents: {agents_left_note(saved)}"]
+    if any(saved.agent_models.values()):
+        lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
+                                                      for role in ROLES))
+    if saved.replacements:
+        lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
+    if saved.agent_events:
+        lines.append(f"agents' conversations and limits: {agent_events_summary(saved.agent_events)}")
+    if saved.run_dir:
+        lines.append(f"replies: {saved.run_dir}")
+    return lines
+
+
+def _status_after_run(saved: SavedState) -> list[str]:
+    """What the after-run steps did, and what a finished run still has to do: the next invocation does it."""
+    done = saved.after_run
+    steps = [f"{step} {outcome.get('result')}" + (f" {outcome['commit']}" if outcome.get("commit") else "")
+             for step, outcome in (("archive", done.archive), ("commit", done.commit)) if outcome is not None]
+    if done.notified is not None:
+        steps.append(f"notified {done.notified}")
+    lines = ["after the run: " + ", ".join(steps)] if steps else []
+    pending = after_run_pending(saved.final_status, done) if saved.finished else []
+    if pending:
+        lines.append(f"still to do after the run: {', '.join(pending)} (the next invocation does it)")
+    return lines
+
+
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
     try:
@@ -5635,40 +5695,11 @@ def status_report() -> tuple[int, str]:
                            "elsewhere)")
     restore_saved_settings(saved)
     connect_api()
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", f"CAO server: {API}"]
-    if not saved.finished:
-        lines[-1] += f" (cycle {saved.phase_cycle}, next: {saved.phase_step})"
-        lines.append(f"working now: {working_now(saved)}")
-        lines.append(f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
-                     f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
-                     + (", story attempts not counted)" if STORY_MODE else ")"))
-    else:
-        lines.append(f"turns: {len(saved.turn_records)} answered")
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved)]
     holder = lock_holder()
     lines.append(f"driven by: {holder}" if holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
-    lines.append("agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
-                 f"agents: {agents_left_note(saved)}")
-    if any(saved.agent_models.values()):
-        lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
-                                                      for role in ROLES))
-    if saved.replacements:
-        lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
-    if saved.agent_events:
-        lines.append(f"agents' conversations and limits: {agent_events_summary(saved.agent_events)}")
-    if saved.run_dir:
-        lines.append(f"replies: {saved.run_dir}")
-    done = saved.after_run
-    steps = [f"{step} {outcome.get('result')}" + (f" {outcome['commit']}" if outcome.get("commit") else "")
-             for step, outcome in (("archive", done.archive), ("commit", done.commit)) if outcome is not None]
-    if done.notified is not None:
-        steps.append(f"notified {done.notified}")
-    if steps:
-        lines.append("after the run: " + ", ".join(steps))
-    if saved.finished:
-        pending = after_run_pending(saved.final_status, done)
-        if pending:
-            lines.append(f"still to do after the run: {', '.join(pending)} (the next invocation does it)")
+    lines += _status_agents(saved) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
 
