@@ -3444,6 +3444,32 @@ def end_agents(ids: list[str], session: str) -> None:
         log(f"could not remove CAO session {session}: {exc}")
 
 
+def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[str, str]]:
+    """CAO's answer for each role, and why each failed one failed: every creation is waited for, so that
+    what came up can be exited when another did not."""
+    answers: dict[str, dict] = {}
+    failures: dict[str, str] = {}
+    for role, future in futures.items():
+        try:
+            answer = future.result()
+        except Exception as exc:       # ApiError, or anything else: the others are still exited
+            failures[role] = f"{role}: {exc}"
+            continue
+        if answer is not None:
+            answers[role] = answer
+    return answers, failures
+
+
+def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
+    """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid."""
+    # A failed session explains the rest: the adds failed or stopped because of it.
+    error = failures.get("analyst") or "; ".join(failures.values())
+    if model_refused(error):
+        return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
+                           "accepts, or leave it empty for each CLI's own default")
+    return RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
+
+
 def create_terminals() -> tuple[str, dict[str, str]]:
     """Create the five terminals in one CAO session, all at once; what did not start in time, once more alone.
 
@@ -3458,8 +3484,6 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     role. Returns the session name CAO answered and the terminal id of each role.
     """
     name = new_session_name()
-    answers: dict[str, dict] = {}
-    failures: dict[str, str] = {}
     providers = providers_in_use()
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
@@ -3470,26 +3494,14 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         futures = {"analyst": session}
         for role in ROLES[1:]:
             futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-        for role, future in futures.items():
-            try:
-                answer = future.result()
-            except Exception as exc:       # ApiError, or anything else: the others are still exited
-                failures[role] = f"{role}: {exc}"
-                continue
-            if answer is not None:
-                answers[role] = answer
+        answers, failures = creation_answers(futures)
         if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
             failures = start_again_one_at_a_time(answers, failures, interrupted)
         if failures or interrupted:
             created = answers.get("analyst", {}).get("session_name", "")
             end_agents([answer["id"] for answer in answers.values()], created)
         if failures and not interrupted:
-            # A failed session explains the rest: the adds failed or stopped because of it.
-            error = failures.get("analyst") or "; ".join(failures.values())
-            if model_refused(error):
-                raise ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
-                                  "accepts, or leave it empty for each CLI's own default")
-            raise RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
+            raise start_up_failure(failures)
     note_model_answers(answers)
     return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
 
@@ -5202,6 +5214,36 @@ def verify_resume_terminals() -> None:
                             stop.ways_on, when="cannot resume: ") from None
 
 
+def resume_required(saved: SavedState) -> StartPlan:
+    """RESUME=1: the saved run goes on, or the start is refused saying why it cannot."""
+    if saved.finished:
+        raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {saved.final_status}; "
+                          "unset RESUME to start a new run")
+    # Input to an exited agent's terminal lands in a plain shell, so such a run is over.
+    if saved.terminals_exited:
+        raise ConfigError(f"RESUME=1 but the agents of the run in {STATE_FILE} were exited "
+                          "(CLEANUP_ON_EXIT=1), so it cannot be resumed; unset RESUME to start a new run")
+    return StartPlan(True)
+
+
+def resume_or_replace(saved: SavedState) -> StartPlan:
+    """RESUME not 1: a run under way goes on; a finished one is reported or replaced, and so is one under way
+    whose agents were exited (their terminals are plain shells now) or that the user chose RESUME=0 for."""
+    status, finished, exited = saved.final_status, saved.finished, saved.terminals_exited
+    # A finished run with after-run steps left over is finished first (start_run, under the lock).
+    leftover = finished and bool(after_run_pending(status, saved.after_run))
+    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
+        raise AlreadyFinished(exit_code_of(status),
+                              f"the run in {STATE_FILE} {describe_state(saved)}; REPORT_FINISHED_RUN=1, so "
+                              "nothing was started (move the state file away to start a new run)")
+    if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
+        return StartPlan(True)
+    why = " (RESUME=0)" if "RESUME" in explicit_settings else \
+        " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
+    return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
+                            f"file will be kept as {state_backup_path(saved)}", set_aside=True, old_run=saved)
+
+
 def choose_start() -> StartPlan:
     """Resume, report a finished run, or start a new one -- and what happens to an old state file.
 
@@ -5220,29 +5262,7 @@ def choose_start() -> StartPlan:
             raise ConfigError(f"RESUME=1 but there is no state file at {STATE_FILE}: set STATE_FILE to the "
                               "run's state file, or unset RESUME to start a new run")
         return StartPlan(False)
-    status, finished = saved.final_status, saved.finished
-    # Input to an exited agent's terminal lands in a plain shell, so such a run is over.
-    exited = saved.terminals_exited
-    if RESUME:
-        if finished:
-            raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {status}; "
-                              "unset RESUME to start a new run")
-        if exited:
-            raise ConfigError(f"RESUME=1 but the agents of the run in {STATE_FILE} were exited "
-                              "(CLEANUP_ON_EXIT=1), so it cannot be resumed; unset RESUME to start a new run")
-        return StartPlan(True)
-    # A finished run with after-run steps left over is finished first (start_run, under the lock).
-    leftover = finished and bool(after_run_pending(status, saved.after_run))
-    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
-        raise AlreadyFinished(exit_code_of(status),
-                              f"the run in {STATE_FILE} {describe_state(saved)}; REPORT_FINISHED_RUN=1, so "
-                              "nothing was started (move the state file away to start a new run)")
-    if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
-        return StartPlan(True)
-    why = " (RESUME=0)" if "RESUME" in explicit_settings else \
-        " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
-    return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
-                            f"file will be kept as {state_backup_path(saved)}", set_aside=True, old_run=saved)
+    return resume_required(saved) if RESUME else resume_or_replace(saved)
 
 
 # ==========================================================================
