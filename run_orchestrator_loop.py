@@ -1153,7 +1153,7 @@ def connect_api() -> None:
 # STATE_FIELDS below: save_state(), read_state_file(), load_state(), the reset
 # of a new run, --status and the description of a replaced run all derive from
 # it. Each field lives in a module global (the specs fix several names);
-# update_run() is where the loop changes them.
+# update_run() and the few doors beside it are where the loop changes them.
 
 PHASE_ANALYST = "analyst"
 PHASE_PROGRAMMER = "programmer"
@@ -1531,11 +1531,63 @@ fresh_agents_due: dict[str, str] = _new_value("fresh_agents_due")  # role -> why
 
 
 def update_run(**changes: object) -> None:
-    """Change run-state globals: the one place the loop assigns them (load_state() and resets come here too)."""
+    """Change run-state globals: the one place the loop assigns them (load_state() and resets come here too).
+
+    A change inside a field's value goes through one of the other doors,
+    defined right below, so every change to what the state file holds is
+    found here. The doors: set_output(), add_turn_record(), note_turn_outcome(),
+    record_sent(), forget_sent(), set_after_run(), update_story_progress(),
+    add_story_result(). No other function assigns a run-state global or
+    changes its value in place.
+    """
     unknown = set(changes) - set(RUN_FIELDS)
     if unknown:
         raise AttributeError(f"not a run-state field: {', '.join(sorted(unknown))}")
     globals().update(changes)
+
+
+def set_output(key: str, text: str) -> None:
+    """The latest answer of an agent (one of OUTPUT_KEYS): what the prompts after it are built from."""
+    outputs[key] = text
+
+
+def add_turn_record(record: TurnRecord) -> None:
+    """An answered turn, for the run summary and its report."""
+    turn_records.append(record)
+
+
+def note_turn_outcome(outcome: str) -> None:
+    """The verdict or test result of the turn just answered, for the run summary."""
+    if turn_records:
+        turn_records[-1].outcome = outcome
+
+
+def record_sent(marks: Iterable[str]) -> None:
+    """Once-only blocks that reached a terminal (or may have): from now on it gets their back-references."""
+    context_sent.update(marks)
+
+
+def forget_sent(marks: Iterable[str]) -> None:
+    """Once-only blocks a terminal is not known to hold (its conversation lost them, or the prompt carrying
+    them may not have arrived): its next prompt carries them in full."""
+    context_sent.difference_update(marks)
+
+
+def set_after_run(**done: object) -> None:
+    """Fields of after_run: the steps due when the run ended, and what each step did."""
+    for name, value in done.items():
+        setattr(after_run, name, value)
+
+
+def update_story_progress(**changes: object) -> None:
+    """Fields of story_progress: the story under way, its attempt, and why the last attempt failed."""
+    for name, value in changes.items():
+        setattr(story_progress, name, value)
+
+
+def add_story_result(result: StoryResult) -> None:
+    """How a story ended, for the summary the peer programmer reviews after the story loop."""
+    story_progress.results.append(result)
 
 
 def reset_run_state() -> None:
@@ -1605,7 +1657,7 @@ def load_state() -> bool:
     set_task(saved.PROMPT)
     update_run(**{name: getattr(saved, name) for name in RUN_FIELDS})
     if in_flight is not None:
-        context_sent.difference_update(in_flight.sent_in_full)
+        forget_sent(in_flight.sent_in_full)
     return True
 
 
@@ -1614,11 +1666,6 @@ def restore_saved_settings(saved: SavedState) -> None:
     chose them now: a resume and --status ask the server the run is on."""
     globals().update({f.name: getattr(saved, f.name) for f in STATE_FIELDS
                       if f.kind == "setting" and getattr(saved, f.name) and f.name not in explicit_settings})
-
-
-def record_sent(marks: Iterable[str]) -> None:
-    """Once-only blocks that reached a terminal (or may have): from now on it gets their back-references."""
-    context_sent.update(marks)
 
 
 def state_backup_path(saved: SavedState | None = None) -> Path:
@@ -3757,20 +3804,26 @@ def turn_timing(path: Path) -> str:
     return text
 
 
+def sent_turn_facts(role: str) -> dict:
+    """What the role's prompt in flight tells of its answered turn (where in the run, when it went, the
+    nudges it took, its file); without one, the turn is placed where the run is now."""
+    sent = in_flight if in_flight is not None and in_flight.role == role else None
+    if sent is None:
+        return {"seconds": None, "phase": current_phase, "cycle": phase_cycle}
+    first_sent = sent.first_sent_at or sent.sent_at
+    prompt_file = prompt_file_path(role, sent.number) if sent.number else None
+    return {"seconds": round(time.time() - sent.sent_at, 1) if sent.sent_at is not None else None,
+            "phase": sent.phase, "cycle": sent.cycle,
+            "sent_at": utc_iso(first_sent, precise=True) if first_sent else "",
+            "reminders": sent.reminders, "resends": sent.resends,
+            "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else ""}
+
+
 def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> None:
     """Remember an answered turn for the run summary and report (saved with the state)."""
-    sent = in_flight if in_flight is not None and in_flight.role == role else None
-    sent_at = sent.sent_at if sent is not None else None
-    seconds = round(time.time() - sent_at, 1) if sent_at is not None else None
-    first_sent = sent.first_sent_at or sent_at if sent is not None else None
-    prompt_file = prompt_file_path(role, sent.number) if sent is not None and sent.number else None
-    turn_records.append(TurnRecord(
-        role, current_round, seconds, prompt_bytes, phase=sent.phase if sent else current_phase,
-        cycle=sent.cycle if sent else phase_cycle, sent_at=utc_iso(first_sent, precise=True) if first_sent else "",
-        taken_at=utc_iso(precise=True), reply_bytes=len(reply.encode("utf-8")),
-        reminders=sent.reminders if sent else 0, resends=sent.resends if sent else 0,
-        prompt_file=prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
-        reply_file=archived.name))
+    facts = sent_turn_facts(role)
+    add_turn_record(TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(precise=True),
+                               reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name, **facts))
 
 
 # -- The agent's conversation ---------------------------------------------------
@@ -3801,7 +3854,7 @@ def forget_conversation(role: str, terminal_id: str, what: str) -> None:
     if not marks:
         return                           # already forgotten (the same words seen again), or never sent
     record_agent_event(role, terminal_id, what)
-    update_run(context_sent=context_sent - marks)
+    forget_sent(marks)
     save_state()
     log_turn(role, f"its conversation was {what}; the next prompt carries the full task again")
 
@@ -3901,12 +3954,6 @@ def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
             return take_turn(role, build)
         except AgentLost as lost:
             replace_lost_agent(lost)
-
-
-def note_turn_outcome(outcome: str) -> None:
-    """The verdict or test result of the turn just answered, for the run summary."""
-    if turn_records:
-        turn_records[-1].outcome = outcome
 
 
 # ==========================================================================
@@ -4910,8 +4957,7 @@ def guarded_step(name: str, step, *args) -> dict:
 
 def record_after_run(**done: object) -> None:
     """Note a step as done in the state file at once, so no resume or rerun repeats it."""
-    for name, outcome in done.items():
-        setattr(after_run, name, outcome)
+    set_after_run(**done)
     save_state()
 
 
@@ -4999,7 +5045,7 @@ ONCE_STEPS = tuple(step for step in AFTER_RUN_STEPS if step.done is not None)
 
 def mark_after_run_due(result: str) -> None:
     """Saved with the run's result: the steps still to do, so a stop in the middle of them loses none."""
-    after_run.due = [step.name for step in ONCE_STEPS if step.asked(result)]
+    set_after_run(due=[step.name for step in ONCE_STEPS if step.asked(result)])
 
 
 def after_run_pending(result: str, record: AfterRun) -> list[str]:
@@ -5321,6 +5367,36 @@ def story_summary(results: list[StoryResult]) -> str:
     return "\n".join(lines)
 
 
+def story_attempt(story: Story, change: Path, scenarios: list, attempt: int) -> tuple[str, str, str]:
+    """One attempt at a story: (reply, signal, reason); an attempt that ended abnormally has no signal, and is
+    retried as one that gave none."""
+    try:
+        reply = ask_agent("programmer", lambda: build_story_prompt(
+            story, change, scenarios, attempt, story_progress.last_failure))
+        signal_name, reason = promise_signal(reply)
+    except AgentLost:
+        raise                        # not the story's fault: the run stops (or the agent was replaced)
+    except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
+        log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
+        return "", "", ""
+    return reply, signal_name, reason
+
+
+def end_story_attempt(story: Story, attempt: int, reply: str, signal_name: str, reason: str) -> None:
+    """A story is done once COMPLETE or out of attempts, and the next one is up; else it is tried again,
+    told why the last attempt failed."""
+    if signal_name == "COMPLETE" or attempt >= MAX_STORY_ATTEMPTS:
+        status = "COMPLETE" if signal_name == "COMPLETE" else "FAILED"
+        add_story_result(StoryResult(story.id, story.title, status, attempt,
+                                     "" if status == "COMPLETE" else (reason or "no completion signal"),
+                                     condense_programmer_for_tester(reply)))
+        queue = story_progress.queue
+        following = queue[queue.index(story.id) + 1:] if story.id in queue else []
+        update_story_progress(current=following[0] if following else "", attempt=1, last_failure="")
+    else:
+        update_story_progress(attempt=attempt + 1, last_failure=reason if signal_name == "FAILED" else "")
+
+
 def run_story_loop() -> str:
     """Each unfinished story in turn, retried on FAILED or no signal; returns the combined summary."""
     change = find_story_change()
@@ -5330,34 +5406,16 @@ def run_story_loop() -> str:
         queue = [story.id for story in stories.values() if not story.finished]
         update_run(story_progress=StoryProgress(str(change), queue, queue[0]))
         save_state()
-    progress = story_progress
-    while progress.current:
-        story = stories.get(progress.current) or Story(progress.current, f"Story {progress.current}", [])
-        attempt = progress.attempt
-        try:
-            reply = ask_agent("programmer", lambda: build_story_prompt(
-                story, change, scenarios, attempt, progress.last_failure))
-            signal_name, reason = promise_signal(reply)
-        except AgentLost:
-            raise                        # not the story's fault: the run stops (or the agent was replaced)
-        except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
-            log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
-            reply, signal_name, reason = "", "", ""
+    while story_progress.current:
+        current = story_progress.current
+        story = stories.get(current) or Story(current, f"Story {current}", [])
+        attempt = story_progress.attempt
+        reply, signal_name, reason = story_attempt(story, change, scenarios, attempt)
         log_turn("programmer", f"story {story.id} attempt {attempt}/{MAX_STORY_ATTEMPTS}: "
                                + (f"{signal_name} {reason}".strip() if signal_name else "no completion signal"))
-        if signal_name == "COMPLETE" or attempt >= MAX_STORY_ATTEMPTS:
-            status = "COMPLETE" if signal_name == "COMPLETE" else "FAILED"
-            progress.results.append(StoryResult(
-                story.id, story.title, status, attempt,
-                "" if status == "COMPLETE" else (reason or "no completion signal"),
-                condense_programmer_for_tester(reply)))
-            queue = progress.queue
-            following = queue[queue.index(story.id) + 1:] if story.id in queue else []
-            progress.current, progress.attempt, progress.last_failure = (following[0] if following else ""), 1, ""
-        else:
-            progress.attempt, progress.last_failure = attempt + 1, (reason if signal_name == "FAILED" else "")
+        end_story_attempt(story, attempt, reply, signal_name, reason)
         save_state()
-    combined = story_summary(progress.results)
+    combined = story_summary(story_progress.results)
     update_run(story_progress=None)
     return combined
 
@@ -5380,13 +5438,13 @@ def run_reviewed_phase(phase: str) -> None:
         cycle = phase_cycle
         if phase_step == "author":
             if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
-                outputs[out_key] = run_story_loop()
+                set_output(out_key, run_story_loop())
             else:
-                outputs[out_key] = ask_agent(author, lambda: author_prompt(phase, cycle))
+                set_output(out_key, ask_agent(author, lambda: author_prompt(phase, cycle)))
             set_position(phase, cycle, "review")
             save_state()
         review = ask_agent(reviewer, lambda: review_prompt(phase))
-        outputs[review_key] = review
+        set_output(review_key, review)
         verdict = review_verdict(review)
         approved = is_review_approved(review, cycle, reviewer)
         note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
@@ -5423,7 +5481,7 @@ def handle_tester_fail() -> None:
                                              else condense_programmer_for_tester(programmer_out)),
                analyst_feedback="", programmer_feedback="", story_progress=None, current_round=current_round + 1)
     for key in ("programmer", "programmer_review", "tester"):
-        outputs[key] = ""
+        set_output(key, "")
     set_position(PHASE_PROGRAMMER)
 
 
@@ -5453,13 +5511,13 @@ def verify_pass() -> str:
         return "PASS"
     lines = [line for line in (out + ("\n" if out and err else "") + err).splitlines() if line.strip()]
     shown = lines[-max(1, MAX_TEST_EVIDENCE_LINES - 4):]     # with the lines above it, within the evidence cap
-    outputs["tester"] = "\n".join([
+    set_output("tester", "\n".join([
         "RESULT: FAIL",
         "EVIDENCE:",
         f"- The tester reported PASS, but the project's test command disagreed: `{PROJECT_TEST_CMD}` {outcome} "
         f"(run by the orchestrator in {WD}).",
         f"- Its last {len(shown)} lines of output:" if shown else "- It printed nothing.",
-        *[f"    {line}" for line in shown]])
+        *[f"    {line}" for line in shown]]))
     log_turn("tester", f"PASS not verified: PROJECT_TEST_CMD {outcome} after {seconds:g}s; the round counts as a FAIL")
     for line in shown[-10:]:
         log_detail(line)
@@ -5473,7 +5531,7 @@ def run_tester_phase() -> str:
                  else "the tester's PASS stands: VERIFY_PASS is off now")
         result = "PASS"
     else:
-        outputs["tester"] = ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"]))
+        set_output("tester", ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"])))
         result = tester_result(outputs["tester"])
         note_turn_outcome(result)
         log_turn("tester", f"RESULT: {result}")
