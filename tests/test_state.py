@@ -8,6 +8,7 @@ clearing on FAIL".
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -341,6 +342,156 @@ def test_a_new_run_resets_every_run_field(orch):
 def test_update_run_refuses_a_name_that_is_not_run_state(orch):
     with pytest.raises(AttributeError, match="not a run-state field: MAX_ROUNDS"):
         orch.update_run(MAX_ROUNDS=3)
+
+
+# -- run state changes through its doors -------------------------------------------
+# update_run() and the doors its docstring lists are the only functions that change run state: they assign
+# a run-state global, or change its value in place. The check reads the module's source, so a change made
+# anywhere else fails it. It follows a local name that holds run state or a part of it (`progress =
+# story_progress`, `for record in turn_records`), not one passed on to another function.
+
+MUTATING_METHODS = frozenset({
+    "append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem", "clear", "remove", "discard",
+    "sort", "reverse", "difference_update", "intersection_update", "symmetric_difference_update",
+    "__setitem__", "__delitem__", "__setattr__", "__delattr__"})
+FUNCTION_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _own_nodes(scope: ast.AST):
+    """The nodes of a function's body, not those of the functions (or classes) defined in it."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (*FUNCTION_SCOPES, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _bound_names(scope: ast.AST) -> tuple[set[str], set[str]]:
+    """The names a function binds itself (so not the module's globals), and those it declares global."""
+    args = scope.args
+    bound = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg) if a}
+    declared: set[str] = set()
+    for node in _own_nodes(scope):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Global):
+            declared.update(node.names)
+    return bound - declared, declared
+
+
+def _roots(node: ast.AST) -> set[str]:
+    """The names an expression's value may be part of: `turn_records` for `turn_records[-1].outcome`."""
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred, ast.NamedExpr)):
+        return _roots(node.value)
+    if isinstance(node, ast.IfExp):
+        return _roots(node.body) | _roots(node.orelse)
+    if isinstance(node, ast.BoolOp):
+        return set().union(*map(_roots, node.values))
+    return set()
+
+
+def _aliases(scope: ast.AST, state: set[str]) -> set[str]:
+    """Local names that hold run state or a part of it."""
+    aliases: set[str] = set()
+    for node in _own_nodes(scope):
+        if isinstance(node, ast.Assign) and _roots(node.value) & state:
+            targets = [t for t in node.targets if isinstance(t, (ast.Name, ast.Tuple))]
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)) and _roots(node.iter) & state:
+            targets = [node.target]
+        else:
+            continue
+        aliases |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+    return aliases
+
+
+def _changes(scope: ast.AST, state: set[str], declared: set[str]) -> list[tuple[int, str]]:
+    """What a function's own code does to run state: `state` names it (or a local part of it), `declared` the
+    run-state globals the function declares global."""
+    found = []
+    for node in _own_nodes(scope):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in declared:
+            found.append((node.lineno, f"assigns the global {node.id}"))
+        elif isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load) \
+                and _roots(node) & state:
+            verb = "deletes" if isinstance(node.ctx, ast.Del) else "assigns"
+            found.append((node.lineno, f"{verb} {ast.unparse(node)}"))
+        elif isinstance(node, ast.Call) and (
+                isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING_METHODS
+                and _roots(node.func.value) & state
+                or isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") and node.args
+                and _roots(node.args[0]) & state):
+            found.append((node.lineno, f"calls {ast.unparse(node.func)}()"))
+    return found
+
+
+def run_state_changes(source: str, run_fields: set[str]) -> dict[str, list[str]]:
+    """Function (top-level, or Class.method) -> each change to run state its code makes, with its line; a
+    function or lambda defined inside another counts as its owner's."""
+    found: dict[str, list[str]] = {}
+
+    def visit(node: ast.AST, owner: str, prefix: str, outer_bound: set[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, FUNCTION_SCOPES):
+                name = owner or prefix + getattr(child, "name", "<lambda>")
+                bound, declared = _bound_names(child)
+                state = (run_fields - bound - outer_bound) | (declared & run_fields)
+                state |= _aliases(child, state)
+                found.setdefault(name, []).extend(
+                    f"line {line}: {what}" for line, what in sorted(_changes(child, state, declared & run_fields)))
+                visit(child, name, "", outer_bound | bound)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, owner, f"{prefix}{child.name}.", outer_bound)
+            else:
+                visit(child, owner, prefix, outer_bound)
+    visit(ast.parse(source), "", "", set())
+    return {name: changes for name, changes in found.items() if changes}
+
+
+def run_state_doors(m) -> set[str]:
+    """update_run() and the doors its docstring lists ("The doors: set_output(), ...")."""
+    listed = re.search(r"The doors: (.*?)\.\s", m.update_run.__doc__, re.DOTALL)
+    assert listed, "update_run's docstring lists the doors after 'The doors:'"
+    return {"update_run", *re.findall(r"(\w+)\(\)", listed.group(1))}
+
+
+def test_run_state_changes_only_through_its_doors(orch):
+    """No function but update_run() and its doors assigns a run-state global (RUN_FIELDS) or changes one in
+    place: item or attribute assignment, `del`, a mutating method, setattr."""
+    doors = run_state_doors(orch)
+    assert all(callable(getattr(orch, door, None)) for door in doors), doors
+    changes = run_state_changes(Path(orch.__file__).read_text(encoding="utf-8"), set(orch.RUN_FIELDS))
+    elsewhere = {name: found for name, found in changes.items() if name not in doors}
+    assert not elsewhere, f"run state changed outside update_run() and its doors: {elsewhere}"
+    assert set(changes) == doors - {"update_run"}, "each door listed changes run state (update_run by globals())"
+
+
+@pytest.mark.parametrize("code, changed", [
+    ('def f():\n    outputs["x"] = 1\n', True),
+    ("def f():\n    turn_records[-1].outcome = 'PASS'\n", True),
+    ("def f():\n    del fresh_agents_due['tester']\n", True),
+    ("def f():\n    context_sent.add('explore:t')\n", True),
+    ("def f():\n    setattr(after_run, 'due', [])\n", True),
+    ("def f():\n    global feedback\n    feedback = ''\n", True),
+    ("def f():\n    progress = story_progress\n    progress.results.append(1)\n", True),
+    ("def f():\n    for record in turn_records:\n        record.outcome = None\n", True),
+    ("def f():\n    return lambda: verifications.append({})\n", True),
+    ("class C:\n    def f(self):\n        replacements.clear()\n", True),
+    ("def f():\n    feedback = ''\n    return feedback\n", False),
+    ("def f(outputs):\n    outputs['x'] = 1\n", False),
+    ("def f():\n    outputs = dict(OLD)\n    outputs['x'] = 1\n", False),
+    ("def f():\n    return [key for key in outputs if outputs[key]]\n", False),
+    ("def f():\n    update_run(outputs={**outputs, 'x': ''})\n", False),
+])
+def test_the_door_check_sees_each_kind_of_change(code, changed):
+    """The check above on small pieces of code: what changes run state, and what only looks like it."""
+    assert bool(run_state_changes(code, {"outputs", "turn_records", "fresh_agents_due", "context_sent",
+                                         "after_run", "feedback", "story_progress", "verifications",
+                                         "replacements"})) == changed
 
 
 @pytest.mark.parametrize("key, bad, default", [
