@@ -216,7 +216,7 @@ def open_run_log(path: Path) -> None:
 ROLES = ("analyst", "peer_analyst", "programmer", "peer_programmer", "tester")
 OUTPUT_KEYS = ("analyst", "analyst_review", "programmer", "programmer_review", "tester")
 
-# Every provider CAO 2.5.4 knows, plus the older q_cli.
+# Every provider CAO knows (the version docs/agent-clis.md names), plus the older q_cli.
 KNOWN_PROVIDERS = (
     "kiro_cli", "claude_code", "codex", "kimi_cli", "copilot_cli", "opencode_cli",
     "hermes", "cursor_cli", "antigravity_cli", "omp", "grok_cli", "mcode",
@@ -447,7 +447,7 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "role": lambda v: v in ROLES,
     "fresh_context": lambda v: v in FRESH_CONTEXT_CHOICES,
     "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
-    # CAO 2.5.4 refuses any other model id (HTTP 400) before it starts anything.
+    # CAO refuses any other model id (HTTP 400) before it starts anything (docs/agent-clis.md).
     "model": lambda v: isinstance(v, str) and (not v or (len(v) <= 128
                                                          and bool(re.fullmatch(r"[A-Za-z0-9._:/-]+", v)))),
 }
@@ -1022,8 +1022,9 @@ class ApiClient:
         """A new CAO session whose first terminal runs `profile`; returns its id and session_name.
 
         With `session_name` the caller picks the name, so that terminals can be
-        added to the session before this call returns; CAO 2.5.4 puts `cao-` in
-        front of a name that does not start with it, so read the name it answers.
+        added to the session before this call returns; CAO puts `cao-` in front
+        of a name that does not start with it (docs/agent-clis.md), so read the
+        name it answers.
         A `model` goes along only when one is asked for (CAO answers `model_honored`).
         """
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
@@ -1080,7 +1081,8 @@ class ApiClient:
 
         None when the server cannot tell (an older server without the route,
         or any other failure): that is never an error. A provider the list
-        leaves out (CAO 2.5.4 leaves out `mock_cli`) is not known missing.
+        leaves out (CAO leaves out `mock_cli`, see docs/agent-clis.md) is not
+        known missing.
         """
         try:
             answer = self._call("list providers", "GET", "/agents/providers", retry=False)
@@ -2432,14 +2434,14 @@ TURN_ENDED_MARKS = ("done", "idle")
 
 
 # What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
-# screen its own way, and for some it reads wrong: OpenCode 1.18 is reported
-# `idle` or `completed` while it works (in a terminal's later turns, for the
-# whole turn), so a reply file it rewrites later in its turn would be taken at
-# its first write. For such a CLI a ready status counts for nothing -- the
-# loop judges by the screen as it does for a status it does not know -- and a
-# settled reply file is confirmed by a still screen: OpenCode repaints its busy
-# bar about twenty times a second while it works (measured under CAO 2.5.4),
-# so a screen still for two seconds means its turn is over.
+# screen its own way, and for some it reads wrong (docs/agent-clis.md says which,
+# and for which versions): OpenCode is reported `idle` or `completed` while it
+# works (in a terminal's later turns, for the whole turn), so a reply file it
+# rewrites later in its turn would be taken at its first write. For such a CLI
+# a ready status counts for nothing -- the loop judges by the screen as it does
+# for a status it does not know -- and a settled reply file is confirmed by a
+# still screen: OpenCode repaints its busy bar about twenty times a second while
+# it works, so a screen still for two seconds means its turn is over.
 @dataclass(frozen=True)
 class CliTraits:
     """How far CAO's status can be trusted for one provider's CLI, and what its screen does while it works."""
@@ -2477,8 +2479,8 @@ def turn_mark(screen: str | None) -> str | None:
 # told. The loop sends some text only once per conversation (section 11), so
 # it must hear of this: the CLI says so on its screen. Claude Code draws the
 # spaces of a line as cursor moves and colours a word in pieces, so the words
-# are matched with whitespace and escape sequences removed. Words of Claude
-# Code 2.1.197 and Codex 0.169.0, as seen in CAO's raw screen:
+# are matched with whitespace and escape sequences removed. Words of the
+# Claude Code and Codex versions docs/agent-clis.md names, as seen in CAO's raw screen:
 CONVERSATION_LOST_WORDS = (
     ("Compactingconversation", "compacted"),  # Claude Code, while it summarises (also for /compact)
     ("Conversationcompacted", "compacted"),   # Claude Code: "✻ Conversation compacted (ctrl+o for history)"
