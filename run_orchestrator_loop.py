@@ -1578,12 +1578,16 @@ def forget_sent(marks: Iterable[str]) -> None:
 def set_after_run(**done: object) -> None:
     """Fields of after_run: the steps due when the run ended, and what each step did."""
     for name, value in done.items():
+        if not hasattr(after_run, name):
+            raise AttributeError(f"not a field of after_run: {name}")
         setattr(after_run, name, value)
 
 
 def update_story_progress(**changes: object) -> None:
     """Fields of story_progress: the story under way, its attempt, and why the last attempt failed."""
     for name, value in changes.items():
+        if not hasattr(story_progress, name):
+            raise AttributeError(f"not a field of story_progress: {name}")
         setattr(story_progress, name, value)
 
 
@@ -1864,6 +1868,14 @@ def utc_iso(timestamp: float | None = None, precise: bool = False) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S") + (f".{moment.microsecond // 1000:03d}" if precise else "") + "Z"
 
 
+def parse_utc_iso(text: str) -> datetime | None:
+    """A time as utc_iso() writes it, read back (None for anything else): the one reader of those times."""
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except (ValueError, AttributeError):
+        return None
+
+
 def prompt_file_path(role: str, number: int) -> Path:
     return Path(run_dir) / f"{number:03d}-{role}.prompt.md"
 
@@ -1982,14 +1994,9 @@ def _unanswered_turn() -> dict | None:
     """The prompt in flight, as a turn of the run record with no reply (None when there is none)."""
     if in_flight is None:
         return None
-    first_sent = in_flight.first_sent_at or in_flight.sent_at
-    prompt_file = prompt_file_path(in_flight.role, in_flight.number) if in_flight.number else None
-    return {"role": in_flight.role, "round": in_flight.round, "phase": in_flight.phase, "cycle": in_flight.cycle,
-            "sent_at": utc_iso(first_sent, precise=True) if first_sent else "", "taken_at": "",
-            "seconds": None, "prompt_bytes": in_flight.prompt_bytes, "reply_bytes": 0,
-            "reminders": in_flight.reminders, "resends": in_flight.resends,
-            "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else "",
-            "reply_file": "", "outcome": "unanswered"}
+    facts = {**sent_turn_facts(in_flight.role), "seconds": None}
+    return TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
+                      **facts).to_json()
 
 
 def run_summary(exit_code: int | None) -> dict:
@@ -2156,20 +2163,14 @@ def _verdict_of(outcome: str | None) -> str:
 
 
 def _seconds_since(start: str, when: str) -> float | None:
-    try:
-        return (datetime.fromisoformat(when.replace("Z", "+00:00"))
-                - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
-    except ValueError:
-        return None
+    begin, end = parse_utc_iso(start), parse_utc_iso(when)
+    return (end - begin).total_seconds() if begin and end else None
 
 
 def local_time(iso: str) -> str:
     """'2026-11-25 09:13:29 CET': a time of the run record (ISO, UTC) in this machine's zone, for a person."""
-    try:
-        moment = datetime.fromisoformat(iso.replace("Z", "+00:00"))
-    except ValueError:
-        return iso or "-"
-    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    moment = parse_utc_iso(iso)
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z") if moment else (iso or "-")
 
 
 def report_duration(seconds: float | None) -> str:
@@ -2179,15 +2180,28 @@ def report_duration(seconds: float | None) -> str:
     return f"{max(0.0, seconds):.1f}s" if seconds < 10 else duration_text(seconds)
 
 
+# The report is written anew after every prompt and reply: the kept files it shows are read again only when
+# they changed (a prompt file grows by each resend or reminder), not once per page for every turn so far.
+_kept_texts: dict[Path, tuple[tuple[int, int], str]] = {}    # path -> ((mtime_ns, size), the text shown)
+
+
 def _kept_text(name: str) -> str:
     """A prompt or reply kept in the run's folder, for the report ('' when it is not there)."""
     if not name or not run_dir:
         return ""
+    path = Path(run_dir) / name
     try:
-        text = (Path(run_dir) / name).read_text(encoding="utf-8", errors="replace")
+        stat = path.stat()
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if path in _kept_texts and _kept_texts[path][0] == stamp:
+            return _kept_texts[path][1]
+        text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
-    return text if len(text) <= REPORT_TEXT_LIMIT else text[:REPORT_TEXT_LIMIT] + "\n[... cut here in the report]"
+    if len(text) > REPORT_TEXT_LIMIT:
+        text = text[:REPORT_TEXT_LIMIT] + "\n[... cut here in the report]"
+    _kept_texts[path] = (stamp, text)
+    return text
 
 
 def tester_evidence(reply: str) -> str:

@@ -30,7 +30,7 @@ def _fast_tier_only(config) -> bool:
     return not (config.getoption("--full") or config.getoption("markexpr") or config.option.file_or_dir)
 
 
-def pytest_collection_modifyitems(config, items):
+def leave_out_e2e(config, items) -> None:
     """Leave the end-to-end tests out of the fast tier, saying so in the summary (never silently)."""
     if not _fast_tier_only(config):
         return
@@ -39,6 +39,101 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("e2e")]
         config._left_out_e2e = len(slow)
+
+
+# -- Under pytest-xdist: the longest work first ---------------------------------------------------------------
+# pyproject.toml runs the suite on four workers (`-n 4 --dist loadgroup`). A unit of work is one test, or a
+# group of tests that share what their module started once (tests/e2e/conftest.py). Most of the suite's time
+# is a few long units (the real agent CLIs, the README's quick start), so they are handed out first and the
+# short ones fill the gaps: the whole run then takes about as long as its longest unit, not longer.
+# Seconds a unit takes, as measured on a 2-core machine running the suite (only their order matters):
+EXPECTED_UNIT_SECONDS = {
+    "test_real_clis:opencode_cao": 450,
+    "test_quick_start:quick_start": 300,
+    "test_real_clis:codex_cao": 250,
+    "test_real_clis:claude_cao": 240,
+    "test_unattended_e2e:restartable_cao_server": 190,
+    "test_real_clis.py::test_five_opencode_agents_start_at_once_in_a_fresh_home_two_more_times": 170,
+    "test_lost_agents_e2e:restartable_cao_server": 130,
+    "test_long_runs_e2e:claude_cao": 115,
+    "test_long_runs_e2e:codex_cao": 105,
+}
+# Any other unit: by kind (a test marked real_cli, other end-to-end tests, unit tests).
+EXPECTED_TEST_SECONDS = {"real_cli": 150, "e2e": 15}
+UNIT_TEST_SECONDS = 0.2
+
+
+def _unit_name(item) -> str:
+    """The unit an item belongs to: its xdist group, else the test itself."""
+    group = item.get_closest_marker("xdist_group")
+    return group.args[0] if group else item.nodeid
+
+
+def _expected_seconds(unit: str, items: list) -> float:
+    """How long a unit should take: measured for the long ones, by the kind of its tests for the rest."""
+    for name, seconds in EXPECTED_UNIT_SECONDS.items():
+        if unit == name or unit.endswith(name):
+            return seconds
+    kinds = [next((s for m, s in EXPECTED_TEST_SECONDS.items() if item.get_closest_marker(m)), UNIT_TEST_SECONDS)
+             for item in items]
+    return sum(kinds)
+
+
+@pytest.hookimpl(trylast=True)     # after tests/e2e/conftest.py has put tests in their groups
+def pytest_collection_modifyitems(config, items):
+    """The fast tier alone without --full; under xdist, the tests longest unit first."""
+    leave_out_e2e(config, items)
+    if hasattr(config, "workerinput"):      # a pytest-xdist worker: the workers collect, the controller schedules
+        longest_unit_first(items)
+
+
+def longest_unit_first(items) -> None:
+    """Order the collected tests longest unit first, a unit's tests together in their own order: the order
+    in which the scheduler below hands them out."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(_unit_name(item), []).append(item)
+    ordered = sorted(units.items(), key=lambda unit: -_expected_seconds(*unit))
+    items[:] = [item for _, unit_items in ordered for item in unit_items]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, handing out units in collection order (longest first, above), and a worker's next
+    unit only when the last test of its current one is left: no long unit waits in one worker's queue
+    while another worker sits idle."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class LongestFirst(LoadGroupScheduling):
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            # A worker runs a test only once it knows the next one: one test left is the time to send more.
+            if self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    config.option.loadscopereorder = False
+    return LongestFirst(config, log)
+
+
+# Under pytest-xdist the workers collect and deselect; what they counted reaches the controller here.
+
+def pytest_sessionfinish(session):
+    """On a worker: hand the count of end-to-end tests it left out to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["left_out_e2e"] = getattr(session.config, "_left_out_e2e", 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """On the controller: every worker collected the whole suite, so any one of them has the count."""
+    left_out = getattr(node, "workeroutput", {}).get("left_out_e2e", 0)
+    node.config._left_out_e2e = max(getattr(node.config, "_left_out_e2e", 0), left_out)
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -669,3 +669,19 @@ def test_a_page_that_cannot_be_written_never_stops_the_run(load_orch, fake_cao, 
     folder = Path(m.run_dir)
     assert (folder / "summary.json").is_file()
     assert not (folder / "report.html").exists() and not list(folder.glob(".report.html.*"))
+
+
+def test_the_report_reads_a_kept_file_again_only_when_it_has_changed(orch, tmp_path, monkeypatch):
+    """The page is written after every prompt and reply: a kept prompt or reply is read from disk once,
+    and again only when it changed (a resend appended to a prompt file)."""
+    orch.update_run(run_dir=str(tmp_path))
+    kept = tmp_path / "001-analyst.prompt.md"
+    kept.write_text("the prompt", encoding="utf-8")
+    reads = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
+    assert [orch._kept_text(kept.name) for _ in range(3)] == ["the prompt"] * 3
+    assert reads == [kept.name]
+    kept.write_text("the prompt\n\n--- sent again ---\nthe prompt", encoding="utf-8")
+    assert orch._kept_text(kept.name).endswith("--- sent again ---\nthe prompt")
+    assert reads == [kept.name, kept.name]

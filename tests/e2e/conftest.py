@@ -14,6 +14,7 @@ suite would look like a pass, so the fixture fails instead.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 
@@ -35,21 +36,30 @@ def pytest_configure(config):
 
 _e2e_outcomes: list[tuple[str, str]] = []
 
-
-_e2e_ids: set[str] = set()
+# What a module starts once for its tests (module-scoped fixtures: a server, the README's quick start).
+# Under pytest-xdist (`--dist loadgroup`, as pyproject.toml sets) the tests of a module that share one of
+# these are one group: one worker runs them in order, on the one server. Every other end-to-end test may
+# run on any worker, each worker with its own mock_cli server (`cao_server`), so the waits overlap.
+STARTED_ONCE_PER_MODULE = ("claude_cao", "codex_cao", "opencode_cao", "restartable_cao_server",
+                           "cao_with_token", "quick_start")
 
 
 def pytest_collection_modifyitems(items):
-    """Which collected tests are end-to-end ones (marked e2e); the scripted model's own tests are not."""
-    _e2e_ids.update(item.nodeid for item in items if item.get_closest_marker("e2e"))
+    """Group the tests that share what their module started once, so that one worker runs them."""
+    for item in items:
+        shared = next((name for name in STARTED_ONCE_PER_MODULE if name in getattr(item, "fixturenames", ())),
+                      None)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__.rsplit('.', 1)[-1]}:{shared}"))
 
 
 def pytest_runtest_logreport(report):
-    """Remember each end-to-end test's outcome for the summary below."""
-    if report.nodeid not in _e2e_ids:
+    """Remember each end-to-end test's outcome (marked e2e; the scripted model's own tests are not) for the
+    summary below; under pytest-xdist the controller gets every worker's reports."""
+    if "e2e" not in report.keywords:
         return
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        _e2e_outcomes.append((report.outcome.upper(), report.nodeid))
+        _e2e_outcomes.append((report.outcome.upper(), report.nodeid.rsplit("@", 1)[0]))
 
 
 REAL_CLI_THINK_SECONDS = 0.2    # the scripted model's think time per request in the real-CLI tests
@@ -59,6 +69,22 @@ REAL_CLI_THINK_SECONDS = 0.2    # the scripted model's think time per request in
 REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float]]] = {}
 # provider -> [(seconds until all five agents were up, whether some needed a second try)], in a fresh HOME.
 REAL_CLI_START_UPS: dict[str, list[tuple[float, bool]]] = {}
+
+
+def pytest_sessionfinish(session):
+    """On a pytest-xdist worker: hand the real CLIs' turn and start-up times to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["real_cli_times"] = json.dumps([REAL_CLI_TURN_TIMES, REAL_CLI_START_UPS])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """On the controller: add a worker's real-CLI times to the summary's."""
+    turn_times, start_ups = json.loads(getattr(node, "workeroutput", {}).get("real_cli_times", "[{}, {}]"))
+    for provider, times in turn_times.items():
+        REAL_CLI_TURN_TIMES.setdefault(provider, []).extend(tuple(t) for t in times)
+    for provider, times in start_ups.items():
+        REAL_CLI_START_UPS.setdefault(provider, []).extend(tuple(t) for t in times)
 
 
 def pytest_terminal_summary(terminalreporter):

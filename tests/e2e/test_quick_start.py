@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,22 @@ def _fresh_user_env(home: Path, tmux_dir: Path) -> dict[str, str]:
     return env
 
 
-def test_readme_quick_start_reaches_pass(tmp_path):
+@dataclass
+class QuickStart:
+    """What the README's quick start left: its transcript and exit code, and the new user's HOME, clone and
+    environment (with the virtual environment the block made)."""
+
+    returncode: int | None
+    transcript: str
+    tmux_servers_left: list[str]
+    left_link: bool
+    home: Path
+    clone: Path
+    env: dict[str, str]
+
+
+def run_quick_start(tmp_path: Path) -> QuickStart:
+    """Run the README's quick start block as a new user would, in a fresh clone, HOME and tmux directory."""
     missing = [tool for tool in ("git", "tmux", "curl", "bash") if shutil.which(tool) is None]
     if missing:
         message = f"the quick start needs {', '.join(missing)}"
@@ -115,13 +131,24 @@ def test_readme_quick_start_reaches_pass(tmp_path):
         _clean_up(proc, env, old_link)
     if os.environ.get("QUICK_START_TRANSCRIPT"):
         Path(os.environ["QUICK_START_TRANSCRIPT"]).write_text(transcript, encoding="utf-8")
+    return QuickStart(proc.returncode, transcript, tmux_servers_left, left_link, home, clone, env)
 
-    assert proc.returncode == 0, f"the quick start failed (exit {proc.returncode}):\n{transcript[-6000:]}"
-    assert not tmux_servers_left, f"the quick start left a tmux server running: {tmux_servers_left}"
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory) -> QuickStart:
+    """The quick start, run once for the tests below: the second goes on where a new user who ran it is."""
+    return run_quick_start(tmp_path_factory.mktemp("quick-start"))
+
+
+def test_readme_quick_start_reaches_pass(quick_start):
+    transcript = quick_start.transcript
+    assert quick_start.returncode == 0, f"the quick start failed (exit {quick_start.returncode}):\n{transcript[-6000:]}"
+    assert not quick_start.tmux_servers_left, f"the quick start left a tmux server running: {quick_start.tmux_servers_left}"
     assert re.search(r"PASS in round 1", transcript), transcript[-4000:]
-    assert not left_link, "the quick start left /usr/local/bin/mock_cli behind"
-    summaries = [p for p in (home / "try-loop" / ".tmp").glob("*/summary.json") if p.parent.name != "latest"]
-    assert len(summaries) == 1, f"expected one run summary under {home / 'try-loop' / '.tmp'}"
+    assert not quick_start.left_link, "the quick start left /usr/local/bin/mock_cli behind"
+    runs = quick_start.home / "try-loop" / ".tmp"
+    summaries = [p for p in runs.glob("*/summary.json") if p.parent.name != "latest"]
+    assert len(summaries) == 1, f"expected one run summary under {runs}"
     summary = json.loads(summaries[0].read_text(encoding="utf-8"))
     # Defaults: two review cycles for the analysis and the code (an approval counts from cycle 2),
     # then the tester: 9 turns, each answered once.
@@ -166,26 +193,22 @@ def readme_unit_test_command(readme: str) -> str:
     return match.group(1)
 
 
-def test_readme_unit_test_command_runs_where_the_quick_start_installed_cao(tmp_path):
-    """A fresh clone and virtual environment holding the project and cli-agent-orchestrator 2.5.4, as the quick
-    start makes it (CAO brings libtmux, whose pytest plugin broke collection), plus the test extras: the
-    README's unit-test command, run as written, passes and reports no end-to-end section."""
-    clone = tmp_path / "orchestrator-loop"
-    subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True, timeout=120)
-    home = tmp_path / "home"
-    home.mkdir()
-    env = _fresh_user_env(home, tmp_path)
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+def test_readme_unit_test_command_runs_where_the_quick_start_installed_cao(quick_start):
+    """Where the quick start left a new user (its clone, and its virtual environment holding the project and
+    cli-agent-orchestrator 2.5.4, which brings libtmux, whose pytest plugin broke collection), the README's
+    test install and then its unit-test command, run as written, pass and report no end-to-end section."""
+    assert quick_start.returncode == 0, f"the quick start failed, so there is nothing to go on from:\n" \
+                                        f"{quick_start.transcript[-3000:]}"
+    env = dict(quick_start.env)
+    venv = quick_start.home / ".venvs" / "loop"            # where the quick start made it
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    install = subprocess.run(["pip", "install", "-q", "-e", ".[test]", "cli-agent-orchestrator==2.5.4"], cwd=clone,
-                             env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    install = subprocess.run(["pip", "install", "-q", "-e", ".[test]"], cwd=quick_start.clone, env=env,
+                             capture_output=True, text=True, timeout=TIMEOUT)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     command = readme_unit_test_command(README.read_text(encoding="utf-8"))
-    result = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True,
-                            timeout=TIMEOUT)
+    result = subprocess.run(["bash", "-c", command], cwd=quick_start.clone, env=env, capture_output=True,
+                            text=True, timeout=TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert re.search(r"\d+ passed", output) and "Marks cannot be applied" not in output, output[-3000:]
     assert "end-to-end tests against a real cao-server" not in output, output[-3000:]
-    assert re.search(r"fast tier: \d+ end-to-end tests left out", output), output[-3000:]
