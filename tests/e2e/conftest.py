@@ -196,6 +196,19 @@ def cao_with_token():
         server.kill_all_sessions()
 
 
+REAL_CLI_SERVERS = ("claude_cao", "codex_cao", "opencode_cao")
+
+
+@pytest.fixture(autouse=True)
+def _agents_end_with_their_test(request):
+    """A real-CLI server lives for its module, its agents for one test: an idle agent CLI still uses CPU
+    (five idle OpenCode agents about half a core), which the tests running beside it would pay for."""
+    yield
+    for name in REAL_CLI_SERVERS:
+        if name in request.fixturenames:
+            request.getfixturevalue(name).kill_all_sessions()
+
+
 @pytest.fixture(scope="module")
 def claude_cao():
     """A private server whose profiles run the pinned Claude Code against a ScriptedModel.

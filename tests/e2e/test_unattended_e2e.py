@@ -182,16 +182,17 @@ def test_server_killed_while_agent_works_run_finishes_without_repeating_a_turn(r
 
     The kill comes once CAO has answered the programmer's prompt (its access
     log says so), so only the watching of the turn is disturbed, not the
-    delivery. The programmer is still thinking when the server is back; from
-    then on CAO answers ``unknown`` for every terminal of the run, so the rest
-    of the turn and a whole FAIL -> PASS round are judged by reply files and
-    still screens alone. IDLE_GRACE_SECONDS stays at 10: the mock thinks
-    without printing, and a shorter grace would remind it mid-thought.
+    delivery. The programmer is still thinking when the server is back (it
+    thinks 30 s: a loaded machine may take ten seconds or more to start the
+    server again); from then on CAO answers ``unknown`` for every terminal of
+    the run, so the rest of the turn and a whole FAIL -> PASS round are judged
+    by reply files and screens alone. The thinking mock repaints its timer
+    every second, so its screen is never still and it is never reminded.
     """
     cao = restartable_cao
     run = unattended_run(cao, IDLE_GRACE_SECONDS="10")
     cao.set_script({"tester": [FAIL_REPLY, PASS_REPLY],
-                    "programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 9000}, PROGRAMMER_REPLY]})
+                    "programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 30000}, PROGRAMMER_REPLY]})
     live = start_run(run)
     live.wait_until(lambda: "programmer" in run.roles_prompted(), "the programmer got its prompt")
     programmer = run.state()["terminals"]["programmer"]
