@@ -2776,7 +2776,9 @@ class TurnFacts:
             return
         if self.markers and not self.prompt_seen and shows_prompt(screen, self.markers):
             self.prompt_seen = True
-        self.mark = turn_mark(screen)
+        # CAO's screen is the tail of what the CLI printed: a spinner redrawn many times a second can push the
+        # turn's mark out of it. A mark the turn showed stands until the screen shows another (or a new prompt).
+        self.mark = turn_mark(screen) or self.mark
         if self.mark == "ended":
             self.turn_ended_at = now if self.turn_ended_at is None else self.turn_ended_at
             self.ready_since_file = self.ready_since_file or self.file_version is not None

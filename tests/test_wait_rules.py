@@ -335,6 +335,22 @@ def test_a_cli_marked_working_outranks_a_stale_ready_status(m):
     assert decide(m, facts, 2.0 + GRACE + 10) == ("WORKING", "WAIT")         # never reminded while it works
 
 
+def test_a_working_mark_pushed_off_the_screen_still_stands(m):
+    """CAO's screen is the tail of what Codex printed: its spinner, redrawn many times a second, can push the
+    working mark out of it while the CLI works on past a draft. With CAO's stale `completed`, the draft is
+    still not taken, nor is the agent idle; the end mark, when it shows, ends the turn."""
+    facts = sent_at_zero(m)
+    facts.note_screen(f"{WORKING_MARK} Working (1s)", 1.0)
+    facts.note_file(FILE, 3.0)
+    facts.note_status("completed", 3.0 + SETTLE)
+    facts.note_screen(" Working (3s)" * 50, 3.0 + SETTLE)                       # no mark left on the screen
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    assert not facts.is_idle(3.0 + SETTLE)
+    facts.note_file((FILE[0] + 1, 50), 5.0)                                      # the final answer
+    facts.note_screen(f" Working (5s){DONE_MARK}{IDLE_MARK} > Ask Codex", 5.0 + SETTLE)
+    assert decide(m, facts, 5.0 + SETTLE) == ("DONE", "TAKE_REPLY")
+
+
 def test_a_settled_file_is_taken_once_the_cli_marks_its_turn_ended_though_cao_says_processing(m):
     facts = sent_at_zero(m)
     facts.note_status("processing", 2.0)
