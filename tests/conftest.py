@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -83,6 +85,9 @@ def _expected_seconds(unit: str, items: list) -> float:
 def pytest_collection_modifyitems(config, items):
     """The fast tier alone without --full; under xdist, the tests longest unit first."""
     leave_out_e2e(config, items)
+    for item in items:          # a report carries this to the summary (its keywords also hold folder names)
+        if item.get_closest_marker("e2e"):
+            item.user_properties.append(("marked", "e2e"))
     if hasattr(config, "workerinput"):      # a pytest-xdist worker: the workers collect, the controller schedules
         longest_unit_first(items)
 
@@ -121,7 +126,31 @@ def pytest_xdist_make_scheduler(config, log):
     return LongestFirst(config, log)
 
 
-# Under pytest-xdist the workers collect and deselect; what they counted reaches the controller here.
+# -- The summary: what the fast tier left out, each end-to-end test's outcome, the real CLIs' times -----------
+# Under pytest-xdist the workers collect and run the tests and the controller prints the summary: what the
+# workers counted and measured reaches it in their `workeroutput` (tests/e2e/conftest.py fills it).
+
+_e2e_outcomes: list[tuple[str, str]] = []
+# provider -> [(role, turn seconds, seconds from reply file written to reply taken)], from the loop's log
+_real_cli_turn_times: dict[str, list] = {}
+# provider -> [(seconds until all five agents were up, whether some needed a second try)], in a fresh HOME
+_real_cli_start_ups: dict[str, list] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Remember each end-to-end test's outcome (marked e2e; the scripted model's own tests are not)."""
+    if ("marked", "e2e") not in report.user_properties:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _e2e_outcomes.append((report.outcome.upper(), report.nodeid.rsplit("@", 1)[0]))
+
+
+def _add_real_cli_times(turn_times: dict, start_ups: dict) -> None:
+    for provider, times in turn_times.items():
+        _real_cli_turn_times.setdefault(provider, []).extend(tuple(t) for t in times)
+    for provider, times in start_ups.items():
+        _real_cli_start_ups.setdefault(provider, []).extend(tuple(t) for t in times)
+
 
 def pytest_sessionfinish(session):
     """On a worker: hand the count of end-to-end tests it left out to the controller."""
@@ -131,9 +160,11 @@ def pytest_sessionfinish(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """On the controller: every worker collected the whole suite, so any one of them has the count."""
-    left_out = getattr(node, "workeroutput", {}).get("left_out_e2e", 0)
-    node.config._left_out_e2e = max(getattr(node.config, "_left_out_e2e", 0), left_out)
+    """On the controller: every worker collected the whole suite, so any one of them has the count; each
+    has the real-CLI times of the tests it ran."""
+    output = getattr(node, "workeroutput", {})
+    node.config._left_out_e2e = max(getattr(node.config, "_left_out_e2e", 0), output.get("left_out_e2e", 0))
+    _add_real_cli_times(*json.loads(output.get("real_cli_times", "[{}, {}]")))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -141,6 +172,29 @@ def pytest_terminal_summary(terminalreporter, config):
     if left_out:
         terminalreporter.write_line(f"fast tier: {left_out} end-to-end tests left out; `{FULL_SUITE_COMMAND}` "
                                     "runs the whole suite")
+    _e2e_summary(terminalreporter, config)
+
+
+def _e2e_summary(terminalreporter, config) -> None:
+    """Name every end-to-end test and its outcome, so a log shows they ran (and were not skipped), then the
+    real CLIs' turn and start-up times."""
+    if not _e2e_outcomes:
+        return
+    _add_real_cli_times(*getattr(config, "real_cli_times", [{}, {}]))      # a run without workers
+    terminalreporter.section("end-to-end tests against a real cao-server")
+    for outcome, nodeid in _e2e_outcomes:
+        terminalreporter.write_line(f"{outcome:8} {nodeid}")
+    for provider, times in sorted(_real_cli_turn_times.items()):
+        took = [t for _, t, _ in times]
+        lag = [g for _, _, g in times]
+        terminalreporter.write_line(
+            f"{provider}: {len(times)} turns; turn {statistics.median(took):.1f}s median, {max(took):.1f}s max; "
+            f"reply taken {statistics.median(lag):.1f}s median, {max(lag):.1f}s max after its file was written")
+    for provider, start_ups in sorted(_real_cli_start_ups.items()):
+        terminalreporter.write_line(
+            f"{provider}: five agents started at once in a fresh HOME {len(start_ups)} times: all up after "
+            + ", ".join(f"{seconds:.1f}s" + (" (with a second try)" if again else "") for seconds, again in start_ups))
+
 
 SETTING_NAMES = [s.env for s in run_orchestrator_loop.SETTINGS] + list(run_orchestrator_loop.SECRET_VARIABLES)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 
 import pytest
 
@@ -33,8 +32,6 @@ def pytest_configure(config):
         "cao-server, against a scripted model endpoint",
     )
 
-
-_e2e_outcomes: list[tuple[str, str]] = []
 
 # What a module starts once for its tests (module-scoped fixtures: a server, the README's quick start).
 # Under pytest-xdist (`--dist loadgroup`, as pyproject.toml sets) the tests of a module that share one of
@@ -53,14 +50,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__.rsplit('.', 1)[-1]}:{shared}"))
 
 
-def pytest_runtest_logreport(report):
-    """Remember each end-to-end test's outcome (marked e2e; the scripted model's own tests are not) for the
-    summary below; under pytest-xdist the controller gets every worker's reports."""
-    if "e2e" not in report.keywords:
-        return
-    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        _e2e_outcomes.append((report.outcome.upper(), report.nodeid.rsplit("@", 1)[0]))
-
+# The summary of the end-to-end tests (each one's outcome, the real CLIs' times) is printed by
+# tests/conftest.py: under pytest-xdist the controller, which prints it, never loads this file.
 
 REAL_CLI_THINK_SECONDS = 0.2    # the scripted model's think time per request in the real-CLI tests
 
@@ -72,38 +63,13 @@ REAL_CLI_START_UPS: dict[str, list[tuple[float, bool]]] = {}
 
 
 def pytest_sessionfinish(session):
-    """On a pytest-xdist worker: hand the real CLIs' turn and start-up times to the controller."""
+    """Hand the real CLIs' turn and start-up times to the summary, which tests/conftest.py prints: on a
+    pytest-xdist worker through the controller, in a run without workers on the config."""
+    times = [REAL_CLI_TURN_TIMES, REAL_CLI_START_UPS]
     if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["real_cli_times"] = json.dumps([REAL_CLI_TURN_TIMES, REAL_CLI_START_UPS])
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """On the controller: add a worker's real-CLI times to the summary's."""
-    turn_times, start_ups = json.loads(getattr(node, "workeroutput", {}).get("real_cli_times", "[{}, {}]"))
-    for provider, times in turn_times.items():
-        REAL_CLI_TURN_TIMES.setdefault(provider, []).extend(tuple(t) for t in times)
-    for provider, times in start_ups.items():
-        REAL_CLI_START_UPS.setdefault(provider, []).extend(tuple(t) for t in times)
-
-
-def pytest_terminal_summary(terminalreporter):
-    """Name every end-to-end scenario and its outcome, so a log shows they ran (and were not skipped)."""
-    if not _e2e_outcomes:
-        return
-    terminalreporter.section("end-to-end tests against a real cao-server")
-    for outcome, nodeid in _e2e_outcomes:
-        terminalreporter.write_line(f"{outcome:8} {nodeid}")
-    for provider, times in sorted(REAL_CLI_TURN_TIMES.items()):
-        took = [t for _, t, _ in times]
-        lag = [g for _, _, g in times]
-        terminalreporter.write_line(
-            f"{provider}: {len(times)} turns; turn {statistics.median(took):.1f}s median, {max(took):.1f}s max; "
-            f"reply taken {statistics.median(lag):.1f}s median, {max(lag):.1f}s max after its file was written")
-    for provider, start_ups in sorted(REAL_CLI_START_UPS.items()):
-        terminalreporter.write_line(
-            f"{provider}: five agents started at once in a fresh HOME {len(start_ups)} times: all up after "
-            + ", ".join(f"{seconds:.1f}s" + (" (with a second try)" if again else "") for seconds, again in start_ups))
+        session.config.workeroutput["real_cli_times"] = json.dumps(times)
+    else:
+        session.config.real_cli_times = times
 
 
 def running_in_ci() -> bool:
