@@ -530,13 +530,26 @@ def copilot_config_path(home: Path) -> Path:
 
 
 def write_copilot_home(home: Path, workdirs: list[Path] = ()) -> None:
-    """``~/.copilot/config.json``: first start done, tips seen, ``workdirs`` trusted (no folder-trust dialog)."""
+    """``~/.copilot/config.json``: first start done, tips seen, ``workdirs`` trusted (no folder-trust dialog);
+    ``~/.copilot/settings.json``: CAO's own MCP server disabled (see COPILOT_DISABLED_MCP_SERVERS)."""
     _write_json(copilot_config_path(home), {
         "firstLaunchAt": "2026-01-01T00:00:00.000Z",
         "appTipShown": True,
         "reasoningSummariesCleanupDone": True,
         "trustedFolders": [str(Path(wd)) for wd in workdirs],
     })
+    _write_json(copilot_settings_path(home), {"disabledMcpServers": COPILOT_DISABLED_MCP_SERVERS})
+
+
+def copilot_settings_path(home: Path) -> Path:
+    return home / ".copilot" / "settings.json"
+
+
+# CAO 2.5.4 hands Copilot its own MCP server (cao-mcp-server, --additional-mcp-config); Copilot 1.0.102's
+# MCP client fails its handshake ("connection is serving the 2026-07-28 protocol; the initialize handshake
+# is not accepted"), waits for it first ("taking longer than expected to connect"), and the failure it
+# prints (`JSON-RPC error: -32022`) makes CAO read the finished turn as `error`. The loop uses no MCP tool.
+COPILOT_DISABLED_MCP_SERVERS = ["cao-mcp-server"]
 
 
 def trust_copilot_workdir(home: Path, workdir: Path) -> None:

@@ -1,4 +1,5 @@
-"""The loop with the real agent CLIs users run: Claude Code, Codex and OpenCode, each under CAO's own provider.
+"""The loop with the real agent CLIs users run: Claude Code, Codex, OpenCode, GitHub Copilot CLI and Hermes
+Agent, each under CAO's own provider.
 
 Each CLI is the pinned npm release (``agent_clis.py``), started by a private
 cao-server with a private HOME, and talks to a scripted model endpoint on
@@ -303,3 +304,21 @@ def test_five_opencode_agents_start_at_once_in_a_fresh_home_two_more_times():
             assert all(status in ("idle", "completed") for status in report["statuses"].values()), report
             second_try = "again, one at a time" in result.stdout
             REAL_CLI_START_UPS.setdefault("opencode_cli", []).append((report["seconds"], second_try))
+
+
+# ---------------------------------------------------------------------------
+# GitHub Copilot CLI, under CAO's copilot_cli provider (started with --autopilot)
+# ---------------------------------------------------------------------------
+
+def test_copilot_fail_then_pass(copilot_cao):
+    """Copilot: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend."""
+    fail_then_pass(copilot_cao)
+
+
+# ---------------------------------------------------------------------------
+# Hermes Agent, under CAO's hermes provider
+# ---------------------------------------------------------------------------
+
+def test_hermes_fail_then_pass(hermes_cao):
+    """Hermes: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend."""
+    fail_then_pass(hermes_cao)
