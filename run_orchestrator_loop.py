@@ -2449,7 +2449,7 @@ TURN_ENDED_MARKS = ("done", "idle")
 
 # What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
 # screen its own way, and for some it reads wrong (docs/agent-clis.md says which,
-# and for which versions): OpenCode is reported `idle` or `completed` while it
+# and for which versions): OpenCode (and Copilot CLI) is reported `idle` or `completed` while it
 # works (in a terminal's later turns, for the whole turn), so a reply file it
 # rewrites later in its turn would be taken at its first write. For such a CLI
 # a ready status counts for nothing -- the loop judges by the screen as it does
@@ -2471,6 +2471,9 @@ class CliTraits:
 
 CLI_TRAITS: dict[str, CliTraits] = {
     "opencode_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
+    # Copilot CLI: CAO read a ready status while it was still at work on a turn (a draft reply file was
+    # taken for the answer); its status bar spinner (`◎ Working`) turns four times a second while it works.
+    "copilot_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
 }
 
 
