@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -185,19 +186,19 @@ def copilot_pkg_cache(prefix: Path | None = None) -> Path:
 def _copilot_ready(prefix: Path) -> bool:
     marker = prefix / _COPILOT_MARKER
     return (marker.is_file() and marker.read_text() == f"{COPILOT_PACKAGE}@{COPILOT_VERSION}\n"
-            and (prefix / "bin" / "copilot").exists()
+            and (prefix / "native-bin" / "copilot").exists()
             and (copilot_pkg_cache(prefix) / "pkg" / "linux-x64" / COPILOT_VERSION / "index.js").is_file())
 
 
 def ensure_copilot(prefix: Path | str | None = None) -> Path:
-    """Return the bin directory holding the pinned ``copilot``, installed with npm on first use."""
+    """Return a directory holding the pinned ``copilot`` (its native binary alone), installed with npm on first use."""
     prefix = Path(prefix).expanduser() if prefix is not None else default_copilot_prefix()
     if _copilot_ready(prefix):
-        return prefix / "bin"
+        return prefix / "native-bin"
     spec = f"{COPILOT_PACKAGE}@{COPILOT_VERSION}"
     _require_npm([spec])
     install_once(prefix, _copilot_ready, _install_copilot, AgentCliInstallError, COPILOT_PREFIX_ENV_VAR)
-    return prefix / "bin"
+    return prefix / "native-bin"
 
 
 def _copilot_native(prefix: Path) -> Path:
@@ -214,18 +215,31 @@ def _install_copilot(prefix: Path) -> None:
     if COPILOT_VERSION not in got:
         raise AgentCliInstallError(f"{prefix / 'bin' / 'copilot'} --version answered {got!r}, expected {COPILOT_VERSION}")
     native = _copilot_native(prefix)
-    if native.is_file():
+    if not native.is_file():
+        raise AgentCliInstallError(f"{spec} installed without its native binary {native}")
+    if True:
         # Unpack its package now, once, instead of in every private HOME at each first start.
         env = {**os.environ, "COPILOT_SEA_EXTRACT_ONLY": "1", "COPILOT_PKG_CACHE_HOME": str(copilot_pkg_cache(prefix))}
         subprocess.run([str(native)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=300, check=False)
     if not (copilot_pkg_cache(prefix) / "pkg" / "linux-x64" / COPILOT_VERSION / "index.js").is_file():
         raise AgentCliInstallError(f"Copilot {COPILOT_VERSION} did not unpack its package into {copilot_pkg_cache(prefix)}")
+    # The agents run the native binary itself: npm's `copilot` is a node script that starts it as a child,
+    # so a kill of the pane's process (a crash, in the tests) would leave the real CLI running.
+    native_bin = prefix / "native-bin"
+    native_bin.mkdir(exist_ok=True)
+    link = native_bin / "copilot"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(native)
     marker.write_text(f"{spec}\n")
 
 
 # Hermes Agent: a PyPI package needing Python 3.11+, in a virtualenv of its own; only `hermes` is put
-# on the agents' PATH (a symlink in bin/), not the virtualenv's python and pip.
+# on the agents' PATH (a script in bin/), not the virtualenv's python and pip. That script adds
+# --pass-session-id, which puts `Session ID: <id>` in Hermes's system prompt: Hermes sends no session of
+# its own with its requests, and the scripted model needs one to tell a new agent's prompt (a replaced
+# agent's) from a retry of the same request.
 _HERMES_MARKER = ".hermes-install-complete"
 
 
@@ -235,8 +249,9 @@ def default_hermes_dir() -> Path:
 
 def _hermes_ready(root: Path) -> bool:
     marker = root / _HERMES_MARKER
+    script = root / "bin" / "hermes"
     return (marker.is_file() and marker.read_text().strip() == HERMES_REQUIREMENT
-            and (root / "bin" / "hermes").exists())
+            and script.is_file() and not script.is_symlink())
 
 
 def hermes_python() -> str | None:
@@ -270,10 +285,11 @@ def _install_hermes(root: Path) -> None:
                       HERMES_REQUIREMENT], f"pip install {HERMES_REQUIREMENT}", 900, AgentCliInstallError)
     bins = root / "bin"
     bins.mkdir(parents=True, exist_ok=True)
-    link = bins / "hermes"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(venv / "bin" / "hermes")
+    script = bins / "hermes"
+    if script.is_symlink() or script.exists():
+        script.unlink()
+    script.write_text(f"#!/bin/sh\nexec {shlex.quote(str(venv / 'bin' / 'hermes'))} --pass-session-id \"$@\"\n")
+    script.chmod(0o755)
     # Its metadata, not `hermes --version`: that writes ~/.hermes into the HOME it runs in.
     got = run_install_step([str(python), "-c", f"import importlib.metadata as m; print(m.version({HERMES_PACKAGE!r}))"],
                            "reading Hermes's installed version", 60, AgentCliInstallError).strip()

@@ -115,6 +115,8 @@ CHAT_SHELL_TOOLS = ("bash", "terminal", "shell", "exec_command")   # OpenCode an
 # with plain text is sent back to the model with "You have not yet marked the task as complete".
 COMPLETE_TOOL = "task_complete"
 COMPLETE_CALL_PREFIX = "call_complete_"
+# Hermes started with --pass-session-id ends its system prompt's date line with its session.
+HERMES_SESSION_LINE = re.compile(r"^Session ID: (\S+)\s*$", re.M)
 MAX_LOGGED_BODIES = 5000
 # The last user message of a compaction request: Claude Code's (it begins "CRITICAL: Respond with
 # TEXT ONLY") contains the first, Codex's begins with the second.
@@ -506,6 +508,9 @@ def parse_chat(body: dict) -> Conversation:
         if not isinstance(message, dict):
             continue
         role = message.get("role")
+        if role == "system" and not convo.conversation_id:
+            found = HERMES_SESSION_LINE.search(_text_of(message.get("content")))
+            convo.conversation_id = found.group(1) if found else ""
         if role == "user":
             text = _strip_reminders(_text_of(message.get("content")))
             if text:
@@ -1095,7 +1100,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _chat(self, body: dict, size: int) -> None:
         """Answer a chat completions request (OpenCode, Copilot, Hermes), streaming when asked to."""
         convo = parse_chat(body)
-        convo.conversation_id = self.headers.get("x-session-id", "")   # OpenCode's session, in a header
+        # OpenCode's session, in a header; else Hermes's, in its system prompt (parse_chat)
+        convo.conversation_id = self.headers.get("x-session-id") or convo.conversation_id
         reply = self.model.decide(convo)
         if reply.error_status:
             self._send_json(reply.error_status, *error_body(reply, "chat"))

@@ -612,3 +612,19 @@ def test_models_are_listed_and_each_answers_by_id(model):
     with urllib.request.urlopen(model.url + "/v1/models/scripted-small", timeout=10) as resp:
         assert json.loads(resp.read())["id"] == "scripted-small"
     assert model.unknown_requests == []
+
+
+def test_hermes_sessions_in_the_system_prompt_tell_a_new_agent_from_a_retry(model, tmp_path):
+    """Hermes (with --pass-session-id) names its session in its system prompt: the same prompt again in
+    that session is a retry (no step); in another session (a replaced agent) it takes the next step."""
+    target = tmp_path / "programmer_summary.md"
+    model.set_script({"programmer": ["one\n", "two\n"]})
+    for session, expected in (("20261125_1_aa", "one\n"), ("20261125_1_aa", "one\n"), ("20261125_2_bb", "two\n")):
+        chat = ToolChat(model, HERMES_TOOLS)
+        chat.messages = [{"role": "system", "content": f"You are Hermes.\nConversation started: today\n"
+                                                       f"Session ID: {session}\nModel: scripted"}]
+        _, message = chat.send(prompt_text(target))
+        subprocess.run(["bash", "-c", json.loads(message["tool_calls"][0]["function"]["arguments"])["command"]],
+                       check=True)
+        assert target.read_text() == expected
+    assert model.turns() == {"programmer": 2}
