@@ -320,6 +320,11 @@ def test_copilot_fail_then_pass_with_a_model_per_role(copilot_cao):
     assert "warning" not in stdout
 
 
+def test_copilot_story_mode(copilot_cao):
+    """Story mode with Copilot."""
+    story_mode(copilot_cao)
+
+
 def test_copilot_killed_mid_turn_is_replaced_and_the_run_passes(copilot_cao):
     """Copilot's process killed while it works on the programmer's turn."""
     killed_mid_turn(copilot_cao, "copilot")
@@ -336,6 +341,11 @@ def test_hermes_fail_then_pass_with_a_model_per_role(hermes_cao):
     stdout = fail_then_pass(hermes_cao, **settings)
     assert hermes_cao.model.models_by_role() == expected
     assert "warning" not in stdout
+
+
+def test_hermes_story_mode(hermes_cao):
+    """Story mode with Hermes."""
+    story_mode(hermes_cao)
 
 
 def test_hermes_killed_mid_turn_is_replaced_and_the_run_passes(hermes_cao):
