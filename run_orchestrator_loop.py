@@ -2472,7 +2472,8 @@ class CliTraits:
 CLI_TRAITS: dict[str, CliTraits] = {
     "opencode_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
     # Copilot CLI: CAO read a ready status while it was still at work on a turn (a draft reply file was
-    # taken for the answer); its status bar spinner (`◎ Working`) turns four times a second while it works.
+    # taken for the answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after
+    # a prompt was sent); its status bar spinner (`◎ Working`) turns four times a second while it works.
     "copilot_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
 }
 
