@@ -217,11 +217,10 @@ def _install_copilot(prefix: Path) -> None:
     native = _copilot_native(prefix)
     if not native.is_file():
         raise AgentCliInstallError(f"{spec} installed without its native binary {native}")
-    if True:
-        # Unpack its package now, once, instead of in every private HOME at each first start.
-        env = {**os.environ, "COPILOT_SEA_EXTRACT_ONLY": "1", "COPILOT_PKG_CACHE_HOME": str(copilot_pkg_cache(prefix))}
-        subprocess.run([str(native)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=300, check=False)
+    # Unpack its package now, once, instead of in every private HOME at each first start.
+    env = {**os.environ, "COPILOT_SEA_EXTRACT_ONLY": "1", "COPILOT_PKG_CACHE_HOME": str(copilot_pkg_cache(prefix))}
+    subprocess.run([str(native)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=300, check=False)
     if not (copilot_pkg_cache(prefix) / "pkg" / "linux-x64" / COPILOT_VERSION / "index.js").is_file():
         raise AgentCliInstallError(f"Copilot {COPILOT_VERSION} did not unpack its package into {copilot_pkg_cache(prefix)}")
     # The agents run the native binary itself: npm's `copilot` is a node script that starts it as a child,
