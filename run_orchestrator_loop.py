@@ -2449,7 +2449,7 @@ TURN_ENDED_MARKS = ("done", "idle")
 
 # What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
 # screen its own way, and for some it reads wrong (docs/agent-clis.md says which,
-# and for which versions): OpenCode (and Copilot CLI) is reported `idle` or `completed` while it
+# and for which versions): OpenCode (Copilot CLI and Hermes too) is reported `idle` or `completed` while it
 # works (in a terminal's later turns, for the whole turn), so a reply file it
 # rewrites later in its turn would be taken at its first write. For such a CLI
 # a ready status counts for nothing -- the loop judges by the screen as it does
@@ -2475,6 +2475,9 @@ CLI_TRAITS: dict[str, CliTraits] = {
     # taken for the answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after
     # a prompt was sent); its status bar spinner (`◎ Working`) turns four times a second while it works.
     "copilot_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
+    # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
+    # its `(¬_¬) computing...` line change about twice a second, and at its idle prompt nothing moves.
+    "hermes": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
 }
 
 

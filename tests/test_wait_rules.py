@@ -392,6 +392,7 @@ def opencode_turn(m):
 def test_opencode_is_the_cli_whose_ready_status_is_not_trusted(m):
     assert not m.cli_traits("opencode_cli").ready_status_trusted
     assert not m.cli_traits("copilot_cli").ready_status_trusted         # the same for Copilot CLI
+    assert not m.cli_traits("hermes").ready_status_trusted              # and Hermes Agent
     assert m.cli_traits("claude_code").ready_status_trusted and m.cli_traits("mock_cli").ready_status_trusted
 
 
