@@ -2449,9 +2449,10 @@ TURN_ENDED_MARKS = ("done", "idle")
 
 # What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
 # screen its own way, and for some it reads wrong (docs/agent-clis.md says which,
-# and for which versions): OpenCode (Copilot CLI and Hermes too) is reported `idle` or `completed` while it
-# works (in a terminal's later turns, for the whole turn), so a reply file it
-# rewrites later in its turn would be taken at its first write. For such a CLI
+# and for which versions): OpenCode is reported `idle` or `completed` while it
+# works (in a terminal's later turns, for the whole turn), and Copilot CLI and
+# Hermes at times, so a reply file the CLI rewrites later in its turn would be
+# taken at its first write. For such a CLI
 # a ready status counts for nothing -- the loop judges by the screen as it does
 # for a status it does not know -- and a settled reply file is confirmed by a
 # still screen: OpenCode repaints its busy bar about twenty times a second while
