@@ -349,7 +349,7 @@ def test_hermes_story_mode(hermes_cao):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "CAO 2.5.4 does not always see the replacement Hermes ready: in two of three runs here the new terminal "
+    "CAO 2.5.4 does not always see the replacement Hermes ready: in two of four runs here the new terminal "
     "showed Hermes's idle prompt, yet CAO failed its creation after 120 s ('Hermes initialization timed out "
     "after 120 seconds'); once the loop's second try brought it up (PASS), once the run stopped (exit 1). "
     "A Hermes killed while idle was replaced in 5 s."))
