@@ -318,6 +318,8 @@ def test_copilot_fail_then_pass_with_a_model_per_role(copilot_cao):
     stdout = fail_then_pass(copilot_cao, **settings)
     assert copilot_cao.model.models_by_role() == expected
     assert "warning" not in stdout
+    REAL_CLI_START_UPS.setdefault("copilot_cli", []).append(      # the first Copilot agents in this HOME
+        (start_up_seconds(stdout), "again, one at a time" in stdout))
 
 
 def test_copilot_story_mode(copilot_cao):
@@ -341,6 +343,8 @@ def test_hermes_fail_then_pass_with_a_model_per_role(hermes_cao):
     stdout = fail_then_pass(hermes_cao, **settings)
     assert hermes_cao.model.models_by_role() == expected
     assert "warning" not in stdout
+    REAL_CLI_START_UPS.setdefault("hermes", []).append(           # the first Hermes agents in this HOME
+        (start_up_seconds(stdout), "again, one at a time" in stdout))
 
 
 def test_hermes_story_mode(hermes_cao):
