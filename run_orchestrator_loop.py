@@ -3624,6 +3624,23 @@ def agent_events_summary(events: list[AgentEvent]) -> str:
     return "; ".join(f"{e.role} {e.what} at {e.at}" + (f" ({e.detail})" if e.detail else "") for e in events)
 
 
+def request_replacement(role: str, interrupted: list[int]) -> dict:
+    """The new agent for a lost one in the run's session; a CLI that did not start within CAO's limit
+    gets a second try (not after an interrupt).
+
+    CAO can fail a start-up whose CLI came up: it reads a Hermes terminal's status from the end of
+    the raw output, and a late redraw of one status-bar digit can leave the idle prompt out of
+    what it reads (docs/agent-clis.md). A second start seldom meets the same moment.
+    """
+    try:
+        return request_agent(role, session_name)
+    except ApiError as exc:
+        if CLI_START_TIMED_OUT not in str(exc) or interrupted:
+            raise
+        log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
+    return request_agent(role, session_name)
+
+
 def replace_lost_agent(lost: AgentLost) -> None:
     """A new agent for a lost one (REPLACE_LOST_AGENTS=1), or the run stops on `lost`.
 
@@ -3649,8 +3666,8 @@ def replace_lost_agent(lost: AgentLost) -> None:
         roles = ROLES
     else:
         log(f"replacing the {lost.role} agent (terminal {lost.terminal_id}: {lost.why})")
-        with signals_held("creating the replacement agent"):
-            answer = request_agent(lost.role, session_name)
+        with signals_held("creating the replacement agent") as interrupted:
+            answer = request_replacement(lost.role, interrupted)
         note_model_answers({lost.role: answer})
         new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: answer["id"]}, (lost.role,)
         try:
