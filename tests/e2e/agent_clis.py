@@ -584,7 +584,20 @@ def hermes_config_path(home: Path) -> Path:
 
 
 def hermes_tmux_env() -> dict[str, str]:
-    return {}
+    """No cursor-position request (CPR) from Hermes's prompt_toolkit screen.
+
+    Hermes draws its screen, asks the terminal where the cursor is (ESC[6n) and draws
+    it again when the answer comes back, ~0.2 s later. When the status bar's session
+    clock has moved on in between (1s -> 2s), that second drawing writes the one
+    changed digit and then blank lines, and nothing after it while Hermes waits. CAO
+    2.5.4 reads Hermes's status from the last 30 lines of the raw output (each
+    "\r\r\n" counting as two), and the digit pushes the `❯` prompt out of them: the
+    terminal stays `processing` and CAO fails its creation after 120 s ("Hermes
+    initialization timed out") with the prompt on screen. A lone, quick start (a
+    replacement agent) hits it far more often than five starting at once. Without
+    CPR, Hermes draws once.
+    """
+    return {"PROMPT_TOOLKIT_NO_CPR": "1"}
 
 
 def write_hermes_home(home: Path, model_url: str, api_key: str = API_KEY) -> None:

@@ -352,11 +352,6 @@ def test_hermes_story_mode(hermes_cao):
     story_mode(hermes_cao)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "CAO 2.5.4 does not always see the replacement Hermes ready: in two of four runs here the new terminal "
-    "showed Hermes's idle prompt, yet CAO failed its creation after 120 s ('Hermes initialization timed out "
-    "after 120 seconds'); once the loop's second try brought it up (PASS), once the run stopped (exit 1). "
-    "A Hermes killed while idle was replaced in 5 s."))
 def test_hermes_killed_mid_turn_is_replaced_and_the_run_passes(hermes_cao):
     """Hermes's process killed while it works on the programmer's turn."""
     killed_mid_turn(hermes_cao, "hermes")
