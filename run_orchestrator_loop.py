@@ -2450,8 +2450,9 @@ TURN_ENDED_MARKS = ("done", "idle")
 # What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
 # screen its own way, and for some it reads wrong (docs/agent-clis.md says which,
 # and for which versions): OpenCode is reported `idle` or `completed` while it
-# works (in a terminal's later turns, for the whole turn), so a reply file it
-# rewrites later in its turn would be taken at its first write. For such a CLI
+# works (in a terminal's later turns, for the whole turn), and Copilot CLI and
+# Hermes at times, so a reply file the CLI rewrites later in its turn would be
+# taken at its first write. For such a CLI
 # a ready status counts for nothing -- the loop judges by the screen as it does
 # for a status it does not know -- and a settled reply file is confirmed by a
 # still screen: OpenCode repaints its busy bar about twenty times a second while
@@ -2471,6 +2472,13 @@ class CliTraits:
 
 CLI_TRAITS: dict[str, CliTraits] = {
     "opencode_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
+    # Copilot CLI: CAO read a ready status while it was still at work on a turn (a draft reply file was
+    # taken for the answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after
+    # a prompt was sent); its status bar spinner (`◎ Working`) turns four times a second while it works.
+    "copilot_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
+    # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
+    # its `(¬_¬) computing...` line change about twice a second, and at its idle prompt nothing moves.
+    "hermes": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
 }
 
 
@@ -3618,6 +3626,23 @@ def agent_events_summary(events: list[AgentEvent]) -> str:
     return "; ".join(f"{e.role} {e.what} at {e.at}" + (f" ({e.detail})" if e.detail else "") for e in events)
 
 
+def request_replacement(role: str, interrupted: list[int]) -> dict:
+    """The new agent for a lost one in the run's session; a CLI that did not start within CAO's limit
+    gets a second try (not after an interrupt).
+
+    CAO can fail a start-up whose CLI came up: it reads a Hermes terminal's status from the end of
+    the raw output, and a late redraw of one status-bar digit can leave the idle prompt out of
+    what it reads (docs/agent-clis.md). A second start seldom meets the same moment.
+    """
+    try:
+        return request_agent(role, session_name)
+    except ApiError as exc:
+        if CLI_START_TIMED_OUT not in str(exc) or interrupted:
+            raise
+        log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
+    return request_agent(role, session_name)
+
+
 def replace_lost_agent(lost: AgentLost) -> None:
     """A new agent for a lost one (REPLACE_LOST_AGENTS=1), or the run stops on `lost`.
 
@@ -3643,8 +3668,8 @@ def replace_lost_agent(lost: AgentLost) -> None:
         roles = ROLES
     else:
         log(f"replacing the {lost.role} agent (terminal {lost.terminal_id}: {lost.why})")
-        with signals_held("creating the replacement agent"):
-            answer = request_agent(lost.role, session_name)
+        with signals_held("creating the replacement agent") as interrupted:
+            answer = request_replacement(lost.role, interrupted)
         note_model_answers({lost.role: answer})
         new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: answer["id"]}, (lost.role,)
         try:

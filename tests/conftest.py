@@ -54,6 +54,8 @@ EXPECTED_UNIT_SECONDS = {
     "test_real_clis:codex_cao": 250,
     "test_real_clis:claude_cao": 220,
     "test_real_clis:opencode_cao": 200,
+    "test_real_clis:hermes_cao": 200,
+    "test_real_clis:copilot_cao": 180,
     "test_unattended_e2e:restartable_cao_server": 190,
     "test_real_clis.py::test_five_opencode_agents_start_at_once_in_a_fresh_home_two_more_times": 170,
     "test_lost_agents_e2e:restartable_cao_server": 130,

@@ -135,6 +135,46 @@ def test_a_replaced_agent_is_sent_the_lost_turn_whatever_its_first_status_reads(
     assert "still working on the prompt sent before" not in out and "reminder" not in out
 
 
+HERMES_TIMEOUT = "Failed to create terminal: Hermes initialization timed out after 120 seconds"
+
+
+def kill_cli_and_fail_its_next_starts(times: int):
+    """The CLI dies; the next `times` starts of the role's new agent time out in CAO."""
+    def call(fake, terminal) -> None:
+        tries = []
+        fake.fail_create[terminal.profile] = (500, HERMES_TIMEOUT)
+
+        def on_create(created: str) -> None:
+            if created == terminal.profile:
+                tries.append(created)
+                if len(tries) > times:                # this try starts
+                    fake.fail_create.pop(created, None)
+        fake.create_hook = on_create
+        fake.kill_cli(terminal.role)
+    return call
+
+
+def test_a_replacement_whose_cli_did_not_start_in_time_is_started_once_more(run, fake_cao, capsys):
+    """CAO can fail a start-up whose CLI came up (a Hermes at its idle prompt): the new agent gets a second try."""
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli_and_fail_its_next_starts(1)}, PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    assert run_main(m) == 0
+    assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500, 201]
+    out = capsys.readouterr().out
+    assert "tester: the new agent's CLI did not start within CAO's time limit" in out and "starting it again" in out
+    [record] = state_of(m)["replacements"]
+    assert record["new_terminal"] == m.terminal_ids["tester"]
+    assert len(fake_cao.prompts_for("tester")) == 2
+
+
+def test_a_replacement_whose_cli_did_not_start_in_time_twice_stops_the_run(run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli_and_fail_its_next_starts(2)}, PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    assert run_main(m) == 1
+    assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500, 500]
+    assert "Hermes initialization timed out" in capsys.readouterr().err
+
+
 def test_a_vanished_session_gets_five_new_agents_as_one_replacement(run, fake_cao, capsys):
     """The agents' tmux server ended: all five are made again in a new session; the turn goes on there."""
     fake_cao.script["peer_analyst"] = [{"action": "call", "call": end_session}, "REVIEW_RESULT: APPROVED\n"

@@ -407,6 +407,8 @@ def opencode_turn(m):
 
 def test_opencode_is_the_cli_whose_ready_status_is_not_trusted(m):
     assert not m.cli_traits("opencode_cli").ready_status_trusted
+    assert not m.cli_traits("copilot_cli").ready_status_trusted         # the same for Copilot CLI
+    assert not m.cli_traits("hermes").ready_status_trusted              # and Hermes Agent
     assert m.cli_traits("claude_code").ready_status_trusted and m.cli_traits("mock_cli").ready_status_trusted
 
 
@@ -547,3 +549,22 @@ def test_progress_says_when_the_prompt_has_not_shown_on_the_screen(m):
     facts.note_screen("Trust this folder?", 1.0)
     assert m.progress_text(facts, 0.0, 3700.0).startswith(
         "working for 1h 1m; its screen does not show the prompt yet; screen still for 1h 1m")
+
+
+def test_a_copilot_draft_is_not_taken_while_its_spinner_turns(m):
+    """Copilot CLI's status bar spinner turns four times a second while it works; CAO may say `idle` or
+    `completed` meanwhile. A settled draft is not taken while the screen moves, and is once it has been
+    still for Copilot's window."""
+    window = m.cli_traits("copilot_cli").still_screen_ends_turn
+    facts = sent_at_zero(m)
+    facts.cli = m.cli_traits("copilot_cli")
+    facts.note_file(FILE, 1.0)
+    for tick in range(12):                                      # ◎ / ◉ Working, every 0.25 s for 3 s
+        now = 1.0 + SETTLE + tick / 4
+        facts.note_status("idle" if tick < 6 else "processing", now)
+        facts.note_screen(f"Autopilot · Allow All · {'◎◉'[tick % 2]} Working esc esc interrupt", now)
+        assert decide(m, facts, now) == ("FILE_SETTLED", "WAIT")
+    last_frame = 1.0 + SETTLE + 11 / 4
+    facts.note_status("completed", last_frame + 0.5)
+    assert decide(m, facts, last_frame + window - 0.01) == ("FILE_SETTLED", "WAIT")
+    assert decide(m, facts, last_frame + window) == ("DONE", "TAKE_REPLY")

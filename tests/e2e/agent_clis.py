@@ -1,8 +1,12 @@
-"""Pinned real agent CLIs (Claude Code, Codex, OpenCode) for end-to-end tests, and their private homes.
+"""Pinned real agent CLIs (Claude Code, Codex, OpenCode, Copilot, Hermes) for end-to-end tests, and their
+private homes.
 
 ``ensure_agent_clis()`` installs the pinned npm releases once into a private
 prefix (the same cache root ``cao_env`` uses) and returns the directory that
-holds ``claude``, ``codex`` and ``opencode``. The ``write_*_home`` functions prepare a
+holds ``claude``, ``codex`` and ``opencode``; ``ensure_copilot()`` does the same
+for GitHub Copilot CLI in a prefix of its own, and ``ensure_hermes()`` installs
+Hermes Agent from PyPI into a virtualenv of its own (Python 3.11 or newer).
+``cli_bin_for(provider)`` picks the right one for a CAO provider. The ``write_*_home`` functions prepare a
 private HOME so each CLI starts offline and unattended (as root too) against a
 scripted model endpoint on 127.0.0.1; ``*_tmux_env`` give the variables that
 must be in the environment of the tmux server CAO starts its panes in.
@@ -15,9 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,9 +41,20 @@ OPENCODE_VERSION = "1.18.33"
 NPM_SPECS = (f"{CLAUDE_CODE_PACKAGE}@{CLAUDE_CODE_VERSION}", f"{CODEX_PACKAGE}@{CODEX_VERSION}",
              f"{OPENCODE_PACKAGE}@{OPENCODE_VERSION}")
 PREFIX_ENV_VAR = "AGENT_CLI_PREFIX"
+COPILOT_PACKAGE = "@github/copilot"       # its native binary comes as @github/copilot-linux-x64
+COPILOT_VERSION = "1.0.102"
+COPILOT_PREFIX_ENV_VAR = "COPILOT_CLI_PREFIX"
+HERMES_PACKAGE = "hermes-agent"
+HERMES_VERSION = "0.19.0"
+HERMES_REQUIREMENT = f"{HERMES_PACKAGE}=={HERMES_VERSION}"
+HERMES_DIR_ENV_VAR = "HERMES_AGENT_DIR"
+HERMES_MIN_PYTHON = (3, 11)
 
 # CAO provider name -> the executable it launches.
 PROVIDER_BINARIES = {"claude_code": "claude", "codex": "codex", "opencode_cli": "opencode"}
+
+# The CLIs installed on their own (not in the npm prefix above): provider -> executable.
+OWN_INSTALL_BINARIES = {"copilot_cli": "copilot", "hermes": "hermes"}
 
 # Written only after a complete, verified install: a prefix left by an
 # interrupted npm run is rebuilt instead of reused.
@@ -51,13 +68,15 @@ CODEX_MODEL = "scripted"
 CODEX_KEY_VAR = "SCRIPTED_MODEL_API_KEY"
 OPENCODE_PROVIDER_ID = "scripted"
 OPENCODE_MODEL = "scripted"
+COPILOT_MODEL = "scripted"
+HERMES_MODEL = "scripted"
 # Claude Code accepts an auto-compact window of 100000..1000000 tokens; it compacts at about
 # window - 33000 (window - min(max output, 20000) - 13000).
 CLAUDE_MIN_AUTO_COMPACT_WINDOW = 100_000
 
 
 class NpmMissing(RuntimeError):
-    """npm or node is not installed, so the pinned CLIs cannot be installed."""
+    """npm or node is not installed (or, for Hermes, no Python 3.11+), so a pinned CLI cannot be installed."""
 
 
 class AgentCliInstallError(RuntimeError):
@@ -128,6 +147,154 @@ def _install(prefix: Path) -> None:
                 f"{bins / name} --version answered {got!r} after the install, expected {version}"
             )
     marker.write_text(_marker_text())
+
+
+def _require_npm(specs) -> None:
+    missing = [tool for tool in ("npm", "node") if shutil.which(tool) is None]
+    if missing:
+        raise NpmMissing(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required to install "
+            f"{' and '.join(specs)}, but not installed (Debian/Ubuntu: apt-get install nodejs npm; "
+            f"Node.js 18 or newer)"
+        )
+
+
+def cli_bin_for(provider: str) -> Path:
+    """The directory holding the pinned executable CAO's ``provider`` launches (installed on first use)."""
+    if provider == "copilot_cli":
+        return ensure_copilot()
+    if provider == "hermes":
+        return ensure_hermes()
+    return ensure_agent_clis()
+
+
+# GitHub Copilot CLI: its npm package carries a native binary that unpacks its JavaScript into a
+# package cache on first start (about 235 MB, by default under each HOME's ~/.cache/copilot). The
+# cache below is shared by every private HOME (COPILOT_PKG_CACHE_HOME) and filled at install time.
+_COPILOT_MARKER = ".copilot-install-complete"
+
+
+def default_copilot_prefix() -> Path:
+    return cache_dir(COPILOT_PREFIX_ENV_VAR, f"copilot-{COPILOT_VERSION}")
+
+
+def copilot_pkg_cache(prefix: Path | None = None) -> Path:
+    """The package cache the pinned Copilot unpacks into (its COPILOT_PKG_CACHE_HOME)."""
+    return (prefix or default_copilot_prefix()) / "pkg-cache"
+
+
+def _copilot_ready(prefix: Path) -> bool:
+    marker = prefix / _COPILOT_MARKER
+    return (marker.is_file() and marker.read_text() == f"{COPILOT_PACKAGE}@{COPILOT_VERSION}\n"
+            and (prefix / "native-bin" / "copilot").exists()
+            and (copilot_pkg_cache(prefix) / "pkg" / "linux-x64" / COPILOT_VERSION / "index.js").is_file())
+
+
+def ensure_copilot(prefix: Path | str | None = None) -> Path:
+    """Return a directory holding the pinned ``copilot`` (its native binary alone), installed with npm on first use."""
+    prefix = Path(prefix).expanduser() if prefix is not None else default_copilot_prefix()
+    if _copilot_ready(prefix):
+        return prefix / "native-bin"
+    spec = f"{COPILOT_PACKAGE}@{COPILOT_VERSION}"
+    _require_npm([spec])
+    install_once(prefix, _copilot_ready, _install_copilot, AgentCliInstallError, COPILOT_PREFIX_ENV_VAR)
+    return prefix / "native-bin"
+
+
+def _copilot_native(prefix: Path) -> Path:
+    return prefix / "lib" / "node_modules" / COPILOT_PACKAGE / "node_modules" / "@github" / "copilot-linux-x64" / "copilot"
+
+
+def _install_copilot(prefix: Path) -> None:
+    marker = prefix / _COPILOT_MARKER
+    if marker.exists():
+        marker.unlink()
+    spec = f"{COPILOT_PACKAGE}@{COPILOT_VERSION}"
+    npm_install_global(prefix, [spec], 900, AgentCliInstallError)
+    got = installed_version(prefix / "bin" / "copilot")
+    if COPILOT_VERSION not in got:
+        raise AgentCliInstallError(f"{prefix / 'bin' / 'copilot'} --version answered {got!r}, expected {COPILOT_VERSION}")
+    native = _copilot_native(prefix)
+    if not native.is_file():
+        raise AgentCliInstallError(f"{spec} installed without its native binary {native}")
+    # Unpack its package now, once, instead of in every private HOME at each first start.
+    env = {**os.environ, "COPILOT_SEA_EXTRACT_ONLY": "1", "COPILOT_PKG_CACHE_HOME": str(copilot_pkg_cache(prefix))}
+    subprocess.run([str(native)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=300, check=False)
+    if not (copilot_pkg_cache(prefix) / "pkg" / "linux-x64" / COPILOT_VERSION / "index.js").is_file():
+        raise AgentCliInstallError(f"Copilot {COPILOT_VERSION} did not unpack its package into {copilot_pkg_cache(prefix)}")
+    # The agents run the native binary itself: npm's `copilot` is a node script that starts it as a child,
+    # so a kill of the pane's process (a crash, in the tests) would leave the real CLI running.
+    native_bin = prefix / "native-bin"
+    native_bin.mkdir(exist_ok=True)
+    link = native_bin / "copilot"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(native)
+    marker.write_text(f"{spec}\n")
+
+
+# Hermes Agent: a PyPI package needing Python 3.11+, in a virtualenv of its own; only `hermes` is put
+# on the agents' PATH (a script in bin/), not the virtualenv's python and pip. That script adds
+# --pass-session-id, which puts `Session ID: <id>` in Hermes's system prompt: Hermes sends no session of
+# its own with its requests, and the scripted model needs one to tell a new agent's prompt (a replaced
+# agent's) from a retry of the same request.
+_HERMES_MARKER = ".hermes-install-complete"
+
+
+def default_hermes_dir() -> Path:
+    return cache_dir(HERMES_DIR_ENV_VAR, f"hermes-agent-{HERMES_VERSION}")
+
+
+def _hermes_ready(root: Path) -> bool:
+    marker = root / _HERMES_MARKER
+    script = root / "bin" / "hermes"
+    return (marker.is_file() and marker.read_text().strip() == HERMES_REQUIREMENT
+            and script.is_file() and not script.is_symlink())
+
+
+def hermes_python() -> str | None:
+    """A Python 3.11+ to build Hermes's virtualenv with: this one, else python3.11..3.13 on PATH."""
+    if sys.version_info[:2] >= HERMES_MIN_PYTHON:
+        return sys.executable
+    return next((found for name in ("python3.13", "python3.12", "python3.11") if (found := shutil.which(name))), None)
+
+
+def ensure_hermes(root: Path | str | None = None) -> Path:
+    """Return the directory holding the pinned ``hermes`` (alone), installed with pip on first use."""
+    root = Path(root).expanduser() if root is not None else default_hermes_dir()
+    if _hermes_ready(root):
+        return root / "bin"
+    if hermes_python() is None:
+        raise NpmMissing(f"{HERMES_REQUIREMENT} needs Python 3.11 or newer, and none is installed")
+    install_once(root, _hermes_ready, _install_hermes, AgentCliInstallError, HERMES_DIR_ENV_VAR)
+    return root / "bin"
+
+
+def _install_hermes(root: Path) -> None:
+    marker = root / _HERMES_MARKER
+    if marker.exists():
+        marker.unlink()
+    venv = root / "venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        run_install_step([hermes_python(), "-m", "venv", "--clear", str(venv)], "creating Hermes's virtualenv", 300,
+                         AgentCliInstallError)
+    run_install_step([str(python), "-m", "pip", "--disable-pip-version-check", "--no-input", "install", "--quiet",
+                      HERMES_REQUIREMENT], f"pip install {HERMES_REQUIREMENT}", 900, AgentCliInstallError)
+    bins = root / "bin"
+    bins.mkdir(parents=True, exist_ok=True)
+    script = bins / "hermes"
+    if script.is_symlink() or script.exists():
+        script.unlink()
+    script.write_text(f"#!/bin/sh\nexec {shlex.quote(str(venv / 'bin' / 'hermes'))} --pass-session-id \"$@\"\n")
+    script.chmod(0o755)
+    # Its metadata, not `hermes --version`: that writes ~/.hermes into the HOME it runs in.
+    got = run_install_step([str(python), "-c", f"import importlib.metadata as m; print(m.version({HERMES_PACKAGE!r}))"],
+                           "reading Hermes's installed version", 60, AgentCliInstallError).strip()
+    if got != HERMES_VERSION:
+        raise AgentCliInstallError(f"{HERMES_PACKAGE} {got!r} installed into {venv}, expected {HERMES_VERSION}")
+    marker.write_text(HERMES_REQUIREMENT + "\n")
 
 
 # -- private homes -------------------------------------------------------------
@@ -350,6 +517,99 @@ def write_opencode_home(home: Path, model_url: str, api_key: str = API_KEY) -> N
         "share": "disabled",
         "permission": {"external_directory": "allow"},
     })
+
+
+def copilot_tmux_env(model_url: str, api_key: str = API_KEY, pkg_cache: Path | None = None) -> dict[str, str]:
+    """Copilot's own provider settings (BYOK) pointing at the scripted endpoint, offline, no updates.
+
+    CAO launches `copilot` as a plain command line in the pane, so these reach it from the tmux server's
+    environment. The prompt and output token limits silence its warning that the model is not in its
+    catalogue.
+    """
+    return {
+        "COPILOT_OFFLINE": "true",
+        "COPILOT_PROVIDER_BASE_URL": model_url.rstrip("/") + "/v1",
+        "COPILOT_PROVIDER_TYPE": "openai",
+        "COPILOT_PROVIDER_API_KEY": api_key,
+        "COPILOT_MODEL": COPILOT_MODEL,
+        "COPILOT_PROVIDER_MAX_PROMPT_TOKENS": "200000",
+        "COPILOT_PROVIDER_MAX_OUTPUT_TOKENS": "16000",
+        "COPILOT_AUTO_UPDATE": "false",
+        "COPILOT_PKG_CACHE_HOME": str(pkg_cache or copilot_pkg_cache()),
+    }
+
+
+def copilot_config_path(home: Path) -> Path:
+    """Copilot's own state file (CAO starts it with --config-dir ~/.copilot)."""
+    return home / ".copilot" / "config.json"
+
+
+def write_copilot_home(home: Path, workdirs: list[Path] = ()) -> None:
+    """``~/.copilot/config.json``: first start done, tips seen, ``workdirs`` trusted (no folder-trust dialog);
+    ``~/.copilot/settings.json``: CAO's own MCP server disabled (see COPILOT_DISABLED_MCP_SERVERS)."""
+    _write_json(copilot_config_path(home), {
+        "firstLaunchAt": "2026-01-01T00:00:00.000Z",
+        "appTipShown": True,
+        "reasoningSummariesCleanupDone": True,
+        "trustedFolders": [str(Path(wd)) for wd in workdirs],
+    })
+    _write_json(copilot_settings_path(home), {"disabledMcpServers": COPILOT_DISABLED_MCP_SERVERS})
+
+
+def copilot_settings_path(home: Path) -> Path:
+    return home / ".copilot" / "settings.json"
+
+
+# CAO 2.5.4 hands Copilot its own MCP server (cao-mcp-server, --additional-mcp-config); Copilot 1.0.102's
+# MCP client fails its handshake ("connection is serving the 2026-07-28 protocol; the initialize handshake
+# is not accepted"), waits for it first ("taking longer than expected to connect"), and the failure it
+# prints (`JSON-RPC error: -32022`) makes CAO read the finished turn as `error`. The loop uses no MCP tool.
+COPILOT_DISABLED_MCP_SERVERS = ["cao-mcp-server"]
+
+
+def trust_copilot_workdir(home: Path, workdir: Path) -> None:
+    """Add ``workdir`` to Copilot's trusted folders (CAO would otherwise answer its dialog)."""
+    path = copilot_config_path(home)
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    folders = data.setdefault("trustedFolders", [])
+    if str(Path(workdir)) not in folders:
+        folders.append(str(Path(workdir)))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def hermes_config_path(home: Path) -> Path:
+    return home / ".hermes" / "config.yaml"
+
+
+def hermes_tmux_env() -> dict[str, str]:
+    """No cursor-position request (CPR) from Hermes's prompt_toolkit screen.
+
+    Hermes draws its screen, asks the terminal where the cursor is (ESC[6n) and draws
+    it again when the answer comes back, ~0.2 s later. When the status bar's session
+    clock has moved on in between (1s -> 2s), that second drawing writes the one
+    changed digit and then blank lines, and nothing after it while Hermes waits. CAO
+    2.5.4 reads Hermes's status from the last 30 lines of the raw output (each
+    "\r\r\n" counting as two), and the digit pushes the `❯` prompt out of them: the
+    terminal stays `processing` and CAO fails its creation after 120 s ("Hermes
+    initialization timed out") with the prompt on screen. A lone, quick start (a
+    replacement agent) hits it far more often than five starting at once. Without
+    CPR, Hermes draws once.
+    """
+    return {"PROMPT_TOOLKIT_NO_CPR": "1"}
+
+
+def write_hermes_home(home: Path, model_url: str, api_key: str = API_KEY) -> None:
+    """``~/.hermes/config.yaml``: the scripted endpoint as Hermes's custom provider (chat completions).
+
+    Written as JSON, which is YAML too.
+    """
+    path = hermes_config_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {"model": {"provider": "custom", "base_url": model_url.rstrip("/") + "/v1", "default": HERMES_MODEL,
+                        "api_key": api_key, "api_mode": "chat_completions"}}
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def stop_codex_daemons(home: Path, codex_bin: Path | None = None, env: dict | None = None) -> list[str]:

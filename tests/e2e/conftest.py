@@ -1,6 +1,7 @@
 """Fixtures that run a real, private CAO server whose agents are a scripted program.
 
-``claude_cao``, ``codex_cao`` and ``opencode_cao`` run the real Claude Code, Codex or OpenCode CLI instead,
+``claude_cao``, ``codex_cao``, ``opencode_cao``, ``copilot_cao`` and ``hermes_cao`` run the real Claude Code,
+Codex, OpenCode, GitHub Copilot or Hermes Agent CLI instead,
 against a scripted model endpoint (``scripted_model.py``).
 
 The server itself (start, profile install, stop and leak check) lives in
@@ -28,7 +29,7 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "real_cli: end-to-end test running the real Claude Code, Codex or OpenCode CLI under a private "
+        "real_cli: end-to-end test running a real agent CLI (Claude Code, Codex, OpenCode, Copilot, Hermes) under a private "
         "cao-server, against a scripted model endpoint",
     )
 
@@ -37,8 +38,8 @@ def pytest_configure(config):
 # Under pytest-xdist (`--dist loadgroup`, as pyproject.toml sets) the tests of a module that share one of
 # these are one group: one worker runs them in order, on the one server. Every other end-to-end test may
 # run on any worker, each worker with its own mock_cli server (`cao_server`), so the waits overlap.
-STARTED_ONCE_PER_MODULE = ("claude_cao", "codex_cao", "opencode_cao", "restartable_cao_server",
-                           "cao_with_token", "quick_start")
+STARTED_ONCE_PER_MODULE = ("claude_cao", "codex_cao", "opencode_cao", "copilot_cao", "hermes_cao",
+                           "restartable_cao_server", "cao_with_token", "quick_start")
 
 
 def pytest_collection_modifyitems(items):
@@ -162,7 +163,7 @@ def cao_with_token():
         server.kill_all_sessions()
 
 
-REAL_CLI_SERVERS = ("claude_cao", "codex_cao", "opencode_cao")
+REAL_CLI_SERVERS = ("claude_cao", "codex_cao", "opencode_cao", "copilot_cao", "hermes_cao")
 
 
 @pytest.fixture(autouse=True)
@@ -210,5 +211,27 @@ def opencode_cao():
     """
     with contextlib.ExitStack() as stack:
         server = _start_real_cli_cao(stack, "opencode_cli")
+        yield server
+        server.kill_all_sessions()
+
+
+@pytest.fixture(scope="module")
+def copilot_cao():
+    """A private server whose profiles run the pinned GitHub Copilot CLI against a ScriptedModel.
+
+    As ``claude_cao``. CAO starts Copilot with --autopilot: the scripted model ends each turn with a
+    ``task_complete`` tool call.
+    """
+    with contextlib.ExitStack() as stack:
+        server = _start_real_cli_cao(stack, "copilot_cli")
+        yield server
+        server.kill_all_sessions()
+
+
+@pytest.fixture(scope="module")
+def hermes_cao():
+    """A private server whose profiles run the pinned Hermes Agent against a ScriptedModel. As ``claude_cao``."""
+    with contextlib.ExitStack() as stack:
+        server = _start_real_cli_cao(stack, "hermes")
         yield server
         server.kill_all_sessions()

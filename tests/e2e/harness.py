@@ -16,8 +16,8 @@ Layout of one server (all under a fresh temporary root):
     profiles/   generated fallback agent profiles
     work/       working directories handed to CAO terminals
 
-With ``provider="claude_code"``, ``"codex"`` or ``"opencode_cli"`` the agents are the pinned real
-CLIs (``agent_clis.py``), talking to a scripted model endpoint at
+With ``provider="claude_code"``, ``"codex"``, ``"opencode_cli"``, ``"copilot_cli"`` or ``"hermes"`` the
+agents are the pinned real CLIs (``agent_clis.py``), talking to a scripted model endpoint at
 ``model_url``; home/ then also holds their offline, unattended settings, and
 the root defaults to /var/tmp (Codex wants its home outside /tmp, CAO refuses
 working directories under /root).
@@ -66,8 +66,8 @@ AGENT_PROFILES = (
     "tester",
 )
 
-PROVIDERS = ("mock_cli", "claude_code", "codex", "opencode_cli")
-REAL_CLI_PROVIDERS = ("claude_code", "codex", "opencode_cli")
+PROVIDERS = ("mock_cli", "claude_code", "codex", "opencode_cli", "copilot_cli", "hermes")
+REAL_CLI_PROVIDERS = ("claude_code", "codex", "opencode_cli", "copilot_cli", "hermes")
 # Default parent of the temporary root for the real CLIs: not /tmp (Codex
 # objects to helper files under a temporary directory) and not /root (CAO
 # refuses working directories there). CAO_E2E_TMPDIR overrides it.
@@ -85,7 +85,7 @@ INSTALL_HINT = "Debian/Ubuntu: apt-get install tmux"
 # (tmux clients follow $TMUX), a user's CAO settings or token, a user's agent
 # CLI settings or keys, or a Python environment that would leak into CAO's own
 # virtualenv.
-_STRIP_ENV_PREFIXES = ("CAO_", "MOCK_AGENT_", "CLAUDE", "ANTHROPIC_", "OPENAI_", "CODEX_")
+_STRIP_ENV_PREFIXES = ("CAO_", "MOCK_AGENT_", "CLAUDE", "ANTHROPIC_", "OPENAI_", "CODEX_", "COPILOT_", "HERMES_")
 _STRIP_ENV_KEYS = {"TMUX", "TMUX_PANE", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"}
 
 
@@ -179,7 +179,7 @@ class CaoServer:
     token: str = ""  # CAO_AUTH_LOCAL_TOKEN the server was started with ("" = no auth)
     provider: str = "mock_cli"  # the CAO provider the profiles were installed for
     model_url: str = ""  # the scripted model endpoint the real CLIs talk to ("" for mock_cli)
-    cli_bin: Path | None = None  # directory holding the pinned `claude`, `codex` and `opencode`
+    cli_bin: Path | None = None  # directory holding the pinned CLI the provider launches
     tmux_env: dict = field(default_factory=dict)  # set in the tmux server's global environment
     model: object = None  # the scripted model endpoint, when a caller attached one
     _workdirs: int = 0
@@ -321,6 +321,8 @@ class CaoServer:
         path = Path(path).resolve()
         if self.provider == "codex":
             agent_clis.trust_codex_workdir(self.home, path)
+        elif self.provider == "copilot_cli" and not path.is_relative_to(self.root / "work"):
+            agent_clis.trust_copilot_workdir(self.home, path)
         elif self.provider == "claude_code" and not path.is_relative_to(self.root / "work"):
             agent_clis.trust_claude_workdir(self.home, path)
 
@@ -663,9 +665,9 @@ def private_cao(
     leftovers (they are killed, and listed in the message).
 
     ``provider`` is the CAO provider the profiles are installed for:
-    ``mock_cli`` (the scripted program), ``claude_code``, ``codex`` or ``opencode_cli`` (the
-    pinned real CLIs, installed with npm on first use; no npm is a
-    ``MissingPrerequisite``). The real CLIs talk to ``model_url`` (a scripted
+    ``mock_cli`` (the scripted program), ``claude_code``, ``codex``, ``opencode_cli``, ``copilot_cli`` or
+    ``hermes`` (the pinned real CLIs, installed with npm, or for Hermes pip, on first use; no npm, or no
+    Python 3.11+ for Hermes, is a ``MissingPrerequisite``). The real CLIs talk to ``model_url`` (a scripted
     model endpoint, e.g. ``ScriptedModel.url``); without it they still start,
     but any turn fails.
     """
@@ -681,7 +683,7 @@ def private_cao(
     cli_bin: Path | None = None
     if real_cli:
         try:
-            cli_bin = agent_clis.ensure_agent_clis()
+            cli_bin = agent_clis.cli_bin_for(provider)
         except agent_clis.NpmMissing as exc:
             raise MissingPrerequisite(str(exc)) from None
         model_url = (model_url or NO_MODEL_URL).rstrip("/")
@@ -712,6 +714,12 @@ def private_cao(
         elif provider == "opencode_cli":
             agent_clis.write_opencode_home(dirs["home"], model_url)
             tmux_env = agent_clis.opencode_tmux_env()
+        elif provider == "copilot_cli":
+            agent_clis.write_copilot_home(dirs["home"], workdirs=[dirs["work"]])
+            tmux_env = agent_clis.copilot_tmux_env(model_url)
+        elif provider == "hermes":
+            agent_clis.write_hermes_home(dirs["home"], model_url)
+            tmux_env = agent_clis.hermes_tmux_env()
         cao = CaoServer(
             root=root,
             home=dirs["home"],

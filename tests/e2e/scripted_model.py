@@ -3,9 +3,15 @@
 ``ScriptedModel`` is an HTTP server on 127.0.0.1 that plays the *model* behind
 Claude Code (Anthropic Messages API: ``POST /v1/messages`` and
 ``/v1/messages/count_tokens``), Codex CLI (OpenAI Responses API:
-``POST /v1/responses``, ``GET /v1/models``) and OpenCode (OpenAI chat
-completions: ``POST /v1/chat/completions``, streaming, its shell tool
-``bash``). It drives each CLI the way a real
+``POST /v1/responses``, ``GET /v1/models``), and OpenCode, GitHub Copilot CLI and Hermes
+Agent (OpenAI chat completions: ``POST /v1/chat/completions``, streaming, their
+shell tool ``bash`` or, for Hermes, ``terminal``; ``GET /v1/models`` and
+``/v1/models/<id>``). Where the request offers Copilot's ``task_complete`` tool,
+every answer that would end the turn with plain text calls it instead, with that
+text as its ``summary`` (Copilot in autopilot mode, as CAO starts it, otherwise
+asks the model again); its result is answered with plain text. Requests that do not
+ask for a stream (Hermes's title request after a first turn) get one JSON answer.
+It drives each CLI the way a real
 model would: it reads the newest user prompt, and answers it with one shell
 tool call that writes the scripted reply into the prompt's response file;
 when the CLI sends back that tool's result, it ends the turn with a short text.
@@ -104,7 +110,13 @@ CODEX_CONTEXT_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGE
 # Shell tools as the CLIs name them, best first.
 ANTHROPIC_SHELL_TOOLS = ("Bash",)
 RESPONSES_SHELL_TOOLS = ("exec_command", "shell_command", "shell", "container.exec")
-CHAT_SHELL_TOOLS = ("bash", "shell", "exec_command")
+CHAT_SHELL_TOOLS = ("bash", "terminal", "shell", "exec_command")   # OpenCode and Copilot: bash; Hermes: terminal
+# Copilot CLI in autopilot mode (as CAO starts it) ends a turn only on this tool call; a turn that ends
+# with plain text is sent back to the model with "You have not yet marked the task as complete".
+COMPLETE_TOOL = "task_complete"
+COMPLETE_CALL_PREFIX = "call_complete_"
+# Hermes started with --pass-session-id ends its system prompt's date line with its session.
+HERMES_SESSION_LINE = re.compile(r"^Session ID: (\S+)\s*$", re.M)
 MAX_LOGGED_BODIES = 5000
 # The last user message of a compaction request: Claude Code's (it begins "CRITICAL: Respond with
 # TEXT ONLY") contains the first, Codex's begins with the second.
@@ -175,6 +187,24 @@ def _text_of(content) -> str:
 def _digest(text: str) -> str:
     """Short stable hash that keys a prompt."""
     return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def model_entry(model_id: str) -> dict:
+    """One model as ``GET /v1/models`` lists it."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "scripted", "type": "model",
+            "display_name": "Scripted model"}
+
+
+def chat_tool_arguments(body: dict, tool: str, command: str) -> str:
+    """The JSON arguments of a shell call in chat completions: ``command``, and ``description`` where the
+    tool declares one (OpenCode's and Copilot's ``bash`` do, Hermes's ``terminal`` does not)."""
+    for t in body.get("tools") or []:
+        function = (t.get("function") or {}) if isinstance(t, dict) else {}
+        if function.get("name") == tool:
+            props = (function.get("parameters") or {}).get("properties") or {}
+            if "description" not in props:
+                return json.dumps({"command": command})
+    return json.dumps({"command": command, "description": "Write the answer file"})
 
 
 def sample_for_schema(schema) -> object:
@@ -478,6 +508,9 @@ def parse_chat(body: dict) -> Conversation:
         if not isinstance(message, dict):
             continue
         role = message.get("role")
+        if role == "system" and not convo.conversation_id:
+            found = HERMES_SESSION_LINE.search(_text_of(message.get("content")))
+            convo.conversation_id = found.group(1) if found else ""
         if role == "user":
             text = _strip_reminders(_text_of(message.get("content")))
             if text:
@@ -888,9 +921,10 @@ class _Handler(BaseHTTPRequestHandler):
         route = self.path.split("?", 1)[0].rstrip("/")
         if route in ("/v1/models", "/models"):
             self.model.log_request("GET", self.path, self.headers, None, known=True)
-            model = {"id": "scripted", "object": "model", "created": 0, "owned_by": "scripted",
-                     "type": "model", "display_name": "Scripted model"}
-            self._send_json(200, {"object": "list", "data": [model], "models": [], "has_more": False})
+            self._send_json(200, {"object": "list", "data": [model_entry("scripted")], "models": [], "has_more": False})
+        elif route.startswith(("/v1/models/", "/models/")):
+            self.model.log_request("GET", self.path, self.headers, None, known=True)
+            self._send_json(200, model_entry(route.rsplit("/", 1)[1]))
         elif route in ("", "/health"):
             self.model.log_request("GET", self.path, self.headers, None, known=True)
             self._send_json(200, {"status": "ok"})
@@ -1064,9 +1098,10 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- OpenAI chat completions
 
     def _chat(self, body: dict, size: int) -> None:
-        """Answer a chat completions request (OpenCode), streaming when asked to."""
+        """Answer a chat completions request (OpenCode, Copilot, Hermes), streaming when asked to."""
         convo = parse_chat(body)
-        convo.conversation_id = self.headers.get("x-session-id", "")   # OpenCode's session, in a header
+        # OpenCode's session, in a header; else Hermes's, in its system prompt (parse_chat)
+        convo.conversation_id = self.headers.get("x-session-id") or convo.conversation_id
         reply = self.model.decide(convo)
         if reply.error_status:
             self._send_json(reply.error_status, *error_body(reply, "chat"))
@@ -1081,9 +1116,13 @@ class _Handler(BaseHTTPRequestHandler):
                                                    "tools": convo.tool_names})
                 text = f"I cannot run commands here; the command was:\n{reply.command}"
             else:
-                arguments = json.dumps({"command": reply.command, "description": "Write the answer file"})
                 tool_calls.append({"id": reply.call_id, "type": "function",
-                                   "function": {"name": tool, "arguments": arguments}})
+                                   "function": {"name": tool, "arguments": chat_tool_arguments(body, tool, reply.command)}})
+        elif COMPLETE_TOOL in convo.tool_names and not (convo.tool_call_id or "").startswith(COMPLETE_CALL_PREFIX):
+            # Copilot's autopilot: the turn ends on task_complete, with what would have been said as its summary.
+            tool_calls.append({"id": f"{COMPLETE_CALL_PREFIX}{n:06d}", "type": "function",
+                               "function": {"name": COMPLETE_TOOL, "arguments": json.dumps({"summary": text or "Done."})}})
+            text = ""
         finish = "tool_calls" if tool_calls else "stop"
         prompt_tokens = input_tokens(reply, size)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}

@@ -1,4 +1,5 @@
-"""The loop with the real agent CLIs users run: Claude Code, Codex and OpenCode, each under CAO's own provider.
+"""The loop with the real agent CLIs users run: Claude Code, Codex, OpenCode, GitHub Copilot CLI and Hermes
+Agent, each under CAO's own provider.
 
 Each CLI is the pinned npm release (``agent_clis.py``), started by a private
 cao-server with a private HOME, and talks to a scripted model endpoint on
@@ -303,3 +304,54 @@ def test_five_opencode_agents_start_at_once_in_a_fresh_home_two_more_times():
             assert all(status in ("idle", "completed") for status in report["statuses"].values()), report
             second_try = "again, one at a time" in result.stdout
             REAL_CLI_START_UPS.setdefault("opencode_cli", []).append((report["seconds"], second_try))
+
+
+# ---------------------------------------------------------------------------
+# GitHub Copilot CLI, under CAO's copilot_cli provider (started with --autopilot)
+# ---------------------------------------------------------------------------
+
+def test_copilot_fail_then_pass_with_a_model_per_role(copilot_cao):
+    """Copilot: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend (CAO's
+    ready status is not trusted: a reply is taken once the screen, whose spinner turns while Copilot
+    works, has been still for 2 s); the reviewers and the tester on another model (CAO passes --model)."""
+    settings, expected = cheaper_reviewers("scripted-large", "scripted-small")
+    stdout = fail_then_pass(copilot_cao, **settings)
+    assert copilot_cao.model.models_by_role() == expected
+    assert "warning" not in stdout
+    REAL_CLI_START_UPS.setdefault("copilot_cli", []).append(      # the first Copilot agents in this HOME
+        (start_up_seconds(stdout), "again, one at a time" in stdout))
+
+
+def test_copilot_story_mode(copilot_cao):
+    """Story mode with Copilot."""
+    story_mode(copilot_cao)
+
+
+def test_copilot_killed_mid_turn_is_replaced_and_the_run_passes(copilot_cao):
+    """Copilot's process killed while it works on the programmer's turn."""
+    killed_mid_turn(copilot_cao, "copilot")
+
+
+# ---------------------------------------------------------------------------
+# Hermes Agent, under CAO's hermes provider
+# ---------------------------------------------------------------------------
+
+def test_hermes_fail_then_pass_with_a_model_per_role(hermes_cao):
+    """Hermes: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend; the
+    reviewers and the tester on another model (CAO passes --model)."""
+    settings, expected = cheaper_reviewers("scripted-large", "scripted-small")
+    stdout = fail_then_pass(hermes_cao, **settings)
+    assert hermes_cao.model.models_by_role() == expected
+    assert "warning" not in stdout
+    REAL_CLI_START_UPS.setdefault("hermes", []).append(           # the first Hermes agents in this HOME
+        (start_up_seconds(stdout), "again, one at a time" in stdout))
+
+
+def test_hermes_story_mode(hermes_cao):
+    """Story mode with Hermes."""
+    story_mode(hermes_cao)
+
+
+def test_hermes_killed_mid_turn_is_replaced_and_the_run_passes(hermes_cao):
+    """Hermes's process killed while it works on the programmer's turn."""
+    killed_mid_turn(hermes_cao, "hermes")

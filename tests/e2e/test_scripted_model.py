@@ -506,3 +506,125 @@ def test_codex_usage_limit_then_the_continue_message_carries_out_the_prompt(mode
     model.usage_limit_next(1, resets_at=1767625500)
     status, [body] = AnthropicChat(model).send(prompt_text(target))
     assert status == 429 and body["error"]["type"] == "rate_limit_error"
+
+
+def chat_tool(name: str, *params: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {param: {"type": "string"} for param in params}}}}
+
+
+COPILOT_TOOLS = [chat_tool("bash", "command", "description"), chat_tool("view", "path"),
+                 chat_tool("task_complete", "summary")]
+HERMES_TOOLS = [chat_tool("read_file", "path"), chat_tool("terminal", "command", "workdir"),
+                chat_tool("execute_code", "code")]
+
+
+class ToolChat(OpenCodeChat):
+    """A chat completions conversation with another CLI's tools (Copilot's, Hermes's), no session header."""
+
+    def __init__(self, model: ScriptedModel, tools: list[dict]):
+        super().__init__(model, session="")
+        self.tools = tools
+
+    def request(self) -> tuple[int, dict]:
+        status, raw = post(self.model.url + "/v1/chat/completions",
+                           {"model": "scripted", "stream": True, "stream_options": {"include_usage": True},
+                            "messages": self.messages, "tools": self.tools})
+        assert status == 200, raw
+        message = {"content": "", "tool_calls": [], "finish": None}
+        for chunk in sse(raw.replace(b"data: [DONE]", b""))[:-1]:
+            choice = chunk["choices"][0]
+            message["content"] += choice["delta"].get("content") or ""
+            message["tool_calls"] += choice["delta"].get("tool_calls") or []
+            message["finish"] = choice["finish_reason"] or message["finish"]
+        return status, message
+
+    def answer_tool(self, message: dict, output: str = "exit 0") -> tuple[int, dict]:
+        """Record the single tool call and send back ``output`` as its result (without running it)."""
+        call = message["tool_calls"][0]
+        self.messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {k: v for k, v in call.items() if k != "index"}]})
+        self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
+        return self.request()
+
+
+def test_copilot_turn_ends_with_task_complete_after_the_write(model, tmp_path):
+    """Copilot's autopilot ends a turn only on `task_complete`: the write is a `bash` call (with its
+    description), its result is answered with task_complete {"summary": ...} instead of plain text, and
+    task_complete's own result with plain text, finishing the turn."""
+    target = tmp_path / "analyst_review.md"
+    model.set_script({"peer_analyst": ["APPROVED\n"]})
+    chat = ToolChat(model, COPILOT_TOOLS)
+    _, message = chat.send(prompt_text(target))
+    call = message["tool_calls"][0]["function"]
+    assert message["finish"] == "tool_calls" and call["name"] == "bash"
+    assert json.loads(call["arguments"])["description"]
+    status, message = chat.run_tools(message)
+    assert target.read_text() == "APPROVED\n"
+    assert message["finish"] == "tool_calls" and message["content"] == ""
+    complete = message["tool_calls"][0]["function"]
+    assert complete["name"] == "task_complete" and str(target) in json.loads(complete["arguments"])["summary"]
+    status, message = chat.answer_tool(message, "Task marked complete.")
+    assert message["finish"] == "stop" and message["tool_calls"] == [] and message["content"]
+    assert model.turns() == {"peer_analyst": 1}
+
+
+def test_copilot_nudge_to_mark_the_task_complete_gets_task_complete(model):
+    """Copilot's "You have not yet marked the task as complete" (a message naming no response file) is
+    answered with the task_complete call, not with text that would make it ask again."""
+    chat = ToolChat(model, COPILOT_TOOLS)
+    _, message = chat.send("You have not yet marked the task as complete using the task_complete tool.")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["task_complete"]
+    assert model.turns() == {}
+
+
+def test_hermes_terminal_tool_gets_only_a_command(model, tmp_path):
+    """Hermes's shell tool is `terminal`, which declares no `description`: the call carries only `command`."""
+    target = tmp_path / "test_result.md"
+    model.set_script({"tester": ["PASS\n"]})
+    chat = ToolChat(model, HERMES_TOOLS)
+    _, message = chat.send(prompt_text(target))
+    call = message["tool_calls"][0]["function"]
+    assert call["name"] == "terminal" and list(json.loads(call["arguments"])) == ["command"]
+    subprocess.run(["bash", "-c", json.loads(call["arguments"])["command"]], check=True)
+    _, message = chat.answer_tool(message)
+    assert target.read_text() == "PASS\n"
+    assert message["finish"] == "stop" and message["tool_calls"] == [] and str(target) in message["content"]
+
+
+def test_hermes_title_request_is_answered_without_a_stream(model, tmp_path):
+    """Hermes asks for a title after its first turn without `stream` and without tools: one JSON chat
+    completion with short text (a streamed answer there leaves a warning on its screen), no step taken."""
+    body = {"model": "scripted", "temperature": 0.3, "messages": [
+        {"role": "system", "content": "Generate a short, descriptive title (3-7 words) for a conversation"},
+        {"role": "user", "content": "User: " + prompt_text(tmp_path / "test_result.md") + "\n\nAssistant: Done."}]}
+    status, raw = post(model.url + "/v1/chat/completions", body)
+    answer = json.loads(raw)
+    assert status == 200 and answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["content"] and answer["choices"][0]["finish_reason"] == "stop"
+    assert model.turns() == {} and [e["kind"] for e in model.events()] == ["side"]
+
+
+def test_models_are_listed_and_each_answers_by_id(model):
+    """`GET /v1/models` (Copilot, Hermes) lists the scripted model; `GET /v1/models/<id>` (Hermes) answers any id."""
+    with urllib.request.urlopen(model.url + "/v1/models", timeout=10) as resp:
+        assert [m["id"] for m in json.loads(resp.read())["data"]] == ["scripted"]
+    with urllib.request.urlopen(model.url + "/v1/models/scripted-small", timeout=10) as resp:
+        assert json.loads(resp.read())["id"] == "scripted-small"
+    assert model.unknown_requests == []
+
+
+def test_hermes_sessions_in_the_system_prompt_tell_a_new_agent_from_a_retry(model, tmp_path):
+    """Hermes (with --pass-session-id) names its session in its system prompt: the same prompt again in
+    that session is a retry (no step); in another session (a replaced agent) it takes the next step."""
+    target = tmp_path / "programmer_summary.md"
+    model.set_script({"programmer": ["one\n", "two\n"]})
+    for session, expected in (("20261125_1_aa", "one\n"), ("20261125_1_aa", "one\n"), ("20261125_2_bb", "two\n")):
+        chat = ToolChat(model, HERMES_TOOLS)
+        chat.messages = [{"role": "system", "content": f"You are Hermes.\nConversation started: today\n"
+                                                       f"Session ID: {session}\nModel: scripted"}]
+        _, message = chat.send(prompt_text(target))
+        subprocess.run(["bash", "-c", json.loads(message["tool_calls"][0]["function"]["arguments"])["command"]],
+                       check=True)
+        assert target.read_text() == expected
+    assert model.turns() == {"programmer": 2}
