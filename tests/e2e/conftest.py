@@ -109,6 +109,14 @@ def _start_real_cli_cao(stack: contextlib.ExitStack, provider: str) -> CaoServer
     return server
 
 
+def _real_cli_server(provider: str):
+    """The body of a real-CLI server fixture: the server for its module, its agents ended at the close."""
+    with contextlib.ExitStack() as stack:
+        server = _start_real_cli_cao(stack, provider)
+        yield server
+        server.kill_all_sessions()
+
+
 @pytest.fixture(scope="session")
 def cao_server():
     with contextlib.ExitStack() as stack:
@@ -183,10 +191,7 @@ def claude_cao():
     ``claude_cao.model`` is that model: ``set_script``, ``events``, ``writes``, ``turns``.
     Use ``claude_cao.new_workdir()`` for working directories (they are pre-trusted).
     """
-    with contextlib.ExitStack() as stack:
-        server = _start_real_cli_cao(stack, "claude_code")
-        yield server
-        server.kill_all_sessions()
+    yield from _real_cli_server("claude_code")
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +201,7 @@ def codex_cao():
     As ``claude_cao``. CAO 2.5.4 keeps reporting ``processing`` after a finished
     Codex turn: wait for the response file (or ``model.writes()``), not the status.
     """
-    with contextlib.ExitStack() as stack:
-        server = _start_real_cli_cao(stack, "codex")
-        yield server
-        server.kill_all_sessions()
+    yield from _real_cli_server("codex")
 
 
 @pytest.fixture(scope="module")
@@ -209,10 +211,7 @@ def opencode_cao():
     As ``claude_cao``. CAO 2.5.4 answers ``completed`` for the whole of every
     later turn in an OpenCode terminal: wait for the response file, not the status.
     """
-    with contextlib.ExitStack() as stack:
-        server = _start_real_cli_cao(stack, "opencode_cli")
-        yield server
-        server.kill_all_sessions()
+    yield from _real_cli_server("opencode_cli")
 
 
 @pytest.fixture(scope="module")
@@ -222,16 +221,10 @@ def copilot_cao():
     As ``claude_cao``. CAO starts Copilot with --autopilot: the scripted model ends each turn with a
     ``task_complete`` tool call.
     """
-    with contextlib.ExitStack() as stack:
-        server = _start_real_cli_cao(stack, "copilot_cli")
-        yield server
-        server.kill_all_sessions()
+    yield from _real_cli_server("copilot_cli")
 
 
 @pytest.fixture(scope="module")
 def hermes_cao():
     """A private server whose profiles run the pinned Hermes Agent against a ScriptedModel. As ``claude_cao``."""
-    with contextlib.ExitStack() as stack:
-        server = _start_real_cli_cao(stack, "hermes")
-        yield server
-        server.kill_all_sessions()
+    yield from _real_cli_server("hermes")

@@ -306,6 +306,16 @@ def test_five_opencode_agents_start_at_once_in_a_fresh_home_two_more_times():
             REAL_CLI_START_UPS.setdefault("opencode_cli", []).append((report["seconds"], second_try))
 
 
+def first_fail_then_pass_with_a_model_per_role(cao, provider: str) -> None:
+    """The FAIL -> PASS run with the reviewers and the tester on another model, as the first run of its
+    module's server: its five agents' start-up in a fresh HOME counts for the summary."""
+    settings, expected = cheaper_reviewers("scripted-large", "scripted-small")
+    stdout = fail_then_pass(cao, **settings)
+    assert cao.model.models_by_role() == expected
+    assert "warning" not in stdout
+    REAL_CLI_START_UPS.setdefault(provider, []).append((start_up_seconds(stdout), "again, one at a time" in stdout))
+
+
 # ---------------------------------------------------------------------------
 # GitHub Copilot CLI, under CAO's copilot_cli provider (started with --autopilot)
 # ---------------------------------------------------------------------------
@@ -314,12 +324,7 @@ def test_copilot_fail_then_pass_with_a_model_per_role(copilot_cao):
     """Copilot: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend (CAO's
     ready status is not trusted: a reply is taken once the screen, whose spinner turns while Copilot
     works, has been still for 2 s); the reviewers and the tester on another model (CAO passes --model)."""
-    settings, expected = cheaper_reviewers("scripted-large", "scripted-small")
-    stdout = fail_then_pass(copilot_cao, **settings)
-    assert copilot_cao.model.models_by_role() == expected
-    assert "warning" not in stdout
-    REAL_CLI_START_UPS.setdefault("copilot_cli", []).append(      # the first Copilot agents in this HOME
-        (start_up_seconds(stdout), "again, one at a time" in stdout))
+    first_fail_then_pass_with_a_model_per_role(copilot_cao, "copilot_cli")
 
 
 def test_copilot_story_mode(copilot_cao):
@@ -339,12 +344,7 @@ def test_copilot_killed_mid_turn_is_replaced_and_the_run_passes(copilot_cao):
 def test_hermes_fail_then_pass_with_a_model_per_role(hermes_cao):
     """Hermes: FAIL in round 1, PASS in round 2, every reply taken once, no reminder, no resend; the
     reviewers and the tester on another model (CAO passes --model)."""
-    settings, expected = cheaper_reviewers("scripted-large", "scripted-small")
-    stdout = fail_then_pass(hermes_cao, **settings)
-    assert hermes_cao.model.models_by_role() == expected
-    assert "warning" not in stdout
-    REAL_CLI_START_UPS.setdefault("hermes", []).append(           # the first Hermes agents in this HOME
-        (start_up_seconds(stdout), "again, one at a time" in stdout))
+    first_fail_then_pass_with_a_model_per_role(hermes_cao, "hermes")
 
 
 def test_hermes_story_mode(hermes_cao):
