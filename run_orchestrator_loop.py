@@ -27,14 +27,14 @@ it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 NTFY_TOPIC; all off by default).
 
 Sections, in the order data flows (each uses only what stands above it):
-    1. Configuration                   9. Condensation
-    2. CAO API client                 10. OpenSpec: the run's change and its stories
-    3. Run state: the state file      11. Prompt builders
-    4. Response files, run record     12. After the run: archive, commit, notify
-    5. The wait for a reply           13. Init and resume
-    6. The agents' terminals          14. Main loop
-    7. Asking an agent                15. Entry point
-    8. Review gate
+    1. Configuration                   9. Review gate
+    2. CAO API client                 10. Condensation
+    3. Run state: the state file      11. OpenSpec: the run's change and its stories
+    4. Response files, run record     12. Prompt builders
+    5. Tokens used (CLIs' records)    13. After the run: archive, commit, notify
+    6. The wait for a reply           14. Init and resume
+    7. The agents' terminals          15. Main loop
+    8. Asking an agent                16. Entry point
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ import re
 import secrets
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
-from contextlib import contextmanager, suppress
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from enum import Enum
@@ -68,7 +69,7 @@ from pathlib import Path
 from string import Template
 from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, Mapping
-from urllib.parse import quote
+from urllib.parse import quote, urlparse
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import httpx
@@ -386,6 +387,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("NTFY_TOPIC", "notify.ntfy_topic", "", "text",
             "ntfy topic told of PASS, FAIL and stops that need a person (empty: no notifications)"),
     Setting("NTFY_SERVER", "notify.ntfy_server", "https://ntfy.sh", "url", "ntfy server to publish to"),
+    Setting("MAX_RUN_TOKENS", "tokens.max_run_tokens", 0, "count0",
+            "before each turn is sent: a run whose agents have used this many tokens (input, cached input and "
+            "output together, as their CLIs recorded them) stops (exit 1; rerun with a higher budget to go on); "
+            "0: no budget"),
+    Setting("MAX_RUN_COST", "tokens.max_run_cost", 0.0, "amount0",
+            "the same for the estimated cost, from MODEL_PRICES; 0: no cost budget"),
+    Setting("MODEL_PRICES", "tokens.model_prices", {}, "prices",
+            'price per million tokens of each model, for the estimated cost, e.g. {"claude-sonnet-4-5": '
+            '{"input": 3, "cached_input": 0.3, "output": 15}} (cached_input: input\'s price if left out); '
+            "empty: no cost shown"),
+    Setting("AGENT_HOME", "tokens.agent_home", "", "text",
+            "the home folder of the agents' CLIs, where their records of tokens used are read (empty: this "
+            "user's home, when the CAO server runs on this machine)"),
     *_role_settings(),
 )
 
@@ -415,11 +429,14 @@ _ENV_EXPECTED = {
     "fresh_context": "one of " + ", ".join(FRESH_CONTEXT_CHOICES),
     "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
     "model": "empty or a model id of at most 128 letters, digits and '.', '_', ':', '/', '-' (e.g. claude-haiku-4-5)",
+    "amount0": "a number of at least 0",
+    "prices": 'a JSON object: model -> {"input": price, "output": price, "cached_input": price}, prices per '
+              'million tokens, at least 0',
 }
 _JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", count="a whole number of at least 1 (not a string)",
                       count0="a whole number of at least 0 (not a string)",
                       seconds="a number greater than 0 (not a string)",
-                      seconds0="a number of at least 0 (not a string)")
+                      seconds0="a number of at least 0 (not a string)", amount0="a number of at least 0 (not a string)")
 
 
 def _is_whole(value: object, least: int) -> bool:
@@ -433,12 +450,22 @@ def _is_seconds(value: object, least_exclusive: bool) -> bool:
     return value > 0 if least_exclusive else value >= 0
 
 
+def _is_price_table(value: object) -> bool:
+    """MODEL_PRICES: model name -> prices per million tokens ("input" and "output", "cached_input" optional)."""
+    return isinstance(value, dict) and all(
+        isinstance(model, str) and model and isinstance(price, dict) and {"input", "output"} <= set(price)
+        and set(price) <= {"input", "cached_input", "output"}
+        and all(_is_seconds(amount, False) for amount in price.values()) for model, price in value.items())
+
+
 # kind -> whether an already typed value is one of that kind
 KIND_RULES: dict[str, Callable[[object], bool]] = {
     "count": lambda v: _is_whole(v, 1),
     "count0": lambda v: _is_whole(v, 0),
     "seconds": lambda v: _is_seconds(v, True),
     "seconds0": lambda v: _is_seconds(v, False),
+    "amount0": lambda v: _is_seconds(v, False),
+    "prices": lambda v: _is_price_table(v),
     "bool": lambda v: isinstance(v, bool),
     "text": lambda v: isinstance(v, str),
     "url": lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v)),
@@ -457,7 +484,7 @@ def _check_value(setting: Setting, value: object) -> object:
     """Apply the kind's rule to an already typed value; ValueError if it breaks it. Seconds become floats."""
     if not KIND_RULES[setting.kind](value):
         raise ValueError
-    return float(value) if setting.kind in ("seconds", "seconds0") else value
+    return float(value) if setting.kind in ("seconds", "seconds0", "amount0") else value
 
 
 def _parse_env_value(setting: Setting, raw: str) -> object:
@@ -471,12 +498,18 @@ def _parse_env_value(setting: Setting, raw: str) -> object:
         if not re.fullmatch(r"[0-9]+", text):
             raise ValueError
         return _check_value(setting, int(text))
-    if setting.kind in ("seconds", "seconds0"):
+    if setting.kind in ("seconds", "seconds0", "amount0"):
         try:
             number = float(text)
         except ValueError:
             raise ValueError from None
         return _check_value(setting, number)
+    if setting.kind == "prices":
+        try:
+            table = json.loads(text) if text else {}
+        except (ValueError, RecursionError):
+            raise ValueError from None
+        return _check_value(setting, table)
     return _check_value(setting, raw if setting.kind == "text" else text)
 
 
@@ -702,6 +735,10 @@ VERIFY_PASS: bool = _initial("VERIFY_PASS")
 VERIFY_TIMEOUT: float = _initial("VERIFY_TIMEOUT")
 NTFY_TOPIC: str = _initial("NTFY_TOPIC")
 NTFY_SERVER: str = _initial("NTFY_SERVER")
+MAX_RUN_TOKENS: int = _initial("MAX_RUN_TOKENS")
+MAX_RUN_COST: float = _initial("MAX_RUN_COST")
+MODEL_PRICES: dict[str, dict[str, float]] = _initial("MODEL_PRICES")
+AGENT_HOME: str = _initial("AGENT_HOME")
 
 # CAO's own convention for a server started with a token. A secret, so it is
 # read from the environment only and never logged or saved.
@@ -775,6 +812,26 @@ def validate_settings() -> None:
         raise ConfigError(f"OPENSPEC_COMMAND={OPENSPEC_COMMAND!r} is not a command line ({exc})") from None
     if not openspec_words:
         raise ConfigError("OPENSPEC_COMMAND is blank: leave it unset for 'openspec' or name the OpenSpec CLI")
+    check_budget_settings()
+
+
+def check_budget_settings() -> None:
+    """A budget the loop could not keep is refused: it counts only what the agents' CLIs record."""
+    budget = "MAX_RUN_TOKENS" if MAX_RUN_TOKENS else "MAX_RUN_COST" if MAX_RUN_COST else ""
+    if MAX_RUN_COST and not MODEL_PRICES:
+        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
+                          "use (see --help-settings), or unset MAX_RUN_COST")
+    if not budget:
+        return
+    unread = sorted({provider for provider in providers_in_use() if provider not in TOKEN_READERS})
+    if unread:
+        raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, and the loop reads those of "
+                          f"{', '.join(TOKEN_READERS)} only, not {', '.join(unread)}: unset {budget} or use one "
+                          "of those providers")
+    if not token_records_readable():
+        raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, which are on the machine of the "
+                          f"CAO server at {API}, not this one: set AGENT_HOME to where the agents' home folder can "
+                          f"be read from here, or unset {budget}")
 
 
 def configure(argv: list[str]) -> None:
@@ -1293,6 +1350,101 @@ class StoryProgress:
                    [result for result in results if result is not None])
 
 
+@dataclass(frozen=True)
+class TokenUse:
+    """Tokens used by model responses, in three numbers that never overlap, so that any two add up.
+
+    input: prompt tokens not read from a cache (tokens written to a cache count here: they are sent,
+    and billed, as new input); cached_input: prompt tokens read from the provider's cache; output:
+    generated tokens, reasoning included. The CLIs' own numbers map as follows:
+      Claude Code: input = input_tokens + cache_creation_input_tokens (Anthropic's input_tokens leaves
+        out both cache reads and cache writes); cached_input = cache_read_input_tokens; output = output_tokens.
+      Codex: input = input_tokens - cached_input_tokens (OpenAI's input_tokens includes the cached part,
+        and cache_write_input_tokens is taken to be inside it too); cached_input = cached_input_tokens;
+        output = output_tokens (already includes reasoning_output_tokens).
+      OpenCode: input = tokens.input + tokens.cache.write (its input leaves out both cache numbers);
+        cached_input = tokens.cache.read; output = tokens.output + tokens.reasoning (its output leaves
+        out reasoning)."""
+
+    input: int = 0
+    cached_input: int = 0
+    output: int = 0
+
+    def __add__(self, other: TokenUse) -> TokenUse:
+        if not isinstance(other, TokenUse):
+            return NotImplemented
+        return TokenUse(self.input + other.input, self.cached_input + other.cached_input, self.output + other.output)
+
+    @property
+    def total(self) -> int:
+        """All three together: what MAX_RUN_TOKENS counts."""
+        return self.input + self.cached_input + self.output
+
+    def to_json(self) -> dict:
+        return {"input": self.input, "cached_input": self.cached_input, "output": self.output}
+
+    @classmethod
+    def from_json(cls, raw: object) -> TokenUse | None:
+        if not isinstance(raw, dict):
+            return None
+        numbers = [_whole(raw.get(name)) for name in ("input", "cached_input", "output")]
+        if any(number is None or number < 0 for number in numbers):
+            return None
+        return cls(*numbers)
+
+
+def tokens_json(by_model: dict[str, TokenUse] | None) -> dict | None:
+    """A turn's (or a role's, or the run's) tokens as the state file and summary.json keep them: the three
+    sums, then each model's share (the price table is per model). None: unknown."""
+    if by_model is None:
+        return None
+    return {**sum(by_model.values(), TokenUse()).to_json(),
+            "by_model": {model: use.to_json() for model, use in sorted(by_model.items())}}
+
+
+def tokens_from_json(raw: object) -> dict[str, TokenUse] | None:
+    """tokens_json() read back; None for anything else (unknown)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("by_model"), dict):
+        return None
+    found = {model: TokenUse.from_json(use) for model, use in raw["by_model"].items() if isinstance(model, str)}
+    return None if None in found.values() else found
+
+
+def add_tokens(*parts: dict[str, TokenUse] | None) -> dict[str, TokenUse]:
+    """Tokens by model summed over turns (the unknown ones left out: the caller says how many there were)."""
+    total: dict[str, TokenUse] = {}
+    for part in parts:
+        for model, use in (part or {}).items():
+            total[model] = total.get(model, TokenUse()) + use
+    return total
+
+
+# -- What it costs ---------------------------------------------------------------
+# MODEL_PRICES: {"<model>": {"input": ..., "cached_input": ..., "output": ...}},
+# each a price per million tokens in the user's currency; none by default.
+
+def cost_of(tokens: dict[str, TokenUse] | None) -> float | None:
+    """The estimated cost of tokens by model; None when a model has no price (or the tokens are unknown)."""
+    if tokens is None or any(model not in MODEL_PRICES for model in tokens):
+        return None
+    total = 0.0
+    for model, use in tokens.items():
+        price = MODEL_PRICES[model]
+        total += (use.input * price["input"] + use.cached_input * price.get("cached_input", price["input"])
+                  + use.output * price["output"]) / 1_000_000
+    return total
+
+
+def tokens_text(tokens: dict[str, TokenUse] | None) -> str:
+    """'12,345 in + 2,000 cached + 60 out (~0.0421)' for a log line or the report; 'unknown' when unknown."""
+    if tokens is None:
+        return "unknown"
+    use = sum(tokens.values(), TokenUse())
+    cost = cost_of(tokens) if MODEL_PRICES else None
+    return (f"{use.input:,} in + {use.cached_input:,} cached + {use.output:,} out"
+            + (f" (~{cost:.4f})" if cost is not None else ""))
+
+
 @dataclass
 class TurnRecord:
     """One answered turn, for the run summary and its report: who, where in the run, when, how much."""
@@ -1311,12 +1463,15 @@ class TurnRecord:
     resends: int = 0
     prompt_file: str = ""             # file names in the run's folder ("" when not kept)
     reply_file: str = ""
+    tokens: dict[str, TokenUse] | None = None  # model -> tokens its CLI recorded for the turn; None: unknown
+    tokens_final: bool = False        # read up to the role's next send (or the run's end): they stay as they are
 
     def to_json(self) -> dict:
         data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
                 "sent_at": self.sent_at, "taken_at": self.taken_at, "seconds": self.seconds,
                 "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
-                "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file}
+                "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
+                "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final}
         return data if self.outcome is None else {**data, "outcome": self.outcome}
 
     @classmethod
@@ -1328,7 +1483,8 @@ class TurnRecord:
                    else None, _text(raw.get("phase")), _whole(raw.get("cycle")) or 0, _text(raw.get("sent_at")),
                    _text(raw.get("taken_at")), _whole(raw.get("reply_bytes")) or 0,
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
-                   _text(raw.get("prompt_file")), _text(raw.get("reply_file")))
+                   _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
+                   raw.get("tokens_final") is True)
 
 
 @dataclass
@@ -1538,8 +1694,8 @@ def update_run(**changes: object) -> None:
     A change inside a field's value goes through one of the other doors,
     defined right below, so every change to what the state file holds is
     found here. The doors: set_output(), add_turn_record(), note_turn_outcome(),
-    record_sent(), forget_sent(), set_after_run(), update_story_progress(),
-    add_story_result(). No other function assigns a run-state global or
+    set_turn_tokens(), record_sent(), forget_sent(), set_after_run(),
+    update_story_progress(), add_story_result(). No other function assigns a run-state global or
     changes its value in place.
     """
     unknown = set(changes) - set(RUN_FIELDS)
@@ -1562,6 +1718,11 @@ def note_turn_outcome(outcome: str) -> None:
     """The verdict or test result of the turn just answered, for the run summary."""
     if turn_records:
         turn_records[-1].outcome = outcome
+
+
+def set_turn_tokens(number: int, tokens: dict[str, TokenUse] | None, final: bool) -> None:
+    """What the agent's CLI recorded for an answered turn (its index in turn_records), read again until final."""
+    turn_records[number].tokens, turn_records[number].tokens_final = tokens, final
 
 
 def record_sent(marks: Iterable[str]) -> None:
@@ -1768,7 +1929,7 @@ def release_run_lock() -> None:
 # 4. Response files and the run record
 # ==========================================================================
 # Each agent writes its answer to a file of its own; the file is the agent's
-# word, so it leads every decision about a turn (section 5).
+# word, so it leads every decision about a turn (section 6).
 
 RESPONSE_FILES = {
     "analyst": "analyst_summary.md",
@@ -1980,13 +2141,22 @@ def _is_task_label(line: str, text: str) -> bool:
     return 0 < len(words) <= 4 and all(word in TASK_LABEL_WORDS for word in words)
 
 
+def _token_totals(records: list[TurnRecord]) -> dict:
+    """Tokens of some turns, for summary.json: their sum over the turns whose tokens are known (None when
+    none is), how many are not, and the estimated cost (None without a price for each model)."""
+    known = [r.tokens for r in records if r.tokens is not None]
+    total = add_tokens(*known) if known else None
+    return {"tokens": tokens_json(total), "tokens_unknown_turns": len(records) - len(known),
+            "cost": cost_of(total) if MODEL_PRICES else None}
+
+
 def _role_totals() -> dict[str, dict]:
-    """Per role: its answered turns, their seconds and the verdicts they led to."""
+    """Per role: its answered turns, their seconds, the verdicts they led to and the tokens they used."""
     totals = {}
     for role in ROLES:
         mine = [r for r in turn_records if r.role == role]
         totals[role] = {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
-                        "outcomes": [r.outcome for r in mine if r.outcome]}
+                        "outcomes": [r.outcome for r in mine if r.outcome], **_token_totals(mine)}
     return totals
 
 
@@ -1995,8 +2165,8 @@ def _unanswered_turn() -> dict | None:
     if in_flight is None:
         return None
     facts = {**sent_turn_facts(in_flight.role), "seconds": None}
-    return TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
-                      **facts).to_json()
+    return {**TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
+                         **facts).to_json(), "cost": None}
 
 
 def run_summary(exit_code: int | None) -> dict:
@@ -2007,7 +2177,8 @@ def run_summary(exit_code: int | None) -> dict:
     while the run is still going.
     """
     unanswered = _unanswered_turn()
-    turns = [r.to_json() for r in turn_records] + ([unanswered] if unanswered else [])
+    turns = [{**r.to_json(), "cost": cost_of(r.tokens) if MODEL_PRICES else None} for r in turn_records] \
+        + ([unanswered] if unanswered else [])
     ended_at = utc_iso(precise=True)
     return {
         "result": final_status, "exit_code": exit_code, "task": task_title(), "task_heading": task_heading(),
@@ -2022,6 +2193,7 @@ def run_summary(exit_code: int | None) -> dict:
         "agent_seconds": round(sum(r.seconds or 0.0 for r in turn_records), 1),
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
+        **_token_totals(turn_records), "model_prices": MODEL_PRICES,
         "roles": _role_totals(), "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
@@ -2063,6 +2235,9 @@ dd { margin: 0; overflow-wrap: anywhere }
 pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: .6em; margin: .3em 0 }
 summary { cursor: pointer; padding: .2em 0 }
 .legend span { display: inline-block; padding: 0 .5em; margin-right: .4em; color: #fff }
+table { border-collapse: collapse; margin: .3em 0 }
+th, td { padding: .1em .7em; text-align: right; border-bottom: 1px solid #eee }
+th:nth-child(2), td:nth-child(2) { text-align: left }
 </style></head>
 <body data-result="$result" data-reload-seconds="$reload_seconds">
 <h1 id="task">$heading</h1>
@@ -2082,6 +2257,7 @@ $lanes
 <section id="turns"><h2>Turns</h2>
 $turns
 </section>
+$tokens
 <script>
 (function () {
   var key = "report-view:" + location.pathname;
@@ -2137,6 +2313,15 @@ TURN_DETAIL = Template(
     '<details id="turn-$number" class="turn-detail"><summary>$label</summary>\n'
     '<h3>Prompt ($prompt_bytes bytes, sent $sent)</h3><pre class="prompt">$prompt</pre>\n'
     '<h3>Reply ($reply_bytes bytes, taken $taken)</h3><pre class="reply">$reply</pre></details>')
+
+
+TOKENS_SECTION = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p>\n'
+                          '<table id="tokens-per-turn"><tr><th>turn</th><th>role</th><th>round</th><th>input</th>'
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$turn_rows</table>\n'
+                          '<table id="tokens-per-role"><tr><th>turns</th><th>role</th><th>unknown</th><th>input</th>'
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table></section>')
+TOKEN_ROW = Template('<tr data-key="$key"><td>$first</td><td>$second</td><td>$third</td><td>$input</td>'
+                     '<td>$cached</td><td>$output</td><td>$cost</td></tr>')
 
 
 class ReportHtml(str):
@@ -2237,6 +2422,9 @@ def _figures(summary: dict) -> ReportHtml:
     figures += [("rounds", f"{summary['rounds']} of {summary['max_rounds']}"),
                 ("turns", f"{summary['turns']} answered, {summary['prompts_sent']} prompts sent"),
                 ("agent time", report_duration(summary["agent_seconds"])),
+                ("tokens", tokens_text(tokens_from_json(summary["tokens"]))
+                 + (f" ({summary['tokens_unknown_turns']} turn(s) unknown)" if summary["tokens_unknown_turns"]
+                    and summary["tokens"] else "")),
                 ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
@@ -2323,6 +2511,31 @@ def _turn_details(turns: list[dict], prompts: list[str], replies: list[str]) -> 
     return _join(details)
 
 
+def _token_cells(tokens: dict | None, cost: float | None) -> dict[str, str]:
+    """A row's figures: its tokens (or 'unknown') and its cost ('-' without prices)."""
+    cells = {name: f"{tokens[key]:,}" if tokens else "unknown"
+             for name, key in (("input", "input"), ("cached", "cached_input"), ("output", "output"))}
+    return {**cells, "cost": f"{cost:.4f}" if cost is not None else "-"}
+
+
+def _tokens_section(summary: dict) -> ReportHtml:
+    """A row of tokens per answered turn and per role, with the run's total: as the agents' CLIs recorded
+    them (unknown where they could not be read), and the estimated cost where MODEL_PRICES prices them."""
+    answered = [(number, turn) for number, turn in enumerate(summary["turn_list"], 1)
+                if turn.get("outcome") != "unanswered"]
+    turn_rows = [_fill(TOKEN_ROW, key=f"turn-{number}", first=_fill(LINK, href=f"#turn-{number}", text=number),
+                       second=turn["role"], third=turn["round"], **_token_cells(turn["tokens"], turn["cost"]))
+                 for number, turn in answered]
+    totals = [(role, figures) for role, figures in summary["roles"].items() if figures["turns"]]
+    totals.append(("run", summary))
+    role_rows = [_fill(TOKEN_ROW, key=f"role-{role}", first=figures["turns"], second=role,
+                       third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
+                 for role, figures in totals]
+    prices = "cost estimated from MODEL_PRICES" if summary["model_prices"] else "no cost shown: MODEL_PRICES is not set"
+    note = (f"As the agents' CLIs recorded them; input leaves out cached input; output includes reasoning; {prices}.")
+    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows))
+
+
 def report_html(summary: dict) -> str:
     """report.html: the task, the result with the scenario test and the tester's last evidence, the run's
     facts and files, a timeline with one lane per role (a bar per turn, coloured by its verdict) and every
@@ -2337,7 +2550,8 @@ def report_html(summary: dict) -> str:
                  heading=_with_code(heading), reload_seconds=REPORT_RELOAD_SECONDS if running else 0,
                  figures=_figures(summary),
                  outcome=_outcome(summary, replies), agent_events=_agent_events(summary["agent_events"]),
-                 turns=_turn_details(turns, prompts, replies), **_timeline(summary))
+                 turns=_turn_details(turns, prompts, replies), tokens=_tokens_section(summary),
+                 **_timeline(summary))
     return str(page)
 
 
@@ -2357,7 +2571,333 @@ def write_report(exit_code: int | None = None) -> None:
 
 
 # ==========================================================================
-# 5. The wait for a reply
+# 5. Tokens used: the CLIs' own records
+# ==========================================================================
+# Each CLI writes what every model response cost into a record of its own:
+# Claude Code and Codex into a JSONL transcript per session, OpenCode into
+# one SQLite database per home (docs/agent-clis.md names the versions). The
+# loop reads them where it runs beside its agents (CAO on this machine, or
+# AGENT_HOME set); it only reads, and what it cannot read is unknown --
+# never reported as 0.
+#
+# A turn's records are those of the sessions that name the turn's response
+# file (its prompt does, and so does the agent's write), timed from the
+# turn's first send up to the role's next send: an agent is idle between its
+# turns, and its CLI may record the turn's last response after the loop has
+# taken the reply. A session's record can span files (Claude's /clear,
+# Codex's /new or a fork), and Codex can copy a record into a later file:
+# each response is counted once by its own id, so neither the order of the
+# files nor a copy changes the sum.
+
+
+@dataclass(frozen=True)
+class TokenReading:
+    """What a CLI's records say of one turn: each model's tokens, and whether the CLI has recorded the end
+    of its turn (until then a response may still be on its way)."""
+
+    by_model: dict[str, TokenUse]
+    over: bool = True
+
+
+class _Responses:
+    """The responses found in a turn's window, each once by its id, and when the last one and the CLI's
+    last end-of-turn record were written."""
+
+    def __init__(self) -> None:
+        self.found: dict[object, tuple[str, TokenUse]] = {}
+        self.last_response: datetime | None = None
+        self.last_end: datetime | None = None
+
+    def add(self, key: object, model: str, use: TokenUse, moment: datetime) -> None:
+        """A response; one already found keeps the larger output (Claude's early lines may hold 1)."""
+        if key not in self.found or use.output > self.found[key][1].output:
+            self.found[key] = (model, use)
+        self.last_response = max(moment, self.last_response or moment)
+
+    def end_of_turn(self, moment: datetime) -> None:
+        self.last_end = max(moment, self.last_end or moment)
+
+    def reading(self, pending: bool = False) -> TokenReading | None:
+        """The sum by model; None when no response was found (unknown, not 0)."""
+        if not self.found:
+            return None
+        over = not pending and self.last_end is not None and self.last_end >= self.last_response
+        return TokenReading(add_tokens(*({model: use} for model, use in self.found.values())), over)
+
+
+def _token_count(value: object) -> int | None:
+    """A token count as the CLIs write it: a whole number, never negative (None for anything else)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return max(value, 0)
+
+
+def _json_records(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON objects of a JSONL transcript. A malformed line is skipped, and so is a last line the CLI
+    is still writing: it reads whole on a later call."""
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict):
+            yield record
+
+
+def _within(moment: datetime | None, since: datetime, until: datetime) -> bool:
+    """Whether a record's time falls in a turn's window (both ends included; since and until are aware)."""
+    return moment is not None and moment.tzinfo is not None and since <= moment <= until
+
+
+def _record_time(record: dict) -> datetime | None:
+    stamp = record.get("timestamp")
+    return parse_utc_iso(stamp) if isinstance(stamp, str) else None
+
+
+def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | None:
+    """The response id, model and tokens a Claude Code transcript line carries; None for other lines, for
+    an API error written as a reply (model "<synthetic>") and for usage without its two main numbers."""
+    message = record.get("message")
+    if record.get("type") != "assistant" or not isinstance(message, dict) or record.get("isApiErrorMessage"):
+        return None
+    usage, message_id, model = message.get("usage"), message.get("id"), message.get("model")
+    if not isinstance(usage, dict) or not isinstance(message_id, str) or not message_id or model == "<synthetic>":
+        return None
+    fresh, output = _token_count(usage.get("input_tokens")), _token_count(usage.get("output_tokens"))
+    if fresh is None or output is None:
+        return None
+    written = _token_count(usage.get("cache_creation_input_tokens")) or 0
+    read = _token_count(usage.get("cache_read_input_tokens")) or 0
+    request_id = record.get("requestId") if isinstance(record.get("requestId"), str) else ""
+    return (message_id, request_id), model if isinstance(model, str) else "", TokenUse(fresh + written, read, output)
+
+
+def claude_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
+    """Tokens of the Claude Code responses whose lines in session transcripts (~/.claude/projects/<slug>/
+    <session>.jsonl) are timed within the window. Claude writes a line per content block, all with the same
+    message.id (and requestId), and the usage on an early line may still be the stream's first figure
+    (output_tokens 1): each response counts once, with its largest output_tokens. A turn ends with a
+    system line of subtype turn_duration."""
+    responses = _Responses()
+    for record in _json_records(lines):
+        moment = _record_time(record)
+        if not _within(moment, since, until):
+            continue
+        if record.get("type") == "system" and record.get("subtype") == "turn_duration":
+            responses.end_of_turn(moment)
+        found = _claude_response(record)
+        if found is not None:
+            responses.add(*found, moment)
+    return responses.reading()
+
+
+def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
+    """The response id, turn id and tokens of a Codex token_usage_record line (None for other lines). Only
+    these lines count: token_count events repeat the same responses, and the cumulative turn and thread
+    figures would count them again."""
+    payload = record.get("payload")
+    if record.get("type") != "token_usage_record" or not isinstance(payload, dict):
+        return None
+    usage, response_id = payload.get("usage"), payload.get("response_id")
+    if not isinstance(usage, dict) or not isinstance(response_id, str) or not response_id:
+        return None
+    prompt, output = _token_count(usage.get("input_tokens")), _token_count(usage.get("output_tokens"))
+    if prompt is None or output is None:
+        return None
+    cached = min(_token_count(usage.get("cached_input_tokens")) or 0, prompt)
+    return response_id, _text(payload.get("turn_id")), TokenUse(prompt - cached, cached, output)
+
+
+def codex_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
+    """Tokens of the Codex responses whose token_usage_record lines in rollouts
+    (~/.codex/sessions/YYYY/MM/DD/rollout-*.jsonl) are timed within the window, each response_id once. The
+    model is the one the turn's turn_context line names; a turn ends with a task_complete event."""
+    records = list(_json_records(lines))
+    models = {}
+    for record in records:
+        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
+        if record.get("type") == "turn_context" and isinstance(payload.get("model"), str):
+            models[_text(payload.get("turn_id"))] = payload["model"]
+    responses = _Responses()
+    for record in records:
+        moment = _record_time(record)
+        if not _within(moment, since, until):
+            continue
+        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
+        if record.get("type") == "event_msg" and payload.get("type") in ("task_complete", "turn_aborted"):
+            responses.end_of_turn(moment)
+        found = _codex_response(record)
+        if found is not None:
+            response_id, turn_id, use = found
+            responses.add(response_id, models.get(turn_id, ""), use, moment)
+    return responses.reading()
+
+
+def _opencode_message(data: object, since: datetime, until: datetime) -> tuple[str, TokenUse | None, bool]:
+    """An OpenCode message row's data: (model, its tokens if it is an assistant message completed within
+    the window, whether it is one still in progress that began in it). A message in progress has no
+    time.completed yet, and zero tokens so far."""
+    if not isinstance(data, dict) or data.get("role") != "assistant" or not isinstance(data.get("time"), dict):
+        return "", None, False
+    times, tokens, model = data["time"], data.get("tokens"), _text(data.get("modelID"))
+    completed, created = _token_count(times.get("completed")), _token_count(times.get("created"))
+    if completed is None:
+        began = created is not None and _within(datetime.fromtimestamp(created / 1000, timezone.utc), since, until)
+        return model, None, began
+    if not isinstance(tokens, dict) or not _within(datetime.fromtimestamp(completed / 1000, timezone.utc),
+                                                   since, until):
+        return model, None, False
+    cache = tokens.get("cache") if isinstance(tokens.get("cache"), dict) else {}
+    fresh, output = _token_count(tokens.get("input")), _token_count(tokens.get("output"))
+    if fresh is None or output is None:
+        return model, None, False
+    return model, TokenUse(fresh + (_token_count(cache.get("write")) or 0), _token_count(cache.get("read")) or 0,
+                           output + (_token_count(tokens.get("reasoning")) or 0)), False
+
+
+def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker: str, since: datetime,
+                   until: datetime) -> TokenReading | None:
+    """Tokens of the assistant messages completed within the window in the OpenCode sessions of the
+    directory whose parts name the marker (the turn's response file), read from its database
+    (~/.local/share/opencode/opencode.db). It is opened read-only through SQLite, so rows still in the -wal
+    file are seen and a writer is never in the way; a database that cannot be opened or read gives None.
+    Compaction messages count: they belong to the session. Its turn is over when no message is in progress
+    and the last one did not stop for tool calls."""
+    uri = Path(db_path).absolute().as_uri() + "?mode=ro"
+    folders = sorted({directories} if isinstance(directories, str) else set(directories))
+    try:
+        with closing(sqlite3.connect(uri, uri=True, timeout=2.0)) as connection:
+            rows = connection.execute(
+                "SELECT message.id, message.data FROM message JOIN session ON session.id = message.session_id"
+                f" WHERE session.directory IN ({', '.join('?' * len(folders))}) AND EXISTS (SELECT 1 FROM part"
+                " WHERE part.session_id = session.id AND instr(part.data, ?) > 0)", (*folders, marker)).fetchall()
+    except sqlite3.Error:
+        return None
+    responses, pending = _Responses(), False
+    for message_id, text in rows:
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError, RecursionError):
+            continue
+        model, use, in_progress = _opencode_message(data, since, until)
+        pending = pending or in_progress
+        if use is not None:
+            moment = datetime.fromtimestamp(data["time"]["completed"] / 1000, timezone.utc)
+            responses.add(message_id, model, use, moment)
+            if data.get("finish") not in ("tool-calls", None):
+                responses.end_of_turn(moment)
+    return responses.reading(pending)
+
+
+# -- Where the records are -------------------------------------------------------
+# In the agents' home: AGENT_HOME, else this process's home, where the CLIs'
+# own variables (CLAUDE_CONFIG_DIR, CODEX_HOME, XDG_DATA_HOME) move them, as
+# they move them for the CLIs CAO starts from the same environment.
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+RECORD_SLACK_SECONDS = 2.0      # a file's modification time may be coarse; only files touched since count
+
+
+def token_records_readable() -> bool:
+    """Whether the agents' records are on this machine: CAO runs here, or AGENT_HOME says where they are."""
+    return bool(AGENT_HOME) or urlparse(API).hostname in LOCAL_HOSTS
+
+
+def _cli_folder(variable: str, *default: str) -> Path:
+    if not AGENT_HOME and os.environ.get(variable):
+        return Path(os.environ[variable]).expanduser()
+    return Path(AGENT_HOME or Path.home()).expanduser().joinpath(*default)
+
+
+def claude_project_folder(cwd: str) -> str:
+    """The folder name Claude Code keeps a working directory's transcripts in (~/.claude/projects/<it>):
+    every character but a letter or digit becomes '-'; a name over 200 characters is cut there and ends
+    with a hash of the whole path (Java's string hash, in base 36)."""
+    name = re.sub(r"[^a-zA-Z0-9]", "-", cwd)
+    if len(name) <= 200:
+        return name
+    units = cwd.encode("utf-16-le")                   # JavaScript hashes the path's UTF-16 code units
+    digest = 0
+    for index in range(0, len(units), 2):
+        digest = (digest * 31 + int.from_bytes(units[index:index + 2], "little")) & 0xFFFFFFFF
+    number, text = abs(digest - (1 << 32) if digest >= 1 << 31 else digest), ""
+    while True:
+        number, digit = divmod(number, 36)
+        text = "0123456789abcdefghijklmnopqrstuvwxyz"[digit] + text
+        if not number:
+            return f"{name[:200]}-{text}"
+
+
+def _touched_since(paths: Iterable[Path], since: float) -> list[Path]:
+    found = []
+    for path in paths:
+        with suppress(OSError):
+            if path.stat().st_mtime >= since - RECORD_SLACK_SECONDS:
+                found.append(path)
+    return found
+
+
+def _lines_naming(paths: Iterable[Path], marker: str) -> list[str] | None:
+    """The lines of the files that name the marker; None when none does (the turn's records are not there)."""
+    lines, named = [], False
+    for path in paths:
+        with suppress(OSError):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if marker in text:
+                named = True
+                lines += text.splitlines()
+    return lines if named else None
+
+
+def read_claude_turn(marker: str, since: float, until: float) -> TokenReading | None:
+    folders = {claude_project_folder(WD), claude_project_folder(os.path.realpath(WD))}
+    projects = _cli_folder("CLAUDE_CONFIG_DIR", ".claude") / "projects"
+    files = _touched_since((path for folder in folders for path in (projects / folder).glob("*.jsonl")), since)
+    lines = _lines_naming(files, marker)
+    return None if lines is None else claude_usage(lines, *_window(since, until))
+
+
+def read_codex_turn(marker: str, since: float, until: float) -> TokenReading | None:
+    rollouts = (_cli_folder("CODEX_HOME", ".codex") / "sessions").rglob("rollout-*.jsonl")
+    lines = _lines_naming(_touched_since(rollouts, since), marker)
+    return None if lines is None else codex_usage(lines, *_window(since, until))
+
+
+def read_opencode_turn(marker: str, since: float, until: float) -> TokenReading | None:
+    database = _cli_folder("XDG_DATA_HOME", ".local", "share") / "opencode" / "opencode.db"
+    if not database.is_file():
+        return None
+    return opencode_usage(database, {WD, os.path.realpath(WD)}, marker, *_window(since, until))
+
+
+def _window(since: float, until: float) -> tuple[datetime, datetime]:
+    return datetime.fromtimestamp(since, timezone.utc), datetime.fromtimestamp(until, timezone.utc)
+
+
+# provider -> its reader: (the turn's marker, window start, window end, as time.time()) -> its tokens
+TOKEN_READERS: dict[str, Callable[[str, float, float], TokenReading | None]] = {
+    "claude_code": read_claude_turn, "codex": read_codex_turn, "opencode_cli": read_opencode_turn}
+
+
+def tokens_readable(role: str) -> bool:
+    """Whether the loop can read what the role's CLI records: one it knows, its records on this machine."""
+    return provider_for(role) in TOKEN_READERS and token_records_readable()
+
+
+def turn_tokens(role: str, since: float, until: float) -> TokenReading | None:
+    """What the role's CLI recorded between the two times (time.time() values), in the sessions that name
+    the role's response file; None when its records cannot be read here or hold nothing of it yet."""
+    if not tokens_readable(role):
+        return None
+    reader = TOKEN_READERS[provider_for(role)]
+    marker = json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]   # as JSON writes it
+    try:
+        return reader(marker, since, until)
+    except (OSError, ValueError):
+        return None
+
+
+# ==========================================================================
+# 6. The wait for a reply
 # ==========================================================================
 # CAO's status is a hint: it can lag, stick at `processing` when it misreads a
 # CLI's screen, or read `unknown` after a server restart. The response file is
@@ -2498,7 +3038,7 @@ def turn_mark(screen: str | None) -> str | None:
 # An agent CLI summarises its conversation when it nears its context window
 # (or when a person types /compact), and /clear starts it over: from then on
 # the agent has a model-written summary, or nothing, instead of what it was
-# told. The loop sends some text only once per conversation (section 11), so
+# told. The loop sends some text only once per conversation (section 12), so
 # it must hear of this: the CLI says so on its screen. Claude Code draws the
 # spaces of a line as cursor moves and colours a word in pieces, so the words
 # are matched with whitespace and escape sequences removed. Words of the
@@ -3366,7 +3906,7 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
 
 
 # ==========================================================================
-# 6. The agents' terminals: created, ended, replaced
+# 7. The agents' terminals: created, ended, replaced
 # ==========================================================================
 # A run's five agents live in one CAO session. They are created all at once;
 # a lost one is replaced in that session (or, when the session itself is
@@ -3694,7 +4234,7 @@ def replace_lost_agent(lost: AgentLost) -> None:
 
 
 # ==========================================================================
-# 7. Asking an agent
+# 8. Asking an agent
 # ==========================================================================
 # One turn from end to end: the prompt out (once, and recorded as it goes),
 # the wait, the reply archived. A turn interrupted by a stop of the loop is
@@ -3724,7 +4264,9 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
 
     A status word the loop does not know (`unknown` after a cao-server
     restart) cannot become ready, so it counts as settled: the prompt goes out
-    and the reply file decides.
+    and the reply file decides. A CLI whose own mark on its screen says its
+    turn has ended is at rest whatever CAO says (Codex, which CAO reads
+    `processing` for good after a turn).
     """
     if terminal_id in settled_terminals:
         return
@@ -3732,6 +4274,8 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     ready_in_a_row = 0
     while ready_in_a_row < 2:
         status = api.get_status(terminal_id)
+        if status in BUSY_STATUSES and turn_mark(_screen(terminal_id)) == "ended":
+            status = "idle"
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
         ready_in_a_row = ready_in_a_row + 1 if status not in BUSY_STATUSES else 0
@@ -3862,15 +4406,95 @@ def sent_turn_facts(role: str) -> dict:
             "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else ""}
 
 
-def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> None:
-    """Remember an answered turn for the run summary and report (saved with the state)."""
+def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> TurnRecord:
+    """Remember an answered turn for the run summary and report (saved with the state), with the tokens
+    its CLI has recorded so far."""
     facts = sent_turn_facts(role)
-    add_turn_record(TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(precise=True),
-                               reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name, **facts))
+    record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(precise=True),
+                        reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name, **facts)
+    add_turn_record(record)
+    read_turn_tokens(len(turn_records) - 1)
+    return record
+
+
+# -- Tokens used and the run's budget --------------------------------------------------
+# A turn's tokens are read from its CLI's records (section 5) when its reply is
+# taken, again before each later send (the budget counts them), and for the
+# last time when the role's next turn is sent or the run ends: its agent has
+# been idle since, so they stand from then on.
+TOKENS_SETTLE_SECONDS = 10.0   # at a run's end: how long the CLIs may take to record the end of the last turns
+
+
+class BudgetReached(RunError):
+    """The run has used its MAX_RUN_TOKENS or MAX_RUN_COST: stopped before a turn, resumable with a higher one."""
+
+
+def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
+    """Read what an answered turn's CLI recorded from the turn's first send until now."""
+    record = turn_records[number]
+    since = parse_utc_iso(record.sent_at)
+    reading = turn_tokens(record.role, since.timestamp(), time.time()) if since is not None else None
+    set_turn_tokens(number, reading.by_model if reading is not None else None, final)
+    return reading
+
+
+def tokens_before_send(role: str) -> None:
+    """Before a turn is sent: the turns whose tokens may still grow are read again -- the role's own for the
+    last time -- and the run's budget is checked."""
+    for number, record in enumerate(turn_records):
+        if not record.tokens_final:
+            read_turn_tokens(number, final=record.role == role)
+    check_budget(role)
+
+
+def settle_tokens(run_ended: bool) -> None:
+    """When the loop stops: the turns whose tokens may still grow are read again. At a run's end each CLI is
+    given up to TOKENS_SETTLE_SECONDS to record the end of its last turn (or, where the run found its CLI's
+    records before, the turn at all), and the figures stand from then on."""
+    deadline = time.monotonic() + (TOKENS_SETTLE_SECONDS if run_ended else 0.0)
+    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
+    while growing:
+        readings = {number: read_turn_tokens(number, final=run_ended) for number in growing}
+        roles_found = {record.role for record in turn_records if record.tokens is not None}
+        to_come = [number for number, reading in readings.items()
+                   if (not reading.over if reading is not None else turn_records[number].role in roles_found)]
+        if not to_come or time.monotonic() >= deadline:
+            return
+        time.sleep(0.5)
+
+
+def run_tokens() -> tuple[dict[str, TokenUse], int]:
+    """The run's tokens by model, over the turns whose tokens are known, and how many turns' are not."""
+    return add_tokens(*(r.tokens for r in turn_records)), sum(1 for r in turn_records if r.tokens is None)
+
+
+def check_budget(role: str) -> None:
+    """Stop before the role's turn is sent if the run has used MAX_RUN_TOKENS or MAX_RUN_COST (BudgetReached)."""
+    if not (MAX_RUN_TOKENS or MAX_RUN_COST):
+        return
+    used, _ = run_tokens()
+    if turn_records and turn_records[-1].tokens is None:
+        log_turn(role, f"the {turn_records[-1].role}'s last turn left no record of its tokens that could be read: "
+                       "the budget cannot count them")
+    total = sum(used.values(), TokenUse()).total
+    go_on = f"state saved: rerun with a higher {{}} to go on with the {role}'s turn"
+    if MAX_RUN_TOKENS and total >= MAX_RUN_TOKENS:
+        raise BudgetReached(f"the run has used {total:,} tokens ({tokens_text(used)}), its budget is "
+                            f"MAX_RUN_TOKENS={MAX_RUN_TOKENS}; " + go_on.format("MAX_RUN_TOKENS"))
+    if not MAX_RUN_COST:
+        return
+    unpriced = sorted(model for model in used if model not in MODEL_PRICES)
+    if unpriced:
+        raise BudgetReached(f"MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for {', '.join(unpriced)} "
+                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn")
+    cost = cost_of(used) or 0.0
+    if cost >= MAX_RUN_COST:
+        raise BudgetReached(f"the run has cost about {cost:.4f} ({tokens_text(used)}), its budget is "
+                            f"MAX_RUN_COST={MAX_RUN_COST:g}; " + go_on.format("MAX_RUN_COST"))
 
 
 # -- The agent's conversation ---------------------------------------------------
-# Once-only text (section 11) is worth sending once only while the agent's
+# Once-only text (section 12) is worth sending once only while the agent's
 # conversation still holds it. A CLI that compacts its conversation (or a
 # person who types /compact or /clear) leaves it with a summary: the loop
 # forgets what that terminal was sent, so its next prompt carries everything
@@ -3975,14 +4599,16 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
                      if carried == "reply" else f"terminal {terminal_id} is still working on the prompt sent before "
                      "the interruption; waiting for it")
     else:
+        tokens_before_send(role)
         message, baseline_reply = send_prompt(role, prompt)
     reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
     timing = turn_timing(path)
     archived = archive_reply(role, reply, path)
-    record_turn(role, len(prompt.encode("utf-8")), reply, archived)
+    record = record_turn(role, len(prompt.encode("utf-8")), reply, archived)
     write_report()
     update_run(in_flight=None)
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived})")
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived}; tokens: "
+                   f"{tokens_text(record.tokens)})")
     return reply
 
 
@@ -4000,7 +4626,7 @@ def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
 
 
 # ==========================================================================
-# 8. Review gate
+# 9. Review gate
 # ==========================================================================
 
 def _first_marker_line(lines: list[str], marker: str) -> int | None:
@@ -4050,7 +4676,7 @@ def is_review_approved(review_text: str, review_cycle: int, review_role: str) ->
 
 
 # ==========================================================================
-# 9. Condensation
+# 10. Condensation
 # ==========================================================================
 
 _UPSTREAM_PLACEHOLDER = ("(No upstream output: this run was started at a later agent with START_AGENT. "
@@ -4132,7 +4758,7 @@ def condense_programmer_for_tester(text: str) -> str:
 
 
 # ==========================================================================
-# 10. OpenSpec: the run's change and its stories
+# 11. OpenSpec: the run's change and its stories
 # ==========================================================================
 # Story mode (STORY_MODE) works the change one story (tasks.md section) at a
 # time; ARCHIVE_ON_PASS archives the same change. Both ask openspec_change().
@@ -4239,7 +4865,7 @@ def promise_signal(reply: str) -> tuple[str, str]:
 
 
 # ==========================================================================
-# 11. Prompt builders
+# 12. Prompt builders
 # ==========================================================================
 # Text that stays the same for a whole run -- the task, a role's checks and
 # answer format, how to write the response file -- is sent to a terminal in
@@ -4605,7 +5231,7 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
 
 
 # ==========================================================================
-# 12. After the run: archive, commit, notify
+# 13. After the run: archive, commit, notify
 # ==========================================================================
 # Opt-in steps for runs nobody watches (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 # NTFY_TOPIC), one row each in AFTER_RUN_STEPS. Each is done at most once per
@@ -5135,7 +5761,7 @@ def finish_stopped_run() -> None:
 
 
 # ==========================================================================
-# 13. Init and resume
+# 14. Init and resume
 # ==========================================================================
 
 # Where a run starts for each START_AGENT: phase, step, and the outputs
@@ -5355,7 +5981,7 @@ def choose_start() -> StartPlan:
 
 
 # ==========================================================================
-# 14. Main loop
+# 15. Main loop
 # ==========================================================================
 
 PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
@@ -5621,7 +6247,7 @@ def drive_rounds() -> int:
 
 
 def run_loop() -> int:
-    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 12).
+    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 13).
 
     A stop that needs a person (an agent error, a timeout, an unreachable
     server) is announced on its way out to main().
@@ -5632,6 +6258,15 @@ def run_loop() -> int:
         notify_stopped(exc)
         raise
     return finish_run(code)
+
+
+def summary_tokens(summary: dict) -> str:
+    """'programmer 1,500 in + 500 cached + 40 out; ...; run ...': the tokens of each role that took a turn and
+    of the run, as run_summary() has them."""
+    parts = [(role, totals) for role, totals in summary["roles"].items() if totals["turns"]] + [("run", summary)]
+    unknown = summary["tokens_unknown_turns"]
+    return "; ".join(f"{role} {tokens_text(tokens_from_json(totals['tokens']))}" for role, totals in parts) \
+        + (f" ({counted(unknown, 'turn')} unknown)" if unknown and summary["tokens"] else "")
 
 
 def report_run_summary(exit_code: int) -> None:
@@ -5648,6 +6283,8 @@ def report_run_summary(exit_code: int) -> None:
     verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
     if verdicts:
         log("summary: " + "; ".join(verdicts))
+    if summary["turns"]:
+        log(f"summary: tokens used: {summary_tokens(summary)}")
     if replacements:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
     if run_dir:
@@ -5659,7 +6296,7 @@ def report_run_summary(exit_code: int) -> None:
 
 
 # ==========================================================================
-# 15. Entry point
+# 16. Entry point
 # ==========================================================================
 
 PACKAGE_NAME = "cao-orchestrator-loop"
@@ -5715,7 +6352,9 @@ def _shown_default(setting: Setting) -> str:
         return "1" if setting.default else "0"
     if setting.kind in ("seconds", "seconds0"):
         return f"{setting.default:g} s"
-    return str(setting.default) if setting.default != "" else "-"
+    if setting.kind == "amount0":
+        return f"{setting.default:g}"
+    return str(setting.default) if setting.default not in ("", {}) else "-"
 
 
 def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
@@ -5776,6 +6415,19 @@ def _status_progress(saved: SavedState) -> list[str]:
             + (", story attempts not counted)" if STORY_MODE else ")")]
 
 
+def _status_tokens(saved: SavedState) -> list[str]:
+    """What the run's agents used so far, as their CLIs recorded it (read at each reply and send)."""
+    if not saved.turn_records:
+        return []
+    known = [r.tokens for r in saved.turn_records if r.tokens is not None]
+    unknown = len(saved.turn_records) - len(known)
+    text = tokens_text(add_tokens(*known) if known else None)
+    budgets = [f"{name}={value:g}" for name, value in (("MAX_RUN_TOKENS", MAX_RUN_TOKENS),
+                                                        ("MAX_RUN_COST", MAX_RUN_COST)) if value]
+    return [f"tokens used: {text}" + (f" ({counted(unknown, 'turn')} unknown)" if unknown and known else "")
+            + (f"; budget {', '.join(budgets)}" if budgets else "")]
+
+
 def _status_agents(saved: SavedState) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
     lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else f"agents: {agents_left_note(saved)}"]
@@ -5816,7 +6468,8 @@ def status_report() -> tuple[int, str]:
                            "elsewhere)")
     restore_saved_settings(saved)
     connect_api()
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved)]
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved),
+             *_status_tokens(saved)]
     holder = lock_holder()
     lines.append(f"driven by: {holder}" if holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
@@ -5907,7 +6560,7 @@ def start_run(task: str) -> StartPlan:
 
     Decided again under the run's lock: another process may have moved the
     state on since refuse_bad_start() looked. A finished run that was stopped
-    during its after-run steps gets them done first (section 12).
+    during its after-run steps gets them done first (section 13).
     """
     finish_stopped_run()
     plan = refuse_bad_start(task)
@@ -5977,6 +6630,7 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
 def wind_down(code: int) -> int:
     """A started run's last words: its state saved, its summary, its agents ended or where they are."""
     try:
+        settle_tokens(run_ended=final_status in ("PASS", "FAIL"))
         save_state()
         report_run_summary(code)
         if CLEANUP_ON_EXIT:

@@ -102,12 +102,8 @@ def test_a_terminal_just_created_gets_its_first_prompt_without_status_reads(load
     assert _status_reads_before_first_prompt(fake_cao, fake_cao.terminal_for("tester").id) == 0
 
 
-def test_a_resumed_runs_terminal_gets_its_first_prompt_after_ready_twice(load_orch, fake_cao, prompt_file):
-    """A terminal this process did not create may still be starting: two ready readings in a row first."""
-    ids = fake_cao.add_terminals()
-    tester = fake_cao.terminals[ids["tester"]]
-    tester.status, tester.polls_left = "processing", 3       # still starting: two busy readings, then ready
-    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+def save_run_at_its_tester_phase(m, ids: dict[str, str]) -> None:
+    """The state file of a Codex run interrupted before its round-1 tester turn, on the terminals `ids`."""
     outputs = {key: "" for key in m.OUTPUT_KEYS}
     outputs.update(analyst="ANALYST_SUMMARY:\n- done", programmer="PROGRAMMER_SUMMARY:\n- Files changed: a.py")
     state = {"version": 1, "api": m.API, "provider": "codex", "wd": m.WD, "prompt": TASK_PROMPT,
@@ -116,9 +112,40 @@ def test_a_resumed_runs_terminal_gets_its_first_prompt_after_ready_twice(load_or
              "programmer_feedback": "", "outputs": outputs}
     Path(m.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
     Path(m.STATE_FILE).write_text(json.dumps(state))
+
+
+def test_a_resumed_runs_terminal_gets_its_first_prompt_after_ready_twice(load_orch, fake_cao, prompt_file):
+    """A terminal this process did not create may still be starting: two ready readings in a row first."""
+    ids = fake_cao.add_terminals()
+    tester = fake_cao.terminals[ids["tester"]]
+    tester.status, tester.polls_left = "processing", 3       # still starting: two busy readings, then ready
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    save_run_at_its_tester_phase(m, ids)
     assert run_main(m) == 0
     # the resume check (busy), one more busy reading, then ready twice in a row
     assert _status_reads_before_first_prompt(fake_cao, ids["tester"]) == 2 + 2
+
+
+CODEX_TURN_ENDED = "\x1b]7501;state=done:app=codex\x07\x1b]7501;state=idle:app=codex\x07"
+
+
+def test_a_resumed_runs_codex_terminal_whose_screen_says_its_turn_ended_gets_its_prompt(load_orch, fake_cao,
+                                                                                       prompt_file):
+    """CAO reads Codex `processing` for good after a finished turn: Codex's own end mark on its screen
+    says it is at rest, so a resumed run's next prompt goes out (it waited RESPONSE_TIMEOUT, then stopped)."""
+    ids = fake_cao.add_terminals()
+    fake_cao.reported_status = "processing"
+    fake_cao.terminals[ids["tester"]].printed = "• Wrote the answer\n" + CODEX_TURN_ENDED
+
+    def answer(fake, terminal):
+        Path(terminal.response_path).write_text(PASS_REPLY, encoding="utf-8")
+        terminal.printed = PASS_REPLY + CODEX_TURN_ENDED
+        terminal.status = "completed"         # CAO goes on reading it `processing`
+    fake_cao.script["tester"] = [{"action": "call", "call": answer}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "RESPONSE_TIMEOUT": "3"})
+    save_run_at_its_tester_phase(m, ids)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == ["tester"]
 
 
 # -- permission prompts ----------------------------------------------------------

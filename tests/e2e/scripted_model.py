@@ -159,6 +159,8 @@ class Reply:
     usage_tokens: int | None = None   # input tokens to report (None: the request's size / 4)
     usage_limit: bool = False         # the error is a spent plan, not a busy API
     resets_at: int | None = None      # when that plan limit resets (unix seconds)
+    role: str | None = None           # the role and turn (the role's prompt count) it answers; None: a side request
+    turn: int | None = None
 
 
 # ---------------------------------------------------------------- helpers
@@ -307,6 +309,15 @@ def error_body(reply: Reply, api: str) -> tuple[dict, dict]:
 def input_tokens(reply: Reply, size: int) -> int:
     """The input tokens a response reports: the script's ``usage_tokens``, else the request's size / 4."""
     return reply.usage_tokens if reply.usage_tokens is not None else max(1, size // 4)
+
+
+OUTPUT_TOKENS = 20
+
+
+def cached_tokens(prompt_tokens: int) -> int:
+    """The part of a prompt every response reports as read from the provider's cache: a quarter, so that a
+    reader which mixes up cached and fresh input gets the sums wrong."""
+    return prompt_tokens // 4
 
 
 def write_command(path: str, text: str) -> str:
@@ -585,6 +596,7 @@ class ScriptedModel:
             self._after_tool: dict[str, Reply] = {}
             self._pending: dict[str, dict] = {}
             self._events: list[dict] = []
+            self._usage: list[dict] = []              # the usage each response reported (note_usage)
             self._failures: list[dict] = []           # errors the next task requests get, in order
             self._unanswered: dict[str, str] = {}     # role -> a prompt a failure left undone
 
@@ -630,6 +642,26 @@ class ScriptedModel:
 
     # ---- decisions
 
+    def note_usage(self, reply: Reply, prompt_tokens: int) -> None:
+        """Keep the usage a response reported: (role, turn) -> input not cached, cached input, output."""
+        cached = cached_tokens(prompt_tokens)
+        with self._lock:
+            self._usage.append({"role": reply.role, "turn": reply.turn, "input": prompt_tokens - cached,
+                                "cached_input": cached, "output": OUTPUT_TOKENS})
+
+    def usage_by_turn(self) -> dict[tuple[str, int], tuple[int, int, int]]:
+        """(role, its prompt count) -> the tokens its responses reported (side requests, with no role, left
+        out): what the CLIs should have recorded for each turn."""
+        found: dict[tuple[str, int], tuple[int, int, int]] = {}
+        with self._lock:
+            for entry in self._usage:
+                if entry["role"] is not None:
+                    key = (entry["role"], entry["turn"])
+                    before = found.get(key, (0, 0, 0))
+                    found[key] = (before[0] + entry["input"], before[1] + entry["cached_input"],
+                                  before[2] + entry["output"])
+        return found
+
     def models_by_role(self) -> dict[str, set[str]]:
         """role -> the models its requests named (side requests, which have no role, left out)."""
         found: dict[str, set[str]] = {}
@@ -659,7 +691,8 @@ class ScriptedModel:
         """A tool call writing ``text`` to the plan's path, recorded as a write."""
         call_id = self._new_call(convo.api, plan, stage)
         self._record(convo, plan["role"], plan["turn"], kind, "write", plan["path"], draft=stage == "draft")
-        return Reply(command=write_command(plan["path"], text), call_id=call_id, usage_tokens=plan.get("usage_tokens"))
+        return Reply(command=write_command(plan["path"], text), call_id=call_id, usage_tokens=plan.get("usage_tokens"),
+                     role=plan["role"], turn=plan["turn"])
 
     def decide(self, convo: Conversation) -> Reply:
         """Choose the answer to one request, waiting the think time where the script says so."""
@@ -749,11 +782,11 @@ class ScriptedModel:
         if action == "write_on_reminder":
             self._record(convo, role, turn, kind, "hold", path)
             return Reply(text=f"I have the answer ready and will write it to {path} when asked again.",
-                         usage_tokens=plan.get("usage_tokens"))
+                         usage_tokens=plan.get("usage_tokens"), role=role, turn=turn)
         if action == "no_file":
             self._record(convo, role, turn, kind, "text", path)
             return Reply(text=plan.get("say", "I looked into it and have nothing to write this time."),
-                         usage_tokens=plan.get("usage_tokens"))
+                         usage_tokens=plan.get("usage_tokens"), role=role, turn=turn)
         if action == "write_twice":
             return self._write_reply(convo, plan, plan["draft"], "draft", kind)
         return self._write_reply(convo, plan, plan["text"], "final", kind)
@@ -778,7 +811,8 @@ class ScriptedModel:
         else:
             time.sleep(plan.get("closing", 0.0))
             self._record(convo, plan["role"], plan["turn"], "tool_result", "text", plan["path"])
-            reply = Reply(text=f"Wrote the answer to {plan['path']}.", usage_tokens=plan.get("usage_tokens"))
+            reply = Reply(text=f"Wrote the answer to {plan['path']}.", usage_tokens=plan.get("usage_tokens"),
+                          role=plan["role"], turn=plan["turn"])
         with self._lock:
             self._after_tool[call_id] = reply
         return reply
@@ -980,8 +1014,11 @@ class _Handler(BaseHTTPRequestHandler):
                 blocks.append({"type": "tool_use", "id": reply.call_id, "name": tool,
                                "input": {"command": reply.command, "description": "Write the answer file"}})
         stop = "tool_use" if any(b["type"] == "tool_use" for b in blocks) else "end_turn"
-        usage = {"input_tokens": input_tokens(reply, size), "output_tokens": 20,
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        prompt_tokens = input_tokens(reply, size)
+        cached = cached_tokens(prompt_tokens)       # Anthropic counts the cached part apart from input_tokens
+        usage = {"input_tokens": prompt_tokens - cached, "output_tokens": OUTPUT_TOKENS,
+                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+        self.model.note_usage(reply, prompt_tokens)
         message = {"id": f"msg_scripted_{next(self.model._ids):06d}", "type": "message", "role": "assistant",
                    "model": body.get("model") or "scripted", "stop_sequence": None}
         if not body.get("stream"):
@@ -1003,7 +1040,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
             self._event("content_block_stop", {"type": "content_block_stop", "index": index})
         self._event("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                                      "usage": {"output_tokens": 20}})
+                                      "usage": {"output_tokens": OUTPUT_TOKENS}})
         self._event("message_stop", {"type": "message_stop"})
 
     # ---- OpenAI Responses API
@@ -1023,9 +1060,10 @@ class _Handler(BaseHTTPRequestHandler):
         if reply.command is not None:
             items.append(self._shell_item(body, reply, n))
         tokens = input_tokens(reply, size)
-        usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": 20, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": tokens + 20}
+        usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": cached_tokens(tokens)},
+                 "output_tokens": OUTPUT_TOKENS, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": tokens + OUTPUT_TOKENS}
+        self.model.note_usage(reply, tokens)
         response = {"id": f"resp_scripted_{n:06d}", "object": "response", "created_at": int(time.time()),
                     "model": body.get("model") or "scripted", "status": "completed", "output": items, "usage": usage}
         if not body.get("stream"):
@@ -1125,7 +1163,10 @@ class _Handler(BaseHTTPRequestHandler):
             text = ""
         finish = "tool_calls" if tool_calls else "stop"
         prompt_tokens = input_tokens(reply, size)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": OUTPUT_TOKENS,
+                 "total_tokens": prompt_tokens + OUTPUT_TOKENS,
+                 "prompt_tokens_details": {"cached_tokens": cached_tokens(prompt_tokens)}}
+        self.model.note_usage(reply, prompt_tokens)
         head = {"id": f"chatcmpl-scripted-{n:06d}", "created": int(time.time()),
                 "model": body.get("model") or "scripted"}
         if not body.get("stream"):

@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,9 +86,39 @@ ANALYST_IN_TWO_WRITES = {"action": "write_twice", "draft": "DRAFT: not the answe
                          "rewrite_after_ms": 2000}
 
 
+# The CLIs whose records of tokens used the loop reads (run_orchestrator_loop.TOKEN_READERS).
+TOKENS_READ = ("claude_code", "codex", "opencode_cli")
+
+
+def figures(tokens: dict | None) -> tuple[int, int, int] | None:
+    return None if tokens is None else (tokens["input"], tokens["cached_input"], tokens["output"])
+
+
+def check_tokens_are_the_models(cao, run: Run) -> None:
+    """The tokens the loop reports for each turn, role and the run are exactly what the scripted model
+    reported for the responses of that turn (the CLIs' side requests, which they do not record, left out)."""
+    reported = cao.model.usage_by_turn()
+    state = run.state()
+    summary = json.loads((Path(state["run_dir"]) / "summary.json").read_text(encoding="utf-8"))
+    count: dict[str, int] = {}
+    expected_turns = []
+    for turn in summary["turn_list"]:
+        count[turn["role"]] = count.get(turn["role"], 0) + 1
+        expected_turns.append(reported[(turn["role"], count[turn["role"]])])
+    assert [figures(turn["tokens"]) for turn in summary["turn_list"]] == expected_turns, reported
+    for role in count:
+        mine = [use for (who, _), use in reported.items() if who == role]
+        assert figures(summary["roles"][role]["tokens"]) == tuple(map(sum, zip(*mine))), role
+    assert figures(summary["tokens"]) == tuple(map(sum, zip(*reported.values())))
+    assert summary["tokens_unknown_turns"] == 0
+
+
 def fail_then_pass(cao, **settings: str) -> str:
     """Round 1 (analyst .. tester) ends in FAIL, round 2 (programmer, peer, tester) in PASS; the analyst's
-    reply file is written twice in its turn, and the loop reads only the second."""
+    reply file is written twice in its turn, and the loop reads only the second. Where the loop reads the
+    CLI's records (in the agents' HOME), the tokens it reports are the model's, exactly."""
+    if cao.env["PROVIDER"] in TOKENS_READ:
+        settings = {"AGENT_HOME": str(cao.home), **settings}
     run = real_cli_run(cao, **settings)
     cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY],
                           "analyst": [ANALYST_IN_TWO_WRITES]})
@@ -100,6 +131,8 @@ def fail_then_pass(cao, **settings: str) -> str:
     assert run.archived_text("001-analyst.md").strip() == ANALYST_FINAL.strip(), explain(result)
     assert run.archived_text("005-tester.md").strip() == FAIL_REPLY.strip()
     assert run.archived_text("008-tester.md").strip() == PASS_REPLY.strip()
+    if cao.env["PROVIDER"] in TOKENS_READ:
+        check_tokens_are_the_models(cao, run)
     return result.stdout
 
 
@@ -131,6 +164,33 @@ def test_codex_fail_then_pass_with_a_model_per_role(codex_cao):
     # QUIET_SCREEN_SECONDS after its screen went still.
     lags = [lag for _, _, lag in turn_times(stdout)]
     assert statistics.median(lags) <= CODEX_REPLY_TAKEN_SECONDS, lags
+
+
+def test_codex_run_stops_at_its_token_budget_and_goes_on_with_a_higher_one(codex_cao):
+    """MAX_RUN_TOKENS reached mid-run: the loop stops before the next turn is sent (exit 1, one line naming
+    the budget, the state saved); the rerun with a higher budget reaches PASS with no turn sent twice."""
+    cao = codex_cao
+    step = {"usage_tokens": 1000}         # each response: 1,000 prompt tokens (a quarter cached) and 20 out
+    cao.model.set_script({"programmer": [{**step, "text": PROGRAMMER_REPLY}], "peer_programmer": [step],
+                          "tester": [{**step, "text": FAIL_REPLY}, {**step, "text": PASS_REPLY}]})
+    run = real_cli_run(cao, START_AGENT="programmer", AGENT_HOME=str(cao.home), MAX_RUN_TOKENS="5000")
+    stopped = run.run(timeout=600)
+    assert stopped.returncode == 1, explain(stopped)
+    lines = [line for line in stopped.stderr.splitlines() if "MAX_RUN_TOKENS" in line]
+    assert len(lines) == 1 and "its budget is MAX_RUN_TOKENS=5000; state saved: rerun with a higher " \
+        "MAX_RUN_TOKENS to go on with the" in lines[0], explain(stopped)
+    state = run.state()
+    used = [sum(figures(turn["tokens"])) for turn in state["turn_records"]]
+    assert sum(used) >= 5000 > sum(used[:-1]), used           # stopped at the first send after reaching it
+    assert state["in_flight"] is None and state["final_status"] == "RUNNING"
+    sent_before = dict(cao.model.turns())
+    assert sum(sent_before.values()) == len(used)            # the next turn's prompt never went out
+    run.env["MAX_RUN_TOKENS"] = "100000"
+    result = run.run(timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert cao.model.turns() == {"programmer": 2, "peer_programmer": 2, "tester": 2}, cao.model.events()
+    assert run.archived() == numbered(["programmer", "peer_programmer", "tester"] * 2)
+    check_tokens_are_the_models(cao, run)
 
 
 def story_mode(cao) -> None:

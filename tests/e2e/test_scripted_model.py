@@ -379,20 +379,24 @@ CODEX_COMPACT_PROMPT = "You are performing a CONTEXT CHECKPOINT COMPACTION. Crea
 
 def test_usage_tokens_are_reported_by_every_response_of_that_turn_only(model, tmp_path):
     """A step's usage_tokens is what a CLI's auto-compaction counts: its tool call and its closing text
-    report it, in each dialect's usage fields; the turns before and after report the request's size."""
+    report it, in each dialect's usage fields, a quarter of it as read from the cache; the turns before and
+    after report the request's size. usage_by_turn() keeps what each turn's responses reported."""
     target = tmp_path / "programmer_summary.md"
     model.set_script({"programmer": [{"text": "one\n", "usage_tokens": 90000}, "two\n"]})
     status, raw = post(model.url + "/v1/messages", {"model": "m", "stream": True, "tools": [SHELL_TOOL_ANTHROPIC],
                                                     "messages": [{"role": "user", "content": prompt_text(target)}]})
     start = sse(raw)[0]
-    assert start["type"] == "message_start" and start["message"]["usage"]["input_tokens"] == 90000
+    usage = start["message"]["usage"]          # Anthropic: the cached part apart from input_tokens
+    assert start["type"] == "message_start" and (usage["input_tokens"], usage["cache_read_input_tokens"]) \
+        == (67500, 22500)
     tool_use = [e for e in sse(raw) if e["type"] == "content_block_start"][0]["content_block"]
     body = {"model": "m", "stream": False, "tools": [SHELL_TOOL_ANTHROPIC], "messages": [
         {"role": "user", "content": prompt_text(target)},
         {"role": "assistant", "content": [{**tool_use, "input": {"command": "true"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": "ok"}]}]}
     _, raw = post(model.url + "/v1/messages", body)
-    assert json.loads(raw)["content"][0]["type"] == "text" and json.loads(raw)["usage"]["input_tokens"] == 90000
+    assert json.loads(raw)["content"][0]["type"] == "text" and json.loads(raw)["usage"]["input_tokens"] == 67500
+    assert model.usage_by_turn() == {("programmer", 1): (2 * 67500, 2 * 22500, 40)}
 
     model.set_script({"programmer": [{"text": "one\n", "usage_tokens": 70000}, "two\n"]})
     chat = CodexChat(model)
@@ -401,6 +405,7 @@ def test_usage_tokens_are_reported_by_every_response_of_that_turn_only(model, tm
                                                                              "content": prompt_text(target)}]})
     usage = sse(raw)[-1]["response"]["usage"]
     assert usage["input_tokens"] == 70000 and usage["total_tokens"] == 70000 + usage["output_tokens"]
+    assert usage["input_tokens_details"]["cached_tokens"] == 17500     # the Responses API counts it inside
     _, items = chat.send(prompt_text(target, " again"))
     chat.run_tools(items)
     assert target.read_text() == "two\n"
@@ -409,7 +414,9 @@ def test_usage_tokens_are_reported_by_every_response_of_that_turn_only(model, tm
     status, raw = post(model.url + "/v1/chat/completions", {
         "model": "scripted", "stream": False, "tools": OPENCODE_TOOLS,
         "messages": [{"role": "user", "content": prompt_text(target)}]})
-    assert json.loads(raw)["usage"]["prompt_tokens"] == 50000
+    usage = json.loads(raw)["usage"]
+    assert (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) == (50000, 12500)
+    assert model.usage_by_turn() == {("programmer", 1): (37500, 12500, 20)}
 
 
 def test_claude_compaction_is_answered_with_a_summary_and_takes_no_step(model, tmp_path):
