@@ -2979,12 +2979,15 @@ def shows_prompt(screen: str | None, markers: tuple[str, ...]) -> bool:
 
 # Codex announces its turn's state to the terminal as it goes: `ESC ] 7501 ; state=working:app=codex`
 # when a turn starts, `state=done`, then `state=idle` when it has ended. CAO's status for Codex is
-# wrong both ways (`processing` for good after a finished turn, a stale `completed` while it works),
-# so this mark, when there is one, outranks it: the loop learns at once that a turn is over, and
-# never takes a half-written answer for a finished one. CAO's screen holds only what was printed
-# since the last input, so the newest mark there belongs to the turn under way.
+# wrong both ways (`processing` for good after a finished turn, a stale `idle` or `completed` while it
+# works), so this mark, when there is one, outranks it: the loop learns at once that a turn is over,
+# and never takes a half-written answer for a finished one. CAO's screen holds only what was printed
+# since the last input -- but Codex marks its start-up too: `idle` once it has loaded, and `working`
+# then `idle` around a task of its own just after. CAO takes Codex for ready while it still loads, so
+# a first prompt sent at once (on a loaded machine) finds those marks on the screen after it, ahead of
+# the turn's own `working`. Only `done` is the end of a turn.
 TURN_STATE_MARK = re.compile(r"\x1b\]7501;state=(\w+)")
-TURN_ENDED_MARKS = ("done", "idle")
+TURN_DONE_MARK, TURN_IDLE_MARK, TURN_WORKING_MARK = "done", "idle", "working"
 
 
 # What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
@@ -3019,6 +3022,10 @@ CLI_TRAITS: dict[str, CliTraits] = {
     # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
     # its `(¬_¬) computing...` line change about twice a second, and at its idle prompt nothing moves.
     "hermes": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
+    # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a
+    # first turn; only Codex's `working` mark on the screen kept its draft reply from being taken. Its own
+    # end-of-turn mark says when a turn is over (see turn_mark), else a screen still for QUIET_SCREEN_SECONDS.
+    "codex": CliTraits(ready_status_trusted=False),
 }
 
 
@@ -3027,11 +3034,16 @@ def cli_traits(provider: str) -> CliTraits:
 
 
 def turn_mark(screen: str | None) -> str | None:
-    """What the newest turn-state mark on the screen says: 'ended', 'working', or None (no mark)."""
+    """What the CLI's marks on the screen say: 'working'; 'ended' (a `done` after the newest `working`,
+    which may have scrolled out of the screen: the turn is over); 'idle' (idle with no `done` since the
+    newest `working`: the CLI's start-up, which says nothing of a turn); or None (no mark)."""
     marks = TURN_STATE_MARK.findall(screen or "")
     if not marks:
         return None
-    return "ended" if marks[-1] in TURN_ENDED_MARKS else "working"
+    newest_working = len(marks) - marks[::-1].index(TURN_WORKING_MARK) if TURN_WORKING_MARK in marks else 0
+    if TURN_DONE_MARK in marks[newest_working:]:
+        return "ended"
+    return "idle" if marks[-1] == TURN_IDLE_MARK else "working"
 
 
 # -- What the screen says of the agent's conversation and its account -----------
@@ -3268,7 +3280,7 @@ class TurnFacts:
                sending it again: a change means the agent worked
       lost     why the agent is gone, once the session's record or the screen says so
 
-    "Idle" is a ready status, the CLI's own mark that its turn has ended, or
+    "Idle" is a ready status, the CLI's own mark that it is idle, or
     -- when the status is one the loop does not know -- a screen that has not
     changed for QUIET_SCREEN_SECONDS; a CLI whose mark says it works is never
     idle, whatever CAO says. Whether a prompt arrived is judged by the prompt
@@ -3289,8 +3301,9 @@ class TurnFacts:
     file_seen_at: float = float("-inf")  # when file_version last changed (appeared, was rewritten, vanished)
     ready_since_file: bool = False    # since the file's last change: a ready status read, or the CLI's end mark seen
     screen: str | None = None
-    mark: str | None = None           # the CLI's own word on its screen: 'working', 'ended' or None (no mark)
-    turn_ended_at: float | None = None  # when the screen first showed the CLI's mark that its turn has ended
+    mark: str | None = None           # the CLI's own word on its screen: 'working', 'ended', 'idle' or None
+    marked_idle_at: float | None = None  # when the screen first showed the CLI's mark that it is idle (its
+    #                                      turn ended, or not begun)
     screen_changed_at: float = float("-inf")
     lost: str = ""                    # why the agent is gone ("" while it is there)
     resend_used: bool = False         # the one resend (or a carried-over turn's first reminder) is spent
@@ -3326,12 +3339,13 @@ class TurnFacts:
             self.prompt_seen = True
         # CAO's screen is the tail of what the CLI printed: a spinner redrawn many times a second can push the
         # turn's mark out of it. A mark the turn showed stands until the screen shows another (or a new prompt).
+        # Only the mark of a turn's end confirms a reply file: an idle CLI's start-up marks do not.
         self.mark = turn_mark(screen) or self.mark
-        if self.mark == "ended":
-            self.turn_ended_at = now if self.turn_ended_at is None else self.turn_ended_at
-            self.ready_since_file = self.ready_since_file or self.file_version is not None
+        if self.mark in ("ended", "idle"):
+            self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
+            self.ready_since_file = self.ready_since_file or (self.mark == "ended" and self.file_version is not None)
         else:
-            self.turn_ended_at = None
+            self.marked_idle_at = None
         if screen == self.screen:
             return
         if self.screen is not None and self.status not in KNOWN_STATUSES:
@@ -3354,7 +3368,7 @@ class TurnFacts:
         """After a prompt or reminder went out: the agent has not been seen working on it yet
         (nor, after the whole prompt again, seen to have it)."""
         self.guard_since, self.seen_working, self.baseline_reply = now, False, baseline_reply
-        self.provider_pause_until, self.turn_ended_at, self.mark = None, None, None
+        self.provider_pause_until, self.marked_idle_at, self.mark = None, None, None
         self.usage_limit = self.limit_wait_until = None
         if whole_prompt:
             self.prompt_seen = False
@@ -3370,7 +3384,7 @@ class TurnFacts:
     def is_idle(self, now: float) -> bool:
         if self.mark == "working":        # the CLI's own word outranks CAO's status
             return False
-        if self.status in READY_STATUSES or self.turn_ended_at is not None:
+        if self.status in READY_STATUSES or self.marked_idle_at is not None:
             return True
         return self.status not in KNOWN_STATUSES and self.screen_still_since(float("-inf"), now)
 
@@ -3382,8 +3396,8 @@ class TurnFacts:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
         if self.status in READY_STATUSES and self.ready_since is not None:
             became_idle = self.ready_since
-        elif self.turn_ended_at is not None:
-            became_idle = self.turn_ended_at
+        elif self.marked_idle_at is not None:
+            became_idle = self.marked_idle_at
         else:
             became_idle = self.screen_changed_at + QUIET_SCREEN_SECONDS
         return max(became_idle, self.guard_since, self.file_seen_at)
@@ -4334,8 +4348,8 @@ def carried_over_turn(role: str, path: Path) -> str:
     if in_flight.limit_line:
         return "limited"         # its agent waits out a usage limit: the wait continues the turn
     status = cli_traits(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
-    if status == "error" or status in READY_STATUSES:
-        return ""
+    if status == "error" or status in READY_STATUSES or turn_mark(_screen(terminal_ids[role])) in ("ended", "idle"):
+        return ""                # not at work on it (a CLI that marks its turns says so itself)
     return "working"             # busy, or a status that cannot tell: the wait judges by file and screen
 
 

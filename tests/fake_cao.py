@@ -4,7 +4,10 @@ Each terminal plays the role its agent profile names. When a prompt arrives
 it reports `processing` for a few status polls, then acts out the next step
 of the test's script for that role -- by default it writes the reply to the
 response file the prompt names, as a real agent following the prompt would
--- and reports `completed`.
+-- and reports `completed`. A `codex` terminal also marks its state on its
+screen as Codex does: `idle` once started up, then since each input `working`
+once it starts on what it was sent, and `done`, `idle` when it is idle or has
+completed its turn again.
 
 A step is either a reply text or a dict:
     {"text": str, "action": "write" | "no_file" | "write_on_reminder" | "error" | "call",
@@ -97,6 +100,11 @@ DEFAULT_REPLIES = {
     "tester": PASS_REPLY,
 }
 
+# Codex's turn-state marks, as it prints them (docs/agent-clis.md).
+CODEX_WORKING = "\x1b]7501;state=working:app=codex\x1b\\"
+CODEX_IDLE = "\x1b]7501;state=idle:app=codex\x1b\\"
+CODEX_ENDED = "\x1b]7501;state=done:app=codex\x1b\\" + CODEX_IDLE
+
 # The longest the fake holds a request for what a test arranged; then it goes on, noting it in `gave_up`.
 WAIT_SECONDS = 10.0
 
@@ -125,6 +133,8 @@ class Terminal:
     exited: bool = False
     echo: str = ""                   # the input echoed since the last input (CAO clears its screen then)
     printed: str = ""                # what the agent printed since the last input (likewise)
+    started: bool = False            # the agent has started on the last input (a codex terminal marks its turn)
+    sent_to: bool = False            # it had input (before, a codex terminal's screen shows its start-up mark)
     cli_dead: bool = False           # the agent CLI died: the pane shows a shell prompt, input runs as commands
     deleted: bool = False
 
@@ -444,7 +454,7 @@ class FakeCao:
             self.swallowed.append((terminal.role, message))
             terminal.echo = "Trust this folder?\n> 1. Trust and continue\n"
             return httpx.Response(200, json={"success": True})
-        terminal.printed = ""
+        terminal.printed, terminal.started, terminal.sent_to = "", False, True
         lines = [line for line in message.splitlines() if line.strip()]
         shown = lines[:1] + [line for line in lines[1:] if RESPONSE_LINE.match(line)]
         terminal.echo = "".join(f"> {line}\n" for line in shown)
@@ -470,6 +480,7 @@ class FakeCao:
             terminal.idle_polls = 10**9
         terminal.permission_polls = step.get("permission_polls", 0)
         terminal.status = "idle" if terminal.idle_polls else "processing"
+        terminal.started = terminal.status == "processing"
         return httpx.Response(200, json={"success": True})
 
     def _key(self, request: httpx.Request) -> httpx.Response:
@@ -484,7 +495,7 @@ class FakeCao:
 
     def _other_input(self, terminal: Terminal, message: str) -> httpx.Response:
         self.reminders.append((terminal.role, message))
-        terminal.printed = ""
+        terminal.printed, terminal.started, terminal.sent_to = "", False, True
         terminal.idle_polls = 0
         if message == "y" and terminal.status == "waiting_user_answer":
             terminal.permission_answers += 1
@@ -500,6 +511,7 @@ class FakeCao:
             terminal.pending = {"action": "no_file", "text": terminal.last_output}
             terminal.polls_left = self.polls_per_turn
             terminal.status = "processing"
+        terminal.started = terminal.status == "processing"
         return httpx.Response(200, json={"success": True})
 
     def _status(self, request: httpx.Request) -> httpx.Response:
@@ -520,13 +532,13 @@ class FakeCao:
             if terminal.idle_until and time.monotonic() >= terminal.idle_until:
                 terminal.idle_polls, terminal.idle_until = 0, 0.0
             if terminal.idle_polls == 0:
-                terminal.status = "processing"
+                terminal.status, terminal.started = "processing", True
         elif terminal.status == "processing" and terminal.permission_polls > 0:
             terminal.status = "waiting_user_answer"
         elif terminal.status == "waiting_user_answer":
             terminal.permission_polls -= 1
             if terminal.permission_polls <= 0:
-                terminal.status = "processing"
+                terminal.status, terminal.started = "processing", True
         elif terminal.status == "processing" and terminal.pending is None and terminal.polls_left > 0:
             terminal.polls_left -= 1          # still starting up
             if terminal.polls_left == 0:
@@ -563,9 +575,18 @@ class FakeCao:
         if terminal is None:
             return self._missing(request)
         if mode == "full":              # the screen since the last input: the echoed prompt, then the reply
-            screen = terminal.echo if terminal.cli_dead else terminal.echo + terminal.printed
+            screen = terminal.echo if terminal.cli_dead else terminal.echo + self._marked(terminal)
             return httpx.Response(200, json={"output": screen, "mode": "full"})
         return httpx.Response(200, json={"output": terminal.last_output, "mode": "last"})
+
+    @staticmethod
+    def _marked(terminal: Terminal) -> str:
+        """What the agent printed, with the marks Codex puts around a turn it started on."""
+        if terminal.provider != "codex" or not terminal.started:
+            startup = CODEX_IDLE if terminal.provider == "codex" and not terminal.sent_to else ""
+            return startup + terminal.printed
+        ended = CODEX_ENDED if terminal.status in ("idle", "completed") else ""
+        return CODEX_WORKING + terminal.printed + ended
 
     def _exit(self, request: httpx.Request) -> httpx.Response:
         self._params(request)

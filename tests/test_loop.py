@@ -262,9 +262,11 @@ def test_idle_before_working_does_not_count_until_grace_passes(load_orch, fake_c
 
 
 def test_agent_never_seen_working_counts_as_idle_after_grace(load_orch, fake_cao, prompt_file, capsys):
-    """After IDLE_GRACE_SECONDS an agent that never started is idle without a file (strict: error)."""
+    """After IDLE_GRACE_SECONDS an agent that never started is idle without a file (strict: error). Its
+    CLI is one whose idle status CAO reads right (Codex would mark a turn it started on its screen)."""
     fake_cao.script["tester"] = [{"idle_polls": 10**9, "text": PASS_REPLY}]
-    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **{**QUICK, "IDLE_GRACE_SECONDS": "0.2"})
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", PROVIDER="claude_code",
+                  **{**QUICK, "IDLE_GRACE_SECONDS": "0.2"})
     assert run_main(m) == 1
     assert "went idle without writing" in capsys.readouterr().err
 

@@ -28,6 +28,8 @@ class SimTerminal:
     `status` and `screen` hold what the server reports; while the clock is
     before `busy_screen_until` the screen changes every second (a working
     CLI repaints its spinner). Timeline events run when the clock passes them.
+    Its CLI is one whose ready status CAO reads right, unless a test says
+    which (`runs`).
     """
 
     def __init__(self, orch, monkeypatch, path: Path):
@@ -49,12 +51,18 @@ class SimTerminal:
         monkeypatch.setattr(orch, "api", self)
         monkeypatch.setattr(orch, "save_state", lambda: None)
         monkeypatch.setattr(orch, "session_name", "cao-sim")
+        self.monkeypatch = monkeypatch
+        self.runs("claude_code")
         self.echo = ""                    # the prompt as the agent's transcript shows it ("" if it never arrived)
         self.shows_prompt = True
         for name, value in (("POLL_SECONDS", POLL), ("IDLE_GRACE_SECONDS", GRACE), ("QUIET_SCREEN_SECONDS", QUIET),
                             ("FILE_SETTLE_SECONDS", SETTLE), ("RESPONSE_TIMEOUT", 1800.0),
                             ("MAX_FILE_REMINDERS", 1)):
             monkeypatch.setattr(orch, name, value)
+
+    def runs(self, provider: str) -> None:
+        """The agent CLI the terminal runs, as CAO's provider names it."""
+        self.monkeypatch.setattr(self.orch, "PROVIDER", provider)
 
     # -- the timeline --------------------------------------------------------
     def at(self, t: float, **changes) -> None:
@@ -126,6 +134,7 @@ def test_ready_status_ends_the_turn_once_the_file_has_settled(sim):
 
 def test_stuck_processing_with_a_still_screen_ends_after_the_quiet_bound(sim):
     """Codex under CAO 2.5.4: file written, screen idle, status `processing` for good."""
+    sim.runs("codex")
     sim.busy_screen_until = 8.0
     sim.write_at(7.5, FINAL)
     reply, taken_at = sim.wait()
@@ -141,6 +150,7 @@ WORKING_MARK, DONE_MARK = "\x1b]7501;state=working:app=codex\x07", "\x1b]7501;st
 def test_a_cli_that_marks_its_turn_ended_is_taken_within_a_confirm_read_of_the_mark(sim, orch):
     """Codex under CAO 2.5.4: status `processing` for good, but Codex marks its turn's end on its screen.
     The reply is taken once that mark shows, not QUIET_SCREEN_SECONDS after the screen went still."""
+    sim.runs("codex")
     sim.busy_screen_until = 10**9                     # the working screen, then the mark: no still screen at all
     sim.busy_mark = WORKING_MARK
     sim.write_at(7.5, FINAL)
@@ -154,6 +164,7 @@ def test_a_cli_that_marks_its_turn_ended_is_taken_within_a_confirm_read_of_the_m
 def test_a_draft_under_a_stale_completed_status_waits_for_the_final_answer(sim):
     """CAO answers `completed` left over from before while Codex, marked working, writes a draft and then
     its answer: only the answer is read."""
+    sim.runs("codex")
     sim.status = "completed"
     sim.busy_screen_until = 10**9
     sim.busy_mark = WORKING_MARK
@@ -224,6 +235,7 @@ def test_prompt_never_seen_arriving_is_sent_again_whole_before_any_reminder(sim,
 
 def test_a_prompt_that_never_shows_after_its_resend_counts_the_agent_lost_not_reminded(sim, orch):
     """A reminder is never the first thing an agent sees of its task."""
+    sim.runs("codex")
     sim.shows_prompt = False
     sim.status = "processing"                           # as CAO reads Codex's idle composer
     with pytest.raises(orch.AgentLost, match="never showed the prompt"):

@@ -392,8 +392,65 @@ def test_an_end_mark_without_a_file_is_idle_and_reminded_after_idle_grace(m):
     assert decide(m, facts, 10.0 + GRACE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
     assert decide(m, facts, 10.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
     facts.note_sent("before", 10.0 + GRACE)                          # the reminder clears the mark
-    assert facts.turn_ended_at is None
+    assert facts.marked_idle_at is None
     assert decide(m, facts, 10.0 + GRACE + 1) == ("WORKING", "WAIT")
+
+
+def test_only_a_done_after_the_newest_working_mark_ends_a_turn(m):
+    """Codex marks its start-up too: `idle` once loaded, `working` then `idle` around a task of its own.
+    Those say it is idle, not that a turn has ended; `done` does, even with the `working` scrolled out."""
+    assert m.turn_mark(IDLE_MARK) == "idle"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK} tab to queue message") == "idle"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK}{WORKING_MARK} Working") == "working"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK}") == "ended"
+    assert m.turn_mark(f" Working (9s){DONE_MARK}{IDLE_MARK} > Ask Codex") == "ended"
+
+
+def codex_turn(m, shown: bool = True):
+    """A turn of Codex, whose ready status CAO misreads: only its own marks, or a still screen, end it."""
+    facts = sent_at_zero(m, shown=shown)
+    facts.cli = m.cli_traits("codex")
+    return facts
+
+
+def test_a_draft_of_a_codex_that_got_its_prompt_while_loading_is_not_taken(m):
+    """On a loaded machine CAO took Codex for ready while it still loaded, and the analyst's first prompt
+    went out: after CAO cleared the screen for it, Codex printed its start-up marks (`idle`, then `working`
+    and `idle` around a task of its own) and CAO answered `idle`, left over from the start-up, through
+    the turn. When the draft had settled, CAO's copy of the screen did not show the turn's own `working`
+    yet: the draft was taken. Neither that status nor those marks end the turn; Codex's `done` does."""
+    facts = codex_turn(m, shown=False)
+    pasted = "\u203a [Pasted Content 1701 chars]"
+    facts.note_status("idle", POLL)
+    facts.note_screen(f"{IDLE_MARK}{pasted}", POLL)
+    assert decide(m, facts, POLL) == ("PROMPT_NOT_SHOWN", "WAIT")
+    facts.note_file(FILE, 2.5)                                                   # the draft
+    facts.note_status("idle", 2.5 + SETTLE)
+    facts.note_screen(f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK}{pasted} tab to queue message", 2.5 + SETTLE)
+    assert decide(m, facts, 2.5 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    turn = f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK}{WORKING_MARK}\u203a {PROMPT}\n\u2022 Working (1s)"
+    facts.note_status("idle", 3.0 + SETTLE)
+    facts.note_screen(turn, 3.0 + SETTLE)
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    facts.note_file((FILE[0] + 1, 50), 4.5)                                      # the final answer
+    facts.note_status("idle", 4.5 + SETTLE)
+    facts.note_screen(f"{turn}\n\u2022 Ran cat > summary.md{DONE_MARK}{IDLE_MARK}\u203a Ask Codex", 4.5 + SETTLE)
+    assert decide(m, facts, 4.5 + SETTLE) == ("DONE", "TAKE_REPLY")
+
+
+def test_a_codex_draft_under_a_stale_idle_status_waits_for_a_still_screen_when_no_mark_shows(m):
+    """CAO's screen without any of Codex's marks (its copy of the pane lagging) and its `idle` left over:
+    the draft waits; a screen still for QUIET_SCREEN_SECONDS ends the turn."""
+    facts = codex_turn(m)
+    facts.note_file(FILE, 1.0)
+    for tick in range(8):
+        now = 1.0 + SETTLE + tick / 2
+        facts.note_status("idle", now)
+        facts.note_screen(f"\u203a {PROMPT}\n\u2022 Working ({tick}s \u2022 esc to interrupt)", now)
+        assert decide(m, facts, now) == ("FILE_SETTLED", "WAIT")
+    last_change = 1.0 + SETTLE + 7 / 2
+    assert decide(m, facts, last_change + QUIET - 0.5) == ("FILE_SETTLED", "WAIT")
+    assert decide(m, facts, last_change + QUIET) == ("DONE", "TAKE_REPLY")
 
 
 # -- an agent CLI whose ready status CAO misreads (OpenCode) -----------------------
@@ -409,6 +466,7 @@ def test_opencode_is_the_cli_whose_ready_status_is_not_trusted(m):
     assert not m.cli_traits("opencode_cli").ready_status_trusted
     assert not m.cli_traits("copilot_cli").ready_status_trusted         # the same for Copilot CLI
     assert not m.cli_traits("hermes").ready_status_trusted              # and Hermes Agent
+    assert not m.cli_traits("codex").ready_status_trusted               # and Codex (its own marks count)
     assert m.cli_traits("claude_code").ready_status_trusted and m.cli_traits("mock_cli").ready_status_trusted
 
 
