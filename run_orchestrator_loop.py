@@ -2838,22 +2838,30 @@ def _touched_since(paths: Iterable[Path], since: float) -> list[Path]:
 
 def _lines_naming(paths: Iterable[Path], marker: str) -> list[str] | None:
     """The lines of the files that name the marker; None when none does (the turn's records are not there)."""
-    lines, named = [], False
-    for path in paths:
-        with suppress(OSError):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if marker in text:
-                named = True
-                lines += text.splitlines()
-    return lines if named else None
+    texts = [text for text in map(_file_text, paths) if marker in text]
+    return [line for text in texts for line in text.splitlines()] if texts else None
+
+
+def _file_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def read_claude_turn(marker: str, since: float, until: float) -> TokenReading | None:
+    """A Claude Code turn, from the transcripts of its working directory that name the marker, and those
+    of the sub-agents (its Task tool) those sessions ran: each keeps its own, in <session>/subagents/."""
     folders = {claude_project_folder(WD), claude_project_folder(os.path.realpath(WD))}
     projects = _cli_folder("CLAUDE_CONFIG_DIR", ".claude") / "projects"
     files = _touched_since((path for folder in folders for path in (projects / folder).glob("*.jsonl")), since)
-    lines = _lines_naming(files, marker)
-    return None if lines is None else claude_usage(lines, *_window(since, until))
+    sessions = [path for path in files if marker in _file_text(path)]
+    if not sessions:
+        return None
+    sub_agents = _touched_since((path for session in sessions
+                                 for path in (session.with_suffix("") / "subagents").glob("*.jsonl")), since)
+    lines = [line for path in (*sessions, *sub_agents) for line in _file_text(path).splitlines()]
+    return claude_usage(lines, *_window(since, until))
 
 
 def read_codex_turn(marker: str, since: float, until: float) -> TokenReading | None:

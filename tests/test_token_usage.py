@@ -703,3 +703,19 @@ def test_at_the_runs_end_the_last_turns_are_read_once_their_cli_has_recorded_the
     last = json.loads(Path(m.STATE_FILE).read_text())["turn_records"][-1]
     assert last["role"] == "tester" and last["tokens_final"]
     assert (last["tokens"]["input"], last["tokens"]["cached_input"], last["tokens"]["output"]) == (8900, 100, 20)
+
+
+def test_a_claude_turn_counts_the_sub_agents_its_session_ran(home_orch):
+    """Claude Code's Task tool runs a sub-agent whose responses go to a transcript of its own, beside the
+    session's (<session>/subagents/agent-*.jsonl), which does not name the turn's file."""
+    m, home = home_orch
+    folder = home / ".claude" / "projects" / m.claude_project_folder(m.WD)
+    (folder / "agent" / "subagents").mkdir(parents=True)
+    since = time.time() - 10
+    now = m.utc_iso(since + 5, precise=True)
+    (folder / "agent.jsonl").write_text(claude_line(now, "msg_1", 1000, str(m.response_path("analyst"))) + "\n")
+    (folder / "agent" / "subagents" / "agent-a1.jsonl").write_text(
+        claude_line(now, "msg_2", 3000).replace('"type":"assistant"', '"isSidechain":true,"type":"assistant"') + "\n")
+    (folder / "other" / "subagents").mkdir(parents=True)        # another session's sub-agent
+    (folder / "other" / "subagents" / "agent-b2.jsonl").write_text(claude_line(now, "msg_3", 5000) + "\n")
+    assert figures(m.turn_tokens("analyst", since, time.time())) == (4000, 0, 40)
