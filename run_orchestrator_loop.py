@@ -2803,6 +2803,7 @@ def token_records_readable() -> bool:
 
 
 def _cli_folder(variable: str, *default: str) -> Path:
+    """Where a CLI keeps its records: its own variable's folder, else under the agents' home."""
     if not AGENT_HOME and os.environ.get(variable):
         return Path(os.environ[variable]).expanduser()
     return Path(AGENT_HOME or Path.home()).expanduser().joinpath(*default)
@@ -2828,6 +2829,7 @@ def claude_project_folder(cwd: str) -> str:
 
 
 def _touched_since(paths: Iterable[Path], since: float) -> list[Path]:
+    """The files written since the turn began: the only ones that can hold its records."""
     found = []
     for path in paths:
         with suppress(OSError):
@@ -2843,6 +2845,7 @@ def _lines_naming(paths: Iterable[Path], marker: str) -> list[str] | None:
 
 
 def _file_text(path: Path) -> str:
+    """A record file's text ('' when it cannot be read: it was moved away, or never there)."""
     try:
         return path.read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -2855,22 +2858,24 @@ def read_claude_turn(marker: str, since: float, until: float) -> TokenReading | 
     folders = {claude_project_folder(WD), claude_project_folder(os.path.realpath(WD))}
     projects = _cli_folder("CLAUDE_CONFIG_DIR", ".claude") / "projects"
     files = _touched_since((path for folder in folders for path in (projects / folder).glob("*.jsonl")), since)
-    sessions = [path for path in files if marker in _file_text(path)]
+    sessions = {path: text for path, text in ((path, _file_text(path)) for path in files) if marker in text}
     if not sessions:
         return None
     sub_agents = _touched_since((path for session in sessions
                                  for path in (session.with_suffix("") / "subagents").glob("*.jsonl")), since)
-    lines = [line for path in (*sessions, *sub_agents) for line in _file_text(path).splitlines()]
+    lines = [line for text in [*sessions.values(), *map(_file_text, sub_agents)] for line in text.splitlines()]
     return claude_usage(lines, *_window(since, until))
 
 
 def read_codex_turn(marker: str, since: float, until: float) -> TokenReading | None:
+    """A Codex turn, from the rollouts that name the marker, of whatever day their thread began."""
     rollouts = (_cli_folder("CODEX_HOME", ".codex") / "sessions").rglob("rollout-*.jsonl")
     lines = _lines_naming(_touched_since(rollouts, since), marker)
     return None if lines is None else codex_usage(lines, *_window(since, until))
 
 
 def read_opencode_turn(marker: str, since: float, until: float) -> TokenReading | None:
+    """An OpenCode turn, from the one database all its sessions share."""
     database = _cli_folder("XDG_DATA_HOME", ".local", "share") / "opencode" / "opencode.db"
     if not database.is_file():
         return None
@@ -2878,6 +2883,7 @@ def read_opencode_turn(marker: str, since: float, until: float) -> TokenReading 
 
 
 def _window(since: float, until: float) -> tuple[datetime, datetime]:
+    """The turn's window as the readers take it: two aware datetimes (UTC)."""
     return datetime.fromtimestamp(since, timezone.utc), datetime.fromtimestamp(until, timezone.utc)
 
 
