@@ -4458,11 +4458,12 @@ class BudgetReached(RunError):
 
 
 def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
-    """Read what an answered turn's CLI recorded from the turn's first send until now."""
+    """Read what an answered turn's CLI recorded from the turn's first send until now. Figures read before
+    stay if the records are gone since (a CLI that archived or removed them)."""
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
     reading = turn_tokens(record.role, since.timestamp(), time.time()) if since is not None else None
-    set_turn_tokens(number, reading.by_model if reading is not None else None, final)
+    set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final)
     return reading
 
 

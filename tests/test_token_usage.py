@@ -719,3 +719,21 @@ def test_a_claude_turn_counts_the_sub_agents_its_session_ran(home_orch):
     (folder / "other" / "subagents").mkdir(parents=True)        # another session's sub-agent
     (folder / "other" / "subagents" / "agent-b2.jsonl").write_text(claude_line(now, "msg_3", 5000) + "\n")
     assert figures(m.turn_tokens("analyst", since, time.time())) == (4000, 0, 40)
+
+
+def test_tokens_read_once_stay_when_the_cli_removes_its_records(load_orch, fake_cao, codex_home, prompt_file):
+    """Codex moves a thread it archives out of sessions/: what the loop read of its turns stays."""
+    home, recorded = codex_home
+
+    def archive_programmers_rollout(fake, terminal):
+        if fake.turns["peer_programmer"] == 1:                # in round 1
+            for rollout in (home / ".codex" / "sessions").rglob(f"*{fake.terminal_for('programmer').id}.jsonl"):
+                rollout.unlink()
+        Path(terminal.response_path).write_text(fake_cao_reply("peer_programmer"), encoding="utf-8")
+        terminal.status = "completed"
+    fake_cao.script["peer_programmer"] = [{"action": "call", "call": archive_programmers_rollout}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(home), **TESTER_FAIL_THEN_PASS)
+    assert run_main(m) == 0
+    first = json.loads(Path(m.STATE_FILE).read_text())["turn_records"][0]
+    assert first["role"] == "programmer" and (first["tokens"]["input"], first["tokens"]["cached_input"],
+                                              first["tokens"]["output"]) == recorded["programmer"][0]
