@@ -465,7 +465,7 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "seconds": lambda v: _is_seconds(v, True),
     "seconds0": lambda v: _is_seconds(v, False),
     "amount0": lambda v: _is_seconds(v, False),
-    "prices": lambda v: _is_price_table(v),
+    "prices": _is_price_table,
     "bool": lambda v: isinstance(v, bool),
     "text": lambda v: isinstance(v, str),
     "url": lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v)),
@@ -1487,6 +1487,14 @@ class TurnRecord:
                    raw.get("tokens_final") is True)
 
 
+def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
+    """The tokens of some turns by model, summed over those whose tokens are known (None when none is), and
+    how many turns' tokens are unknown."""
+    records = list(records)
+    known = [r.tokens for r in records if r.tokens is not None]
+    return (add_tokens(*known) if known else None), len(records) - len(known)
+
+
 @dataclass
 class AfterRun:
     """What a finished run still had to do (`due`), and what it did: each step at most once per run."""
@@ -2144,9 +2152,8 @@ def _is_task_label(line: str, text: str) -> bool:
 def _token_totals(records: list[TurnRecord]) -> dict:
     """Tokens of some turns, for summary.json: their sum over the turns whose tokens are known (None when
     none is), how many are not, and the estimated cost (None without a price for each model)."""
-    known = [r.tokens for r in records if r.tokens is not None]
-    total = add_tokens(*known) if known else None
-    return {"tokens": tokens_json(total), "tokens_unknown_turns": len(records) - len(known),
+    total, unknown = turns_tokens(records)
+    return {"tokens": tokens_json(total), "tokens_unknown_turns": unknown,
             "cost": cost_of(total) if MODEL_PRICES else None}
 
 
@@ -4492,16 +4499,11 @@ def settle_tokens(run_ended: bool) -> None:
         time.sleep(0.5)
 
 
-def run_tokens() -> tuple[dict[str, TokenUse], int]:
-    """The run's tokens by model, over the turns whose tokens are known, and how many turns' are not."""
-    return add_tokens(*(r.tokens for r in turn_records)), sum(1 for r in turn_records if r.tokens is None)
-
-
 def check_budget(role: str) -> None:
     """Stop before the role's turn is sent if the run has used MAX_RUN_TOKENS or MAX_RUN_COST (BudgetReached)."""
     if not (MAX_RUN_TOKENS or MAX_RUN_COST):
         return
-    used, _ = run_tokens()
+    used = turns_tokens(turn_records)[0] or {}
     if turn_records and turn_records[-1].tokens is None:
         log_turn(role, f"the {turn_records[-1].role}'s last turn left no record of its tokens that could be read: "
                        "the budget cannot count them")
@@ -6448,12 +6450,11 @@ def _status_tokens(saved: SavedState) -> list[str]:
     """What the run's agents used so far, as their CLIs recorded it (read at each reply and send)."""
     if not saved.turn_records:
         return []
-    known = [r.tokens for r in saved.turn_records if r.tokens is not None]
-    unknown = len(saved.turn_records) - len(known)
-    text = tokens_text(add_tokens(*known) if known else None)
+    total, unknown = turns_tokens(saved.turn_records)
     budgets = [f"{name}={value:g}" for name, value in (("MAX_RUN_TOKENS", MAX_RUN_TOKENS),
                                                         ("MAX_RUN_COST", MAX_RUN_COST)) if value]
-    return [f"tokens used: {text}" + (f" ({counted(unknown, 'turn')} unknown)" if unknown and known else "")
+    return [f"tokens used: {tokens_text(total)}" + (f" ({counted(unknown, 'turn')} unknown)" if unknown and total
+                                                     else "")
             + (f"; budget {', '.join(budgets)}" if budgets else "")]
 
 
