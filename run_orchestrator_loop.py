@@ -1276,6 +1276,7 @@ class InFlight:
     resends: int = 0
     limit_line: str = ""              # the agent stopped at its usage limit: what its screen said ("" if not)
     limit_until: float | None = None  # time.time() when it is told to continue (None: no reset time given)
+    reply_file: str = ""              # answered: the reply's name in the run's folder, its outcome not saved yet
 
     def belongs_to(self, position: dict) -> bool:
         """Whether this is the prompt of the turn at `position` (see turn_position())."""
@@ -1288,7 +1289,8 @@ class InFlight:
         return {**data, "sent_at": self.sent_at, "sent_in_full": list(self.sent_in_full), "number": self.number,
                 "first_sent_at": self.first_sent_at, "prompt_bytes": self.prompt_bytes,
                 "reminders": self.reminders, "resends": self.resends,
-                **({"limit_line": self.limit_line, "limit_until": self.limit_until} if self.limit_line else {})}
+                **({"limit_line": self.limit_line, "limit_until": self.limit_until} if self.limit_line else {}),
+                **({"reply_file": self.reply_file} if self.reply_file else {})}
 
     @classmethod
     def from_json(cls, raw: object) -> InFlight | None:
@@ -1300,7 +1302,7 @@ class InFlight:
                    _number(raw.get("sent_at")), tuple(_strings(raw.get("sent_in_full"))), _whole(raw.get("number")),
                    _number(raw.get("first_sent_at")), _whole(raw.get("prompt_bytes")) or 0,
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
-                   _text(raw.get("limit_line")), _number(raw.get("limit_until")))
+                   _text(raw.get("limit_line")), _number(raw.get("limit_until")), _text(raw.get("reply_file")))
 
 
 @dataclass
@@ -1753,11 +1755,20 @@ def set_after_run(**done: object) -> None:
 
 
 def update_story_progress(**changes: object) -> None:
-    """Fields of story_progress: the story under way, its attempt, and why the last attempt failed."""
+    """Fields of story_progress: the story under way, its attempt, and why the last attempt failed. A story
+    attempt's end is what its answered turn led to: that turn is in flight no more."""
     for name, value in changes.items():
         if not hasattr(story_progress, name):
             raise AttributeError(f"not a field of story_progress: {name}")
         setattr(story_progress, name, value)
+    end_answered_turn()
+
+
+def end_answered_turn() -> None:
+    """An answered turn (its reply kept, in_flight.reply_file) leaves in_flight once the loop moved on from it:
+    until then a rerun takes the kept reply again instead of sending the prompt."""
+    if in_flight is not None and in_flight.reply_file:
+        update_run(in_flight=None)
 
 
 def add_story_result(result: StoryResult) -> None:
@@ -1784,9 +1795,43 @@ def save_state() -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+        sync_directory(path.parent)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def sync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (a power loss cannot bring back the old entry). Best effort:
+    some filesystems cannot open a directory for it."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+# A test's way to stop the loop at one named instant of taking a reply: ORCHESTRATOR_CRASH_AT=<step>:<n>[:INT]
+# kills the process (SIGKILL; SIGINT with ":INT") the n-th time it reaches <step>. Unset, it costs a lookup.
+CRASH_AT_VARIABLE = "ORCHESTRATOR_CRASH_AT"
+_crash_counts: dict[str, int] = {}
+
+
+def crash_point(step: str) -> None:
+    """Die here if the crash test asks for it (see CRASH_AT_VARIABLE); otherwise nothing."""
+    wanted = os.environ.get(CRASH_AT_VARIABLE, "")
+    if not wanted.startswith(step + ":"):
+        return
+    _crash_counts[step] = _crash_counts.get(step, 0) + 1
+    parts = wanted.split(":")
+    if parts[1].isdigit() and _crash_counts[step] == int(parts[1]):
+        os.kill(os.getpid(), signal.SIGINT if parts[2:] == ["INT"] else signal.SIGKILL)
+        time.sleep(1)                   # SIGINT arrives as KeyboardInterrupt at the next bytecode
 
 
 class SavedState(SimpleNamespace):
@@ -2072,18 +2117,52 @@ def keep_sent(role: str, kind: str, message: str) -> None:
 
 
 def archive_reply(role: str, text: str, response_file: Path) -> Path:
-    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, beside its prompt, taking the response file along."""
+    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, beside its prompt, taking the response file along.
+
+    The state names the reply's place (in_flight.reply_file) before the move,
+    and both are on disk before the caller goes on: whatever instant the loop
+    dies, a rerun finds the reply -- where the agent wrote it or where it
+    was kept -- and takes it without sending the prompt again.
+    """
     directory = Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     number = in_flight.number if in_flight is not None and in_flight.role == role else None
     target = directory / f"{number or _next_archive_number():03d}-{role}.md"
     if target.exists():                 # never over an earlier reply
         target = directory / f"{_next_archive_number():03d}-{role}.md"
+    if in_flight is not None and in_flight.role == role:
+        update_run(in_flight=replace(in_flight, reply_file=target.name))
+        save_state()
+    crash_point("reply-file-named")
     if read_reply_file(response_file):
         os.replace(response_file, target)
     else:                               # the reply came from the terminal, not the file
         target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    sync_directory(directory)
+    crash_point("reply-archived")
     return target
+
+
+def taken_reply(role: str) -> Path | None:
+    """The reply of the prompt in flight, kept in the run's folder by a process that stopped before it saved
+    what the reply led to (None: there is none). The name the state gives, else the one the turn's number
+    gives (the loop died between the move and the save); written after the prompt went out."""
+    if in_flight is None or in_flight.role != role or in_flight.sent_at is None or not run_dir:
+        return None
+    names = [in_flight.reply_file] if in_flight.reply_file else []
+    if in_flight.number:
+        names.append(f"{in_flight.number:03d}-{role}.md")
+    for name in names:
+        path = Path(run_dir) / name
+        if name != path.name or not name.endswith(f"-{role}.md"):
+            continue                    # a state file edited by hand: only a file of the run's folder counts
+        try:
+            fresh = path.stat().st_mtime >= in_flight.sent_at - 1.0
+        except OSError:
+            continue
+        if fresh and read_reply_file(path):
+            return path
+    return None
 
 
 def reply_file_version(path: Path) -> tuple[int, int] | None:
@@ -2169,7 +2248,7 @@ def _role_totals() -> dict[str, dict]:
 
 def _unanswered_turn() -> dict | None:
     """The prompt in flight, as a turn of the run record with no reply (None when there is none)."""
-    if in_flight is None:
+    if in_flight is None or in_flight.reply_file:
         return None
     facts = {**sent_turn_facts(in_flight.role), "seconds": None}
     return {**TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
@@ -3270,6 +3349,12 @@ class TurnState(Enum):
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
 
 
+# What confirmed that a turn with a settled reply file is over, as the reply's log line says it.
+TURN_ENDED_BY_STATUS = "CAO's ready status"
+TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
+TURN_ENDED_BY_STILL_SCREEN = "a still screen"
+
+
 class Verdict(Enum):
     """What the wait does next."""
 
@@ -3321,6 +3406,7 @@ class TurnFacts:
     file_version: tuple[int, int] | None = None
     file_seen_at: float = float("-inf")  # when file_version last changed (appeared, was rewritten, vanished)
     ready_since_file: bool = False    # since the file's last change: a ready status read, or the CLI's end mark seen
+    finished_by: str = ""             # which of the two said so first (for the log: what ended the turn)
     screen: str | None = None
     mark: str | None = None           # the CLI's own word on its screen: 'working', 'ended', 'idle' or None
     marked_idle_at: float | None = None  # when the screen first showed the CLI's mark that it is idle (its
@@ -3340,6 +3426,7 @@ class TurnFacts:
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
         if version != self.file_version:
             self.file_version, self.file_seen_at, self.ready_since_file = version, now, False
+            self.finished_by = ""
             if version is not None:
                 self.seen_working = self.prompt_seen = True
 
@@ -3348,8 +3435,8 @@ class TurnFacts:
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
-        if ready and self.file_version is not None:
-            self.ready_since_file = True
+        if ready and self.file_version is not None and not self.ready_since_file:
+            self.ready_since_file, self.finished_by = True, TURN_ENDED_BY_STATUS
         if status in BUSY_STATUSES:
             self.seen_working = True
 
@@ -3364,7 +3451,8 @@ class TurnFacts:
         self.mark = turn_mark(screen) or self.mark
         if self.mark in ("ended", "idle"):
             self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
-            self.ready_since_file = self.ready_since_file or (self.mark == "ended" and self.file_version is not None)
+            if self.mark == "ended" and self.file_version is not None and not self.ready_since_file:
+                self.ready_since_file, self.finished_by = True, TURN_ENDED_BY_MARK
         else:
             self.marked_idle_at = None
         if screen == self.screen:
@@ -3395,6 +3483,10 @@ class TurnFacts:
             self.prompt_seen = False
 
     # -- questions ---------------------------------------------------------------
+    def ended_by(self) -> str:
+        """What confirmed a settled reply file (once the turn is DONE): the status, the CLI's mark, a still screen."""
+        return self.finished_by if self.ready_since_file and self.mark != "working" else TURN_ENDED_BY_STILL_SCREEN
+
     def file_settled(self, now: float) -> bool:
         return self.file_version is not None and now - self.file_seen_at >= FILE_SETTLE_SECONDS
 
@@ -3909,8 +4001,8 @@ def observe_terminal(turn: Turn) -> None:
 
 
 def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
-                   baseline_reply: str | None) -> str:
-    """Wait until the turn's rules say the agent is done, and return its answer.
+                   baseline_reply: str | None) -> tuple[str, str]:
+    """Wait until the turn's rules say the agent is done: its answer, and what showed the turn was over.
 
     `message` is what was sent (None for a turn carried over from an earlier
     process); it is sent again once if the agent's screen never showed it.
@@ -3932,7 +4024,7 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
         state, verdict = decide(turn.facts, time.monotonic())
         reply = act_on(turn, state, verdict)
         if reply is not None:
-            return reply
+            return reply, turn.facts.ended_by()
         if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
             log_turn(role, progress_text(turn.facts, began, time.monotonic()))
             next_progress_at += PROGRESS_SECONDS
@@ -4346,8 +4438,10 @@ def turn_position(role: str) -> dict:
 
 
 def carried_over_turn(role: str, path: Path) -> str:
-    """After an interruption: did this very prompt already go out? 'reply', 'limited', 'working' or ''.
+    """After an interruption: did this very prompt already go out? 'taken', 'reply', 'limited', 'working' or ''.
 
+    'taken': the loop had taken the answer (it is kept in the run's folder)
+    and stopped before saving what it led to;
     'reply': the agent has written its answer since the prompt was sent;
     'limited': it stopped at its usage limit, which the wait waits out;
     'working': it is still busy with it. Either way the prompt is not sent
@@ -4356,6 +4450,8 @@ def carried_over_turn(role: str, path: Path) -> str:
     """
     if in_flight is None or in_flight.sent_at is None or not in_flight.belongs_to(turn_position(role)):
         return ""
+    if not read_reply_file(path) and taken_reply(role) is not None:
+        return "taken"
     try:
         written_at = path.stat().st_mtime
     except OSError:
@@ -4622,6 +4718,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     prompt = build()
     carried = carried_over_turn(role, path)
+    if carried == "taken":
+        return retake_reply(role, len(prompt.encode("utf-8")))
     message = baseline_reply = None
     if carried:
         record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
@@ -4632,14 +4730,31 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     else:
         tokens_before_send(role)
         message, baseline_reply = send_prompt(role, prompt)
-    reply = wait_for_reply(role, terminal_id, path, message, baseline_reply)
+    reply, ended_by = wait_for_reply(role, terminal_id, path, message, baseline_reply)
+    crash_point("reply-settled")
     timing = turn_timing(path)
     archived = archive_reply(role, reply, path)
     record = record_turn(role, len(prompt.encode("utf-8")), reply, archived)
+    crash_point("turn-recorded")
     write_report()
-    update_run(in_flight=None)
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, kept as {archived}; tokens: "
-                   f"{tokens_text(record.tokens)})")
+    crash_point("report-written")
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as {archived}; "
+                   f"tokens: {tokens_text(record.tokens)})")
+    return reply
+
+
+def retake_reply(role: str, prompt_bytes: int) -> str:
+    """The answer an interrupted process had taken and kept, taken again: the prompt is not sent again, and
+    the turn is recorded once (a Ctrl-C may have saved its record already)."""
+    kept = taken_reply(role)
+    reply = read_reply_file(kept)
+    record_sent(in_flight.sent_in_full)
+    update_run(in_flight=replace(in_flight, reply_file=kept.name))
+    if not turn_records or turn_records[-1].reply_file != kept.name:
+        record_turn(role, prompt_bytes, reply, kept)
+        write_report()
+    log_turn(role, f"taking the reply kept before the interruption ({len(reply)} chars, {kept}; prompt not sent "
+                   "again)")
     return reply
 
 
@@ -5807,8 +5922,10 @@ START_POSITIONS = {
 
 
 def set_position(phase: str, cycle: int = 1, step: str = "author") -> None:
-    """Move the loop to a phase, cycle and step: the one place the position changes."""
+    """Move the loop to a phase, cycle and step: the one place the position changes. Moving on is what an
+    answered turn led to, so it is in flight no more (the next save_state() records both at once)."""
     update_run(current_phase=phase, phase_cycle=cycle, phase_step=step)
+    end_answered_turn()
 
 
 def cleanup_terminals() -> None:
@@ -6425,6 +6542,8 @@ def working_now(saved: SavedState) -> str:
     turn = saved.in_flight
     if turn is None:
         return "no agent (between turns)"
+    if turn.reply_file:
+        return f"no agent: the {turn.role}'s reply is in ({turn.reply_file}); a rerun goes on from it"
     sent = turn.first_sent_at or turn.sent_at
     when = "" if sent is None else (f", prompt sent {utc_iso(sent).replace('T', ' ').replace('Z', ' UTC')}, "
                                     f"{duration_text(time.time() - sent)} ago")

@@ -110,7 +110,7 @@ class SimTerminal:
     def wait(self, message: str = "the prompt") -> tuple[str, float]:
         """Run the real wait loop; return the reply and the clock when it was taken."""
         self.echo = f"> {message.splitlines()[0]}\n" if self.shows_prompt else ""
-        reply = self.orch.wait_for_reply("tester", "t1", self.path, message, "previous reply")
+        reply, self.ended_by = self.orch.wait_for_reply("tester", "t1", self.path, message, "previous reply")
         return reply, self.now
 
 
@@ -130,6 +130,7 @@ def test_ready_status_ends_the_turn_once_the_file_has_settled(sim):
     assert len([t for t in sim.screen_reads if t >= sim.file_written_at]) == 1
     assert len([t for t in sim.status_reads if t >= sim.file_written_at]) == 1
     assert sim.sent == []
+    assert sim.ended_by == "CAO's ready status"          # what the reply's log line names
 
 
 def test_stuck_processing_with_a_still_screen_ends_after_the_quiet_bound(sim):
@@ -142,6 +143,7 @@ def test_stuck_processing_with_a_still_screen_ends_after_the_quiet_bound(sim):
     assert taken_at - 8.0 >= QUIET                      # never before the screen was still long enough
     assert taken_at - 8.0 <= QUIET + 2 * POLL + SETTLE  # and within the bounds after it stopped
     assert sim.sent == []
+    assert sim.ended_by == "a still screen"
 
 
 WORKING_MARK, DONE_MARK = "\x1b]7501;state=working:app=codex\x07", "\x1b]7501;state=done:app=codex\x07"
@@ -159,6 +161,7 @@ def test_a_cli_that_marks_its_turn_ended_is_taken_within_a_confirm_read_of_the_m
     assert reply == FINAL.strip()
     assert 8.0 <= taken_at <= 8.0 + orch.CONFIRM_READ_SECONDS + 0.1
     assert sim.sent == []
+    assert sim.ended_by == "the CLI's end-of-turn mark"
 
 
 def test_a_draft_under_a_stale_completed_status_waits_for_the_final_answer(sim):

@@ -608,11 +608,15 @@ class ScriptedModel:
         with self._lock:
             self._failures.extend({"status": status} for _ in range(count))
 
-    def usage_limit_next(self, count: int, resets_at: float | None = None) -> None:
+    def usage_limit_next(self, count: int, resets_at: float | None = None, role: str | None = None,
+                         resets_in: float | None = None) -> None:
         """As ``fail_next``, with the HTTP 429 of a spent plan: Codex reads ``usage_limit_reached`` and
-        ``resets_at`` (unix seconds; None: unknown) and stops the turn without retrying."""
+        ``resets_at`` (unix seconds; None: unknown; ``resets_in``: that many seconds after the answer) and
+        stops the turn without retrying. With ``role``, only that role's task requests get them: a test then
+        lets the limit meet a turn of an agent whose CLI started long before, never a CLI's start-up by
+        chance."""
         with self._lock:
-            self._failures.extend({"status": 429, "usage_limit": True,
+            self._failures.extend({"status": 429, "usage_limit": True, "role": role, "resets_in": resets_in,
                                    "resets_at": None if resets_at is None else int(resets_at)}
                                   for _ in range(count))
 
@@ -719,7 +723,9 @@ class ScriptedModel:
             return Reply(text=side_text(convo))
 
         with self._lock:
-            failure = self._failures.pop(0) if self._failures else None
+            failure = next((f for f in self._failures if f.get("role") in (None, role)), None)
+            if failure is not None:
+                self._failures.remove(failure)
             if failure is not None and kind == "prompt" and role is not None:
                 self._unanswered[role] = message
             elif failure is None and kind == "reminder" and role in self._unanswered:
@@ -729,6 +735,8 @@ class ScriptedModel:
                 self._unanswered.pop(role, None)              # a new prompt supersedes the one left undone
         if failure is not None:
             status, limit = failure["status"], failure.get("usage_limit", False)
+            if failure.get("resets_in") is not None:
+                failure = {**failure, "resets_at": int(time.time() + failure["resets_in"])}
             extra = {"usage_limit": True, "resets_at": failure.get("resets_at")} if limit else {}
             self._record(convo, role, None, kind, "error", path, status=status, **extra)
             message = ("You've hit your usage limit." if limit

@@ -126,14 +126,25 @@ def test_codex_compacts_its_conversation_and_gets_the_full_task_again(codex_comp
     compaction_run(codex_compacting_cao)
 
 
+# The usage-limit runs start at the programmer and the limit meets the tester's prompt: by then the tester's
+# Codex has been up for two turns, so the scripted limit never meets a CLI's start-up by chance.
+LIMITED_RUN = {"programmer": 1, "peer_programmer": 1, "tester": 1}
+
+
+def limited_run(cao, **settings: str):
+    """A run from the programmer on whose tester's first prompt meets the account's usage limit."""
+    run = real_cli_run(cao, START_AGENT="programmer", **settings)
+    cao.model.set_script({"tester": [PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+    return run
+
+
 @pytest.mark.real_cli
 def test_codex_at_its_usage_limit_is_waited_out_and_continues(codex_cao):
     """The model answers the tester's prompt: usage limit reached, reset in 5 s. Codex shows "You've hit your
     usage limit. Try again at ..."; the loop waits for the reset and a margin, tells it to continue, and the
     run passes: the prompt sent once, no reminder, one turn at the model."""
-    run = real_cli_run(codex_cao, START_AGENT="tester", USAGE_LIMIT_MARGIN_SECONDS="3")
-    codex_cao.model.set_script({"tester": [PASS_REPLY]})
-    codex_cao.model.usage_limit_next(1, resets_at=int(time.time()) + 5)
+    run = limited_run(codex_cao, USAGE_LIMIT_MARGIN_SECONDS="3")
+    codex_cao.model.usage_limit_next(1, resets_in=5, role="tester")
     result = run.run(timeout=600)
     assert result.returncode == 0, explain(result)
     assert re.search(r"tester: usage limit reached; waiting until \d\d:\d\d \(in \d+s\), then it continues",
@@ -142,7 +153,7 @@ def test_codex_at_its_usage_limit_is_waited_out_and_continues(codex_cao):
                      result.stdout, re.MULTILINE), explain(result)
     assert "usage limit reset; telling terminal" in result.stdout
     assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout
-    assert codex_cao.model.turns() == {"tester": 1}, codex_cao.model.events()
+    assert codex_cao.model.turns() == LIMITED_RUN, codex_cao.model.events()
     assert len(kept_prompts(run, "tester")) == 1
     state = run.state()
     assert state["final_status"] == "PASS" and [e["what"] for e in state["agent_events"]] == ["usage limit"]
@@ -153,9 +164,8 @@ def test_codex_at_its_usage_limit_is_waited_out_and_continues(codex_cao):
 def test_codex_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the_turn(codex_cao):
     """A reset three hours away with USAGE_LIMIT_MAX_WAIT=1h: the run stops (exit 1) saying when to rerun;
     once the reset time has come, the rerun tells the agent to continue -- the prompt is not sent again."""
-    run = real_cli_run(codex_cao, START_AGENT="tester", USAGE_LIMIT_MAX_WAIT="3600", USAGE_LIMIT_MARGIN_SECONDS="1")
-    codex_cao.model.set_script({"tester": [PASS_REPLY]})
-    codex_cao.model.usage_limit_next(1, resets_at=int(time.time()) + 3 * 3600)
+    run = limited_run(codex_cao, USAGE_LIMIT_MAX_WAIT="3600", USAGE_LIMIT_MARGIN_SECONDS="1")
+    codex_cao.model.usage_limit_next(1, resets_in=3 * 3600, role="tester")
     stopped = run.run(timeout=600)
     assert stopped.returncode == 1, explain(stopped)
     last = stopped.stderr.strip().splitlines()[-1]
@@ -169,7 +179,7 @@ def test_codex_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues
     result = run.run(timeout=600)
     assert result.returncode == 0, explain(result)
     assert "its agent stopped at its usage limit before the interruption" in result.stdout, explain(result)
-    assert codex_cao.model.turns() == {"tester": 1}, codex_cao.model.events()
+    assert codex_cao.model.turns() == LIMITED_RUN, codex_cao.model.events()
     assert len(kept_prompts(run, "tester")) == 1
     assert run.state()["final_status"] == "PASS"
     print("usage limit stop (codex): " + last)
@@ -180,9 +190,8 @@ def test_codex_usage_limit_wait_survives_a_kill_9_and_the_rerun_never_resends(co
     """The loop is killed (-9) while it waits out Codex's usage limit: --status says the tester waits for its
     limit, and the same command run again waits on and tells the agent to continue -- the prompt is sent
     once in all, no reminder, one turn at the model."""
-    run = real_cli_run(codex_cao, START_AGENT="tester", USAGE_LIMIT_MARGIN_SECONDS="30")
-    codex_cao.model.set_script({"tester": [PASS_REPLY]})
-    codex_cao.model.usage_limit_next(1, resets_at=int(time.time()) + 40)
+    run = limited_run(codex_cao, USAGE_LIMIT_MARGIN_SECONDS="30")
+    codex_cao.model.usage_limit_next(1, resets_in=10, role="tester")
     process = run.start()
     try:
         deadline = time.monotonic() + 300
@@ -204,7 +213,7 @@ def test_codex_usage_limit_wait_survives_a_kill_9_and_the_rerun_never_resends(co
     assert result.returncode == 0, explain(result)
     assert "its agent stopped at its usage limit before the interruption" in result.stdout, explain(result)
     assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout
-    assert codex_cao.model.turns() == {"tester": 1}, codex_cao.model.events()
+    assert codex_cao.model.turns() == LIMITED_RUN, codex_cao.model.events()
     assert len(kept_prompts(run, "tester")) == 1
     assert run.state()["final_status"] == "PASS"
 

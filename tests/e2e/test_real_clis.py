@@ -13,12 +13,9 @@ settle and screen bounds after its reply file was written.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,27 +24,19 @@ import pytest
 import run_orchestrator_loop
 from orchestrator_scripted_agent import DEFAULT_TEXTS
 
-from .conftest import REAL_CLI_START_UPS, REAL_CLI_TURN_TIMES, _start_real_cli_cao
-from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SHORT_ROUND, \
+from .conftest import REAL_CLI_START_UPS, REAL_CLI_TURN_TIMES
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, SHORT_ROUND, \
     Run, explain, numbered, write_two_story_change
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
 POLL_SECONDS = 1.0
-# The loop's defaults: the bounds a turn may wait after its reply file was written. Read when this
-# module is collected, before any in-process test sets the module's FILE_SETTLE_SECONDS to a fast value.
-FILE_SETTLE_SECONDS = run_orchestrator_loop.FILE_SETTLE_SECONDS
-QUIET_SCREEN_SECONDS = run_orchestrator_loop.SETTINGS_BY_ENV["QUIET_SCREEN_SECONDS"].default
-# The agent CLI itself needs a moment after its shell command wrote the file: it reads the tool result,
-# asks the model for its final words and prints them. On a loaded machine (the suite runs four workers on
-# two cores) that moment stretches, so the bound below allows for it: a reply taken within it was taken by
-# the file-and-quiet-screen rule; a loop that missed the written file would wait for a reminder
-# (IDLE_GRACE_SECONDS, 30 s) or RESPONSE_TIMEOUT. The medians printed at the end are the measurement.
-CLI_FINISH_SECONDS = 15.0
-
-# What a Codex turn's reply may wait, median, from its file's last write to the loop taking it.
-CODEX_REPLY_TAKEN_SECONDS = 1.5
-TURN_LINE = re.compile(r"\| (\w+): reply received after ([\d.]+)s \(file written ([\d.]+)s before\)")
+# A reply's log line: the turn's time, how long after its file was written the loop took it, and what showed
+# the loop that the agent's turn was over. Times are measured (the suite's summary), never asserted: on a
+# loaded machine they stretch; which rule ended a turn does not.
+TURN_LINE = re.compile(r"\| (\w+): reply received after ([\d.]+)s \(file written ([\d.]+)s before\) "
+                       r"\(\d+ chars, turn end seen by ([^,]+), kept as")
+ENDED_BY_MARK = run_orchestrator_loop.TURN_ENDED_BY_MARK
 
 
 def real_cli_run(cao, **settings: str) -> Run:
@@ -59,7 +48,12 @@ def real_cli_run(cao, **settings: str) -> Run:
 
 
 def turn_times(stdout: str) -> list[tuple[str, float, float]]:
-    return [(role, float(took), float(lag)) for role, took, lag in TURN_LINE.findall(stdout)]
+    return [(role, float(took), float(lag)) for role, took, lag, _ in TURN_LINE.findall(stdout)]
+
+
+def turn_ends(stdout: str) -> list[str]:
+    """What showed the loop each turn was over, in turn order."""
+    return [ended_by for *_, ended_by in TURN_LINE.findall(stdout)]
 
 
 def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str]) -> None:
@@ -73,9 +67,6 @@ def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str]) -> N
     assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout, explain(result)
     times = turn_times(result.stdout)
     assert [role for role, _, _ in times] == sequence, explain(result)
-    bound = FILE_SETTLE_SECONDS + QUIET_SCREEN_SECONDS + 2 * POLL_SECONDS + CLI_FINISH_SECONDS
-    slow = [(role, lag) for role, _, lag in times if lag > bound]
-    assert not slow, f"turns taken later than {bound}s after their file was written: {slow}\n{explain(result)}"
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(times)
 
 
@@ -160,10 +151,11 @@ def test_codex_fail_then_pass_with_a_model_per_role(codex_cao):
     stdout = fail_then_pass(codex_cao, **settings)
     assert codex_cao.model.models_by_role() == expected
     assert "warning" not in stdout
-    # Codex marks the end of its turn on its screen: its replies are taken as soon as that shows, not
-    # QUIET_SCREEN_SECONDS after its screen went still.
-    lags = [lag for _, _, lag in turn_times(stdout)]
-    assert statistics.median(lags) <= CODEX_REPLY_TAKEN_SECONDS, lags
+    # Codex marks the end of its turn on its screen (CAO's status for it cannot be trusted): its replies are
+    # taken once that mark shows, not after QUIET_SCREEN_SECONDS of still screen. A mark a spinner pushed out
+    # of CAO's screen tail before the loop looked may leave a turn to the still screen, never most of them.
+    ends = turn_ends(stdout)
+    assert ends.count(ENDED_BY_MARK) > len(ends) / 2, ends
 
 
 def test_codex_run_stops_at_its_token_budget_and_goes_on_with_a_higher_one(codex_cao):
@@ -333,37 +325,6 @@ def test_opencode_story_mode(opencode_cao):
 def test_opencode_killed_mid_turn_is_replaced_and_the_run_passes(opencode_cao):
     """OpenCode's process killed while it works on the programmer's turn."""
     killed_mid_turn(opencode_cao, "opencode")
-
-
-START_UP_ONLY = """
-import json, run_orchestrator_loop as loop
-loop.configure([])
-loop.connect_api()
-started = loop.time.monotonic()
-session, terminals = loop.create_terminals()
-statuses = {role: loop.api.get_status(terminal) for role, terminal in terminals.items()}
-print(json.dumps({"seconds": loop.time.monotonic() - started, "statuses": statuses}))
-loop.end_agents(list(terminals.values()), session)
-"""
-
-
-def test_five_opencode_agents_start_at_once_in_a_fresh_home_two_more_times():
-    """The loop's own start-up (five terminals at once) with OpenCode in a fresh HOME, on two more fresh
-    servers (the FAIL -> PASS run above was the first): every agent comes up, on the first try or on
-    the second, alone."""
-    for attempt in range(2):
-        with contextlib.ExitStack() as stack:
-            cao = _start_real_cli_cao(stack, "opencode_cli")
-            assert not (cao.home / ".local" / "share" / "opencode").exists()      # OpenCode never ran here
-            run = real_cli_run(cao)
-            result = subprocess.run([sys.executable, "-c", START_UP_ONLY], cwd=REPO_ROOT, env=run.env,
-                                    capture_output=True, text=True, timeout=600)
-            assert result.returncode == 0, explain(result)
-            report = json.loads(result.stdout.strip().splitlines()[-1])
-            assert sorted(report["statuses"]) == sorted(QUICK_ROUND)
-            assert all(status in ("idle", "completed") for status in report["statuses"].values()), report
-            second_try = "again, one at a time" in result.stdout
-            REAL_CLI_START_UPS.setdefault("opencode_cli", []).append((report["seconds"], second_try))
 
 
 def first_fail_then_pass_with_a_model_per_role(cao, provider: str) -> None:

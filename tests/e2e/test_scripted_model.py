@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import urllib.error
 import urllib.request
@@ -513,6 +514,21 @@ def test_codex_usage_limit_then_the_continue_message_carries_out_the_prompt(mode
     model.usage_limit_next(1, resets_at=1767625500)
     status, [body] = AnthropicChat(model).send(prompt_text(target))
     assert status == 429 and body["error"]["type"] == "rate_limit_error"
+
+
+def test_a_usage_limit_for_one_role_waits_for_that_roles_prompt_and_resets_counted_from_the_answer(model, tmp_path):
+    """usage_limit_next(role=..., resets_in=...): other roles' prompts go through; the limit meets the named
+    role's prompt, with a reset time counted from that answer."""
+    model.set_script({"tester": ["RESULT: PASS\n"], "programmer": ["PROGRAMMER_SUMMARY: done\n"]})
+    model.usage_limit_next(1, role="tester", resets_in=600)
+    status, _ = CodexChat(model).send(prompt_text(tmp_path / "programmer_summary.md"))
+    assert status == 200 and model.turns() == {"programmer": 1}
+    before = time.time()
+    status, [body] = CodexChat(model).send(prompt_text(tmp_path / "test_result.md"))
+    assert status == 429 and body["error"]["type"] == "usage_limit_reached"
+    assert before + 600 - 1 <= body["error"]["resets_at"] <= time.time() + 600
+    status, _ = CodexChat(model).send(prompt_text(tmp_path / "test_result.md"))
+    assert status == 200                                           # one limit, spent
 
 
 def chat_tool(name: str, *params: str) -> dict:
