@@ -752,6 +752,7 @@ NTFY_TOKEN: str = os.environ.get("NTFY_TOKEN", "")
 explicit_settings: set[str] = set(_env_values)
 # Warnings for environment variables that look like a misspelt setting: said first and again last.
 setting_warnings: list[str] = []
+config_argument = ""               # the config file named on the command line ("" if none), for printed commands
 
 # The task, parsed from PROMPT / PROMPT_FILE (or from the state on resume).
 EXPLORE_HEADER = "*** ORIGINAL EXPLORE SUMMARY ***"
@@ -836,7 +837,8 @@ def check_budget_settings() -> None:
 
 def configure(argv: list[str]) -> None:
     """Settle every setting (env > JSON > default) and validate it, before anything runs."""
-    global explicit_settings, setting_warnings, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
+    global explicit_settings, setting_warnings, config_argument, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
+    config_argument = argv[0] if argv else ""
     CAO_AUTH_LOCAL_TOKEN = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
     NTFY_TOKEN = os.environ.get("NTFY_TOKEN", "")
     setting_warnings = misspelt_settings(os.environ)
@@ -2499,6 +2501,8 @@ def _figures(summary: dict) -> ReportHtml:
                ("wall time", report_duration(summary["wall_seconds"]))]
     if ended:
         meaning = dict(EXIT_CODES).get(summary["exit_code"])
+        if summary["result"] == "FAIL" and not terminals_exited:
+            meaning = f"no PASS within MAX_ROUNDS; to go on with more rounds: {continue_command(summary['rounds'] + 1)}"
         figures.append(("exit code", f"{summary['exit_code']}" + (f" ({meaning})" if meaning else "")))
     if summary["verifications"]:
         last = summary["verifications"][-1]
@@ -3325,11 +3329,100 @@ def lost_agent(role: str, terminal_id: str, why: str, screen: str | None) -> Age
 
 
 def check_alive(role: str, terminal_id: str) -> None:
-    """Before typing into a terminal: raise AgentLost if its agent is gone (never type into a shell)."""
+    """Before typing into a terminal: raise AgentLost if its agent is gone (never type into a shell), and
+    close a menu its CLI opened (typed text and Enter would pick the menu's highlighted choice)."""
     screen = _screen(terminal_id)
     why = why_gone(terminal_id, screen)
     if why:
         raise lost_agent(role, terminal_id, why, screen)
+    menu = open_menu(screen)
+    if menu is not None:
+        answer_menu(role, terminal_id, menu)
+
+
+# -- Menus an agent CLI opens by itself ------------------------------------------
+# A CLI may open a numbered menu in a turn: an offer to switch to a cheaper model at a usage limit (Codex
+# 0.169: "Switch to gpt-6-luna for lower credit usage?  › 1. Switch to gpt-6-luna  2. Keep current model"), a
+# question what to do at a limit (Claude Code: "1. Stop and wait for limit to reset"). A message typed into it
+# ends with Enter, which picks the highlighted choice: the loop never does that. It moves to the choice that
+# keeps what the user chose (the model, the permissions, the spending) and picks it; a menu it does not know
+# stops the turn with one line naming it. Every menu seen and every answer is logged.
+MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
+MENU_LINES = 14                        # a menu is among the screen's last lines
+MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
+SAFE_MENU_CHOICES = (                  # (what the loop calls the menu, the text of the choice that changes nothing)
+    ("Codex's offer to switch the model", "Keep current model"),
+    ("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),
+)
+
+
+@dataclass(frozen=True)
+class Menu:
+    """A numbered menu at the end of a screen: its choices, and the one highlighted."""
+
+    choices: tuple[tuple[int, str], ...]
+    highlighted: int
+    question: str                     # the line above the first choice (what the menu asks)
+
+    def text(self) -> str:
+        return f"{self.question} " + " ".join(f"{number}. {text}" for number, text in self.choices)
+
+
+def open_menu(screen: str | None) -> Menu | None:
+    """The numbered menu among the screen's last lines, if one is open: choices 1, 2, ... on consecutive lines
+    (a line that continues a choice may sit between), exactly one of them marked as highlighted. A numbered
+    list in an agent's answer has no such mark."""
+    lines = screen_lines(screen or "")[-MENU_LINES:]
+    for start, line in enumerate(lines):
+        first = MENU_OPTION.match(line)
+        if not first or first["number"] != "1":
+            continue
+        choices, highlighted = [(1, first["text"])], [1] if first["cursor"] else []
+        for later in lines[start + 1:]:
+            option = MENU_OPTION.match(later)
+            if option and int(option["number"]) == len(choices) + 1:
+                choices.append((len(choices) + 1, option["text"]))
+                highlighted += [len(choices)] if option["cursor"] else []
+        if len(choices) >= 2 and len(highlighted) == 1:
+            question = lines[start - 1].strip(" ›❯│") if start else ""
+            return Menu(tuple(choices), highlighted[0], question)
+    return None
+
+
+def safe_menu_choice(menu: Menu) -> tuple[str, int] | None:
+    """(the menu's name, the number of its choice that changes nothing the user chose), or None: not known."""
+    for name, safe_text in SAFE_MENU_CHOICES:
+        for number, text in menu.choices:
+            if text.startswith(safe_text) and not text[len(safe_text):].strip(" ."):
+                return name, number
+    return None
+
+
+def menu_keys(menu: Menu, choice: int) -> list[str]:
+    """The keys that move the highlight to `choice` and pick it (arrows: a digit is not a shortcut everywhere)."""
+    steps = choice - menu.highlighted
+    return ["Down"] * max(0, steps) + ["Up"] * max(0, -steps) + ["Enter"]
+
+
+def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
+    """Pick the choice of a known menu that keeps what the user chose; a menu the loop does not know stops
+    the turn (nothing typed), naming it."""
+    known = safe_menu_choice(menu)
+    if known is None:
+        log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
+        raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
+                                              "answer it yourself")
+    name, choice = known
+    log_turn(role, f"{name} on terminal {terminal_id} ({menu.text()[:200]}): choosing {choice}. "
+                   f"\"{dict(menu.choices)[choice]}\"")
+    for key in menu_keys(menu, choice):
+        api.send_key(terminal_id, key)
+    deadline = time.monotonic() + MENU_CLOSE_SECONDS
+    while open_menu(_screen(terminal_id)) == menu and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if open_menu(_screen(terminal_id)) == menu:
+        raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
+                                              f"\"{dict(menu.choices)[choice]}\"; answer it yourself")
 
 
 # -- The turn's states and rules -----------------------------------------------
@@ -5973,6 +6066,7 @@ class StartPlan:
     note: str = ""                     # the first log line of a new run: what the old state file held
     set_aside: bool = False            # a new run replaces the state file: keep it as a backup
     old_run: SavedState | None = None  # the run it replaces, if readable: its agents are exited
+    continue_failed: bool = False      # RESUME=1 with more rounds: the run that ended in FAIL goes on
 
 
 def set_aside_old_state(plan: StartPlan) -> None:
@@ -6078,7 +6172,14 @@ def verify_resume_terminals() -> None:
 
 
 def resume_required(saved: SavedState) -> StartPlan:
-    """RESUME=1: the saved run goes on, or the start is refused saying why it cannot."""
+    """RESUME=1: the saved run goes on (a FAIL with more rounds than it played too), or the start is refused
+    saying why it cannot."""
+    if saved.finished and saved.final_status == "FAIL" and not saved.terminals_exited:
+        if MAX_ROUNDS > saved.current_round:
+            return StartPlan(True, continue_failed=True)
+        raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} finished with FAIL after round "
+                          f"{saved.current_round} and MAX_ROUNDS={MAX_ROUNDS} allows no more; to go on with more "
+                          f"rounds: {continue_command(saved.current_round + 1)}; unset RESUME to start a new run")
     if saved.finished:
         raise ConfigError(f"RESUME=1 but the run in {STATE_FILE} already finished with {saved.final_status}; "
                           "unset RESUME to start a new run")
@@ -6103,8 +6204,16 @@ def resume_or_replace(saved: SavedState) -> StartPlan:
         return StartPlan(True)
     why = " (RESUME=0)" if "RESUME" in explicit_settings else \
         " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
+    instead = (f" (to go on with that run instead: {continue_command(saved.current_round + 1)})"
+               if status == "FAIL" and not exited and "RESUME" not in explicit_settings else "")
     return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
-                            f"file will be kept as {state_backup_path(saved)}", set_aside=True, old_run=saved)
+                            f"file will be kept as {state_backup_path(saved)}{instead}", set_aside=True, old_run=saved)
+
+
+def continue_command(rounds: int) -> str:
+    """'RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop config.json': the command that takes a run that ended in FAIL
+    on to `rounds` rounds."""
+    return " ".join(part for part in (f"RESUME=1 MAX_ROUNDS={rounds}", command_name(), config_argument) if part)
 
 
 def choose_start() -> StartPlan:
@@ -6386,11 +6495,14 @@ def drive_rounds() -> int:
                 return EXIT_PASS
         else:
             run_reviewed_phase(current_phase)
-    update_run(final_status="FAIL")
+    # The last FAIL set up a next round (its evidence kept for the programmer): the run played one round less,
+    # and RESUME=1 with a higher MAX_ROUNDS goes on with that round (continue_failed_run).
+    update_run(final_status="FAIL", current_round=max(1, current_round - 1))
     mark_after_run_due("FAIL")
     set_position(PHASE_DONE)
     save_state()
-    log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}")
+    log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}; to go on with more rounds: "
+        f"{continue_command(current_round + 1)}")
     return EXIT_FAIL
 
 
@@ -6622,6 +6734,8 @@ def status_report() -> tuple[int, str]:
     holder = lock_holder()
     lines.append(f"driven by: {holder}" if holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
+    if saved.final_status == "FAIL" and not saved.terminals_exited:
+        lines.append(f"next: to go on with more rounds, {continue_command(saved.current_round + 1)}")
     lines += _status_agents(saved) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
@@ -6703,6 +6817,17 @@ def refuse_bad_start(task: str) -> StartPlan:
     return plan
 
 
+def continue_failed_run() -> None:
+    """RESUME=1 with a higher MAX_ROUNDS after a FAIL: the same run goes on at its next round -- the analysis,
+    the agents' conversations and the last test evidence kept (its FAIL set that round up), the turns and the
+    report of the first invocation too; its after-run steps are due again at its new end."""
+    played = current_round
+    update_run(final_status="RUNNING", current_round=played + 1, after_run=_new_value("after_run"))
+    set_position(PHASE_PROGRAMMER)
+    log(f"the run ended in FAIL after round {played}; going on with round {played + 1} of MAX_ROUNDS={MAX_ROUNDS}: "
+        "the programmer gets the last test evidence")
+
+
 def start_run(task: str) -> StartPlan:
     """Resume the saved run or create a new one for `task`; nothing is written if this fails.
     Returns the plan: a run it replaced still has its agents (end_old_run() ends them).
@@ -6724,6 +6849,8 @@ def start_run(task: str) -> StartPlan:
         if not run_dir:                     # a state file written by the shell script
             update_run(run_dir=new_run_dir())
         prepare_run_folder()
+        if plan.continue_failed:
+            continue_failed_run()
         log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
             f"session {session_name}")
         return plan

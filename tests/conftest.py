@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -18,6 +19,12 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 import run_orchestrator_loop  # noqa: E402
+
+# A suite started without job control (a background job of a script, as some CI runners start it) inherits
+# SIGINT ignored -- and so would the workers and every loop it starts, whose Ctrl-C tests need it delivered.
+# A handler of our own is reset to the default in the programs this process starts.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 FULL_SUITE_COMMAND = "python -m pytest --full"
 

@@ -237,6 +237,21 @@ def test_status_of_a_finished_run(load_orch, fake_cao, prompt_file, capsys):
     assert "run: finished with PASS in round 1" in out and "driven by: no process\n" in out
 
 
+def test_status_of_a_run_that_ended_in_fail_counts_its_rounds_and_says_how_to_go_on(load_orch, fake_cao, prompt_file,
+                                                                                     capsys, tmp_path):
+    from fake_cao import FAIL_REPLY
+    fake_cao.script["tester"] = [FAIL_REPLY]
+    config = tmp_path / "loop.json"
+    config.write_text("{}")
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUNDS="2", **FAST)
+    assert run_main(m, str(config)) == 1
+    capsys.readouterr()
+    assert run_main(m, "--status", str(config)) == 0
+    out = capsys.readouterr().out
+    assert "run: finished with FAIL in round 2," in out
+    assert f"next: to go on with more rounds, RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop {config}" in out
+
+
 def test_status_asks_the_server_the_run_is_on_not_the_default_one(load_orch, fake_cao, prompt_file, capsys):
     """The run's server is not on the default port: --status without API asks the server the state file names."""
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", CLEANUP_ON_EXIT="0", **FAST)

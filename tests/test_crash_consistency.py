@@ -48,15 +48,24 @@ def crashing_at(module, monkeypatch, step: str, turn: int, how: str) -> None:
         monkeypatch.setattr(module, "wind_down", lambda code: code)
 
 
-def stop_once_then_finish(load_orch, fake_cao, prompt_file, monkeypatch, step: str, turn: int, how: str):
+def killed_at(load_orch, fake_cao, prompt_file, monkeypatch, step: str, turn: int):
+    """A FAIL -> PASS run killed at `step` of its `turn`-th reply: the module as the kill left it."""
     fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
-    first = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    crashing_at(first, monkeypatch, step, turn, how)
+    module = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    crashing_at(module, monkeypatch, step, turn, "kill")
+    with pytest.raises(Killed):
+        module.main([])
+    module.release_run_lock()             # the kernel frees a killed process's lock
+    return module
+
+
+def stop_once_then_finish(load_orch, fake_cao, prompt_file, monkeypatch, step: str, turn: int, how: str):
     if how == "kill":
-        with pytest.raises(Killed):
-            first.main([])
-        first.release_run_lock()          # the kernel frees a killed process's lock
+        killed_at(load_orch, fake_cao, prompt_file, monkeypatch, step, turn)
     else:
+        fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+        first = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+        crashing_at(first, monkeypatch, step, turn, how)
         assert run_main(first) == 130
     monkeypatch.undo()
     second = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
@@ -84,12 +93,7 @@ def test_a_stop_while_a_reply_is_taken_never_repeats_or_loses_the_turn(load_orch
 def test_the_state_names_the_reply_before_it_is_moved(load_orch, fake_cao, prompt_file, monkeypatch):
     """Killed between the save that names the reply's place and the move: the reply is still where the
     agent wrote it, and the rerun takes it from there."""
-    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    crashing_at(m, monkeypatch, "reply-file-named", 2, "kill")
-    with pytest.raises(Killed):
-        m.main([])
-    m.release_run_lock()
+    m = killed_at(load_orch, fake_cao, prompt_file, monkeypatch, "reply-file-named", 2)
     in_flight = state_of(m)["in_flight"]
     assert in_flight["role"] == "peer_analyst" and in_flight["reply_file"] == "002-peer_analyst.md"
     assert not Path(m.run_dir, "002-peer_analyst.md").exists()
@@ -99,12 +103,7 @@ def test_the_state_names_the_reply_before_it_is_moved(load_orch, fake_cao, promp
 def test_a_kept_reply_named_outside_the_run_folder_is_not_taken(load_orch, fake_cao, prompt_file, monkeypatch,
                                                                  tmp_path):
     """A state file edited by hand cannot make the loop read a file outside the run's folder as a reply."""
-    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    crashing_at(m, monkeypatch, "reply-archived", 3, "kill")
-    with pytest.raises(Killed):
-        m.main([])
-    m.release_run_lock()
+    m = killed_at(load_orch, fake_cao, prompt_file, monkeypatch, "reply-archived", 3)
     state = state_of(m)
     Path(m.run_dir, "003-programmer.md").unlink()              # the kept reply is gone ...
     outside = tmp_path / "elsewhere-programmer.md"

@@ -912,3 +912,74 @@ def test_state_that_cannot_be_saved_is_reported_not_a_traceback(load_orch, fake_
     assert run_main(m) == 1
     err = capsys.readouterr().err
     assert "No space left on device" in err and "Traceback" not in err
+
+
+# -- a run that ended in FAIL goes on with more rounds ---------------------------------------------------------
+
+def test_a_fail_counts_the_rounds_played_and_says_how_to_go_on(load_orch, fake_cao, prompt_file, capsys):
+    """The figures after a FAIL are the rounds played (not one more), and the last line names the command
+    that goes on with more rounds."""
+    fake_cao.script["tester"] = [FAIL_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="2", **QUICK)
+    assert run_main(m) == 1
+    state = state_of(m)
+    assert state["final_status"] == "FAIL" and state["current_round"] == 2
+    out = capsys.readouterr().out
+    assert "summary: FAIL after round 2/2;" in out
+    assert "to go on with more rounds: RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop" in out
+    summary = json.loads(Path(m.run_dir, "summary.json").read_text(encoding="utf-8"))
+    assert (summary["rounds"], summary["max_rounds"]) == (2, 2)
+    assert "RESUME=1 MAX_ROUNDS=3" in Path(m.run_dir, "report.html").read_text(encoding="utf-8")
+
+
+def test_resume_with_more_rounds_goes_on_after_a_fail_in_the_same_run(load_orch, fake_cao, prompt_file, capsys):
+    """RESUME=1 MAX_ROUNDS=2 after a FAIL at MAX_ROUNDS=1: round 2 of the same run (no analyst turn again, the
+    tester's evidence in the programmer's prompt, the same agents), to PASS; one record covers both."""
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="1", **QUICK)
+    assert run_main(m) == 1
+    first_dir, terminals = m.run_dir, state_of(m)["terminals"]
+    creates = len(fake_cao.terminals)
+    capsys.readouterr()
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="2", RESUME="1", **QUICK)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert "the run ended in FAIL after round 1; going on with round 2 of MAX_ROUNDS=2" in out
+    assert fake_cao.roles_prompted() == QUICK_ROUND + ["programmer", "peer_programmer", "tester"]
+    assert "Test failure feedback:\nRESULT: FAIL" in fake_cao.prompts_for("programmer")[1]
+    assert len(fake_cao.terminals) == creates and state_of(m)["terminals"] == terminals   # the same agents
+    state = state_of(m)
+    assert state["final_status"] == "PASS" and state["current_round"] == 2 and m.run_dir == first_dir
+    summary = json.loads(Path(m.run_dir, "summary.json").read_text(encoding="utf-8"))
+    assert [t["role"] for t in summary["turn_list"]] == QUICK_ROUND + ["programmer", "peer_programmer", "tester"]
+    assert (summary["result"], summary["rounds"], summary["max_rounds"]) == ("PASS", 2, 2)
+
+
+def test_resume_of_a_fail_without_more_rounds_is_refused_with_the_command(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["tester"] = [FAIL_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="1", **QUICK)
+    assert run_main(m) == 1
+    before = Path(m.STATE_FILE).read_bytes()
+    capsys.readouterr()
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="1", RESUME="1", **QUICK)
+    assert run_main(m) == 2
+    err = capsys.readouterr().err.strip()
+    assert "finished with FAIL after round 1 and MAX_ROUNDS=1 allows no more" in err and "\n" not in err
+    assert "RESUME=1 MAX_ROUNDS=2 cao-orchestrator-loop" in err
+    assert Path(m.STATE_FILE).read_bytes() == before
+
+
+def test_a_plain_rerun_after_a_fail_starts_a_new_run_and_says_how_to_go_on_instead(load_orch, fake_cao, prompt_file,
+                                                                                   capsys):
+    fake_cao.script["tester"] = [FAIL_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="1", **QUICK)
+    assert run_main(m) == 1
+    first_dir = m.run_dir
+    capsys.readouterr()
+    fake_cao.script["tester"] = [PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), MAX_ROUNDS="1", **QUICK)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert "finished with FAIL in round 1" in out and "starting a new run" in out
+    assert "(to go on with that run instead: RESUME=1 MAX_ROUNDS=2 cao-orchestrator-loop)" in out
+    assert m.run_dir != first_dir

@@ -317,3 +317,34 @@ def test_story_mode_failed_then_complete(cao):
     review = run.prompts_for("peer_programmer")[0]
     assert '- Story 1 "Parse the name": COMPLETE (attempt 2)' in review
     assert run.state()["final_status"] == "PASS"
+
+
+def test_a_run_that_ended_in_fail_goes_on_with_more_rounds_then_a_plain_rerun_starts_anew(cao):
+    """FAIL at MAX_ROUNDS=1 (its last line names the command that goes on); RESUME=1 MAX_ROUNDS=2 continues the
+    same run in round 2 -- no analyst turn again, the tester's evidence in the programmer's prompt, the same
+    agents -- to PASS, one report for both; a plain rerun after that PASS starts a new run."""
+    run = Run(cao, MAX_ROUNDS="1")
+    cao.set_script({"tester": [FAIL_REPLY, PASS_REPLY]})
+    failed = run.run()
+    assert failed.returncode == 1, explain(failed)
+    assert "to go on with more rounds: RESUME=1 MAX_ROUNDS=2" in failed.stdout
+    first = run.state()
+    assert (first["final_status"], first["current_round"]) == ("FAIL", 1)
+
+    run.env.update(RESUME="1", MAX_ROUNDS="2")
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert run.roles_prompted() == QUICK_ROUND + SHORT_ROUND                 # round 2 only: no analyst again
+    assert "missing comma" in run.prompts_for("programmer")[1]              # the tester's evidence
+    state = run.state()
+    assert (state["final_status"], state["current_round"]) == ("PASS", 2)
+    assert state["terminals"] == first["terminals"] and state["run_dir"] == first["run_dir"]
+    assert run.archived() == numbered(QUICK_ROUND + SHORT_ROUND)
+    report = (Path(state["run_dir"]) / "report.html").read_text(encoding="utf-8")
+    assert report.count('<a class="turn"') == len(QUICK_ROUND + SHORT_ROUND)   # one report: both invocations
+
+    run.env.pop("RESUME")
+    again = run.run()
+    assert again.returncode == 0, explain(again)
+    assert "finished with PASS in round 2" in again.stdout and "starting a new run" in again.stdout
+    assert run.state()["run_dir"] != first["run_dir"]

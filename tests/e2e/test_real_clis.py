@@ -317,11 +317,6 @@ def test_opencode_fail_then_pass(opencode_cao):
         (start_up_seconds(stdout), "again, one at a time" in stdout))
 
 
-def test_opencode_story_mode(opencode_cao):
-    """Story mode with OpenCode."""
-    story_mode(opencode_cao)
-
-
 def test_opencode_killed_mid_turn_is_replaced_and_the_run_passes(opencode_cao):
     """OpenCode's process killed while it works on the programmer's turn."""
     killed_mid_turn(opencode_cao, "opencode")
