@@ -335,14 +335,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MAX_AGENT_REPLACEMENTS", "recovery.max_agent_replacements", 3, "count0",
             "replacements per run (all agents of a vanished session count as one); then the run stops"),
     Setting("PROVIDER_ERROR_RETRIES", "recovery.provider_error_retries", 3, "count0",
-            "times an agent stopped by its model provider's error (overloaded, rate limited) is told to "
-            "continue, after a pause"),
+            "times an agent stopped by its model provider's error (overloaded, failing) is told to "
+            "continue, after a pause; a rate limit (429) is waited out for up to USAGE_LIMIT_MAX_WAIT instead"),
     Setting("PROVIDER_ERROR_PAUSE_SECONDS", "recovery.provider_error_pause_seconds", 60.0, "seconds",
             "the pause before the first such retry; each further pause is twice as long"),
     Setting("USAGE_LIMIT_MAX_WAIT", "recovery.usage_limit_max_wait", 18000.0, "seconds0",
             "an agent stopped by its account's usage limit is waited for until the limit resets, if that is at "
             "most this many seconds away (5 hours: a 5-hour limit); past it, or with no reset time, the run "
-            "stops (exit 1) saying when to rerun; 0: never wait"),
+            "stops (exit 1) saying when to rerun; 0: never wait. Also the most a rate limit (429) is waited "
+            "out in all, in pauses that double"),
     Setting("USAGE_LIMIT_MARGIN_SECONDS", "recovery.usage_limit_margin_seconds", 60.0, "seconds0",
             "how long after the reset time the agent is told to continue"),
     Setting("FRESH_CONTEXT", "context.fresh_context", "off", "fresh_context",
@@ -3023,7 +3024,11 @@ BUSY_STATUSES = ("processing", "waiting_user_answer")
 # means the server cannot tell; the response file and the screen decide.
 KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # Terminal text that means the agent's model provider failed, not the agent.
-PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"")
+PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
+                            r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"")
+# A rate limit (429: Claude Code with an API key ends its own retries with "API Error: Request rejected (429)")
+# passes with time: it is waited out with growing pauses for up to USAGE_LIMIT_MAX_WAIT in all, never failed.
+RATE_LIMITED = re.compile(r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"")
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file asks whether its agent is still there
@@ -3509,6 +3514,7 @@ class TurnFacts:
     resend_used: bool = False         # the one resend (or a carried-over turn's first reminder) is spent
     reminders: int = 0
     provider_errors: int = 0          # model provider errors waited out this turn
+    rate_limit_waited: float = 0.0    # seconds of pauses for rate limits (429) this turn
     provider_pause_until: float | None = None  # a provider error's pause is under way until then
     cli: CliTraits = CliTraits()      # the agent CLI's traits: whether its ready status counts
     cao_status: str | None = None     # what CAO last said, as said (`status` is what the rules go by)
@@ -3870,15 +3876,7 @@ def idle_without_file(turn: Turn) -> str | None:
     output = _last_output(terminal_id) or ""
     error_line = provider_error_line(output)
     if error_line:
-        facts = turn.facts
-        if facts.provider_errors >= PROVIDER_ERROR_RETRIES:
-            raise agent_failed(role, terminal_id, f"stopped on a model provider error ({error_line[:200]}) "
-                                                  f"{counted(facts.provider_errors, 'time')} after being told to continue")
-        facts.provider_errors += 1
-        pause = PROVIDER_ERROR_PAUSE_SECONDS * 2 ** (facts.provider_errors - 1)
-        facts.provider_pause_until = time.monotonic() + pause
-        log_turn(role, f"stopped on a model provider error ({error_line[:200]}); retry "
-                       f"{facts.provider_errors}/{PROVIDER_ERROR_RETRIES}: telling it to continue in {pause:g}s")
+        pause_after_provider_error(turn, error_line)
         return None
     if turn.facts.reminders < MAX_FILE_REMINDERS:
         turn.facts.reminders += 1
@@ -3896,6 +3894,33 @@ def idle_without_file(turn: Turn) -> str | None:
         raise agent_failed(role, terminal_id, f"went idle without writing {path} and its terminal shows no reply")
     log_turn(role, f"no response file; using the terminal's last output ({len(output.strip())} chars)")
     return output.strip()
+
+
+def pause_after_provider_error(turn: Turn, error_line: str) -> None:
+    """The agent stopped on its model provider's error: pause (twice as long each time), then it is told to
+    continue. An overloaded or failing model gets PROVIDER_ERROR_RETRIES such pauses; a rate limit (429) as
+    many as fit in USAGE_LIMIT_MAX_WAIT, after which the run stops with its state saved (a rerun continues)."""
+    role, terminal_id, facts = turn.role, turn.terminal_id, turn.facts
+    rate_limited = bool(RATE_LIMITED.search(error_line))
+    pause = PROVIDER_ERROR_PAUSE_SECONDS * 2 ** facts.provider_errors
+    if rate_limited:
+        pause = min(pause, USAGE_LIMIT_MAX_WAIT - facts.rate_limit_waited)
+        if pause <= 0:
+            raise RunError(f"the {role} agent (terminal {terminal_id}) is still rate-limited ({error_line[:200]}) "
+                           f"after {duration_text(facts.rate_limit_waited)} of pauses (USAGE_LIMIT_MAX_WAIT="
+                           f"{USAGE_LIMIT_MAX_WAIT:g}s); the state is saved: rerun the command later to continue "
+                           "the turn, or raise USAGE_LIMIT_MAX_WAIT")
+        facts.rate_limit_waited += pause
+    elif facts.provider_errors >= PROVIDER_ERROR_RETRIES:
+        raise agent_failed(role, terminal_id, f"stopped on a model provider error ({error_line[:200]}) "
+                                              f"{counted(facts.provider_errors, 'time')} after being told to continue")
+    facts.provider_errors += 1
+    facts.provider_pause_until = time.monotonic() + pause
+    how_many = (f"rate limited; pause {facts.provider_errors}, {duration_text(facts.rate_limit_waited)} of "
+                f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s" if rate_limited
+                else f"retry {facts.provider_errors}/{PROVIDER_ERROR_RETRIES}")
+    log_turn(role, f"stopped on a model provider error ({error_line[:200]}); {how_many}: telling it to continue "
+                   f"in {pause:g}s")
 
 
 def continue_after_provider_error(turn: Turn) -> None:

@@ -8,6 +8,7 @@ driven through main() against the respx fake CAO.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from conftest import FAST, TASK_PROMPT, run_main
@@ -238,6 +239,53 @@ def test_api_error_json_body_is_recognised(orch):
     assert orch.PROVIDER_ERROR.search('{"type": "api_error", "message": "Overloaded"}')
     assert orch.PROVIDER_ERROR.search("API Error: 529 overloaded")
     assert not orch.PROVIDER_ERROR.search("The API error handling in api.py is now tested.")
+
+
+REJECTED = "\u23bf  API Error: Request rejected (429) \u00b7 Rate limited. Please try again later."
+
+
+def test_a_rate_limit_is_recognised_apart_from_other_provider_errors(orch):
+    assert orch.PROVIDER_ERROR.search(REJECTED) and orch.RATE_LIMITED.search(REJECTED)
+    assert orch.RATE_LIMITED.search("API Error: 429 Too Many Requests")
+    assert not orch.RATE_LIMITED.search(OVERLOADED) and not orch.RATE_LIMITED.search(PROVIDER_FAILURE)
+
+
+def test_a_rate_limit_is_waited_out_past_the_retries_with_growing_pauses(load_orch, fake_cao, prompt_file, capsys,
+                                                                       monkeypatch):
+    """Claude Code with an API key ends its own retries with `API Error: Request rejected (429)`: the loop
+    pauses, twice as long each time, and tells it to continue -- more often than PROVIDER_ERROR_RETRIES,
+    within USAGE_LIMIT_MAX_WAIT -- and the turn ends normally once a request gets through."""
+    fake_cao.script["tester"] = [{"action": "no_file", "text": REJECTED}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.3"},
+                  PROVIDER_ERROR_RETRIES="1", PROVIDER_ERROR_PAUSE_SECONDS="0.02", USAGE_LIMIT_MAX_WAIT="60")
+    told = []
+    real_continue = m.continue_after_provider_error
+
+    def continue_and_get_through_at_the_fifth(turn):
+        told.append(turn.role)
+        if len(told) == 5:                                   # the limit has passed: this request gets through
+            m.response_path("tester").write_text(PASS_REPLY, encoding="utf-8")
+        real_continue(turn)
+    monkeypatch.setitem(m.NUDGES, m.Verdict.CONTINUE, continue_and_get_through_at_the_fifth)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    pauses = [float(p) for p in re.findall(r"rate limited; pause \d+, [^:]+: telling it to continue in ([\d.]+)s", out)]
+    assert pauses == [0.02, 0.04, 0.08, 0.16, 0.32]            # five pauses, though PROVIDER_ERROR_RETRIES=1
+    assert state_of(m)["final_status"] == "PASS" and len(fake_cao.prompts_for("tester")) == 1
+
+
+def test_a_rate_limit_past_the_longest_wait_stops_the_run_resumable(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["tester"] = [{"action": "no_file", "text": REJECTED}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.3"},
+                  PROVIDER_ERROR_PAUSE_SECONDS="0.1", USAGE_LIMIT_MAX_WAIT="0.5")
+    assert run_main(m) == 1
+    out, err = capsys.readouterr()
+    assert "continue in 0.1s" in out and "continue in 0.2s" in out and "continue in 0.2s" in out
+    line = err.strip()
+    assert "still rate-limited (\u23bf  API Error: Request rejected (429)" in line and "\n" not in line
+    assert "rerun the command later to continue the turn, or raise USAGE_LIMIT_MAX_WAIT" in line
+    state = state_of(m)
+    assert state["final_status"] == "RUNNING" and state["in_flight"]["role"] == "tester"
 
 
 # -- prompts too long for the query string ---------------------------------------

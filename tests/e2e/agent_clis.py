@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -517,6 +518,35 @@ def write_opencode_home(home: Path, model_url: str, api_key: str = API_KEY) -> N
         "share": "disabled",
         "permission": {"external_directory": "allow"},
     })
+
+
+def warm_opencode_home(cao, timeout: float = 240.0) -> float:
+    """Start OpenCode once, alone, in the server's HOME and end it once it has drawn its screen: what a user who
+    has run `opencode` before has (its first start in a new HOME sets itself up, and five such first starts at
+    once are what can keep one of them past CAO's 120 s; docs/agent-clis.md). Returns the seconds it took.
+    A fresh HOME's first start-up is measured by bench/bench_start_up.py."""
+    started = time.monotonic()
+    session = "warm-opencode"
+    config, binary = opencode_config_path(cao.home), cao.cli_bin / "opencode"
+    # The environment CAO 2.5.4's opencode_cli provider starts it with (its _build_launch_command).
+    launch_env = {"OPENCODE_CONFIG": str(config), "OPENCODE_CONFIG_DIR": str(config.parent),
+                  "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MOUSE": "1",
+                  "OPENCODE_DISABLE_TERMINAL_TITLE": "1", "OPENCODE_CLIENT": "cao", "TERM": "xterm-256color"}
+    command = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in launch_env.items()) + " " + \
+        shlex.quote(str(binary))
+    # As CAO does: a shell in the pane first, the command typed into it.
+    cao.tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", "-c", str(cao.root / "work"), check=True)
+    time.sleep(1)
+    cao.tmux("send-keys", "-t", f"={session}:", command, "Enter", check=True)
+    try:
+        while time.monotonic() - started < timeout:
+            screen = cao.tmux("capture-pane", "-p", "-t", f"={session}:").stdout
+            if re.search(rf"(?<![-\w.]){re.escape(OPENCODE_VERSION)}\s*$", screen, re.MULTILINE):  # its footer
+                return time.monotonic() - started
+            time.sleep(0.5)
+        raise AgentCliInstallError(f"OpenCode did not draw its screen within {timeout:.0f}s in {cao.home}")
+    finally:
+        cao.tmux("kill-session", "-t", f"={session}")
 
 
 def copilot_tmux_env(model_url: str, api_key: str = API_KEY, pkg_cache: Path | None = None) -> dict[str, str]:

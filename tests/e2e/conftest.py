@@ -109,10 +109,13 @@ def _start_real_cli_cao(stack: contextlib.ExitStack, provider: str) -> CaoServer
     return server
 
 
-def _real_cli_server(provider: str):
-    """The body of a real-CLI server fixture: the server for its module, its agents ended at the close."""
+def _real_cli_server(provider: str, warm=None):
+    """The body of a real-CLI server fixture: the server for its module (its HOME first made ready by
+    ``warm(server)`` where given), its agents ended at the close."""
     with contextlib.ExitStack() as stack:
         server = _start_real_cli_cao(stack, provider)
+        if warm is not None:
+            warm(server)
         yield server
         server.kill_all_sessions()
 
@@ -210,8 +213,11 @@ def opencode_cao():
 
     As ``claude_cao``. CAO 2.5.4 answers ``completed`` for the whole of every
     later turn in an OpenCode terminal: wait for the response file, not the status.
+    OpenCode has been started once in its HOME, as by a user who has run it before
+    (``agent_clis.warm_opencode_home``; a fresh HOME: bench/bench_start_up.py).
     """
-    yield from _real_cli_server("opencode_cli")
+    from .agent_clis import warm_opencode_home
+    yield from _real_cli_server("opencode_cli", warm=warm_opencode_home)
 
 
 @pytest.fixture(scope="module")
