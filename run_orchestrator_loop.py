@@ -3423,11 +3423,11 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     for key in menu_keys(menu, choice):
         api.send_key(terminal_id, key)
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
-    while open_menu(_screen(terminal_id)) == menu and time.monotonic() < deadline:
+    while open_menu(_screen(terminal_id)) == menu:
+        if time.monotonic() >= deadline:
+            raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
+                                                  f"\"{dict(menu.choices)[choice]}\"; answer it yourself")
         time.sleep(0.2)
-    if open_menu(_screen(terminal_id)) == menu:
-        raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
-                                              f"\"{dict(menu.choices)[choice]}\"; answer it yourself")
 
 
 # -- The turn's states and rules -----------------------------------------------
@@ -3503,8 +3503,8 @@ class TurnFacts:
     ready_since: float | None = None  # the first of the latest unbroken run of ready status reads
     file_version: tuple[int, int] | None = None
     file_seen_at: float = float("-inf")  # when file_version last changed (appeared, was rewritten, vanished)
-    ready_since_file: bool = False    # since the file's last change: a ready status read, or the CLI's end mark seen
-    finished_by: str = ""             # which of the two said so first (for the log: what ended the turn)
+    finished_by: str = ""             # since the file's last change, what first said the agent finished: a ready
+    #                                   status read or the CLI's end mark ("" : nothing yet)
     screen: str | None = None
     mark: str | None = None           # the CLI's own word on its screen: 'working', 'ended', 'idle' or None
     marked_idle_at: float | None = None  # when the screen first showed the CLI's mark that it is idle (its
@@ -3524,8 +3524,7 @@ class TurnFacts:
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
         if version != self.file_version:
-            self.file_version, self.file_seen_at, self.ready_since_file = version, now, False
-            self.finished_by = ""
+            self.file_version, self.file_seen_at, self.finished_by = version, now, ""
             if version is not None:
                 self.seen_working = self.prompt_seen = True
 
@@ -3534,8 +3533,8 @@ class TurnFacts:
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
-        if ready and self.file_version is not None and not self.ready_since_file:
-            self.ready_since_file, self.finished_by = True, TURN_ENDED_BY_STATUS
+        if ready and self.file_version is not None and not self.finished_by:
+            self.finished_by = TURN_ENDED_BY_STATUS
         if status in BUSY_STATUSES:
             self.seen_working = True
 
@@ -3550,8 +3549,8 @@ class TurnFacts:
         self.mark = turn_mark(screen) or self.mark
         if self.mark in ("ended", "idle"):
             self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
-            if self.mark == "ended" and self.file_version is not None and not self.ready_since_file:
-                self.ready_since_file, self.finished_by = True, TURN_ENDED_BY_MARK
+            if self.mark == "ended" and self.file_version is not None and not self.finished_by:
+                self.finished_by = TURN_ENDED_BY_MARK
         else:
             self.marked_idle_at = None
         if screen == self.screen:
@@ -3584,7 +3583,7 @@ class TurnFacts:
     # -- questions ---------------------------------------------------------------
     def ended_by(self) -> str:
         """What confirmed a settled reply file (once the turn is DONE): the status, the CLI's mark, a still screen."""
-        return self.finished_by if self.ready_since_file and self.mark != "working" else TURN_ENDED_BY_STILL_SCREEN
+        return self.finished_by if self.finished_by and self.mark != "working" else TURN_ENDED_BY_STILL_SCREEN
 
     def file_settled(self, now: float) -> bool:
         return self.file_version is not None and now - self.file_seen_at >= FILE_SETTLE_SECONDS
@@ -3629,7 +3628,7 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
     if facts.file_version is not None:
         if not facts.file_settled(now):
             return TurnState.FILE_SETTLING
-        said_done = facts.ready_since_file and facts.mark != "working"
+        said_done = bool(facts.finished_by) and facts.mark != "working"
         confirmed = said_done or facts.screen_still_since(facts.file_seen_at, now, facts.cli.still_screen_ends_turn)
         return TurnState.DONE if confirmed else TurnState.FILE_SETTLED
     if facts.markers and not facts.prompt_seen:
