@@ -40,10 +40,12 @@ ENDED_BY_MARK = run_orchestrator_loop.TURN_ENDED_BY_MARK
 
 
 def real_cli_run(cao, **settings: str) -> Run:
-    """A run with the loop's default handoff settings, a faster poll, and room for real CLIs."""
+    """A run with the loop's default handoff settings (unless a test names one), a faster poll, and room
+    for real CLIs."""
     run = Run(cao, POLL_SECONDS=str(POLL_SECONDS), RESPONSE_TIMEOUT="300", **settings)
     for name in ("IDLE_GRACE_SECONDS", "QUIET_SCREEN_SECONDS"):   # the defaults, as a user has them
-        run.env.pop(name, None)
+        if name not in settings:
+            run.env.pop(name, None)
     return run
 
 
@@ -236,8 +238,8 @@ def test_codex_in_a_project_it_does_not_trust_gets_every_prompt_again_and_passes
 def killed_mid_turn(cao, cli: str) -> None:
     """kill -9 of the programmer's agent CLI while it works: the pane drops to a shell, CAO's status
     cannot be trusted. With REPLACE_LOST_AGENTS=1 a new agent gets the whole prompt; no completed turn
-    is sent again."""
-    run = real_cli_run(cao, REPLACE_LOST_AGENTS="1")
+    is sent again. The run starts at the programmer (the analysts' turns add nothing to this fault)."""
+    run = real_cli_run(cao, REPLACE_LOST_AGENTS="1", START_AGENT="programmer")
     cao.model.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 20000}, PROGRAMMER_REPLY]})
     process = run.start()
     try:
@@ -260,10 +262,10 @@ def killed_mid_turn(cao, cli: str) -> None:
     noticed = re.search(r"^\[([\d: -]+)\] replacing the programmer agent", result.stdout, re.MULTILINE)
     print(f"fault-reaction: {cli} killed, replacing after "
           f"{time.mktime(time.strptime(noticed.group(1), '%Y-%m-%d %H:%M:%S')) - killed_at:.0f}s (1 s resolution)")
-    expected = {role: 1 for role in QUICK_ROUND}
+    expected = {role: 1 for role in SHORT_ROUND}
     expected["programmer"] = 2
     assert cao.model.turns() == expected, cao.model.events()
-    assert run.archived() == numbered(QUICK_ROUND), explain(result)
+    assert run.archived() == numbered(SHORT_ROUND), explain(result)
     assert [r["role"] for r in run.state()["replacements"]] == ["programmer"]
 
 
