@@ -350,6 +350,11 @@ SETTINGS: tuple[Setting, ...] = (
             "off: each agent keeps one conversation for the whole run (its CLI compacts it when it fills; the "
             "loop then sends the full task again); round: every round after the first starts each agent "
             "anew, with a new conversation and the full task"),
+    Setting("COMPACT_AT_TOKENS", "context.compact_at_tokens", 0, "count0",
+            "how full (tokens) an agent's context gets before its CLI compacts it; once the last turn's context "
+            "is within 15% of it, the agent's next prompt carries the full task instead of back-references, "
+            "so the compaction cannot summarise the task away; 0: what the CLI's own settings say (Claude "
+            "Code: autoCompactWindow, Codex: model_auto_compact_token_limit), else its default"),
     Setting("IGNORE_MISSING_CLI", "recovery.ignore_missing_cli", False, "bool",
             "1: create the agents even when cao-server reports their CLI not installed (its PATH differs "
             "from the agents' login PATH)"),
@@ -702,6 +707,7 @@ PROVIDER_ERROR_PAUSE_SECONDS: float = _initial("PROVIDER_ERROR_PAUSE_SECONDS")
 USAGE_LIMIT_MAX_WAIT: float = _initial("USAGE_LIMIT_MAX_WAIT")
 USAGE_LIMIT_MARGIN_SECONDS: float = _initial("USAGE_LIMIT_MARGIN_SECONDS")
 FRESH_CONTEXT: str = _initial("FRESH_CONTEXT")
+COMPACT_AT_TOKENS: int = _initial("COMPACT_AT_TOKENS")
 IGNORE_MISSING_CLI: bool = _initial("IGNORE_MISSING_CLI")
 STORY_MODE: bool = _initial("STORY_MODE")
 STORY_CHANGE: str = _initial("STORY_CHANGE")
@@ -1470,13 +1476,16 @@ class TurnRecord:
     reply_file: str = ""
     tokens: dict[str, TokenUse] | None = None  # model -> tokens its CLI recorded for the turn; None: unknown
     tokens_final: bool = False        # read up to the role's next send (or the run's end): they stay as they are
+    terminal: str = ""                # the terminal that answered ("" in a state file written before it was kept)
+    context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
 
     def to_json(self) -> dict:
         data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
                 "sent_at": self.sent_at, "taken_at": self.taken_at, "seconds": self.seconds,
                 "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
                 "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
-                "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final}
+                "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final, "terminal": self.terminal,
+                "context_tokens": self.context_tokens}
         return data if self.outcome is None else {**data, "outcome": self.outcome}
 
     @classmethod
@@ -1489,7 +1498,7 @@ class TurnRecord:
                    _text(raw.get("taken_at")), _whole(raw.get("reply_bytes")) or 0,
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
                    _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
-                   raw.get("tokens_final") is True)
+                   raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")))
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
@@ -1733,9 +1742,13 @@ def note_turn_outcome(outcome: str) -> None:
         turn_records[-1].outcome = outcome
 
 
-def set_turn_tokens(number: int, tokens: dict[str, TokenUse] | None, final: bool) -> None:
-    """What the agent's CLI recorded for an answered turn (its index in turn_records), read again until final."""
-    turn_records[number].tokens, turn_records[number].tokens_final = tokens, final
+def set_turn_tokens(number: int, tokens: dict[str, TokenUse] | None, final: bool, context: int | None = None) -> None:
+    """What the agent's CLI recorded for an answered turn (its index in turn_records), read again until final;
+    a context size read stays until another is read."""
+    record = turn_records[number]
+    record.tokens, record.tokens_final = tokens, final
+    if context is not None:
+        record.context_tokens = context
 
 
 def record_sent(marks: Iterable[str]) -> None:
@@ -2683,11 +2696,13 @@ def write_report(exit_code: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class TokenReading:
-    """What a CLI's records say of one turn: each model's tokens, and whether the CLI has recorded the end
-    of its turn (until then a response may still be on its way)."""
+    """What a CLI's records say of one turn: each model's tokens, whether the CLI has recorded the end
+    of its turn (until then a response may still be on its way), and how full the agent's context was at
+    its last response (all that response's tokens: what its CLI weighs against its compaction point)."""
 
     by_model: dict[str, TokenUse]
     over: bool = True
+    context: int | None = None
 
 
 class _Responses:
@@ -2698,11 +2713,14 @@ class _Responses:
         self.found: dict[object, tuple[str, TokenUse]] = {}
         self.last_response: datetime | None = None
         self.last_end: datetime | None = None
+        self.last_key: object = None
 
     def add(self, key: object, model: str, use: TokenUse, moment: datetime) -> None:
         """A response; one already found keeps the larger output (Claude's early lines may hold 1)."""
         if key not in self.found or use.output > self.found[key][1].output:
             self.found[key] = (model, use)
+        if self.last_response is None or moment >= self.last_response:
+            self.last_key = key
         self.last_response = max(moment, self.last_response or moment)
 
     def end_of_turn(self, moment: datetime) -> None:
@@ -2713,7 +2731,8 @@ class _Responses:
         if not self.found:
             return None
         over = not pending and self.last_end is not None and self.last_end >= self.last_response
-        return TokenReading(add_tokens(*({model: use} for model, use in self.found.values())), over)
+        return TokenReading(add_tokens(*({model: use} for model, use in self.found.values())), over,
+                            self.found[self.last_key][1].total)
 
 
 def _token_count(value: object) -> int | None:
@@ -3001,6 +3020,70 @@ def turn_tokens(role: str, since: float, until: float) -> TokenReading | None:
         return None
 
 
+# -- Where a CLI compacts its conversation ----------------------------------------
+# Claude Code compacts once its context (the last response's tokens, all of them)
+# passes its window less 33,000 (20,000 kept for output, 13,000 of margin): a
+# window of 200,000 unless autoCompactWindow (or the env variable
+# CLAUDE_CODE_AUTO_COMPACT_WINDOW in its settings) sets another; never with
+# autoCompactEnabled false or DISABLE_AUTO_COMPACT. Codex compacts at
+# model_auto_compact_token_limit, else at 90% of model_context_window (272,000
+# for its default models). Both read their settings when they start.
+CLAUDE_COMPACT_RESERVE = 33_000
+CLAUDE_DEFAULT_WINDOW = 200_000
+CODEX_DEFAULT_WINDOW = 272_000
+
+
+def _json_file(path: Path) -> dict:
+    """A settings file's JSON object ({} when it is missing or not an object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def claude_compaction_point() -> int | None:
+    """The context size at which Claude Code compacts, from its settings.json; None when it never does."""
+    settings = _json_file(_cli_folder("CLAUDE_CONFIG_DIR", ".claude") / "settings.json")
+    env = settings.get("env") if isinstance(settings.get("env"), dict) else {}
+    if settings.get("autoCompactEnabled") is False or str(env.get("DISABLE_AUTO_COMPACT", "")).strip() in ("1", "true"):
+        return None
+    window = _whole(settings.get("autoCompactWindow")) or _whole(str(env.get("CLAUDE_CODE_AUTO_COMPACT_WINDOW", "")))
+    return min(window or CLAUDE_DEFAULT_WINDOW, CLAUDE_DEFAULT_WINDOW * 5) - CLAUDE_COMPACT_RESERVE
+
+
+def codex_compaction_point() -> int | None:
+    """The context size at which Codex compacts, from the top-level keys of its config.toml."""
+    try:
+        text = (_cli_folder("CODEX_HOME", ".codex") / "config.toml").read_text(encoding="utf-8")
+    except OSError:
+        text = ""
+    top = text.split("\n[", 1)[0]                 # top-level keys stand before the first table
+    found = dict(re.findall(r"^\s*(model_auto_compact_token_limit|model_context_window)\s*=\s*(\d[\d_]*)\s*(?:#.*)?$",
+                            top, re.MULTILINE))
+    if "model_auto_compact_token_limit" in found:
+        return int(found["model_auto_compact_token_limit"].replace("_", ""))
+    return int(int(found.get("model_context_window", str(CODEX_DEFAULT_WINDOW)).replace("_", "")) * 0.9)
+
+
+COMPACTION_POINTS: dict[str, Callable[[], int | None]] = {
+    "claude_code": claude_compaction_point, "codex": codex_compaction_point}
+
+
+def compaction_point(role: str) -> int | None:
+    """How full the role's agent's context may get before its CLI compacts it: COMPACT_AT_TOKENS, else what
+    its CLI's settings say (where they are on this machine), else None (unknown, or it never compacts)."""
+    if COMPACT_AT_TOKENS:
+        return COMPACT_AT_TOKENS
+    reader = COMPACTION_POINTS.get(provider_for(role))
+    if reader is None or not token_records_readable():
+        return None
+    try:
+        return reader()
+    except (OSError, ValueError):
+        return None
+
+
 # ==========================================================================
 # 6. The wait for a reply
 # ==========================================================================
@@ -3033,6 +3116,9 @@ PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answer
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file asks whether its agent is still there
 CONFIRM_READ_SECONDS = 0.5            # how often a settled reply file's turn asks whether the agent has finished
+# The first look after a send comes soon: a CLI that compacts as the prompt is submitted says so at once, and
+# a long turn's output can push those words out of the 32 KB of screen CAO keeps before a later look.
+FIRST_LOOK_SECONDS = 0.5
 
 # -- Is the agent still there? -------------------------------------------------
 # An agent CLI can die (a crash, the OOM killer) and leave its pane at a shell
@@ -3463,6 +3549,7 @@ class Verdict(Enum):
     CONTINUE = "tell the agent to continue after its model provider's error"
     WAIT_OUT_LIMIT = "wait until the account's usage limit resets (or stop, saying when to rerun)"
     CONTINUE_AFTER_LIMIT = "tell the agent to continue: its usage limit has reset"
+    RESEND_IN_FULL = "send the prompt again in full: a compaction took what it referred back to"
     LOST = "the agent is lost: replace it or stop"
     ERROR = "stop: the agent reports an error"
     TIMEOUT = "stop: RESPONSE_TIMEOUT"
@@ -3520,6 +3607,7 @@ class TurnFacts:
     cao_status: str | None = None     # what CAO last said, as said (`status` is what the rules go by)
     usage_limit: UsageLimit | None = None  # the screen says the account's usage limit stopped the agent
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
+    full_prompt_due: bool = False     # compacted during the turn, its prompt referring back to what that summarised
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -3571,14 +3659,23 @@ class TurnFacts:
         """What the latest screen says of a usage limit (None: nothing, or a reply file is there)."""
         self.usage_limit = limit if self.file_version is None else None
 
-    def note_sent(self, baseline_reply: str | None, now: float, whole_prompt: bool = False) -> None:
+    def note_sent(self, baseline_reply: str | None, now: float, whole_prompt: bool = False,
+                  markers: tuple[str, ...] | None = None) -> None:
         """After a prompt or reminder went out: the agent has not been seen working on it yet
-        (nor, after the whole prompt again, seen to have it)."""
+        (nor, after the whole prompt again, seen to have it; `markers`: a prompt of other words)."""
         self.guard_since, self.seen_working, self.baseline_reply = now, False, baseline_reply
         self.provider_pause_until, self.marked_idle_at, self.mark = None, None, None
         self.usage_limit = self.limit_wait_until = None
+        self.full_prompt_due = False
         if whole_prompt:
             self.prompt_seen = False
+        if markers is not None:
+            self.markers = markers
+
+    def note_compacted(self, prompt_referred_back: bool) -> None:
+        """Its CLI compacted the conversation during the turn; if the prompt referred back to what the
+        summary may have dropped, the prompt is due again in full."""
+        self.full_prompt_due = self.full_prompt_due or (prompt_referred_back and self.file_version is None)
 
     # -- questions ---------------------------------------------------------------
     def ended_by(self) -> str:
@@ -3669,6 +3766,9 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.limit_wait_until is not None and f.is_quiet(now), Verdict.CONTINUE_AFTER_LIMIT),
     WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet",
              lambda f, now: f.usage_limit is not None and f.is_quiet(now), Verdict.WAIT_OUT_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES | {TurnState.PROMPT_NOT_SHOWN},
+             "compacted during the turn, whose prompt referred back to what the summary may have dropped",
+             lambda f, now: f.full_prompt_due, Verdict.RESEND_IN_FULL),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "less than IDLE_GRACE_SECONDS since the prompt",
              lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "not sent again yet",
@@ -3784,6 +3884,8 @@ class Turn:
     permissions: PermissionAnswers = field(default_factory=PermissionAnswers)
     told_unknown: bool = False
     menu_answered_at: float = float("-inf")   # when Claude Code's usage-limit menu was last answered
+    rebuild: Callable[[], Prompt] | None = None   # builds the turn's prompt again (after a compaction: in full)
+    full_prompt: Prompt | None = None         # that prompt, due to go out at once (facts.full_prompt_due)
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -4023,6 +4125,27 @@ def resend_unseen_prompt(turn: Turn) -> None:
     resend_prompt(turn)
 
 
+def note_compaction(turn: Turn) -> None:
+    """Its CLI compacted the conversation during the turn, before a reply file: if the prompt it works on
+    referred back to blocks the summary may have dropped, that prompt is due again in full (RESEND_IN_FULL)."""
+    if turn.rebuild is None or turn.facts.file_version is not None:
+        return
+    full = turn.rebuild()                 # the terminal's blocks are forgotten: every one in full
+    sent_in_full = set(in_flight.sent_in_full) if in_flight is not None else set()
+    referred_back = bool(set(full.carries_in_full) - sent_in_full)
+    turn.full_prompt = full if referred_back else turn.full_prompt
+    turn.facts.note_compacted(referred_back)
+
+
+def resend_in_full(turn: Turn) -> None:
+    """Send the turn's prompt again at once with every block in full; the turn's clocks start over."""
+    log_turn(turn.role, "its conversation was compacted during the turn, and the prompt referred back to what "
+                        "the summary may have dropped; sending the prompt again in full")
+    message, baseline = send_prompt(turn.role, turn.full_prompt)
+    turn.message, turn.full_prompt = message, None
+    turn.facts.note_sent(baseline, time.monotonic(), whole_prompt=True, markers=prompt_markers(message))
+
+
 def remind_unless_limited(turn: Turn) -> str | None:
     """Before a reminder, the screen once more: a usage limit is waited out, not reminded of."""
     turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time()))
@@ -4041,6 +4164,7 @@ NUDGES: dict[Verdict, Callable[[Turn], str | None]] = {
     Verdict.CONTINUE: continue_after_provider_error,
     Verdict.WAIT_OUT_LIMIT: lambda turn: begin_limit_wait(turn, turn.facts.usage_limit),
     Verdict.CONTINUE_AFTER_LIMIT: continue_after_usage_limit,
+    Verdict.RESEND_IN_FULL: resend_in_full,
 }
 
 
@@ -4105,7 +4229,8 @@ def observe_terminal(turn: Turn) -> None:
         turn.facts.note_screen(screen, time.monotonic())
         if screen is not None:
             turn.facts.note_usage_limit(usage_limit_on(screen, time.time()))
-            note_conversation(turn.role, turn.terminal_id, screen)
+            if note_conversation(turn.role, turn.terminal_id, screen) == "compacted":
+                note_compaction(turn)
     if liveness:
         turn.facts.note_lost(why_gone(turn.terminal_id, screen))
     elif shows_shell_prompt(screen):
@@ -4118,18 +4243,21 @@ def observe_terminal(turn: Turn) -> None:
 
 
 def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
-                   baseline_reply: str | None) -> tuple[str, str]:
+                   baseline_reply: str | None, rebuild: Callable[[], Prompt] | None = None) -> tuple[str, str]:
     """Wait until the turn's rules say the agent is done: its answer, and what showed the turn was over.
 
     `message` is what was sent (None for a turn carried over from an earlier
     process); it is sent again once if the agent's screen never showed it.
+    `rebuild` builds the turn's prompt again: in full, after a compaction.
     """
     now = time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
                       baseline_reply=baseline_reply, cli=cli_traits(provider_for(role)))
-    # CAO's send returned only now: nothing new to read yet.
+    # CAO's send returned only now: nothing new to read yet, but soon (FIRST_LOOK_SECONDS).
     turn = Turn(role, terminal_id, path, message, facts,
-                ReadSchedule(next_status_at=now + POLL_SECONDS, next_liveness_at=now + LIVENESS_CHECK_SECONDS))
+                ReadSchedule(next_status_at=now + min(POLL_SECONDS, FIRST_LOOK_SECONDS),
+                             next_liveness_at=now + LIVENESS_CHECK_SECONDS),
+                rebuild=rebuild)
     if message is None and in_flight is not None and in_flight.role == role and in_flight.limit_line:
         resume_limit_wait(turn)
     began, next_progress_at = now, now + PROGRESS_SECONDS
@@ -4427,8 +4555,34 @@ def request_replacement(role: str, interrupted: list[int]) -> dict:
     return request_agent(role, session_name)
 
 
+def died_starting(terminal_id: str) -> bool:
+    """Whether the terminal's agent was seen up (made by this process, or ready twice) and has never been
+    sent a prompt of the run: a CLI that died as it started, with nothing of the run in it."""
+    return terminal_id in settled_terminals and f"intro:{terminal_id}" not in context_sent \
+        and all(r.terminal != terminal_id for r in turn_records)
+
+
+def check_replaceable(lost: AgentLost) -> None:
+    """Stop on `lost` unless a new agent may take its place: REPLACE_LOST_AGENTS=1, or a CLI that died as it
+    started (nothing of the run goes with it, whatever REPLACE_LOST_AGENTS says); and never past
+    MAX_AGENT_REPLACEMENTS."""
+    died_unprompted = not REPLACE_LOST_AGENTS and died_starting(lost.terminal_id) and bool(session_name) \
+        and api.session_terminals(session_name) is not None
+    if not REPLACE_LOST_AGENTS and not died_unprompted:
+        raise lost
+    if died_unprompted:
+        log(f"the {lost.role} agent's CLI is gone before its first prompt ({lost.why}): starting it again, "
+            "as nothing of the run goes with it")
+    if replacements_used() >= MAX_AGENT_REPLACEMENTS:
+        raise AgentLost(lost.role, lost.terminal_id, lost.why, lost.last_line,
+                        f"{counted(replacements_used(), 'replacement')} made already, MAX_AGENT_REPLACEMENTS="
+                        f"{MAX_AGENT_REPLACEMENTS}: raise it to go on with a new agent, or set RESUME=0 to start "
+                        "the run over")
+
+
 def replace_lost_agent(lost: AgentLost) -> None:
-    """A new agent for a lost one (REPLACE_LOST_AGENTS=1), or the run stops on `lost`.
+    """A new agent for a lost one (REPLACE_LOST_AGENTS=1, or one that died as it started), or the run stops
+    on `lost`.
 
     A lost agent in a live session gets a new terminal there (same role,
     profile and provider) and its old one is removed; when the session
@@ -4436,13 +4590,7 @@ def replace_lost_agent(lost: AgentLost) -> None:
     agent has no conversation: its next prompt carries every once-only block
     in full (they are recorded per terminal). The state records the replacement.
     """
-    if not REPLACE_LOST_AGENTS:
-        raise lost
-    if replacements_used() >= MAX_AGENT_REPLACEMENTS:
-        raise AgentLost(lost.role, lost.terminal_id, lost.why, lost.last_line,
-                        f"{counted(replacements_used(), 'replacement')} made already, MAX_AGENT_REPLACEMENTS="
-                        f"{MAX_AGENT_REPLACEMENTS}: raise it to go on with a new agent, or set RESUME=0 to start "
-                        "the run over")
+    check_replaceable(lost)
     old_ids = dict(terminal_ids)
     session_gone = api.session_terminals(session_name) is None if session_name else True
     if session_gone:
@@ -4659,7 +4807,8 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> Tur
     its CLI has recorded so far."""
     facts = sent_turn_facts(role)
     record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(precise=True),
-                        reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name, **facts)
+                        reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name,
+                        terminal=terminal_ids.get(role, ""), **facts)
     add_turn_record(record)
     read_turn_tokens(len(turn_records) - 1)
     return record
@@ -4683,7 +4832,8 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
     reading = turn_tokens(record.role, since.timestamp(), time.time()) if since is not None else None
-    set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final)
+    set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
+                    reading.context if reading is not None else None)
     return reading
 
 
@@ -4759,28 +4909,60 @@ def conversation_started_over(terminal_id: str) -> bool:
         e.terminal == terminal_id for e in agent_events if e.what in ("compacted", "cleared", "new conversation"))
 
 
-def forget_conversation(role: str, terminal_id: str, what: str) -> None:
-    """The terminal's conversation lost what it was told once: its next prompt carries every block in full."""
+def forget_conversation(role: str, terminal_id: str, what: str, detail: str = "") -> bool:
+    """The terminal's conversation lost (or is about to lose) what it was told once: its next prompt carries
+    every block in full. False when there was nothing to forget (seen already, or never sent)."""
     marks = {mark for mark in context_sent if mark.rpartition(":")[2] == terminal_id}
     if not marks:
-        return                           # already forgotten (the same words seen again), or never sent
-    record_agent_event(role, terminal_id, what)
+        return False                     # already forgotten (the same words seen again), or never sent
+    record_agent_event(role, terminal_id, what, detail)
     forget_sent(marks)
     save_state()
-    log_turn(role, f"its conversation was {what}; the next prompt carries the full task again")
+    if what == "compacted":
+        log_turn(role, "its conversation was compacted; the next prompt carries the full task again")
+    else:
+        log_turn(role, f"{detail}: the next prompt carries the full task, not back-references")
+    return True
 
 
-def note_conversation(role: str, terminal_id: str, screen: str | None) -> None:
-    """Act on what the agent's screen says of its conversation: compacted, or its context nearly full."""
+def note_conversation(role: str, terminal_id: str, screen: str | None) -> str:
+    """Act on what the agent's screen says of its conversation: compacted, or its context nearly full. Says
+    'compacted' when that forgot what the terminal had been sent."""
     change, detail = conversation_change(screen)
     if change == "compacted":
-        forget_conversation(role, terminal_id, change)
-    elif change == "context low" and role not in fresh_agents_due and terminal_ids.get(role) == terminal_id:
+        return change if forget_conversation(role, terminal_id, change) else ""
+    if change == "context low" and role not in fresh_agents_due and terminal_ids.get(role) == terminal_id:
         why = f"its context is nearly full ({detail}) and its CLI will not compact it"
         record_agent_event(role, terminal_id, "context low", detail)
         update_run(fresh_agents_due={**fresh_agents_due, role: why})
         save_state()
         log_turn(role, f"{why}; a new agent takes its next turn, with the full task")
+    return ""
+
+
+# A compaction foreseen. Claude Code and Codex compact when a prompt is
+# submitted (or a tool's result comes back) with the context past their
+# compaction point; the prompt that set it off is kept after the summary. So
+# once an agent's last turn left its context within COMPACTION_FORESIGHT of
+# that point, its next prompt carries the full task: whatever the summary
+# drops, the prompt itself holds the task.
+COMPACTION_FORESIGHT = 0.85
+
+
+def compaction_foreseen(role: str) -> str:
+    """Why the role's next prompt may set off a compaction ('' if it is not foreseen): the context its CLI
+    recorded at the end of the role's last turn on this terminal, against where that CLI compacts."""
+    terminal_id = terminal_ids[role]
+    last = next((n for n in range(len(turn_records) - 1, -1, -1) if turn_records[n].role == role), None)
+    if last is None or turn_records[last].terminal != terminal_id:
+        return ""
+    if not turn_records[last].tokens_final:
+        read_turn_tokens(last)                # the turn's last responses, recorded since its reply was taken
+    context, point = turn_records[last].context_tokens, compaction_point(role)
+    if context is None or point is None or context < COMPACTION_FORESIGHT * point:
+        return ""
+    return (f"its context held {context:,} tokens after its last turn, near the {point:,} at which its CLI "
+            "compacts it")
 
 
 def stale_round_reason(role: str) -> str:
@@ -4824,6 +5006,10 @@ def prepare_conversation(role: str) -> None:
     why = fresh_agents_due.get(role) or stale_round_reason(role)
     if why:
         start_fresh_agent(role, why)
+        return
+    foreseen = compaction_foreseen(role)
+    if foreseen:
+        forget_conversation(role, terminal_ids[role], "compaction foreseen", foreseen)
 
 
 def take_turn(role: str, build: Callable[[], Prompt]) -> str:
@@ -4847,7 +5033,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     else:
         tokens_before_send(role)
         message, baseline_reply = send_prompt(role, prompt)
-    reply, ended_by = wait_for_reply(role, terminal_id, path, message, baseline_reply)
+    reply, ended_by = wait_for_reply(role, terminal_id, path, message, baseline_reply, build)
     crash_point("reply-settled")
     timing = turn_timing(path)
     archived = archive_reply(role, reply, path)

@@ -430,3 +430,141 @@ def test_claude_codes_usage_limit_menu_is_answered_with_the_choice_that_waits(lo
     assert run_main(m) == 0
     assert fake_cao.keys == [("tester", "1")]
     assert [message.split(".")[0] for _, message in fake_cao.reminders] == ["Your usage limit has reset"]
+
+
+# -- the loop: a compaction foreseen, a compaction during a turn -----------------------------------
+
+def recorded_context(m, monkeypatch, by_role: dict[str, int]):
+    """The agents' CLIs record each turn's last response as filling this many tokens of context."""
+    def reading(role, since, until):
+        context = by_role.get(role, 2_000)
+        return m.TokenReading({"gpt-5-codex": m.TokenUse(context - 20, 0, 20)}, True, context)
+    monkeypatch.setattr(m, "turn_tokens", reading)
+
+
+def test_a_context_near_its_compaction_point_gets_the_full_task_before_the_cli_compacts(
+        load_orch, fake_cao, prompt_file, monkeypatch, capsys):
+    """The tester's first turn left 90,000 tokens of a context its CLI compacts at 100,000: the tester's next
+    prompt carries the full task (the compaction that prompt sets off cannot summarise it away); the
+    programmer, far from its point, keeps its back-references."""
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), COMPACT_AT_TOKENS="100000", **PROGRAMMER_ON)
+    recorded_context(m, monkeypatch, {"tester": 90_000})
+    assert run_main(m) == 0
+    first, second = prompts_of_tester(fake_cao)
+    assert EXPLORE_TEXT in second and SCENARIO_TEXT in second and m.EXPLORE_BACK_REFERENCE not in second
+    programmer = fake_cao.prompts_for("programmer")
+    assert EXPLORE_TEXT not in programmer[1] and m.EXPLORE_BACK_REFERENCE in programmer[1]
+    out = capsys.readouterr().out
+    assert ("tester: its context held 90,000 tokens after its last turn, near the 100,000 at which its CLI "
+            "compacts it: the next prompt carries the full task, not back-references") in out
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert [(e["role"], e["what"]) for e in state["agent_events"]] == [("tester", "compaction foreseen")]
+    assert [t["context_tokens"] for t in state["turn_records"] if t["role"] == "tester"] == [90_000, 90_000]
+
+
+def test_a_context_below_the_foresight_share_keeps_its_back_references(load_orch, fake_cao, prompt_file,
+                                                                       monkeypatch):
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), COMPACT_AT_TOKENS="100000", **PROGRAMMER_ON)
+    recorded_context(m, monkeypatch, {"tester": 84_000})
+    assert run_main(m) == 0
+    assert m.EXPLORE_BACK_REFERENCE in prompts_of_tester(fake_cao)[1]
+    assert json.loads(Path(m.STATE_FILE).read_text())["agent_events"] == []
+
+
+def compacted_without_file(fake, terminal):
+    """The CLI compacts as the back-referencing prompt is submitted; its summary lacks the task, so the agent
+    stops without writing its file."""
+    terminal.printed = "✻ Conversation compacted (ctrl+o for history)\n> You are the tester ...\nWhich task?"
+    terminal.last_output = "Which task do you mean?"
+    terminal.status = "completed"
+
+
+def test_a_compaction_during_a_back_referencing_turn_sends_the_prompt_again_in_full_at_once(
+        load_orch, fake_cao, prompt_file, capsys):
+    """Unforeseen (no token records): the tester's CLI compacts during its round-2 turn, whose prompt referred
+    back to the task. The prompt goes again at once with the task in full, before any reminder, and that
+    turn's reply is the one taken."""
+    fake_cao.script["tester"] = [FAIL_REPLY, {"action": "call", "call": compacted_without_file}, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    assert run_main(m) == 0
+    first, referring, again = prompts_of_tester(fake_cao)
+    assert m.EXPLORE_BACK_REFERENCE in referring and EXPLORE_TEXT not in referring
+    assert EXPLORE_TEXT in again and SCENARIO_TEXT in again and m.EXPLORE_BACK_REFERENCE not in again
+    out = capsys.readouterr().out
+    assert ("tester: its conversation was compacted during the turn, and the prompt referred back to what the "
+            "summary may have dropped; sending the prompt again in full") in out
+    assert "remind" not in out.lower()
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "PASS" and len(state["turn_records"]) == 6
+    assert [(e["role"], e["what"]) for e in state["agent_events"]] == [("tester", "compacted")]
+
+
+def test_a_compaction_during_a_turn_whose_prompt_was_in_full_sends_nothing_again(load_orch, fake_cao,
+                                                                                 prompt_file, capsys):
+    """The first prompt carried everything: a compaction during its turn costs no resend (only the next
+    prompt carries the full task again)."""
+    fake_cao.script["tester"] = [compacted_then(FAIL_REPLY), PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    assert run_main(m) == 0
+    assert len(prompts_of_tester(fake_cao)) == 2
+    assert "sending the prompt again in full" not in capsys.readouterr().out
+
+
+def test_the_full_prompt_is_due_at_once_after_a_compaction_and_never_once_a_file_is_there(m):
+    """The wait's rule alone, on the fake clock: due while working or idle, gone after the send, and not due
+    for a compaction seen once the reply file is there."""
+    facts = idle_since_two(m)
+    facts.note_status("processing", 3.0)
+    facts.note_compacted(True)
+    assert decide(m, facts, 3.5) == ("WORKING", "RESEND_IN_FULL")
+    facts.note_status("completed", 4.0)
+    assert decide(m, facts, 4.5) == ("IDLE_WITHOUT_FILE", "RESEND_IN_FULL")
+    facts.note_sent("before", 5.0, whole_prompt=True, markers=m.prompt_markers(PROMPT))
+    assert decide(m, facts, 5.5)[1] == "WAIT"
+    written = idle_since_two(m)
+    written.note_file((1, 10), 3.0)
+    written.note_compacted(True)
+    assert not written.full_prompt_due
+    not_referring = idle_since_two(m)
+    not_referring.note_compacted(False)
+    assert decide(m, not_referring, 3.0)[1] == "WAIT"
+
+
+# -- where each CLI compacts ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("settings, point", [
+    (None, 167_000),                                                     # no settings file: its defaults
+    ({"autoCompactWindow": 100_000}, 67_000),
+    ({"env": {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "150000"}}, 117_000),
+    ({"autoCompactEnabled": False}, None),
+    ({"env": {"DISABLE_AUTO_COMPACT": "1"}}, None),
+])
+def test_claude_codes_compaction_point_is_read_from_its_settings(load_orch, tmp_path, settings, point):
+    home = tmp_path / "agent-home"
+    (home / ".claude").mkdir(parents=True)
+    if settings is not None:
+        (home / ".claude" / "settings.json").write_text(json.dumps(settings))
+    m = load_orch(PROVIDER="claude_code", AGENT_HOME=str(home))
+    assert m.compaction_point("tester") == point
+
+
+@pytest.mark.parametrize("config, point", [
+    ("", 244_800),                                                       # 90% of its default window
+    ("model_auto_compact_token_limit = 50000\nmodel = \"x\"\n", 50_000),
+    ("model_context_window = 100_000\n", 90_000),
+    ("model = \"x\"\n[profiles.a]\nmodel_auto_compact_token_limit = 1000\n", 244_800),   # not top level
+])
+def test_codexs_compaction_point_is_read_from_the_top_of_its_config(load_orch, tmp_path, config, point):
+    home = tmp_path / "agent-home"
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(config)
+    m = load_orch(PROVIDER="codex", AGENT_HOME=str(home))
+    assert m.compaction_point("tester") == point
+
+
+def test_compact_at_tokens_outranks_the_clis_settings_and_an_unknown_cli_has_no_point(load_orch, tmp_path):
+    assert load_orch(PROVIDER="codex", AGENT_HOME=str(tmp_path), COMPACT_AT_TOKENS="120000").compaction_point(
+        "tester") == 120_000
+    assert load_orch(PROVIDER="kiro_cli", AGENT_HOME=str(tmp_path)).compaction_point("tester") is None

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, TASK_PROMPT, run_main
-from fake_cao import PASS_REPLY
+from fake_cao import FAIL_REPLY, PASS_REPLY
 
 TESTER_ONLY = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
 QUICK = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1"}
@@ -83,16 +83,39 @@ def test_a_vanished_session_stops_the_run_and_the_last_line_does_not_call_the_ag
 
 
 def test_an_agent_whose_cli_died_between_turns_is_never_typed_into(run, fake_cao, capsys):
-    """The programmer's turn kills the tester's CLI: the tester's prompt never goes into its shell."""
+    """The tester answered in round 1; the programmer's round-2 turn kills the tester's CLI: the tester's
+    prompt never goes into its shell, and the run stops naming it (its conversation is gone)."""
+    def kill_tester(fake, programmer):
+        if fake.turns["programmer"] == 2:
+            fake.kill_cli("tester")
+        _write_reply(programmer)
+    fake_cao.script["programmer"] = [{"action": "call", "call": kill_tester}]
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = run(**{**QUICK, "START_AGENT": "programmer"})
+    assert run_main(m) == 1
+    _out, err = one_line(capsys)
+    assert "the tester agent" in err and "its agent CLI exited" in err
+    assert fake_cao.shell_inputs == [] and len(fake_cao.prompts_for("tester")) == 1
+
+
+def test_an_agent_whose_cli_died_before_its_first_prompt_is_started_again_without_replace_lost_agents(
+        run, fake_cao, capsys):
+    """A CLI that crashed as it started (the programmer's turn kills the tester's CLI before the tester has
+    had a prompt): nothing of the run goes with it, so the tester is started again even with
+    REPLACE_LOST_AGENTS=0, never typed into while dead, and the run passes."""
     def kill_tester(fake, programmer):
         fake.kill_cli("tester")
         _write_reply(programmer)
     fake_cao.script["programmer"] = [{"action": "call", "call": kill_tester}]
     m = run(**{**QUICK, "START_AGENT": "programmer"})
-    assert run_main(m) == 1
-    _out, err = one_line(capsys)
-    assert "the tester agent" in err and "its agent CLI exited" in err
-    assert fake_cao.shell_inputs == [] and fake_cao.prompts_for("tester") == []
+    assert run_main(m) == 0
+    out, _err = capsys.readouterr()
+    assert "the tester agent's CLI is gone before its first prompt (its agent CLI exited" in out
+    assert "starting it again, as nothing of the run goes with it" in out
+    assert fake_cao.shell_inputs == [] and len(fake_cao.prompts_for("tester")) == 1
+    state = state_of(m)
+    assert state["final_status"] == "PASS" and [r["role"] for r in state["replacements"]] == ["tester"]
+    assert state["terminals"]["tester"] != state["replacements"][0]["old_terminal"]
 
 
 def _write_reply(terminal) -> None:

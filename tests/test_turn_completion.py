@@ -299,3 +299,25 @@ def test_a_new_last_reply_shows_the_agent_worked_so_it_is_reminded_not_sent_the_
     assert reply == FINAL.strip()
     assert len(sim.sent) == 1 and sim.sent[0].startswith("Reminder:")
     assert sim.reminder_at <= POLL + GRACE + 0.2          # idle counted from the first idle reading
+
+
+def test_the_first_look_after_a_send_comes_within_half_a_second(sim):
+    """A CLI that compacts as the prompt is submitted says so at once, and a long turn's output can push those
+    words out of the screen CAO keeps: the screen is read FIRST_LOOK_SECONDS after the send, not a poll later."""
+    sim.write_at(7.05, FINAL)
+    sim.at(7.05, status="completed")
+    sim.wait()
+    assert sim.screen_reads and sim.screen_reads[0] <= sim.orch.FIRST_LOOK_SECONDS + 0.06
+    assert sim.status_reads[0] <= sim.orch.FIRST_LOOK_SECONDS + 0.06
+
+
+def test_a_compaction_shown_only_in_the_first_second_of_a_turn_is_seen(sim, monkeypatch):
+    """Compacting as the prompt is submitted, for a second; gone from the screen before the first poll."""
+    sim.orch.record_sent(["explore:t1"])
+    sim.still_screen = "✽ Compacting conversation… (esc to interrupt)"
+    sim.at(1.0, still_screen="› idle composer")
+    sim.write_at(7.05, FINAL)
+    sim.at(7.05, status="completed")
+    sim.wait()
+    assert [(e.role, e.what) for e in sim.orch.agent_events] == [("tester", "compacted")]
+    assert "explore:t1" not in sim.orch.context_sent

@@ -33,7 +33,8 @@ the last step repeats. A step is the answer text or a dict::
 
     {"text": str, "think_ms": int, "action": "write" | "no_file" | "error"
      | "write_on_reminder" | "write_twice", "draft": str,
-     "rewrite_after_ms": int, "closing_ms": int, "status": int, "usage_tokens": int}
+     "rewrite_after_ms": int, "closing_ms": int, "status": int, "usage_tokens": int,
+     "closing_usage_tokens": int}
 
 ``write_twice`` writes ``draft`` first and, ``rewrite_after_ms`` after the CLI
 reported that command's result, the final text with a second tool call.
@@ -52,13 +53,19 @@ at ...`` and does not retry).
 ``usage_tokens`` makes every response of that turn report that many input
 tokens as its usage (default: the request's size / 4), so a CLI whose
 auto-compaction threshold is below it compacts its conversation before its next
-request. Compaction requests (Claude Code's "create a detailed summary of the
+request; ``closing_usage_tokens`` makes only the turn's closing message (after
+the reply was written) report them, so the CLI compacts as its next prompt is
+submitted, not within the turn. Compaction requests (Claude Code's "create a detailed summary of the
 conversation so far", Codex's "CONTEXT CHECKPOINT COMPACTION") get a short
 ``<analysis>``/``<summary>`` text whatever tools they offer; they take no step
 and are recorded with kind ``compaction`` (``compactions()``). The summary
 names the last response file but never carries the prompt's
 ``Write your complete answer to this file:`` line, so the message that
-continues a compacted conversation is no new prompt.
+continues a compacted conversation is no new prompt. ``require_task(*texts)``
+makes the model check every prompt or reminder that reaches it after a
+compaction of that role's conversation: one whose request lacks any of the
+texts (the task) is recorded with kind ``without task`` (``without_task()``)
+and answered as a real model would, asking what the task is, without writing.
 
 Every CLI sends the whole conversation each time, so decisions depend only on
 the newest message(s). A decision is remembered under (kind, role, hash of the
@@ -158,6 +165,7 @@ class Reply:
     error_message: str = ""
     usage_tokens: int | None = None   # input tokens to report (None: the request's size / 4)
     usage_limit: bool = False         # the error is a spent plan, not a busy API
+    limit_headers: bool = False       # with Codex's rate-limit headers (its plan 100% used)
     resets_at: int | None = None      # when that plan limit resets (unix seconds)
     role: str | None = None           # the role and turn (the role's prompt count) it answers; None: a side request
     turn: int | None = None
@@ -299,7 +307,11 @@ def error_body(reply: Reply, api: str) -> tuple[dict, dict]:
         error = {"type": "usage_limit_reached", "code": "usage_limit_reached", "message": reply.error_message}
         if reply.resets_at is not None:
             error["resets_at"] = int(reply.resets_at)
-        return {"error": error}, {}
+        headers = {}
+        if reply.limit_headers:          # Codex reads them with usage_limit_reached, and offers a cheaper model
+            headers = {"x-codex-primary-used-percent": "100", "x-codex-primary-window-minutes": "300",
+                       "x-codex-primary-reset-at": str(int(reply.resets_at or time.time() + 3600))}
+        return {"error": error}, headers
     kind = error_type(status, api)
     if api == "anthropic":
         return {"type": "error", "error": {"type": kind, "message": reply.error_message}}, {}
@@ -384,6 +396,8 @@ def normalise_step(step, role: str | None, think_seconds: float) -> dict:
         "closing": number("closing_ms", 0) / 1000.0,
         "status": int(number("status", 500)) or 500,
         "usage_tokens": int(step["usage_tokens"]) if isinstance(step.get("usage_tokens"), (int, float)) else None,
+        "closing_usage_tokens": int(step["closing_usage_tokens"])
+        if isinstance(step.get("closing_usage_tokens"), (int, float)) else None,
     }
 
 
@@ -599,6 +613,20 @@ class ScriptedModel:
             self._usage: list[dict] = []              # the usage each response reported (note_usage)
             self._failures: list[dict] = []           # errors the next task requests get, in order
             self._unanswered: dict[str, str] = {}     # role -> a prompt a failure left undone
+            self._compacted: set[str] = set()         # roles whose conversation has been compacted
+            self._task_texts: tuple[str, ...] = ()    # require_task(): what every later prompt's request holds
+
+    def require_task(self, *texts: str) -> None:
+        """After a compaction of a role's conversation, every prompt or reminder of that role must reach the
+        model in a request that holds each of ``texts``; one that does not is recorded (``without_task``)
+        and not carried out. Cleared by ``set_script``."""
+        with self._lock:
+            self._task_texts = tuple(texts)
+
+    def without_task(self) -> list[dict]:
+        """The prompts and reminders that reached the model after a compaction without the task."""
+        with self._lock:
+            return [dict(e) for e in self._events if e["kind"] == "without task"]
 
     def fail_next(self, count: int, status: int = 529) -> None:
         """Answer the next ``count`` requests that carry a task (a prompt, or a message telling the agent
@@ -609,14 +637,16 @@ class ScriptedModel:
             self._failures.extend({"status": status} for _ in range(count))
 
     def usage_limit_next(self, count: int, resets_at: float | None = None, role: str | None = None,
-                         resets_in: float | None = None) -> None:
+                         resets_in: float | None = None, limit_headers: bool = False) -> None:
         """As ``fail_next``, with the HTTP 429 of a spent plan: Codex reads ``usage_limit_reached`` and
         ``resets_at`` (unix seconds; None: unknown; ``resets_in``: that many seconds after the answer) and
         stops the turn without retrying. With ``role``, only that role's task requests get them: a test then
         lets the limit meet a turn of an agent whose CLI started long before, never a CLI's start-up by
-        chance."""
+        chance. ``limit_headers``: the answer also carries Codex's rate-limit headers (x-codex-primary-*,
+        100% used), with which Codex offers to switch to a cheaper model."""
         with self._lock:
             self._failures.extend({"status": 429, "usage_limit": True, "role": role, "resets_in": resets_in,
+                                   "limit_headers": limit_headers,
                                    "resets_at": None if resets_at is None else int(resets_at)}
                                   for _ in range(count))
 
@@ -705,6 +735,9 @@ class ScriptedModel:
             role, path = last_prompted_role(convo.earlier_user_texts + [convo.newest_text or convo.user_text],
                                             mentions=True)
             self._record(convo, role, None, "compaction", "text", path)
+            if role is not None:
+                with self._lock:
+                    self._compacted.add(role)
             return Reply(text=compaction_summary(role, path))
         if not convo.tool_names:
             self._record(convo, None, None, "side", "text", None)
@@ -721,6 +754,10 @@ class ScriptedModel:
         if kind == "side":
             self._record(convo, None, None, "side", "text", None)
             return Reply(text=side_text(convo))
+        if self._lacks_task(convo, role):
+            self._record(convo, role, None, "without task", "text", path)
+            return Reply(text="The summary of our conversation does not say what the task is. Which task do you "
+                              f"mean, and what should go into {path}?")
 
         with self._lock:
             failure = next((f for f in self._failures if f.get("role") in (None, role)), None)
@@ -742,7 +779,7 @@ class ScriptedModel:
             message = ("You've hit your usage limit." if limit
                        else "Overloaded" if status == 529 else "Rate limited")
             return Reply(error_status=status, error_message=message, usage_limit=limit,
-                         resets_at=failure.get("resets_at"))
+                         resets_at=failure.get("resets_at"), limit_headers=failure.get("limit_headers", False))
         key = (kind, role, _digest(message), convo.user_count, convo.conversation_id)
         with self._lock:
             plan = self._decided.get(key)
@@ -752,6 +789,16 @@ class ScriptedModel:
                 self._decided[key] = plan
         time.sleep(plan["think"])
         return self._carry_out(convo, plan, "repeat" if repeat else kind)
+
+    def _lacks_task(self, convo: Conversation, role: str | None) -> bool:
+        """Whether a request of a role whose conversation was compacted lacks one of require_task()'s texts."""
+        with self._lock:
+            texts, compacted = self._task_texts, role in self._compacted
+        if not texts or not compacted:
+            return False
+        held = "\n".join([*convo.earlier_user_texts, convo.user_text, convo.newest_text])
+        held += "\n" + "\n".join(resolve_indirection(text) for text in [*convo.earlier_user_texts, convo.user_text])
+        return not all(text in held for text in texts)
 
     def _plan_prompt(self, role: str | None, path: str) -> dict:
         """Take the role's next step (lock held)."""
@@ -819,7 +866,8 @@ class ScriptedModel:
         else:
             time.sleep(plan.get("closing", 0.0))
             self._record(convo, plan["role"], plan["turn"], "tool_result", "text", plan["path"])
-            reply = Reply(text=f"Wrote the answer to {plan['path']}.", usage_tokens=plan.get("usage_tokens"),
+            usage = plan.get("closing_usage_tokens") or plan.get("usage_tokens")
+            reply = Reply(text=f"Wrote the answer to {plan['path']}.", usage_tokens=usage,
                           role=plan["role"], turn=plan["turn"])
         with self._lock:
             self._after_tool[call_id] = reply

@@ -107,6 +107,26 @@ def test_agent_cli_killed_mid_turn_is_replaced_and_the_run_passes(restartable_ca
     assert_replaced_and_passed(live, {"programmer"})
 
 
+def test_an_agent_cli_killed_before_its_first_prompt_is_started_again_and_the_run_passes(restartable_cao,
+                                                                                         start_run):
+    """The tester's CLI dies while the programmer works (as a CLI that crashes as it starts): with the default
+    REPLACE_LOST_AGENTS=0 the tester is started again when its turn comes -- it had no prompt, so nothing
+    of the run goes with it -- never typed into while dead, and the run passes with each turn sent once."""
+    cao = restartable_cao
+    live, _programmer = start(cao, start_run)
+    tester = live.run.state()["terminals"]["tester"]
+    cao.kill_agent_cli(tester)
+    live.wait_for_line(r"the tester agent's CLI is gone before its first prompt", timeout=90)
+    code = live.finish(timeout=150)
+    assert code == 0, live.explain()
+    state = live.run.state()
+    assert state["final_status"] == "PASS" and [r["role"] for r in state["replacements"]] == ["tester"]
+    assert state["terminals"]["tester"] != tester, live.explain()
+    assert cao.counters().get("turns") == {role: 1 for role in QUICK_ROUND}, live.explain()
+    stray = [(r.get("role"), r.get("kind")) for r in cao.received() if r.get("kind") != "prompt"]
+    assert stray == [], live.explain()
+
+
 def test_a_hung_agent_cli_counts_as_lost_after_agent_stall_seconds(restartable_cao, start_run):
     """A CLI that hangs (alive, but its screen never changes again) is lost after AGENT_STALL_SECONDS."""
     cao = restartable_cao
