@@ -3066,16 +3066,12 @@ def codex_compaction_point() -> int | None:
     return int(int(found.get("model_context_window", str(CODEX_DEFAULT_WINDOW)).replace("_", "")) * 0.9)
 
 
-COMPACTION_POINTS: dict[str, Callable[[], int | None]] = {
-    "claude_code": claude_compaction_point, "codex": codex_compaction_point}
-
-
 def compaction_point(role: str) -> int | None:
     """How full the role's agent's context may get before its CLI compacts it: COMPACT_AT_TOKENS, else what
     its CLI's settings say (where they are on this machine), else None (unknown, or it never compacts)."""
     if COMPACT_AT_TOKENS:
         return COMPACT_AT_TOKENS
-    reader = COMPACTION_POINTS.get(provider_for(role))
+    reader = cli_traits(provider_for(role)).compaction_point
     if reader is None or not token_records_readable():
         return None
     try:
@@ -3202,6 +3198,7 @@ class CliTraits:
     ready_status_trusted: bool = True        # CAO's idle/completed means the turn has ended
     still_screen_ends_turn: float | None = None  # seconds of still screen that confirm a settled file
     #                                              (None: QUIET_SCREEN_SECONDS)
+    compaction_point: Callable[[], int | None] | None = None  # where it compacts, from its settings (section 5)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -3220,7 +3217,8 @@ CLI_TRAITS: dict[str, CliTraits] = {
     # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a
     # first turn; only Codex's `working` mark on the screen kept its draft reply from being taken. Its own
     # end-of-turn mark says when a turn is over (see turn_mark), else a screen still for QUIET_SCREEN_SECONDS.
-    "codex": CliTraits(ready_status_trusted=False),
+    "codex": CliTraits(ready_status_trusted=False, compaction_point=codex_compaction_point),
+    "claude_code": CliTraits(compaction_point=claude_compaction_point),
 }
 
 
@@ -4562,15 +4560,16 @@ def died_starting(terminal_id: str) -> bool:
         and all(r.terminal != terminal_id for r in turn_records)
 
 
-def check_replaceable(lost: AgentLost) -> None:
+def check_replaceable(lost: AgentLost) -> bool:
     """Stop on `lost` unless a new agent may take its place: REPLACE_LOST_AGENTS=1, or a CLI that died as it
-    started (nothing of the run goes with it, whatever REPLACE_LOST_AGENTS says); and never past
-    MAX_AGENT_REPLACEMENTS."""
-    died_unprompted = not REPLACE_LOST_AGENTS and died_starting(lost.terminal_id) and bool(session_name) \
-        and api.session_terminals(session_name) is not None
-    if not REPLACE_LOST_AGENTS and not died_unprompted:
+    started in a session still there (nothing of the run goes with it, whatever REPLACE_LOST_AGENTS says);
+    and never past MAX_AGENT_REPLACEMENTS. Says whether the agents' session is gone."""
+    if not REPLACE_LOST_AGENTS and not died_starting(lost.terminal_id):
         raise lost
-    if died_unprompted:
+    session_gone = api.session_terminals(session_name) is None if session_name else True
+    if not REPLACE_LOST_AGENTS:
+        if session_gone:
+            raise lost
         log(f"the {lost.role} agent's CLI is gone before its first prompt ({lost.why}): starting it again, "
             "as nothing of the run goes with it")
     if replacements_used() >= MAX_AGENT_REPLACEMENTS:
@@ -4578,6 +4577,7 @@ def check_replaceable(lost: AgentLost) -> None:
                         f"{counted(replacements_used(), 'replacement')} made already, MAX_AGENT_REPLACEMENTS="
                         f"{MAX_AGENT_REPLACEMENTS}: raise it to go on with a new agent, or set RESUME=0 to start "
                         "the run over")
+    return session_gone
 
 
 def replace_lost_agent(lost: AgentLost) -> None:
@@ -4590,9 +4590,8 @@ def replace_lost_agent(lost: AgentLost) -> None:
     agent has no conversation: its next prompt carries every once-only block
     in full (they are recorded per terminal). The state records the replacement.
     """
-    check_replaceable(lost)
+    session_gone = check_replaceable(lost)
     old_ids = dict(terminal_ids)
-    session_gone = api.session_terminals(session_name) is None if session_name else True
     if session_gone:
         log(f"replacing all five agents: their CAO session {session_name} is gone ({lost.role}: {lost.why})")
         end_agents([], session_name)              # CAO still lists the gone session's terminals
