@@ -124,6 +124,19 @@ def _is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _started_at(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with its pid, what names one process.
+
+    PIDs come round again (pid_max is 32,768 in many containers, and a suite of real CLIs wraps it
+    in minutes), so a pid recorded at set-up may belong to another test's process at teardown.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _pids_with_env(needle: bytes) -> list[int]:
     """Processes whose environment contains ``needle`` (e.g. our private TMUX_TMPDIR).
 
@@ -175,6 +188,7 @@ class CaoServer:
     env: dict = field(default_factory=dict)
     process: subprocess.Popen | None = None
     tmux_pid: int | None = None
+    tmux_started_at: int | None = None  # with tmux_pid: our tmux server, not a later process given its pid
     profiles: dict = field(default_factory=dict)  # profile name -> installed source file
     token: str = ""  # CAO_AUTH_LOCAL_TOKEN the server was started with ("" = no auth)
     provider: str = "mock_cli"  # the CAO provider the profiles were installed for
@@ -453,6 +467,7 @@ def _start_tmux(cao: CaoServer) -> None:
         raise RuntimeError(f"could not start the private tmux server: {proc.stderr.strip()}")
     pid = cao.tmux("display-message", "-p", "#{pid}").stdout.strip()
     cao.tmux_pid = int(pid) if pid.isdigit() else None
+    cao.tmux_started_at = _started_at(cao.tmux_pid) if cao.tmux_pid else None
 
 
 def _start_server(cao: CaoServer, attempts: int = 3) -> None:
@@ -580,26 +595,25 @@ def _stop(cao: CaoServer) -> list[str]:
         f"HOME={cao.home}".encode(),
     ]
     deadline = time.monotonic() + 10
-    leftovers: list[int] = []
+    leftovers: dict[int, int | None] = {}  # pid -> its start time, so a pid given out again is never ours
     while time.monotonic() < deadline:
-        leftovers = sorted({pid for n in needles for pid in _pids_with_env(n)})
-        if cao.tmux_pid and _is_alive(cao.tmux_pid):
-            leftovers.append(cao.tmux_pid)
+        leftovers = {pid: _started_at(pid) for n in needles for pid in _pids_with_env(n)}
+        if cao.tmux_pid and _is_alive(cao.tmux_pid) and _started_at(cao.tmux_pid) == cao.tmux_started_at:
+            leftovers[cao.tmux_pid] = cao.tmux_started_at
         if not leftovers:
             break
         time.sleep(0.2)
-    if leftovers:
-        for pid in leftovers:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                cmd = "?"
-            problems.append(f"left running: pid {pid}: {cmd}")
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for pid, started_at in sorted(leftovers.items()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone since the last look
+        if _started_at(pid) != started_at:
+            continue  # gone, and its pid already belongs to another process (perhaps another test's)
+        problems.append(f"left running: pid {pid}: {cmd}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     if cao.tmux("list-sessions").returncode == 0:
         problems.append("private tmux server still answers after kill-server")
     return problems
