@@ -41,6 +41,21 @@ from __future__ import annotations
 
 __version__ = "0.4.0"
 
+# The public names: those the specs fix (tests and users address them), and main(); one global per setting is
+# added in section 1, from SETTINGS. Every other name is the script's own and may change.
+__all__ = [
+    "ApiClient", "api", "main",
+    "is_review_approved", "extract_review_notes", "extract_test_evidence", "condense_analyst_for_programmer",
+    "condense_programmer_for_tester", "explore_block_for",
+    "build_analyst_prompt", "build_analyst_review_prompt", "build_programmer_prompt",
+    "build_programmer_review_prompt", "build_tester_prompt",
+    "handle_tester_fail", "save_state", "load_state", "init_new_run", "verify_resume_terminals",
+    "session_name", "terminal_ids", "current_round", "current_phase", "final_status", "feedback",
+    "analyst_feedback", "programmer_feedback", "programmer_context_for_retry", "outputs",
+    "EXPLORE_SUMMARY", "SCENARIO_TEST",
+    "PHASE_ANALYST", "PHASE_PROGRAMMER", "PHASE_TESTER", "PHASE_DONE", "_UPSTREAM_PLACEHOLDER",
+]
+
 import argparse
 import base64
 import difflib
@@ -68,7 +83,7 @@ from importlib import metadata
 from pathlib import Path
 from string import Template
 from types import SimpleNamespace
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, ClassVar, Iterable, Iterator, Mapping
 from urllib.parse import quote, urlparse
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -217,12 +232,107 @@ def open_run_log(path: Path) -> None:
 ROLES = ("analyst", "peer_analyst", "programmer", "peer_programmer", "tester")
 OUTPUT_KEYS = ("analyst", "analyst_review", "programmer", "programmer_review", "tester")
 
-# Every provider CAO knows (the version docs/agent-clis.md names), plus the older q_cli.
-KNOWN_PROVIDERS = (
-    "kiro_cli", "claude_code", "codex", "kimi_cli", "copilot_cli", "opencode_cli",
-    "hermes", "cursor_cli", "antigravity_cli", "omp", "grok_cli", "mcode",
-    "mock_cli", "q_cli",
-)
+
+# CAO's words for a terminal's status. Any other word ("unknown" after a cao-server restart, or one of a
+# newer CAO) means the server cannot tell; the response file and the screen decide.
+READY_STATUSES = ("idle", "completed")
+BUSY_STATUSES = ("processing", "waiting_user_answer")
+KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
+
+# -- The agent CLIs: all the loop knows of each, one row a CLI ----------------------------------------
+# CAO starts each CLI under a provider of that name. Beyond CAO's word, the loop knows a CLI by what it
+# shows and what it records: whether CAO's status for it can be trusted, how its screen says a turn is
+# over, its words for a compacted or cleared conversation, the menus it opens and the answer that changes
+# nothing, where it records its turns (tokens, context) and where it compacts, what to tell a user whose
+# CLI did not start. The readers of records and settings (section 5) and the wait (section 6) ask the row;
+# nothing else names a provider. Adding a CLI is a row here and its tests (docs/code-map.md); what was
+# proven with which version is in docs/agent-clis.md. Screen words are matched squeezed: whitespace and
+# escape sequences removed (Claude Code draws a line's spaces as cursor moves and colours words in pieces).
+@dataclass(frozen=True)
+class AgentCli:
+    """One agent CLI, as the loop knows it; a provider without a row gets the defaults (CAO's word stands)."""
+
+    label: str                                  # its name as people (and CAO's messages) call it
+    ready_status_trusted: bool = True           # CAO's idle/completed means the turn has ended
+    still_screen_ends_turn: float | None = None  # seconds of still screen that confirm a settled reply file
+    #                                             (None: QUIET_SCREEN_SECONDS)
+    conversation_words: tuple[tuple[str, str], ...] = ()  # (squeezed screen words, 'compacted' or 'cleared')
+    context_low: str = ""                       # squeezed regex: its context nearly full, nothing will compact
+    menus: tuple[tuple[str, str], ...] = ()     # (what the loop calls a menu it opens, the choice that keeps
+    #                                             what the user chose)
+    records: str = ""                           # the format of its turn records, read in section 5 ('': none)
+    compaction_settings: str = ""               # the settings that say where it compacts (section 5; '': none)
+    start_hint: str = ""                        # for a user whose CLI did not start under CAO
+    proven: str = ""                            # the version proven end to end with the loop
+
+    def status_word(self, status: str) -> str:
+        """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
+        return "unknown" if status in READY_STATUSES and not self.ready_status_trusted else status
+
+
+STILL_SCREEN_SECONDS = 2.0      # a busy bar or spinner redraws several times a second: 2 s still, the turn is over
+
+AGENT_CLIS: dict[str, AgentCli] = {
+    # Claude Code: CAO's status holds. It asks at its usage limit what to do; a prompt sent while it compacts
+    # is drawn again below "Conversation compacted".
+    "claude_code": AgentCli(
+        "Claude Code",
+        conversation_words=(("Compactingconversation", "compacted"),    # while it summarises (also /compact)
+                            ("Conversationcompacted", "compacted"),     # "✻ Conversation compacted (ctrl+o ...)"
+                            ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # after /compact typed by hand
+                            ("❯/clear", "cleared")),                    # /clear typed by hand (nothing else shows)
+        # auto-compact off: "Context low (2% remaining)" in its status line; "Context limit reached · /compact
+        # or /clear to continue" once full
+        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",
+        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
+        records="claude transcripts", compaction_settings="claude settings.json",
+        start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
+                   "otherwise refuses --dangerously-skip-permissions)",
+        proven="2.1.197"),
+    # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a first
+    # turn; its own marks on the screen (ESC ] 7501;state=..., turn_mark) say when it works and when a turn
+    # is over, else a screen still for QUIET_SCREEN_SECONDS.
+    "codex": AgentCli(
+        "Codex", ready_status_trusted=False,
+        # (not its header, ">_ OpenAI Codex", which /new and /clear draw again: so do its start-up and a redraw)
+        conversation_words=(("Compactingcontext", "compacted"),         # while it summarises (also /compact)
+                            ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
+        menus=(("Codex's offer to switch the model", "Keep current model"),),
+        records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0"),
+    # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
+    # turn); it repaints its busy bar about twenty times a second while it works.
+    "opencode_cli": AgentCli(
+        "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
+        records="opencode database",
+        start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
+                   "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
+        proven="1.18.33"),
+    # Copilot CLI: CAO read a ready status while it was still at work (a draft reply file was taken for the
+    # answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after it was sent); its
+    # status bar spinner (`◎ Working`) turns four times a second while it works.
+    "copilot_cli": AgentCli("GitHub Copilot CLI", ready_status_trusted=False,
+                            still_screen_ends_turn=STILL_SCREEN_SECONDS, proven="1.0.102"),
+    # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
+    # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
+    "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
+                       proven="0.19.0"),
+    # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
+    "mock_cli": AgentCli("the scripted agent"),
+    "kiro_cli": AgentCli("Kiro CLI"),
+    "kimi_cli": AgentCli("Kimi CLI"),
+    "cursor_cli": AgentCli("Cursor CLI"),
+    "antigravity_cli": AgentCli("Antigravity CLI"),
+    "omp": AgentCli("omp"),
+    "grok_cli": AgentCli("Grok CLI"),
+    "mcode": AgentCli("mcode"),
+    "q_cli": AgentCli("Amazon Q CLI"),          # CAO's older name for Kiro CLI
+}
+DEFAULT_PROVIDER = "codex"
+
+
+def agent_cli(provider: str) -> AgentCli:
+    """The row of the provider's CLI (the defaults for one without a row)."""
+    return AGENT_CLIS.get(provider) or AgentCli(provider)
 
 DEFAULT_PROFILES = {
     "analyst": "system_analyst",
@@ -238,20 +348,41 @@ STATE_FILE_NAME = "orchestrator-loop-state.json"
 OLD_STATE_FILE_NAME = "codex-3agents-loop-state.json"
 FRESH_CONTEXT_CHOICES = ("off", "round")     # FRESH_CONTEXT: when an agent starts a new conversation
 
-# Evidence the peer reviewer's REVIEW_NOTES must show before an approval
-# counts: one regex per check the review prompt asks for.
-REVIEW_EVIDENCE_PATTERNS = {
+
+
+@dataclass(frozen=True)
+class ReviewCheck:
+    """One check a peer review must make: its name, what the review prompt asks of it, and the evidence that
+    the review made it (a regex on its REVIEW_NOTES). The prompt's checklist (section 12) and the approval's
+    evidence check (section 9) come from the same row, so rewording one cannot silently change the other."""
+
+    name: str
+    asks: str
+    evidence: str
+
+
+# The checks of each reviewed role's peer review; an approval counts once REVIEW_EVIDENCE_MIN_MATCH of them
+# show in its REVIEW_NOTES (REQUIRE_REVIEW_EVIDENCE).
+REVIEW_CHECKLISTS: dict[str, tuple[ReviewCheck, ...]] = {
     "analyst": (
-        r"artifact|proposal",
-        r"\bP1\b|traceab",
-        r"downstream|contract",
-        r"handoff|hand-off|actionable",
+        ReviewCheck("Artifacts", "the change's proposal, design, specs and tasks exist and match the task.",
+                    r"artifact|proposal"),
+        ReviewCheck("P1 traceability", "every P1 requirement traces to the task or the scenario test.",
+                    r"\bP1\b|traceab"),
+        ReviewCheck("Downstream contracts",
+                    "interfaces, formats and commands are exact enough to code and test against.",
+                    r"downstream|contract"),
+        ReviewCheck("Handoff", "the programmer's first steps are actionable.", r"handoff|hand-off|actionable"),
     ),
     "programmer": (
-        r"\btest(s|ed|ing)?\b|pytest|passed",
-        r"\bfiles?\b|\bdiff\b|\.py\b|function",
-        r"scenario|requirement|\bspec",
-        r"edge case|error handling|regression|\brisk",
+        ReviewCheck("Tests", "they run and pass (give the command and its result).",
+                    r"\btest(s|ed|ing)?\b|pytest|passed"),
+        ReviewCheck("Files", "the changed files do what the tasks ask (name them).",
+                    r"\bfiles?\b|\bdiff\b|\.py\b|function"),
+        ReviewCheck("Requirements", "each requirement and the scenario test is covered by the code.",
+                    r"scenario|requirement|\bspec"),
+        ReviewCheck("Edge cases and error handling", "no obvious regression or unhandled error.",
+                    r"edge case|error handling|regression|\brisk"),
     ),
 }
 
@@ -283,7 +414,7 @@ def _role_settings() -> list[Setting]:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("API", "api", "http://localhost:9889", "url", "CAO server base URL"),
-    Setting("PROVIDER", "provider", "codex", "provider", "CAO provider for every agent"),
+    Setting("PROVIDER", "provider", DEFAULT_PROVIDER, "provider", "CAO provider for every agent"),
     Setting("MODEL", "model", "", "model",
             "model every agent CLI is started with, passed to CAO at creation (empty: each CLI's own default)"),
     Setting("WD", "wd", "", "text", "working directory of the agents (empty: current directory)"),
@@ -408,6 +539,7 @@ SETTINGS: tuple[Setting, ...] = (
             "user's home, when the CAO server runs on this machine)"),
     *_role_settings(),
 )
+__all__ += [setting.env for setting in SETTINGS]
 
 SETTINGS_BY_ENV = {s.env: s for s in SETTINGS}
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
@@ -429,8 +561,8 @@ _ENV_EXPECTED = {
     "count0": "a whole number of at least 0",
     "seconds0": "a number of seconds of at least 0",
     "seconds": "a number of seconds greater than 0",
-    "provider": "one of " + ", ".join(KNOWN_PROVIDERS),
-    "role_provider": "empty or one of " + ", ".join(KNOWN_PROVIDERS),
+    "provider": "one of " + ", ".join(AGENT_CLIS),
+    "role_provider": "empty or one of " + ", ".join(AGENT_CLIS),
     "role": "one of " + ", ".join(ROLES),
     "fresh_context": "one of " + ", ".join(FRESH_CONTEXT_CHOICES),
     "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
@@ -475,8 +607,8 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "bool": lambda v: isinstance(v, bool),
     "text": lambda v: isinstance(v, str),
     "url": lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v)),
-    "provider": lambda v: v in KNOWN_PROVIDERS,
-    "role_provider": lambda v: isinstance(v, str) and (not v or v in KNOWN_PROVIDERS),
+    "provider": lambda v: v in AGENT_CLIS,
+    "role_provider": lambda v: isinstance(v, str) and (not v or v in AGENT_CLIS),
     "role": lambda v: v in ROLES,
     "fresh_context": lambda v: v in FRESH_CONTEXT_CHOICES,
     "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
@@ -520,7 +652,7 @@ def _parse_env_value(setting: Setting, raw: str) -> object:
 
 
 # kind -> the values it allows, for a "did you mean" on a value that is close
-KIND_CHOICES: dict[str, tuple[str, ...]] = {"provider": KNOWN_PROVIDERS, "role_provider": KNOWN_PROVIDERS,
+KIND_CHOICES: dict[str, Iterable[str]] = {"provider": AGENT_CLIS, "role_provider": AGENT_CLIS,
                                             "role": ROLES, "fresh_context": FRESH_CONTEXT_CHOICES}
 
 
@@ -808,7 +940,7 @@ def validate_settings() -> None:
         raise ConfigError(f"MIN_REVIEW_CYCLES_BEFORE_APPROVAL={MIN_REVIEW_CYCLES_BEFORE_APPROVAL} is larger than "
                           f"MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}, so no review could ever be approved: "
                           "lower it or raise MAX_REVIEW_CYCLES")
-    checks = len(REVIEW_EVIDENCE_PATTERNS["analyst"])
+    checks = min(len(checklist) for checklist in REVIEW_CHECKLISTS.values())
     if REVIEW_EVIDENCE_MIN_MATCH > checks:
         raise ConfigError(f"REVIEW_EVIDENCE_MIN_MATCH={REVIEW_EVIDENCE_MIN_MATCH} exceeds the {checks} evidence "
                           f"checks a review is scored on: use 1 to {checks}")
@@ -831,11 +963,11 @@ def check_budget_settings() -> None:
                           "use (see --help-settings), or unset MAX_RUN_COST")
     if not budget:
         return
-    unread = sorted({provider for provider in providers_in_use() if provider not in TOKEN_READERS})
+    unread = sorted({provider for provider in providers_in_use() if not agent_cli(provider).records})
     if unread:
+        read = ", ".join(provider for provider, cli in AGENT_CLIS.items() if cli.records)
         raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, and the loop reads those of "
-                          f"{', '.join(TOKEN_READERS)} only, not {', '.join(unread)}: unset {budget} or use one "
-                          "of those providers")
+                          f"{read} only, not {', '.join(unread)}: unset {budget} or use one of those providers")
     if not token_records_readable():
         raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, which are on the machine of the "
                           f"CAO server at {API}, not this one: set AGENT_HOME to where the agents' home folder can "
@@ -930,14 +1062,21 @@ def set_task(prompt_text: str) -> None:
         EXPLORE_SUMMARY, SCENARIO_TEST = prompt_text.strip(), ""
 
 
+def own_provider(role: str) -> str:
+    """The provider set for the role itself ('' : none, PROVIDER applies)."""
+    return {"analyst": ANALYST_PROVIDER, "peer_analyst": PEER_ANALYST_PROVIDER, "programmer": PROGRAMMER_PROVIDER,
+            "peer_programmer": PEER_PROGRAMMER_PROVIDER, "tester": TESTER_PROVIDER}[role]
+
+
 def provider_for(role: str) -> str:
     """The role's own provider if one is set, else PROVIDER."""
-    return globals()[f"{role.upper()}_PROVIDER"] or PROVIDER
+    return own_provider(role) or PROVIDER
 
 
 def model_for(role: str) -> str:
     """The model the role's agent CLI is started with: its own, else MODEL; '' leaves the CLI's default."""
-    return globals()[f"{role.upper()}_MODEL"] or MODEL
+    return {"analyst": ANALYST_MODEL, "peer_analyst": PEER_ANALYST_MODEL, "programmer": PROGRAMMER_MODEL,
+            "peer_programmer": PEER_PROGRAMMER_MODEL, "tester": TESTER_MODEL}[role] or MODEL
 
 
 def providers_in_use() -> list[str]:
@@ -946,7 +1085,9 @@ def providers_in_use() -> list[str]:
 
 
 def profile_for(role: str) -> str:
-    return globals()[f"{role.upper()}_PROFILE"]
+    """The CAO agent profile the role's terminal is created with."""
+    return {"analyst": ANALYST_PROFILE, "peer_analyst": PEER_ANALYST_PROFILE, "programmer": PROGRAMMER_PROFILE,
+            "peer_programmer": PEER_PROGRAMMER_PROFILE, "tester": TESTER_PROFILE}[role]
 
 
 # ==========================================================================
@@ -1180,16 +1321,15 @@ class ApiClient:
 
     def delete_terminal(self, terminal_id: str) -> None:
         """Remove a terminal (its tmux window, whatever runs there); one that is gone already is fine."""
-        try:
-            self._call(f"delete terminal {terminal_id}", "DELETE", f"/terminals/{quote(terminal_id, safe='')}")
-        except ApiError as exc:
-            if exc.status_code != 404:
-                raise
+        self._delete(f"terminal {terminal_id}", f"/terminals/{quote(terminal_id, safe='')}")
 
     def delete_session(self, session: str) -> None:
         """Remove a CAO session (its tmux session and its record); one that is gone already is fine."""
+        self._delete(f"session {session}", f"/sessions/{quote(session, safe='')}")
+
+    def _delete(self, what: str, path: str) -> None:
         try:
-            self._call(f"delete session {session}", "DELETE", f"/sessions/{quote(session, safe='')}")
+            self._call(f"delete {what}", "DELETE", path)
         except ApiError as exc:
             if exc.status_code != 404:
                 raise
@@ -1314,10 +1454,31 @@ class InFlight:
                    _text(raw.get("limit_line")), _number(raw.get("limit_until")), _text(raw.get("reply_file")))
 
 
+class PlainRecord:
+    """A state-file record saved as its fields, as they are; read back field by field (`read`), and not at all
+    unless the saved entry is an object holding the field `required` as text."""
+
+    required: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_json(cls, raw: object):
+        if not isinstance(raw, dict) or (cls.required and not isinstance(raw.get(cls.required), str)):
+            return None
+        return cls.read(raw)
+
+    @classmethod
+    def read(cls, raw: dict):
+        raise NotImplementedError
+
+
 @dataclass
-class StoryResult:
+class StoryResult(PlainRecord):
     """How one story of story mode ended."""
 
+    required: ClassVar[str] = "id"
     id: str
     title: str
     status: str                       # COMPLETE or FAILED
@@ -1325,13 +1486,8 @@ class StoryResult:
     reason: str = ""
     summary: str = ""
 
-    def to_json(self) -> dict:
-        return dict(vars(self))
-
     @classmethod
-    def from_json(cls, raw: object) -> StoryResult | None:
-        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
-            return None
+    def read(cls, raw: dict) -> StoryResult:
         return cls(raw["id"], _text(raw.get("title")), _text(raw.get("status")) or "FAILED",
                    _positive_int(raw.get("attempts")), _text(raw.get("reason")), _text(raw.get("summary")))
 
@@ -1534,7 +1690,7 @@ class AfterRun:
 
 
 @dataclass
-class Replacement:
+class Replacement(PlainRecord):
     """A lost agent the run replaced: whose, which terminal by which, when (UTC) and why."""
 
     role: str
@@ -1544,19 +1700,14 @@ class Replacement:
     why: str
     event: int = 1                    # the run's n-th replacement (a vanished session's five share one)
 
-    def to_json(self) -> dict:
-        return dict(vars(self))
-
     @classmethod
-    def from_json(cls, raw: object) -> Replacement | None:
-        if not isinstance(raw, dict):
-            return None
+    def read(cls, raw: dict) -> Replacement:
         return cls(*(_text(raw.get(key)) for key in ("role", "old_terminal", "new_terminal", "at", "why")),
                    _whole(raw.get("event")) or 1)
 
 
 @dataclass
-class AgentEvent:
+class AgentEvent(PlainRecord):
     """Something that happened to an agent's conversation or account: compacted, cleared, nearly full, a new
     conversation started, a usage limit waited out. For the run record, the report and --status."""
 
@@ -1565,14 +1716,10 @@ class AgentEvent:
     at: str                           # ISO time (UTC)
     what: str                         # one of AGENT_EVENT_KINDS
     detail: str = ""
-
-    def to_json(self) -> dict:
-        return dict(vars(self))
+    required: ClassVar[str] = "what"
 
     @classmethod
-    def from_json(cls, raw: object) -> AgentEvent | None:
-        if not isinstance(raw, dict) or not isinstance(raw.get("what"), str):
-            return None
+    def read(cls, raw: dict) -> AgentEvent:
         return cls(*(_text(raw.get(key)) for key in ("role", "terminal", "at", "what", "detail")))
 
 
@@ -1799,7 +1946,7 @@ def reset_run_state() -> None:
 
 def save_state() -> None:
     """Write the run's state atomically: a crash leaves the old file or the new one, never half."""
-    data = {"version": STATE_VERSION, "updated_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    data = {"version": STATE_VERSION, "updated_at": utc_iso()}
     data.update({f.key: f.dump(globals()[f.name]) for f in STATE_FIELDS})
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -2491,16 +2638,6 @@ def _kept_text(name: str) -> str:
     return text
 
 
-def tester_evidence(reply: str) -> str:
-    """A tester's reply from its RESULT line on (from its EVIDENCE line when that comes first); all of it
-    when it has no EVIDENCE line."""
-    result, evidence = (re.search(rf"^\W*{marker}\W*:", reply, re.MULTILINE) for marker in ("RESULT", "EVIDENCE"))
-    if evidence is None:
-        return reply.strip()
-    start = result.start() if result is not None and result.start() < evidence.start() else evidence.start()
-    return reply[start:].strip()
-
-
 def _with_code(text: str) -> ReportHtml:
     """A line with its `code spans` shown as code."""
     parts = CODE_SPAN.split(text)
@@ -2554,7 +2691,8 @@ def _outcome(summary: dict, replies: list[str]) -> ReportHtml:
         number = answered[-1]
         turn = summary["turn_list"][number - 1]
         what = f"{turn.get('outcome') or 'no result'} in round {turn['round']}"
-        blocks.append(_fill(EVIDENCE_BLOCK, what=what, text=tester_evidence(replies[number - 1]), number=number))
+        evidence = extract_test_evidence(replies[number - 1], uncapped=True)
+        blocks.append(_fill(EVIDENCE_BLOCK, what=what, text=evidence, number=number))
     else:
         blocks.append(_fill(NO_EVIDENCE, text="The tester has not answered yet."))
     return _join(blocks)
@@ -2997,14 +3135,21 @@ def _window(since: float, until: float) -> tuple[datetime, datetime]:
     return datetime.fromtimestamp(since, timezone.utc), datetime.fromtimestamp(until, timezone.utc)
 
 
-# provider -> its reader: (the turn's marker, window start, window end, as time.time()) -> its tokens
-TOKEN_READERS: dict[str, Callable[[str, float, float], TokenReading | None]] = {
-    "claude_code": read_claude_turn, "codex": read_codex_turn, "opencode_cli": read_opencode_turn}
+# the format of a CLI's records (its row's `records`) -> its reader: (the turn's marker, window start,
+# window end, as time.time()) -> its tokens
+RECORD_READERS: dict[str, Callable[[str, float, float], TokenReading | None]] = {
+    "claude transcripts": read_claude_turn, "codex rollouts": read_codex_turn,
+    "opencode database": read_opencode_turn}
+
+
+def record_reader(provider: str) -> Callable[[str, float, float], TokenReading | None] | None:
+    """The reader of the provider's CLI's turn records (None: the loop reads none of its records)."""
+    return RECORD_READERS.get(agent_cli(provider).records)
 
 
 def tokens_readable(role: str) -> bool:
     """Whether the loop can read what the role's CLI records: one it knows, its records on this machine."""
-    return provider_for(role) in TOKEN_READERS and token_records_readable()
+    return record_reader(provider_for(role)) is not None and token_records_readable()
 
 
 def turn_tokens(role: str, since: float, until: float) -> TokenReading | None:
@@ -3012,7 +3157,7 @@ def turn_tokens(role: str, since: float, until: float) -> TokenReading | None:
     the role's response file; None when its records cannot be read here or hold nothing of it yet."""
     if not tokens_readable(role):
         return None
-    reader = TOKEN_READERS[provider_for(role)]
+    reader = record_reader(provider_for(role))
     marker = json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]   # as JSON writes it
     try:
         return reader(marker, since, until)
@@ -3066,12 +3211,17 @@ def codex_compaction_point() -> int | None:
     return int(int(found.get("model_context_window", str(CODEX_DEFAULT_WINDOW)).replace("_", "")) * 0.9)
 
 
+# the settings that say where a CLI compacts (its row's `compaction_settings`) -> their reader
+COMPACTION_READERS: dict[str, Callable[[], int | None]] = {
+    "claude settings.json": claude_compaction_point, "codex config.toml": codex_compaction_point}
+
+
 def compaction_point(role: str) -> int | None:
     """How full the role's agent's context may get before its CLI compacts it: COMPACT_AT_TOKENS, else what
     its CLI's settings say (where they are on this machine), else None (unknown, or it never compacts)."""
     if COMPACT_AT_TOKENS:
         return COMPACT_AT_TOKENS
-    reader = cli_traits(provider_for(role)).compaction_point
+    reader = COMPACTION_READERS.get(agent_cli(provider_for(role)).compaction_settings)
     if reader is None or not token_records_readable():
         return None
     try:
@@ -3097,11 +3247,6 @@ def compaction_point(role: str) -> int | None:
 #   ReadSchedule   what to ask the server, and when
 #   wait_for_reply() does the I/O: it feeds observations in and acts on verdicts.
 
-READY_STATUSES = ("idle", "completed")
-BUSY_STATUSES = ("processing", "waiting_user_answer")
-# Any other word ("unknown" after a cao-server restart, or one of a newer CAO)
-# means the server cannot tell; the response file and the screen decide.
-KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # Terminal text that means the agent's model provider failed, not the agent.
 PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
                             r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"")
@@ -3181,49 +3326,11 @@ TURN_STATE_MARK = re.compile(r"\x1b\]7501;state=(\w+)")
 TURN_DONE_MARK, TURN_IDLE_MARK, TURN_WORKING_MARK = "done", "idle", "working"
 
 
-# What the loop knows of an agent CLI beyond CAO's word. CAO reads each CLI's
-# screen its own way, and for some it reads wrong (docs/agent-clis.md says which,
-# and for which versions): OpenCode is reported `idle` or `completed` while it
-# works (in a terminal's later turns, for the whole turn), and Copilot CLI and
-# Hermes at times, so a reply file the CLI rewrites later in its turn would be
-# taken at its first write. For such a CLI
-# a ready status counts for nothing -- the loop judges by the screen as it does
-# for a status it does not know -- and a settled reply file is confirmed by a
-# still screen: OpenCode repaints its busy bar about twenty times a second while
-# it works, so a screen still for two seconds means its turn is over.
-@dataclass(frozen=True)
-class CliTraits:
-    """How far CAO's status can be trusted for one provider's CLI, and what its screen does while it works."""
-
-    ready_status_trusted: bool = True        # CAO's idle/completed means the turn has ended
-    still_screen_ends_turn: float | None = None  # seconds of still screen that confirm a settled file
-    #                                              (None: QUIET_SCREEN_SECONDS)
-    compaction_point: Callable[[], int | None] | None = None  # where it compacts, from its settings (section 5)
-
-    def status_word(self, status: str) -> str:
-        """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
-        return "unknown" if status in READY_STATUSES and not self.ready_status_trusted else status
-
-
-CLI_TRAITS: dict[str, CliTraits] = {
-    "opencode_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
-    # Copilot CLI: CAO read a ready status while it was still at work on a turn (a draft reply file was
-    # taken for the answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after
-    # a prompt was sent); its status bar spinner (`◎ Working`) turns four times a second while it works.
-    "copilot_cli": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
-    # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
-    # its `(¬_¬) computing...` line change about twice a second, and at its idle prompt nothing moves.
-    "hermes": CliTraits(ready_status_trusted=False, still_screen_ends_turn=2.0),
-    # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a
-    # first turn; only Codex's `working` mark on the screen kept its draft reply from being taken. Its own
-    # end-of-turn mark says when a turn is over (see turn_mark), else a screen still for QUIET_SCREEN_SECONDS.
-    "codex": CliTraits(ready_status_trusted=False, compaction_point=codex_compaction_point),
-    "claude_code": CliTraits(compaction_point=claude_compaction_point),
-}
-
-
-def cli_traits(provider: str) -> CliTraits:
-    return CLI_TRAITS.get(provider, CliTraits())
+# CAO reads each CLI's screen its own way, and for some it reads wrong (their rows in AGENT_CLIS say which;
+# docs/agent-clis.md for which versions): a reply file the CLI rewrites later in its turn would be taken at
+# its first write. For such a CLI a ready status counts for nothing -- the loop judges by the screen as it
+# does for a status it does not know -- and a settled reply file is confirmed by a screen still for the
+# row's `still_screen_ends_turn` (else QUIET_SCREEN_SECONDS) or by the CLI's own end-of-turn mark.
 
 
 def turn_mark(screen: str | None) -> str | None:
@@ -3244,26 +3351,12 @@ def turn_mark(screen: str | None) -> str | None:
 # (or when a person types /compact), and /clear starts it over: from then on
 # the agent has a model-written summary, or nothing, instead of what it was
 # told. The loop sends some text only once per conversation (section 12), so
-# it must hear of this: the CLI says so on its screen. Claude Code draws the
-# spaces of a line as cursor moves and colours a word in pieces, so the words
-# are matched with whitespace and escape sequences removed. Words of the
-# Claude Code and Codex versions docs/agent-clis.md names, as seen in CAO's raw screen:
-CONVERSATION_LOST_WORDS = (
-    ("Compactingconversation", "compacted"),  # Claude Code, while it summarises (also for /compact)
-    ("Conversationcompacted", "compacted"),   # Claude Code: "✻ Conversation compacted (ctrl+o for history)"
-    ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # Claude Code after /compact typed by hand
-    ("Compactingcontext", "compacted"),       # Codex, while it summarises (also for /compact)
-    ("Contextcompacted", "compacted"),        # Codex: "• Context compacted · 0s"
-    ("❯/clear", "cleared"),                   # Claude Code: /clear typed by hand (it prints nothing else)
-    (">_OpenAICodex", "cleared"),             # Codex: /new or /clear draws its start-up header again
-)
-# Claude Code with auto-compact off: "Context low (2% remaining)" in its status line, its context nearly
-# full and nothing will compact it; "Context limit reached · /compact or /clear to continue" once it is
-# full (matched squeezed, as above).
-CONTEXT_LOW = re.compile(r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)")
+# it must hear of this: the CLI says so on its screen, in the words of its row
+# in AGENT_CLIS (matched squeezed), or that its context is nearly full and
+# nothing will compact it.
 
 
-def conversation_change(screen: str | None) -> tuple[str, str]:
+def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
     """What the screen says happened to the agent's conversation: ('compacted', ''), ('context low', 'Context
     low (8% remaining)') or ('', '').
 
@@ -3271,12 +3364,13 @@ def conversation_change(screen: str | None) -> tuple[str, str]:
     is submitted draws the prompt again below "Conversation compacted". CAO's screen holds what the pane
     printed since the last input, so an earlier turn's words are gone -- except where CAO reads the pane's
     history instead (after a cao-server restart): then an old compaction costs one prompt in full, never a
-    lost task."""
+    lost task. `cli`: the screen's CLI (None: the words of every CLI)."""
+    rows = [cli] if cli is not None else list(AGENT_CLIS.values())
     text = _squeezed(screen or "")
-    for words, what in CONVERSATION_LOST_WORDS:
+    for words, what in (pair for row in rows for pair in row.conversation_words):
         if words in text:
             return what, ""
-    low = CONTEXT_LOW.findall(text)
+    low = [found for row in rows if row.context_low for found in re.findall(row.context_low, text)]
     if not low:
         return "", ""
     left, full = low[-1]
@@ -3293,7 +3387,6 @@ USAGE_LIMIT = re.compile(r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?
 RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
 RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
                         r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
-LIMIT_MENU_CHOICE = re.compile(r"(\d)\.\s*Stop and wait for limit to reset")
 MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
@@ -3354,12 +3447,6 @@ def usage_limit_on(screen: str | None, now: float) -> UsageLimit | None:
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
     return UsageLimit(line, reset_time(reset["when"], reset["zone"], now) if reset else None)
-
-
-def limit_menu_choice(screen: str | None) -> str:
-    """The key that picks "Stop and wait for limit to reset" in Claude Code's usage-limit menu ('' if none)."""
-    found = LIMIT_MENU_CHOICE.search(ESCAPE_SEQUENCE.sub("", screen or ""))
-    return found.group(1) if found else ""
 
 
 def clock_text(when: float) -> str:
@@ -3435,14 +3522,11 @@ def check_alive(role: str, terminal_id: str) -> None:
 # question what to do at a limit (Claude Code: "1. Stop and wait for limit to reset"). A message typed into it
 # ends with Enter, which picks the highlighted choice: the loop never does that. It moves to the choice that
 # keeps what the user chose (the model, the permissions, the spending) and picks it; a menu it does not know
-# stops the turn with one line naming it. Every menu seen and every answer is logged.
+# stops the turn with one line naming it. Every menu seen and every answer is logged. The menus each CLI
+# opens, and the choice that keeps what the user chose, are in its row in AGENT_CLIS.
 MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
 MENU_LINES = 14                        # a menu is among the screen's last lines
 MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
-SAFE_MENU_CHOICES = (                  # (what the loop calls the menu, the text of the choice that changes nothing)
-    ("Codex's offer to switch the model", "Keep current model"),
-    ("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),
-)
 
 
 @dataclass(frozen=True)
@@ -3478,9 +3562,11 @@ def open_menu(screen: str | None) -> Menu | None:
     return None
 
 
-def safe_menu_choice(menu: Menu) -> tuple[str, int] | None:
-    """(the menu's name, the number of its choice that changes nothing the user chose), or None: not known."""
-    for name, safe_text in SAFE_MENU_CHOICES:
+def safe_menu_choice(menu: Menu, cli: AgentCli | None = None) -> tuple[str, int] | None:
+    """(the menu's name, the number of its choice that changes nothing the user chose), or None: not known.
+    `cli`: the CLI that opened it (None: the menus of every CLI)."""
+    rows = [cli] if cli is not None else list(AGENT_CLIS.values())
+    for name, safe_text in (menu_choice for row in rows for menu_choice in row.menus):
         for number, text in menu.choices:
             if text.startswith(safe_text) and not text[len(safe_text):].strip(" ."):
                 return name, number
@@ -3496,7 +3582,7 @@ def menu_keys(menu: Menu, choice: int) -> list[str]:
 def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     """Pick the choice of a known menu that keeps what the user chose; a menu the loop does not know stops
     the turn (nothing typed), naming it."""
-    known = safe_menu_choice(menu)
+    known = safe_menu_choice(menu, agent_cli(provider_for(role)))
     if known is None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
@@ -3580,7 +3666,6 @@ class TurnFacts:
     started: float                    # when the prompt went out (or the wait began, for a carried-over turn)
     guard_since: float                # the last prompt or reminder: not seen working on it yet at this time
     markers: tuple[str, ...] = ()     # what shows on screen once the prompt arrived; () for a carried-over turn
-    baseline_reply: str | None = None
     prompt_seen: bool = False         # the prompt (or its reply file) has shown up
     seen_working: bool = False
     status: str | None = None
@@ -3601,7 +3686,7 @@ class TurnFacts:
     provider_errors: int = 0          # model provider errors waited out this turn
     rate_limit_waited: float = 0.0    # seconds of pauses for rate limits (429) this turn
     provider_pause_until: float | None = None  # a provider error's pause is under way until then
-    cli: CliTraits = CliTraits()      # the agent CLI's traits: whether its ready status counts
+    cli: AgentCli = AgentCli("an agent CLI")  # its row in AGENT_CLIS: whether its ready status counts, ...
     cao_status: str | None = None     # what CAO last said, as said (`status` is what the rules go by)
     usage_limit: UsageLimit | None = None  # the screen says the account's usage limit stopped the agent
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
@@ -3645,11 +3730,6 @@ class TurnFacts:
             self.seen_working = True     # nothing else tells that it works
         self.screen, self.screen_changed_at = screen, now
 
-    def note_reply(self, reply: str | None) -> None:
-        """A new last reply: it worked (before it went idle, so idle keeps counting)."""
-        if reply is not None and self.baseline_reply is not None and reply != self.baseline_reply:
-            self.seen_working = True
-
     def note_lost(self, why: str) -> None:
         self.lost = why
 
@@ -3657,11 +3737,11 @@ class TurnFacts:
         """What the latest screen says of a usage limit (None: nothing, or a reply file is there)."""
         self.usage_limit = limit if self.file_version is None else None
 
-    def note_sent(self, baseline_reply: str | None, now: float, whole_prompt: bool = False,
+    def note_sent(self, now: float, whole_prompt: bool = False,
                   markers: tuple[str, ...] | None = None) -> None:
         """After a prompt or reminder went out: the agent has not been seen working on it yet
         (nor, after the whole prompt again, seen to have it; `markers`: a prompt of other words)."""
-        self.guard_since, self.seen_working, self.baseline_reply = now, False, baseline_reply
+        self.guard_since, self.seen_working = now, False
         self.provider_pause_until, self.marked_idle_at, self.mark = None, None, None
         self.usage_limit = self.limit_wait_until = None
         self.full_prompt_due = False
@@ -3835,14 +3915,16 @@ class ReadSchedule:
     @staticmethod
     def screen_due(facts: TurnFacts, now: float) -> bool:
         """With a status read, when the prompt is not yet seen, when a settled file waits for the agent's
-        word that it has finished (the screen can say so, or say that a ready status is stale), or when
-        the status is one the loop does not know."""
+        word that it has finished (the screen can say so, or say that a ready status is stale), when the
+        agent reads idle without its file, or when the status is one the loop does not know."""
         if facts.markers and not facts.prompt_seen and facts.file_version is None:
             return True
         if facts.status == "error":
             return False
         if facts.status == "waiting_user_answer":
             return True                  # a question: a permission prompt, or Claude Code's usage-limit menu
+        if facts.status in READY_STATUSES and facts.file_version is None:
+            return True                  # idle without its file: the screen may say why (a compaction, a limit)
         return facts.file_settled(now) or facts.status not in KNOWN_STATUSES
 
     def next_look_at(self, facts: TurnFacts, now: float) -> float:
@@ -3881,7 +3963,6 @@ class Turn:
     reads: ReadSchedule
     permissions: PermissionAnswers = field(default_factory=PermissionAnswers)
     told_unknown: bool = False
-    menu_answered_at: float = float("-inf")   # when Claude Code's usage-limit menu was last answered
     rebuild: Callable[[], Prompt] | None = None   # builds the turn's prompt again (after a compaction: in full)
     full_prompt: Prompt | None = None         # that prompt, due to go out at once (facts.full_prompt_due)
 
@@ -3955,13 +4036,12 @@ def deliver(role: str, terminal_id: str, message: str) -> None:
 
 def resend_prompt(turn: Turn) -> None:
     """Send the prompt again, as it was; the turn's clocks start over."""
-    baseline = _last_output(turn.terminal_id)
     if in_flight is not None:
         update_run(in_flight=replace(in_flight, sent_at=time.time()))
     keep_sent(turn.role, "resend", turn.message)
     save_state()
     deliver(turn.role, turn.terminal_id, turn.message)
-    turn.facts.note_sent(baseline, time.monotonic(), whole_prompt=True)
+    turn.facts.note_sent(time.monotonic(), whole_prompt=True)
 
 
 def provider_error_line(output: str) -> str:
@@ -3984,7 +4064,7 @@ def idle_without_file(turn: Turn) -> str | None:
                     "orchestrator reads only that file.")
         keep_sent(role, "reminder", reminder)
         deliver(role, terminal_id, reminder)
-        turn.facts.note_sent(output, time.monotonic())
+        turn.facts.note_sent(time.monotonic())
         return None
     if STRICT_FILE_HANDOFF:
         raise agent_failed(role, terminal_id, f"went idle without writing {path}; set STRICT_FILE_HANDOFF=0 "
@@ -4025,11 +4105,16 @@ def pause_after_provider_error(turn: Turn, error_line: str) -> None:
 def continue_after_provider_error(turn: Turn) -> None:
     """The pause after a provider error is over: the agent has its task in its conversation; tell it to go on."""
     log_turn(turn.role, f"pause over; telling terminal {turn.terminal_id} to continue its task")
-    message = ("The model provider's error has passed. Continue the task above from where you stopped, then "
-               f"write your complete answer to {turn.path}; the orchestrator reads only that file.")
+    tell_to_continue(turn, "The model provider's error has passed.")
+
+
+def tell_to_continue(turn: Turn, what_passed: str) -> None:
+    """What stopped the agent mid-task has passed: one short message to go on (its task is in its conversation)."""
+    message = (f"{what_passed} Continue the task above from where you stopped, then write your complete answer "
+               f"to {turn.path}; the orchestrator reads only that file.")
     keep_sent(turn.role, "continue", message)
     deliver(turn.role, turn.terminal_id, message)
-    turn.facts.note_sent(_last_output(turn.terminal_id), time.monotonic())
+    turn.facts.note_sent(time.monotonic())
 
 
 def note_limit_in_flight(role: str, line: str, until: float | None) -> None:
@@ -4085,25 +4170,9 @@ def continue_after_usage_limit(turn: Turn) -> None:
     """The usage limit has reset: the agent has its task in its conversation; tell it to go on. The turn's
     RESPONSE_TIMEOUT counts from here."""
     log_turn(turn.role, f"usage limit reset; telling terminal {turn.terminal_id} to continue its task")
-    message = ("Your usage limit has reset. Continue the task above from where you stopped, then write your "
-               f"complete answer to {turn.path}; the orchestrator reads only that file.")
-    keep_sent(turn.role, "continue", message)
-    deliver(turn.role, turn.terminal_id, message)
+    tell_to_continue(turn, "Your usage limit has reset.")
     note_limit_in_flight(turn.role, "", None)
-    turn.facts.note_sent(_last_output(turn.terminal_id), time.monotonic())
     turn.facts.started = time.monotonic()
-
-
-def answer_limit_menu(turn: Turn, key: str) -> None:
-    """Claude Code asks what to do at its usage limit: pick "Stop and wait for limit to reset" (at most every
-    PERMISSION_ANSWER_INTERVAL seconds); the wait then sees the limit on its screen."""
-    now = time.monotonic()
-    if now - turn.menu_answered_at < PERMISSION_ANSWER_INTERVAL:
-        return
-    turn.menu_answered_at = now
-    log_turn(turn.role, f"usage-limit menu on terminal {turn.terminal_id}: choosing {key}. \"Stop and wait for "
-                        "limit to reset\"")
-    api.send_key(turn.terminal_id, key)
 
 
 def why_lost(facts: TurnFacts, state: TurnState) -> str:
@@ -4139,9 +4208,9 @@ def resend_in_full(turn: Turn) -> None:
     """Send the turn's prompt again at once with every block in full; the turn's clocks start over."""
     log_turn(turn.role, "its conversation was compacted during the turn, and the prompt referred back to what "
                         "the summary may have dropped; sending the prompt again in full")
-    message, baseline = send_prompt(turn.role, turn.full_prompt)
+    message = send_prompt(turn.role, turn.full_prompt)
     turn.message, turn.full_prompt = message, None
-    turn.facts.note_sent(baseline, time.monotonic(), whole_prompt=True, markers=prompt_markers(message))
+    turn.facts.note_sent(time.monotonic(), whole_prompt=True, markers=prompt_markers(message))
 
 
 def remind_unless_limited(turn: Turn) -> str | None:
@@ -4227,21 +4296,21 @@ def observe_terminal(turn: Turn) -> None:
         turn.facts.note_screen(screen, time.monotonic())
         if screen is not None:
             turn.facts.note_usage_limit(usage_limit_on(screen, time.time()))
-            if note_conversation(turn.role, turn.terminal_id, screen) == "compacted":
+            if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
     if liveness:
         turn.facts.note_lost(why_gone(turn.terminal_id, screen))
     elif shows_shell_prompt(screen):
         turn.facts.note_lost(why_gone(turn.terminal_id, screen))
-    menu_key = limit_menu_choice(screen)
-    if menu_key and not turn.facts.lost:
-        answer_limit_menu(turn, menu_key)
+    menu = open_menu(screen)
+    if menu is not None and not turn.facts.lost and safe_menu_choice(menu, turn.facts.cli):
+        answer_menu(turn.role, turn.terminal_id, menu)       # e.g. what to do at a usage limit: wait for it
     elif status == "waiting_user_answer" and not turn.facts.lost:
         handle_permission_prompt(turn)
 
 
 def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
-                   baseline_reply: str | None, rebuild: Callable[[], Prompt] | None = None) -> tuple[str, str]:
+                   rebuild: Callable[[], Prompt] | None = None) -> tuple[str, str]:
     """Wait until the turn's rules say the agent is done: its answer, and what showed the turn was over.
 
     `message` is what was sent (None for a turn carried over from an earlier
@@ -4250,7 +4319,7 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     """
     now = time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
-                      baseline_reply=baseline_reply, cli=cli_traits(provider_for(role)))
+                      cli=agent_cli(provider_for(role)))
     # CAO's send returned only now: nothing new to read yet, but soon (FIRST_LOOK_SECONDS).
     turn = Turn(role, terminal_id, path, message, facts,
                 ReadSchedule(next_status_at=now + min(POLL_SECONDS, FIRST_LOOK_SECONDS),
@@ -4391,13 +4460,7 @@ def start_failure_hint(error: str) -> str:
     hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
             "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
             "of the user running cao-server")
-    if "OpenCode" in error:
-        hint += ("; for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME "
-                 "sets itself up) and check the model provider in ~/.aws/opencode/opencode.json")
-    if "Claude Code" in error:
-        hint += ("; a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code "
-                 "(which otherwise refuses --dangerously-skip-permissions)")
-    return hint
+    return hint + "".join(f"; {cli.start_hint}" for cli in AGENT_CLIS.values() if cli.start_hint and cli.label in error)
 
 
 def exit_terminals(ids: list[str]) -> None:
@@ -4553,6 +4616,22 @@ def request_replacement(role: str, interrupted: list[int]) -> dict:
     return request_agent(role, session_name)
 
 
+def new_agent_for(role: str, doing: str) -> str:
+    """A new agent for the role in the run's session (a replacement, or a new conversation); its terminal id."""
+    with signals_held(doing) as interrupted:
+        answer = request_replacement(role, interrupted)
+    note_model_answers({role: answer})
+    return answer["id"]
+
+
+def remove_terminal(terminal_id: str) -> None:
+    """Remove a terminal the run no longer uses; one CAO cannot remove is logged, not fatal."""
+    try:
+        api.delete_terminal(terminal_id)
+    except ApiError as exc:
+        log(f"could not remove terminal {terminal_id}: {exc}")
+
+
 def died_starting(terminal_id: str) -> bool:
     """Whether the terminal's agent was seen up (made by this process, or ready twice) and has never been
     sent a prompt of the run: a CLI that died as it started, with nothing of the run in it."""
@@ -4599,16 +4678,11 @@ def replace_lost_agent(lost: AgentLost) -> None:
         roles = ROLES
     else:
         log(f"replacing the {lost.role} agent (terminal {lost.terminal_id}: {lost.why})")
-        with signals_held("creating the replacement agent") as interrupted:
-            answer = request_replacement(lost.role, interrupted)
-        note_model_answers({lost.role: answer})
-        new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: answer["id"]}, (lost.role,)
-        try:
-            api.delete_terminal(lost.terminal_id)
-        except ApiError as exc:
-            log(f"could not remove the lost terminal {lost.terminal_id}: {exc}")
+        new_id = new_agent_for(lost.role, "creating the replacement agent")
+        new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: new_id}, (lost.role,)
+        remove_terminal(lost.terminal_id)
     event = replacements_used() + 1
-    at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    at = utc_iso()
     # The prompt in flight went to a terminal that is gone: the new agent has not got it, whatever its
     # status reads (a fresh OpenCode can read `completed`), so the turn is sent again, not waited for.
     unsent = replace(in_flight, sent_at=None) if in_flight is not None and in_flight.role in roles else in_flight
@@ -4728,14 +4802,14 @@ def carried_over_turn(role: str, path: Path) -> str:
         set_aside_stale_reply(path)
     if in_flight.limit_line:
         return "limited"         # its agent waits out a usage limit: the wait continues the turn
-    status = cli_traits(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
+    status = agent_cli(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
     if status == "error" or status in READY_STATUSES or turn_mark(_screen(terminal_ids[role])) in ("ended", "idle"):
         return ""                # not at work on it (a CLI that marks its turns says so itself)
     return "working"             # busy, or a status that cannot tell: the wait judges by file and screen
 
 
-def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:
-    """Send a turn's prompt: (what was sent, the agent's last reply before it).
+def send_prompt(role: str, prompt: str) -> str:
+    """Send a turn's prompt; return what was sent (the words the terminal shows may differ from the prompt's).
 
     The turn is saved as in flight before the send, and what the prompt
     carries in full is recorded as sent once the terminal has it -- or may
@@ -4745,9 +4819,6 @@ def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:
     wait_until_settled(role, terminal_id)
     set_aside_stale_reply(response_path(role))
     message = deliverable_message(role, prompt)
-    # Before the send: CAO's send returns only after pasting (seconds with
-    # some CLIs), and a quick agent may have answered by then.
-    baseline_reply = _last_output(terminal_id)
     now = time.time()
     position = turn_position(role)
     again = in_flight is not None and in_flight.belongs_to(position) and in_flight.number is not None
@@ -4771,7 +4842,7 @@ def send_prompt(role: str, prompt: str) -> tuple[str, str | None]:
         log_turn(role, f"delivery to terminal {terminal_id} broke off ({exc}); watching whether the "
                        "prompt arrived before sending it again")
     record_sent(in_flight.sent_in_full)
-    return message, baseline_reply
+    return message
 
 
 def turn_timing(path: Path) -> str:
@@ -4898,7 +4969,7 @@ def check_budget(role: str) -> None:
 
 def record_agent_event(role: str, terminal_id: str, what: str, detail: str = "") -> None:
     """Keep what happened to an agent's conversation or account in the run's record (saved with the state)."""
-    at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    at = utc_iso()
     update_run(agent_events=agent_events + [AgentEvent(role, terminal_id, at, what, detail)])
 
 
@@ -4917,18 +4988,18 @@ def forget_conversation(role: str, terminal_id: str, what: str, detail: str = ""
     record_agent_event(role, terminal_id, what, detail)
     forget_sent(marks)
     save_state()
-    if what == "compacted":
-        log_turn(role, "its conversation was compacted; the next prompt carries the full task again")
+    if what in ("compacted", "cleared"):
+        log_turn(role, f"its conversation was {what}; the next prompt carries the full task again")
     else:
         log_turn(role, f"{detail}: the next prompt carries the full task, not back-references")
     return True
 
 
 def note_conversation(role: str, terminal_id: str, screen: str | None) -> str:
-    """Act on what the agent's screen says of its conversation: compacted, or its context nearly full. Says
-    'compacted' when that forgot what the terminal had been sent."""
-    change, detail = conversation_change(screen)
-    if change == "compacted":
+    """Act on what the agent's screen says of its conversation: compacted or cleared, or its context nearly
+    full. Says 'compacted' or 'cleared' when that forgot what the terminal had been sent."""
+    change, detail = conversation_change(screen, agent_cli(provider_for(role)))
+    if change in ("compacted", "cleared"):
         return change if forget_conversation(role, terminal_id, change) else ""
     if change == "context low" and role not in fresh_agents_due and terminal_ids.get(role) == terminal_id:
         why = f"its context is nearly full ({detail}) and its CLI will not compact it"
@@ -4978,20 +5049,14 @@ def start_fresh_agent(role: str, why: str) -> None:
     """A new agent for the role, in the run's session, and the old one ended: a new conversation."""
     old = terminal_ids[role]
     check_alive(role, old)                # a session that is gone is the replacement's to handle
-    with signals_held("creating the new agent"):
-        answer = request_agent(role, session_name)
-    note_model_answers({role: answer})
-    new = answer["id"]
+    new = new_agent_for(role, "creating the new agent")
     record_agent_event(role, new, "new conversation", f"{why}; was terminal {old}")
     update_run(terminal_ids={**terminal_ids, role: new}, agent_models={**agent_models, role: model_for(role)},
                fresh_agents_due={r: w for r, w in fresh_agents_due.items() if r != role})
     save_state()
     settled_terminals.add(new)
     exit_terminals([old])
-    try:
-        api.delete_terminal(old)
-    except ApiError as exc:
-        log(f"could not remove terminal {old}: {exc}")
+    remove_terminal(old)
     log_turn(role, f"{why}: a new agent (terminal {new}, was {old}) takes the turn, with the full task")
 
 
@@ -5022,7 +5087,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     carried = carried_over_turn(role, path)
     if carried == "taken":
         return retake_reply(role, len(prompt.encode("utf-8")))
-    message = baseline_reply = None
+    message = None
     if carried:
         record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
         if carried != "limited":
@@ -5031,8 +5096,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
                      "the interruption; waiting for it")
     else:
         tokens_before_send(role)
-        message, baseline_reply = send_prompt(role, prompt)
-    reply, ended_by = wait_for_reply(role, terminal_id, path, message, baseline_reply, build)
+        message = send_prompt(role, prompt)
+    reply, ended_by = wait_for_reply(role, terminal_id, path, message, build)
     crash_point("reply-settled")
     timing = turn_timing(path)
     archived = archive_reply(role, reply, path)
@@ -5096,10 +5161,10 @@ def review_verdict(review_text: str) -> str:
 
 def _evidence_patterns(review_role: str) -> tuple[str, ...]:
     family = review_role.replace("peer_", "")
-    if family not in REVIEW_EVIDENCE_PATTERNS:
+    if family not in REVIEW_CHECKLISTS:
         raise ValueError(f"review_role must be one of analyst, peer_analyst, programmer, peer_programmer; "
                          f"got {review_role!r}")
-    return REVIEW_EVIDENCE_PATTERNS[family]
+    return tuple(check.evidence for check in REVIEW_CHECKLISTS[family])
 
 
 def review_evidence_matches(review_text: str, review_role: str) -> int:
@@ -5136,7 +5201,7 @@ UPSTREAM_BACK_REFERENCE = "(Same as in your previous cycle -- refer to your conv
 _LABEL_LINE = re.compile(r"^(?:[-*+]\s+|\d+[.)]\s+)?\**([A-Za-z][A-Za-z0-9 _/&()'-]*?)\**\s*:|^#{1,6}\s+(.+?)\s*#*$")
 
 
-def _head(text: str, max_lines: int) -> str:
+def _head(text: str, max_lines: int | None) -> str:
     return "\n".join((text or "").strip().splitlines()[:max_lines])
 
 
@@ -5154,17 +5219,19 @@ def extract_review_notes(text: str) -> str:
     return _marked_section(text, "REVIEW_NOTES", MAX_FEEDBACK_LINES)
 
 
-def extract_test_evidence(text: str) -> str:
-    """The RESULT line plus the EVIDENCE section, capped at MAX_TEST_EVIDENCE_LINES."""
+def extract_test_evidence(text: str, uncapped: bool = False) -> str:
+    """The RESULT line plus the EVIDENCE section, capped at MAX_TEST_EVIDENCE_LINES (`uncapped`: all of it, as
+    the run's page shows it); the head of the text when it has no EVIDENCE line."""
+    limit = None if uncapped else MAX_TEST_EVIDENCE_LINES
     lines = (text or "").strip().splitlines()
     evidence = _first_marker_line(lines, "EVIDENCE")
     if evidence is None:
-        return _head(text, MAX_TEST_EVIDENCE_LINES)
+        return _head(text, limit)
     result = _first_marker_line(lines, "RESULT")
     kept = lines[evidence:]
     if result is not None and result < evidence:
         kept = [lines[result]] + kept
-    return "\n".join(kept[:MAX_TEST_EVIDENCE_LINES]).strip()
+    return "\n".join(kept[:limit]).strip()
 
 
 def review_feedback_from(review_text: str) -> str:
@@ -5324,16 +5391,18 @@ def promise_signal(reply: str) -> tuple[str, str]:
 # section labels). Building a prompt changes nothing: the Prompt it returns
 # says which blocks it carries in full, and ask_agent() records them as sent.
 
-def _review_back_reference(checks: str, author: str) -> str:
+def _review_back_reference(checks: tuple[ReviewCheck, ...], author: str) -> str:
     """What a reviewer is told in place of the checklist and answer format it already has."""
-    return (f"Checks and answer format: as in your first review -- four checks ({checks}), each with "
-            f"evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what {author} "
-            f"must change).")
+    names = ", ".join(check.name for check in checks)
+    return (f"Checks and answer format: as in your first review -- {NUMBER_WORDS[len(checks)]} checks ({names}), "
+            f"each with evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what "
+            f"{author} must change).")
 
 
-def _review_checks(checks: tuple[str, ...], author: str) -> str:
+def _review_checks(checks: tuple[ReviewCheck, ...], author: str) -> str:
+    """The checklist and answer format a reviewer gets in full, from its role's REVIEW_CHECKLISTS."""
     return ("Check, citing what you looked at:\n"
-            + "".join(f"{number}. {check}\n" for number, check in enumerate(checks, 1))
+            + "".join(f"{number}. {check.name}: {check.asks}\n" for number, check in enumerate(checks, 1))
             + "\nAnswer format:\n"
             "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
             "REVIEW_NOTES:\n"
@@ -5372,21 +5441,12 @@ ANSWER_FORMATS = {
         "Answer format: as in your first turn -- RESULT: PASS or RESULT: FAIL, then EVIDENCE: "
         "(for FAIL the failing step and a recommended next fix)."),
 }
+NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# reviewer -> (full text, back-reference), from the checklist of the role it reviews
 REVIEW_CHECKS = {
-    "peer_analyst": (
-        _review_checks(("Artifacts: the change's proposal, design, specs and tasks exist and match the task.",
-                        "P1 traceability: every P1 requirement traces to the task or the scenario test.",
-                        "Downstream contracts: interfaces, formats and commands are exact enough to code and "
-                        "test against.",
-                        "Handoff: the programmer's first steps are actionable."), "the analyst"),
-        _review_back_reference("Artifacts, P1 traceability, Downstream contracts, Handoff", "the analyst")),
-    "peer_programmer": (
-        _review_checks(("Tests: they run and pass (give the command and its result).",
-                        "Files: the changed files do what the tasks ask (name them).",
-                        "Requirements: each requirement and the scenario test is covered by the code.",
-                        "Edge cases and error handling: no obvious regression or unhandled error."),
-                       "the programmer"),
-        _review_back_reference("Tests, Files, Requirements, Edge cases and error handling", "the programmer")),
+    f"peer_{author}": (_review_checks(REVIEW_CHECKLISTS[author], f"the {author}"),
+                       _review_back_reference(REVIEW_CHECKLISTS[author], f"the {author}"))
+    for author in REVIEW_CHECKLISTS
 }
 STORY_ANSWER_FORMAT = (
     "Answer format:\n"
@@ -5466,11 +5526,6 @@ def _block_sent_by_call(name: str, terminal_id: str) -> str:
 def explore_block_for(terminal_id: str) -> str:
     """The explore summary: in full on the first call for this terminal, the back-reference after."""
     return _block_sent_by_call("explore", terminal_id)
-
-
-def scenario_block_for(terminal_id: str) -> str:
-    """The scenario test: in full on the first call for this terminal, the back-reference after."""
-    return _block_sent_by_call("scenario", terminal_id)
 
 
 def _or_none(text: str) -> str:
@@ -6255,7 +6310,7 @@ def check_agent_clis() -> None:
     if not missing:
         return
     role, provider = missing[0]
-    setting = f"{role.upper()}_PROVIDER" if globals()[f"{role.upper()}_PROVIDER"] else "PROVIDER"
+    setting = f"{role.upper()}_PROVIDER" if own_provider(role) else "PROVIDER"
     installed = sorted(name for name, (_binary, present) in report.items() if present)
     what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
             f"({setting}={provider}), is not installed on its machine")
@@ -6977,7 +7032,7 @@ def help_text() -> str:
     for env in COMMON_SETTINGS:
         setting = SETTINGS_BY_ENV[env]
         lines.append(f"  {env:20} {_shown_default(setting)}")
-    lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(KNOWN_PROVIDERS), 78, subsequent_indent="  ")
+    lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
     first_codes = ((EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL or error"), (EXIT_USAGE, "bad settings"))
     more_codes = ((EXIT_LOCKED, "another process drives the run"), (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
     lines += ["", "Example:",

@@ -714,3 +714,14 @@ def test_a_setting_key_at_the_wrong_level_is_told_where_it_belongs(load_orch, pr
     assert run_main(m, str(config)) == 2
     assert "'MAX_ROUNDS' is the environment variable; in a config file it is 'limits.max_rounds'" in \
         capsys.readouterr().err
+
+
+def test_the_public_names_are_the_specs_names_main_and_one_per_setting():
+    """`__all__` names what users and the specs' tests address: each exists, every setting's global is in it,
+    and nothing the script keeps to itself (the wait's rules, the report's parts) is."""
+    public = set(run_orchestrator_loop.__all__)
+    assert all(hasattr(run_orchestrator_loop, name) for name in public)
+    assert {"main", "ApiClient", "api", "save_state", "load_state", "extract_test_evidence"} <= public
+    assert set(SPEC1_VARIABLES) <= public
+    assert {setting.env for setting in run_orchestrator_loop.SETTINGS} <= public
+    assert not public & {"decide", "TurnFacts", "wait_for_reply", "write_report", "CLI_TRAITS"}

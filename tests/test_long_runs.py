@@ -37,8 +37,7 @@ def m(orch, monkeypatch):
 
 def idle_since_two(m, limit=None):
     """A turn sent at t=0 whose agent worked, then went idle at t=2 without its file."""
-    facts = m.TurnFacts(started=0.0, guard_since=0.0, markers=m.prompt_markers(PROMPT), baseline_reply="before",
-                        prompt_seen=True)
+    facts = m.TurnFacts(started=0.0, guard_since=0.0, markers=m.prompt_markers(PROMPT), prompt_seen=True)
     facts.note_status("processing", 1.0)
     facts.note_status("completed", 2.0)
     if limit is not None:
@@ -126,7 +125,7 @@ def test_a_reply_file_outranks_a_usage_limit_on_the_screen(m):
 def test_a_message_sent_ends_the_limit_and_its_wait(m):
     facts = idle_since_two(m, a_limit(m))
     facts.limit_wait_until = 50.0
-    facts.note_sent("after", 60.0)
+    facts.note_sent(60.0)
     assert facts.usage_limit is None and facts.limit_wait_until is None
 
 
@@ -194,8 +193,10 @@ def test_a_limit_above_the_last_thirty_lines_of_the_screen_is_an_old_one(m):
 def test_the_menu_choice_that_waits_is_found(m):
     screen = ("\x1b[1mWhat do you want to do?\x1b[0m\n❯ 1. Stop and wait for limit to reset\n"
               "  2. Upgrade your plan\n")
-    assert m.limit_menu_choice(screen) == "1"
-    assert m.limit_menu_choice("❯ 1. Yes\n  2. No\n") == ""
+    claude = m.agent_cli("claude_code")
+    assert m.safe_menu_choice(m.open_menu(screen), claude) == ("Claude Code's usage-limit menu", 1)
+    assert m.safe_menu_choice(m.open_menu("❯ 1. Yes\n  2. No\n"), claude) is None
+    assert m.safe_menu_choice(m.open_menu(screen), m.agent_cli("codex")) is None    # not a menu Codex opens
 
 
 @pytest.mark.parametrize("screen, change", [
@@ -211,7 +212,8 @@ def test_the_menu_choice_that_waits_is_found(m):
     ("\x1b[38;5;246m✻\x1b[3GConversation\x1b[16Gcompacted\x1b[26G(ctrl+o", "compacted"),
     ("\x1b[38;5;147m✽\x1b[3GCompacting conve\x1b[38;5;153mrsa\x1b[38;5;147mtion… ", "compacted"),
     ("❯ /clear\n\n❯ ", "cleared"),
-    ("╭──────╮\n│ >_ OpenAI Codex (v0.169.0) │\n› Ask Codex to do anything", "cleared"),   # Codex after /new
+    ("╭──────╮\n│ >_ OpenAI Codex (v0.169.0) │\n› Ask Codex to do anything", ""),   # Codex's header: its start-up
+    #                                                      and any redraw show it too, not only /new or /clear
     ("> You are the tester\n42% until auto-compact", ""),
     ("", ""),
 ])
@@ -251,7 +253,7 @@ def test_a_compacted_conversation_gets_the_full_task_in_its_next_prompt(load_orc
     """The tester's CLI compacts during its round-1 turn: its round-2 prompt carries the explore summary and
     the scenario test in full again, and the run record says why."""
     fake_cao.script["tester"] = [compacted_then(FAIL_REPLY), PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **PROGRAMMER_ON)
     assert run_main(m) == 0
     first, second = prompts_of_tester(fake_cao)
     for prompt in (first, second):
@@ -268,7 +270,7 @@ def test_a_compacted_conversation_gets_the_full_task_in_its_next_prompt(load_orc
 
 def test_without_compaction_the_next_prompt_keeps_the_back_reference(load_orch, fake_cao, prompt_file):
     fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **PROGRAMMER_ON)
     assert run_main(m) == 0
     first, second = prompts_of_tester(fake_cao)
     assert EXPLORE_TEXT in first and EXPLORE_TEXT not in second and m.EXPLORE_BACK_REFERENCE in second
@@ -284,7 +286,7 @@ def test_a_compaction_typed_by_hand_between_turns_is_noticed_before_the_next_pro
         Path(terminal.response_path).write_text(FAIL_REPLY if fake.turns["tester"] == 1 else PASS_REPLY)
         terminal.status = "completed"
     fake_cao.script["tester"] = [{"action": "call", "call": compacted_by_hand}]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **PROGRAMMER_ON)
     assert run_main(m) == 0
     programmer = fake_cao.prompts_for("programmer")
     assert len(programmer) == 2 and EXPLORE_TEXT in programmer[1] and SCENARIO_TEXT in programmer[1]
@@ -299,7 +301,7 @@ def test_context_low_starts_a_new_agent_for_the_next_turn(load_orch, fake_cao, p
         terminal.printed = FAIL_REPLY + "\nContext low (7% remaining) · Run /compact to compact & continue\n"
         terminal.status = "completed"
     fake_cao.script["tester"] = [{"action": "call", "call": low}, PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **PROGRAMMER_ON)
     old = None
     assert run_main(m) == 0
     testers = [t for t in fake_cao.terminals.values() if t.role == "tester"]
@@ -420,15 +422,15 @@ def test_claude_codes_usage_limit_menu_is_answered_with_the_choice_that_waits(lo
         terminal.held_text = PASS_REPLY
 
     fake_cao.script["tester"] = [{"action": "call", "call": menu}]
-    m = load_orch(PROMPT_FILE=str(prompt_file), USAGE_LIMIT_MARGIN_SECONDS="0.2", **TESTER_ONLY)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", USAGE_LIMIT_MARGIN_SECONDS="0.2", **TESTER_ONLY)
 
     def stop_and_wait(fake, terminal, key):
-        if key == "1":
+        if key == "Enter":                 # the highlighted choice, "Stop and wait for limit to reset"
             terminal.printed, terminal.status = line, "idle"
 
     fake_cao.key_hook = stop_and_wait
     assert run_main(m) == 0
-    assert fake_cao.keys == [("tester", "1")]
+    assert fake_cao.keys == [("tester", "Enter")]
     assert [message.split(".")[0] for _, message in fake_cao.reminders] == ["Your usage limit has reset"]
 
 
@@ -487,7 +489,7 @@ def test_a_compaction_during_a_back_referencing_turn_sends_the_prompt_again_in_f
     back to the task. The prompt goes again at once with the task in full, before any reminder, and that
     turn's reply is the one taken."""
     fake_cao.script["tester"] = [FAIL_REPLY, {"action": "call", "call": compacted_without_file}, PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **PROGRAMMER_ON)
     assert run_main(m) == 0
     first, referring, again = prompts_of_tester(fake_cao)
     assert m.EXPLORE_BACK_REFERENCE in referring and EXPLORE_TEXT not in referring
@@ -506,7 +508,7 @@ def test_a_compaction_during_a_turn_whose_prompt_was_in_full_sends_nothing_again
     """The first prompt carried everything: a compaction during its turn costs no resend (only the next
     prompt carries the full task again)."""
     fake_cao.script["tester"] = [compacted_then(FAIL_REPLY), PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **PROGRAMMER_ON)
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **PROGRAMMER_ON)
     assert run_main(m) == 0
     assert len(prompts_of_tester(fake_cao)) == 2
     assert "sending the prompt again in full" not in capsys.readouterr().out
@@ -521,7 +523,7 @@ def test_the_full_prompt_is_due_at_once_after_a_compaction_and_never_once_a_file
     assert decide(m, facts, 3.5) == ("WORKING", "RESEND_IN_FULL")
     facts.note_status("completed", 4.0)
     assert decide(m, facts, 4.5) == ("IDLE_WITHOUT_FILE", "RESEND_IN_FULL")
-    facts.note_sent("before", 5.0, whole_prompt=True, markers=m.prompt_markers(PROMPT))
+    facts.note_sent(5.0, whole_prompt=True, markers=m.prompt_markers(PROMPT))
     assert decide(m, facts, 5.5)[1] == "WAIT"
     written = idle_since_two(m)
     written.note_file((1, 10), 3.0)

@@ -531,13 +531,16 @@ def test_a_page_before_the_first_test_result_says_the_tester_has_not_answered(mi
 
 
 @pytest.mark.parametrize("reply, shown", [
-    ("I ran it.\nRESULT: FAIL\nNotes\nEVIDENCE:\n- wrong", "RESULT: FAIL\nNotes\nEVIDENCE:\n- wrong"),
+    ("I ran it.\nRESULT: FAIL\nNotes\nEVIDENCE:\n- wrong", "RESULT: FAIL\nEVIDENCE:\n- wrong"),
+    ("RESULT: FAIL\nEVIDENCE:\n" + "\n".join(f"- line {n}" for n in range(200)),
+     "RESULT: FAIL\nEVIDENCE:\n" + "\n".join(f"- line {n}" for n in range(200))),
     ("Looked at it.\n**EVIDENCE:**\n- fine\nRESULT: PASS", "**EVIDENCE:**\n- fine\nRESULT: PASS"),
     ("RESULT: PASS\nall good", "RESULT: PASS\nall good"),
     ("  no markers at all\n", "no markers at all"),
 ])
 def test_the_evidence_shown_is_the_replys_result_and_evidence(orch, reply, shown):
-    assert orch.tester_evidence(reply) == shown
+    """What the programmer is told of a failed test (extract_test_evidence), uncapped: the page shows it all."""
+    assert orch.extract_test_evidence(reply, uncapped=True) == shown
 
 
 # -- the legend ----------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class SimTerminal:
     def wait(self, message: str = "the prompt") -> tuple[str, float]:
         """Run the real wait loop; return the reply and the clock when it was taken."""
         self.echo = f"> {message.splitlines()[0]}\n" if self.shows_prompt else ""
-        reply, self.ended_by = self.orch.wait_for_reply("tester", "t1", self.path, message, "previous reply")
+        reply, self.ended_by = self.orch.wait_for_reply("tester", "t1", self.path, message)
         return reply, self.now
 
 
@@ -288,11 +288,10 @@ def test_error_status_stops_the_turn(sim, orch):
         sim.wait()
 
 
-def test_a_new_last_reply_shows_the_agent_worked_so_it_is_reminded_not_sent_the_prompt(sim):
-    """Idle all along (its busy moment fell between two polls), but CAO's last reply changed:
-    it got the prompt. It is reminded once its idle grace is used up, counted from when it went idle."""
+def test_an_agent_idle_all_along_is_reminded_once_its_idle_grace_is_used_up(sim):
+    """Idle all along (its busy moment fell between two polls), the prompt on its screen: it is reminded
+    once its idle grace is used up, counted from the first idle reading, and its file is then taken."""
     sim.status = "idle"
-    sim.at(1.0, reply="its answer, left in the terminal")
     sim.write_at(45.0, FINAL)
     sim.at(45.0, status="completed")
     reply, _ = sim.wait()

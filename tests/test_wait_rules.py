@@ -29,8 +29,7 @@ def m(orch, monkeypatch):
 def sent_at_zero(m, prompt_known: bool = True, shown: bool = True):
     """A turn whose prompt went out at t=0 (and, by default, showed on the agent's screen at once)."""
     markers = m.prompt_markers(PROMPT) if prompt_known else ()
-    return m.TurnFacts(started=0.0, guard_since=0.0, markers=markers, baseline_reply="before",
-                       prompt_seen=shown and prompt_known)
+    return m.TurnFacts(started=0.0, guard_since=0.0, markers=markers, prompt_seen=shown and prompt_known)
 
 
 def decide(m, facts, now):
@@ -113,7 +112,7 @@ def test_a_prompt_not_on_a_quiet_screen_is_sent_again_once_then_the_agent_counts
     facts.note_screen("Trust this folder?", 2.0)
     assert decide(m, facts, GRACE) == ("PROMPT_NOT_SHOWN", "RESEND")
     facts.resend_used = True
-    facts.note_sent("before", GRACE, whole_prompt=True)
+    facts.note_sent(GRACE, whole_prompt=True)
     assert decide(m, facts, 2 * GRACE - 0.1) == ("PROMPT_NOT_SHOWN", "WAIT")
     assert decide(m, facts, 2 * GRACE) == ("PROMPT_NOT_SHOWN", "LOST")     # never a reminder first
 
@@ -161,17 +160,10 @@ def test_idle_counts_from_the_last_reminder(m):
     facts = sent_at_zero(m)
     facts.note_status("processing", 2.0)
     facts.note_status("completed", 10.0)
-    facts.note_sent("reminder baseline", 40.0)
+    facts.note_sent(40.0)
     facts.seen_working = True                         # e.g. its reply changed
     assert decide(m, facts, 40.0 + GRACE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
     assert decide(m, facts, 40.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
-
-
-def test_a_new_reply_counts_as_working_without_restarting_the_idle_clock(m):
-    facts = sent_at_zero(m)
-    facts.note_status("idle", 2.0)
-    facts.note_reply("a new answer in the terminal")
-    assert decide(m, facts, 2.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
 
 
 def test_unknown_status_is_idle_once_the_screen_is_still(m):
@@ -217,7 +209,7 @@ def test_a_provider_error_pause_waits_then_tells_the_agent_to_continue(m):
     facts.provider_errors, facts.provider_pause_until = 1, 10.0 + GRACE + PAUSE
     assert decide(m, facts, 10.0 + GRACE + PAUSE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
     assert decide(m, facts, 10.0 + GRACE + PAUSE) == ("IDLE_WITHOUT_FILE", "CONTINUE")
-    facts.note_sent("error text", 10.0 + GRACE + PAUSE)
+    facts.note_sent(10.0 + GRACE + PAUSE)
     assert facts.provider_pause_until is None and facts.prompt_seen      # a continue is not a new prompt
 
 
@@ -391,7 +383,7 @@ def test_an_end_mark_without_a_file_is_idle_and_reminded_after_idle_grace(m):
     facts.note_status("processing", 12.0)
     assert decide(m, facts, 10.0 + GRACE - 0.1) == ("IDLE_WITHOUT_FILE", "WAIT")
     assert decide(m, facts, 10.0 + GRACE) == ("IDLE_WITHOUT_FILE", "REMIND")
-    facts.note_sent("before", 10.0 + GRACE)                          # the reminder clears the mark
+    facts.note_sent(10.0 + GRACE)                          # the reminder clears the mark
     assert facts.marked_idle_at is None
     assert decide(m, facts, 10.0 + GRACE + 1) == ("WORKING", "WAIT")
 
@@ -409,7 +401,7 @@ def test_only_a_done_after_the_newest_working_mark_ends_a_turn(m):
 def codex_turn(m, shown: bool = True):
     """A turn of Codex, whose ready status CAO misreads: only its own marks, or a still screen, end it."""
     facts = sent_at_zero(m, shown=shown)
-    facts.cli = m.cli_traits("codex")
+    facts.cli = m.agent_cli("codex")
     return facts
 
 
@@ -458,22 +450,22 @@ def test_a_codex_draft_under_a_stale_idle_status_waits_for_a_still_screen_when_n
 def opencode_turn(m):
     """A turn of a CLI that CAO reports ready while it works: its ready status counts for nothing."""
     facts = sent_at_zero(m)
-    facts.cli = m.cli_traits("opencode_cli")
+    facts.cli = m.agent_cli("opencode_cli")
     return facts
 
 
 def test_opencode_is_the_cli_whose_ready_status_is_not_trusted(m):
-    assert not m.cli_traits("opencode_cli").ready_status_trusted
-    assert not m.cli_traits("copilot_cli").ready_status_trusted         # the same for Copilot CLI
-    assert not m.cli_traits("hermes").ready_status_trusted              # and Hermes Agent
-    assert not m.cli_traits("codex").ready_status_trusted               # and Codex (its own marks count)
-    assert m.cli_traits("claude_code").ready_status_trusted and m.cli_traits("mock_cli").ready_status_trusted
+    assert not m.agent_cli("opencode_cli").ready_status_trusted
+    assert not m.agent_cli("copilot_cli").ready_status_trusted         # the same for Copilot CLI
+    assert not m.agent_cli("hermes").ready_status_trusted              # and Hermes Agent
+    assert not m.agent_cli("codex").ready_status_trusted               # and Codex (its own marks count)
+    assert m.agent_cli("claude_code").ready_status_trusted and m.agent_cli("mock_cli").ready_status_trusted
 
 
 def test_a_settled_file_of_a_cli_reported_ready_while_it_works_waits_for_a_still_screen(m):
     """CAO says `completed` while OpenCode, having written a draft, repaints its busy bar: the draft is not
     taken; once the screen has been still for the CLI's window, the file is."""
-    window = m.cli_traits("opencode_cli").still_screen_ends_turn
+    window = m.agent_cli("opencode_cli").still_screen_ends_turn
     facts = opencode_turn(m)
     facts.note_file(FILE, 3.0)
     for tick in range(0, 20):                                   # a frame every 0.25 s for 5 s
@@ -520,7 +512,7 @@ def test_whether_the_agent_is_there_is_asked_every_liveness_check_while_there_is
 
 def test_the_screen_is_read_with_each_status_until_the_prompt_shows(m):
     facts = sent_at_zero(m, shown=False)
-    facts.note_status("completed", 2.0)
+    facts.note_status("processing", 2.0)
     assert m.ReadSchedule.screen_due(facts, 2.0)
     facts.note_screen("> " + PROMPT, 2.0)
     assert not m.ReadSchedule.screen_due(facts, 4.0)
@@ -528,7 +520,7 @@ def test_the_screen_is_read_with_each_status_until_the_prompt_shows(m):
 
 def test_the_screen_is_read_only_while_the_status_cannot_end_the_turn(m):
     facts = sent_at_zero(m)
-    facts.note_status("completed", 2.0)
+    facts.note_status("processing", 2.0)
     assert not m.ReadSchedule.screen_due(facts, 2.0)
     facts.note_status("unknown", 4.0)
     assert m.ReadSchedule.screen_due(facts, 4.0)
@@ -536,6 +528,15 @@ def test_the_screen_is_read_only_while_the_status_cannot_end_the_turn(m):
     assert not m.ReadSchedule.screen_due(facts, 6.0)
     facts.note_file(FILE, 6.0)
     assert m.ReadSchedule.screen_due(facts, 6.0 + SETTLE)
+
+
+def test_an_agent_idle_without_its_file_has_its_screen_read_with_each_status(m):
+    """Before a reminder: the screen may say why it stopped (its conversation compacted, a usage limit)."""
+    facts = sent_at_zero(m)
+    facts.note_status("completed", 2.0)
+    assert m.ReadSchedule.screen_due(facts, 2.0)
+    facts.note_status("processing", 4.0)
+    assert not m.ReadSchedule.screen_due(facts, 4.0)
 
 
 # -- permission prompts -------------------------------------------------------------
@@ -613,9 +614,9 @@ def test_a_copilot_draft_is_not_taken_while_its_spinner_turns(m):
     """Copilot CLI's status bar spinner turns four times a second while it works; CAO may say `idle` or
     `completed` meanwhile. A settled draft is not taken while the screen moves, and is once it has been
     still for Copilot's window."""
-    window = m.cli_traits("copilot_cli").still_screen_ends_turn
+    window = m.agent_cli("copilot_cli").still_screen_ends_turn
     facts = sent_at_zero(m)
-    facts.cli = m.cli_traits("copilot_cli")
+    facts.cli = m.agent_cli("copilot_cli")
     facts.note_file(FILE, 1.0)
     for tick in range(12):                                      # ◎ / ◉ Working, every 0.25 s for 3 s
         now = 1.0 + SETTLE + tick / 4

@@ -30,7 +30,6 @@ from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUI
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
-POLL_SECONDS = 1.0
 # A reply's log line: the turn's time, how long after its file was written the loop took it, and what showed
 # the loop that the agent's turn was over. Times are measured (the suite's summary), never asserted: on a
 # loaded machine they stretch; which rule ended a turn does not.
@@ -40,10 +39,11 @@ ENDED_BY_MARK = run_orchestrator_loop.TURN_ENDED_BY_MARK
 
 
 def real_cli_run(cao, **settings: str) -> Run:
-    """A run with the loop's default handoff settings (unless a test names one), a faster poll, and room
-    for real CLIs."""
-    run = Run(cao, POLL_SECONDS=str(POLL_SECONDS), RESPONSE_TIMEOUT="300", **settings)
-    for name in ("IDLE_GRACE_SECONDS", "QUIET_SCREEN_SECONDS"):   # the defaults, as a user has them
+    """A run with the loop's default handoff settings (unless a test names one), as a user has them, and room
+    for real CLIs. The default poll, too: a status read costs cao-server a tmux call, and the suite's CPU is
+    its time; a reply is taken when its file settles, not at the next poll."""
+    run = Run(cao, RESPONSE_TIMEOUT="300", **settings)
+    for name in ("POLL_SECONDS", "IDLE_GRACE_SECONDS", "QUIET_SCREEN_SECONDS"):   # the defaults
         if name not in settings:
             run.env.pop(name, None)
     return run
