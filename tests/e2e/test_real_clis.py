@@ -322,22 +322,24 @@ def start_up_seconds(stdout: str) -> float:
 
 
 def test_opencode_fail_then_pass_with_its_programmer_killed_in_round_2(opencode_cao):
-    """OpenCode: FAIL in round 1 (the analyst's reply written twice, only the second read), every reply taken
-    once, no reminder (CAO answers `completed` throughout a later turn, so only the reply file can tell that it
-    ended). In round 2 the programmer's OpenCode is killed -9 while it works: its full-screen drawing stays in
-    the pane with a shell prompt somewhere in it; a new agent gets the whole prompt and the run PASSes. The
-    tokens reported are the model's, exactly. One run for both faults: each OpenCode start costs ~15 s of CPU.
-    OpenCode has run once in this HOME, as for a user who has used it before: a fresh HOME's first start-up is
-    bench/bench_start_up.py's."""
+    """OpenCode, from the programmer on: FAIL in round 1 (the programmer's reply written twice, only the second
+    read), every reply taken once, no reminder (CAO answers `completed` throughout a later turn, so only the
+    reply file and the still screen can tell that it ended). In round 2 the programmer's OpenCode is killed -9
+    while it works: its full-screen drawing stays in the pane with a shell prompt somewhere in it; a new agent
+    gets the whole prompt and the run PASSes. The tokens reported are the model's, exactly. One run for both,
+    and no analysis phase (the same handoff as the programmer's): each OpenCode start costs ~15 s of CPU and
+    each turn on a loaded machine more. OpenCode has run once in this HOME, as for a user who has used it
+    before: a fresh HOME's first start-up is bench/bench_start_up.py's."""
     cao = opencode_cao
     assert (cao.home / ".local" / "share" / "opencode").exists()      # OpenCode ran here once
-    run = real_cli_run(cao, REPLACE_LOST_AGENTS="1", AGENT_HOME=str(cao.home))
-    cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "analyst": [ANALYST_IN_TWO_WRITES],
-                          "programmer": [PROGRAMMER_REPLY, {"text": PROGRAMMER_REPLY, "think_ms": 20000},
+    run = real_cli_run(cao, REPLACE_LOST_AGENTS="1", START_AGENT="programmer", AGENT_HOME=str(cao.home))
+    draft_then_answer = {**ANALYST_IN_TWO_WRITES, "text": PROGRAMMER_REPLY}
+    cao.model.set_script({"tester": [FAIL_REPLY, PASS_REPLY],
+                          "programmer": [draft_then_answer, {"text": PROGRAMMER_REPLY, "think_ms": 20000},
                                          PROGRAMMER_REPLY]})
     result, killed_at = kill_programmer_while_it_works(cao, run, prompt=2)
     check_programmer_replaced("opencode", run, result, killed_at)
-    sequence = QUICK_ROUND + SHORT_ROUND
+    sequence = SHORT_ROUND + SHORT_ROUND
     assert run.archived() == numbered(sequence), explain(result)
     expected = {role: sequence.count(role) for role in set(sequence)}
     expected["programmer"] += 1                                   # the killed turn, then its replacement's
@@ -345,11 +347,11 @@ def test_opencode_fail_then_pass_with_its_programmer_killed_in_round_2(opencode_
     assert "reminder" not in [event["kind"] for event in cao.model.events()], cao.model.events()
     assert "reminder" not in result.stdout, explain(result)
     assert run.state()["final_status"] == "PASS" and run.state()["current_round"] == 2
-    analyst_writes = [w["draft"] for w in cao.model.writes() if w["role"] == "analyst"]
-    assert analyst_writes[0] and not analyst_writes[-1], cao.model.events()      # a draft, then the answer
-    assert run.archived_text("001-analyst.md").strip() == ANALYST_FINAL.strip(), explain(result)
-    assert run.archived_text("005-tester.md").strip() == FAIL_REPLY.strip()
-    assert run.archived_text("008-tester.md").strip() == PASS_REPLY.strip()
+    programmer_writes = [w["draft"] for w in cao.model.writes() if w["role"] == "programmer"]
+    assert programmer_writes[0] and not programmer_writes[1], cao.model.events()      # a draft, then the answer
+    assert run.archived_text("001-programmer.md").strip() == PROGRAMMER_REPLY.strip(), explain(result)
+    assert run.archived_text("003-tester.md").strip() == FAIL_REPLY.strip()
+    assert run.archived_text("006-tester.md").strip() == PASS_REPLY.strip()
     check_tokens_are_the_models(cao, run, unanswered={("programmer", 2)})
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(turn_times(result.stdout))
 
