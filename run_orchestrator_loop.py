@@ -3579,6 +3579,16 @@ def menu_keys(menu: Menu, choice: int) -> list[str]:
     return ["Down"] * max(0, steps) + ["Up"] * max(0, -steps) + ["Enter"]
 
 
+def pick_menu_choice(role: str, terminal_id: str, menu: Menu, known: tuple[str, int]) -> tuple[str, int]:
+    """Move to the known menu's safe choice and pick it, logged; returns it."""
+    name, choice = known
+    log_turn(role, f"{name} on terminal {terminal_id} ({menu.text()[:200]}): choosing {choice}. "
+                   f"\"{dict(menu.choices)[choice]}\"")
+    for key in menu_keys(menu, choice):
+        api.send_key(terminal_id, key)
+    return known
+
+
 def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     """Pick the choice of a known menu that keeps what the user chose; a menu the loop does not know stops
     the turn (nothing typed), naming it."""
@@ -3587,11 +3597,7 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
                                               "answer it yourself")
-    name, choice = known
-    log_turn(role, f"{name} on terminal {terminal_id} ({menu.text()[:200]}): choosing {choice}. "
-                   f"\"{dict(menu.choices)[choice]}\"")
-    for key in menu_keys(menu, choice):
-        api.send_key(terminal_id, key)
+    name, choice = pick_menu_choice(role, terminal_id, menu, known)
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
     while open_menu(_screen(terminal_id)) == menu:
         if time.monotonic() >= deadline:
@@ -3963,6 +3969,7 @@ class Turn:
     reads: ReadSchedule
     permissions: PermissionAnswers = field(default_factory=PermissionAnswers)
     told_unknown: bool = False
+    menu_answered_at: float = float("-inf")   # when a menu its CLI opened during the turn was last answered
     rebuild: Callable[[], Prompt] | None = None   # builds the turn's prompt again (after a compaction: in full)
     full_prompt: Prompt | None = None         # that prompt, due to go out at once (facts.full_prompt_due)
 
@@ -4175,6 +4182,15 @@ def continue_after_usage_limit(turn: Turn) -> None:
     turn.facts.started = time.monotonic()
 
 
+def answer_menu_in_turn(turn: Turn, menu: Menu, known: tuple[str, int]) -> None:
+    """A known menu its CLI opened during the turn: its safe choice, at most once per PERMISSION_ANSWER_INTERVAL;
+    the wait goes on (the screen then says what the choice led to, e.g. the limit it now waits out)."""
+    now = time.monotonic()
+    if now - turn.menu_answered_at >= PERMISSION_ANSWER_INTERVAL:
+        turn.menu_answered_at = now
+        pick_menu_choice(turn.role, turn.terminal_id, menu, known)
+
+
 def why_lost(facts: TurnFacts, state: TurnState) -> str:
     """The words for a LOST verdict: what the session or screen said, or what never happened."""
     if facts.lost:
@@ -4303,8 +4319,9 @@ def observe_terminal(turn: Turn) -> None:
     elif shows_shell_prompt(screen):
         turn.facts.note_lost(why_gone(turn.terminal_id, screen))
     menu = open_menu(screen)
-    if menu is not None and not turn.facts.lost and safe_menu_choice(menu, turn.facts.cli):
-        answer_menu(turn.role, turn.terminal_id, menu)       # e.g. what to do at a usage limit: wait for it
+    known = safe_menu_choice(menu, turn.facts.cli) if menu is not None and not turn.facts.lost else None
+    if known:
+        answer_menu_in_turn(turn, menu, known)     # e.g. what to do at a usage limit: wait for it
     elif status == "waiting_user_answer" and not turn.facts.lost:
         handle_permission_prompt(turn)
 

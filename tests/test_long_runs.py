@@ -434,6 +434,31 @@ def test_claude_codes_usage_limit_menu_is_answered_with_the_choice_that_waits(lo
     assert [message.split(".")[0] for _, message in fake_cao.reminders] == ["Your usage limit has reset"]
 
 
+def test_a_menu_still_on_the_screen_after_its_choice_is_answered_again_and_the_turn_goes_on(
+        load_orch, fake_cao, prompt_file):
+    """The first Enter is lost (the menu stays on the screen): the loop does not stop the turn; it answers
+    again after PERMISSION_ANSWER_INTERVAL, and then waits out the limit as before."""
+    line = f"You've hit your session limit · resets {datetime.now().strftime('%I:%M%p').lstrip('0').lower()}"
+    def menu(fake, terminal):
+        terminal.last_output = terminal.printed = (f"{line}\nWhat do you want to do?\n❯ 1. Stop and wait for limit to reset\n"
+                                "  2. Upgrade your plan\n")
+        terminal.status, terminal.permission_polls = "waiting_user_answer", 1000     # until a choice counts
+        terminal.held_text = PASS_REPLY
+
+    fake_cao.script["tester"] = [{"action": "call", "call": menu}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", USAGE_LIMIT_MARGIN_SECONDS="0.2", **TESTER_ONLY)
+    m.PERMISSION_ANSWER_INTERVAL = 0.5
+
+    def second_enter_counts(fake, terminal, key):
+        if key == "Enter" and len(fake.keys) == 2:
+            terminal.printed, terminal.status, terminal.permission_polls = line, "idle", 0
+
+    fake_cao.key_hook = second_enter_counts
+    assert run_main(m) == 0
+    assert fake_cao.keys == [("tester", "Enter"), ("tester", "Enter")]
+    assert [message.split(".")[0] for _, message in fake_cao.reminders] == ["Your usage limit has reset"]
+
+
 # -- the loop: a compaction foreseen, a compaction during a turn -----------------------------------
 
 def recorded_context(m, monkeypatch, by_role: dict[str, int]):
