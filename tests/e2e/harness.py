@@ -72,11 +72,6 @@ REAL_CLI_PROVIDERS = ("claude_code", "codex", "opencode_cli", "copilot_cli", "he
 # objects to helper files under a temporary directory) and not /root (CAO
 # refuses working directories there). CAO_E2E_TMPDIR overrides it.
 REAL_CLI_TMP_PARENT = "/var/tmp"
-# OpenCode redraws its screen at 60 frames a second while it works, so the CPU it burns grows with how long
-# its turns take; on a machine the suite keeps busy its turns took minutes and it burned the most CPU of any
-# program. Its tmux server (and so every OpenCode the server starts) runs at a higher priority: its turns end
-# sooner and it burns less, while the other CLIs' CPU is the same work either way. 0 where not allowed.
-OPENCODE_NICE = -5
 # A closed port: the CLIs start without calling their model, so a server
 # started only to check start-up needs no endpoint.
 NO_MODEL_URL = "http://127.0.0.1:9"
@@ -475,13 +470,6 @@ def _start_tmux(cao: CaoServer) -> None:
     cao.tmux_started_at = _started_at(cao.tmux_pid) if cao.tmux_pid else None
 
 
-def _raise_priority(pid: int | None, nice: int) -> None:
-    """Give a process (and what it starts from now on) the niceness `nice`, where this user may."""
-    if pid:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, pid, nice)
-
-
 def _start_server(cao: CaoServer, attempts: int = 3) -> None:
     """Start cao-server on a free port and wait for /health.
 
@@ -762,8 +750,6 @@ def private_cao(
         )
         cao.set_script({})
         _start_tmux(cao)
-        if provider == "opencode_cli":
-            _raise_priority(cao.tmux_pid, OPENCODE_NICE)
         _start_server(cao)
         cao.profiles = _install_profiles(cao)
         # What an orchestrator process needs to talk to this server.
