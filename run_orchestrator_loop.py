@@ -334,6 +334,11 @@ def agent_cli(provider: str) -> AgentCli:
     """The row of the provider's CLI (the defaults for one without a row)."""
     return AGENT_CLIS.get(provider) or AgentCli(provider)
 
+
+def cli_rows(cli: AgentCli | None) -> list[AgentCli]:
+    """The rows a screen is read by: its CLI's, or every CLI's when it is not known."""
+    return [cli] if cli is not None else list(AGENT_CLIS.values())
+
 DEFAULT_PROFILES = {
     "analyst": "system_analyst",
     "peer_analyst": "peer_system_analyst",
@@ -347,7 +352,6 @@ STATE_FILE_NAME = "orchestrator-loop-state.json"
 # file there is still the one used, so a run under way resumes.
 OLD_STATE_FILE_NAME = "codex-3agents-loop-state.json"
 FRESH_CONTEXT_CHOICES = ("off", "round")     # FRESH_CONTEXT: when an agent starts a new conversation
-
 
 
 @dataclass(frozen=True)
@@ -1062,21 +1066,23 @@ def set_task(prompt_text: str) -> None:
         EXPLORE_SUMMARY, SCENARIO_TEST = prompt_text.strip(), ""
 
 
-def own_provider(role: str) -> str:
-    """The provider set for the role itself ('' : none, PROVIDER applies)."""
-    return {"analyst": ANALYST_PROVIDER, "peer_analyst": PEER_ANALYST_PROVIDER, "programmer": PROGRAMMER_PROVIDER,
-            "peer_programmer": PEER_PROGRAMMER_PROVIDER, "tester": TESTER_PROVIDER}[role]
+def own_settings(role: str) -> tuple[str, str, str]:
+    """The role's own provider, model and CAO profile (the first two '' when unset: PROVIDER, MODEL apply)."""
+    return {"analyst": (ANALYST_PROVIDER, ANALYST_MODEL, ANALYST_PROFILE),
+            "peer_analyst": (PEER_ANALYST_PROVIDER, PEER_ANALYST_MODEL, PEER_ANALYST_PROFILE),
+            "programmer": (PROGRAMMER_PROVIDER, PROGRAMMER_MODEL, PROGRAMMER_PROFILE),
+            "peer_programmer": (PEER_PROGRAMMER_PROVIDER, PEER_PROGRAMMER_MODEL, PEER_PROGRAMMER_PROFILE),
+            "tester": (TESTER_PROVIDER, TESTER_MODEL, TESTER_PROFILE)}[role]
 
 
 def provider_for(role: str) -> str:
     """The role's own provider if one is set, else PROVIDER."""
-    return own_provider(role) or PROVIDER
+    return own_settings(role)[0] or PROVIDER
 
 
 def model_for(role: str) -> str:
     """The model the role's agent CLI is started with: its own, else MODEL; '' leaves the CLI's default."""
-    return {"analyst": ANALYST_MODEL, "peer_analyst": PEER_ANALYST_MODEL, "programmer": PROGRAMMER_MODEL,
-            "peer_programmer": PEER_PROGRAMMER_MODEL, "tester": TESTER_MODEL}[role] or MODEL
+    return own_settings(role)[1] or MODEL
 
 
 def providers_in_use() -> list[str]:
@@ -1086,8 +1092,7 @@ def providers_in_use() -> list[str]:
 
 def profile_for(role: str) -> str:
     """The CAO agent profile the role's terminal is created with."""
-    return {"analyst": ANALYST_PROFILE, "peer_analyst": PEER_ANALYST_PROFILE, "programmer": PROGRAMMER_PROFILE,
-            "peer_programmer": PEER_PROGRAMMER_PROFILE, "tester": TESTER_PROFILE}[role]
+    return own_settings(role)[2]
 
 
 # ==========================================================================
@@ -1711,12 +1716,12 @@ class AgentEvent(PlainRecord):
     """Something that happened to an agent's conversation or account: compacted, cleared, nearly full, a new
     conversation started, a usage limit waited out. For the run record, the report and --status."""
 
+    required: ClassVar[str] = "what"
     role: str
     terminal: str
     at: str                           # ISO time (UTC)
     what: str                         # one of AGENT_EVENT_KINDS
     detail: str = ""
-    required: ClassVar[str] = "what"
 
     @classmethod
     def read(cls, raw: dict) -> AgentEvent:
@@ -3365,7 +3370,7 @@ def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tupl
     printed since the last input, so an earlier turn's words are gone -- except where CAO reads the pane's
     history instead (after a cao-server restart): then an old compaction costs one prompt in full, never a
     lost task. `cli`: the screen's CLI (None: the words of every CLI)."""
-    rows = [cli] if cli is not None else list(AGENT_CLIS.values())
+    rows = cli_rows(cli)
     text = _squeezed(screen or "")
     for words, what in (pair for row in rows for pair in row.conversation_words):
         if words in text:
@@ -3565,8 +3570,7 @@ def open_menu(screen: str | None) -> Menu | None:
 def safe_menu_choice(menu: Menu, cli: AgentCli | None = None) -> tuple[str, int] | None:
     """(the menu's name, the number of its choice that changes nothing the user chose), or None: not known.
     `cli`: the CLI that opened it (None: the menus of every CLI)."""
-    rows = [cli] if cli is not None else list(AGENT_CLIS.values())
-    for name, safe_text in (menu_choice for row in rows for menu_choice in row.menus):
+    for name, safe_text in (menu_choice for row in cli_rows(cli) for menu_choice in row.menus):
         for number, text in menu.choices:
             if text.startswith(safe_text) and not text[len(safe_text):].strip(" ."):
                 return name, number
@@ -3579,14 +3583,13 @@ def menu_keys(menu: Menu, choice: int) -> list[str]:
     return ["Down"] * max(0, steps) + ["Up"] * max(0, -steps) + ["Enter"]
 
 
-def pick_menu_choice(role: str, terminal_id: str, menu: Menu, known: tuple[str, int]) -> tuple[str, int]:
-    """Move to the known menu's safe choice and pick it, logged; returns it."""
+def pick_menu_choice(role: str, terminal_id: str, menu: Menu, known: tuple[str, int]) -> None:
+    """Move to the known menu's safe choice (its name, its number) and pick it, logged."""
     name, choice = known
     log_turn(role, f"{name} on terminal {terminal_id} ({menu.text()[:200]}): choosing {choice}. "
                    f"\"{dict(menu.choices)[choice]}\"")
     for key in menu_keys(menu, choice):
         api.send_key(terminal_id, key)
-    return known
 
 
 def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
@@ -3597,7 +3600,8 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
                                               "answer it yourself")
-    name, choice = pick_menu_choice(role, terminal_id, menu, known)
+    pick_menu_choice(role, terminal_id, menu, known)
+    name, choice = known
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
     while open_menu(_screen(terminal_id)) == menu:
         if time.monotonic() >= deadline:
@@ -4477,7 +4481,8 @@ def start_failure_hint(error: str) -> str:
     hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
             "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
             "of the user running cao-server")
-    return hint + "".join(f"; {cli.start_hint}" for cli in AGENT_CLIS.values() if cli.start_hint and cli.label in error)
+    named = [cli.start_hint for cli in AGENT_CLIS.values() if cli.start_hint and cli.label in error]
+    return hint + "".join(f"; {text}" for text in named)
 
 
 def exit_terminals(ids: list[str]) -> None:
@@ -6327,7 +6332,7 @@ def check_agent_clis() -> None:
     if not missing:
         return
     role, provider = missing[0]
-    setting = f"{role.upper()}_PROVIDER" if own_provider(role) else "PROVIDER"
+    setting = f"{role.upper()}_PROVIDER" if own_settings(role)[0] else "PROVIDER"
     installed = sorted(name for name, (_binary, present) in report.items() if present)
     what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
             f"({setting}={provider}), is not installed on its machine")
