@@ -67,10 +67,12 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -264,6 +266,9 @@ class AgentCli:
     compaction_settings: str = ""               # the settings that say where it compacts (section 5; '': none)
     start_hint: str = ""                        # for a user whose CLI did not start under CAO
     proven: str = ""                            # the version proven end to end with the loop
+    program: str = ""                           # the program CAO starts ('': the one CAO names)
+    traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
+    profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -288,7 +293,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="claude transcripts", compaction_settings="claude settings.json",
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
-        proven="2.1.197"),
+        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",)),
     # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a first
     # turn; its own marks on the screen (ESC ] 7501;state=..., turn_mark) say when it works and when a turn
     # is over, else a screen still for QUIET_SCREEN_SECONDS.
@@ -298,7 +303,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
         conversation_words=(("Compactingcontext", "compacted"),         # while it summarises (also /compact)
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
         menus=(("Codex's offer to switch the model", "Keep current model"),),
-        records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0"),
+        records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
+        traps=("project trusted",)),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
     # turn); it repaints its busy bar about twenty times a second while it works.
     "opencode_cli": AgentCli(
@@ -306,18 +312,19 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="opencode database",
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
-        proven="1.18.33"),
+        proven="1.18.33", program="opencode", traps=("model file",), profile_file=".aws/opencode/agents/{name}.md"),
     # Copilot CLI: CAO read a ready status while it was still at work (a draft reply file was taken for the
     # answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after it was sent); its
     # status bar spinner (`◎ Working`) turns four times a second while it works.
     "copilot_cli": AgentCli("GitHub Copilot CLI", ready_status_trusted=False,
-                            still_screen_ends_turn=STILL_SCREEN_SECONDS, proven="1.0.102"),
+                            still_screen_ends_turn=STILL_SCREEN_SECONDS, proven="1.0.102", program="copilot",
+                            traps=("CAO's MCP server disabled",), profile_file=".copilot/agents/{name}.agent.md"),
     # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
     # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
     "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-                       proven="0.19.0"),
+                       proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
-    "mock_cli": AgentCli("the scripted agent"),
+    "mock_cli": AgentCli("the scripted agent", program="mock_cli"),
     "kiro_cli": AgentCli("Kiro CLI"),
     "kimi_cli": AgentCli("Kimi CLI"),
     "cursor_cli": AgentCli("Cursor CLI"),
@@ -1342,6 +1349,22 @@ class ApiClient:
     def exit_terminal(self, terminal_id: str) -> None:
         self._call(f"exit terminal {terminal_id}", "POST", f"/terminals/{quote(terminal_id, safe='')}/exit")
 
+    def check_health(self) -> None:
+        """Raise ApiError unless a healthy CAO server answers at the address."""
+        health = self._call("health check", "GET", "/health", retry=False)
+        if not isinstance(health, dict) or health.get("status") != "ok":
+            raise ApiError(f"the server at {self.base_url} is not a healthy CAO server (GET /health answered "
+                           f"{health!r:.120}): set API to the address cao-server listens on")
+
+    def profile_installed(self, name: str) -> bool | None:
+        """Whether the server has the agent profile `name` (None: it cannot tell)."""
+        try:
+            self._call(f"look up agent profile {name}", "GET", f"/agents/profiles/{quote(name, safe='')}",
+                       retry=False)
+        except ApiError as exc:
+            return False if exc.status_code == 404 else None
+        return True
+
     def close(self) -> None:
         with self._client_lock:
             if self._client is not None:
@@ -1357,6 +1380,107 @@ def connect_api() -> None:
     if isinstance(api, ApiClient) and (api.base_url != API.rstrip("/") or api.token != CAO_AUTH_LOCAL_TOKEN):
         api.close()
         api = ApiClient(API, CAO_AUTH_LOCAL_TOKEN)
+
+
+# -- The server's own process, when it runs on this machine ---------------------
+# CAO starts each agent in a tmux server of its user's: libtmux's default one for
+# cao-server's environment (TMUX_TMPDIR, else /tmp). The hints the loop prints
+# name that server's socket, so that they reach the agents from any shell;
+# --check (section 16) starts a probe there, as CAO starts an agent. Found through
+# /proc (Linux): the process that listens on API's port.
+CAO_PROVEN_VERSION = "2.5.4"      # the cao-server version the loop is proven with (docs/agent-clis.md)
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """cao-server, running here: its process, its user and its environment."""
+
+    pid: int
+    uid: int
+    env: dict[str, str]
+
+    def cao_version(self) -> str:
+        """The version of the cli-agent-orchestrator it runs ('' if its installation cannot be told):
+        its API names none of its own."""
+        try:
+            args = Path(f"/proc/{self.pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+        except OSError:
+            return ""
+        for arg in args:
+            if Path(arg).name == "cao-server":
+                prefix = Path(arg).resolve().parent.parent
+                for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
+                    return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
+        return ""
+
+    @property
+    def tmux_socket(self) -> str:
+        """The socket of the tmux server its agents run in."""
+        if self.env.get("TMUX"):
+            return self.env["TMUX"].split(",")[0]
+        return os.path.join(self.env.get("TMUX_TMPDIR") or "/tmp", f"tmux-{self.uid}", "default")
+
+
+def _listening_sockets(port: int) -> set[str]:
+    """The inodes of the sockets that listen on `port` ('0A' is LISTEN in /proc/net/tcp)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text(encoding="ascii").splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def _process_of(sockets: set[str]) -> int | None:
+    """The process that holds one of the sockets (only processes this user may look into)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with suppress(OSError):
+            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+    return None
+
+
+def local_server() -> LocalServer | None:
+    """cao-server behind API when it runs on this machine and this user may read its /proc; else None."""
+    address = urlparse(API)
+    if address.hostname not in LOCAL_HOSTS:
+        return None
+    sockets = _listening_sockets(address.port or (443 if address.scheme == "https" else 80))
+    pid = _process_of(sockets) if sockets else None
+    if pid is None:
+        return None
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        uid = Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
+    pairs = (item.decode("utf-8", "replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return LocalServer(pid, uid, {key: value for key, value in pairs})
+
+
+def agents_tmux_socket() -> str:
+    """The socket of the agents' tmux server ('' when cao-server runs elsewhere or cannot be looked into):
+    cao-server's, else this shell's when it runs here (the README starts both from one shell)."""
+    server = local_server()
+    if server is not None:
+        return server.tmux_socket
+    if urlparse(API).hostname in LOCAL_HOSTS and os.environ.get("TMUX_TMPDIR"):
+        return os.path.join(os.environ["TMUX_TMPDIR"], f"tmux-{os.getuid()}", "default")
+    return ""
+
+
+def tmux_hint(command: str) -> str:
+    """A tmux command for the user, naming the agents' server: from any shell it reaches them, never the
+    user's own tmux server."""
+    socket_path = agents_tmux_socket()
+    return f"tmux -S {shlex.quote(socket_path)} {command}" if socket_path else f"tmux {command}"
 
 
 # ==========================================================================
@@ -2507,7 +2631,7 @@ $outcome
 $agent_events
 <section id="timeline"><h2>Timeline</h2>
 $lanes
-<p class="legend">$legend</p><p>0 to $span</p></section>
+<p class="legend">$legend</p><p id="time-axis">$axis</p></section>
 <section id="turns"><h2>Turns</h2>
 $turns
 </section>
@@ -2574,6 +2698,7 @@ TOKENS_SECTION = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</
                           '<th>cached input</th><th>output</th><th>cost</th></tr>\n$turn_rows</table>\n'
                           '<table id="tokens-per-role"><tr><th>turns</th><th>role</th><th>unknown</th><th>input</th>'
                           '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table></section>')
+TOKENS_UNCOUNTED = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p></section>')
 TOKEN_ROW = Template('<tr data-key="$key"><td>$first</td><td>$second</td><td>$third</td><td>$input</td>'
                      '<td>$cached</td><td>$output</td><td>$cost</td></tr>')
 
@@ -2649,6 +2774,15 @@ def _with_code(text: str) -> ReportHtml:
     return _join((_fill(CODE, text=part) if index % 2 else part for index, part in enumerate(parts)), "")
 
 
+def _tokens_figure(summary: dict) -> list[tuple[str, str]]:
+    """The run's tokens as a figure; none where its CLIs record none (the tokens section says so, once)."""
+    if tokens_not_counted(summary):
+        return []
+    unknown = summary["tokens_unknown_turns"]
+    return [("tokens", tokens_text(tokens_from_json(summary["tokens"]))
+             + (f" ({unknown} turn(s) unknown)" if unknown and summary["tokens"] else ""))]
+
+
 def _figures(summary: dict) -> ReportHtml:
     """The run's facts: its times, exit code, size, where it ran, and links to its own files."""
     ended = summary["exit_code"] is not None
@@ -2668,9 +2802,7 @@ def _figures(summary: dict) -> ReportHtml:
     figures += [("rounds", f"{summary['rounds']} of {summary['max_rounds']}"),
                 ("turns", f"{summary['turns']} answered, {summary['prompts_sent']} prompts sent"),
                 ("agent time", report_duration(summary["agent_seconds"])),
-                ("tokens", tokens_text(tokens_from_json(summary["tokens"]))
-                 + (f" ({summary['tokens_unknown_turns']} turn(s) unknown)" if summary["tokens_unknown_turns"]
-                    and summary["tokens"] else "")),
+                *_tokens_figure(summary),
                 ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
@@ -2689,7 +2821,7 @@ def _run_file_links(folder: str) -> ReportHtml:
 
 def _outcome(summary: dict, replies: list[str]) -> ReportHtml:
     """The test the run must pass and the tester's last word on it, shown open near the result."""
-    blocks = [_fill(SCENARIO_BLOCK, text=summary["scenario_test"])] if summary["scenario_test"] else []
+    blocks = [_fill(SCENARIO_BLOCK, text=_with_code(summary["scenario_test"]))] if summary["scenario_test"] else []
     answered = [number for number, turn in enumerate(summary["turn_list"], 1)
                 if turn["role"] == "tester" and replies[number - 1]]
     if answered:
@@ -2720,6 +2852,9 @@ def _bar(number: int, turn: dict, begin: float, end: float, span: float) -> Repo
                  title=f"{number}: {turn['role']}, round {turn['round']}, {turn.get('outcome') or ''}")
 
 
+TIMELINE_GAP_SHARE = 0.1      # a start-up that takes this share of the timeline is labelled
+
+
 def _timeline(summary: dict) -> dict[str, ReportHtml | str]:
     """One lane per role with a bar per turn, placed by when it was sent and answered; the legend of the
     verdicts that occur; the span the lanes cover."""
@@ -2733,7 +2868,12 @@ def _timeline(summary: dict) -> dict[str, ReportHtml | str]:
             begin = max(0.0, _seconds_since(start, turn["sent_at"]) or 0.0)
             bars[turn["role"]].append(_bar(number, turn, begin, ends[number - 1], span))
     lanes = _join(_fill(LANE, role=role, bars=_join(role_bars, "")) for role, role_bars in bars.items())
-    return {"lanes": lanes, "legend": _legend(turns), "span": report_duration(span)}
+    axis = f"0 (the run's start) to {report_duration(span)}"
+    first = _seconds_since(start, turns[0]["sent_at"]) if turns else None
+    if first is not None and first >= TIMELINE_GAP_SHARE * span:
+        axis += (f"; the first prompt went out {report_duration(first)} in: before it, the agents were started "
+                 "(and an earlier run's, if this run replaced one, ended)")
+    return {"lanes": lanes, "legend": _legend(turns), "axis": axis}
 
 
 def _legend(turns: list[dict]) -> ReportHtml:
@@ -2767,7 +2907,11 @@ def _token_cells(tokens: dict | None, cost: float | None) -> dict[str, str]:
 
 def _tokens_section(summary: dict) -> ReportHtml:
     """A row of tokens per answered turn and per role, with the run's total: as the agents' CLIs recorded
-    them (unknown where they could not be read), and the estimated cost where MODEL_PRICES prices them."""
+    them (unknown where they could not be read), and the estimated cost where MODEL_PRICES prices them.
+    A run whose CLIs record no tokens gets one line that says so."""
+    not_counted = tokens_not_counted(summary)
+    if not_counted:
+        return _fill(TOKENS_UNCOUNTED, note=f"Not counted: {not_counted}.")
     answered = [(number, turn) for number, turn in enumerate(summary["turn_list"], 1)
                 if turn.get("outcome") != "unanswered"]
     turn_rows = [_fill(TOKEN_ROW, key=f"turn-{number}", first=_fill(LINK, href=f"#turn-{number}", text=number),
@@ -3053,6 +3197,16 @@ RECORD_SLACK_SECONDS = 2.0      # a file's modification time may be coarse; only
 def token_records_readable() -> bool:
     """Whether the agents' records are on this machine: CAO runs here, or AGENT_HOME says where they are."""
     return bool(AGENT_HOME) or urlparse(API).hostname in LOCAL_HOSTS
+
+
+def tokenless_note(providers: Iterable[str]) -> str:
+    """'mock_cli records no tokens': the providers whose CLI keeps no record the loop reads ('' if none), said
+    once for a run instead of 'unknown' on every line and table."""
+    names = sorted({provider for provider in providers if not agent_cli(provider).records})
+    if not names:
+        return ""
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"{listed} record{'s' if len(names) == 1 else ''} no tokens"
 
 
 def _cli_folder(variable: str, *default: str) -> Path:
@@ -4023,7 +4177,7 @@ def progress_text(facts: TurnFacts, began: float, now: float) -> str:
 
 def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
     return RunError(f"the {role} agent (terminal {terminal_id}) {what}; look at it with "
-                    f"`tmux attach -t {session_name}`, then rerun to resume")
+                    f"`{tmux_hint('attach -t ' + session_name)}`, then rerun to resume")
 
 
 def deliver(role: str, terminal_id: str, message: str) -> None:
@@ -4286,7 +4440,7 @@ def handle_permission_prompt(turn: Turn) -> None:
         answers.told_blocked = True
         if not AUTO_ACCEPT_PERMISSIONS:
             log_turn(role, f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
-                           f"`tmux attach -t {session_name}` or set AUTO_ACCEPT_PERMISSIONS=1")
+                           f"`{tmux_hint('attach -t ' + session_name)}` or set AUTO_ACCEPT_PERMISSIONS=1")
         else:
             log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; "
                            f"no more automatic answers (terminal {terminal_id})")
@@ -4478,9 +4632,9 @@ def start_failure_hint(error: str) -> str:
         return "; another CAO session has the name this run picked at random: run it again to pick another"
     if CLI_START_TIMED_OUT not in error:
         return ""
-    hint = ("; the agent CLI did not come up on the cao-server's machine: check that it is installed, on "
-            "cao-server's PATH and logged in, and read CAO's log in ~/.aws/cli-agent-orchestrator/logs/ "
-            "of the user running cao-server")
+    hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
+            "what is missing (a CLI its agents' shells do not find, a profile, a known trap); CAO's log is in "
+            "~/.aws/cli-agent-orchestrator/logs/ of the user running cao-server")
     named = [cli.start_hint for cli in AGENT_CLIS.values() if cli.start_hint and cli.label in error]
     return hint + "".join(f"; {text}" for text in named)
 
@@ -4979,6 +5133,13 @@ def check_budget(role: str) -> None:
                             f"MAX_RUN_COST={MAX_RUN_COST:g}; " + go_on.format("MAX_RUN_COST"))
 
 
+def say_tokens_not_counted() -> None:
+    """Once, as a run starts: which of its CLIs record no tokens (their turns' lines then say nothing of them)."""
+    note = tokenless_note(providers_in_use())
+    if note:
+        log(f"{note}: their turns' tokens are not counted")
+
+
 # -- The agent's conversation ---------------------------------------------------
 # Once-only text (section 12) is worth sending once only while the agent's
 # conversation still holds it. A CLI that compacts its conversation (or a
@@ -5127,8 +5288,9 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     crash_point("turn-recorded")
     write_report()
     crash_point("report-written")
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as {archived}; "
-                   f"tokens: {tokens_text(record.tokens)})")
+    tokens = f"; tokens: {tokens_text(record.tokens)}" if agent_cli(provider_for(role)).records else ""
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
+                   f"{archived}{tokens})")
     return reply
 
 
@@ -6806,6 +6968,11 @@ def run_loop() -> int:
     return finish_run(code)
 
 
+def tokens_not_counted(summary: dict) -> str:
+    """The run's note when none of its turns' tokens is known because its CLIs record none ('' otherwise)."""
+    return "" if summary["tokens"] else tokenless_note(summary["providers"].values())
+
+
 def summary_tokens(summary: dict) -> str:
     """'programmer 1,500 in + 500 cached + 40 out; ...; run ...': the tokens of each role that took a turn and
     of the run, as run_summary() has them."""
@@ -6829,7 +6996,7 @@ def report_run_summary(exit_code: int) -> None:
     verdicts = [f"{role}: {' -> '.join(r['outcomes'])}" for role, r in summary["roles"].items() if r["outcomes"]]
     if verdicts:
         log("summary: " + "; ".join(verdicts))
-    if summary["turns"]:
+    if summary["turns"] and not tokens_not_counted(summary):
         log(f"summary: tokens used: {summary_tokens(summary)}")
     if replacements:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
@@ -6842,7 +7009,362 @@ def report_run_summary(exit_code: int) -> None:
 
 
 # ==========================================================================
-# 16. Entry point
+# 16. Before a run: --check
+# ==========================================================================
+# `--check [config.json]` looks at all a run needs, in seconds, without creating
+# an agent or spending a token: a line each, ✓ or ✗ with its fix (– for what
+# cannot be looked at from here). PREFLIGHT_CHECKS lists the checks in the order
+# a run meets what they look at. The agents' side -- each CLI as their shells
+# find it, their environment, their homes -- is seen from a probe: a window in
+# the agents' tmux server, started as CAO starts an agent's (cao-server's
+# environment, its working directory), that runs `command -v` and `--version`
+# for each CLI and prints its environment. A CLI's known traps are checks named
+# by its row (`AgentCli.traps`), in TRAP_CHECKS.
+PROBE_SECONDS = 60.0             # a CLI's first --version may unpack itself (Copilot: 235 MB)
+CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TERM")  # CAO passes these on
+
+
+@dataclass(frozen=True)
+class CheckLine:
+    """One line of --check: True ✓, False ✗ (its text says the fix), None – (not looked at from here)."""
+
+    ok: bool | None
+    text: str
+
+
+@dataclass
+class AgentsSide:
+    """What the probe saw in an agent's shell: its environment, its user, and each CLI program's path
+    ('' when the shell does not find it) and the first line its --version printed."""
+
+    env: dict[str, str]
+    uid: int
+    programs: dict[str, tuple[str, str]]
+
+    def home(self, *parts: str) -> Path:
+        return Path(self.env.get("HOME") or Path.home()).joinpath(*parts)
+
+
+def cli_program(provider: str, report: dict[str, tuple[str, bool]] | None) -> str:
+    """The program CAO starts for a provider: its row's, else the one the server names, else its name."""
+    return agent_cli(provider).program or (report or {}).get(provider, (provider, True))[0]
+
+
+def _probe_script(folder: Path, programs: list[str]) -> Path:
+    """A POSIX sh script that writes what the agent's shell sees to folder/out, then folder/done."""
+    lines = ["{", 'echo "@@uid $(id -u)"']
+    for program in programs:
+        quoted = shlex.quote(program)
+        lines += [f'found=$(command -v {quoted} 2>/dev/null)', f'echo "@@program {program} $found"',
+                  f'[ -n "$found" ] && "$found" --version </dev/null 2>/dev/null | head -n 3 '
+                  f'| sed "s/^/@@version {program} /"']
+    lines += ['echo "@@env"', "env", f"}} > {shlex.quote(str(folder / 'out'))} 2>&1",
+              f"touch {shlex.quote(str(folder / 'done'))}"]
+    script = folder / "probe.sh"
+    script.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return script
+
+
+def _read_probe(text: str) -> AgentsSide:
+    uid, programs, env, in_env = -1, {}, {}, False
+    for line in text.splitlines():
+        if in_env:
+            key, sep, value = line.partition("=")
+            if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                env[key] = value
+        elif line == "@@env":
+            in_env = True
+        elif line.startswith("@@uid "):
+            uid = int(line[6:]) if line[6:].strip().isdigit() else -1
+        elif line.startswith("@@program "):
+            program, _, path = line[10:].partition(" ")
+            programs[program] = (path.strip(), "")
+        elif line.startswith("@@version "):             # the first of its lines that names a version
+            program, _, version = line[10:].partition(" ")
+            path, seen = programs.get(program, ("", ""))
+            if not re.search(r"\d+\.\d+", seen):
+                programs[program] = (path, version.strip())
+    return AgentsSide(env, uid, programs)
+
+
+def probe_agents_side(server: LocalServer, programs: list[str]) -> AgentsSide | str:
+    """Look from a new window of the agents' tmux server, made as CAO makes an agent's; a str says why not."""
+    tmux = ["tmux"]                   # run in cao-server's environment, it finds (or starts) the same server
+    name = f"cao-loop-check-{secrets.token_hex(4)}"
+    passed_on = [arg for key, value in server.env.items()
+                 if key in CAO_PANE_KEYS or key.startswith(("CAO_", "AWS_")) for arg in ("-e", f"{key}={value}")]
+    with tempfile.TemporaryDirectory(prefix="cao-loop-check-") as scratch:
+        folder = Path(scratch)
+        script = _probe_script(folder, programs)
+        try:
+            made = subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", "220", "-y", "50", "-c", WD,
+                                   *passed_on], env=server.env, capture_output=True, text=True, timeout=30)
+            if made.returncode != 0:
+                return f"tmux could not start a window there: {' '.join(made.stderr.split())[:200]}"
+            subprocess.run([*tmux, "send-keys", "-t", name, f"sh {shlex.quote(str(script))}", "Enter"],
+                           env=server.env, capture_output=True, timeout=30)
+            give_up = time.monotonic() + PROBE_SECONDS
+            while not (folder / "done").exists() and time.monotonic() < give_up:
+                time.sleep(0.1)
+            finished = (folder / "done").exists()
+            text = (folder / "out").read_text(encoding="utf-8", errors="replace") if finished else ""
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"tmux failed: {exc}"
+        finally:
+            with suppress(OSError, subprocess.SubprocessError):
+                subprocess.run([*tmux, "kill-session", "-t", name], env=server.env, capture_output=True, timeout=30)
+    if not finished:
+        return f"the shell of a new window gave no answer in {PROBE_SECONDS:g} s"
+    return _read_probe(text)
+
+
+# -- The checks --------------------------------------------------------------------
+
+
+def check_server() -> list[CheckLine]:
+    """CAO reachable, and its version (where it runs here) against the one proven."""
+    try:
+        api.check_health()
+    except ApiError as exc:
+        return [CheckLine(False, f"{exc}")]
+    server = local_server()
+    version = server.cao_version() if server else ""
+    if not version:
+        return [CheckLine(True, f"CAO server at {API} answers")]
+    note = "" if version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
+    return [CheckLine(True, f"CAO server at {API} answers: cli-agent-orchestrator {version}{note}")]
+
+
+def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
+    """Each role's CAO agent profile installed, for its provider where that CLI keeps its own copy."""
+    lines, missing = [], []
+    for profile, provider in dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES):
+        known = api.profile_installed(profile)
+        own_copy = agent_cli(provider).profile_file.format(name=profile)
+        if known is False or (known and own_copy and side is not None and not side.home(own_copy).is_file()):
+            missing.append((profile, provider))
+        elif known is None:
+            lines.append(CheckLine(None, f"profile {profile}: the server cannot say whether it is installed"))
+    if missing:
+        installs = "; ".join(f"cao install profiles/{profile}.md --provider {provider}"
+                             for profile, provider in missing)
+        lines.append(CheckLine(False, f"agent profiles not installed for their provider: "
+                                      f"{', '.join(f'{p} ({q})' for p, q in missing)}; install them from a "
+                                      f"checkout of this project: {installs}"))
+    else:
+        lines.append(CheckLine(True, "agent profiles installed: " + ", ".join(
+            dict.fromkeys(profile_for(role) for role in ROLES))))
+    return lines
+
+
+def check_clis(side: AgentsSide, report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
+    """Each role's CLI found by the agents' shell, and its version against the one proven with the loop."""
+    lines = []
+    for provider in providers_in_use():
+        cli, program = agent_cli(provider), cli_program(provider, report)
+        path, version_line = side.programs.get(program, ("", ""))
+        if not path:
+            here = shutil.which(program)
+            fix = (f"it is at {here} here: link it where their shells look, e.g. `ln -sf {here} "
+                   f"/usr/local/bin/{program}`" if here else f"install {cli.label} for the user running cao-server")
+            lines.append(CheckLine(False, f"{program} ({cli.label}, provider {provider}) is not on the PATH of "
+                                          f"the agents' shells (CAO starts agents in its tmux server's shells, "
+                                          f"login shells where it runs them): {fix}"))
+            continue
+        found = re.search(r"\d+\.\d+(?:\.\d+)?", version_line)
+        version = found.group(0) if found else ""
+        note = ("" if not cli.proven or version == cli.proven else
+                f" (proven with {cli.proven}; see docs/agent-clis.md)" if version else
+                f" (its version unknown; proven with {cli.proven})")
+        lines.append(CheckLine(True, f"{program} found by the agents' shells: {path}"
+                                     + (f", {version}" if version else "") + note))
+    return lines
+
+
+def trap_root_without_sandbox(side: AgentsSide) -> CheckLine:
+    if side.uid == 0 and not side.env.get("IS_SANDBOX"):
+        return CheckLine(False, "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses "
+                                "the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
+                                "tmux server with it: stop a running one first)")
+    return CheckLine(True, "Claude Code: " + ("IS_SANDBOX=1 set for root" if side.uid == 0 else "not run as root"))
+
+
+def _trusted_in_codex(config: Path, folder: Path) -> bool:
+    """Whether Codex's config.toml trusts the folder or one above it ([projects."<path>"] trust_level)."""
+    try:
+        text = config.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    trusted = {Path(match.group(2)) for match in re.finditer(
+        r"""^\[projects\.(["'])(.+?)\1\]\s*\n(?:(?!\[)[^\n]*\n)*?\s*trust_level\s*=\s*["']trusted["']""",
+        text + "\n", re.M)}
+    return any(path == folder or path in folder.parents for path in trusted)
+
+
+def trap_codex_untrusted(side: AgentsSide) -> CheckLine:
+    top = git_top(WD)
+    folder = Path(top or WD).resolve()
+    config = Path(side.env["CODEX_HOME"]) / "config.toml" if side.env.get("CODEX_HOME") else \
+        side.home(".codex", "config.toml")
+    if _trusted_in_codex(config, folder):
+        return CheckLine(True, f"Codex trusts the project ({folder})")
+    return CheckLine(False, f"Codex does not trust {folder}: it asks at each agent's start (a minute each, the "
+                            f"first prompt lost); add to {config}: [projects.\"{folder}\"] then "
+                            'trust_level = "trusted"')
+
+
+def trap_copilot_mcp(side: AgentsSide) -> CheckLine:
+    settings = side.home(".copilot", "settings.json")
+    disabled = _json_file(settings).get("disabledMcpServers")
+    if isinstance(disabled, list) and "cao-mcp-server" in disabled:
+        return CheckLine(True, "Copilot CLI: CAO's MCP server disabled")
+    return CheckLine(False, f"Copilot CLI would connect to CAO's MCP server, which it rejects (CAO then reports "
+                            f"its terminal in error): put {{\"disabledMcpServers\": [\"cao-mcp-server\"]}} in "
+                            f"{settings}")
+
+
+def trap_hermes_cpr(side: AgentsSide) -> CheckLine:
+    if side.env.get("PROMPT_TOOLKIT_NO_CPR"):
+        return CheckLine(True, "Hermes: PROMPT_TOOLKIT_NO_CPR set in its agents' environment")
+    return CheckLine(False, "Hermes: PROMPT_TOOLKIT_NO_CPR is not in the agents' environment (a start-up then "
+                            f"hangs now and then): `{tmux_hint('set-environment -g PROMPT_TOOLKIT_NO_CPR 1')}`, "
+                            "or export it before starting cao-server")
+
+
+def trap_opencode_model(side: AgentsSide) -> CheckLine:
+    config = side.home(".aws", "opencode", "opencode.json")
+    if _json_file(config).get("model"):
+        return CheckLine(True, f"OpenCode: its model set in {config}")
+    return CheckLine(False, f"OpenCode: no model in {config} (CAO starts it with that file): add a provider entry "
+                            'and a top-level "model": "<provider>/<model>" (docs/agent-clis.md)')
+
+
+TRAP_CHECKS: dict[str, Callable[[AgentsSide], CheckLine]] = {
+    "root needs IS_SANDBOX": trap_root_without_sandbox,
+    "project trusted": trap_codex_untrusted,
+    "CAO's MCP server disabled": trap_copilot_mcp,
+    "PROMPT_TOOLKIT_NO_CPR": trap_hermes_cpr,
+    "model file": trap_opencode_model,
+}
+
+
+def check_traps(side: AgentsSide) -> list[CheckLine]:
+    """Each CLI's known traps, as its row names them."""
+    return [TRAP_CHECKS[trap](side) for provider in providers_in_use() for trap in agent_cli(provider).traps]
+
+
+def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[CheckLine], AgentsSide | None]:
+    """The CLIs and their traps, from a probe in the agents' tmux server; a note where it cannot run."""
+    server = local_server()
+    if server is None:
+        where = ("runs on another machine" if urlparse(API).hostname not in LOCAL_HOSTS else
+                 "cannot be looked into from here (another user's process, or no /proc)")
+        return [CheckLine(None, f"agent CLIs not checked: cao-server at {API} {where}; run --check where it runs, "
+                                "as its user")], None
+    if shutil.which("tmux") is None:
+        return [CheckLine(False, "tmux is not installed: CAO runs the agents in tmux (apt-get install tmux)")], None
+    programs = sorted({cli_program(provider, report) for provider in providers_in_use()})
+    side = probe_agents_side(server, programs)
+    if isinstance(side, str):
+        return [CheckLine(False, f"the agents' tmux server ({server.tmux_socket}): {side}")], None
+    return check_clis(side, report) + check_traps(side), side
+
+
+def check_working_directory() -> list[CheckLine]:
+    """WD writable (settings already refused a missing one and this checkout); a git repository where a commit
+    is asked for."""
+    lines = []
+    if not os.access(WD, os.W_OK):
+        lines.append(CheckLine(False, f"WD={WD} is not writable: the agents write their replies under it"))
+    top = git_top(WD)
+    if COMMIT_ON_PASS and not top:
+        lines.append(CheckLine(False, f"COMMIT_ON_PASS=1 but WD={WD} is not in a git repository: `git init` it, "
+                                      "or unset COMMIT_ON_PASS"))
+    lines.append(CheckLine(True, f"working directory {WD}" + (f" (git repository {top})" if top else "")))
+    return lines[:1] if lines[0].ok is False else lines
+
+
+def check_token_budget() -> list[CheckLine]:
+    """Where a budget is set, the tokens it counts are readable (settings refused what cannot be)."""
+    if not (MAX_RUN_TOKENS or MAX_RUN_COST):
+        return []
+    return [CheckLine(True, f"token budget: read from the records of {', '.join(providers_in_use())}")]
+
+
+def check_ntfy() -> list[CheckLine]:
+    """The ntfy server reachable where notifications are asked for."""
+    if not NTFY_TOPIC:
+        return []
+    try:
+        httpx.get(NTFY_SERVER.rstrip("/") + "/v1/health", timeout=10.0)
+    except httpx.HTTPError as exc:
+        return [CheckLine(False, f"ntfy server {NTFY_SERVER} not reachable ({exc.__class__.__name__}): fix "
+                                 "NTFY_SERVER, or unset NTFY_TOPIC")]
+    return [CheckLine(True, f"ntfy server {NTFY_SERVER} answers (topic {NTFY_TOPIC})")]
+
+
+def check_run_state() -> list[CheckLine]:
+    """What the command would do with the state file: a new run, or the saved one resumed."""
+    try:
+        plan = choose_start()
+    except ConfigError as exc:
+        return [CheckLine(False, exc.message)]
+    holder = lock_holder()
+    if holder:
+        return [CheckLine(False, f"the run in {STATE_FILE} is driven by {holder}: a second copy would exit "
+                                 f"{EXIT_LOCKED}")]
+    return [CheckLine(True, f"resumes the run in {STATE_FILE}" if plan.resume else
+                      f"starts a new run (state in {STATE_FILE})")]
+
+
+def preflight_lines() -> list[CheckLine]:
+    """Every check after the settings, in the order a run meets what they look at."""
+    lines = check_run_state() + check_working_directory() + check_server()
+    if lines[-1].ok is False:
+        return lines
+    report = api.provider_report()
+    agents, side = check_agents_side(report)
+    return lines + check_profiles(side) + agents + check_token_budget() + check_ntfy()
+
+
+def check_mark(ok: bool | None) -> str:
+    """✓, ✗ or – where the output can show them, else ok, FAIL or -."""
+    marks = {True: "✓", False: "✗", None: "–"}
+    try:
+        "✓✗–".encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        marks = {True: "ok", False: "FAIL", None: "-"}
+    return marks[ok]
+
+
+def check_command(args: list[str]) -> int:
+    """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
+    1 for anything else to fix."""
+    lines: list[CheckLine] = []
+    code = EXIT_PASS
+    try:
+        if len(args) > 1:
+            raise ConfigError(f"--check takes at most a config file (see {command_name()} --help)")
+        configure(args)
+        read_task_prompt()
+        connect_api()
+        task = f"task from {'PROMPT_FILE=' + PROMPT_FILE if PROMPT_FILE else 'PROMPT'}" if PROMPT_FILE or PROMPT \
+            else "no task set (PROMPT_FILE or PROMPT): only a saved run can be resumed"
+        lines.append(CheckLine(True, f"settings{' from ' + args[0] if args else ''} and the environment; {task}"))
+        lines += preflight_lines()
+    except ConfigError as exc:
+        lines.append(CheckLine(False, exc.message))
+        code = EXIT_USAGE
+    for line in lines:
+        emit(f"{check_mark(line.ok)} {line.text}")
+    if code == EXIT_PASS and any(line.ok is False for line in lines):
+        code = EXIT_FAIL
+    emit("a run can start" if code == EXIT_PASS else "fix what is marked, then run --check again")
+    return code
+
+
+# ==========================================================================
+# 17. Entry point
 # ==========================================================================
 
 PACKAGE_NAME = "cao-orchestrator-loop"
@@ -6859,7 +7381,7 @@ def command_name() -> str:
 
 def usage_lines() -> list[str]:
     name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --status [config.json]",
+    return [f"usage: {name} [config.json]", f"       {name} --check | --status [config.json]",
             f"       {name} --help | --help-settings | --readme | --version"]
 
 
@@ -6879,7 +7401,7 @@ class CommandLine(argparse.ArgumentParser):
 def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
-    for flag in ("--status", "--help-settings", "--readme"):
+    for flag in ("--check", "--status", "--help-settings", "--readme"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("-V", "--version", action="store_true")
@@ -6919,7 +7441,7 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
     if not running:
         return f"the agents of CAO session {session} are gone (the server no longer has their terminals)"
     count = "the five agents" if len(running) == len(ROLES) else f"{len(running)} of the five agents"
-    return (f"{count} of CAO session {session} are still running (watch: `tmux attach -t {session}`; stop: "
+    return (f"{count} of CAO session {session} are still running (watch: `{tmux_hint('attach -t ' + session)}`; stop: "
             f"`cao shutdown --session {session}`, or set CLEANUP_ON_EXIT=1)")
 
 
@@ -6952,12 +7474,22 @@ def working_now(saved: SavedState) -> str:
     return f"{turn.role} (terminal {saved.terminal_ids.get(turn.role) or '?'}){when}"
 
 
+def next_step(saved: SavedState) -> str:
+    """'the peer analyst's review, cycle 2 of 3 of round 1's analyst phase': the turn a run under way takes next."""
+    if saved.current_phase == PHASE_TESTER:
+        step = "the check of the tester's PASS (PROJECT_TEST_CMD)" if saved.phase_step == "verify" else "the test"
+        return f"{step}, round {saved.current_round}"
+    author, reviewer = PHASE_ROLES[saved.current_phase]
+    who = f"the {reviewer.replace('_', ' ')}'s review" if saved.phase_step == "review" else f"the {author}'s turn"
+    return (f"{who}, cycle {saved.phase_cycle} of {MAX_REVIEW_CYCLES} of round {saved.current_round}'s "
+            f"{saved.current_phase} phase")
+
+
 def _status_progress(saved: SavedState) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
     if saved.finished:
         return [f"CAO server: {API}", f"turns: {len(saved.turn_records)} answered"]
-    return [f"CAO server: {API} (cycle {saved.phase_cycle}, next: {saved.phase_step})",
-            f"working now: {working_now(saved)}",
+    return [f"CAO server: {API}", f"next: {next_step(saved)}", f"working now: {working_now(saved)}",
             f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
             f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
             + (", story attempts not counted)" if STORY_MODE else ")")]
@@ -6968,6 +7500,9 @@ def _status_tokens(saved: SavedState) -> list[str]:
     if not saved.turn_records:
         return []
     total, unknown = turns_tokens(saved.turn_records)
+    not_counted = "" if total else tokenless_note(providers_in_use())
+    if not_counted:
+        return [f"tokens used: not counted ({not_counted})"]
     budgets = [f"{name}={value:g}" for name, value in (("MAX_RUN_TOKENS", MAX_RUN_TOKENS),
                                                         ("MAX_RUN_COST", MAX_RUN_COST)) if value]
     return [f"tokens used: {tokens_text(total)}" + (f" ({counted(unknown, 'turn')} unknown)" if unknown and total
@@ -7046,6 +7581,7 @@ def help_text() -> str:
         "tester) on a CAO server until the tester reports PASS. Settings come from",
         "environment variables and/or a JSON config file; the environment wins.", "",
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
+        "  --check          all a run needs, checked: no agent started, no token spent",
         "  --status         where the run in STATE_FILE stands; changes nothing",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
         "  --readme         print the README (the rest of the documentation is in docs/)",
@@ -7224,6 +7760,7 @@ def run_command_line(args: list[str]) -> int:
         _install_sigterm(_raise_terminated)
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
+        say_tokens_not_counted()
         end_old_run(plan)
         if isinstance(api, ApiClient):
             api.retry_seconds = API_RETRY_SECONDS     # from now on, ride out server restarts
@@ -7259,7 +7796,11 @@ def main(argv: list[str] | None = None) -> None:
         emit(f"{command_name()} ({PACKAGE_NAME}) {__version__}")
         raise SystemExit(EXIT_PASS)
     config = [options.config] if options.config else []
-    raise SystemExit(status_command(config) if options.status else run_command_line(config))
+    if options.check and options.status:
+        say_error(f"error: --check and --status are two commands: give one (see {command_name()} --help)")
+        raise SystemExit(EXIT_USAGE)
+    command = check_command if options.check else status_command if options.status else run_command_line
+    raise SystemExit(command(config))
 
 
 if __name__ == "__main__":

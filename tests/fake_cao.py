@@ -168,6 +168,7 @@ class FakeCao:
                                          # add: once its session exists)
     missing_clis: set = field(default_factory=set)  # providers whose CLI /agents/providers reports missing
     provider_lookups: int = 0
+    missing_profiles: set = field(default_factory=set)  # agent profiles GET /agents/profiles/{name} does not know
     providers_status: int = 200          # e.g. 404: a server without the providers route
     creating_now: int = 0
     creating_peak: int = 0
@@ -277,7 +278,17 @@ class FakeCao:
         # Outside the guard: the start-up look at the providers is not part of what tests count.
         router.route(method="GET", url__regex=rf"^{re.escape(base)}/agents/providers").mock(
             side_effect=self._providers)
+        router.route(method="GET", url__regex=rf"^{re.escape(base)}/health$").mock(
+            side_effect=self._guarded("health", lambda request: httpx.Response(200, json={"status": "ok"})))
+        router.route(method="GET", url__regex=rf"^{re.escape(base)}/agents/profiles/[^/?]+$").mock(
+            side_effect=self._guarded("profile", self._profile))
         return self
+
+    def _profile(self, request: httpx.Request) -> httpx.Response:
+        name = request.url.path.rsplit("/", 1)[1]
+        if name in self.missing_profiles:
+            return httpx.Response(404, json={"detail": f"Agent profile not found: {name}"})
+        return httpx.Response(200, json={"name": name})
 
     def _providers(self, request: httpx.Request) -> httpx.Response:
         self.provider_lookups += 1

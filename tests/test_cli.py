@@ -292,6 +292,18 @@ def test_status_names_the_agent_working_now_the_turns_used_and_the_most_left(loa
     # round 2: this review and two more cycles (5 turns) and the test; round 3: 3 cycles and the test
     assert "turns: 1 answered, at most 13 left (MAX_ROUNDS=3, MAX_REVIEW_CYCLES=3)" in out
     assert "are still running" in out            # the agents' session is there
+    assert "\nCAO server: http://cao.test\n" in out
+    assert "\nnext: the peer programmer's review, cycle 1 of 3 of round 2's programmer phase\n" in out
+
+
+@pytest.mark.parametrize("phase, step, said", [
+    ("analyst", "author", "the analyst's turn, cycle 2 of 3 of round 1's analyst phase"),
+    ("analyst", "review", "the peer analyst's review, cycle 2 of 3 of round 1's analyst phase"),
+    ("tester", "author", "the test, round 1"),
+    ("tester", "verify", "the check of the tester's PASS (PROJECT_TEST_CMD), round 1")])
+def test_status_says_the_next_step_in_words(orch, phase, step, said):
+    saved = orch.SavedState(current_phase=phase, phase_cycle=2, phase_step=step, current_round=1)
+    assert orch.next_step(saved) == said
 
 
 def test_the_most_turns_left_follow_the_documented_worst_case(orch):

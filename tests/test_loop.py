@@ -326,7 +326,7 @@ def test_agent_cli_start_up_timeout_says_what_to_check(load_orch, fake_cao, prom
     assert run_main(m) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
-    assert "installed, on cao-server's PATH and logged in" in err
+    assert "cao-orchestrator-loop --check` finds what is missing" in err
     assert "~/.aws/cli-agent-orchestrator/logs/" in err and "IS_SANDBOX=1" in err
 
 

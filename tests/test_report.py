@@ -479,9 +479,19 @@ def test_every_duration_on_the_page_is_written_one_way(passed):
     assert [label.split("; ")[1] for label in labels[:3]] == ["12s", "4.3s", "1h 2m"]
     took = [label.split("; ")[1] for label in labels]
     assert all(DURATION.match(text) for text in took), took
-    span = dom.by_id("timeline").find_all("p")[-1].text
-    assert DURATION.match(span.removeprefix("0 to ")), span
+    span = dom.by_id("time-axis").text
+    assert DURATION.match(span.removeprefix("0 (the run's start) to ").split(";")[0]), span
     assert not re.search(r"\d s\b", dom.one("body").text)         # no "175 s", "12.3 s" beside "2m 55s"
+
+
+def test_a_start_up_that_takes_a_good_part_of_the_timeline_is_labelled(passed):
+    m, folder = passed
+    summary = summary_of(folder)
+    first = datetime.fromisoformat(summary["turn_list"][0]["sent_at"].replace("Z", "+00:00")).timestamp()
+    assert "the first prompt went out" not in Dom(m.report_html(summary)).by_id("time-axis").text
+    summary["started_at"] = m.utc_iso(first - 300)          # five minutes of start-up before the first prompt
+    axis = Dom(m.report_html(summary)).by_id("time-axis").text
+    assert "; the first prompt went out 5m 0s in: before it, the agents were started" in axis, axis
 
 
 def test_the_exit_code_session_state_file_and_links_to_the_runs_files_are_shown(passed):
@@ -515,7 +525,7 @@ def test_a_stopped_run_shows_its_exit_code_and_a_run_still_going_links_only_what
 def test_the_scenario_test_and_the_last_evidence_are_visible_without_a_click(passed_run):
     markup = (passed_run / "report.html").read_text(encoding="utf-8")
     seen = visibility(passed_run, markup, "#scenario-test", "#final-evidence", "#turn-8 pre.reply")
-    assert seen["#scenario-test"] == (True, SCENARIO)
+    assert seen["#scenario-test"] == (True, SCENARIO.replace("`", ""))      # its code spans shown as code
     assert seen["#final-evidence"] == (True, PASS_REPLY.strip())
     assert seen["#turn-8 pre.reply"][0] is False            # the probe tells a closed turn from an open block
     dom = Dom(markup)
@@ -526,7 +536,7 @@ def test_the_scenario_test_and_the_last_evidence_are_visible_without_a_click(pas
 def test_a_page_before_the_first_test_result_says_the_tester_has_not_answered(mid_run):
     folder, snapshot = mid_run
     seen = visibility(folder, snapshot, "#scenario-test", "#final-evidence")
-    assert seen["#scenario-test"] == (True, SCENARIO)
+    assert seen["#scenario-test"] == (True, SCENARIO.replace("`", ""))
     assert seen["#final-evidence"] == (True, "The tester has not answered yet.")
 
 

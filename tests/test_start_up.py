@@ -155,7 +155,7 @@ def test_a_session_whose_agent_fails_to_start_exits_the_terminals_added_meanwhil
     assert "\n" not in err
     assert "analyst: CAO create session failed: HTTP 500" in err and "peer_analyst" not in err
     assert "(on its second try too, started alone)" in err
-    assert "installed, on cao-server's PATH and logged in" in err      # start_failure_hint still applies
+    assert "--check` finds what is missing" in err      # start_failure_hint still applies
     assert not Path(m.STATE_FILE).exists()
 
 

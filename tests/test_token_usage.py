@@ -624,6 +624,22 @@ def test_a_run_without_readable_records_says_unknown_never_zero(load_orch, fake_
     assert "tokens used: unknown" in m.status_report()[1]
 
 
+def test_a_cli_that_records_no_tokens_is_said_once_not_on_every_line_and_table(load_orch, fake_cao, prompt_file,
+                                                                             capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_FAIL_THEN_PASS, "PROVIDER": "mock_cli"})
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert out.count("mock_cli records no tokens") == 1
+    assert "mock_cli records no tokens: their turns' tokens are not counted" in out
+    assert "tokens: unknown" not in out and "tokens used" not in out
+    assert out.count("reply received") == 6
+    page = Path(m.run_dir, "report.html").read_text()
+    assert "Not counted: mock_cli records no tokens." in page
+    assert 'id="tokens-per-turn"' not in page and "unknown" not in page
+    assert "tokens used: not counted (mock_cli records no tokens)" in m.status_report()[1]
+
+
 def test_a_budget_reached_stops_before_the_next_turn_and_a_higher_one_goes_on(load_orch, fake_cao, codex_home,
                                                                                prompt_file, capsys):
     """After three turns the run has used 1,020 + 2,020 + 3,020 tokens: with MAX_RUN_TOKENS=6000 the

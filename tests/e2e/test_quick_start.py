@@ -42,6 +42,22 @@ def quick_start_block(readme: str) -> str:
     return match.group(1)
 
 
+# Run while the agents still run (before the block stops them): the tmux command the run printed for watching
+# them, as has-session, from a new login shell's environment -- no TMUX_TMPDIR, the system's PATH. It must
+# reach the agents' server, not a tmux server of the user's own.
+HINT_PROBE = r"""
+hint=$(sed -n 's/.*(watch: `\(tmux .*\) attach -t \([^`]*\)`.*/\1 has-session -t \2/p' ~/try-loop/.tmp/*/run.log | tail -n 1)
+env -i HOME="$HOME" TERM=dumb bash -l -c "$hint" && echo "the printed hint reached the agents: $hint"
+"""
+
+
+def with_hint_probe(block: str) -> str:
+    """The block with HINT_PROBE inserted before the line that stops the agents."""
+    before, stop, after = block.partition("\ncao shutdown")
+    assert stop, "README.md: the quick start no longer stops the agents with `cao shutdown`"
+    return before + "\n" + HINT_PROBE.strip() + stop + after
+
+
 def test_quick_start_block_is_what_the_test_runs():
     block = quick_start_block(README.read_text(encoding="utf-8"))
     assert "pip install ." in block and "PROVIDER=mock_cli" in block and "cao-orchestrator-loop" in block
@@ -114,7 +130,7 @@ def run_quick_start(tmp_path: Path) -> QuickStart:
     old_link = os.readlink(AGENT_LINK) if AGENT_LINK.is_symlink() else None
 
     # bash takes no PS4 from the environment when run as root: the trace prefix is set in the script.
-    traced = "PS4='+ [${SECONDS}s] '\n" + block
+    traced = "PS4='+ [${SECONDS}s] '\n" + with_hint_probe(block)
     proc = subprocess.Popen(["bash", "-e", "-x", "-c", traced], cwd=clone, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -145,6 +161,11 @@ def test_readme_quick_start_reaches_pass(quick_start):
     assert quick_start.returncode == 0, f"the quick start failed (exit {quick_start.returncode}):\n{transcript[-6000:]}"
     assert not quick_start.tmux_servers_left, f"the quick start left a tmux server running: {quick_start.tmux_servers_left}"
     assert re.search(r"PASS in round 1", transcript), transcript[-4000:]
+    assert re.search(r"\n✓ .*\na run can start\n", transcript), transcript[-4000:]      # the --check before the run
+    reached = re.search(r"the printed hint reached the agents: tmux -S (\S+) has-session -t cao-loop-\w+",
+                        transcript)
+    assert reached, transcript[-4000:]
+    assert reached.group(1).startswith(str(quick_start.home / ".cache" / "try-loop-tmux"))
     assert not quick_start.left_link, "the quick start left /usr/local/bin/mock_cli behind"
     runs = quick_start.home / "try-loop" / ".tmp"
     summaries = [p for p in runs.glob("*/summary.json") if p.parent.name != "latest"]

@@ -1,0 +1,170 @@
+"""`--check` against a real cao-server in a fresh HOME, as a newcomer meets it: each set-up trap planted one
+at a time is found with its fix, and once it is fixed the check passes.
+
+The server here is started the way the README starts it (no tmux server of the test's own): CAO's tmux
+server then runs the agents in login shells, whose PATH is the system's, not cao-server's. The real
+Codex and Claude Code CLIs are only asked for their version.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from . import agent_clis
+from .cao_env import ensure_cao
+from .harness import AGENT_PROFILES, REPO_ROOT, _free_port, _write_mock_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
+
+TASK = """*** ORIGINAL EXPLORE SUMMARY ***
+Build greet.py: `python greet.py NAME` prints `Hello, NAME!`.
+*** SCENARIO TEST ***
+1. `python greet.py World` prints `Hello, World!` and exits 0.
+"""
+
+
+class NewcomersMachine:
+    """A fresh HOME, a cao-server started from a plain shell's environment, a project folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.home, self.bin, self.tmux, self.work = (root / name for name in ("home", "bin", "tmux", "work"))
+        for folder in (self.home, self.bin, self.tmux, self.work):
+            folder.mkdir()
+        _write_mock_cli(self.bin)
+        (self.work / "task.md").write_text(TASK, encoding="utf-8")
+        self.cao_bin = ensure_cao().parent
+        self.port = _free_port()
+        self.api = f"http://127.0.0.1:{self.port}"
+        self.server: subprocess.Popen | None = None
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """A newcomer's shell: this HOME, the system PATH with CAO's venv (where `pip install` put it)."""
+        return {"HOME": str(self.home), "TMUX_TMPDIR": str(self.tmux), "SHELL": "/bin/bash",
+                "USER": os.environ.get("USER", "root"), "LANG": os.environ.get("LANG", "C.UTF-8"),
+                "TERM": "xterm-256color", "PATH": f"{self.cao_bin}:/usr/local/bin:/usr/bin:/bin", **extra}
+
+    def start_server(self, **extra: str) -> None:
+        self.server = subprocess.Popen([str(self.cao_bin / "cao-server"), "--host", "127.0.0.1", "--port",
+                                        str(self.port)], env=self.env(**extra), cwd=self.root,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with _quiet():
+                if httpx.get(f"{self.api}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.3)
+        raise AssertionError("cao-server did not answer /health in 120 s")
+
+    def stop_server(self) -> None:
+        if self.server is not None:
+            with _quiet():
+                os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait(timeout=30)
+            self.server = None
+        subprocess.run(["tmux", "kill-server"], env=self.env(), capture_output=True, timeout=30)
+
+    def install_profiles(self, provider: str) -> None:
+        for name in AGENT_PROFILES:
+            subprocess.run([str(self.cao_bin / "cao"), "install", str(REPO_ROOT / "profiles" / f"{name}.md"),
+                            "--provider", provider], env=self.env(), check=True, capture_output=True, timeout=120)
+
+    def login_path(self, *folders: Path) -> None:
+        """What a user does so that a program is found by login shells: ~/.profile puts it on PATH."""
+        (self.home / ".profile").write_text(
+            "".join(f'export PATH="{folder}:$PATH"\n' for folder in folders), encoding="utf-8")
+
+    def check(self, provider: str) -> tuple[int, str]:
+        """--check as the user runs it, from the project folder, with the README's settings."""
+        env = {**os.environ, "API": self.api, "PROVIDER": provider, "PROMPT_FILE": "task.md",
+               "WD": str(self.work), "HOME": str(self.home)}
+        done = subprocess.run([sys.executable, str(REPO_ROOT / "run_orchestrator_loop.py"), "--check"],
+                              cwd=self.work, env=env, capture_output=True, text=True, timeout=180)
+        output = done.stdout + done.stderr
+        assert "Traceback" not in output, output
+        return done.returncode, output
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        return kind is not None and issubclass(kind, (OSError, httpx.HTTPError, ProcessLookupError))
+
+
+@pytest.fixture
+def machine():
+    root = Path(tempfile.mkdtemp(prefix="chk-", dir="/tmp"))     # short: the tmux socket path has a limit
+    newcomer = NewcomersMachine(root)
+    try:
+        yield newcomer
+    finally:
+        newcomer.stop_server()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def failed_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("✗")]
+
+
+def test_check_finds_each_trap_planted_alone_with_its_fix_and_passes_once_fixed(machine):
+    # CAO down
+    code, output = machine.check("mock_cli")
+    assert code == 1 and failed_lines(output) == [
+        line for line in output.splitlines() if line.startswith(f"✗ CAO server is not reachable at {machine.api}")]
+    assert "start it with `cao-server`" in output
+
+    # profiles missing
+    machine.start_server()
+    machine.login_path(machine.bin)
+    code, output = machine.check("mock_cli")
+    [line] = failed_lines(output)
+    assert code == 1 and "agent profiles not installed" in line
+    assert all(f"cao install profiles/{name}.md --provider mock_cli" in line for name in AGENT_PROFILES)
+
+    # mock_cli on cao-server's PATH (the README's venv) but not on the agents' login PATH
+    machine.install_profiles("mock_cli")
+    (machine.home / ".profile").unlink()
+    code, output = machine.check("mock_cli")
+    [line] = failed_lines(output)
+    assert code == 1 and line.startswith("✗ mock_cli (the scripted agent, provider mock_cli) is not on the PATH")
+
+    machine.login_path(machine.bin)
+    code, output = machine.check("mock_cli")
+    assert code == 0 and output.splitlines()[-1] == "a run can start", output
+    assert f"✓ mock_cli found by the agents' shells: {machine.bin / 'mock_cli'}" in output
+
+    # Codex in a project it does not trust
+    clis = agent_clis.cli_bin_for("codex")
+    machine.login_path(machine.bin, clis)
+    code, output = machine.check("codex")
+    [line] = failed_lines(output)
+    assert code == 1 and line.startswith(f"✗ Codex does not trust {machine.work.resolve()}")
+    assert f"✓ codex found by the agents' shells: {clis / 'codex'}, {agent_clis.CODEX_VERSION}" in output, output
+    config = machine.home / ".codex" / "config.toml"          # what the fix says, as a user writes it
+    config.parent.mkdir()
+    config.write_text(f'[projects."{machine.work.resolve()}"]\ntrust_level = "trusted"\n', encoding="utf-8")
+    code, output = machine.check("codex")
+    assert code == 0 and "✓ Codex trusts the project" in output, output
+
+    # Claude Code as root, cao-server started without IS_SANDBOX
+    code, output = machine.check("claude_code")
+    if os.getuid() == 0:
+        [line] = failed_lines(output)
+        assert code == 1 and "IS_SANDBOX=1 cao-server" in line
+        machine.stop_server()
+        machine.start_server(IS_SANDBOX="1")
+        code, output = machine.check("claude_code")
+        assert "✓ Claude Code: IS_SANDBOX=1 set for root" in output
+    assert code == 0 and output.splitlines()[-1] == "a run can start", output

@@ -1,0 +1,249 @@
+"""--check: all a run needs, looked at in seconds, without an agent started or a token spent.
+
+The agents' side (a probe in the agents' tmux server, a real cao-server) is proven end to end in
+tests/e2e/test_check_e2e.py; here: the probe's script run by a real `sh`, each trap alone, and the
+command's lines and exit codes against the fake CAO.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_main
+
+
+def run_check(module, capsys, *args: str) -> tuple[int, list[str]]:
+    code = run_main(module, "--check", *args)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    return code, captured.out.splitlines()
+
+
+def _side(orch, tmp_path: Path, uid: int = 1000, **env: str):
+    home = tmp_path / "agents-home"
+    home.mkdir(exist_ok=True)
+    return orch.AgentsSide({"HOME": str(home), **env}, uid, {})
+
+
+# -- the probe ----------------------------------------------------------------------
+
+
+def test_the_probe_script_run_by_sh_names_each_program_its_path_and_version(orch, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "fakecli"
+    tool.write_text("#!/bin/sh\necho 'fakecli 3.4.5 (build 7)'\necho second line\n", encoding="utf-8")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    script = orch._probe_script(tmp_path, ["fakecli", "not-installed-anywhere"])
+    subprocess.run(["sh", str(script)], env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
+                                             "IS_SANDBOX": "1"}, check=True, timeout=30)
+    assert (tmp_path / "done").exists()
+    side = orch._read_probe((tmp_path / "out").read_text(encoding="utf-8"))
+    assert side.programs["fakecli"] == (str(tool), "fakecli 3.4.5 (build 7)")
+    assert side.programs["not-installed-anywhere"] == ("", "")
+    assert side.uid == os.getuid() and side.env["IS_SANDBOX"] == "1" and side.env["HOME"] == str(tmp_path)
+
+
+LISTENER = """
+import socket, sys, time
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+print(listener.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_server_listening_on_api_s_port_is_found_with_its_environment_and_tmux_socket(load_orch):
+    env = {k: v for k, v in os.environ.items() if k != "TMUX"}
+    server_process = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True,
+                                      env={**env, "TMUX_TMPDIR": "/srv/agents-tmux"})
+    try:
+        port = int(server_process.stdout.readline())
+        orch = load_orch(API=f"http://127.0.0.1:{port}")
+        server = orch.local_server()
+        hint = orch.tmux_hint("attach -t cao-loop-1")
+    finally:
+        server_process.kill()
+        server_process.wait()
+    assert server is not None and server.pid == server_process.pid and server.uid == os.getuid()
+    assert server.env["TMUX_TMPDIR"] == "/srv/agents-tmux"
+    assert server.tmux_socket == f"/srv/agents-tmux/tmux-{os.getuid()}/default"
+    assert hint == f"tmux -S /srv/agents-tmux/tmux-{os.getuid()}/default attach -t cao-loop-1"
+
+
+def test_a_server_on_another_machine_gets_a_plain_tmux_hint_and_no_probe(load_orch, monkeypatch):
+    monkeypatch.delenv("TMUX_TMPDIR", raising=False)
+    orch = load_orch(API="http://cao.example.org:9889")
+    assert orch.local_server() is None and orch.tmux_hint("attach -t s") == "tmux attach -t s"
+    lines, side = orch.check_agents_side(None)
+    assert side is None and lines[0].ok is None and "runs on another machine" in lines[0].text
+
+
+# -- each trap alone: found with its fix, passed once fixed ----------------------------
+
+
+def test_claude_code_as_root_needs_is_sandbox(orch, tmp_path):
+    trap = orch.TRAP_CHECKS["root needs IS_SANDBOX"]
+    found = trap(_side(orch, tmp_path, uid=0))
+    assert found.ok is False and "IS_SANDBOX=1 cao-server" in found.text
+    assert trap(_side(orch, tmp_path, uid=0, IS_SANDBOX="1")).ok is True
+    assert trap(_side(orch, tmp_path, uid=1000)).ok is True
+
+
+def test_codex_needs_the_project_trusted(orch, tmp_path, workdir):
+    trap = orch.TRAP_CHECKS["project trusted"]
+    side = _side(orch, tmp_path)
+    found = trap(side)
+    assert found.ok is False and f'[projects."{workdir.resolve()}"]' in found.text and "trust_level" in found.text
+    config = Path(side.env["HOME"]) / ".codex" / "config.toml"
+    config.parent.mkdir()
+    config.write_text(f'model = "m"\n[projects."{workdir.resolve()}"]\ntrust_level = "trusted"\n', encoding="utf-8")
+    assert trap(side).ok is True
+    config.write_text(f'[projects."{workdir.resolve().parent}"]\ntrust_level = "trusted"\n', encoding="utf-8")
+    assert trap(side).ok is True                     # a folder above it counts
+    config.write_text(f'[projects."{workdir.resolve()}"]\ntrust_level = "untrusted"\n', encoding="utf-8")
+    assert trap(side).ok is False
+
+
+def test_codex_home_moves_its_config(orch, tmp_path, workdir):
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(f'[projects."{workdir.resolve()}"]\ntrust_level = "trusted"\n',
+                                            encoding="utf-8")
+    assert orch.TRAP_CHECKS["project trusted"](_side(orch, tmp_path, CODEX_HOME=str(codex_home))).ok is True
+
+
+def test_copilot_needs_cao_s_mcp_server_disabled(orch, tmp_path):
+    trap = orch.TRAP_CHECKS["CAO's MCP server disabled"]
+    side = _side(orch, tmp_path)
+    found = trap(side)
+    assert found.ok is False and '{"disabledMcpServers": ["cao-mcp-server"]}' in found.text
+    settings = Path(side.env["HOME"]) / ".copilot" / "settings.json"
+    settings.parent.mkdir()
+    settings.write_text('{"disabledMcpServers": ["cao-mcp-server"]}', encoding="utf-8")
+    assert trap(side).ok is True
+
+
+def test_hermes_needs_prompt_toolkit_no_cpr(orch, tmp_path):
+    trap = orch.TRAP_CHECKS["PROMPT_TOOLKIT_NO_CPR"]
+    found = trap(_side(orch, tmp_path))
+    assert found.ok is False and "set-environment -g PROMPT_TOOLKIT_NO_CPR 1" in found.text
+    assert trap(_side(orch, tmp_path, PROMPT_TOOLKIT_NO_CPR="1")).ok is True
+
+
+def test_opencode_needs_its_model_in_cao_s_config_file(orch, tmp_path):
+    trap = orch.TRAP_CHECKS["model file"]
+    side = _side(orch, tmp_path)
+    assert trap(side).ok is False
+    config = Path(side.env["HOME"]) / ".aws" / "opencode" / "opencode.json"
+    config.parent.mkdir(parents=True)
+    config.write_text('{"model": "local/scripted"}', encoding="utf-8")
+    assert trap(side).ok is True
+
+
+def test_every_trap_a_row_names_is_a_check(orch):
+    named = {trap for cli in orch.AGENT_CLIS.values() for trap in cli.traps}
+    assert named == set(orch.TRAP_CHECKS)
+
+
+def test_a_cli_the_agents_shells_do_not_find_is_said_with_where_it_is_here(orch, tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "mock_cli"
+    tool.write_text("#!/bin/sh\n", encoding="utf-8")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    orch.PROVIDER = "mock_cli"
+    side = _side(orch, tmp_path)
+    side.programs = {"mock_cli": ("", "")}
+    [line] = orch.check_clis(side, None)
+    assert line.ok is False and f"ln -sf {tool} /usr/local/bin/mock_cli" in line.text
+    side.programs = {"mock_cli": ("/usr/local/bin/mock_cli", "")}
+    assert orch.check_clis(side, None)[0].ok is True
+
+
+def test_a_cli_s_version_is_set_against_the_one_proven(orch, tmp_path):
+    orch.PROVIDER = "codex"
+    side = _side(orch, tmp_path)
+    side.programs = {"codex": ("/usr/bin/codex", f"codex-cli {orch.AGENT_CLIS['codex'].proven}")}
+    [line] = orch.check_clis(side, None)
+    assert line.ok is True and "proven with" not in line.text
+    side.programs = {"codex": ("/usr/bin/codex", "codex-cli 9.9.9")}
+    [line] = orch.check_clis(side, None)
+    assert line.ok is True and f"9.9.9 (proven with {orch.AGENT_CLIS['codex'].proven}" in line.text
+
+
+# -- the command --------------------------------------------------------------------
+
+
+def test_check_passes_when_a_run_can_start_and_starts_nothing(load_orch, fake_cao, prompt_file, capsys):
+    orch = load_orch(PROVIDER="mock_cli", PROMPT_FILE=str(prompt_file), API="http://cao.test")
+    code, lines = run_check(orch, capsys)
+    assert code == 0, lines
+    assert lines[-1] == "a run can start"
+    assert any(line.startswith("✓ agent profiles installed: system_analyst") for line in lines)
+    assert any(line.startswith("– agent CLIs not checked") for line in lines)   # cao.test is not this machine
+    assert not fake_cao.terminals and not fake_cao.prompts
+    assert not Path(orch.STATE_FILE).exists()
+
+
+def test_check_names_the_profiles_to_install(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.missing_profiles = {"tester", "programmer"}
+    orch = load_orch(PROVIDER="mock_cli", PROMPT_FILE=str(prompt_file))
+    code, lines = run_check(orch, capsys)
+    assert code == 1 and lines[-1] == "fix what is marked, then run --check again"
+    [line] = [line for line in lines if line.startswith("✗")]
+    assert "cao install profiles/programmer.md --provider mock_cli" in line
+    assert "cao install profiles/tester.md --provider mock_cli" in line
+
+
+def test_check_with_cao_down_says_how_to_start_it(load_orch, prompt_file, capsys):
+    orch = load_orch(PROVIDER="mock_cli", PROMPT_FILE=str(prompt_file), API="http://127.0.0.1:9")
+    code, lines = run_check(orch, capsys)
+    assert code == 1
+    assert any(line.startswith("✗ CAO server is not reachable at http://127.0.0.1:9") and "cao-server" in line
+               for line in lines)
+
+
+def test_check_with_bad_settings_exits_2_with_the_setting_s_line(load_orch, capsys):
+    orch = load_orch(MAX_ROUNDS="many")
+    code, lines = run_check(orch, capsys)
+    assert code == 2 and lines[0].startswith("✗ MAX_ROUNDS") and len(lines) == 2
+
+
+def test_check_and_status_together_are_a_usage_error(orch, capsys):
+    assert run_main(orch, "--check", "--status") == 2
+    assert "--check and --status" in capsys.readouterr().err
+
+
+def test_check_marks_fall_back_to_words_where_the_output_cannot_show_them(orch, monkeypatch):
+    class Ascii:
+        encoding = "ascii"
+    monkeypatch.setattr(orch.sys, "stdout", Ascii())
+    assert [orch.check_mark(ok) for ok in (True, False, None)] == ["ok", "FAIL", "-"]
+
+
+def test_commits_asked_for_need_a_git_repository(load_orch, fake_cao, prompt_file, capsys):
+    orch = load_orch(PROVIDER="mock_cli", PROMPT_FILE=str(prompt_file), COMMIT_ON_PASS="1")
+    code, lines = run_check(orch, capsys)
+    assert code == 1 and any("COMMIT_ON_PASS=1" in line and "git init" in line for line in lines)
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_ntfy_is_looked_at_only_where_set(load_orch, fake_cao, prompt_file, capsys, reachable):
+    import httpx
+    fake_cao.router.get("https://ntfy.test/v1/health").mock(
+        return_value=httpx.Response(200, json={"healthy": True}) if reachable
+        else None, side_effect=None if reachable else httpx.ConnectError("refused"))
+    orch = load_orch(PROVIDER="mock_cli", PROMPT_FILE=str(prompt_file), NTFY_TOPIC="loop-runs",
+                     NTFY_SERVER="https://ntfy.test")
+    code, lines = run_check(orch, capsys)
+    assert code == (0 if reachable else 1)
+    assert any(line.startswith("✓ ntfy server" if reachable else "✗ ntfy server") for line in lines)
