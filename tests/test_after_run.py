@@ -91,9 +91,8 @@ def openspec_calls(tmp_path: Path) -> list[str]:
 def passed_run(m, round_no: int = 2) -> None:
     """The module as it stands right after a PASS in `round_no`, with the start snapshot taken."""
     m.set_task(TASK_PROMPT)
-    m.current_round = round_no
-    m.final_status = "PASS"
-    m.worktree_at_start = m.snapshot_worktree() if m.COMMIT_ON_PASS else None
+    m.update_run(current_round=round_no, final_status="PASS")
+    m.update_run(worktree_at_start=m.snapshot_worktree() if m.COMMIT_ON_PASS else None)
 
 
 # -- the accident-file rule ------------------------------------------------------
@@ -329,7 +328,7 @@ def test_without_a_start_snapshot_only_tracked_files_are_committed(load_orch, wo
     make_repo(workdir)
     m = load_orch(COMMIT_ON_PASS="1")
     passed_run(m)
-    m.worktree_at_start = None                 # a run started without COMMIT_ON_PASS
+    m.update_run(worktree_at_start=None)  # a run started without COMMIT_ON_PASS
     (workdir / "app.py").write_text("print('v2')\n")
     (workdir / "new.py").write_text("new\n")
     m.finish_run(0)
@@ -444,7 +443,7 @@ def test_stop_that_needs_a_person_is_notified_and_still_raised(load_orch, workdi
     with NtfyRecorder() as ntfy:
         m = load_orch(NTFY_TOPIC="loop-alerts", NTFY_SERVER=ntfy.url)
         m.set_task(TASK_PROMPT)
-        m.current_round = 2
+        m.update_run(current_round=2)
 
         def stop():
             raise m.RunError("the programmer did not answer within RESPONSE_TIMEOUT=60s")

@@ -46,7 +46,7 @@ def m(orch):
     """The module with a task and five terminals, as after init_new_run()."""
     orch.EXPLORE_SUMMARY = EXPLORE
     orch.SCENARIO_TEST = SCENARIO
-    orch.terminal_ids = {role: f"term-{role}" for role in orch.ROLES}
+    orch.update_run(terminal_ids={role: f"term-{role}" for role in orch.ROLES})
     return orch
 
 
@@ -54,8 +54,8 @@ def m(orch):
 
 def test_analyst_prompt_structure(m):
     """Spec 1 Prompt builders / Analyst prompt structure: explore summary, round/cycle, feedback, guards, task, file."""
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- tester-feedback-marker"
-    m.analyst_feedback = "REVIEW_NOTES:\n- peer-analyst-feedback-marker"
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- tester-feedback-marker")
+    m.update_run(analyst_feedback="REVIEW_NOTES:\n- peer-analyst-feedback-marker")
     prompt = m.build_analyst_prompt(3, 2)
     assert EXPLORE in prompt
     assert re.search(r"\bround 3\b", prompt)
@@ -141,15 +141,14 @@ def test_explore_summary_every_time_when_condense_explore_off(m):
 
 def test_round_2_analyst_prompt_includes_programmer_context(m):
     """Spec 2 Analyst prompt includes programmer context / Round 2 includes the labelled block."""
-    m.programmer_context_for_retry = "- Files changed: foo.py"
+    m.update_run(programmer_context_for_retry="- Files changed: foo.py")
     prompt = m.build_analyst_prompt(2, 1)
     assert "Previous round programmer changes (context only):\n- Files changed: foo.py" in prompt
 
 
 def test_programmer_context_block_between_tester_and_peer_feedback(m):
     """Spec 2 Analyst prompt includes programmer context: after 'Latest tester feedback:', before peer analyst feedback."""
-    m.programmer_context_for_retry = "- Files changed: foo.py"
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- boom"
+    m.update_run(programmer_context_for_retry="- Files changed: foo.py", feedback="RESULT: FAIL\nEVIDENCE:\n- boom")
     prompt = m.build_analyst_prompt(2, 1)
     tester = prompt.index("Latest tester feedback:")
     block = prompt.index("Previous round programmer changes (context only):")
@@ -160,7 +159,7 @@ def test_programmer_context_block_between_tester_and_peer_feedback(m):
 
 def test_round_1_analyst_prompt_excludes_programmer_context(m):
     """Spec 2 Analyst prompt includes programmer context / Round 1 excludes it even when set."""
-    m.programmer_context_for_retry = "- Files changed: foo.py"
+    m.update_run(programmer_context_for_retry="- Files changed: foo.py")
     prompt = m.build_analyst_prompt(1, 1)
     assert "Previous round programmer changes" not in prompt
     assert "foo.py" not in prompt
@@ -168,7 +167,7 @@ def test_round_1_analyst_prompt_excludes_programmer_context(m):
 
 def test_round_2_with_empty_programmer_context_excludes_block(m):
     """Spec 2 Analyst prompt includes programmer context / Round 2 with empty context has no block."""
-    m.programmer_context_for_retry = ""
+    m.update_run(programmer_context_for_retry="")
     assert "Previous round programmer changes" not in m.build_analyst_prompt(2, 1)
 
 
@@ -177,15 +176,14 @@ def test_round_2_with_empty_programmer_context_excludes_block(m):
 @pytest.mark.parametrize("round_num", [1, 2])
 def test_programmer_prompt_has_no_retry_context_block(m, round_num):
     """Spec 2 Other agent prompts never include programmer retry context / Programmer prompt."""
-    m.programmer_context_for_retry = RETRY_CONTEXT
+    m.update_run(programmer_context_for_retry=RETRY_CONTEXT)
     prompt = m.build_programmer_prompt(round_num, 1, ANALYST_OUT)
     assert "Previous round programmer changes" not in prompt
 
 
 def test_tester_prompt_has_no_retry_context(m):
     """Spec 2 Other agent prompts never include programmer retry context / Tester prompt."""
-    m.programmer_context_for_retry = RETRY_CONTEXT
-    m.current_round = 2
+    m.update_run(programmer_context_for_retry=RETRY_CONTEXT, current_round=2)
     prompt = m.build_tester_prompt(PROGRAMMER_OUT)
     assert "Previous round programmer changes" not in prompt
     assert "retry_context_marker" not in prompt
@@ -193,8 +191,7 @@ def test_tester_prompt_has_no_retry_context(m):
 
 def test_programmer_review_prompt_has_no_retry_context(m):
     """Spec 2 Other agent prompts never include programmer retry context: build_programmer_review_prompt."""
-    m.programmer_context_for_retry = RETRY_CONTEXT
-    m.current_round = 2
+    m.update_run(programmer_context_for_retry=RETRY_CONTEXT, current_round=2)
     prompt = m.build_programmer_review_prompt(PROGRAMMER_OUT)
     assert "Previous round programmer changes" not in prompt
     assert "retry_context_marker" not in prompt
@@ -202,8 +199,7 @@ def test_programmer_review_prompt_has_no_retry_context(m):
 
 def test_analyst_review_prompt_has_no_retry_context(m):
     """Spec 2 Other agent prompts never include programmer retry context: build_analyst_review_prompt."""
-    m.programmer_context_for_retry = RETRY_CONTEXT
-    m.current_round = 2
+    m.update_run(programmer_context_for_retry=RETRY_CONTEXT, current_round=2)
     prompt = m.build_analyst_review_prompt(ANALYST_OUT)
     assert "Previous round programmer changes" not in prompt
     assert "retry_context_marker" not in prompt
@@ -213,20 +209,20 @@ def test_analyst_review_prompt_has_no_retry_context(m):
 
 def test_retry_programmer_prompt_includes_test_failure_feedback(m):
     """Spec 4 Programmer retry prompt / includes 'Test failure feedback:' followed by the feedback."""
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- test_foo failed"
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- test_foo failed")
     prompt = m.build_programmer_prompt(2, 1, ANALYST_OUT)
     assert "Test failure feedback:\nRESULT: FAIL\nEVIDENCE:\n- test_foo failed" in prompt
 
 
 def test_retry_programmer_prompt_excludes_analyst_output(m):
     """Spec 4 Programmer retry prompt / excludes 'System analyst handoff:'."""
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- test_foo failed"
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- test_foo failed")
     assert "System analyst handoff:" not in m.build_programmer_prompt(2, 1, ANALYST_OUT)
 
 
 def test_retry_programmer_prompt_does_not_contain_analyst_output_text(m):
     """Spec 4 Programmer retry prompt: SHALL NOT include outputs['analyst'] (nor its condensed summary)."""
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- test_foo failed"
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- test_foo failed")
     m.outputs["analyst"] = ANALYST_OUT
     prompt = m.build_programmer_prompt(2, 1, m.outputs["analyst"])
     assert "analyst-marker-change" not in prompt
@@ -236,22 +232,20 @@ def test_retry_programmer_prompt_does_not_contain_analyst_output_text(m):
 
 def test_retry_programmer_prompt_includes_previous_changes_context(m):
     """Spec 4 Programmer retry prompt / 'Your previous changes (context):' followed by the context."""
-    m.feedback = "RESULT: FAIL"
-    m.programmer_context_for_retry = "- Files changed: foo.py"
+    m.update_run(feedback="RESULT: FAIL", programmer_context_for_retry="- Files changed: foo.py")
     prompt = m.build_programmer_prompt(2, 1, ANALYST_OUT)
     assert "Your previous changes (context):\n- Files changed: foo.py" in prompt
 
 
 def test_retry_programmer_prompt_with_empty_previous_changes_omits_block(m):
     """Spec 4 Programmer retry prompt / empty programmer_context_for_retry -> no 'Your previous changes' block."""
-    m.feedback = "RESULT: FAIL"
-    m.programmer_context_for_retry = ""
+    m.update_run(feedback="RESULT: FAIL", programmer_context_for_retry="")
     assert "Your previous changes (context):" not in m.build_programmer_prompt(2, 1, ANALYST_OUT)
 
 
 def test_retry_programmer_prompt_instructs_artifact_update_capability(m):
     """Spec 4 Programmer retry prompt / instructs to investigate (/opsx:explore) and update artifacts (/opsx:ff)."""
-    m.feedback = "RESULT: FAIL"
+    m.update_run(feedback="RESULT: FAIL")
     prompt = m.build_programmer_prompt(2, 1, ANALYST_OUT)
     assert "/opsx:explore" in prompt
     assert "/opsx:ff" in prompt
@@ -262,8 +256,7 @@ def test_retry_programmer_prompt_instructs_artifact_update_capability(m):
 
 def test_round_1_programmer_prompt_unchanged(m):
     """Spec 4 Programmer retry prompt / Round 1: 'System analyst handoff:' present, 'Test failure feedback:' absent."""
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- stale feedback"
-    m.programmer_context_for_retry = RETRY_CONTEXT
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- stale feedback", programmer_context_for_retry=RETRY_CONTEXT)
     prompt = m.build_programmer_prompt(1, 1, ANALYST_OUT)
     assert "System analyst handoff:" in prompt
     assert "Test failure feedback:" not in prompt
@@ -281,7 +274,7 @@ def test_round_1_programmer_prompt_carries_condensed_analyst_handoff(m):
 
 def test_retry_programmer_prompt_with_upstream_placeholder(m):
     """Spec 4 Shortcut retry with non-analyst START_AGENT: the placeholder analyst output still gives a retry prompt."""
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- x"
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- x")
     prompt = m.build_programmer_prompt(2, 1, m._UPSTREAM_PLACEHOLDER)
     assert "Test failure feedback:" in prompt
     assert "System analyst handoff:" not in prompt
@@ -340,7 +333,7 @@ def test_programmer_prompt_upstream_not_condensed_when_off_by_env(load_orch):
 
 def test_retry_programmer_prompt_cycle_2_refers_back_to_failure_feedback(m):
     """Spec 1 upstream condensation on repeat applied to spec 4's retry block: cycle 2 refers back to the feedback."""
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- failure-marker"
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- failure-marker")
     delivered(m, m.build_programmer_prompt(2, 1, ANALYST_OUT))
     prompt = m.build_programmer_prompt(2, 2, ANALYST_OUT)
     assert f"Test failure feedback:\n{m.UPSTREAM_BACK_REFERENCE}" in prompt
@@ -351,7 +344,7 @@ def test_retry_programmer_prompt_cycle_2_refers_back_to_failure_feedback(m):
 
 def test_programmer_cycle_2_refers_back_to_open_peer_analyst_notes(m):
     """Upstream condensation on repeat: the unapproved analysis notes are shown in cycle 1, referred to after."""
-    m.analyst_feedback = "REVIEW_NOTES:\n- open-analyst-note-marker"
+    m.update_run(analyst_feedback="REVIEW_NOTES:\n- open-analyst-note-marker")
     label = "Open peer analyst notes (the analysis was not approved; keep them in mind):\n"
     assert f"{label}REVIEW_NOTES:\n- open-analyst-note-marker" in delivered(m, m.build_programmer_prompt(1, 1, ANALYST_OUT))
     assert f"{label}{m.UPSTREAM_BACK_REFERENCE}" in m.build_programmer_prompt(1, 2, ANALYST_OUT)
@@ -361,8 +354,7 @@ def test_programmer_cycle_2_refers_back_to_open_peer_analyst_notes(m):
 
 def test_retry_programmer_cycle_2_refers_back_to_previous_changes(m):
     """Upstream condensation on repeat applied to spec 4's previous changes: full in cycle 1, referred to after."""
-    m.feedback = "RESULT: FAIL"
-    m.programmer_context_for_retry = RETRY_CONTEXT
+    m.update_run(feedback="RESULT: FAIL", programmer_context_for_retry=RETRY_CONTEXT)
     assert f"Your previous changes (context):\n{RETRY_CONTEXT}" in delivered(m, m.build_programmer_prompt(2, 1, ""))
     assert f"Your previous changes (context):\n{m.UPSTREAM_BACK_REFERENCE}" in m.build_programmer_prompt(2, 2, "")
     m.CONDENSE_UPSTREAM_ON_REPEAT = False
@@ -371,7 +363,7 @@ def test_retry_programmer_cycle_2_refers_back_to_previous_changes(m):
 
 def test_programmer_prompt_carries_peer_programmer_feedback(m):
     """Spec 1 Prompt builders: the programmer prompt carries the latest peer programmer feedback."""
-    m.programmer_feedback = "REVIEW_NOTES:\n- peer-programmer-marker"
+    m.update_run(programmer_feedback="REVIEW_NOTES:\n- peer-programmer-marker")
     prompt = m.build_programmer_prompt(1, 2, ANALYST_OUT)
     assert "Latest peer programmer feedback:\nREVIEW_NOTES:\n- peer-programmer-marker" in prompt
 
@@ -512,7 +504,7 @@ def _analyst_retry(m):
 
 
 def _programmer_after_review(m):
-    m.programmer_feedback = PEER_PROGRAMMER_NOTES
+    m.update_run(programmer_feedback=PEER_PROGRAMMER_NOTES)
     return m.build_programmer_prompt(1, 2, ANALYST_OUT)
 
 
@@ -662,9 +654,9 @@ def test_building_a_prompt_records_nothing(m, kind):
 def test_fresh_context_record_gives_complete_prompts(m):
     """A new run starts with an empty record (init_new_run): every prompt kind is complete again."""
     for kind, (_role, build, _required) in PROMPT_KINDS.items():
-        m.context_sent = set()
+        m.update_run(context_sent=set())
         first, repeated = delivered(m, build(m)), build(m)
-        m.context_sent = set()
+        m.update_run(context_sent=set())
         assert build(m) == first != repeated, kind
 
 
@@ -673,7 +665,7 @@ def test_resumed_run_keeps_referring_back(m):
     for _role, build, _required in PROMPT_KINDS.values():
         delivered(m, build(m))
     m.save_state()
-    m.context_sent = set()
+    m.update_run(context_sent=set())
     assert m.load_state()
     for kind, (_role, build, _required) in PROMPT_KINDS.items():
         prompt = build(m)

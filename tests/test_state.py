@@ -35,29 +35,22 @@ def populate(m) -> None:
     """Give every saved global a distinctive value."""
     m.set_task(TASK_PROMPT)
     m.PROVIDER = "claude_code"
-    m.session_name = "cao-session-7"
-    m.terminal_ids = {role: f"tid-{role}" for role in ROLES}
-    m.current_round = 3
-    m.current_phase = m.PHASE_TESTER
-    m.final_status = "RUNNING"
-    m.feedback = "RESULT: FAIL\nEVIDENCE:\n- boom"
-    m.analyst_feedback = "REVIEW_NOTES:\n- analyst notes"
-    m.programmer_feedback = "REVIEW_NOTES:\n- programmer notes"
-    m.programmer_context_for_retry = "- Files changed: foo.py"
-    m.outputs = {key: f"output of {key}" for key in OUTPUT_KEYS}
+    m.update_run(session_name="cao-session-7", terminal_ids={role: f"tid-{role}" for role in ROLES})
+    m.update_run(current_round=3, current_phase=m.PHASE_TESTER, final_status="RUNNING")
+    m.update_run(feedback="RESULT: FAIL\nEVIDENCE:\n- boom", analyst_feedback="REVIEW_NOTES:\n- analyst notes")
+    m.update_run(programmer_feedback="REVIEW_NOTES:\n- programmer notes")
+    m.update_run(programmer_context_for_retry="- Files changed: foo.py")
+    m.update_run(outputs={key: f"output of {key}" for key in OUTPUT_KEYS})
 
 
 def reset(m) -> None:
     """Put the run globals back to a blank run."""
     m.set_task("")
     m.PROVIDER = "codex"
-    m.session_name = ""
-    m.terminal_ids = {role: "" for role in ROLES}
-    m.current_round = 1
-    m.current_phase = m.PHASE_ANALYST
-    m.final_status = "RUNNING"
-    m.feedback = m.analyst_feedback = m.programmer_feedback = m.programmer_context_for_retry = ""
-    m.outputs = {key: "" for key in OUTPUT_KEYS}
+    m.update_run(session_name="", terminal_ids={role: "" for role in ROLES}, current_round=1)
+    m.update_run(current_phase=m.PHASE_ANALYST, final_status="RUNNING")
+    m.update_run(feedback="", analyst_feedback="", programmer_feedback="", programmer_context_for_retry="")
+    m.update_run(outputs={key: "" for key in OUTPUT_KEYS})
 
 
 def snapshot(m) -> dict:
@@ -182,14 +175,14 @@ def test_save_state_updated_at_is_utc_timestamp(orch):
 
 def test_save_state_includes_programmer_context_for_retry(orch):
     """Spec 2 Programmer retry context persisted: saved under the key 'programmer_context_for_retry'."""
-    orch.programmer_context_for_retry = "- Files changed: foo.py\n- Behavior implemented: bar"
+    orch.update_run(programmer_context_for_retry="- Files changed: foo.py\n- Behavior implemented: bar")
     orch.save_state()
     assert saved(orch)["programmer_context_for_retry"] == "- Files changed: foo.py\n- Behavior implemented: bar"
 
 
 def test_save_state_missing_terminal_saved_as_empty_string(orch):
     """Spec 1 State file compatibility: a role without a terminal is saved as '' (still a plain string)."""
-    orch.terminal_ids = {"analyst": "t1"}
+    orch.update_run(terminal_ids={"analyst": "t1"})
     orch.save_state()
     assert saved(orch)["terminals"] == {"analyst": "t1", "peer_analyst": "", "programmer": "",
                                         "peer_programmer": "", "tester": ""}
@@ -210,9 +203,9 @@ def test_state_roundtrip(orch):
 
 def test_state_roundtrip_preserves_retry_context(orch):
     """Spec 2 Programmer retry context persisted / State round-trip preserves retry context (exact string)."""
-    orch.programmer_context_for_retry = "- Files changed: foo.py\n- Behavior implemented: bar"
+    orch.update_run(programmer_context_for_retry="- Files changed: foo.py\n- Behavior implemented: bar")
     orch.save_state()
-    orch.programmer_context_for_retry = ""
+    orch.update_run(programmer_context_for_retry="")
     assert orch.load_state() is True
     assert orch.programmer_context_for_retry == "- Files changed: foo.py\n- Behavior implemented: bar"
 
@@ -246,7 +239,7 @@ def test_invalid_round_in_state_file_defaults_to_1(orch):
     """Spec 1 State file compatibility / Invalid round in state file defaults to 1 (string, negative, float, bool...)."""
     for value in INVALID_ROUNDS:
         write_state(orch, shell_state(orch, current_round=value))
-        orch.current_round = 5
+        orch.update_run(current_round=5)
         assert orch.load_state() is True
         assert orch.current_round == 1, f"current_round={value!r}"
 
@@ -263,7 +256,7 @@ def test_invalid_phase_in_state_file_defaults_to_analyst(orch):
     """Spec 1 State file compatibility / Invalid phase in state file defaults to 'analyst'."""
     for value in INVALID_PHASES:
         write_state(orch, shell_state(orch, current_phase=value))
-        orch.current_phase = "tester"
+        orch.update_run(current_phase="tester")
         assert orch.load_state() is True
         assert orch.current_phase == "analyst", f"current_phase={value!r}"
 
@@ -272,7 +265,7 @@ def test_valid_phase_in_state_file_is_kept(orch):
     """Spec 1 State file compatibility: each valid phase name is restored as is."""
     for value in ["analyst", "programmer", "tester", "done"]:
         write_state(orch, shell_state(orch, current_phase=value))
-        orch.current_phase = "analyst" if value != "analyst" else "tester"
+        orch.update_run(current_phase="analyst" if value != "analyst" else "tester")
         assert orch.load_state() is True
         assert orch.current_phase == value
 
@@ -284,7 +277,7 @@ def test_loading_old_state_file_without_retry_context_field(orch):
     data = shell_state(orch)
     assert "programmer_context_for_retry" not in data
     write_state(orch, data)
-    orch.programmer_context_for_retry = "stale context from before"
+    orch.update_run(programmer_context_for_retry="stale context from before")
     assert orch.load_state() is True
     assert orch.programmer_context_for_retry == ""
 
@@ -560,7 +553,7 @@ def test_save_state_leaves_no_temporary_file(orch):
     """Spec 1 State file compatibility: save_state writes the state file and leaves nothing else behind."""
     populate(orch)
     orch.save_state()
-    orch.current_round = 4
+    orch.update_run(current_round=4)
     orch.save_state()
     directory = Path(orch.STATE_FILE).parent
     assert sorted(p.name for p in directory.iterdir()) == [Path(orch.STATE_FILE).name]
@@ -577,7 +570,7 @@ def test_failed_save_keeps_old_state_file_intact(orch, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    orch.current_round = 7
+    orch.update_run(current_round=7)
     orch.outputs["tester"] = "new tester output that must not land half-written"
     with pytest.raises(OSError):
         orch.save_state()
@@ -601,15 +594,14 @@ def test_failed_first_save_creates_no_state_file(orch, monkeypatch):
 # -- spec 4 / spec 2: handle_tester_fail -------------------------------------------------------
 
 def fail_setup(m, programmer: str = PROGRAMMER_OUT) -> None:
-    m.current_round = 1
-    m.current_phase = m.PHASE_TESTER
-    m.outputs = {
+    m.update_run(current_round=1, current_phase=m.PHASE_TESTER)
+    m.update_run(outputs={
         "analyst": "analyst summary text",
         "analyst_review": "review text",
         "programmer": programmer,
         "programmer_review": "REVIEW_RESULT: APPROVED\nREVIEW_NOTES:\n- fine",
         "tester": TESTER_FAIL,
-    }
+    })
 
 
 def test_fail_sets_phase_to_programmer_for_next_round(orch):
@@ -681,7 +673,7 @@ def test_fail_computes_retry_context_before_clearing_outputs(orch):
 def test_empty_programmer_output_produces_empty_context(orch):
     """Spec 2 Empty programmer output produces empty context."""
     fail_setup(orch, programmer="")
-    orch.programmer_context_for_retry = "- Files changed: from an older round"
+    orch.update_run(programmer_context_for_retry="- Files changed: from an older round")
     orch.handle_tester_fail()
     assert orch.programmer_context_for_retry == ""
 
@@ -701,7 +693,7 @@ def test_multiple_consecutive_fails_stay_on_short_pipeline(orch):
     fail_setup(orch)
     orch.handle_tester_fail()
     for expected_round in (3, 4):
-        orch.current_phase = orch.PHASE_TESTER
+        orch.update_run(current_phase=orch.PHASE_TESTER)
         orch.outputs["programmer"] = f"- Files changed: round{expected_round - 1}.py\n"
         orch.outputs["tester"] = TESTER_FAIL
         orch.handle_tester_fail()
@@ -714,8 +706,8 @@ def test_multiple_consecutive_fails_stay_on_short_pipeline(orch):
 def test_fail_resets_review_feedback_for_new_round(orch):
     """Spec 3 context: peer review feedback is reset on a new round."""
     fail_setup(orch)
-    orch.analyst_feedback = "REVIEW_NOTES:\n- old analyst notes"
-    orch.programmer_feedback = "REVIEW_NOTES:\n- old programmer notes"
+    orch.update_run(analyst_feedback="REVIEW_NOTES:\n- old analyst notes")
+    orch.update_run(programmer_feedback="REVIEW_NOTES:\n- old programmer notes")
     orch.handle_tester_fail()
     assert orch.analyst_feedback == ""
     assert orch.programmer_feedback == ""
@@ -750,8 +742,7 @@ def test_pass_does_not_set_programmer_retry_context(orch, monkeypatch):
     """Spec 2 PASS does not set programmer retry context: it stays unchanged."""
     fail_setup(orch)
     orch.outputs["tester"] = ""
-    orch.programmer_context_for_retry = "- Files changed: earlier.py"
-    orch.feedback = "earlier feedback"
+    orch.update_run(programmer_context_for_retry="- Files changed: earlier.py", feedback="earlier feedback")
     monkeypatch.setattr(orch, "ask_agent", lambda role, prompt: "RESULT: PASS\nEVIDENCE:\n- ok\n")
     assert orch.run_tester_phase() == "PASS"
     assert orch.programmer_context_for_retry == "- Files changed: earlier.py"
