@@ -81,6 +81,7 @@ from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from enum import Enum
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from string import Template
@@ -266,6 +267,10 @@ class AgentCli:
     compaction_settings: str = ""               # the settings that say where it compacts (section 5; '': none)
     start_hint: str = ""                        # for a user whose CLI did not start under CAO
     proven: str = ""                            # the version proven end to end with the loop
+    usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
+    #                                             and `rest`: the words after it, where RESET_AT finds the reset)
+    error_lines: str = ""                       # regex: a line of its output that says its model provider failed
+    rate_limit_lines: str = ""                  # regex: of those, one that says it is rate limited (429)
     program: str = ""                           # the program CAO starts ('': the one CAO names)
     traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
@@ -276,6 +281,12 @@ class AgentCli:
 
 
 STILL_SCREEN_SECONDS = 2.0      # a busy bar or spinner redraws several times a second: 2 s still, the turn is over
+# An account's usage limit stops the agent until a reset time its CLI names; Codex and Claude Code say it alike:
+#   Codex        "You've hit your usage limit. Try again at 3:05 PM."  (another day: "Jan 5th, 2026 3:05 PM";
+#                no time known: "Try again later.")
+#   Claude Code  "You've hit your session limit · resets 3pm (Europe/Berlin)"  (5-hour limit; also "weekly
+#                limit", "usage limit"; more than a day ahead: "resets Jan 5, 3pm (UTC)")
+HIT_YOUR_LIMIT = r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})"
 
 AGENT_CLIS: dict[str, AgentCli] = {
     # Claude Code: CAO's status holds. It asks at its usage limit what to do; a prompt sent while it compacts
@@ -290,6 +301,12 @@ AGENT_CLIS: dict[str, AgentCli] = {
         # or /clear to continue" once full
         context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",
         menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
+        usage_limit=HIT_YOUR_LIMIT,
+        # its model provider failing ("API Error: 529 ...", a JSON error body); with an API key it ends its own
+        # retries of a rate limit with "API Error: Request rejected (429)"
+        error_lines=r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
+                    r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
+        rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
@@ -302,7 +319,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
         # (not its header, ">_ OpenAI Codex", which /new and /clear draw again: so do its start-up and a redraw)
         conversation_words=(("Compactingcontext", "compacted"),         # while it summarises (also /compact)
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
-        menus=(("Codex's offer to switch the model", "Keep current model"),),
+        menus=(("Codex's offer to switch the model", "Keep current model"),), usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
         traps=("project trusted",)),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
@@ -3406,12 +3423,8 @@ def compaction_point(role: str) -> int | None:
 #   ReadSchedule   what to ask the server, and when
 #   wait_for_reply() does the I/O: it feeds observations in and acts on verdicts.
 
-# Terminal text that means the agent's model provider failed, not the agent.
-PROVIDER_ERROR = re.compile(r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
-                            r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"")
-# A rate limit (429: Claude Code with an API key ends its own retries with "API Error: Request rejected (429)")
+# A CLI's model provider failing is told by its row's `error_lines`; a rate limit (its `rate_limit_lines`)
 # passes with time: it is waited out with growing pauses for up to USAGE_LIMIT_MAX_WAIT in all, never failed.
-RATE_LIMITED = re.compile(r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"")
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file asks whether its agent is still there
@@ -3536,13 +3549,9 @@ def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tupl
     return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
 
 
-# An account's usage limit stops the agent until a reset time its CLI names:
-#   Codex        "You've hit your usage limit. Try again at 3:05 PM."  (another day: "Jan 5th, 2026 3:05 PM";
-#                no time known: "Try again later.")
-#   Claude Code  "You've hit your session limit · resets 3pm (Europe/Berlin)"  (5-hour limit; also "weekly
-#                limit", "usage limit"; more than a day ahead: "resets Jan 5, 3pm (UTC)")
-# Claude Code may also open a menu whose first choice waits: "1. Stop and wait for limit to reset".
-USAGE_LIMIT = re.compile(r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})")
+# An account's usage limit stops the agent until a reset time its CLI names (its row's `usage_limit`; the
+# words the CLIs use, in section 1); RESET_AT reads the reset from the words after it. Claude Code may also
+# open a menu whose first choice waits: "1. Stop and wait for limit to reset".
 RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
 RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
                         r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
@@ -3593,11 +3602,24 @@ def reset_time(when: str, zone: str | None, now: float) -> float | None:
     return moment.timestamp()
 
 
-def usage_limit_on(screen: str | None, now: float) -> UsageLimit | None:
-    """The usage limit the end of the agent's screen reports, if it reports one."""
-    found = None
+@lru_cache(maxsize=None)
+def cli_pattern(text: str) -> re.Pattern:
+    """A regex of a CLI's row, compiled once."""
+    return re.compile(text)
+
+
+def row_patterns(cli: AgentCli | None, field_name: str) -> list[re.Pattern]:
+    """The regexes a field holds for a CLI: its row's; for a CLI not known, or whose row has none, every CLI's."""
+    rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
+    return [cli_pattern(text) for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
+
+
+def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
+    """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
+    found, patterns = None, row_patterns(cli, "usage_limit")
     for line in screen_lines(screen or "")[-30:]:
-        found = USAGE_LIMIT.search(line) or found     # the newest report counts
+        for pattern in patterns:
+            found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
     # The raw screen may run the next things drawn into the same line: the report ends with its reset time,
@@ -4209,16 +4231,22 @@ def resend_prompt(turn: Turn) -> None:
     turn.facts.note_sent(time.monotonic(), whole_prompt=True)
 
 
-def provider_error_line(output: str) -> str:
-    """The line of an agent's output that names its model provider's error ('' if none does)."""
-    return next((line.strip() for line in output.splitlines() if PROVIDER_ERROR.search(line)), "")
+def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
+    """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
+    patterns = row_patterns(cli, "error_lines")
+    return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
+
+
+def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
+    """Whether a provider's error line says the account is rate limited (it passes with time)."""
+    return any(pattern.search(error_line) for pattern in row_patterns(cli, "rate_limit_lines"))
 
 
 def idle_without_file(turn: Turn) -> str | None:
     """The agent stopped without its file: wait out a provider error, remind it, then fail or fall back."""
     role, terminal_id, path = turn.role, turn.terminal_id, turn.path
     output = _last_output(terminal_id) or ""
-    error_line = provider_error_line(output)
+    error_line = provider_error_line(output, turn.facts.cli)
     if error_line:
         pause_after_provider_error(turn, error_line)
         return None
@@ -4245,9 +4273,9 @@ def pause_after_provider_error(turn: Turn, error_line: str) -> None:
     continue. An overloaded or failing model gets PROVIDER_ERROR_RETRIES such pauses; a rate limit (429) as
     many as fit in USAGE_LIMIT_MAX_WAIT, after which the run stops with its state saved (a rerun continues)."""
     role, terminal_id, facts = turn.role, turn.terminal_id, turn.facts
-    rate_limited = bool(RATE_LIMITED.search(error_line))
+    limited = rate_limited(error_line, facts.cli)
     pause = PROVIDER_ERROR_PAUSE_SECONDS * 2 ** facts.provider_errors
-    if rate_limited:
+    if limited:
         pause = min(pause, USAGE_LIMIT_MAX_WAIT - facts.rate_limit_waited)
         if pause <= 0:
             raise RunError(f"the {role} agent (terminal {terminal_id}) is still rate-limited ({error_line[:200]}) "
@@ -4261,7 +4289,7 @@ def pause_after_provider_error(turn: Turn, error_line: str) -> None:
     facts.provider_errors += 1
     facts.provider_pause_until = time.monotonic() + pause
     how_many = (f"rate limited; pause {facts.provider_errors}, {duration_text(facts.rate_limit_waited)} of "
-                f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s" if rate_limited
+                f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s" if limited
                 else f"retry {facts.provider_errors}/{PROVIDER_ERROR_RETRIES}")
     log_turn(role, f"stopped on a model provider error ({error_line[:200]}); {how_many}: telling it to continue "
                    f"in {pause:g}s")
@@ -4389,7 +4417,7 @@ def resend_in_full(turn: Turn) -> None:
 
 def remind_unless_limited(turn: Turn) -> str | None:
     """Before a reminder, the screen once more: a usage limit is waited out, not reminded of."""
-    turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time()))
+    turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time(), turn.facts.cli))
     if turn.facts.usage_limit is not None:
         begin_limit_wait(turn, turn.facts.usage_limit)
         return None
@@ -4469,7 +4497,7 @@ def observe_terminal(turn: Turn) -> None:
         screen = _screen(turn.terminal_id)
         turn.facts.note_screen(screen, time.monotonic())
         if screen is not None:
-            turn.facts.note_usage_limit(usage_limit_on(screen, time.time()))
+            turn.facts.note_usage_limit(usage_limit_on(screen, time.time(), turn.facts.cli))
             if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
     if liveness:

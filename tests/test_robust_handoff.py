@@ -236,18 +236,24 @@ def test_provider_errors_past_the_retries_stop_the_run(load_orch, fake_cao, prom
 
 
 def test_api_error_json_body_is_recognised(orch):
-    assert orch.PROVIDER_ERROR.search('{"type": "api_error", "message": "Overloaded"}')
-    assert orch.PROVIDER_ERROR.search("API Error: 529 overloaded")
-    assert not orch.PROVIDER_ERROR.search("The API error handling in api.py is now tested.")
+    claude = orch.AGENT_CLIS["claude_code"]
+    assert orch.provider_error_line('{"type": "api_error", "message": "Overloaded"}', claude)
+    assert orch.provider_error_line("API Error: 529 overloaded", claude)
+    assert not orch.provider_error_line("The API error handling in api.py is now tested.", claude)
+    assert orch.provider_error_line("API Error: 529 overloaded")        # a CLI not known: every CLI's words
+    own_words = orch.AgentCli("a CLI with words of its own", error_lines=r"^BOOM \d+")
+    assert orch.provider_error_line("BOOM 503", own_words) == "BOOM 503"
+    assert not orch.provider_error_line("API Error: 529 overloaded", own_words)
 
 
 REJECTED = "\u23bf  API Error: Request rejected (429) \u00b7 Rate limited. Please try again later."
 
 
 def test_a_rate_limit_is_recognised_apart_from_other_provider_errors(orch):
-    assert orch.PROVIDER_ERROR.search(REJECTED) and orch.RATE_LIMITED.search(REJECTED)
-    assert orch.RATE_LIMITED.search("API Error: 429 Too Many Requests")
-    assert not orch.RATE_LIMITED.search(OVERLOADED) and not orch.RATE_LIMITED.search(PROVIDER_FAILURE)
+    claude = orch.AGENT_CLIS["claude_code"]
+    assert orch.provider_error_line(REJECTED, claude) and orch.rate_limited(REJECTED, claude)
+    assert orch.rate_limited("API Error: 429 Too Many Requests", claude)
+    assert not orch.rate_limited(OVERLOADED, claude) and not orch.rate_limited(PROVIDER_FAILURE, claude)
 
 
 def test_a_rate_limit_is_waited_out_past_the_retries_with_growing_pauses(load_orch, fake_cao, prompt_file, capsys,
