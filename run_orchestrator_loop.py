@@ -271,6 +271,8 @@ class AgentCli:
     #                                             and `rest`: the words after it, where RESET_AT finds the reset)
     error_lines: str = ""                       # regex: a line of its output that says its model provider failed
     rate_limit_lines: str = ""                  # regex: of those, one that says it is rate limited (429)
+    run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
+    #                                             (9 turns), in round 2 (14); measured by bench/bench_run_tokens.py
     program: str = ""                           # the program CAO starts ('': the one CAO names)
     traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
@@ -310,7 +312,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="claude transcripts", compaction_settings="claude settings.json",
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
-        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",)),
+        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",), run_tokens=(444_750, 700_544)),
     # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a first
     # turn; its own marks on the screen (ESC ] 7501;state=..., turn_mark) say when it works and when a turn
     # is over, else a screen still for QUIET_SCREEN_SECONDS.
@@ -321,7 +323,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
         menus=(("Codex's offer to switch the model", "Keep current model"),), usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
-        traps=("project trusted",)),
+        traps=("project trusted",), run_tokens=(300_716, 457_996)),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
     # turn); it repaints its busy bar about twenty times a second while it works.
     "opencode_cli": AgentCli(
@@ -329,19 +331,22 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="opencode database",
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
-        proven="1.18.33", program="opencode", traps=("model file",), profile_file=".aws/opencode/agents/{name}.md"),
+        proven="1.18.33", program="opencode", traps=("model file",), run_tokens=(135_448, 216_113),
+        profile_file=".aws/opencode/agents/{name}.md"),
     # Copilot CLI: CAO read a ready status while it was still at work (a draft reply file was taken for the
     # answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after it was sent); its
     # status bar spinner (`◎ Working`) turns four times a second while it works.
     "copilot_cli": AgentCli("GitHub Copilot CLI", ready_status_trusted=False,
                             still_screen_ends_turn=STILL_SCREEN_SECONDS, proven="1.0.102", program="copilot",
-                            traps=("CAO's MCP server disabled",), profile_file=".copilot/agents/{name}.agent.md"),
+                            traps=("CAO's MCP server disabled",), profile_file=".copilot/agents/{name}.agent.md",
+                            run_tokens=(338_995, 537_724)),
     # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
     # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
     "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-                       proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",)),
+                       proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
+                       run_tokens=(287_911, 455_907)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
-    "mock_cli": AgentCli("the scripted agent", program="mock_cli"),
+    "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0)),
     "kiro_cli": AgentCli("Kiro CLI"),
     "kimi_cli": AgentCli("Kimi CLI"),
     "cursor_cli": AgentCli("Cursor CLI"),
@@ -7331,6 +7336,32 @@ def check_ntfy() -> list[CheckLine]:
     return [CheckLine(True, f"ntfy server {NTFY_SERVER} answers (topic {NTFY_TOPIC})")]
 
 
+def cost_estimate() -> list[str]:
+    """What a run sends its model at the least, from the figures measured per CLI, and what that costs at
+    MODEL_PRICES where one priced model serves every role (input at its full price: cached input costs less,
+    and output comes on top)."""
+    providers, models = providers_in_use(), {model_for(role) for role in ROLES}
+    price = MODEL_PRICES.get(next(iter(models))) if len(models) == 1 else None
+    lines = []
+    for provider in providers:
+        cli = agent_cli(provider)
+        if not cli.run_tokens:
+            lines.append(f"estimate: no measured figures for {provider} (docs/following-a-run.md has the other CLIs')")
+            continue
+        if not any(cli.run_tokens):
+            lines.append(f"estimate: {provider} spends no model tokens")
+            continue
+        nine, fourteen = cli.run_tokens
+        text = (f"estimate: with {cli.label} a run sends its model at least {nine:,} input tokens when it passes in "
+                f"round 1 (9 turns), {fourteen:,} in round 2 (14 turns)"
+                + (" had every role run it" if len(providers) > 1 else ""))
+        if price and len(providers) == 1:
+            text += (f"; at MODEL_PRICES for {next(iter(models))}: at least {nine * price['input'] / 1e6:.2f} and "
+                     f"{fourteen * price['input'] / 1e6:.2f} before cache discounts, output on top")
+        lines.append(text + " (measured with a scripted model, two requests a turn; a real model's turns take more)")
+    return lines
+
+
 def check_run_state() -> list[CheckLine]:
     """What the command would do with the state file: a new run, or the saved one resumed."""
     try:
@@ -7387,6 +7418,8 @@ def check_command(args: list[str]) -> int:
         emit(f"{check_mark(line.ok)} {line.text}")
     if code == EXIT_PASS and any(line.ok is False for line in lines):
         code = EXIT_FAIL
+    for line in cost_estimate() if code != EXIT_USAGE else []:
+        emit(line)
     emit("a run can start" if code == EXIT_PASS else "fix what is marked, then run --check again")
     return code
 

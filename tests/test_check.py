@@ -247,3 +247,29 @@ def test_ntfy_is_looked_at_only_where_set(load_orch, fake_cao, prompt_file, caps
     code, lines = run_check(orch, capsys)
     assert code == (0 if reachable else 1)
     assert any(line.startswith("✓ ntfy server" if reachable else "✗ ntfy server") for line in lines)
+
+
+# -- what a run costs -------------------------------------------------------------------
+
+
+def test_the_estimate_names_the_measured_tokens_and_prices_them_where_one_model_is_priced(load_orch):
+    orch = load_orch(PROVIDER="claude_code", MODEL="claude-sonnet-4-5",
+                     MODEL_PRICES='{"claude-sonnet-4-5": {"input": 3, "output": 15}}')
+    nine, fourteen = orch.AGENT_CLIS["claude_code"].run_tokens
+    [line] = orch.cost_estimate()
+    assert f"at least {nine:,} input tokens when it passes in round 1 (9 turns), {fourteen:,} in round 2" in line
+    assert f"at MODEL_PRICES for claude-sonnet-4-5: at least {nine * 3 / 1e6:.2f} and {fourteen * 3 / 1e6:.2f}" in line
+
+
+def test_the_estimate_has_no_price_without_one_priced_model_and_a_line_per_cli(load_orch):
+    orch = load_orch(PROVIDER="claude_code", TESTER_PROVIDER="mock_cli")
+    lines = orch.cost_estimate()
+    assert len(lines) == 2 and "MODEL_PRICES" not in " ".join(lines)
+    assert "had every role run it" in lines[0] and lines[1] == "estimate: mock_cli spends no model tokens"
+
+
+def test_every_proven_cli_has_measured_run_figures(orch):
+    for provider, cli in orch.AGENT_CLIS.items():
+        if cli.proven:
+            nine, fourteen = cli.run_tokens
+            assert 0 < nine < fourteen, provider

@@ -681,7 +681,12 @@ class ScriptedModel:
         cached = cached_tokens(prompt_tokens)
         with self._lock:
             self._usage.append({"role": reply.role, "turn": reply.turn, "input": prompt_tokens - cached,
-                                "cached_input": cached, "output": OUTPUT_TOKENS})
+                                "cached_input": cached, "output": OUTPUT_TOKENS, "time": time.time()})
+
+    def usage_entries(self) -> list[dict]:
+        """Every response's usage as reported, side requests (role None) included, with when it was answered."""
+        with self._lock:
+            return [dict(entry) for entry in self._usage]
 
     def usage_by_turn(self) -> dict[tuple[str, int], tuple[int, int, int]]:
         """(role, its prompt count) -> the tokens its responses reported (side requests, with no role, left

@@ -161,7 +161,7 @@ def test_readme_quick_start_reaches_pass(quick_start):
     assert quick_start.returncode == 0, f"the quick start failed (exit {quick_start.returncode}):\n{transcript[-6000:]}"
     assert not quick_start.tmux_servers_left, f"the quick start left a tmux server running: {quick_start.tmux_servers_left}"
     assert re.search(r"PASS in round 1", transcript), transcript[-4000:]
-    assert re.search(r"\n✓ .*\na run can start\n", transcript), transcript[-4000:]      # the --check before the run
+    assert re.search(r"\n✓ [^\n]*\n(?:estimate: [^\n]*\n)*a run can start\n", transcript), transcript[-4000:]  # --check
     reached = re.search(r"the printed hint reached the agents: tmux -S (\S+) has-session -t cao-loop-\w+",
                         transcript)
     assert reached, transcript[-4000:]
