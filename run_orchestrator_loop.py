@@ -3812,6 +3812,7 @@ class TurnState(Enum):
 TURN_ENDED_BY_STATUS = "CAO's ready status"
 TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
 TURN_ENDED_BY_STILL_SCREEN = "a still screen"
+TURN_ENDED_BY_RECORD = "its CLI's own record"
 
 
 class Verdict(Enum):
@@ -3845,6 +3846,9 @@ class TurnFacts:
       reply    CAO's last reply, read before the prompt and once more before
                sending it again: a change means the agent worked
       lost     why the agent is gone, once the session's record or the screen says so
+      record   where the loop reads the CLI's own records (section 5): whether the CLI
+               has recorded the end of its turn, read with each status read once a
+               reply file is there
 
     "Idle" is a ready status, the CLI's own mark that it is idle, or
     -- when the status is one the loop does not know -- a screen that has not
@@ -3921,6 +3925,12 @@ class TurnFacts:
             self.seen_working = True     # nothing else tells that it works
         self.screen, self.screen_changed_at = screen, now
 
+    def note_record(self, turn_over: bool) -> None:
+        """What the CLI's own record says of the turn (read after the reply file's latest version was seen):
+        the end of its turn, recorded after its last response, confirms that file."""
+        if turn_over and self.file_version is not None and not self.finished_by:
+            self.finished_by = TURN_ENDED_BY_RECORD
+
     def note_lost(self, why: str) -> None:
         self.lost = why
 
@@ -3948,7 +3958,8 @@ class TurnFacts:
 
     # -- questions ---------------------------------------------------------------
     def ended_by(self) -> str:
-        """What confirmed a settled reply file (once the turn is DONE): the status, the CLI's mark, a still screen."""
+        """What confirmed a settled reply file (once the turn is DONE): the status, the CLI's mark or its record,
+        a still screen."""
         return self.finished_by if self.finished_by and self.mark != "working" else TURN_ENDED_BY_STILL_SCREEN
 
     def file_settled(self, now: float) -> bool:
@@ -4157,6 +4168,7 @@ class Turn:
     menu_answered_at: float = float("-inf")   # when a menu its CLI opened during the turn was last answered
     rebuild: Callable[[], Prompt] | None = None   # builds the turn's prompt again (after a compaction: in full)
     full_prompt: Prompt | None = None         # that prompt, due to go out at once (facts.full_prompt_due)
+    sent_wall: float = 0.0                    # time.time() of the turn's first send: its records begin there
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -4492,6 +4504,9 @@ def observe_terminal(turn: Turn) -> None:
     now = time.monotonic()
     turn.reads.status_read(now)
     turn.facts.note_status(status, now)
+    if turn.facts.file_version is not None and not turn.facts.finished_by and tokens_readable(turn.role):
+        reading = turn_tokens(turn.role, turn.sent_wall, time.time())
+        turn.facts.note_record(reading is not None and reading.over)
     if status not in KNOWN_STATUSES and not turn.told_unknown:
         turn.told_unknown = True
         log_turn(turn.role, f"CAO cannot tell the status of terminal {turn.terminal_id} ({status!r}, e.g. after "
@@ -4529,10 +4544,11 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
                       cli=agent_cli(provider_for(role)))
     # CAO's send returned only now: nothing new to read yet, but soon (FIRST_LOOK_SECONDS).
+    carried = in_flight if in_flight is not None and in_flight.role == role else None
     turn = Turn(role, terminal_id, path, message, facts,
                 ReadSchedule(next_status_at=now + min(POLL_SECONDS, FIRST_LOOK_SECONDS),
                              next_liveness_at=now + LIVENESS_CHECK_SECONDS),
-                rebuild=rebuild)
+                rebuild=rebuild, sent_wall=(carried and (carried.first_sent_at or carried.sent_at)) or time.time())
     if message is None and in_flight is not None and in_flight.role == role and in_flight.limit_line:
         resume_limit_wait(turn)
     began, next_progress_at = now, now + PROGRESS_SECONDS

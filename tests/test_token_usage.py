@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -606,6 +607,28 @@ def test_a_response_recorded_after_the_reply_was_taken_counts_in_its_turn(load_o
     first = recorded["programmer"][0]
     assert (programmer[0]["input"], programmer[0]["cached_input"], programmer[0]["output"]) == \
         tuple(a + b for a, b in zip(first, late["added"]))
+
+
+def test_turns_end_when_the_cli_records_their_end_and_by_the_screen_where_its_records_are_out_of_reach(
+        load_orch, fake_cao, codex_home, prompt_file, capsys, tmp_path):
+    """Codex's ready status counts for nothing: its rollout's task_complete ends each turn; with AGENT_HOME
+    elsewhere the same turns end by the screen, and the log says which rule ended each."""
+    home, _ = codex_home
+    m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(home), **TESTER_FAIL_THEN_PASS)
+    assert run_main(m) == 0
+    ends = re.findall(r"turn end seen by ([^,]+), kept as", capsys.readouterr().out)
+    assert ends == [m.TURN_ENDED_BY_RECORD] * 6, ends
+
+
+def test_without_its_records_a_turn_ends_by_the_screen_rules(load_orch, fake_cao, codex_home, prompt_file, capsys,
+                                                            tmp_path):
+    elsewhere = tmp_path / "another-home"
+    elsewhere.mkdir()
+    m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(elsewhere), QUIET_SCREEN_SECONDS="0.2",
+                  **TESTER_FAIL_THEN_PASS)
+    assert run_main(m) == 0
+    ends = re.findall(r"turn end seen by ([^,]+), kept as", capsys.readouterr().out)
+    assert len(ends) == 6 and set(ends) <= {m.TURN_ENDED_BY_MARK, m.TURN_ENDED_BY_STILL_SCREEN}, ends
 
 
 def fake_cao_reply(role: str) -> str:

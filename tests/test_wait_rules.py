@@ -353,6 +353,29 @@ def test_a_settled_file_is_taken_once_the_cli_marks_its_turn_ended_though_cao_sa
     assert decide(m, facts, 3.0 + SETTLE) == ("DONE", "TAKE_REPLY")               # not QUIET seconds later
 
 
+def test_a_settled_file_is_taken_once_the_cli_s_own_record_says_its_turn_ended(m):
+    """The CLI's record (its transcript, rollout or database) says the turn is over: no still screen waited for,
+    whatever CAO's status says."""
+    facts = sent_at_zero(m)
+    facts.cli = m.AGENT_CLIS["opencode_cli"]                  # CAO's ready word not trusted, 2 s of still screen
+    facts.note_status("processing", 2.0)
+    facts.note_file(FILE, 3.0)
+    facts.note_record(False)                                  # a draft: the CLI works on
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    facts.note_record(True)
+    assert decide(m, facts, 3.5) == ("DONE", "TAKE_REPLY") and facts.ended_by() == m.TURN_ENDED_BY_RECORD
+
+
+def test_a_record_read_before_the_file_changed_counts_only_when_read_again(m):
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 3.0)
+    facts.note_record(True)
+    facts.note_file((FILE[0] + 1, 50), 4.0)                   # rewritten after that read: the agent was at work
+    assert decide(m, facts, 4.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    facts.note_record(True)
+    assert decide(m, facts, 4.5) == ("DONE", "TAKE_REPLY")
+
+
 def test_a_cli_still_marked_working_keeps_a_settled_file_waiting(m):
     """The CLI wrote a draft and works on: its newest mark says working, so the file is not final yet."""
     facts = sent_at_zero(m)
