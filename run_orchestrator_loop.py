@@ -338,6 +338,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # status bar spinner (`◎ Working`) turns four times a second while it works.
     "copilot_cli": AgentCli("GitHub Copilot CLI", ready_status_trusted=False,
                             still_screen_ends_turn=STILL_SCREEN_SECONDS, proven="1.0.102", program="copilot",
+                            records="copilot session logs",
                             traps=("CAO's MCP server disabled",), profile_file=".copilot/agents/{name}.agent.md",
                             run_tokens=(338_995, 537_724)),
     # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
@@ -3152,6 +3153,38 @@ def codex_usage(lines: Iterable[str], since: datetime, until: datetime) -> Token
     return responses.reading()
 
 
+def _copilot_response(record: dict) -> tuple[str, str, TokenUse] | None:
+    """The event id, model and tokens of a Copilot CLI session.usage_record event (None for other events).
+    Its inputTokens counts the whole prompt, the part read from the cache (cacheReadTokens) included."""
+    data = record.get("data") if isinstance(record.get("data"), dict) else {}
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+    if record.get("type") != "session.usage_record" or usage is None:
+        return None
+    prompt, output = _token_count(usage.get("inputTokens")), _token_count(usage.get("outputTokens"))
+    if prompt is None or output is None:
+        return None
+    cached = min(_token_count(usage.get("cacheReadTokens")) or 0, prompt)
+    return _text(record.get("id")), _text(usage.get("model")), TokenUse(prompt - cached, cached, output)
+
+
+def copilot_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
+    """Tokens of the Copilot CLI responses whose session.usage_record events in its session logs
+    (~/.copilot/session-state/<session>/events.jsonl) are timed within the window, each event once. CAO
+    starts Copilot in autopilot, where a task ends with a session.task_complete event (its assistant.turn_end
+    events end each model step, not the task)."""
+    responses = _Responses()
+    for record in _json_records(lines):
+        moment = _record_time(record)
+        if not _within(moment, since, until):
+            continue
+        if record.get("type") == "session.task_complete":
+            responses.end_of_turn(moment)
+        found = _copilot_response(record)
+        if found is not None:
+            responses.add(*found, moment)
+    return responses.reading()
+
+
 def _opencode_message(data: object, since: datetime, until: datetime) -> tuple[str, TokenUse | None, bool]:
     """An OpenCode message row's data: (model, its tokens if it is an assistant message completed within
     the window, whether it is one still in progress that began in it). A message in progress has no
@@ -3303,6 +3336,14 @@ def read_codex_turn(marker: str, since: float, until: float) -> TokenReading | N
     return None if lines is None else codex_usage(lines, *_window(since, until))
 
 
+def read_copilot_turn(marker: str, since: float, until: float) -> TokenReading | None:
+    """A Copilot CLI turn, from the session logs that name the marker: CAO starts it with --config-dir
+    ~/.copilot (of the agents' home), where each session keeps its events."""
+    logs = Path(AGENT_HOME or Path.home()).expanduser().joinpath(".copilot", "session-state").glob("*/events.jsonl")
+    lines = _lines_naming(_touched_since(logs, since), marker)
+    return None if lines is None else copilot_usage(lines, *_window(since, until))
+
+
 def read_opencode_turn(marker: str, since: float, until: float) -> TokenReading | None:
     """An OpenCode turn, from the one database all its sessions share."""
     database = _cli_folder("XDG_DATA_HOME", ".local", "share") / "opencode" / "opencode.db"
@@ -3320,7 +3361,7 @@ def _window(since: float, until: float) -> tuple[datetime, datetime]:
 # window end, as time.time()) -> its tokens
 RECORD_READERS: dict[str, Callable[[str, float, float], TokenReading | None]] = {
     "claude transcripts": read_claude_turn, "codex rollouts": read_codex_turn,
-    "opencode database": read_opencode_turn}
+    "opencode database": read_opencode_turn, "copilot session logs": read_copilot_turn}
 
 
 def record_reader(provider: str) -> Callable[[str, float, float], TokenReading | None] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -212,11 +213,14 @@ def _e2e_summary(terminalreporter, config) -> None:
     for outcome, nodeid in _e2e_outcomes:
         terminalreporter.write_line(f"{outcome:8} {nodeid}")
     for provider, times in sorted(_real_cli_turn_times.items()):
-        took = [t for _, t, _ in times]
-        lag = [g for _, _, g in times]
+        took = [t[1] for t in times]
+        lag = [t[2] for t in times]
+        ends = collections.Counter(t[3] for t in times if len(t) > 3)
         terminalreporter.write_line(
             f"{provider}: {len(times)} turns; turn {statistics.median(took):.1f}s median, {max(took):.1f}s max; "
-            f"reply taken {statistics.median(lag):.1f}s median, {max(lag):.1f}s max after its file was written")
+            f"reply taken {statistics.median(lag):.1f}s median, {max(lag):.1f}s max after its file was written"
+            + ("; turn end seen by " + ", ".join(f"{what} {count}" for what, count in ends.most_common())
+               if ends else ""))
     for provider, start_ups in sorted(_real_cli_start_ups.items()):
         terminalreporter.write_line(
             f"{provider}: five agents started at once in a fresh HOME {len(start_ups)} times: all up after "

@@ -486,6 +486,60 @@ def test_tokens_are_unknown_where_the_records_are_not_on_this_machine(load_orch,
 
 
 # --------------------------------------------------------------------------
+# GitHub Copilot CLI 1.0.102: ~/.copilot/session-state/<session>/events.jsonl, as it wrote them under CAO
+# (autopilot) for one turn against the scripted model: a step that runs the command writing the reply, its
+# assistant.turn_end, then a step that calls task_complete.
+# --------------------------------------------------------------------------
+
+COPILOT_TURN = [
+    '{"type":"user.message","data":{"content":"You are the tester ... Write your complete answer to this file: /w/.tmp/agent-responses/tester_result.md"},"id":"d48715e9","timestamp":"2026-11-26T21:43:25.714Z"}',
+    '{"type":"assistant.turn_start","data":{"turnId":"0"},"id":"8f98c4d6","timestamp":"2026-11-26T21:43:25.794Z"}',
+    '{"type":"session.usage_record","data":{"usage":{"model":"scripted","inputTokens":18276,"outputTokens":20,'
+    '"cacheReadTokens":4569,"cacheWriteTokens":0}},"id":"865af0e4","timestamp":"2026-11-26T21:43:26.109Z"}',
+    '{"type":"assistant.turn_end","data":{"turnId":"0"},"id":"5d8c196d","timestamp":"2026-11-26T21:43:26.198Z"}',
+    '{"type":"assistant.turn_start","data":{"turnId":"1"},"id":"888fdd4b","timestamp":"2026-11-26T21:43:26.199Z"}',
+    '{"type":"session.usage_record","data":{"usage":{"model":"scripted","inputTokens":18411,"outputTokens":20,'
+    '"cacheReadTokens":4602,"cacheWriteTokens":0}},"id":"4650a6b5","timestamp":"2026-11-26T21:43:26.256Z"}',
+    '{"type":"session.task_complete","data":{"success":true},"id":"b9d5108e","timestamp":"2026-11-26T21:43:26.434Z"}',
+    '{"type":"assistant.turn_end","data":{"turnId":"1"},"id":"738b07d7","timestamp":"2026-11-26T21:43:26.435Z"}',
+]
+COPILOT_START, COPILOT_END = utc("2026-11-26T21:43:25Z"), utc("2026-11-26T21:43:30Z")
+# the scripted model reported 13,707 + 13,809 prompt tokens not cached, 4,569 + 4,602 cached, 20 + 20 out
+COPILOT_TURN_USE = tokens(13707 + 13809, 4569 + 4602, 40)
+
+
+def test_copilot_counts_each_usage_record_once_its_cached_part_apart():
+    m = run_orchestrator_loop
+    assert reading_of(m.copilot_usage, COPILOT_TURN, COPILOT_START, COPILOT_END) == (COPILOT_TURN_USE, True)
+    assert reading_of(m.copilot_usage, COPILOT_TURN + COPILOT_TURN[2:3], COPILOT_START, COPILOT_END) == \
+        (COPILOT_TURN_USE, True)                                    # an event read twice counts once
+
+
+def test_a_copilot_step_s_turn_end_is_not_the_end_of_its_task():
+    """assistant.turn_end closes each model step; only session.task_complete ends what the loop asked."""
+    m = run_orchestrator_loop
+    after_first_step = COPILOT_TURN[:4]
+    assert reading_of(m.copilot_usage, after_first_step, COPILOT_START, COPILOT_END) == \
+        (tokens(13707, 4569, 20), False)
+    assert reading_of(m.copilot_usage, COPILOT_TURN[:6], COPILOT_START, COPILOT_END)[1] is False
+
+
+def test_a_copilot_turn_is_read_from_the_session_log_that_names_its_response_file(load_orch, tmp_path):
+    home = tmp_path / "agents-home"
+    m = load_orch(AGENT_HOME=str(home), PROVIDER="copilot_cli")
+    ours, other = (home / ".copilot" / "session-state" / name for name in ("s-ours", "s-other"))
+    for folder in (ours, other):
+        folder.mkdir(parents=True)
+    (ours / "events.jsonl").write_text("\n".join(COPILOT_TURN) + "\n", encoding="utf-8")
+    (other / "events.jsonl").write_text("\n".join(line.replace("tester_result", "programmer_summary")
+                                                   for line in COPILOT_TURN) + "\n", encoding="utf-8")
+    reading = m.read_copilot_turn("/w/.tmp/agent-responses/tester_result.md", COPILOT_START.timestamp(),
+                                  COPILOT_END.timestamp())
+    assert (figures(reading), reading.over) == (COPILOT_TURN_USE, True)
+    assert m.tokens_readable("tester") and not m.tokenless_note(["copilot_cli"])
+
+
+# --------------------------------------------------------------------------
 # The loop: tokens per turn, role and run; the budget
 # --------------------------------------------------------------------------
 # The fake agents below act as Codex does: each turn appends its prompt, one token_usage_record per model

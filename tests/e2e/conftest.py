@@ -58,7 +58,7 @@ REAL_CLI_THINK_SECONDS = 0.2    # the scripted model's think time per request in
 
 # Real agent CLIs: provider -> [(role, turn seconds, seconds from reply file written to reply taken)],
 # as the loop's own log reported them (filled by test_real_clis.py).
-REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float]]] = {}
+REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float, str]]] = {}
 # provider -> [(seconds until all five agents were up, whether some needed a second try)], in a fresh HOME.
 REAL_CLI_START_UPS: dict[str, list[tuple[float, bool]]] = {}
 

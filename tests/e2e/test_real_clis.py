@@ -50,8 +50,9 @@ def real_cli_run(cao, **settings: str) -> Run:
     return run
 
 
-def turn_times(stdout: str) -> list[tuple[str, float, float]]:
-    return [(role, float(took), float(lag)) for role, took, lag, _ in TURN_LINE.findall(stdout)]
+def turn_times(stdout: str) -> list[tuple[str, float, float, str]]:
+    """Each turn's role, time, seconds from its file to its reply taken, and what showed the turn was over."""
+    return [(role, float(took), float(lag), ended_by) for role, took, lag, ended_by in TURN_LINE.findall(stdout)]
 
 
 def turn_ends(stdout: str) -> list[str]:
@@ -69,7 +70,7 @@ def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str]) -> N
     assert "reminder" not in kinds, cao.model.events()
     assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout, explain(result)
     times = turn_times(result.stdout)
-    assert [role for role, _, _ in times] == sequence, explain(result)
+    assert [role for role, *_ in times] == sequence, explain(result)
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(times)
 
 
@@ -80,8 +81,8 @@ ANALYST_IN_TWO_WRITES = {"action": "write_twice", "draft": "DRAFT: not the answe
                          "rewrite_after_ms": 2000}
 
 
-# The CLIs whose records of tokens used the loop reads (run_orchestrator_loop.TOKEN_READERS).
-TOKENS_READ = ("claude_code", "codex", "opencode_cli")
+# The CLIs whose records of tokens used the loop reads (their rows name a format in RECORD_READERS).
+TOKENS_READ = ("claude_code", "codex", "opencode_cli", "copilot_cli")
 
 
 def figures(tokens: dict | None) -> tuple[int, int, int] | None:
