@@ -3052,15 +3052,36 @@ def _token_count(value: object) -> int | None:
     return max(value, 0)
 
 
+class ParsedLines:
+    """JSONL record lines, each parsed once into a JSON object (None for a line that is not one): the wait
+    reads a long session's records every half second, and only their new lines are new. Up to `limit`
+    characters of lines are kept; then the memory starts over."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.chars, self.records = limit, 0, {}
+
+    def get(self, line: str) -> dict | None:
+        if line not in self.records:
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                record = None
+            if self.chars + len(line) > self.limit:
+                self.records, self.chars = {}, 0
+            self.records[line] = record if isinstance(record, dict) else None
+            self.chars += len(line)
+        return self.records[line]
+
+
+PARSED_LINES = ParsedLines(32_000_000)
+
+
 def _json_records(lines: Iterable[str]) -> Iterator[dict]:
     """The JSON objects of a JSONL transcript. A malformed line is skipped, and so is a last line the CLI
     is still writing: it reads whole on a later call."""
     for line in lines:
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, dict):
+        record = PARSED_LINES.get(line)
+        if record is not None:
             yield record
 
 

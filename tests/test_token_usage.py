@@ -830,3 +830,16 @@ def test_tokens_read_once_stay_when_the_cli_removes_its_records(load_orch, fake_
     first = json.loads(Path(m.STATE_FILE).read_text())["turn_records"][0]
     assert first["role"] == "programmer" and (first["tokens"]["input"], first["tokens"]["cached_input"],
                                               first["tokens"]["output"]) == recorded["programmer"][0]
+
+
+def test_record_lines_are_parsed_once_and_the_memory_starts_over_at_its_limit(monkeypatch):
+    """The wait reads a session's records every half second: a line already parsed is not parsed again."""
+    m = run_orchestrator_loop
+    calls = []
+    real_loads = m.json.loads
+    monkeypatch.setattr(m.json, "loads", lambda text: calls.append(text) or real_loads(text))
+    lines = m.ParsedLines(limit=100)
+    assert lines.get('{"a": 1}') == {"a": 1} and lines.get('{"a": 1}') == {"a": 1} and len(calls) == 1
+    assert lines.get('{"a": ') is None and lines.get('{"a": 2}') == {"a": 2}     # a line still being written
+    lines.get('{"b": "' + "x" * 90 + '"}')                                       # past the limit: starts over
+    assert '{"a": 1}' not in lines.records and lines.chars <= 100
