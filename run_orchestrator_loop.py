@@ -4559,6 +4559,14 @@ def handle_permission_prompt(turn: Turn) -> None:
         deliver(role, terminal_id, "y")
 
 
+def read_turn_record(turn: Turn) -> None:
+    """Once a reply file is there, until something says the agent finished: whether its CLI's own record
+    shows the turn over (where the loop reads that CLI's records on this machine)."""
+    if turn.facts.file_version is not None and not turn.facts.finished_by and tokens_readable(turn.role):
+        reading = turn_tokens(turn.role, turn.sent_wall, time.time())
+        turn.facts.note_record(reading is not None and reading.over)
+
+
 def observe_terminal(turn: Turn) -> None:
     """One round of server reads for a turn: the status, the screen when it can tell more, and
     (every LIVENESS_CHECK_SECONDS without a file) whether the agent is still there."""
@@ -4566,9 +4574,7 @@ def observe_terminal(turn: Turn) -> None:
     now = time.monotonic()
     turn.reads.status_read(now)
     turn.facts.note_status(status, now)
-    if turn.facts.file_version is not None and not turn.facts.finished_by and tokens_readable(turn.role):
-        reading = turn_tokens(turn.role, turn.sent_wall, time.time())
-        turn.facts.note_record(reading is not None and reading.over)
+    read_turn_record(turn)
     if status not in KNOWN_STATUSES and not turn.told_unknown:
         turn.told_unknown = True
         log_turn(turn.role, f"CAO cannot tell the status of terminal {turn.terminal_id} ({status!r}, e.g. after "
@@ -4594,6 +4600,12 @@ def observe_terminal(turn: Turn) -> None:
         handle_permission_prompt(turn)
 
 
+def first_sent_at(role: str) -> float:
+    """When the role's turn in flight was first sent (time.time()): where its CLI's records of it begin."""
+    turn = in_flight if in_flight is not None and in_flight.role == role else None
+    return (turn.first_sent_at or turn.sent_at or time.time()) if turn is not None else time.time()
+
+
 def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
                    rebuild: Callable[[], Prompt] | None = None) -> tuple[str, str]:
     """Wait until the turn's rules say the agent is done: its answer, and what showed the turn was over.
@@ -4606,11 +4618,10 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
                       cli=agent_cli(provider_for(role)))
     # CAO's send returned only now: nothing new to read yet, but soon (FIRST_LOOK_SECONDS).
-    carried = in_flight if in_flight is not None and in_flight.role == role else None
     turn = Turn(role, terminal_id, path, message, facts,
                 ReadSchedule(next_status_at=now + min(POLL_SECONDS, FIRST_LOOK_SECONDS),
                              next_liveness_at=now + LIVENESS_CHECK_SECONDS),
-                rebuild=rebuild, sent_wall=(carried and (carried.first_sent_at or carried.sent_at)) or time.time())
+                rebuild=rebuild, sent_wall=first_sent_at(role))
     if message is None and in_flight is not None and in_flight.role == role and in_flight.limit_line:
         resume_limit_wait(turn)
     began, next_progress_at = now, now + PROGRESS_SECONDS
