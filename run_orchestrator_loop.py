@@ -7503,6 +7503,11 @@ def check_command(args: list[str]) -> int:
     except ConfigError as exc:
         lines.append(CheckLine(False, exc.message))
         code = EXIT_USAGE
+    except KeyboardInterrupt:
+        say_error("interrupted (SIGINT): --check started nothing and changed nothing")
+        return EXIT_SIGINT
+    except Exception as exc:            # the machine, or a fault of this script: one line, never a traceback
+        lines.append(CheckLine(False, f"unexpected {exc.__class__.__name__} while checking: {exc}"))
     for line in lines:
         emit(f"{check_mark(line.ok)} {line.text}")
     if code == EXIT_PASS and any(line.ok is False for line in lines):

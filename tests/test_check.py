@@ -273,3 +273,21 @@ def test_every_proven_cli_has_measured_run_figures(orch):
         if cli.proven:
             nine, fourteen = cli.run_tokens
             assert 0 < nine < fourteen, provider
+
+
+def test_check_interrupted_or_failing_inside_says_one_line_never_a_traceback(load_orch, fake_cao, prompt_file,
+                                                                            capsys, monkeypatch):
+    orch = load_orch(PROVIDER="mock_cli", PROMPT_FILE=str(prompt_file))
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(orch, "preflight_lines", interrupted)
+    assert run_main(orch, "--check") == 130
+    err = capsys.readouterr().err
+    assert err == "interrupted (SIGINT): --check started nothing and changed nothing\n"
+
+    def broken():
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(orch, "preflight_lines", broken)
+    code, lines = run_check(orch, capsys)
+    assert code == 1 and any(line.startswith("✗ unexpected OSError while checking") for line in lines)
