@@ -5028,8 +5028,9 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     A status word the loop does not know (`unknown` after a cao-server
     restart) cannot become ready, so it counts as settled: the prompt goes out
     and the reply file decides. A CLI whose own mark on its screen says its
-    turn has ended is at rest whatever CAO says (Codex, which CAO reads
-    `processing` for good after a turn).
+    turn has ended, or that it is idle, is at rest whatever CAO says (Codex,
+    which CAO reads `processing` for good after a turn; after a turn Codex may
+    run a task of its own, a title, which it marks working, then idle).
     """
     if terminal_id in settled_terminals:
         return
@@ -5037,7 +5038,7 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     ready_in_a_row = 0
     while ready_in_a_row < 2:
         status = api.get_status(terminal_id)
-        if status in BUSY_STATUSES and turn_mark(_screen(terminal_id)) == "ended":
+        if status in BUSY_STATUSES and turn_mark(_screen(terminal_id)) in ("ended", "idle"):
             status = "idle"
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")

@@ -650,3 +650,17 @@ def test_a_copilot_draft_is_not_taken_while_its_spinner_turns(m):
     facts.note_status("completed", last_frame + 0.5)
     assert decide(m, facts, last_frame + window - 0.01) == ("FILE_SETTLED", "WAIT")
     assert decide(m, facts, last_frame + window) == ("DONE", "TAKE_REPLY")
+
+
+def test_a_resumed_codex_at_rest_after_a_task_of_its_own_is_settled_whatever_cao_says(m, monkeypatch):
+    """After its turn (`done`) Codex may run a task of its own (a title), marked `working`, then `idle`: a
+    resumed run's first prompt to it goes out, though CAO reads `processing` for good."""
+    screen = f"{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK} > {WORKING_MARK}{IDLE_MARK} > Ask Codex"
+    monkeypatch.setattr(m.api, "get_status", lambda terminal_id: "processing")
+    monkeypatch.setattr(m, "_screen", lambda terminal_id: screen)
+    monkeypatch.setattr(m, "RESPONSE_TIMEOUT", 0.5)
+    m.wait_until_settled("peer_programmer", "t-peer")
+    assert "t-peer" in m.settled_terminals
+    monkeypatch.setattr(m, "_screen", lambda terminal_id: f"{WORKING_MARK} Working (3s)")   # at work: not settled
+    with pytest.raises(m.RunError, match="did not become ready within RESPONSE_TIMEOUT"):
+        m.wait_until_settled("tester", "t-tester")
