@@ -3585,6 +3585,14 @@ def turn_mark(screen: str | None) -> str | None:
     return "idle" if marks[-1] == TURN_IDLE_MARK else "working"
 
 
+def rests_after_a_turn(screen: str | None) -> bool:
+    """Whether the CLI's marks say it is at rest after a turn: the turn's end, or -- after a turn's `done`
+    -- a task of its own (a title: `working`, then `idle`). Idle with no `done` at all is its start-up,
+    which may still be loading."""
+    marks = TURN_STATE_MARK.findall(screen or "")
+    return turn_mark(screen) == "ended" or (bool(marks) and marks[-1] == TURN_IDLE_MARK and TURN_DONE_MARK in marks)
+
+
 # -- What the screen says of the agent's conversation and its account -----------
 # An agent CLI summarises its conversation when it nears its context window
 # (or when a person types /compact), and /clear starts it over: from then on
@@ -5028,9 +5036,8 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     A status word the loop does not know (`unknown` after a cao-server
     restart) cannot become ready, so it counts as settled: the prompt goes out
     and the reply file decides. A CLI whose own mark on its screen says its
-    turn has ended, or that it is idle, is at rest whatever CAO says (Codex,
-    which CAO reads `processing` for good after a turn; after a turn Codex may
-    run a task of its own, a title, which it marks working, then idle).
+    turn has ended is at rest whatever CAO says (Codex, which CAO reads
+    `processing` for good after a turn; see rests_after_a_turn()).
     """
     if terminal_id in settled_terminals:
         return
@@ -5038,7 +5045,7 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     ready_in_a_row = 0
     while ready_in_a_row < 2:
         status = api.get_status(terminal_id)
-        if status in BUSY_STATUSES and turn_mark(_screen(terminal_id)) in ("ended", "idle"):
+        if status in BUSY_STATUSES and rests_after_a_turn(_screen(terminal_id)):
             status = "idle"
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")

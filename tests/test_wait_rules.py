@@ -661,6 +661,8 @@ def test_a_resumed_codex_at_rest_after_a_task_of_its_own_is_settled_whatever_cao
     monkeypatch.setattr(m, "RESPONSE_TIMEOUT", 0.5)
     m.wait_until_settled("peer_programmer", "t-peer")
     assert "t-peer" in m.settled_terminals
-    monkeypatch.setattr(m, "_screen", lambda terminal_id: f"{WORKING_MARK} Working (3s)")   # at work: not settled
-    with pytest.raises(m.RunError, match="did not become ready within RESPONSE_TIMEOUT"):
-        m.wait_until_settled("tester", "t-tester")
+    for not_at_rest in (f"{WORKING_MARK} Working (3s)",                    # at work
+                        f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK} > Ask Codex"):  # its start-up: no turn ended yet
+        monkeypatch.setattr(m, "_screen", lambda terminal_id, text=not_at_rest: text)
+        with pytest.raises(m.RunError, match="did not become ready within RESPONSE_TIMEOUT"):
+            m.wait_until_settled("tester", "t-tester")
