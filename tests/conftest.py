@@ -21,6 +21,26 @@ if str(TESTS) not in sys.path:
 
 import run_orchestrator_loop  # noqa: E402
 
+# httpx makes a new SSL context for each client it builds, reading the system's CA certificates (~70 ms of CPU),
+# even for the plain-http fake CAO; and each test's fresh module builds its clients anew. One default context,
+# made once per process, serves them all (a client asking for anything else still gets its own).
+try:
+    import httpx._transports.default as _httpx_transport
+except ImportError:         # another httpx: it keeps its own way, only slower
+    _httpx_transport = None
+if _httpx_transport is not None and hasattr(_httpx_transport, "create_ssl_context"):
+    _make_ssl_context = _httpx_transport.create_ssl_context
+    _default_ssl_context = []
+
+    def _shared_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None or trust_env is not True:
+            return _make_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+        if not _default_ssl_context:
+            _default_ssl_context.append(_make_ssl_context())
+        return _default_ssl_context[0]
+
+    _httpx_transport.create_ssl_context = _shared_ssl_context
+
 # A suite started without job control (a background job of a script, as some CI runners start it) inherits
 # SIGINT ignored -- and so would the workers and every loop it starts, whose Ctrl-C tests need it delivered.
 # A handler of our own is reset to the default in the programs this process starts.
@@ -77,15 +97,15 @@ def pytest_xdist_auto_num_workers(config):
 # short ones fill the gaps: the whole run then takes about as long as its longest unit, not longer.
 # Seconds a unit takes, as measured on a 2-core machine running the suite (only their order matters):
 EXPECTED_UNIT_SECONDS = {
-    "test_real_clis:opencode_cao": 330,
-    "test_real_clis:hermes_cao": 320,
-    "test_real_clis:claude_cao": 300,
-    "test_real_clis:codex_cao": 290,
+    "test_real_clis:codex_cao": 300,
+    "test_real_clis:opencode_cao": 290,
+    "test_real_clis:hermes_cao": 290,
+    "test_real_clis:claude_cao": 280,
     "test_long_runs_e2e:codex_cao": 250,
-    "test_real_clis:copilot_cao": 230,
     "test_quick_start:quick_start": 200,
     "test_unattended_e2e:restartable_cao_server": 190,
     "test_long_runs_e2e:claude_cao": 190,
+    "test_real_clis:copilot_cao": 170,
     "test_lost_agents_e2e:restartable_cao_server": 130,
 }
 # Any other unit: by kind (a test marked real_cli, other end-to-end tests, unit tests).
