@@ -99,15 +99,26 @@ import httpx
 # nothing below main() can turn them into a traceback.
 # --------------------------------------------------------------------------
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 75, 130, 143
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET = 0, 1, 2, 3, 4
+EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 75, 130, 143
+# Each exit code: what it means, and what a job scheduler (cron, a CI job, a Kubernetes Job) should do on it.
 EXIT_CODES = (
-    (EXIT_PASS, "the tester reported RESULT: PASS"),
-    (EXIT_FAIL, "no PASS within MAX_ROUNDS, or a runtime error (the state is saved: rerun to resume)"),
-    (EXIT_USAGE, "bad usage or configuration; nothing was started, contacted or written"),
-    (EXIT_LOCKED, "another process is driving the run in this state file; try again later"),
-    (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); state saved"),
-    (EXIT_SIGTERM, "terminated by SIGTERM; state saved"),
+    (EXIT_PASS, "the tester reported RESULT: PASS", "done"),
+    (EXIT_FAIL, "no PASS within MAX_ROUNDS: the tester's verdict; the state is saved",
+     "stop, do not retry: a person reads the report (or reruns with a higher MAX_ROUNDS)"),
+    (EXIT_USAGE, "bad usage or configuration; nothing was started, contacted or written",
+     "stop and alert: fix the settings"),
+    (EXIT_ERROR, "a runtime error (server unreachable, agent lost, timeout, ...); the state is saved",
+     "retry: the same command resumes the run"),
+    (EXIT_BUDGET, "the run has used MAX_RUN_TOKENS or MAX_RUN_COST; stopped before a turn, the state saved",
+     "stop and alert: a person raises the budget, then the same command goes on"),
+    (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
+     "retry later, never beside it"),
+    (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); the state is saved", "retry: the same command resumes the run"),
+    (EXIT_SIGTERM, "terminated by SIGTERM; the state is saved", "retry: the same command resumes the run"),
 )
+EXIT_MEANINGS = {code: meaning for code, meaning, _ in EXIT_CODES}
+SCHEDULER_ACTIONS = {code: action for code, _, action in EXIT_CODES}
 
 
 def exit_code_of(result: str) -> int:
@@ -141,8 +152,8 @@ class ConfigError(OrchestratorExit):
 class RunError(OrchestratorExit):
     """The run started but cannot go on; its state stays resumable."""
 
-    def __init__(self, message: str):
-        super().__init__(EXIT_FAIL, message)
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(code, message)
 
 
 class RunLocked(OrchestratorExit):
@@ -507,7 +518,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("USAGE_LIMIT_MAX_WAIT", "recovery.usage_limit_max_wait", 18000.0, "seconds0",
             "an agent stopped by its account's usage limit is waited for until the limit resets, if that is at "
             "most this many seconds away (5 hours: a 5-hour limit); past it, or with no reset time, the run "
-            "stops (exit 1) saying when to rerun; 0: never wait. Also the most a rate limit (429) is waited "
+            "stops (exit 3) saying when to rerun; 0: never wait. Also the most a rate limit (429) is waited "
             "out in all, in pauses that double"),
     Setting("USAGE_LIMIT_MARGIN_SECONDS", "recovery.usage_limit_margin_seconds", 60.0, "seconds0",
             "how long after the reset time the agent is told to continue"),
@@ -560,7 +571,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("NTFY_SERVER", "notify.ntfy_server", "https://ntfy.sh", "url", "ntfy server to publish to"),
     Setting("MAX_RUN_TOKENS", "tokens.max_run_tokens", 0, "count0",
             "before each turn is sent: a run whose agents have used this many tokens (input, cached input and "
-            "output together, as their CLIs recorded them) stops (exit 1; rerun with a higher budget to go on); "
+            "output together, as their CLIs recorded them) stops (exit 4; rerun with a higher budget to go on); "
             "0: no budget"),
     Setting("MAX_RUN_COST", "tokens.max_run_cost", 0.0, "amount0",
             "the same for the estimated cost, from MODEL_PRICES; 0: no cost budget"),
@@ -2813,7 +2824,7 @@ def _figures(summary: dict) -> ReportHtml:
                ("ended" if ended else "last updated", local_time(summary["ended_at"])),
                ("wall time", report_duration(summary["wall_seconds"]))]
     if ended:
-        meaning = dict(EXIT_CODES).get(summary["exit_code"])
+        meaning = EXIT_MEANINGS.get(summary["exit_code"])
         if summary["result"] == "FAIL" and not terminals_exited:
             meaning = f"no PASS within MAX_ROUNDS; to go on with more rounds: {continue_command(summary['rounds'] + 1)}"
         figures.append(("exit code", f"{summary['exit_code']}" + (f" ({meaning})" if meaning else "")))
@@ -3591,6 +3602,15 @@ def rests_after_a_turn(screen: str | None) -> bool:
     which may still be loading."""
     marks = TURN_STATE_MARK.findall(screen or "")
     return turn_mark(screen) == "ended" or (bool(marks) and marks[-1] == TURN_IDLE_MARK and TURN_DONE_MARK in marks)
+
+
+def quiet_after_a_turn(screen: str | None, still_seconds: float, cli: AgentCli) -> bool:
+    """For a CLI whose ready status CAO cannot be trusted with: at rest when its screen has been still as long as
+    ends its turns, unless its marks say it is starting up (idle, no `done` yet). Its marks may have scrolled out
+    of CAO's screen, or a task of its own may have left a `working` behind, while it waits for input."""
+    if cli.ready_status_trusted or screen is None or turn_mark(screen) == "idle":
+        return False
+    return still_seconds >= (cli.still_screen_ends_turn or QUIET_SCREEN_SECONDS)
 
 
 # -- What the screen says of the agent's conversation and its account -----------
@@ -4816,6 +4836,8 @@ def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid."""
     # A failed session explains the rest: the adds failed or stopped because of it.
     error = failures.get("analyst") or "; ".join(failures.values())
+    if "(HTTP 401," in error:        # the server refuses our token: fixed in the settings, not by a retry
+        return ConfigError(error)
     if model_refused(error):
         return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
                            "accepts, or leave it empty for each CLI's own default")
@@ -5043,16 +5065,24 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
         return
     started = time.monotonic()
     ready_in_a_row = 0
+    cli = agent_cli(provider_for(role))
+    screen, still_since = None, started
     while ready_in_a_row < 2:
         status = api.get_status(terminal_id)
-        if status in BUSY_STATUSES and rests_after_a_turn(_screen(terminal_id)):
-            status = "idle"
+        if status in BUSY_STATUSES:
+            now, seen = time.monotonic(), _screen(terminal_id)
+            if seen != screen:
+                screen, still_since = seen, now
+            if rests_after_a_turn(screen) or quiet_after_a_turn(screen, now - still_since, cli):
+                status = "idle"
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
         ready_in_a_row = ready_in_a_row + 1 if status not in BUSY_STATUSES else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
+            marks = TURN_STATE_MARK.findall(screen or "")
             raise agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT="
-                                                  f"{RESPONSE_TIMEOUT:g}s (status {status!r})")
+                                                  f"{RESPONSE_TIMEOUT:g}s (status {status!r}"
+                                                  + (f"; its marks: {', '.join(marks[-4:])}" if marks else "") + ")")
         if ready_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
@@ -5200,6 +5230,9 @@ TOKENS_SETTLE_SECONDS = 10.0   # at a run's end: how long the CLIs may take to r
 
 class BudgetReached(RunError):
     """The run has used its MAX_RUN_TOKENS or MAX_RUN_COST: stopped before a turn, resumable with a higher one."""
+
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_BUDGET)
 
 
 def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
@@ -7702,6 +7735,25 @@ def _status_after_run(saved: SavedState) -> list[str]:
     return lines
 
 
+def last_exit_code(saved: SavedState) -> int | None:
+    """The exit code the run's last invocation ended with, as its summary.json keeps it (None: none kept)."""
+    try:
+        summary = json.loads((Path(saved.run_dir) / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    code = summary.get("exit_code") if isinstance(summary, dict) else None
+    return code if isinstance(code, int) else None
+
+
+def _status_last_stop(saved: SavedState) -> list[str]:
+    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1)."""
+    code = last_exit_code(saved) if saved.run_dir else None
+    if code is None:
+        return []
+    return [f"last stop: exit {code} ({EXIT_MEANINGS.get(code, 'not a code of this program')}); "
+            f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"]
+
+
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
     try:
@@ -7718,6 +7770,8 @@ def status_report() -> tuple[int, str]:
     holder = lock_holder()
     lines.append(f"driven by: {holder}" if holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
+    if not holder:
+        lines += _status_last_stop(saved)
     if saved.final_status == "FAIL" and not saved.terminals_exited:
         lines.append(f"next: to go on with more rounds, {continue_command(saved.current_round + 1)}")
     lines += _status_agents(saved) + _status_after_run(saved)
@@ -7754,8 +7808,10 @@ def help_text() -> str:
         setting = SETTINGS_BY_ENV[env]
         lines.append(f"  {env:20} {_shown_default(setting)}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
-    first_codes = ((EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL or error"), (EXIT_USAGE, "bad settings"))
-    more_codes = ((EXIT_LOCKED, "another process drives the run"), (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
+    first_codes = ((EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL"), (EXIT_USAGE, "bad settings"),
+                   (EXIT_ERROR, "error (rerun to resume)"))
+    more_codes = ((EXIT_BUDGET, "budget used"), (EXIT_LOCKED, "another process drives the run"),
+                  (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
     lines += ["", "Example:",
               "  API=http://localhost:9889 PROVIDER=claude_code WD=~/my-project \\",
               f"    PROMPT_FILE=~/my-project/task.md {name}", "",
@@ -7776,8 +7832,8 @@ def settings_help_text() -> str:
         lines.append(f"{env}  (environment only; default -)")
         lines += textwrap.wrap(meaning, 78, initial_indent="    ", subsequent_indent="    ")
     lines += ["", "Exit codes:"]
-    for code, meaning in EXIT_CODES:
-        lines += textwrap.wrap(f"  {code:3}  {meaning}", 78, subsequent_indent=" " * 7)
+    for code, meaning, action in EXIT_CODES:
+        lines += textwrap.wrap(f"  {code:3}  {meaning}; a scheduler: {action}", 78, subsequent_indent=" " * 7)
     return "\n".join(lines)
 
 
@@ -7878,14 +7934,14 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
             message = message.replace("then rerun to resume", "then rerun to start a new run (CLEANUP_ON_EXIT=1 "
                                       "ends the agents)")
         return exc.code, f"error: {message}"
-    if isinstance(exc, ApiError):
-        return EXIT_FAIL, f"error: {exc}{saved}"
+    if isinstance(exc, ApiError):          # a server that refuses our token is fixed in the settings, not by a retry
+        return (EXIT_USAGE if exc.status_code == 401 else EXIT_ERROR), f"error: {exc}{saved}"
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_SIGINT, f"interrupted (SIGINT){saved}"
     if isinstance(exc, Terminated):
         return EXIT_SIGTERM, f"terminated (SIGTERM){saved}"
     # the machine (a full disk, ...) or a fault of this script
-    return EXIT_FAIL, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
+    return EXIT_ERROR, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
 
 
 def wind_down(code: int) -> int:
@@ -7902,7 +7958,7 @@ def wind_down(code: int) -> int:
             say_error(warning)
     except OSError as exc:
         say_error(f"error: could not save the state to {STATE_FILE}: {exc}")
-        return code or EXIT_FAIL
+        return code or EXIT_ERROR
     return code
 
 
@@ -7910,7 +7966,7 @@ def run_command_line(args: list[str]) -> int:
     """Configure, start or resume the run, drive it; its exit code. Every stop is one line, never a traceback."""
     started = False
     previous_sigterm = signal.getsignal(signal.SIGTERM)
-    code = EXIT_FAIL
+    code = EXIT_ERROR
     try:
         if len(args) > 1:
             raise ConfigError(f"expected at most one argument (a config file), got {len(args)} (see "

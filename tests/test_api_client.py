@@ -4,7 +4,7 @@ Spec 1 "API client with httpx" (scenarios "Create session returns terminal ID
 and session name" and "Send input to terminal"), the HTTP API in
 shared/cao-facts.md, and the error handling the loop promises: clear ApiErrors for a server
 that is down, an HTTP error or an answer of the wrong shape, and main()
-stopping with exit 1 and one line when the server cannot be reached.
+stopping with exit 3 (a runtime error, rerun to resume) and one line when the server cannot be reached.
 """
 
 from __future__ import annotations
@@ -309,12 +309,12 @@ def test_answer_lacking_id_status_or_output_is_api_error(orch, client, router, c
 # main() with the server down
 # --------------------------------------------------------------------------
 
-def test_main_with_server_unreachable_exits_1_with_one_line(load_orch, prompt_file, fake_cao, capsys, workdir):
-    """main() with CAO unreachable exits 1 with one error line naming API and cao-server; no state file."""
+def test_main_with_server_unreachable_exits_3_with_one_line(load_orch, prompt_file, fake_cao, capsys, workdir):
+    """main() with CAO unreachable exits 3 with one error line naming API and cao-server; no state file."""
     fake_cao.outage = 10**6
     m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
     capsys.readouterr()
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -327,13 +327,13 @@ def test_main_with_server_unreachable_exits_1_with_one_line(load_orch, prompt_fi
     assert not Path(m.STATE_FILE).exists()
 
 
-def test_main_with_nothing_listening_exits_1(load_orch, prompt_file, capsys, workdir):
-    """main() against an address where the connection is refused exits 1 with one line, no state file."""
+def test_main_with_nothing_listening_exits_3(load_orch, prompt_file, capsys, workdir):
+    """main() against an address where the connection is refused exits 3 with one line, no state file."""
     m = load_orch(PROMPT_FILE=str(prompt_file), API="http://cao.test", **FAST)
     with respx.mock(assert_all_called=False) as mock:
         mock.route().mock(side_effect=httpx.ConnectError("[Errno 111] Connection refused"))
         capsys.readouterr()
-        assert run_main(m) == 1
+        assert run_main(m) == 3
     _, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

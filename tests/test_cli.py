@@ -50,8 +50,9 @@ def test_help_settings_lists_every_setting_with_its_env_name_json_key_and_defaul
             setting.env
     for env, _ in orch.SECRET_HELP:
         assert f"{env}  (environment only; default -)" in lines
-    for code, _ in orch.EXIT_CODES:
+    for code, _, action in orch.EXIT_CODES:       # each with what a scheduler does on it
         assert any(line.strip().startswith(f"{code} ") for line in lines), code
+        assert f"a scheduler: {action}" in " ".join(text.split()), code
 
 
 def test_the_installed_command_calls_itself_by_its_name(orch, monkeypatch, capsys):
@@ -134,7 +135,7 @@ def test_a_server_that_answers_html_gets_one_line_naming_it(load_orch, prompt_fi
         router.route(host="cao.test").mock(return_value=httpx.Response(
             200, text=page, headers={"content-type": "text/html"}))
         m = load_orch(PROMPT_FILE=str(prompt_file), **FAST)
-        assert run_main(m) == 1
+        assert run_main(m) == 3
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and len(err) < 400
     assert "is not a CAO server" in err and "'Welcome to nginx!'" in err and "set API" in err
@@ -250,6 +251,40 @@ def test_status_of_a_run_that_ended_in_fail_counts_its_rounds_and_says_how_to_go
     out = capsys.readouterr().out
     assert "run: finished with FAIL in round 2," in out
     assert f"next: to go on with more rounds, RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop {config}" in out
+
+
+def test_status_says_how_the_last_invocation_stopped_and_what_a_scheduler_does_next(load_orch, fake_cao, prompt_file,
+                                                                                     capsys):
+    """A runtime error (exit 3) is retried, a FAIL verdict (exit 1) is not: --status says which, from the run's
+    own record, while no process drives the run."""
+    from fake_cao import FAIL_REPLY
+    fake_cao.script["tester"] = [{"action": "error"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUNDS="1", **FAST)
+    assert run_main(m) == m.EXIT_ERROR == 3
+    capsys.readouterr()
+    assert run_main(m, "--status") == 0
+    out = capsys.readouterr().out
+    assert "last stop: exit 3 (a runtime error (server unreachable, agent lost, timeout, ...); the state is " \
+           "saved); a scheduler: retry: the same command resumes the run" in out, out
+    fake_cao.script["tester"] = [FAIL_REPLY]
+    assert run_main(m) == m.EXIT_FAIL == 1
+    capsys.readouterr()
+    assert run_main(m, "--status") == 0
+    out = capsys.readouterr().out
+    assert "last stop: exit 1 (no PASS within MAX_ROUNDS: the tester's verdict; the state is saved); a scheduler: " \
+           "stop, do not retry" in out, out
+
+
+def test_each_way_of_stopping_has_its_own_exit_code_and_scheduler_action_as_the_readme_lists_them(orch):
+    codes = [code for code, _, _ in orch.EXIT_CODES]
+    assert len(set(codes)) == len(codes) and all(0 <= code < 256 for code in codes)
+    assert all(meaning and action for _, meaning, action in orch.EXIT_CODES)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("\n## Exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = {int(line.split("|")[1]): line for line in table.splitlines() if re.match(r"\| \d+ \|", line)}
+    assert sorted(rows) == sorted(codes)
+    for code, _, action in orch.EXIT_CODES:       # the action's first words ("retry", "stop and alert", ...)
+        assert f"| {action.split(':')[0]}" in rows[code], (code, action, rows[code])
 
 
 def test_status_asks_the_server_the_run_is_on_not_the_default_one(load_orch, fake_cao, prompt_file, capsys):

@@ -372,7 +372,7 @@ def test_a_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the
     reset = datetime.now() + timedelta(hours=2)
     fake_cao.script["tester"] = [limited(codex_limit_line(reset))]
     m = load_orch(PROMPT_FILE=str(prompt_file), USAGE_LIMIT_MAX_WAIT="3600", **TESTER_ONLY)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err
     assert "stopped at its account's usage limit (You've hit your usage limit." in err
     told = reset.replace(second=0, microsecond=0) + timedelta(seconds=60)     # the reset and the default margin
@@ -390,7 +390,7 @@ def test_a_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the
 
     # A rerun before the reset stops again, sending nothing.
     m = load_orch(PROMPT_FILE=str(prompt_file), USAGE_LIMIT_MAX_WAIT="3600", **TESTER_ONLY)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert len(prompts_of_tester(fake_cao)) == 1 and fake_cao.reminders == []
 
     # After the reset, the rerun tells the agent to continue; the prompt is not sent again.
@@ -406,7 +406,7 @@ def test_a_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the
 def test_a_usage_limit_without_a_reset_time_stops_and_the_rerun_continues(load_orch, fake_cao, prompt_file, capsys):
     fake_cao.script["tester"] = [limited("■ You've hit your usage limit. Try again later.")]
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert "its CLI names no reset time: rerun the command once the limit has reset" in capsys.readouterr().err
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
     assert run_main(m) == 0

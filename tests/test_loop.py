@@ -212,10 +212,10 @@ def test_stale_response_file_is_moved_away_before_sending(load_orch, fake_cao, p
 
 
 def test_agent_error_status_stops_run_naming_role_and_terminal(load_orch, fake_cao, prompt_file, capsys):
-    """Terminal status `error` stops the run: exit 1, message names role and terminal, state resumable."""
+    """Terminal status `error` stops the run: exit 3, message names role and terminal, state resumable."""
     fake_cao.script["programmer"] = [{"action": "error"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err.strip().splitlines()
     terminal = fake_cao.terminal_for("programmer").id
     assert len(err) == 1
@@ -229,7 +229,7 @@ def test_strict_file_handoff_fails_when_agent_idles_without_file(load_orch, fake
     """STRICT_FILE_HANDOFF=1: idle without the response file is an error naming the file."""
     fake_cao.script["analyst"] = [{"action": "no_file", "text": "I am done (in the terminal only)"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err
     assert "analyst agent" in err and "analyst_summary.md" in err and "STRICT_FILE_HANDOFF=0" in err
     assert state_of(m)["final_status"] == "RUNNING"
@@ -248,7 +248,7 @@ def test_response_timeout_stops_run(load_orch, fake_cao, prompt_file, capsys):
     """RESPONSE_TIMEOUT bounds the wait for an agent that keeps working."""
     fake_cao.script["analyst"] = [{"polls": 10**9, "text": "never"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **{**QUICK, "RESPONSE_TIMEOUT": "0.3"})
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err
     assert "RESPONSE_TIMEOUT=0.3s" in err and "analyst agent" in err
 
@@ -267,7 +267,7 @@ def test_agent_never_seen_working_counts_as_idle_after_grace(load_orch, fake_cao
     fake_cao.script["tester"] = [{"idle_polls": 10**9, "text": PASS_REPLY}]
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", PROVIDER="claude_code",
                   **{**QUICK, "IDLE_GRACE_SECONDS": "0.2"})
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert "went idle without writing" in capsys.readouterr().err
 
 
@@ -298,7 +298,7 @@ def test_failed_terminal_creation_exits_created_terminals_and_writes_no_state(lo
     """A run that fails before its terminals exist writes no state; terminals already made are exited."""
     fake_cao.fail_create["programmer"] = (400, "Unknown provider type: nope")
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     made = [t for t in fake_cao.terminals.values()]
     assert sorted(t.role for t in made) == ["analyst", "peer_analyst", "peer_programmer", "tester"]
     assert sorted(fake_cao.exited_ids()) == sorted(t.id for t in made)
@@ -311,7 +311,7 @@ def test_failed_terminal_creation_exits_created_terminals_and_writes_no_state(lo
 def test_failed_session_creation_writes_no_state(load_orch, fake_cao, prompt_file, capsys):
     fake_cao.fail_create["system_analyst"] = (400, "Working directory not allowed: /tmp")
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert fake_cao.terminals == {}
     assert not Path(m.STATE_FILE).exists()
     assert "Working directory not allowed" in capsys.readouterr().err
@@ -323,7 +323,7 @@ def test_agent_cli_start_up_timeout_says_what_to_check(load_orch, fake_cao, prom
     fake_cao.fail_create["system_analyst"] = (
         500, "Failed to create session: Claude Code initialization timed out after 60s")
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
     assert "cao-orchestrator-loop --check` finds what is missing" in err
@@ -433,7 +433,7 @@ def test_new_run_does_not_overwrite_state_when_it_fails_to_start(load_orch, fake
     Path(m.STATE_FILE).write_text('{"version": 1, "final_status": "PASS", "terminals": {}}')
     before = Path(m.STATE_FILE).read_bytes()
     fake_cao.fail_create["system_analyst"] = (500, "boom")
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert Path(m.STATE_FILE).read_bytes() == before
 
 
@@ -630,7 +630,7 @@ def test_resume_with_unreachable_terminal_fails_and_keeps_state(load_orch, fake_
     gone = saved["terminals"]["peer_programmer"]
     fake_cao.terminals[gone].exited = True
     before = Path(m.STATE_FILE).read_bytes()
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err
     assert "cannot resume" in err and "peer_programmer" in err and gone in err and "not found" in err
     assert Path(m.STATE_FILE).read_bytes() == before
@@ -644,7 +644,7 @@ def test_verify_resume_terminals_exits_when_a_terminal_is_unreachable(orch, fake
     orch.terminal_ids, orch.session_name = ids, "cao-saved"
     with pytest.raises(SystemExit) as stopped:
         orch.verify_resume_terminals()
-    assert stopped.value.code == 1
+    assert stopped.value.code == 3
     assert ids["tester"] in str(stopped.value) and "tester" in str(stopped.value)
 
 
@@ -665,7 +665,7 @@ def test_verify_resume_terminals_called_alone_asks_only_the_terminals_records(or
         with pytest.raises(SystemExit) as stopped:
             orch.verify_resume_terminals()
         asked = [call.request.url.path for call in router.calls]
-    assert stopped.value.code == 1
+    assert stopped.value.code == 3
     assert "programmer" in str(stopped.value) and ids["programmer"] in str(stopped.value)
     assert asked == [f"/terminals/{ids[role]}" for role in orch.ROLES[:orch.ROLES.index("programmer") + 1]]
 
@@ -696,7 +696,7 @@ def test_runtime_error_keeps_state_resumable(load_orch, fake_cao, prompt_file):
     """After an agent error the same command resumes where the run stopped."""
     fake_cao.script["peer_programmer"] = [{"action": "error"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     fake_cao.terminal_for("peer_programmer").status = "idle"
     fake_cao.script["peer_programmer"] = [fake_default("peer_programmer")]
     fake_cao.turns["peer_programmer"] = 0
@@ -885,13 +885,13 @@ def test_in_flight_prompt_of_another_turn_is_not_carried_over(load_orch, fake_ca
 
 
 def test_unexpected_failure_is_one_line_and_keeps_state(load_orch, fake_cao, prompt_file, capsys, monkeypatch):
-    """A full disk while archiving a reply: exit 1, one line, no traceback, state resumable."""
+    """A full disk while archiving a reply: exit 3, one line, no traceback, state resumable."""
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
 
     def disk_full(role, text, response_file):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(m, "archive_reply", disk_full)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err.strip()
     assert err == ("error: unexpected OSError: [Errno 28] No space left on device; state saved, rerun to resume")
     assert state_of(m)["final_status"] == "RUNNING"
@@ -909,7 +909,7 @@ def test_state_that_cannot_be_saved_is_reported_not_a_traceback(load_orch, fake_
             raise OSError(28, "No space left on device")
         original()
     monkeypatch.setattr(m, "save_state", save_then_fail)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err
     assert "No space left on device" in err and "Traceback" not in err
 

@@ -41,7 +41,7 @@ def test_reminder_then_strict_failure(load_orch, fake_cao, prompt_file, capsys):
     """After the reminders, STRICT_FILE_HANDOFF=1 stops the run, naming the missing file."""
     fake_cao.script["tester"] = [{"action": "no_file", "text": "done, see above"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert [role for role, _ in fake_cao.reminders] == ["tester"]
     err = capsys.readouterr().err
     assert "went idle without writing" in err and "test_result.md" in err
@@ -60,14 +60,14 @@ def test_reminder_then_fallback_to_terminal_output(load_orch, fake_cao, prompt_f
 def test_more_reminders_when_configured(load_orch, fake_cao, prompt_file):
     fake_cao.script["tester"] = [{"action": "no_file", "text": "nothing"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), MAX_FILE_REMINDERS="3", **TESTER_ONLY)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert len(fake_cao.reminders) == 3
 
 
 def test_no_reminder_when_max_file_reminders_is_0(load_orch, fake_cao, prompt_file):
     fake_cao.script["tester"] = [{"action": "no_file", "text": "nothing"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), MAX_FILE_REMINDERS="0", **TESTER_ONLY)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert fake_cao.reminders == []
 
 
@@ -198,7 +198,7 @@ def test_provider_error_with_no_retries_left_stops_the_run_naming_the_error_line
     at once (no reminder), quoting the error line itself."""
     fake_cao.script["tester"] = [{"action": "no_file", "text": PROVIDER_FAILURE}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY, PROVIDER_ERROR_RETRIES="0")
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err.strip()
     assert "tester agent" in err and "model provider error" in err and "API Error: 500" in err
     assert "\n" not in err
@@ -228,7 +228,7 @@ def test_provider_errors_past_the_retries_stop_the_run(load_orch, fake_cao, prom
     fake_cao.script["tester"] = [{"action": "no_file", "text": OVERLOADED}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.3"},
                   PROVIDER_ERROR_RETRIES="2", PROVIDER_ERROR_PAUSE_SECONDS="0.1")
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     out, err = capsys.readouterr()
     assert "continue in 0.1s" in out and "continue in 0.2s" in out
     assert len(fake_cao.reminders) == 2
@@ -284,7 +284,7 @@ def test_a_rate_limit_past_the_longest_wait_stops_the_run_resumable(load_orch, f
     fake_cao.script["tester"] = [{"action": "no_file", "text": REJECTED}]
     m = load_orch(PROMPT_FILE=str(prompt_file), **{**TESTER_ONLY, "IDLE_GRACE_SECONDS": "0.3"},
                   PROVIDER_ERROR_PAUSE_SECONDS="0.1", USAGE_LIMIT_MAX_WAIT="0.5")
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     out, err = capsys.readouterr()
     assert "continue in 0.1s" in out and "continue in 0.2s" in out and "continue in 0.2s" in out
     line = err.strip()
@@ -345,7 +345,7 @@ def test_server_down_for_a_while_then_back_the_run_continues(load_orch, fake_cao
 def test_server_that_stays_down_stops_cleanly_then_resume_continues(load_orch, fake_cao, prompt_file, capsys):
     fake_cao.script["programmer"] = [stop_server_for(10**9)]
     m = load_orch(PROMPT_FILE=str(prompt_file), API_RETRY_SECONDS="0.3", **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     err = capsys.readouterr().err.strip()
     assert "not reachable" in err and "API_RETRY_SECONDS=0.3s" in err and "\n" not in err
     state = state_of(m)
@@ -361,7 +361,7 @@ def test_server_down_at_start_fails_fast_without_state(load_orch, fake_cao, prom
     """Before the run exists nothing is retried: the user is told to start cao-server."""
     fake_cao.outage = 10**9
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert "start it with `cao-server`" in capsys.readouterr().err
     assert not Path(m.STATE_FILE).exists()
     assert len(fake_cao.requests) == 1
@@ -405,7 +405,7 @@ def test_prompt_that_never_reached_the_server_is_complete_when_sent_on_rerun(loa
         monkeypatch.setattr(m.ApiClient, "send_input", delivered)
         raise m.ApiError("CAO server is not reachable", retryable=True, unsent=True)
     monkeypatch.setattr(m.ApiClient, "send_input", refused_once)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert fake_cao.prompts == [] and state_of(m)["context_sent"] == []
     assert run_main(m) == 0
     [prompt] = fake_cao.prompts_for("tester")
@@ -447,7 +447,7 @@ def test_bearer_token_on_every_request_and_never_shown(load_orch, fake_cao, prom
     fake_cao.required_token = TOKEN
     fake_cao.script["tester"] = [{"action": "no_file", "text": "x"}, PASS_REPLY]   # errors print too
     m = load_orch(PROMPT_FILE=str(prompt_file), CAO_AUTH_LOCAL_TOKEN=TOKEN, **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     m = load_orch(PROMPT_FILE=str(prompt_file), CAO_AUTH_LOCAL_TOKEN=TOKEN, **QUICK)
     assert run_main(m) == 0
     assert fake_cao.requests
@@ -468,7 +468,7 @@ def test_no_authorization_header_without_token(load_orch, fake_cao, prompt_file)
 def test_401_says_which_variable_provides_the_token(load_orch, fake_cao, prompt_file, capsys):
     fake_cao.required_token = TOKEN
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 2             # bad settings: a retry would not help
     err = capsys.readouterr().err
     assert "requires a token" in err and "CAO_AUTH_LOCAL_TOKEN" in err
     assert not Path(m.STATE_FILE).exists()
@@ -477,6 +477,6 @@ def test_401_says_which_variable_provides_the_token(load_orch, fake_cao, prompt_
 def test_401_with_a_wrong_token_says_it_was_rejected(load_orch, fake_cao, prompt_file, capsys):
     fake_cao.required_token = TOKEN
     m = load_orch(PROMPT_FILE=str(prompt_file), CAO_AUTH_LOCAL_TOKEN="wrong-token", **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 2             # bad settings: a retry would not help
     err = capsys.readouterr().err
     assert "rejected the token in CAO_AUTH_LOCAL_TOKEN" in err and "wrong-token" not in err

@@ -126,7 +126,7 @@ def test_a_session_refused_at_once_stops_the_adds(load_orch, fake_cao, prompt_fi
     fake_cao.fail_create["system_analyst"] = (400, "Working directory not allowed: /srv")
     fake_cao.refusals_wait_for_session = True      # an add that came too early hears 404 once the session failed
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert fake_cao.gave_up == []
     assert fake_cao.terminals == {}
     assert all(status == 404 for profile in ADD_PROFILES for status in answers_for(fake_cao, profile))
@@ -146,7 +146,7 @@ def test_a_session_whose_agent_fails_to_start_exits_the_terminals_added_meanwhil
     fake_cao.fail_late.add("system_analyst")
     fake_cao.creations_at_once = 5                 # the session's agent fails once all four adds are under way
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert fake_cao.gave_up == []
     assert sorted(t.role for t in fake_cao.terminals.values()) == \
         ["peer_analyst", "peer_programmer", "programmer", "tester"]
@@ -218,7 +218,7 @@ def test_a_failed_add_exits_the_session_and_the_other_terminals(load_orch, fake_
     fake_cao.fail_create["peer_programmer"] = (500, "Failed to create terminal: tmux failed")
     fake_cao.create_delay = 0.1
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert sorted(t.role for t in fake_cao.terminals.values()) == ["analyst", "peer_analyst", "programmer", "tester"]
     assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
     err = capsys.readouterr().err.strip()
@@ -233,7 +233,7 @@ def test_a_name_that_is_taken_is_said_so_and_the_terminals_added_to_it_are_exite
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     m.new_session_name = lambda: "cao-loop-0badf00d"
     fake_cao.sessions.add("cao-loop-0badf00d")
-    assert run_main(m) == 1
+    assert run_main(m) == 3
     assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
     err = capsys.readouterr().err.strip()
     assert "\n" not in err

@@ -725,7 +725,7 @@ def test_a_budget_reached_stops_before_the_next_turn_and_a_higher_one_goes_on(lo
     home, recorded = codex_home
     settings = {"PROMPT_FILE": str(prompt_file), "AGENT_HOME": str(home), **TESTER_FAIL_THEN_PASS}
     m = load_orch(MAX_RUN_TOKENS="6000", **settings)
-    assert run_main(m) == 1
+    assert run_main(m) == 4
     err = capsys.readouterr().err
     line = [text for text in err.splitlines() if "MAX_RUN_TOKENS" in text]
     assert line == ["error: the run has used 6,060 tokens (5,700 in + 300 cached + 60 out), its budget is "
@@ -745,11 +745,11 @@ def test_a_cost_budget_stops_the_run_and_a_model_without_a_price_is_named(load_o
     home, _ = codex_home
     settings = {"PROMPT_FILE": str(prompt_file), "AGENT_HOME": str(home), **TESTER_FAIL_THEN_PASS}
     m = load_orch(MAX_RUN_COST="0.01", MODEL_PRICES='{"gpt-5-codex": {"input": 5, "output": 10}}', **settings)
-    assert run_main(m) == 1              # 2,800 in and 200 cached at 5, 40 out at 10: 0.0154 after two turns
+    assert run_main(m) == 4              # 2,800 in and 200 cached at 5, 40 out at 10: 0.0154 after two turns
     assert "its budget is MAX_RUN_COST=0.01; state saved: rerun with a higher MAX_RUN_COST to go on with the " \
            "tester's turn" in capsys.readouterr().err
     m = load_orch(MAX_RUN_COST="1", MODEL_PRICES='{"gpt-5": {"input": 5, "output": 10}}', **settings)
-    assert run_main(m) == 1
+    assert run_main(m) == 4
     assert "error: MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for gpt-5-codex (the agents' model); add " \
            "it, then rerun to go on with the tester's turn" in capsys.readouterr().err
     assert [role for role, _ in fake_cao.prompts] == ["programmer", "peer_programmer"]

@@ -666,3 +666,32 @@ def test_a_resumed_codex_at_rest_after_a_task_of_its_own_is_settled_whatever_cao
         monkeypatch.setattr(m, "_screen", lambda terminal_id, text=not_at_rest: text)
         with pytest.raises(m.RunError, match="did not become ready within RESPONSE_TIMEOUT"):
             m.wait_until_settled("tester", "t-tester")
+
+
+def test_a_resumed_codex_whose_marks_left_the_screen_is_settled_once_its_screen_is_still(m, monkeypatch):
+    """CAO's screen is the tail of what the pane printed: Codex's marks may have left it (or a task of its own
+    left a `working` behind) while Codex waits for input. A screen still for QUIET_SCREEN_SECONDS then says it
+    is at rest; a screen that changes (Codex at work counts its seconds) or its start-up's marks do not, nor a
+    still screen of a CLI whose ready status CAO reads right (CAO's word stands)."""
+    monkeypatch.setattr(m.api, "get_status", lambda terminal_id: "processing")
+    for name, value in (("QUIET_SCREEN_SECONDS", 0.2), ("POLL_SECONDS", 0.05), ("RESPONSE_TIMEOUT", 1.0)):
+        monkeypatch.setattr(m, name, value)
+    for still in ("> Ask Codex to do anything", f"{DONE_MARK}{IDLE_MARK}{WORKING_MARK} > Ask Codex"):
+        monkeypatch.setattr(m, "_screen", lambda terminal_id, text=still: text)
+        m.settled_terminals.clear()
+        m.wait_until_settled("tester", "t-tester")
+        assert "t-tester" in m.settled_terminals, still
+    reads = iter(range(10**6))
+    at_work = lambda terminal_id: f"{WORKING_MARK} Working ({next(reads)}s)"    # noqa: E731
+    starting = lambda terminal_id: f"{IDLE_MARK} > Ask Codex"                    # noqa: E731
+    for screen in (at_work, starting):
+        monkeypatch.setattr(m, "_screen", screen)
+        m.settled_terminals.clear()
+        with pytest.raises(m.RunError, match=r"did not become ready within RESPONSE_TIMEOUT=1s \(status "
+                                             r"'processing'; its marks: (working|idle)\)"):
+            m.wait_until_settled("tester", "t-tester")
+    monkeypatch.setattr(m, "PROVIDER", "claude_code")
+    monkeypatch.setattr(m, "_screen", lambda terminal_id: "> Try \"fix lint errors\"")
+    m.settled_terminals.clear()
+    with pytest.raises(m.RunError, match=r"did not become ready within RESPONSE_TIMEOUT=1s \(status 'processing'\)"):
+        m.wait_until_settled("tester", "t-tester")

@@ -120,12 +120,12 @@ def test_pass_archives_commits_exactly_the_work_and_notifies(cao, openspec_bin, 
 
 
 def test_agent_error_stop_is_notified(cao):
-    """An agent that reports an error stops the run (exit 1, resumable) and the user is told, once."""
+    """An agent that reports an error stops the run (exit 3, resumable) and the user is told, once."""
     with NtfyRecorder() as ntfy:
         run = Run(cao, START_AGENT="tester", NTFY_TOPIC="loop-e2e", NTFY_SERVER=ntfy.url, NTFY_TOKEN="tk_e2e_secret")
         cao.set_script({"tester": [{"action": "error", "think_ms": 100}]})
         result = run.run()
-    assert result.returncode == 1, explain(result)
+    assert result.returncode == 3, explain(result)
     [request] = ntfy.requests
     assert request["headers"]["title"].startswith("Stopped, needs you in round 1: ")
     assert request["headers"]["authorization"] == "Bearer tk_e2e_secret"

@@ -167,12 +167,12 @@ def test_codex_at_its_usage_limit_is_waited_out_and_continues_on_the_model_it_wa
 
 @pytest.mark.real_cli
 def test_codex_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the_turn(codex_cao):
-    """A reset three hours away with USAGE_LIMIT_MAX_WAIT=1h: the run stops (exit 1) saying when to rerun;
+    """A reset three hours away with USAGE_LIMIT_MAX_WAIT=1h: the run stops (exit 3) saying when to rerun;
     once the reset time has come, the rerun tells the agent to continue -- the prompt is not sent again."""
     run = limited_run(codex_cao, USAGE_LIMIT_MAX_WAIT="3600", USAGE_LIMIT_MARGIN_SECONDS="1")
     codex_cao.model.usage_limit_next(1, resets_in=3 * 3600, role="tester")
     stopped = run.run(timeout=600)
-    assert stopped.returncode == 1, explain(stopped)
+    assert stopped.returncode == 3, explain(stopped)
     last = stopped.stderr.strip().splitlines()[-1]
     assert "stopped at its account's usage limit (You" in last and "rerun the command after" in last, last
     state = run.state()

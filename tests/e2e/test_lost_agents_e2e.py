@@ -48,10 +48,11 @@ def start(cao, start_run, **settings) -> tuple[LiveRun, str]:
 
 
 def assert_one_line_stop(live: LiveRun, fault_at: float, *expected: str, within: float = STOP_WITHIN) -> float:
-    """Exit 1 with one line naming the agent and both ways on; returns seconds from the fault to the exit."""
+    """Exit 3 (resumable) with one line naming the agent and both ways on; returns seconds from the fault to the
+    exit."""
     code = live.finish(timeout=60)
     took = time.monotonic() - fault_at
-    assert code == 1, live.explain()
+    assert code == 3, live.explain()
     err = live.stderr.strip()
     assert "\n" not in err and LOST_LINE in err, live.explain()
     assert "REPLACE_LOST_AGENTS=1" in err and "RESUME=0" in err, live.explain()

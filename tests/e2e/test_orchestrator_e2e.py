@@ -250,7 +250,7 @@ def test_agent_that_never_writes_its_file_is_reminded_then_run_stops(cao):
     run = Run(cao, START_AGENT="tester", IDLE_GRACE_SECONDS="1")
     cao.set_script({"tester": [{"action": "no_file", "text": "I ran the tests (not writing any file)"}]})
     result = run.run()
-    assert result.returncode == 1, explain(result)
+    assert result.returncode == 3, explain(result)
     reminders = [r for r in cao.received() if r.get("kind") == "reminder"]
     assert [r["role"] for r in reminders] == ["tester"]
     assert "test_result.md" in reminders[0]["message"]
@@ -276,7 +276,7 @@ def test_server_that_requires_a_token(cao_with_token):
     cao_with_token.set_script({})
     run = Run(cao_with_token, START_AGENT="tester")
     result = run.run()
-    assert result.returncode == 1, explain(result)
+    assert result.returncode == 2, explain(result)
     assert "requires a token" in result.stderr and "CAO_AUTH_LOCAL_TOKEN" in result.stderr
     assert not run.state_file.exists()
 

@@ -182,7 +182,7 @@ def test_codex_fail_then_pass_with_a_model_per_role(codex_cao):
 
 
 def test_codex_run_stops_at_its_token_budget_and_goes_on_with_a_higher_one(codex_cao):
-    """MAX_RUN_TOKENS reached mid-run: the loop stops before the next turn is sent (exit 1, one line naming
+    """MAX_RUN_TOKENS reached mid-run: the loop stops before the next turn is sent (exit 4, one line naming
     the budget, the state saved); the rerun with a higher budget reaches PASS with no turn sent twice."""
     cao = codex_cao
     step = {"usage_tokens": 1000}         # each response: 1,000 prompt tokens (a quarter cached) and 20 out
@@ -190,7 +190,7 @@ def test_codex_run_stops_at_its_token_budget_and_goes_on_with_a_higher_one(codex
                           "tester": [{**step, "text": FAIL_REPLY}, {**step, "text": PASS_REPLY}]})
     run = real_cli_run(cao, START_AGENT="programmer", AGENT_HOME=str(cao.home), MAX_RUN_TOKENS="5000")
     stopped = run.run(timeout=600)
-    assert stopped.returncode == 1, explain(stopped)
+    assert stopped.returncode == 4, explain(stopped)
     lines = [line for line in stopped.stderr.splitlines() if "MAX_RUN_TOKENS" in line]
     assert len(lines) == 1 and "its budget is MAX_RUN_TOKENS=5000; state saved: rerun with a higher " \
         "MAX_RUN_TOKENS to go on with the" in lines[0], explain(stopped)
