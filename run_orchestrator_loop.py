@@ -3596,12 +3596,15 @@ def turn_mark(screen: str | None) -> str | None:
     return "idle" if marks[-1] == TURN_IDLE_MARK else "working"
 
 
-def rests_after_a_turn(screen: str | None) -> bool:
+def rests_after_a_turn(screen: str | None, answered_before: bool = False) -> bool:
     """Whether the CLI's marks say it is at rest after a turn: the turn's end, or -- after a turn's `done`
     -- a task of its own (a title: `working`, then `idle`). Idle with no `done` at all is its start-up,
-    which may still be loading."""
+    which may still be loading -- unless the agent has `answered_before` in this run: then the `done` has
+    only left CAO's screen (the tail of what the pane printed), pushed out by that task of its own."""
     marks = TURN_STATE_MARK.findall(screen or "")
-    return turn_mark(screen) == "ended" or (bool(marks) and marks[-1] == TURN_IDLE_MARK and TURN_DONE_MARK in marks)
+    if not marks or turn_mark(screen) == "ended":
+        return bool(marks)
+    return marks[-1] == TURN_IDLE_MARK and (TURN_DONE_MARK in marks or answered_before)
 
 
 def quiet_after_a_turn(screen: str | None, still_seconds: float, cli: AgentCli) -> bool:
@@ -5066,6 +5069,7 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     started = time.monotonic()
     ready_in_a_row = 0
     cli = agent_cli(provider_for(role))
+    answered_before = any(record.terminal == terminal_id for record in turn_records)
     screen, still_since = None, started
     while ready_in_a_row < 2:
         status = api.get_status(terminal_id)
@@ -5073,7 +5077,7 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
             now, seen = time.monotonic(), _screen(terminal_id)
             if seen != screen:
                 screen, still_since = seen, now
-            if rests_after_a_turn(screen) or quiet_after_a_turn(screen, now - still_since, cli):
+            if rests_after_a_turn(screen, answered_before) or quiet_after_a_turn(screen, now - still_since, cli):
                 status = "idle"
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")

@@ -695,3 +695,20 @@ def test_a_resumed_codex_whose_marks_left_the_screen_is_settled_once_its_screen_
     m.settled_terminals.clear()
     with pytest.raises(m.RunError, match=r"did not become ready within RESPONSE_TIMEOUT=1s \(status 'processing'\)"):
         m.wait_until_settled("tester", "t-tester")
+
+
+def test_a_resumed_codex_that_answered_before_is_settled_though_its_done_left_the_screen(m, monkeypatch):
+    """A task of its own after its turn (`working`, then `idle`) can push the turn's `done` out of CAO's screen,
+    which is the tail of what the pane printed: seen in CI, the resumed run waited RESPONSE_TIMEOUT ('its marks:
+    working, idle'). An agent that has answered a turn of this run is past its start-up: idle is at rest. One
+    that has not is still waited for (idle then may be its start-up)."""
+    screen = f"{WORKING_MARK}{IDLE_MARK} > Ask Codex to do anything"
+    monkeypatch.setattr(m.api, "get_status", lambda terminal_id: "processing")
+    monkeypatch.setattr(m, "_screen", lambda terminal_id: screen)
+    monkeypatch.setattr(m, "RESPONSE_TIMEOUT", 0.5)
+    m.update_run(turn_records=[m.TurnRecord("programmer", 1, 3.0, 100, terminal="t-programmer")])
+    m.wait_until_settled("programmer", "t-programmer")
+    assert "t-programmer" in m.settled_terminals
+    with pytest.raises(m.RunError, match=r"did not become ready within RESPONSE_TIMEOUT=0.5s \(status 'processing'; "
+                                         r"its marks: working, idle\)"):
+        m.wait_until_settled("tester", "t-tester")
