@@ -332,7 +332,12 @@ AGENT_CLIS: dict[str, AgentCli] = {
         # (not its header, ">_ OpenAI Codex", which /new and /clear draw again: so do its start-up and a redraw)
         conversation_words=(("Compactingcontext", "compacted"),         # while it summarises (also /compact)
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
-        menus=(("Codex's offer to switch the model", "Keep current model"),), usage_limit=HIT_YOUR_LIMIT,
+        # Its "Trust this folder?" in a project it does not trust yet: the run's agents work in the working
+        # directory the user gave, so the loop trusts it (a typed prompt's Enter would pick the same; Codex
+        # saves it in ~/.codex/config.toml, and --check says how to trust the project beforehand).
+        menus=(("Codex's offer to switch the model", "Keep current model"),
+               ("Codex's question whether to trust the project", "Trust and continue")),
+        usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
         traps=("project trusted",), run_tokens=(300_716, 457_996)),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole

@@ -32,6 +32,16 @@ ANSWER_WITH_A_LIST = """\
   2. Print the greeting
 › Ask Codex to do anything
 """
+# Codex 0.169's dialog in a project it does not trust yet, as CAO's screen showed it on a redraw.
+CODEX_TRUST_MENU = """\
+   Folder access  /work/project
+
+  Trust this folder? Codex can read, edit, and run files here, subject to your permission settings.
+  Your trust decision will be saved.
+› 1. Trust and continue
+  2. Back to Agent Command Center
+  enter continue · esc back
+"""
 UNKNOWN_MENU = """\
   Enable full access?
 › 1. Yes, continue anyway
@@ -50,6 +60,15 @@ def test_codexs_model_switch_menu_is_read_with_its_question_and_highlight(orch):
 def test_claudes_usage_limit_menu_gets_stop_and_wait(orch):
     menu = orch.open_menu(CLAUDE_LIMIT_MENU)
     assert orch.safe_menu_choice(menu) == ("Claude Code's usage-limit menu", 1)
+    assert orch.menu_keys(menu, 1) == ["Enter"]
+
+
+def test_codexs_trust_dialog_trusts_the_working_directory_the_run_was_given(orch):
+    """A prompt's Enter would pick the same; picked first, the prompt is not swallowed by the dialog."""
+    menu = orch.open_menu(CODEX_TRUST_MENU)
+    codex = orch.agent_cli("codex")
+    assert orch.safe_menu_choice(menu, codex) == ("Codex's question whether to trust the project", 1)
+    assert orch.safe_menu_choice(menu, orch.agent_cli("claude_code")) is None     # Codex's dialog, not another's
     assert orch.menu_keys(menu, 1) == ["Enter"]
 
 
