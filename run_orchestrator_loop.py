@@ -1189,6 +1189,8 @@ class ApiClient:
     # Creating a terminal waits until the agent CLI is up (15-30 s with real
     # CLIs), so reads get a generous timeout; a dead address fails fast.
     TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+    # A creation with an idempotency key whose answer was lost is asked again for this long.
+    LOST_ANSWER_RETRY_SECONDS = 30.0
 
     def __init__(self, base_url: str, token: str = "", transport: httpx.BaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
@@ -1211,20 +1213,26 @@ class ApiClient:
             return self._client
 
     def _call(self, what: str, method: str, path: str, params: dict | None = None,
-              retry: bool = True) -> object:
+              retry: bool = True, idempotent: bool = False) -> object:
         """One request, retried where safe; every failure becomes an ApiError that says what to do.
 
         `retry=False` is for a look that may simply fail (the screen of a
         terminal with no reply yet): the caller treats a failure as "cannot tell".
+        A request that changes something is retried only if it never left this
+        machine, or if it is `idempotent` (it carries an idempotency key: CAO
+        answers the same key with what the first request made, never a second one).
         """
-        give_up_at = time.monotonic() + (self.retry_seconds if retry else 0.0)
+        window = self.retry_seconds if retry else 0.0
+        if idempotent:          # even at start-up: asking again cannot make a second agent
+            window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
+        give_up_at = time.monotonic() + window
         delay = min(POLL_SECONDS, 1.0)
         told = False
         while True:
             try:
                 return self._once(what, method, path, params)
             except ApiError as exc:
-                if not exc.retryable or (method != "GET" and not exc.unsent):
+                if not exc.retryable or (method != "GET" and not exc.unsent and not idempotent):
                     raise
                 remaining = give_up_at - time.monotonic()
                 if remaining <= 0:
@@ -1271,7 +1279,7 @@ class ApiClient:
         return answer
 
     def create_session(self, profile: str, provider: str | None = None, session_name: str | None = None,
-                       model: str = "") -> dict:
+                       model: str = "", idempotency_key: str = "") -> dict:
         """A new CAO session whose first terminal runs `profile`; returns its id and session_name.
 
         With `session_name` the caller picks the name, so that terminals can be
@@ -1279,22 +1287,30 @@ class ApiClient:
         of a name that does not start with it (docs/agent-clis.md), so read the
         name it answers.
         A `model` goes along only when one is asked for (CAO answers `model_honored`).
+        An `idempotency_key` makes the request safe to send again when its answer was lost (agent_key()).
         """
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
         if session_name is not None:
             params["session_name"] = session_name
         if model:
             params["model"] = model
-        return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params))
+        if idempotency_key:
+            params["idempotency_key"] = idempotency_key
+        return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params,
+                                                                  idempotent=bool(idempotency_key)))
 
-    def create_terminal(self, session_name: str, profile: str, provider: str | None = None, model: str = "") -> dict:
-        """Another terminal in an existing session; returns its id and session_name."""
+    def create_terminal(self, session_name: str, profile: str, provider: str | None = None, model: str = "",
+                        idempotency_key: str = "") -> dict:
+        """Another terminal in an existing session; returns its id and session_name (idempotency_key: as above)."""
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
         if model:
             params["model"] = model
+        if idempotency_key:
+            params["idempotency_key"] = idempotency_key
         what = f"create terminal ({profile})"
         return self._terminal_answer(
-            what, self._call(what, "POST", f"/sessions/{quote(session_name, safe='')}/terminals", params))
+            what, self._call(what, "POST", f"/sessions/{quote(session_name, safe='')}/terminals", params,
+                             idempotent=bool(idempotency_key)))
 
     def send_input(self, terminal_id: str, message: str) -> None:
         self._call(f"send input to terminal {terminal_id}", "POST",
@@ -4724,11 +4740,20 @@ def new_session_name() -> str:
     return f"cao-loop-{secrets.token_hex(4)}"
 
 
-def request_agent(role: str, session: str, first: bool = False) -> dict:
-    """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`."""
+def agent_key(role: str, session: str, replacing: str = "") -> str:
+    """The idempotency key of a request for the role's agent: the same for the same agent asked again (its
+    answer lost, or the loop stopped before it saved the answer), another for each new agent. A new agent
+    takes the place of the terminal the state names (`replacing`), so the state alone gives the key again."""
+    return f"{session}:{role}:" + (f"after-{replacing}" if replacing else "first")
+
+
+def request_agent(role: str, session: str, first: bool = False, replacing: str = "") -> dict:
+    """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`.
+    The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
+    key = agent_key(role, session, replacing)
     if first:
-        return api.create_session(profile_for(role), provider_for(role), session, model_for(role))
-    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role))
+        return api.create_session(profile_for(role), provider_for(role), session, model_for(role), key)
+    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key)
 
 
 def note_model_answers(answers: dict[str, dict]) -> None:
@@ -4783,6 +4808,9 @@ def start_failure_hint(error: str) -> str:
     """
     if re.search(r"Session '[^']*' already exists", error):
         return "; another CAO session has the name this run picked at random: run it again to pick another"
+    if "HTTP 429" in error:
+        return ("; the CAO server is full: it runs as many agent terminals as its CAO_MAX_TERMINALS allows; rerun "
+                "once other runs' agents have ended (`cao shutdown --session <name>`), or on a server of its own")
     if CLI_START_TIMED_OUT not in error:
         return ""
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
@@ -4938,13 +4966,14 @@ def request_replacement(role: str, interrupted: list[int]) -> dict:
     the raw output, and a late redraw of one status-bar digit can leave the idle prompt out of
     what it reads (docs/agent-clis.md). A second start seldom meets the same moment.
     """
+    replacing = terminal_ids.get(role, "")
     try:
-        return request_agent(role, session_name)
+        return request_agent(role, session_name, replacing=replacing)
     except ApiError as exc:
         if CLI_START_TIMED_OUT not in str(exc) or interrupted:
             raise
         log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
-    return request_agent(role, session_name)
+    return request_agent(role, session_name, replacing=replacing)
 
 
 def new_agent_for(role: str, doing: str) -> str:
