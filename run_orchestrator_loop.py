@@ -7610,7 +7610,7 @@ def command_name() -> str:
 
 def usage_lines() -> list[str]:
     name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --check | --status [config.json]",
+    return [f"usage: {name} [config.json]", f"       {name} --check | --status [--json] [config.json]",
             f"       {name} --help | --help-settings | --readme | --version"]
 
 
@@ -7630,7 +7630,7 @@ class CommandLine(argparse.ArgumentParser):
 def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
-    for flag in ("--check", "--status", "--help-settings", "--readme"):
+    for flag in ("--check", "--status", "--json", "--help-settings", "--readme"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("-V", "--version", action="store_true")
@@ -7787,6 +7787,27 @@ def _status_last_stop(saved: SavedState) -> list[str]:
             f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"]
 
 
+def status_facts(saved: SavedState) -> dict:
+    """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
+    file, its lock and its record only, without asking the server."""
+    holder = lock_holder()
+    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
+    code = None if holder or not saved.run_dir else last_exit_code(saved)
+    total, unknown = turns_tokens(saved.turn_records)
+    return {
+        "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
+        "max_rounds": MAX_ROUNDS, "phase": saved.current_phase, "next": None if saved.finished else next_step(saved),
+        "turns": len(saved.turn_records),
+        "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
+                                                                                 if holder else None),
+        "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
+        "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
+        "cao_server": API, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
+        "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
+        "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
+    }
+
+
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
     try:
@@ -7937,8 +7958,9 @@ def start_run(task: str) -> StartPlan:
     return plan
 
 
-def status_command(args: list[str]) -> int:
-    """--status [config.json]: print where the run stands; its exit code."""
+def status_command(args: list[str], as_json: bool = False) -> int:
+    """--status [--json] [config.json]: print where the run stands (for people, or one JSON object for a
+    program); its exit code."""
     try:
         if len(args) > 1:
             raise ConfigError(f"--status takes at most a config file (see {command_name()} --help)")
@@ -7947,9 +7969,21 @@ def status_command(args: list[str]) -> int:
     except OrchestratorExit as exc:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
         return exc.code
-    code, report = status_report()
+    code, report = status_json_report() if as_json else status_report()
     print(report, file=sys.stdout if code == EXIT_PASS else sys.stderr, flush=True)
     return code
+
+
+def status_json_report() -> tuple[int, str]:
+    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status."""
+    try:
+        saved = read_state_file()
+    except StateFileError as exc:
+        return EXIT_FAIL, f"{exc}"
+    if saved is None:
+        return EXIT_FAIL, f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE)"
+    restore_saved_settings(saved)
+    return EXIT_PASS, json.dumps(status_facts(saved))
 
 
 def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
@@ -8051,7 +8085,12 @@ def main(argv: list[str] | None = None) -> None:
     if options.check and options.status:
         say_error(f"error: --check and --status are two commands: give one (see {command_name()} --help)")
         raise SystemExit(EXIT_USAGE)
-    command = check_command if options.check else status_command if options.status else run_command_line
+    if options.json and not options.status:
+        say_error(f"error: --json goes with --status (see {command_name()} --help)")
+        raise SystemExit(EXIT_USAGE)
+    if options.status:
+        raise SystemExit(status_command(config, as_json=options.json))
+    command = check_command if options.check else run_command_line
     raise SystemExit(command(config))
 
 
