@@ -1219,11 +1219,12 @@ class ApiClient:
         `retry=False` is for a look that may simply fail (the screen of a
         terminal with no reply yet): the caller treats a failure as "cannot tell".
         A request that changes something is retried only if it never left this
-        machine, or if it is `idempotent` (it carries an idempotency key: CAO
-        answers the same key with what the first request made, never a second one).
+        machine, or if it is `idempotent` and its answer was lost (it carries an
+        idempotency key: CAO answers the same key with what the first request
+        made, never a second one); an error the server answered is not retried.
         """
         window = self.retry_seconds if retry else 0.0
-        if idempotent:          # even at start-up: asking again cannot make a second agent
+        if idempotent:          # a lost answer, even at start-up: asking again cannot make a second agent
             window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
         give_up_at = time.monotonic() + window
         delay = min(POLL_SECONDS, 1.0)
@@ -1232,7 +1233,8 @@ class ApiClient:
             try:
                 return self._once(what, method, path, params)
             except ApiError as exc:
-                if not exc.retryable or (method != "GET" and not exc.unsent and not idempotent):
+                lost_answer = idempotent and exc.status_code is None      # sent, and no answer came back
+                if not exc.retryable or (method != "GET" and not exc.unsent and not lost_answer):
                     raise
                 remaining = give_up_at - time.monotonic()
                 if remaining <= 0:
