@@ -258,21 +258,18 @@ def test_status_says_how_the_last_invocation_stopped_and_what_a_scheduler_does_n
     """A runtime error (exit 3) is retried, a FAIL verdict (exit 1) is not: --status says which, from the run's
     own record, while no process drives the run."""
     from fake_cao import FAIL_REPLY
-    fake_cao.script["tester"] = [{"action": "error"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUNDS="1", **FAST)
-    assert run_main(m) == m.EXIT_ERROR == 3
-    capsys.readouterr()
-    assert run_main(m, "--status") == 0
-    out = capsys.readouterr().out
-    assert "last stop: exit 3 (a runtime error (server unreachable, agent lost, timeout, ...); the state is " \
-           "saved); a scheduler: retry: the same command resumes the run" in out, out
-    fake_cao.script["tester"] = [FAIL_REPLY]
-    assert run_main(m) == m.EXIT_FAIL == 1
-    capsys.readouterr()
-    assert run_main(m, "--status") == 0
-    out = capsys.readouterr().out
-    assert "last stop: exit 1 (no PASS within MAX_ROUNDS: the tester's verdict; the state is saved); a scheduler: " \
-           "stop, do not retry" in out, out
+    for reply, code, said in (
+            ({"action": "error"}, 3, "last stop: exit 3 (a runtime error (server unreachable, agent lost, timeout, "
+                                     "...); the state is saved); a scheduler: retry: the same command resumes the run"),
+            (FAIL_REPLY, 1, "last stop: exit 1 (no PASS within MAX_ROUNDS: the tester's verdict; the state is "
+                            "saved); a scheduler: stop, do not retry")):
+        fake_cao.script["tester"] = [reply]
+        assert run_main(m) == code
+        capsys.readouterr()
+        assert run_main(m, "--status") == 0
+        out = capsys.readouterr().out
+        assert said in out, out
 
 
 def test_status_json_is_one_object_a_program_reads_and_acts_on(load_orch, fake_cao, prompt_file, capsys):
