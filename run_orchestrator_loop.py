@@ -1194,6 +1194,8 @@ class ApiClient:
     # Creating a terminal waits until the agent CLI is up (15-30 s with real
     # CLIs), so reads get a generous timeout; a dead address fails fast.
     TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+    # A creation with an idempotency key whose answer was lost is asked again for this long.
+    LOST_ANSWER_RETRY_SECONDS = 30.0
 
     def __init__(self, base_url: str, token: str = "", transport: httpx.BaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
@@ -1216,20 +1218,28 @@ class ApiClient:
             return self._client
 
     def _call(self, what: str, method: str, path: str, params: dict | None = None,
-              retry: bool = True) -> object:
+              retry: bool = True, idempotent: bool = False) -> object:
         """One request, retried where safe; every failure becomes an ApiError that says what to do.
 
         `retry=False` is for a look that may simply fail (the screen of a
         terminal with no reply yet): the caller treats a failure as "cannot tell".
+        A request that changes something is retried only if it never left this
+        machine, or if it is `idempotent` and its answer was lost (it carries an
+        idempotency key: CAO answers the same key with what the first request
+        made, never a second one); an error the server answered is not retried.
         """
-        give_up_at = time.monotonic() + (self.retry_seconds if retry else 0.0)
+        window = self.retry_seconds if retry else 0.0
+        if idempotent:          # a lost answer, even at start-up: asking again cannot make a second agent
+            window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
+        give_up_at = time.monotonic() + window
         delay = min(POLL_SECONDS, 1.0)
         told = False
         while True:
             try:
                 return self._once(what, method, path, params)
             except ApiError as exc:
-                if not exc.retryable or (method != "GET" and not exc.unsent):
+                lost_answer = idempotent and exc.status_code is None      # sent, and no answer came back
+                if not exc.retryable or (method != "GET" and not exc.unsent and not lost_answer):
                     raise
                 remaining = give_up_at - time.monotonic()
                 if remaining <= 0:
@@ -1276,7 +1286,7 @@ class ApiClient:
         return answer
 
     def create_session(self, profile: str, provider: str | None = None, session_name: str | None = None,
-                       model: str = "") -> dict:
+                       model: str = "", idempotency_key: str = "") -> dict:
         """A new CAO session whose first terminal runs `profile`; returns its id and session_name.
 
         With `session_name` the caller picks the name, so that terminals can be
@@ -1284,22 +1294,30 @@ class ApiClient:
         of a name that does not start with it (docs/agent-clis.md), so read the
         name it answers.
         A `model` goes along only when one is asked for (CAO answers `model_honored`).
+        An `idempotency_key` makes the request safe to send again when its answer was lost (agent_key()).
         """
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
         if session_name is not None:
             params["session_name"] = session_name
         if model:
             params["model"] = model
-        return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params))
+        if idempotency_key:
+            params["idempotency_key"] = idempotency_key
+        return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params,
+                                                                  idempotent=bool(idempotency_key)))
 
-    def create_terminal(self, session_name: str, profile: str, provider: str | None = None, model: str = "") -> dict:
-        """Another terminal in an existing session; returns its id and session_name."""
+    def create_terminal(self, session_name: str, profile: str, provider: str | None = None, model: str = "",
+                        idempotency_key: str = "") -> dict:
+        """Another terminal in an existing session; returns its id and session_name (idempotency_key: as above)."""
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
         if model:
             params["model"] = model
+        if idempotency_key:
+            params["idempotency_key"] = idempotency_key
         what = f"create terminal ({profile})"
         return self._terminal_answer(
-            what, self._call(what, "POST", f"/sessions/{quote(session_name, safe='')}/terminals", params))
+            what, self._call(what, "POST", f"/sessions/{quote(session_name, safe='')}/terminals", params,
+                             idempotent=bool(idempotency_key)))
 
     def send_input(self, terminal_id: str, message: str) -> None:
         self._call(f"send input to terminal {terminal_id}", "POST",
@@ -4729,11 +4747,20 @@ def new_session_name() -> str:
     return f"cao-loop-{secrets.token_hex(4)}"
 
 
-def request_agent(role: str, session: str, first: bool = False) -> dict:
-    """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`."""
+def agent_key(role: str, session: str, replacing: str = "") -> str:
+    """The idempotency key of a request for the role's agent: the same for the same agent asked again (its
+    answer lost, or the loop stopped before it saved the answer), another for each new agent. A new agent
+    takes the place of the terminal the state names (`replacing`), so the state alone gives the key again."""
+    return f"{session}:{role}:" + (f"after-{replacing}" if replacing else "first")
+
+
+def request_agent(role: str, session: str, first: bool = False, replacing: str = "") -> dict:
+    """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`.
+    The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
+    key = agent_key(role, session, replacing)
     if first:
-        return api.create_session(profile_for(role), provider_for(role), session, model_for(role))
-    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role))
+        return api.create_session(profile_for(role), provider_for(role), session, model_for(role), key)
+    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key)
 
 
 def note_model_answers(answers: dict[str, dict]) -> None:
@@ -4788,6 +4815,9 @@ def start_failure_hint(error: str) -> str:
     """
     if re.search(r"Session '[^']*' already exists", error):
         return "; another CAO session has the name this run picked at random: run it again to pick another"
+    if "HTTP 429" in error:
+        return ("; the CAO server is full: it runs as many agent terminals as its CAO_MAX_TERMINALS allows; rerun "
+                "once other runs' agents have ended (`cao shutdown --session <name>`), or on a server of its own")
     if CLI_START_TIMED_OUT not in error:
         return ""
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
@@ -4943,13 +4973,14 @@ def request_replacement(role: str, interrupted: list[int]) -> dict:
     the raw output, and a late redraw of one status-bar digit can leave the idle prompt out of
     what it reads (docs/agent-clis.md). A second start seldom meets the same moment.
     """
+    replacing = terminal_ids.get(role, "")
     try:
-        return request_agent(role, session_name)
+        return request_agent(role, session_name, replacing=replacing)
     except ApiError as exc:
         if CLI_START_TIMED_OUT not in str(exc) or interrupted:
             raise
         log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
-    return request_agent(role, session_name)
+    return request_agent(role, session_name, replacing=replacing)
 
 
 def new_agent_for(role: str, doing: str) -> str:
@@ -7586,7 +7617,7 @@ def command_name() -> str:
 
 def usage_lines() -> list[str]:
     name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --check | --status [config.json]",
+    return [f"usage: {name} [config.json]", f"       {name} --check | --status [--json] [config.json]",
             f"       {name} --help | --help-settings | --readme | --version"]
 
 
@@ -7606,7 +7637,7 @@ class CommandLine(argparse.ArgumentParser):
 def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
-    for flag in ("--check", "--status", "--help-settings", "--readme"):
+    for flag in ("--check", "--status", "--json", "--help-settings", "--readme"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("-V", "--version", action="store_true")
@@ -7763,6 +7794,27 @@ def _status_last_stop(saved: SavedState) -> list[str]:
             f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"]
 
 
+def status_facts(saved: SavedState) -> dict:
+    """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
+    file, its lock and its record only, without asking the server."""
+    holder = lock_holder()
+    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
+    code = None if holder or not saved.run_dir else last_exit_code(saved)
+    total, unknown = turns_tokens(saved.turn_records)
+    return {
+        "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
+        "max_rounds": MAX_ROUNDS, "phase": saved.current_phase, "next": None if saved.finished else next_step(saved),
+        "turns": len(saved.turn_records),
+        "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
+                                                                                 if holder else None),
+        "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
+        "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
+        "cao_server": API, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
+        "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
+        "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
+    }
+
+
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
     try:
@@ -7913,8 +7965,9 @@ def start_run(task: str) -> StartPlan:
     return plan
 
 
-def status_command(args: list[str]) -> int:
-    """--status [config.json]: print where the run stands; its exit code."""
+def status_command(args: list[str], as_json: bool = False) -> int:
+    """--status [--json] [config.json]: print where the run stands (for people, or one JSON object for a
+    program); its exit code."""
     try:
         if len(args) > 1:
             raise ConfigError(f"--status takes at most a config file (see {command_name()} --help)")
@@ -7923,9 +7976,21 @@ def status_command(args: list[str]) -> int:
     except OrchestratorExit as exc:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
         return exc.code
-    code, report = status_report()
+    code, report = status_json_report() if as_json else status_report()
     print(report, file=sys.stdout if code == EXIT_PASS else sys.stderr, flush=True)
     return code
+
+
+def status_json_report() -> tuple[int, str]:
+    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status."""
+    try:
+        saved = read_state_file()
+    except StateFileError as exc:
+        return EXIT_FAIL, f"{exc}"
+    if saved is None:
+        return EXIT_FAIL, f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE)"
+    restore_saved_settings(saved)
+    return EXIT_PASS, json.dumps(status_facts(saved))
 
 
 def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
@@ -8027,7 +8092,12 @@ def main(argv: list[str] | None = None) -> None:
     if options.check and options.status:
         say_error(f"error: --check and --status are two commands: give one (see {command_name()} --help)")
         raise SystemExit(EXIT_USAGE)
-    command = check_command if options.check else status_command if options.status else run_command_line
+    if options.json and not options.status:
+        say_error(f"error: --json goes with --status (see {command_name()} --help)")
+        raise SystemExit(EXIT_USAGE)
+    if options.status:
+        raise SystemExit(status_command(config, as_json=options.json))
+    command = check_command if options.check else run_command_line
     raise SystemExit(command(config))
 
 

@@ -163,6 +163,10 @@ class FakeCao:
     server_errors: dict[str, int] = field(default_factory=dict)  # route kind -> number of 503 answers
     broken_answers: dict[str, int] = field(default_factory=dict)  # route kind -> requests carried out whose
                                                                   # answer then breaks off (a server restart)
+    # As CAO 2.5.4: an idempotency key -> the terminal its first request made; the same key asked again answers
+    # that terminal while it exists (a key whose terminal is gone makes a new one).
+    idempotency: dict[str, str] = field(default_factory=dict)
+    idempotent_answers: int = 0          # creations answered with the terminal an earlier request made
     reported_status: str = ""            # answer every status read with this word (e.g. "unknown")
     create_hook: object = None           # callable(profile) run as each terminal creation starts (for an
                                          # add: once its session exists)
@@ -332,8 +336,24 @@ class FakeCao:
                 self._session_answered = True
                 self._changed.notify_all()
 
+    def _made_before(self, request: httpx.Request) -> httpx.Response | None:
+        """The answer for a creation whose idempotency key made a terminal that still exists (None: none)."""
+        params = self._params(request)
+        with self._lock:
+            terminal = self.terminals.get(self.idempotency.get(params.get("idempotency_key", ""), ""))
+            if terminal is None or terminal.deleted:
+                return None
+            self.idempotent_answers += 1
+        return httpx.Response(201, json={"id": terminal.id, "session_name": terminal.session, "status": "idle",
+                                         "provider": terminal.provider, "agent_profile": terminal.profile,
+                                         "model": params.get("model"),
+                                         "model_honored": terminal.provider != "mock_cli"})
+
     def _create_session_now(self, request: httpx.Request) -> httpx.Response:
         """As CAO 2.5.4: the session exists while its first agent starts, and is gone again if that fails."""
+        made = self._made_before(request)
+        if made is not None:
+            return made
         params = self._params(request)
         profile = params.get("agent_profile", "")
         name = params.get("session_name") or f"{len(self.terminals) + 1:04d}"
@@ -359,6 +379,9 @@ class FakeCao:
         return response
 
     def _create_terminal(self, request: httpx.Request) -> httpx.Response:
+        made = self._made_before(request)
+        if made is not None:
+            return made
         session = urlsplit(str(request.url)).path.split("/")[2]
         profile = self._params(request).get("agent_profile", "")
         with self._lock:
@@ -395,6 +418,8 @@ class FakeCao:
             if self.startup_polls:
                 terminal.status, terminal.polls_left = "processing", self.startup_polls
             self.terminals[terminal.id] = terminal
+            if params.get("idempotency_key"):
+                self.idempotency[params["idempotency_key"]] = terminal.id
             # As CAO 2.5.4: the model asked for, and whether the provider passes it to its CLI (mock_cli does not).
             model = params.get("model")
             return self._answer(profile, 201, {"id": terminal.id, "session_name": session, "status": "idle",

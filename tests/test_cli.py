@@ -258,21 +258,40 @@ def test_status_says_how_the_last_invocation_stopped_and_what_a_scheduler_does_n
     """A runtime error (exit 3) is retried, a FAIL verdict (exit 1) is not: --status says which, from the run's
     own record, while no process drives the run."""
     from fake_cao import FAIL_REPLY
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUNDS="1", **FAST)
+    for reply, code, said in (
+            ({"action": "error"}, 3, "last stop: exit 3 (a runtime error (server unreachable, agent lost, timeout, "
+                                     "...); the state is saved); a scheduler: retry: the same command resumes the run"),
+            (FAIL_REPLY, 1, "last stop: exit 1 (no PASS within MAX_ROUNDS: the tester's verdict; the state is "
+                            "saved); a scheduler: stop, do not retry")):
+        fake_cao.script["tester"] = [reply]
+        assert run_main(m) == code
+        capsys.readouterr()
+        assert run_main(m, "--status") == 0
+        out = capsys.readouterr().out
+        assert said in out, out
+
+
+def test_status_json_is_one_object_a_program_reads_and_acts_on(load_orch, fake_cao, prompt_file, capsys):
+    """--status --json: the run's standing, its last exit and what a scheduler does, as one JSON object, read
+    without asking the server; --json alone is a usage error."""
     fake_cao.script["tester"] = [{"action": "error"}]
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUNDS="1", **FAST)
-    assert run_main(m) == m.EXIT_ERROR == 3
+    assert run_main(m) == 3
     capsys.readouterr()
-    assert run_main(m, "--status") == 0
+    asked = len(fake_cao.requests)
+    assert run_main(m, "--status", "--json") == 0
     out = capsys.readouterr().out
-    assert "last stop: exit 3 (a runtime error (server unreachable, agent lost, timeout, ...); the state is " \
-           "saved); a scheduler: retry: the same command resumes the run" in out, out
-    fake_cao.script["tester"] = [FAIL_REPLY]
-    assert run_main(m) == m.EXIT_FAIL == 1
-    capsys.readouterr()
-    assert run_main(m, "--status") == 0
-    out = capsys.readouterr().out
-    assert "last stop: exit 1 (no PASS within MAX_ROUNDS: the tester's verdict; the state is saved); a scheduler: " \
-           "stop, do not retry" in out, out
+    facts = json.loads(out)
+    assert out.count("\n") == 1 and len(fake_cao.requests) == asked
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert facts["result"] == "RUNNING" and facts["round"] == 1 and facts["phase"] == "tester"
+    assert facts["next"] == "the test, round 1" and facts["driven_by"] is None
+    assert facts["last_exit_code"] == 3 and facts["scheduler_action"] == "retry: the same command resumes the run"
+    assert facts["session"] == state["session_name"] and facts["terminals"] == state["terminals"]
+    assert facts["state_file"] == m.STATE_FILE and facts["turns"] == 0 and facts["tokens"] is None
+    assert run_main(m, "--json") == 2
+    assert "--json goes with --status" in capsys.readouterr().err
 
 
 def test_each_way_of_stopping_has_its_own_exit_code_and_scheduler_action_as_the_readme_lists_them(orch):

@@ -65,6 +65,43 @@ def test_the_session_request_goes_first_and_the_adds_do_not_wait_for_its_answer(
     assert sorted(params["agent_profile"] for _, params in requests[1:]) == sorted(ADD_PROFILES)
 
 
+@pytest.mark.parametrize("lost", [1, 5])
+def test_a_creation_whose_answer_is_lost_is_asked_again_and_yields_the_same_agent_not_a_second(load_orch, fake_cao,
+                                                                                             prompt_file, lost):
+    """The server made the agent, then its answer broke off (a restart, a network fault): the request goes again
+    with the same idempotency key, and CAO answers the agent it made. Five agents, never six."""
+    fake_cao.broken_answers["create"] = lost
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    assert len(fake_cao.terminals) == 5 and fake_cao.idempotent_answers == lost
+    keys = [params["idempotency_key"] for _, params in creation_requests(fake_cao)]
+    session = state_of(m)["session_name"]
+    assert len(keys) == 5 + lost and len(set(keys)) == 5
+    assert set(keys) == {f"{session}:{role}:first" for role in m.ROLES}
+    assert set(state_of(m)["terminals"].values()) == set(fake_cao.terminals)
+
+
+def test_a_full_server_is_said_as_such_and_the_run_is_retried_later(load_orch, fake_cao, prompt_file, capsys):
+    """CAO answers 429 when its node runs as many terminals as CAO_MAX_TERMINALS allows: one line says the server
+    is full and what frees it; exit 3 (a scheduler retries later), nothing left behind."""
+    fake_cao.fail_create["tester"] = (429, "node has 20 tracked terminal(s) and CAO_MAX_TERMINALS/"
+                                           "server.max_terminals is 20")
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == m.EXIT_ERROR
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "HTTP 429" in err and "the CAO server is full" in err, err
+    assert all(t.deleted or t.exited for t in fake_cao.terminals.values())
+
+
+def test_a_new_agent_is_asked_for_under_a_key_the_state_gives_again(orch):
+    """A replacement (or a new conversation) takes the place of the terminal the state names: asked again --
+    its answer lost, or the loop stopped before it saved it -- it is the same key, so the same agent."""
+    assert orch.agent_key("programmer", "cao-loop-1a2b3c4d") == "cao-loop-1a2b3c4d:programmer:first"
+    assert orch.agent_key("programmer", "cao-loop-1a2b3c4d", replacing="0000000c") == \
+        "cao-loop-1a2b3c4d:programmer:after-0000000c"
+    assert orch.agent_key("tester", "cao-loop-1a2b3c4d") != orch.agent_key("programmer", "cao-loop-1a2b3c4d")
+
+
 def test_the_session_is_requested_under_a_fresh_cao_loop_name_and_that_name_is_saved(load_orch, fake_cao,
                                                                                       prompt_file, capsys):
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.e2e
 RESPONSES = ".tmp/agent-responses"
 
 
-def create_terminal(client, workdir, profile="system_analyst", session=None) -> dict:
+def create_terminal(client, workdir, profile="system_analyst", session=None, key=None) -> dict:
     params = {"provider": "mock_cli", "agent_profile": profile, "working_directory": str(workdir)}
+    if key:
+        params["idempotency_key"] = key
     url = f"/sessions/{session}/terminals" if session else "/sessions"
     resp = client.post(url, params=params)
     assert resp.status_code == 201, resp.text
@@ -192,6 +194,26 @@ def test_five_agents_in_one_session(cao):
     by_role = {r["role"]: r["terminal_id"] for r in cao.received()}
     assert by_role["analyst"] == terms["system_analyst"]["id"]
     assert "REVIEW_RESULT: APPROVED" in (wd / RESPONSES / "programmer_review.md").read_text()
+
+
+def test_a_creation_asked_again_under_its_idempotency_key_answers_the_same_terminal(cao):
+    """What the loop relies on to ask again for an agent whose answer was lost: the same key and request answer
+    the terminal the first made (session and added terminal alike), nothing more started; once that terminal
+    is gone, the same key makes a new one."""
+    wd = cao.new_workdir()
+    with cao.http() as client:
+        first = create_terminal(client, wd, key="cao-loop-contract:analyst:first")
+        again = create_terminal(client, wd, key="cao-loop-contract:analyst:first")
+        assert again["id"] == first["id"] and again["session_name"] == first["session_name"]
+        session = first["session_name"]
+        added = create_terminal(client, wd, profile="tester", session=session, key=f"{session}:tester:first")
+        added_again = create_terminal(client, wd, profile="tester", session=session, key=f"{session}:tester:first")
+        assert added_again["id"] == added["id"]
+        listed = client.get(f"/sessions/{session}").json()
+        assert sorted(t["id"] for t in listed["terminals"]) == sorted([first["id"], added["id"]]), listed
+        assert client.delete(f"/terminals/{added['id']}").status_code in (200, 204)
+        renewed = create_terminal(client, wd, profile="tester", session=session, key=f"{session}:tester:first")
+        assert renewed["id"] != added["id"]
 
 
 def test_exit_leaves_window_with_a_shell(cao):
