@@ -1228,20 +1228,22 @@ class ApiClient:
         idempotency key: CAO answers the same key with what the first request
         made, never a second one); an error the server answered is not retried.
         """
+        started = time.monotonic()
         window = self.retry_seconds if retry else 0.0
-        if idempotent:          # a lost answer, even at start-up: asking again cannot make a second agent
-            window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
-        give_up_at = time.monotonic() + window
         delay = min(POLL_SECONDS, 1.0)
         told = False
         while True:
             try:
                 return self._once(what, method, path, params)
             except ApiError as exc:
-                lost_answer = idempotent and exc.status_code is None      # sent, and no answer came back
+                # sent, and no answer came back: asking again under the same key cannot make a second agent,
+                # so it is asked again even at start-up (a server that is down is still said at once)
+                lost_answer = idempotent and exc.status_code is None and not exc.unsent
                 if not exc.retryable or (method != "GET" and not exc.unsent and not lost_answer):
                     raise
-                remaining = give_up_at - time.monotonic()
+                if lost_answer:
+                    window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
+                remaining = started + window - time.monotonic()
                 if remaining <= 0:
                     if told:
                         raise ApiError(f"{exc} -- gave up after retrying for API_RETRY_SECONDS="
