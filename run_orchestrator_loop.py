@@ -2075,6 +2075,7 @@ def note_turn_outcome(outcome: str) -> None:
     """The verdict or test result of the turn just answered, for the run summary."""
     if turn_records:
         turn_records[-1].outcome = outcome
+        record_event("verdict", role=turn_records[-1].role, round=turn_records[-1].round, outcome=outcome)
 
 
 def set_turn_tokens(number: int, tokens: dict[str, TokenUse] | None, final: bool, context: int | None = None) -> None:
@@ -2380,6 +2381,87 @@ def prepare_run_folder() -> None:
         except OSError:
             temporary.unlink(missing_ok=True)
     open_run_log(folder / "run.log")
+
+
+# -- The run's events: events.jsonl, for programs ----------------------------------------------------
+# run.log is for people. A program (a job scheduler, a dashboard, a script) reads events.jsonl in the run's
+# folder instead: one JSON object a line, appended as things happen and never rewritten, each with `seq`
+# (1, 2, 3, ... going on across every invocation of the run), `at` (UTC, to the millisecond), `event` (one
+# of EVENT_KINDS) and that kind's fields. `--status --follow` streams it. A line an invocation killed in
+# the middle of writing left torn is followed by a new line, never written over: readers skip what does
+# not parse. After a crash between taking a reply and saving it, the next invocation takes the same reply
+# again: its `reply_taken` then appears twice, with the same `reply_file`.
+EVENTS_FILE = "events.jsonl"
+EVENT_KINDS = {
+    "run_started": "a new run's five agents are up: session, terminals, provider, max_rounds",
+    "run_resumed": "an invocation takes up the saved run: round, phase, cycle, session",
+    "turn_sent": "a prompt went to an agent: role, round, phase, cycle, number (its files' number), "
+                 "prompt_bytes, resend (true: sent again by a later invocation)",
+    "reply_taken": "an agent's answer was taken: role, round, phase, cycle, seconds, reply_bytes, reply_file, "
+                   "tokens (null: not known)",
+    "verdict": "what an answer decided: role, round, outcome (APPROVED, REVISE, PASS, FAIL, ...; "
+               "'(not counted)' after an approval that does not count)",
+    "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
+                   "compacted, context low, new conversation, ...), detail",
+    "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
+    "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action",
+}
+EVENTS_TAIL_BYTES = 65_536          # where the last event's seq is looked for
+
+
+def last_event_seq(path: Path) -> tuple[int, bool]:
+    """(the seq of the last whole event in the file, whether the file ends in a torn line): 0 for no file."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - EVENTS_TAIL_BYTES))
+            tail = handle.read()
+    except FileNotFoundError:
+        return 0, False
+    for line in reversed(tail.splitlines()):
+        try:
+            return int(json.loads(line)["seq"]), not tail.endswith(b"\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0, bool(tail) and not tail.endswith(b"\n")
+
+
+def record_event(event: str, **fields: object) -> None:
+    """Append one event to the run's events.jsonl (one write, so a line is whole or torn, never mixed). A
+    folder that cannot be written costs the event, never the run."""
+    if event not in EVENT_KINDS:
+        raise ValueError(f"not an event kind: {event}")
+    if not run_dir:
+        return
+    path = Path(run_dir) / EVENTS_FILE
+    try:
+        seq, torn = last_event_seq(path)
+        line = json.dumps({"seq": seq + 1, "at": utc_iso(precise=True), "event": event, **fields})
+        handle = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(handle, (("\n" if torn else "") + line + "\n").encode("utf-8"))
+        finally:
+            os.close(handle)
+    except OSError:
+        pass
+
+
+def read_events(path: Path, after: int = 0) -> list[dict]:
+    """The whole events in the file with a seq above `after`, in order; torn or foreign lines skipped."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except (FileNotFoundError, IsADirectoryError):
+        return []
+    events = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+            if isinstance(event, dict) and isinstance(event.get("seq"), int) and event["seq"] > after:
+                events.append(event)
+        except ValueError:
+            continue
+    return events
 
 
 def response_dir() -> Path:
@@ -5062,6 +5144,9 @@ def replace_lost_agent(lost: AgentLost) -> None:
                                                         lost.why, event) for role in roles])
     save_state()
     settled_terminals.update(new_ids[role] for role in roles)
+    record_event("agent_replaced", roles=list(roles), old_terminals={role: old_ids.get(role) for role in roles},
+                 new_terminals={role: new_ids[role] for role in roles}, session=new_session, why=lost.why,
+                 replacement=event)
     log(f"replacement {event}/{MAX_AGENT_REPLACEMENTS}: " + ", ".join(
         f"{role} {old_ids.get(role) or '-'} -> {new_ids[role]}" for role in roles)
         + f" in CAO session {new_session}; a new agent gets its whole prompt")
@@ -5209,6 +5294,8 @@ def send_prompt(role: str, prompt: str) -> str:
     keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
     write_report()
     log_turn(role, f"prompt sent to terminal {terminal_id} ({len(prompt)} chars)")
+    record_event("turn_sent", **position, terminal=terminal_id, number=in_flight.number,
+                 prompt_bytes=in_flight.prompt_bytes, resend=again)
     try:
         deliver(role, terminal_id, message)
     except ApiError as exc:
@@ -5259,6 +5346,9 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> Tur
                         terminal=terminal_ids.get(role, ""), **facts)
     add_turn_record(record)
     read_turn_tokens(len(turn_records) - 1)
+    record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
+                 terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
+                 reply_file=record.reply_file, tokens=tokens_json(record.tokens))
     return record
 
 
@@ -5359,6 +5449,7 @@ def record_agent_event(role: str, terminal_id: str, what: str, detail: str = "")
     """Keep what happened to an agent's conversation or account in the run's record (saved with the state)."""
     at = utc_iso()
     update_run(agent_events=agent_events + [AgentEvent(role, terminal_id, at, what, detail)])
+    record_event("agent_event", role=role, terminal=terminal_id, what=what, detail=detail)
 
 
 def conversation_started_over(terminal_id: str) -> bool:
@@ -7205,6 +7296,9 @@ def report_run_summary(exit_code: int) -> None:
         log(f"summary: tokens used: {summary_tokens(summary)}")
     if replacements:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
+    record_event("run_stopped", result=summary["result"], exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
+                 scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=summary["turns"],
+                 tokens=summary["tokens"])
     if run_dir:
         path = Path(run_dir) / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -7608,7 +7702,7 @@ def check_command(args: list[str]) -> int:
 PACKAGE_NAME = "cao-orchestrator-loop"
 # The settings most runs set; the short --help lists them, --help-settings all of them.
 COMMON_SETTINGS = ("API", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
-                   "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT", "PROGRESS_SECONDS")
+                   "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
 
 
 def command_name() -> str:
@@ -7619,7 +7713,8 @@ def command_name() -> str:
 
 def usage_lines() -> list[str]:
     name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --check | --status [--json] [config.json]",
+    return [f"usage: {name} [config.json]", f"       {name} --check [config.json]",
+            f"       {name} --status [--json] [--follow] [config.json]",
             f"       {name} --help | --help-settings | --readme | --version"]
 
 
@@ -7639,7 +7734,7 @@ class CommandLine(argparse.ArgumentParser):
 def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
-    for flag in ("--check", "--status", "--json", "--help-settings", "--readme"):
+    for flag in ("--check", "--status", "--json", "--follow", "--help-settings", "--readme"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("-V", "--version", action="store_true")
@@ -7862,7 +7957,7 @@ def help_text() -> str:
         "environment variables and/or a JSON config file; the environment wins.", "",
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
         "  --check          all a run needs, checked: no agent started, no token spent",
-        "  --status         where the run in STATE_FILE stands; changes nothing",
+        "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
         "  --readme         print the README (the rest of the documentation is in docs/)",
         "  --version        print the version", "",
@@ -7957,6 +8052,8 @@ def start_run(task: str) -> StartPlan:
             continue_failed_run()
         log(f"resuming run from {STATE_FILE}: round {current_round}, {current_phase} phase, "
             f"session {session_name}")
+        record_event("run_resumed", round=current_round, phase=current_phase, cycle=phase_cycle,
+                     session=session_name, continued_after_fail=plan.continue_failed)
         return plan
     if plan.note:
         log(plan.note)
@@ -7964,12 +8061,14 @@ def start_run(task: str) -> StartPlan:
     check_agent_clis()
     init_new_run(plan)
     prepare_run_folder()
+    record_event("run_started", session=session_name, terminals=dict(terminal_ids),
+                 provider={role: provider_for(role) for role in ROLES}, max_rounds=MAX_ROUNDS)
     return plan
 
 
-def status_command(args: list[str], as_json: bool = False) -> int:
-    """--status [--json] [config.json]: print where the run stands (for people, or one JSON object for a
-    program); its exit code."""
+def status_command(args: list[str], as_json: bool = False, follow: bool = False) -> int:
+    """--status [--json] [--follow] [config.json]: print where the run stands (for people, or one JSON object
+    for a program), or follow its events; its exit code."""
     try:
         if len(args) > 1:
             raise ConfigError(f"--status takes at most a config file (see {command_name()} --help)")
@@ -7978,6 +8077,8 @@ def status_command(args: list[str], as_json: bool = False) -> int:
     except OrchestratorExit as exc:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
         return exc.code
+    if follow:
+        return follow_events(as_json)
     code, report = status_json_report() if as_json else status_report()
     print(report, file=sys.stdout if code == EXIT_PASS else sys.stderr, flush=True)
     return code
@@ -7993,6 +8094,44 @@ def status_json_report() -> tuple[int, str]:
         return EXIT_FAIL, f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE)"
     restore_saved_settings(saved)
     return EXIT_PASS, json.dumps(status_facts(saved))
+
+
+FOLLOW_POLL_SECONDS = 0.5           # --status --follow: how often the events file is looked at
+
+
+def event_line(event: dict) -> str:
+    """One event for people: '#12 2026-11-27T10:00:00.123Z reply_taken role=tester round=2 ...'."""
+    fields = " ".join(f"{key}={json.dumps(value) if isinstance(value, (dict, list)) else value}"
+                      for key, value in event.items() if key not in ("seq", "at", "event"))
+    return f"#{event.get('seq')} {event.get('at')} {event.get('event')} {fields}".rstrip()
+
+
+def follow_events(as_json: bool) -> int:
+    """--status --follow: print the run's events (from its state file's run folder) as they are appended,
+    until the invocation that drives the run ends (its run_stopped), or at once when none does. Read only:
+    it takes no lock and asks no server."""
+    printed, last_kind = 0, ""
+    try:
+        while True:
+            try:
+                saved = read_state_file()
+            except StateFileError as exc:
+                say_error(f"error: {exc}")
+                return EXIT_FAIL
+            if saved is None or not saved.run_dir:
+                say_error(f"error: no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE "
+                          "to look elsewhere)" if saved is None else f"error: the run in {STATE_FILE} keeps no "
+                          "events (a state file of the shell script): rerun it once")
+                return EXIT_FAIL
+            driven = bool(lock_holder())
+            for event in read_events(Path(saved.run_dir) / EVENTS_FILE, printed):
+                emit(json.dumps(event) if as_json else event_line(event))
+                printed, last_kind = event["seq"], event.get("event", "")
+            if not driven or (last_kind == "run_stopped" and not lock_holder()):
+                return EXIT_PASS
+            time.sleep(FOLLOW_POLL_SECONDS)
+    except KeyboardInterrupt:
+        return EXIT_SIGINT
 
 
 def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
@@ -8094,11 +8233,12 @@ def main(argv: list[str] | None = None) -> None:
     if options.check and options.status:
         say_error(f"error: --check and --status are two commands: give one (see {command_name()} --help)")
         raise SystemExit(EXIT_USAGE)
-    if options.json and not options.status:
-        say_error(f"error: --json goes with --status (see {command_name()} --help)")
-        raise SystemExit(EXIT_USAGE)
+    for option in ("json", "follow"):
+        if getattr(options, option) and not options.status:
+            say_error(f"error: --{option} goes with --status (see {command_name()} --help)")
+            raise SystemExit(EXIT_USAGE)
     if options.status:
-        raise SystemExit(status_command(config, as_json=options.json))
+        raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
     command = check_command if options.check else run_command_line
     raise SystemExit(command(config))
 

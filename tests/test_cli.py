@@ -292,6 +292,8 @@ def test_status_json_is_one_object_a_program_reads_and_acts_on(load_orch, fake_c
     assert facts["state_file"] == m.STATE_FILE and facts["turns"] == 0 and facts["tokens"] is None
     assert run_main(m, "--json") == 2
     assert "--json goes with --status" in capsys.readouterr().err
+    assert run_main(m, "--follow") == 2
+    assert "--follow goes with --status" in capsys.readouterr().err
 
 
 def test_each_way_of_stopping_has_its_own_exit_code_and_scheduler_action_as_the_readme_lists_them(orch):

@@ -12,13 +12,14 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, SHORT_ROUND, Run, \
-    explain, numbered
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SCRIPT, \
+    SHORT_ROUND, Run, explain, numbered
 
 pytestmark = pytest.mark.e2e
 
@@ -99,3 +100,33 @@ def test_an_interrupted_run_records_its_unanswered_prompt_and_its_resume_goes_on
     summary = summary_of(run)
     assert [t["role"] for t in summary["turn_list"]] == QUICK_ROUND and summary["prompts_sent"] == 5
     assert summary["turn_list"][2]["prompt_file"] == "003-programmer.prompt.md"
+
+
+def test_a_program_follows_a_fail_then_pass_run_through_its_events(cao):
+    """A program started beside the run (`--status --follow --json`) reads every event as it is appended, in
+    order, and ends when the run ends; what it read is the run's events.jsonl, and tells the run."""
+    run = Run(cao)
+    cao.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 1500},
+                                                                       PROGRAMMER_REPLY]})
+    process = run.start()
+    deadline = time.monotonic() + 60
+    while not (run.state_file.exists() and (Path(run.state()["run_dir"]) / "events.jsonl").exists()):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    follower = subprocess.run([sys.executable, str(SCRIPT), "--status", "--follow", "--json"], cwd=REPO_ROOT,
+                              env=run.env, capture_output=True, text=True, timeout=120)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, out + err
+    assert follower.returncode == 0, follower.stderr
+    events = [json.loads(line) for line in follower.stdout.splitlines()]
+    written = (Path(run.state()["run_dir"]) / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    assert events == [json.loads(line) for line in written]          # all of it, nothing after the end
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "run_started" and kinds[-1] == "run_stopped" and kinds.count("run_stopped") == 1
+    taken = [e["role"] for e in events if e["event"] == "reply_taken"]
+    assert taken == [e["role"] for e in events if e["event"] == "turn_sent"] == QUICK_ROUND + SHORT_ROUND
+    assert [(e["round"], e["outcome"]) for e in events if e["event"] == "verdict" and e["role"] == "tester"] \
+        == [(1, "FAIL"), (2, "PASS")]
+    assert events[-1]["result"] == "PASS" and events[-1]["exit_code"] == 0
+    assert [e["reply_file"] for e in events if e["event"] == "reply_taken"] == run.archived()

@@ -1,0 +1,183 @@
+"""A run whose machine dies goes on on another one, from its working directory alone.
+
+Machine A: a private cao-server, its tmux server and scripted agents, and the loop driving a FAIL -> PASS run.
+After three turns everything there is killed with SIGKILL -- the loop, cao-server, the tmux server and the
+agents in it -- as a node lost under a Kubernetes Job. Machine B has nothing of A but the working directory
+(the volume): a new HOME without CAO's profiles or database, a new tmux server, a cao-server on another port.
+There `deploy/entrypoint.sh`, the recipe's entrypoint, starts tmux, installs the profiles, starts cao-server
+and runs the loop, which finds the agents gone, starts five new ones and finishes the run: every turn
+answered on A is kept and never sent again, and the exit code is the loop's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from .harness import _pids_with_env, _server_env, _write_mock_cli, private_cao
+from .cao_env import ensure_cao
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SHORT_ROUND, \
+    Run, explain, numbered
+
+pytestmark = pytest.mark.e2e
+
+ENTRYPOINT = REPO_ROOT / "deploy" / "entrypoint.sh"
+FAIL_THEN_PASS = QUICK_ROUND + SHORT_ROUND
+TURNS_ON_A = 3
+
+
+def events_in(run: Run) -> list[dict]:
+    try:
+        path = Path(run.state()["run_dir"]) / "events.jsonl"
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def kill_machine(node, loop: subprocess.Popen) -> None:
+    """SIGKILL the loop, cao-server, the tmux server and whatever ran in it: nothing of A goes on."""
+    loop.kill()
+    loop.wait(timeout=10)
+    node.stop_server()
+    if node.tmux_pid:
+        os.kill(node.tmux_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        survivors = _pids_with_env(f"TMUX_TMPDIR={node.tmux_socket_dir}".encode())
+        if not survivors or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for pid in survivors:                 # a pane's process the hang-up did not end: gone with its machine
+        os.kill(pid, signal.SIGKILL)
+
+
+def fresh_machine(root: Path) -> tuple[dict, Path]:
+    """Machine B's environment: a new HOME, tmux folder and scripted agents' folder; no server started."""
+    dirs = {name: root / name for name in ("home", "bin", "mock", "tmux")}
+    for folder in dirs.values():
+        folder.mkdir()
+    _write_mock_cli(dirs["bin"])
+    return _server_env(dirs, ensure_cao().parent, think_ms=None), dirs["mock"]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def still_running(needle: str, seconds: float) -> list[str]:
+    """The command lines of the processes with `needle` in their environment still there after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (pids := _pids_with_env(needle.encode())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    commands = []
+    for pid in pids:
+        try:
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return commands
+
+
+def received_prompts(mock_home: Path) -> list[str]:
+    path = mock_home / "received.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [record["role"] for record in map(json.loads, lines) if record.get("kind") == "prompt"]
+
+
+def test_a_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_from_its_working_directory():
+    with private_cao() as node_a:
+        run = Run(node_a)
+        node_a.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY],
+                           "peer_programmer": [{"think_ms": 4000}]})      # its usual approval, slowly
+        loop = run.start()
+        deadline = time.monotonic() + 90
+        while sum(e["event"] == "reply_taken" for e in events_in(run)) < TURNS_ON_A:
+            assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+            time.sleep(0.1)
+        kill_machine(node_a, loop)
+        taken_on_a = [e["role"] for e in events_in(run) if e["event"] == "reply_taken"]
+        assert taken_on_a == FAIL_THEN_PASS[:TURNS_ON_A]
+        script = json.loads((node_a.mock_home / "script.json").read_text(encoding="utf-8"))
+
+        root = Path(tempfile.mkdtemp(prefix="cao-node-b-", dir=tempfile.gettempdir()))
+        try:
+            env, mock_home = fresh_machine(root)
+            (mock_home / "script.json").write_text(json.dumps(script), encoding="utf-8")
+            settings = {k: v for k, v in run.env.items() if k not in env and k != "API"}   # the loop's own
+            env.update(settings, PROVIDER="mock_cli", CAO_PORT=str(free_port()), PYTHON=sys.executable,
+                       CAO_SERVER_LOG=str(root / "cao-server.log"))
+            result = subprocess.run(["bash", str(ENTRYPOINT)], cwd=root, env=env, capture_output=True, text=True,
+                                    timeout=300)
+            assert result.returncode == 0, explain(result) + (root / "cao-server.log").read_text(errors="replace")
+            assert "replacing all five agents: their CAO session" in result.stdout, explain(result)
+
+            state = run.state()
+            assert state["final_status"] == "PASS" and state["current_round"] == 2
+            on_b = received_prompts(mock_home)
+            assert on_b == FAIL_THEN_PASS[TURNS_ON_A:], explain(result)   # none of A's answered turns again
+            assert run.archived() == numbered(FAIL_THEN_PASS)
+            events = events_in(run)
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+            assert [e["role"] for e in events if e["event"] == "reply_taken"] == FAIL_THEN_PASS
+            replaced = [e for e in events if e["event"] == "agent_replaced"]
+            assert len(replaced) == 1 and sorted(replaced[0]["roles"]) == sorted(QUICK_ROUND)
+            assert events[-1]["event"] == "run_stopped" and events[-1]["exit_code"] == 0
+            assert not still_running(f"TMUX_TMPDIR={root / 'tmux'}", seconds=10), "the entrypoint left them"
+        finally:
+            for pid in _pids_with_env(f"TMUX_TMPDIR={root / 'tmux'}".encode()):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_next_pod_finishes(cao):
+    """Kubernetes deletes a pod with SIGTERM to its entrypoint: the loop gets it, saves its state and exits
+    143 (retry); the entrypoint ends the machine's agents and cao-server. The next pod's entrypoint, on a
+    fresh machine, finishes the run without sending an answered turn again."""
+    run = Run(cao)                                    # its working directory only: the entrypoint runs the rest
+    script = {"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 5000}]}
+    roots = [Path(tempfile.mkdtemp(prefix="cao-pod-", dir=tempfile.gettempdir())) for _ in range(2)]
+    try:
+        machines = [fresh_machine(root) for root in roots]
+        for (env, mock_home), root in zip(machines, roots):
+            (mock_home / "script.json").write_text(json.dumps(script), encoding="utf-8")
+            env.update({k: v for k, v in run.env.items() if k not in env and k != "API"}, PROVIDER="mock_cli",
+                       CAO_PORT=str(free_port()), PYTHON=sys.executable, CAO_SERVER_LOG=str(root / "cao.log"))
+        first = subprocess.Popen(["bash", str(ENTRYPOINT)], cwd=roots[0], env=machines[0][0], text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 90
+        while "programmer" not in received_prompts(machines[0][1]):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        first.send_signal(signal.SIGTERM)                # the programmer is thinking
+        out, err = first.communicate(timeout=60)
+        assert first.returncode == 143, out + err
+        assert "terminated (SIGTERM); state saved" in err
+        state = run.state()
+        assert state["final_status"] == "RUNNING" and state["in_flight"]["role"] == "programmer"
+        assert not still_running(f"TMUX_TMPDIR={roots[0] / 'tmux'}", seconds=10), "the entrypoint left them"
+
+        second = subprocess.run(["bash", str(ENTRYPOINT)], cwd=roots[1], env=machines[1][0], capture_output=True,
+                                text=True, timeout=300)
+        assert second.returncode == 0, explain(second)
+        answered_first = FAIL_THEN_PASS[:2]             # the analysts; the programmer's turn was in flight
+        assert received_prompts(machines[0][1]) == answered_first + ["programmer"]
+        assert received_prompts(machines[1][1]) == FAIL_THEN_PASS[2:]
+        assert run.state()["final_status"] == "PASS" and run.archived() == numbered(FAIL_THEN_PASS)
+        assert not still_running(f"TMUX_TMPDIR={roots[1] / 'tmux'}", seconds=10), "the entrypoint left them"
+    finally:
+        for root in roots:
+            for pid in _pids_with_env(f"TMUX_TMPDIR={root / 'tmux'}".encode()):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(root, ignore_errors=True)
