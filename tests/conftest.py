@@ -107,6 +107,8 @@ EXPECTED_UNIT_SECONDS = {
     "test_long_runs_e2e:claude_cao": 190,
     "test_real_clis:copilot_cao": 170,
     "test_lost_agents_e2e:restartable_cao_server": 130,
+    "test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_next_pod_finishes": 45,
+    "test_a_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_from_its_working_directory": 40,
 }
 # Any other unit: by kind (a test marked real_cli, other end-to-end tests, unit tests).
 EXPECTED_TEST_SECONDS = {"real_cli": 150, "e2e": 15}
