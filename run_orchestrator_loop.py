@@ -7912,15 +7912,22 @@ def status_facts(saved: SavedState) -> dict:
     }
 
 
-def status_report() -> tuple[int, str]:
-    """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
+def saved_run_or_why() -> tuple[SavedState | None, str]:
+    """The run in STATE_FILE for --status, or why there is none to tell of (a broken file, no file)."""
     try:
         saved = read_state_file()
     except StateFileError as exc:
-        return EXIT_FAIL, f"{exc}"
+        return None, f"{exc}"
     if saved is None:
-        return EXIT_FAIL, (f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE to look "
-                           "elsewhere)")
+        return None, f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE to look elsewhere)"
+    return saved, ""
+
+
+def status_report() -> tuple[int, str]:
+    """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
+    saved, why = saved_run_or_why()
+    if saved is None:
+        return EXIT_FAIL, why
     restore_saved_settings(saved)
     connect_api()
     lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved),
@@ -8086,12 +8093,9 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
 
 def status_json_report() -> tuple[int, str]:
     """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status."""
-    try:
-        saved = read_state_file()
-    except StateFileError as exc:
-        return EXIT_FAIL, f"{exc}"
+    saved, why = saved_run_or_why()
     if saved is None:
-        return EXIT_FAIL, f"no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE)"
+        return EXIT_FAIL, why
     restore_saved_settings(saved)
     return EXIT_PASS, json.dumps(status_facts(saved))
 
@@ -8113,15 +8117,10 @@ def follow_events(as_json: bool) -> int:
     printed, last_kind = 0, ""
     try:
         while True:
-            try:
-                saved = read_state_file()
-            except StateFileError as exc:
-                say_error(f"error: {exc}")
-                return EXIT_FAIL
+            saved, why = saved_run_or_why()
             if saved is None or not saved.run_dir:
-                say_error(f"error: no state file at {STATE_FILE}: no run has started here (set WD or STATE_FILE "
-                          "to look elsewhere)" if saved is None else f"error: the run in {STATE_FILE} keeps no "
-                          "events (a state file of the shell script): rerun it once")
+                say_error(why or f"the run in {STATE_FILE} keeps no events (a state file of the shell script): "
+                                 "rerun it once")
                 return EXIT_FAIL
             driven = bool(lock_holder())
             for event in read_events(Path(saved.run_dir) / EVENTS_FILE, printed):
