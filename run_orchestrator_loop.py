@@ -8114,7 +8114,7 @@ def follow_events(as_json: bool) -> int:
     """--status --follow: print the run's events (from its state file's run folder) as they are appended,
     until the invocation that drives the run ends (its run_stopped), or at once when none does. Read only:
     it takes no lock and asks no server."""
-    printed, last_kind = 0, ""
+    printed, last_kind, folder = 0, "", ""
     try:
         while True:
             saved, why = saved_run_or_why()
@@ -8122,6 +8122,8 @@ def follow_events(as_json: bool) -> int:
                 say_error(why or f"the run in {STATE_FILE} keeps no events (a state file of the shell script): "
                                  "rerun it once")
                 return EXIT_FAIL
+            if saved.run_dir != folder:          # a new run in this state file: its events are numbered anew
+                printed, last_kind, folder = 0, "", saved.run_dir
             driven = bool(lock_holder())
             for event in read_events(Path(saved.run_dir) / EVENTS_FILE, printed):
                 emit(json.dumps(event) if as_json else event_line(event))

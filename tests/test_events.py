@@ -147,3 +147,35 @@ def test_the_docs_name_every_event_kind(orch):
     docs = (Path(orch.__file__).parent / "docs" / "following-a-run.md").read_text(encoding="utf-8")
     for kind in orch.EVENT_KINDS:
         assert f"| `{kind}` |" in docs, kind
+
+
+def test_status_follow_goes_on_with_a_new_run_started_in_the_same_state_file(orch, tmp_path, monkeypatch, capsys):
+    state_file = tmp_path / "state.json"
+    monkeypatch.setattr(orch, "STATE_FILE", str(state_file))
+    monkeypatch.setattr(orch, "FOLLOW_POLL_SECONDS", 0)
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(orch, "run_dir", str(tmp_path / "first"))
+    orch.save_state()
+
+    def new_run() -> None:
+        orch.update_run(run_dir=str(tmp_path / "second"))
+        orch.save_state()
+        orch.record_event("run_started", session="cao-loop-2")
+
+    steps = [lambda: orch.record_event("run_started", session="cao-loop-1"),
+             lambda: orch.record_event("turn_sent", role="analyst"),
+             new_run,
+             lambda: orch.record_event("run_stopped", result="RUNNING", exit_code=3)]
+
+    def lock_holder() -> str:
+        if steps:
+            steps.pop(0)()
+            return "pid 4242 since 2026-11-27 10:00:00"
+        return ""
+
+    monkeypatch.setattr(orch, "lock_holder", lock_holder)
+    assert orch.follow_events(as_json=True) == 0
+    printed = [(e["seq"], e["event"], e.get("session")) for e in map(json.loads, capsys.readouterr().out.splitlines())]
+    assert printed == [(1, "run_started", "cao-loop-1"), (2, "turn_sent", None), (1, "run_started", "cao-loop-2"),
+                       (2, "run_stopped", None)]
