@@ -108,12 +108,23 @@ def test_status_follow_of_a_run_no_process_drives_prints_its_events_and_ends(loa
     assert lines[-1].startswith(f"#{len(events)} ") and "run_stopped result=PASS exit_code=0" in lines[-1]
 
 
-def test_status_follow_streams_events_until_the_driving_invocation_ends(orch, tmp_path, monkeypatch, capsys):
-    """Each look at the lock is a step of the driving run: it appends, then lets go of the run."""
-    state_file = tmp_path / "state.json"
-    monkeypatch.setattr(orch, "STATE_FILE", str(state_file))
-    monkeypatch.setattr(orch, "run_dir", str(tmp_path / "run"))
+def driven_in_steps(orch, monkeypatch, steps: list) -> None:
+    """Each look --follow takes at the run's lock is a step of the process driving the run: it does the
+    step (appends an event, ...) and holds the lock; once the steps are done it has let go of the run."""
     monkeypatch.setattr(orch, "FOLLOW_POLL_SECONDS", 0)
+
+    def lock_holder() -> str:
+        if steps:
+            steps.pop(0)()
+            return "pid 4242 since 2026-11-27 10:00:00"
+        return ""
+
+    monkeypatch.setattr(orch, "lock_holder", lock_holder)
+
+
+def test_status_follow_streams_events_until_the_driving_invocation_ends(orch, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(orch, "STATE_FILE", str(tmp_path / "state.json"))
+    monkeypatch.setattr(orch, "run_dir", str(tmp_path / "run"))
     Path(orch.run_dir).mkdir()
     orch.save_state()
     steps = [lambda: orch.record_event("run_resumed", round=2),
@@ -121,16 +132,7 @@ def test_status_follow_streams_events_until_the_driving_invocation_ends(orch, tm
              lambda: None,
              lambda: orch.record_event("reply_taken", role="tester"),
              lambda: orch.record_event("run_stopped", result="PASS", exit_code=0)]
-    looks = []
-
-    def lock_holder() -> str:
-        looks.append(len(looks))
-        if steps:
-            steps.pop(0)()
-            return "pid 4242 since 2026-11-27 10:00:00"
-        return ""
-
-    monkeypatch.setattr(orch, "lock_holder", lock_holder)
+    driven_in_steps(orch, monkeypatch, steps)
     assert orch.follow_events(as_json=True) == 0
     printed = [json.loads(line)["event"] for line in capsys.readouterr().out.splitlines()]
     assert printed == ["run_resumed", "turn_sent", "reply_taken", "run_stopped"]
@@ -150,9 +152,7 @@ def test_the_docs_name_every_event_kind(orch):
 
 
 def test_status_follow_goes_on_with_a_new_run_started_in_the_same_state_file(orch, tmp_path, monkeypatch, capsys):
-    state_file = tmp_path / "state.json"
-    monkeypatch.setattr(orch, "STATE_FILE", str(state_file))
-    monkeypatch.setattr(orch, "FOLLOW_POLL_SECONDS", 0)
+    monkeypatch.setattr(orch, "STATE_FILE", str(tmp_path / "state.json"))
     for name in ("first", "second"):
         (tmp_path / name).mkdir()
     monkeypatch.setattr(orch, "run_dir", str(tmp_path / "first"))
@@ -167,14 +167,7 @@ def test_status_follow_goes_on_with_a_new_run_started_in_the_same_state_file(orc
              lambda: orch.record_event("turn_sent", role="analyst"),
              new_run,
              lambda: orch.record_event("run_stopped", result="RUNNING", exit_code=3)]
-
-    def lock_holder() -> str:
-        if steps:
-            steps.pop(0)()
-            return "pid 4242 since 2026-11-27 10:00:00"
-        return ""
-
-    monkeypatch.setattr(orch, "lock_holder", lock_holder)
+    driven_in_steps(orch, monkeypatch, steps)
     assert orch.follow_events(as_json=True) == 0
     printed = [(e["seq"], e["event"], e.get("session")) for e in map(json.loads, capsys.readouterr().out.splitlines())]
     assert printed == [(1, "run_started", "cao-loop-1"), (2, "turn_sent", None), (1, "run_started", "cao-loop-2"),
