@@ -5135,8 +5135,11 @@ def replace_lost_agent(lost: AgentLost) -> None:
     event = replacements_used() + 1
     at = utc_iso()
     # The prompt in flight went to a terminal that is gone: the new agent has not got it, whatever its
-    # status reads (a fresh OpenCode can read `completed`), so the turn is sent again, not waited for.
-    unsent = replace(in_flight, sent_at=None) if in_flight is not None and in_flight.role in roles else in_flight
+    # status reads (a fresh OpenCode can read `completed`), so the turn is sent again, not waited for --
+    # unless its reply was taken already (kept in the run's folder by a process that stopped before it
+    # saved what the reply led to): that turn is over, and is taken again from there, never sent again.
+    again = in_flight is not None and in_flight.role in roles and taken_reply(in_flight.role) is None
+    unsent = replace(in_flight, sent_at=None) if again else in_flight
     update_run(in_flight=unsent, session_name=new_session, terminal_ids=new_ids,
                agent_models={**agent_models, **{role: model_for(role) for role in roles}},
                fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles},

@@ -114,3 +114,20 @@ def test_a_kept_reply_named_outside_the_run_folder_is_not_taken(load_orch, fake_
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     m.load_state()
     assert m.taken_reply("programmer") is None
+
+
+@pytest.mark.parametrize("step", ["reply-archived", "turn-recorded", "report-written"])
+def test_a_reply_taken_before_a_kill_is_not_sent_again_to_the_new_agents_of_a_machine_gone(
+        load_orch, fake_cao, prompt_file, monkeypatch, step):
+    """Killed after the programmer's reply was taken and kept, with its machine: the rerun finds every agent
+    gone, starts five new ones (REPLACE_LOST_AGENTS=1), and takes the kept reply -- the programmer is not
+    asked again."""
+    killed_at(load_orch, fake_cao, prompt_file, monkeypatch, step, TURNS["author"])
+    for session in list(fake_cao.sessions):
+        fake_cao.end_session(session)
+    monkeypatch.undo()
+    m = load_orch(PROMPT_FILE=str(prompt_file), REPLACE_LOST_AGENTS="1", **QUICK)
+    assert run_main(m) == 0
+    assert fake_cao.roles_prompted() == WHOLE_RUN            # the programmer's first turn once, on the old agent
+    assert archived(m) == [f"{n:03d}-{role}.md" for n, role in enumerate(WHOLE_RUN, 1)]
+    assert [r["role"] for r in state_of(m)["replacements"]] == list(m.ROLES)
