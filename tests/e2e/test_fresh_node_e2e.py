@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import _pids_with_env, _server_env, _write_mock_cli, private_cao
+from .harness import _free_port as free_port, _pids_with_env, _server_env, _write_mock_cli, private_cao
 from .cao_env import ensure_cao
 from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SHORT_ROUND, \
     Run, explain, numbered
@@ -67,13 +67,6 @@ def fresh_machine(root: Path) -> tuple[dict, Path]:
         folder.mkdir()
     _write_mock_cli(dirs["bin"])
     return _server_env(dirs, ensure_cao().parent, think_ms=None), dirs["mock"]
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def still_running(needle: str, seconds: float) -> list[str]:
