@@ -86,7 +86,7 @@ from importlib import metadata
 from pathlib import Path
 from string import Template
 from types import SimpleNamespace
-from typing import Callable, ClassVar, Iterable, Iterator, Mapping
+from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Mapping
 from urllib.parse import quote, urlparse
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -360,7 +360,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
     # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
     "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-                       proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
+                       records="hermes state.db", proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
                        run_tokens=(287_911, 455_907)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0)),
@@ -1614,6 +1614,8 @@ class InFlight:
     limit_line: str = ""              # the agent stopped at its usage limit: what its screen said ("" if not)
     limit_until: float | None = None  # time.time() when it is told to continue (None: no reset time given)
     reply_file: str = ""              # answered: the reply's name in the run's folder, its outcome not saved yet
+    tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (CLIs that keep
+    #                                            only those: Hermes); None for the others
 
     def belongs_to(self, position: dict) -> bool:
         """Whether this is the prompt of the turn at `position` (see turn_position())."""
@@ -1627,7 +1629,8 @@ class InFlight:
                 "first_sent_at": self.first_sent_at, "prompt_bytes": self.prompt_bytes,
                 "reminders": self.reminders, "resends": self.resends,
                 **({"limit_line": self.limit_line, "limit_until": self.limit_until} if self.limit_line else {}),
-                **({"reply_file": self.reply_file} if self.reply_file else {})}
+                **({"reply_file": self.reply_file} if self.reply_file else {}),
+                **({"tokens_before": tokens_before_json(self.tokens_before)} if self.tokens_before is not None else {})}
 
     @classmethod
     def from_json(cls, raw: object) -> InFlight | None:
@@ -1639,7 +1642,8 @@ class InFlight:
                    _number(raw.get("sent_at")), tuple(_strings(raw.get("sent_in_full"))), _whole(raw.get("number")),
                    _number(raw.get("first_sent_at")), _whole(raw.get("prompt_bytes")) or 0,
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
-                   _text(raw.get("limit_line")), _number(raw.get("limit_until")), _text(raw.get("reply_file")))
+                   _text(raw.get("limit_line")), _number(raw.get("limit_until")), _text(raw.get("reply_file")),
+                   tokens_before_from_json(raw.get("tokens_before")))
 
 
 class PlainRecord:
@@ -1719,7 +1723,9 @@ class TokenUse:
         output = output_tokens (already includes reasoning_output_tokens).
       OpenCode: input = tokens.input + tokens.cache.write (its input leaves out both cache numbers);
         cached_input = tokens.cache.read; output = tokens.output + tokens.reasoning (its output leaves
-        out reasoning)."""
+        out reasoning).
+      Hermes: input = input_tokens + cache_write_tokens (it takes both cache numbers out of the prompt);
+        cached_input = cache_read_tokens; output = output_tokens (the completion, reasoning included)."""
 
     input: int = 0
     cached_input: int = 0
@@ -1822,6 +1828,7 @@ class TurnRecord:
     tokens_final: bool = False        # read up to the role's next send (or the run's end): they stay as they are
     terminal: str = ""                # the terminal that answered ("" in a state file written before it was kept)
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
+    tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (InFlight's)
 
     def to_json(self) -> dict:
         data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
@@ -1830,6 +1837,8 @@ class TurnRecord:
                 "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
                 "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final, "terminal": self.terminal,
                 "context_tokens": self.context_tokens}
+        if self.tokens_before is not None and not self.tokens_final:   # needed until its tokens stand
+            data["tokens_before"] = tokens_before_json(self.tokens_before)
         return data if self.outcome is None else {**data, "outcome": self.outcome}
 
     @classmethod
@@ -1842,7 +1851,8 @@ class TurnRecord:
                    _text(raw.get("taken_at")), _whole(raw.get("reply_bytes")) or 0,
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
                    _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
-                   raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")))
+                   raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")),
+                   tokens_before_from_json(raw.get("tokens_before")))
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
@@ -3380,6 +3390,87 @@ def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker
     return responses.reading(pending)
 
 
+# Hermes keeps no tokens per response: its state.db holds, per session and model, running totals
+# (session_model_usage, a row per model and task: the agent's own calls have task '') and the session's
+# messages, each assistant message with the reason its response finished. A turn's tokens are the totals
+# now less those when the turn was first sent, which the loop notes then (InFlight.tokens_before, saved with
+# the state); the turn is over once an assistant message that did not stop for tool calls was written after
+# its last response was counted. Its side calls (a session's title) are left out, as the other CLIs leave
+# them out of their records.
+HermesTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
+
+
+@dataclass(frozen=True)
+class HermesRecord:
+    """What Hermes's state.db says of the sessions that name a turn's marker."""
+
+    totals: HermesTotals
+    last_call: float | None        # when the last of their calls since the turn began was counted
+    last_answer: float | None      # when the last assistant message since then that ended a turn was written
+
+
+def hermes_record(db_path: str | Path, marker: str, since: float) -> HermesRecord | None:
+    """The running totals of the Hermes sessions whose messages name the marker (and of the sessions they
+    went on in after a compression), read-only; None when the database cannot be read."""
+    uri = Path(db_path).absolute().as_uri() + "?mode=ro"
+    try:
+        with closing(sqlite3.connect(uri, uri=True, timeout=2.0)) as connection:
+            named = "SELECT DISTINCT session_id FROM messages WHERE instr(content, ?) > 0"
+            sessions = f"SELECT id FROM sessions WHERE id IN ({named}) OR parent_session_id IN ({named})"
+            usage = connection.execute(
+                "SELECT session_id, model, input_tokens, cache_write_tokens, cache_read_tokens, output_tokens,"
+                f" last_seen FROM session_model_usage WHERE task = '' AND session_id IN ({sessions})",
+                (marker, marker)).fetchall()
+            [(last_answer,)] = connection.execute(
+                f"SELECT max(timestamp) FROM messages WHERE session_id IN ({sessions}) AND role = 'assistant'"
+                " AND finish_reason IS NOT NULL AND finish_reason != 'tool_calls' AND timestamp >= ?",
+                (marker, marker, since)).fetchall()
+    except (sqlite3.Error, ValueError):
+        return None
+    totals: HermesTotals = {}
+    last_call = None
+    for session, model, fresh, written, read, output, seen in usage:
+        counts = [_token_count(value) for value in (fresh, written, read, output)]
+        if not isinstance(session, str) or None in counts:
+            continue
+        models = totals.setdefault(session, {})
+        use = TokenUse(counts[0] + counts[1], counts[2], counts[3])
+        models[_text(model)] = models.get(_text(model), TokenUse()) + use
+        if isinstance(seen, (int, float)) and seen >= since:
+            last_call = max(seen, last_call or seen)
+    return HermesRecord(totals, last_call, last_answer if isinstance(last_answer, (int, float)) else None)
+
+
+def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | None:
+    """A Hermes turn: the sessions' totals less those at the turn's first send (a session begun since counts
+    whole); None when nothing was counted since and no answer was written."""
+    used: dict[str, TokenUse] = {}
+    for session, models in record.totals.items():
+        for model, now in models.items():
+            then = before.get(session, {}).get(model, TokenUse())
+            grown = TokenUse(max(now.input - then.input, 0), max(now.cached_input - then.cached_input, 0),
+                             max(now.output - then.output, 0))
+            if grown.total:
+                used[model] = used.get(model, TokenUse()) + grown
+    if not used and record.last_answer is None:
+        return None
+    over = record.last_answer is not None and record.last_answer >= (record.last_call or 0.0)
+    return TokenReading(used, over)
+
+
+def tokens_before_json(before: HermesTotals | None) -> dict | None:
+    """The running totals noted at a turn's send, as the state file keeps them."""
+    return None if before is None else {session: tokens_json(models) for session, models in before.items()}
+
+
+def tokens_before_from_json(raw: object) -> HermesTotals | None:
+    """tokens_before_json() read back; None for anything else (the turn's tokens are then unknown)."""
+    if not isinstance(raw, dict):
+        return None
+    found = {session: tokens_from_json(models) for session, models in raw.items() if isinstance(session, str)}
+    return None if None in found.values() else found
+
+
 # -- Where the records are -------------------------------------------------------
 # In the agents' home: AGENT_HOME, else this process's home, where the CLIs'
 # own variables (CLAUDE_CONFIG_DIR, CODEX_HOME, XDG_DATA_HOME) move them, as
@@ -3439,56 +3530,136 @@ def _touched_since(paths: Iterable[Path], since: float) -> list[Path]:
     return found
 
 
-def _lines_naming(paths: Iterable[Path], marker: str) -> list[str] | None:
-    """The lines of the files that name the marker; None when none does (the turn's records are not there)."""
-    texts = [text for text in map(_file_text, paths) if marker in text]
+def _lines_naming(paths: Iterable[Path], marker: str, since: float) -> list[str] | None:
+    """The turn's lines of the files that name the marker in them; None when none does (the turn's records
+    are not there)."""
+    texts = [text for text in (_file_text(path, since) for path in paths) if marker in text]
     return [line for text in texts for line in text.splitlines()] if texts else None
 
 
-def _file_text(path: Path) -> str:
-    """A record file's text ('' when it cannot be read: it was moved away, or never there)."""
+# A long session's file grows by every turn; a turn's lines are at its end. Each file is read from the first
+# line timed a little before the turn began (RECORD_LOOKBACK_SECONDS: the readers' windows pick the turn's
+# lines; a line written out of order is caught), found by a binary search on the lines' times, once per
+# file and turn: a read then costs what the turn wrote, not what the session holds.
+RECORD_LOOKBACK_SECONDS = 120.0
+LINE_TIME = re.compile(rb'"timestamp"\s*:\s*"([^"]{10,40})"')
+_turn_offsets: dict[tuple[str, int, int, float], int] = {}     # (file, device, inode, since) -> offset
+
+
+def _line_time_after(file: BinaryIO, offset: int) -> tuple[float | None, int]:
+    """The time of the first timed line that starts at or after `offset` (None at the end of the file), and
+    where the first line at or after `offset` starts."""
+    file.seek(max(offset - 1, 0))
+    if offset > 0:
+        file.readline()                                  # the rest of the line `offset` falls in
+    start = file.tell()
+    for _ in range(64):                                  # lines without a time (a session's header) are skipped
+        line = file.readline()
+        if not line.endswith(b"\n"):
+            return None, start
+        found = LINE_TIME.search(line[:4096])
+        moment = parse_utc_iso(found.group(1).decode("ascii", "replace")) if found else None
+        if moment is not None:
+            return moment.timestamp(), start
+    return None, start
+
+
+def turn_offset(path: Path, since: float) -> int:
+    """Where a record file's lines from RECORD_LOOKBACK_SECONDS before `since` on begin (0 when unsure)."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        info = path.stat()
+        key = (str(path), info.st_dev, info.st_ino, since)
+        if key in _turn_offsets and _turn_offsets[key] <= info.st_size:
+            return _turn_offsets[key]
+        target, low, high = since - RECORD_LOOKBACK_SECONDS, 0, info.st_size
+        with path.open("rb") as file:
+            while high - low > 4096:
+                middle = (low + high) // 2
+                moment, start = _line_time_after(file, middle)
+                if moment is None or moment >= target:
+                    high = middle
+                else:
+                    low = start + 1
+            _, offset = _line_time_after(file, low)
+    except OSError:
+        return 0
+    if len(_turn_offsets) > 10_000:
+        _turn_offsets.clear()
+    _turn_offsets[key] = offset
+    return offset
+
+
+def _file_text(path: Path, since: float | None = None) -> str:
+    """A record file's text, from the turn's lines on when `since` is given ('' when it cannot be read: it
+    was moved away, or never there)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(turn_offset(path, since) if since is not None else 0)
+            return file.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
 
 
-def read_claude_turn(marker: str, since: float, until: float) -> TokenReading | None:
+def read_claude_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Claude Code turn, from the transcripts of its working directory that name the marker, and those
     of the sub-agents (its Task tool) those sessions ran: each keeps its own, in <session>/subagents/."""
     folders = {claude_project_folder(WD), claude_project_folder(os.path.realpath(WD))}
     projects = _cli_folder("CLAUDE_CONFIG_DIR", ".claude") / "projects"
     files = _touched_since((path for folder in folders for path in (projects / folder).glob("*.jsonl")), since)
-    sessions = {path: text for path, text in ((path, _file_text(path)) for path in files) if marker in text}
+    sessions = {path: text for path, text in ((path, _file_text(path, since)) for path in files) if marker in text}
     if not sessions:
         return None
     sub_agents = _touched_since((path for session in sessions
                                  for path in (session.with_suffix("") / "subagents").glob("*.jsonl")), since)
-    lines = [line for text in [*sessions.values(), *map(_file_text, sub_agents)] for line in text.splitlines()]
+    lines = [line for text in [*sessions.values(), *(_file_text(path, since) for path in sub_agents)]
+             for line in text.splitlines()]
     return claude_usage(lines, *_window(since, until))
 
 
-def read_codex_turn(marker: str, since: float, until: float) -> TokenReading | None:
+def read_codex_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Codex turn, from the rollouts that name the marker, of whatever day their thread began."""
     rollouts = (_cli_folder("CODEX_HOME", ".codex") / "sessions").rglob("rollout-*.jsonl")
-    lines = _lines_naming(_touched_since(rollouts, since), marker)
+    lines = _lines_naming(_touched_since(rollouts, since), marker, since)
     return None if lines is None else codex_usage(lines, *_window(since, until))
 
 
-def read_copilot_turn(marker: str, since: float, until: float) -> TokenReading | None:
+def read_copilot_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Copilot CLI turn, from the session logs that name the marker: CAO starts it with --config-dir
     ~/.copilot (of the agents' home), where each session keeps its events."""
     logs = Path(AGENT_HOME or Path.home()).expanduser().joinpath(".copilot", "session-state").glob("*/events.jsonl")
-    lines = _lines_naming(_touched_since(logs, since), marker)
+    lines = _lines_naming(_touched_since(logs, since), marker, since)
     return None if lines is None else copilot_usage(lines, *_window(since, until))
 
 
-def read_opencode_turn(marker: str, since: float, until: float) -> TokenReading | None:
+def read_opencode_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """An OpenCode turn, from the one database all its sessions share."""
     database = _cli_folder("XDG_DATA_HOME", ".local", "share") / "opencode" / "opencode.db"
     if not database.is_file():
         return None
     return opencode_usage(database, {WD, os.path.realpath(WD)}, marker, *_window(since, until))
+
+
+def hermes_database() -> Path:
+    """Hermes's state.db: in HERMES_HOME, else ~/.hermes of the agents' home."""
+    return _cli_folder("HERMES_HOME", ".hermes") / "state.db"
+
+
+def hermes_totals_now(marker: str) -> HermesTotals | None:
+    """The running totals of the Hermes sessions that name the marker ({} before its first turn: no session
+    names it yet, or Hermes has not made its database); None when the database cannot be read."""
+    if not hermes_database().is_file():
+        return {}
+    record = hermes_record(hermes_database(), marker, time.time())
+    return None if record is None else record.totals
+
+
+def read_hermes_turn(marker: str, since: float, until: float, before: HermesTotals | None) -> TokenReading | None:
+    """A Hermes turn, from the totals of its sessions less those noted when it was first sent (unknown
+    without them: a turn sent by a loop that did not note them)."""
+    if before is None or not hermes_database().is_file():
+        return None
+    record = hermes_record(hermes_database(), marker, since)
+    return None if record is None else hermes_usage(record, before)
 
 
 def _window(since: float, until: float) -> tuple[datetime, datetime]:
@@ -3497,13 +3668,17 @@ def _window(since: float, until: float) -> tuple[datetime, datetime]:
 
 
 # the format of a CLI's records (its row's `records`) -> its reader: (the turn's marker, window start,
-# window end, as time.time()) -> its tokens
-RECORD_READERS: dict[str, Callable[[str, float, float], TokenReading | None]] = {
+# window end, as time.time(), and what its running totals were at the turn's first send) -> its tokens
+RecordReader = Callable[[str, float, float, "HermesTotals | None"], "TokenReading | None"]
+RECORD_READERS: dict[str, RecordReader] = {
     "claude transcripts": read_claude_turn, "codex rollouts": read_codex_turn,
-    "opencode database": read_opencode_turn, "copilot session logs": read_copilot_turn}
+    "opencode database": read_opencode_turn, "copilot session logs": read_copilot_turn,
+    "hermes state.db": read_hermes_turn}
+# the formats that keep running totals only: the loop notes them as each turn is sent (turn_tokens_before)
+RUNNING_TOTALS: dict[str, Callable[[str], "HermesTotals | None"]] = {"hermes state.db": hermes_totals_now}
 
 
-def record_reader(provider: str) -> Callable[[str, float, float], TokenReading | None] | None:
+def record_reader(provider: str) -> RecordReader | None:
     """The reader of the provider's CLI's turn records (None: the loop reads none of its records)."""
     return RECORD_READERS.get(agent_cli(provider).records)
 
@@ -3513,15 +3688,32 @@ def tokens_readable(role: str) -> bool:
     return record_reader(provider_for(role)) is not None and token_records_readable()
 
 
-def turn_tokens(role: str, since: float, until: float) -> TokenReading | None:
+def record_marker(role: str) -> str:
+    """What names the role's turns in its CLI's records: its response file's path, as JSON writes it."""
+    return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
+
+
+def turn_tokens(role: str, since: float, until: float, before: HermesTotals | None = None) -> TokenReading | None:
     """What the role's CLI recorded between the two times (time.time() values), in the sessions that name
-    the role's response file; None when its records cannot be read here or hold nothing of it yet."""
+    the role's response file; None when its records cannot be read here or hold nothing of it yet.
+    `before`: for a CLI that keeps running totals only, what they were when the turn was first sent."""
     if not tokens_readable(role):
         return None
     reader = record_reader(provider_for(role))
-    marker = json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]   # as JSON writes it
     try:
-        return reader(marker, since, until)
+        return reader(record_marker(role), since, until, before)
+    except (OSError, ValueError):
+        return None
+
+
+def turn_tokens_before(role: str) -> HermesTotals | None:
+    """As the role's turn is first sent: its CLI's running totals, where its CLI keeps only those (None
+    for the others, and where they cannot be read: that turn's tokens are then unknown)."""
+    noting = RUNNING_TOTALS.get(agent_cli(provider_for(role)).records)
+    if noting is None or not token_records_readable():
+        return None
+    try:
+        return noting(record_marker(role))
     except (OSError, ValueError):
         return None
 
@@ -3614,6 +3806,7 @@ PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answer
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file asks whether its agent is still there
 CONFIRM_READ_SECONDS = 0.5            # how often a settled reply file's turn asks whether the agent has finished
+RECORD_READ_SECONDS = 0.1             # ... and reads its CLI's own record, where the loop reads it (a local read)
 # The first look after a send comes soon: a CLI that compacts as the prompt is submitted says so at once, and
 # a long turn's output can push those words out of the 32 KB of screen CAO keeps before a later look.
 FIRST_LOOK_SECONDS = 0.5
@@ -4286,10 +4479,14 @@ class ReadSchedule:
     """When to ask the server: the status once per POLL_SECONDS; as soon as a reply file has settled,
     then every CONFIRM_READ_SECONDS until the agent is seen finished (the next agent waits on it), for
     at most QUIET_SCREEN_SECONDS (an agent still working after that is asked at the usual pace);
-    whether the agent is still there once per LIVENESS_CHECK_SECONDS while there is no file."""
+    whether the agent is still there once per LIVENESS_CHECK_SECONDS while there is no file. Where the
+    CLI's own record is read on this machine, a settled file's turn reads it every RECORD_READ_SECONDS
+    over the same stretch: a file read, no call to the server."""
 
     next_status_at: float
     next_liveness_at: float = float("-inf")
+    records: bool = False                   # the CLI's own records are read here
+    next_record_at: float = float("-inf")
 
     def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
         """When a settled file's turn is next asked whether it has finished (None: no such file)."""
@@ -4304,6 +4501,20 @@ class ReadSchedule:
     def status_due(self, facts: TurnFacts, now: float) -> bool:
         confirm_at = self.confirm_read_at(facts, now)
         return now >= self.next_status_at or (confirm_at is not None and now >= confirm_at)
+
+    def record_read_at(self, facts: TurnFacts, now: float) -> float | None:
+        """When a settled file's turn next reads its CLI's own record between two status reads (None: no
+        records here, no such file, or the quick reads are over)."""
+        if not self.records or self.confirm_read_at(facts, now) is None:
+            return None
+        return max(self.next_record_at, facts.file_seen_at + FILE_SETTLE_SECONDS)
+
+    def record_due(self, facts: TurnFacts, now: float) -> bool:
+        record_at = self.record_read_at(facts, now)
+        return record_at is not None and now >= record_at
+
+    def record_read(self, now: float) -> None:
+        self.next_record_at = now + RECORD_READ_SECONDS
 
     def status_read(self, now: float) -> None:
         self.next_status_at = now + POLL_SECONDS
@@ -4334,8 +4545,8 @@ class ReadSchedule:
         read that asks whether a settled file's turn has finished."""
         if facts.file_version is not None and not facts.file_settled(now):
             return min(self.next_status_at, facts.file_seen_at + FILE_SETTLE_SECONDS)
-        confirm_at = self.confirm_read_at(facts, now)
-        return self.next_status_at if confirm_at is None else min(self.next_status_at, confirm_at)
+        looks = [self.next_status_at, self.confirm_read_at(facts, now), self.record_read_at(facts, now)]
+        return min(look for look in looks if look is not None)
 
 
 @dataclass
@@ -4369,6 +4580,7 @@ class Turn:
     rebuild: Callable[[], Prompt] | None = None   # builds the turn's prompt again (after a compaction: in full)
     full_prompt: Prompt | None = None         # that prompt, due to go out at once (facts.full_prompt_due)
     sent_wall: float = 0.0                    # time.time() of the turn's first send: its records begin there
+    tokens_before: HermesTotals | None = None  # its CLI's running totals then (InFlight.tokens_before)
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -4701,8 +4913,9 @@ def read_turn_record(turn: Turn) -> None:
     """Once a reply file is there, until something says the agent finished: whether its CLI's own record
     shows the turn over (where the loop reads that CLI's records on this machine)."""
     if turn.facts.file_version is not None and not turn.facts.finished_by and tokens_readable(turn.role):
-        reading = turn_tokens(turn.role, turn.sent_wall, time.time())
+        reading = turn_tokens(turn.role, turn.sent_wall, time.time(), turn.tokens_before)
         turn.facts.note_record(reading is not None and reading.over)
+        turn.reads.record_read(time.monotonic())
 
 
 def observe_terminal(turn: Turn) -> None:
@@ -4758,8 +4971,9 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
     # CAO's send returned only now: nothing new to read yet, but soon (FIRST_LOOK_SECONDS).
     turn = Turn(role, terminal_id, path, message, facts,
                 ReadSchedule(next_status_at=now + min(POLL_SECONDS, FIRST_LOOK_SECONDS),
-                             next_liveness_at=now + LIVENESS_CHECK_SECONDS),
-                rebuild=rebuild, sent_wall=first_sent_at(role))
+                             next_liveness_at=now + LIVENESS_CHECK_SECONDS, records=tokens_readable(role)),
+                rebuild=rebuild, sent_wall=first_sent_at(role),
+                tokens_before=in_flight.tokens_before if in_flight is not None and in_flight.role == role else None)
     if message is None and in_flight is not None and in_flight.role == role and in_flight.limit_line:
         resume_limit_wait(turn)
     began, next_progress_at = now, now + PROGRESS_SECONDS
@@ -4768,6 +4982,8 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
         turn.facts.note_file(reply_file_version(path), now)
         if turn.reads.status_due(turn.facts, now):
             observe_terminal(turn)
+        elif turn.reads.record_due(turn.facts, now):
+            read_turn_record(turn)
         state, verdict = decide(turn.facts, time.monotonic())
         reply = act_on(turn, state, verdict)
         if reply is not None:
@@ -5292,7 +5508,8 @@ def send_prompt(role: str, prompt: str) -> str:
                                   number=in_flight.number if again else _next_archive_number(),
                                   first_sent_at=in_flight.first_sent_at if again else now,
                                   prompt_bytes=len(prompt.encode("utf-8")),
-                                  resends=in_flight.resends if again else 0))
+                                  resends=in_flight.resends if again else 0,
+                                  tokens_before=in_flight.tokens_before if again else turn_tokens_before(role)))
     save_state()
     keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
     write_report()
@@ -5336,7 +5553,7 @@ def sent_turn_facts(role: str) -> dict:
     return {"seconds": round(time.time() - sent.sent_at, 1) if sent.sent_at is not None else None,
             "phase": sent.phase, "cycle": sent.cycle,
             "sent_at": utc_iso(first_sent, precise=True) if first_sent else "",
-            "reminders": sent.reminders, "resends": sent.resends,
+            "reminders": sent.reminders, "resends": sent.resends, "tokens_before": sent.tokens_before,
             "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else ""}
 
 
@@ -5375,7 +5592,8 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     stay if the records are gone since (a CLI that archived or removed them)."""
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
-    reading = turn_tokens(record.role, since.timestamp(), time.time()) if since is not None else None
+    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before) \
+        if since is not None else None
     set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
                     reading.context if reading is not None else None)
     return reading

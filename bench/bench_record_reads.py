@@ -11,8 +11,8 @@ measures both, on this machine:
   long session of the CLI (Claude Code's transcript, Codex's rollout, Copilot CLI's session log, OpenCode's
   database) of the given size, its last turn the one read. The records' formats are those the loop reads
   (section 5 of the script); the lines carry filler text the size of real tool output. Medians of
-  `--reads` reads after the first (the first parses every line once; the wait's later reads find the
-  lines parsed), and the first alone;
+  `--reads` reads after the first (the first finds where the turn's lines begin in each file and parses
+  them; the wait's later reads find both done), and the first alone;
 - a screen read: `ApiClient.get_screen()` of a terminal of a private cao-server 2.5.4 whose agent is the
   scripted agent (tests/e2e/harness.py), and a status read; medians of `--reads`.
 
@@ -175,6 +175,7 @@ def records_reads(sizes: list[float], reads: int) -> list[tuple[str, float, floa
                     raise SystemExit(f"{provider}: the bench's records did not read as one finished turn")
                 loop.PARSED_LINES.records.clear()
                 loop.PARSED_LINES.chars = 0
+                loop._turn_offsets.clear()          # the first read finds where the turn's lines begin
                 first, median = timed(lambda: loop.turn_tokens("tester", since, until), reads)
                 rows.append((provider, megabytes, first, median))
     return rows

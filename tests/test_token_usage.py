@@ -843,3 +843,44 @@ def test_record_lines_are_parsed_once_and_the_memory_starts_over_at_its_limit(mo
     assert lines.get('{"a": ') is None and lines.get('{"a": 2}') == {"a": 2}     # a line still being written
     lines.get('{"b": "' + "x" * 90 + '"}')                                       # past the limit: starts over
     assert '{"a": 1}' not in lines.records and lines.chars <= 100
+
+
+# --------------------------------------------------------------------------
+# A long session's file is read from the turn's lines on
+# --------------------------------------------------------------------------
+
+def timed_line(moment: float, text: str = "x") -> str:
+    return json.dumps({"timestamp": run_orchestrator_loop.utc_iso(moment, precise=True), "text": text})
+
+
+def test_a_record_file_is_read_from_a_little_before_the_turn_not_whole(tmp_path):
+    m = run_orchestrator_loop
+    start = time.time() - 20_000
+    lines = ['{"type":"session_meta","payload":{}}']                      # a header without a time
+    lines += [timed_line(start + second, "earlier turns " * 20) for second in range(0, 19_000, 2)]
+    since = start + 19_500
+    lines += [timed_line(since - 5, "just before"), '{"no":"time"}', timed_line(since + 1, "the turn")]
+    path = tmp_path / "rollout.jsonl"
+    path.write_text("\n".join(lines) + "\n" + '{"timestamp":"partial', encoding="utf-8")
+    offset = m.turn_offset(path, since)
+    head = path.read_bytes()[:offset].decode()
+    tail = path.read_bytes()[offset:].decode()
+    assert "just before" in tail and "the turn" in tail                  # every line of the window is read
+    assert len(tail) < 10_000 < len(head)                                 # and not the session's 3 MB
+    assert head.endswith("\n") and all(json.loads(line)["timestamp"] for line in head.splitlines()[1:])
+    assert m._file_text(path, since) == tail and m._file_text(path) == path.read_text()
+
+
+def test_a_record_file_without_times_or_rewritten_is_read_from_its_start(tmp_path):
+    m = run_orchestrator_loop
+    path = tmp_path / "session.jsonl"
+    path.write_text("\n".join('{"n": %d}' % n for n in range(5000)) + "\n", encoding="utf-8")
+    assert m.turn_offset(path, time.time()) == 0                        # no times: nothing can be skipped
+    old = time.time() - 10_000
+    path.write_text("\n".join(timed_line(old + n) for n in range(3000)) + "\n", encoding="utf-8")
+    assert m.turn_offset(path, old + 2900) > 0
+    replaced = tmp_path / "replaced.jsonl"                                # a file written anew in its place
+    replaced.write_text(timed_line(old) + "\n" + timed_line(old + 2950) + "\n", encoding="utf-8")
+    replaced.replace(path)
+    assert m._file_text(path, old + 2900) == path.read_text()
+    assert m.turn_offset(tmp_path / "missing.jsonl", old) == 0

@@ -287,6 +287,46 @@ def test_quick_reads_last_quiet_screen_seconds_then_the_usual_pace_returns(m):
     assert reads.confirm_read_at(facts, 60.0) is None
 
 
+def test_a_settled_file_s_turn_reads_its_cli_s_record_between_status_reads_where_it_is_read_here(m):
+    """The CLI's own record tells the turn's end: read every RECORD_READ_SECONDS (a local file read) while a
+    settled file waits, a status read only every CONFIRM_READ_SECONDS; never without records here."""
+    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL, records=True)
+    facts.note_file(FILE, 0.5)
+    settled = 0.5 + SETTLE
+    assert not reads.record_due(facts, settled - 0.01)
+    read(facts, reads, settled)                                     # the status read at once ...
+    reads.record_read(settled)                                      # ... reads the record too
+    step = m.RECORD_READ_SECONDS
+    assert reads.next_look_at(facts, settled) == pytest.approx(settled + step)
+    assert not reads.record_due(facts, settled + step - 0.01) and reads.record_due(facts, settled + step)
+    assert not reads.status_due(facts, settled + step)              # no call to the server for it
+    reads.record_read(settled + step)
+    facts.note_record(True)                                         # the record shows the turn over
+    assert decide(m, facts, settled + step) == ("DONE", "TAKE_REPLY")
+    without = m.ReadSchedule(next_status_at=POLL)
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 0.5)
+    read(facts, without, settled)
+    assert without.record_read_at(facts, settled) is None
+    assert without.next_look_at(facts, settled) == pytest.approx(settled + m.CONFIRM_READ_SECONDS)
+
+
+def test_record_reads_stop_with_the_quick_reads(m):
+    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL, records=True)
+    facts.note_file(FILE, 0.5)
+    now, record_reads = 0.5 + SETTLE, 0
+    while now < 60.0:
+        if reads.status_due(facts, now):
+            read(facts, reads, now, screen=f"spinner {now}")
+            reads.record_read(now)
+        elif reads.record_due(facts, now):
+            record_reads += 1
+            reads.record_read(now)
+        now += 0.01
+    assert record_reads <= QUIET / m.RECORD_READ_SECONDS + 1
+    assert reads.record_read_at(facts, 60.0) is None
+
+
 def test_a_rewritten_file_is_asked_about_at_once_when_it_settles_again(m):
     facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL)
     facts.note_file(FILE, 0.5)

@@ -14,6 +14,7 @@ settle and screen bounds after its reply file was written.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 import re
 import subprocess
 import time
@@ -55,6 +56,26 @@ def turn_times(stdout: str) -> list[tuple[str, float, float, str]]:
     return [(role, float(took), float(lag), ended_by) for role, took, lag, ended_by in TURN_LINE.findall(stdout)]
 
 
+def _moment(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def timed_turns(cao, run: Run, stdout: str) -> list[tuple[str, float, float, str, float | None]]:
+    """turn_times(), each with the seconds from the agent's turn ended -- the model's last answer of the
+    turn, its closing words after the write -- to the reply taken (None where the model gave none)."""
+    summary = json.loads((Path(run.state()["run_dir"]) / "summary.json").read_text(encoding="utf-8"))
+    records = summary["turn_list"]
+    closings = [(event["role"], event["time"]) for event in cao.model.events()
+                if event["kind"] == "tool_result" and event["action"] == "text" and event["role"]]
+    timed = []
+    for index, (turn, record) in enumerate(zip(turn_times(stdout), records)):
+        later = [_moment(r["sent_at"]) for r in records[index + 1:] if r["role"] == record["role"] and r["sent_at"]]
+        sent, taken = _moment(record["sent_at"]), _moment(record["taken_at"])
+        ends = [at for role, at in closings if role == record["role"] and sent <= at < min(later, default=taken + 60)]
+        timed.append((*turn, round(taken - max(ends), 3) if ends else None))
+    return timed
+
+
 def turn_ends(stdout: str) -> list[str]:
     """What showed the loop each turn was over, in turn order."""
     return [ended_by for *_, ended_by in TURN_LINE.findall(stdout)]
@@ -72,7 +93,7 @@ def check_every_turn_taken_once(cao, run: Run, result, sequence: list[str], kill
     kinds = [event["kind"] for event in cao.model.events()]
     assert "reminder" not in kinds, cao.model.events()
     assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout, explain(result)
-    times = turn_times(result.stdout)
+    times = timed_turns(cao, run, result.stdout)
     assert [role for role, *_ in times] == sequence, explain(result)
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(times)
 
@@ -85,7 +106,7 @@ ANALYST_IN_TWO_WRITES = {"action": "write_twice", "draft": "DRAFT: not the answe
 
 
 # The CLIs whose records of tokens used the loop reads (their rows name a format in RECORD_READERS).
-TOKENS_READ = ("claude_code", "codex", "opencode_cli", "copilot_cli")
+TOKENS_READ = ("claude_code", "codex", "opencode_cli", "copilot_cli", "hermes")
 
 
 def figures(tokens: dict | None) -> tuple[int, int, int] | None:
@@ -365,7 +386,7 @@ def test_opencode_fail_then_pass_with_its_programmer_killed_in_round_2(opencode_
     assert run.archived_text("006-tester.md").strip() == PASS_REPLY.strip()
     check_tokens_are_the_models(cao, run, unanswered={("programmer", 2)}, scripted=("peer_programmer",))
     REAL_CLI_TURN_TIMES.setdefault(cao.env["PROVIDER"], []).extend(
-        turn for turn in turn_times(result.stdout) if turn[0] != "peer_programmer")     # OpenCode's turns only
+        turn for turn in timed_turns(cao, run, result.stdout) if turn[0] != "peer_programmer")  # OpenCode's only
 
 
 def first_fail_then_pass_with_a_model_per_role(cao, provider: str) -> None:
