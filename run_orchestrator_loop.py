@@ -3130,6 +3130,11 @@ def write_report(exit_code: int | None = None) -> None:
 # Codex's /new or a fork), and Codex can copy a record into a later file:
 # each response is counted once by its own id, so neither the order of the
 # files nor a copy changes the sum.
+#
+# A long session's records are read from a little before its turn began, not
+# whole: RECORD_LOOKBACK_SECONDS before the turn's first send (the readers'
+# windows then pick the turn's records; one written out of order is caught).
+RECORD_LOOKBACK_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -3366,12 +3371,16 @@ def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker
     and the last one did not stop for tool calls."""
     uri = Path(db_path).absolute().as_uri() + "?mode=ro"
     folders = sorted({directories} if isinstance(directories, str) else set(directories))
+    # Only the rows made from a little before the turn on (the turn's prompt names the marker): a long
+    # session's earlier rows are neither read nor searched.
+    begin_ms = int((since.timestamp() - RECORD_LOOKBACK_SECONDS) * 1000)
     try:
         with closing(sqlite3.connect(uri, uri=True, timeout=2.0)) as connection:
             rows = connection.execute(
                 "SELECT message.id, message.data FROM message JOIN session ON session.id = message.session_id"
-                f" WHERE session.directory IN ({', '.join('?' * len(folders))}) AND EXISTS (SELECT 1 FROM part"
-                " WHERE part.session_id = session.id AND instr(part.data, ?) > 0)", (*folders, marker)).fetchall()
+                f" WHERE session.directory IN ({', '.join('?' * len(folders))}) AND message.time_created >= ?"
+                " AND EXISTS (SELECT 1 FROM part WHERE part.session_id = session.id AND part.time_created >= ?"
+                " AND instr(part.data, ?) > 0)", (*folders, begin_ms, begin_ms, marker)).fetchall()
     except sqlite3.Error:
         return None
     responses, pending = _Responses(), False
@@ -3538,12 +3547,11 @@ def _lines_naming(paths: Iterable[Path], marker: str, since: float) -> list[str]
 
 
 # A long session's file grows by every turn; a turn's lines are at its end. Each file is read from the first
-# line timed a little before the turn began (RECORD_LOOKBACK_SECONDS: the readers' windows pick the turn's
-# lines; a line written out of order is caught), found by a binary search on the lines' times, once per
-# file and turn: a read then costs what the turn wrote, not what the session holds.
-RECORD_LOOKBACK_SECONDS = 120.0
+# line timed a little before the turn began (RECORD_LOOKBACK_SECONDS, section 5's start), found by a binary
+# search on the lines' times, once per file and turn: a read then costs what the turn wrote, not what the
+# session holds.
 LINE_TIME = re.compile(rb'"timestamp"\s*:\s*"([^"]{10,40})"')
-_turn_offsets: dict[tuple[str, int, int, float], int] = {}     # (file, device, inode, since) -> offset
+TURN_OFFSETS: dict[tuple[str, int, int, float], int] = {}     # a cache: (file, device, inode, since) -> offset
 
 
 def _line_time_after(file: BinaryIO, offset: int) -> tuple[float | None, int]:
@@ -3569,8 +3577,8 @@ def turn_offset(path: Path, since: float) -> int:
     try:
         info = path.stat()
         key = (str(path), info.st_dev, info.st_ino, since)
-        if key in _turn_offsets and _turn_offsets[key] <= info.st_size:
-            return _turn_offsets[key]
+        if key in TURN_OFFSETS and TURN_OFFSETS[key] <= info.st_size:
+            return TURN_OFFSETS[key]
         target, low, high = since - RECORD_LOOKBACK_SECONDS, 0, info.st_size
         with path.open("rb") as file:
             while high - low > 4096:
@@ -3583,9 +3591,9 @@ def turn_offset(path: Path, since: float) -> int:
             _, offset = _line_time_after(file, low)
     except OSError:
         return 0
-    if len(_turn_offsets) > 10_000:
-        _turn_offsets.clear()
-    _turn_offsets[key] = offset
+    if len(TURN_OFFSETS) > 10_000:
+        TURN_OFFSETS.clear()
+    TURN_OFFSETS[key] = offset
     return offset
 
 

@@ -175,7 +175,7 @@ def records_reads(sizes: list[float], reads: int) -> list[tuple[str, float, floa
                     raise SystemExit(f"{provider}: the bench's records did not read as one finished turn")
                 loop.PARSED_LINES.records.clear()
                 loop.PARSED_LINES.chars = 0
-                loop._turn_offsets.clear()          # the first read finds where the turn's lines begin
+                loop.TURN_OFFSETS.clear()          # the first read finds where the turn's lines begin
                 first, median = timed(lambda: loop.turn_tokens("tester", since, until), reads)
                 rows.append((provider, megabytes, first, median))
     return rows

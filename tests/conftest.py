@@ -109,6 +109,7 @@ EXPECTED_UNIT_SECONDS = {
     "test_lost_agents_e2e:restartable_cao_server": 130,
     "test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_next_pod_finishes": 45,
     "test_a_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_from_its_working_directory": 40,
+    "test_a_claude_code_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_with_its_tokens_kept": 90,
 }
 # Any other unit: by kind (a test marked real_cli, other end-to-end tests, unit tests).
 EXPECTED_TEST_SECONDS = {"real_cli": 150, "e2e": 15}
@@ -182,7 +183,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 _e2e_outcomes: list[tuple[str, str]] = []
 # provider -> [(role, turn seconds, seconds from reply file written to reply taken, what ended the turn,
-# seconds from the agent's turn ended (the model's last answer) to reply taken)], from the loop's log
+# seconds from the agent's turn ended (the model's last answer) to reply taken, whether the loop read the
+# CLI's records)], from the loop's log and the scripted model
 _real_cli_turn_times: dict[str, list] = {}
 # provider -> [(seconds until all five agents were up, whether some needed a second try)], in a fresh HOME
 _real_cli_start_ups: dict[str, list] = {}
@@ -239,14 +241,18 @@ def _e2e_summary(terminalreporter, config) -> None:
         took = [t[1] for t in times]
         lag = [t[2] for t in times]
         ends = collections.Counter(t[3] for t in times if len(t) > 3)
-        after_end = [t[4] for t in times if len(t) > 4 and t[4] is not None]
         terminalreporter.write_line(
             f"{provider}: {len(times)} turns; turn {statistics.median(took):.1f}s median, {max(took):.1f}s max; "
             f"reply taken {statistics.median(lag):.1f}s median, {max(lag):.1f}s max after its file was written"
-            + (f", {statistics.median(after_end):.2f}s median, {max(after_end):.2f}s max after the agent's turn "
-               f"ended (the model's last answer; {len(after_end)} turns)" if after_end else "")
             + ("; turn end seen by " + ", ".join(f"{what} {count}" for what, count in ends.most_common())
                if ends else ""))
+        for records, how in ((True, "with its records read"), (False, "without its records (screen rules)")):
+            after_end = [t[4] for t in times if len(t) > 5 and t[5] is records and t[4] is not None]
+            if after_end:
+                terminalreporter.write_line(
+                    f"{provider}: {how}: reply taken {statistics.median(after_end):.2f}s median, "
+                    f"{max(after_end):.2f}s max after the agent's turn ended (the model's last answer; "
+                    f"{len(after_end)} turns)")
     for provider, start_ups in sorted(_real_cli_start_ups.items()):
         terminalreporter.write_line(
             f"{provider}: five agents started at once in a fresh HOME {len(start_ups)} times: all up after "

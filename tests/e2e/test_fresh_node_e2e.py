@@ -174,3 +174,61 @@ def test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_n
             for pid in _pids_with_env(f"TMUX_TMPDIR={root / 'tmux'}".encode()):
                 os.kill(pid, signal.SIGKILL)
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.real_cli
+def test_a_claude_code_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_with_its_tokens_kept():
+    """The same with the real Claude Code, whose records stay behind on machine A: on B new Claude Code agents
+    get their whole prompts, no turn answered on A is sent again, and the tokens of A's turns are those its
+    state kept; the run's tokens, turn by turn, equal what the model reported (the turn killed on A, whose
+    prompt the model took and never finished, left out)."""
+    from . import agent_clis
+    from .scripted_model import ScriptedModel
+    from .test_real_clis import check_tokens_are_the_models
+
+    with ScriptedModel(think_seconds=0.2) as model, private_cao(provider="claude_code", model_url=model.url) as node_a:
+        node_a.model = model
+        run = Run(node_a, RESPONSE_TIMEOUT="300", AGENT_HOME=str(node_a.home))
+        for name in ("POLL_SECONDS", "IDLE_GRACE_SECONDS"):        # the defaults, as a user has them
+            run.env.pop(name, None)
+        model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY],
+                          "peer_programmer": [{"think_ms": 30000}, {}]})   # A dies while it thinks
+        loop = run.start()
+        deadline = time.monotonic() + 300
+        while model.turns().get("peer_programmer", 0) < 1:
+            assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+            time.sleep(0.2)
+        time.sleep(1)
+        kill_machine(node_a, loop)
+        assert [e["role"] for e in events_in(run) if e["event"] == "reply_taken"] == FAIL_THEN_PASS[:TURNS_ON_A]
+        tokens_on_a = [turn["tokens"] for turn in run.state()["turn_records"]]
+        assert all(tokens_on_a), "A's turns' tokens were read there"
+
+        root = Path(tempfile.mkdtemp(prefix="cao-node-b-", dir=tempfile.gettempdir()))
+        try:
+            dirs = {name: root / name for name in ("home", "bin", "tmux")}
+            for folder in dirs.values():
+                folder.mkdir()
+            agent_clis.write_claude_home(dirs["home"], workdirs=[run.wd])     # the image's settings, the secret's key
+            env = _server_env({**dirs, "mock": root}, ensure_cao().parent, think_ms=None,
+                              cli_bin=agent_clis.cli_bin_for("claude_code"),
+                              extra=agent_clis.claude_tmux_env(model.url))
+            settings = {k: v for k, v in run.env.items() if k not in env and k not in ("API", "AGENT_HOME")}
+            env.update(settings, PROVIDER="claude_code", CAO_PORT=str(free_port()), PYTHON=sys.executable,
+                       AGENT_HOME=str(dirs["home"]), CAO_SERVER_LOG=str(root / "cao-server.log"))
+            result = subprocess.run(["bash", str(ENTRYPOINT)], cwd=root, env=env, capture_output=True, text=True,
+                                    timeout=600)
+            assert result.returncode == 0, explain(result) + (root / "cao-server.log").read_text(errors="replace")
+            assert "replacing all five agents: their CAO session" in result.stdout, explain(result)
+            state = run.state()
+            assert state["final_status"] == "PASS" and run.archived() == numbered(FAIL_THEN_PASS)
+            expected = {role: FAIL_THEN_PASS.count(role) for role in set(FAIL_THEN_PASS)}
+            expected["peer_programmer"] += 1                  # its prompt on A, never answered there
+            assert model.turns() == expected, model.events()
+            assert [turn["tokens"] for turn in state["turn_records"][:TURNS_ON_A]] == tokens_on_a
+            check_tokens_are_the_models(node_a, run, unanswered={("peer_programmer", 1)})
+            assert not still_running(f"TMUX_TMPDIR={root / 'tmux'}", seconds=10), "the entrypoint left them"
+        finally:
+            for pid in _pids_with_env(f"TMUX_TMPDIR={root / 'tmux'}".encode()):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(root, ignore_errors=True)

@@ -60,9 +60,10 @@ def _moment(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def timed_turns(cao, run: Run, stdout: str) -> list[tuple[str, float, float, str, float | None]]:
+def timed_turns(cao, run: Run, stdout: str) -> list[tuple[str, float, float, str, float | None, bool]]:
     """turn_times(), each with the seconds from the agent's turn ended -- the model's last answer of the
-    turn, its closing words after the write -- to the reply taken (None where the model gave none)."""
+    turn, its closing words after the write -- to the reply taken (None where the model gave none), and
+    whether the loop could read the CLI's records (AGENT_HOME given)."""
     summary = json.loads((Path(run.state()["run_dir"]) / "summary.json").read_text(encoding="utf-8"))
     records = summary["turn_list"]
     closings = [(event["role"], event["time"]) for event in cao.model.events()
@@ -72,7 +73,7 @@ def timed_turns(cao, run: Run, stdout: str) -> list[tuple[str, float, float, str
         later = [_moment(r["sent_at"]) for r in records[index + 1:] if r["role"] == record["role"] and r["sent_at"]]
         sent, taken = _moment(record["sent_at"]), _moment(record["taken_at"])
         ends = [at for role, at in closings if role == record["role"] and sent <= at < min(later, default=taken + 60)]
-        timed.append((*turn, round(taken - max(ends), 3) if ends else None))
+        timed.append((*turn, round(taken - max(ends), 3) if ends else None, "AGENT_HOME" in run.env))
     return timed
 
 
@@ -235,12 +236,18 @@ def test_codex_run_stops_at_its_token_budget_and_goes_on_with_a_higher_one(codex
 def story_mode(cao) -> None:
     """Story mode: two stories, each its own programmer turn, then review and test."""
     run = real_cli_run(cao, STORY_MODE="1", START_AGENT="programmer")
+    assert "AGENT_HOME" not in run.env and run.env.get("HOME") != str(cao.home)   # the agents' records out of reach
     write_two_story_change(run.wd)
     summary = "PROGRAMMER_SUMMARY:\n- Files changed: greet.py\n- Behavior implemented: one story\n"
     cao.model.set_script({"programmer": [summary + "<promise>COMPLETE</promise>\n"]})
     result = run.run(timeout=600)
     sequence = ["programmer", "programmer", "peer_programmer", "tester"]
     check_every_turn_taken_once(cao, run, result, sequence)
+    # With its records out of reach each turn ends by a screen rule (or CAO's word), named in the log.
+    screen_rules = {run_orchestrator_loop.TURN_ENDED_BY_STATUS, ENDED_BY_MARK,
+                    run_orchestrator_loop.TURN_ENDED_BY_STILL_SCREEN}
+    assert len(turn_ends(result.stdout)) == len(sequence) and set(turn_ends(result.stdout)) <= screen_rules, \
+        explain(result)
     state = run.state()
     assert state["final_status"] == "PASS"
     assert "story 1 attempt 1/3: COMPLETE" in result.stdout and "story 2 attempt 1/3: COMPLETE" in result.stdout
