@@ -3379,8 +3379,9 @@ def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker
             rows = connection.execute(
                 "SELECT message.id, message.data FROM message JOIN session ON session.id = message.session_id"
                 f" WHERE session.directory IN ({', '.join('?' * len(folders))}) AND message.time_created >= ?"
-                " AND EXISTS (SELECT 1 FROM part WHERE part.session_id = session.id AND part.time_created >= ?"
-                " AND instr(part.data, ?) > 0)", (*folders, begin_ms, begin_ms, marker)).fetchall()
+                " AND EXISTS (SELECT 1 FROM message AS recent JOIN part ON part.message_id = recent.id"
+                " WHERE recent.session_id = session.id AND recent.time_created >= ? AND instr(part.data, ?) > 0)",
+                (*folders, begin_ms, begin_ms, marker)).fetchall()
     except sqlite3.Error:
         return None
     responses, pending = _Responses(), False
@@ -3418,22 +3419,22 @@ class HermesRecord:
     last_answer: float | None      # when the last assistant message since then that ended a turn was written
 
 
-def hermes_record(db_path: str | Path, marker: str, since: float) -> HermesRecord | None:
-    """The running totals of the Hermes sessions whose messages name the marker (and of the sessions they
-    went on in after a compression), read-only; None when the database cannot be read."""
+def hermes_record(db_path: str | Path, marker: str, since: float, named_since: float = 0.0) -> HermesRecord | None:
+    """The running totals of the Hermes sessions whose messages since `named_since` name the marker (and of
+    the sessions they went on in after a compression), read-only; None when the database cannot be read."""
     uri = Path(db_path).absolute().as_uri() + "?mode=ro"
     try:
         with closing(sqlite3.connect(uri, uri=True, timeout=2.0)) as connection:
-            named = "SELECT DISTINCT session_id FROM messages WHERE instr(content, ?) > 0"
+            named = "SELECT DISTINCT session_id FROM messages WHERE timestamp >= ? AND instr(content, ?) > 0"
             sessions = f"SELECT id FROM sessions WHERE id IN ({named}) OR parent_session_id IN ({named})"
             usage = connection.execute(
                 "SELECT session_id, model, input_tokens, cache_write_tokens, cache_read_tokens, output_tokens,"
                 f" last_seen FROM session_model_usage WHERE task = '' AND session_id IN ({sessions})",
-                (marker, marker)).fetchall()
+                (named_since, marker, named_since, marker)).fetchall()
             [(last_answer,)] = connection.execute(
                 f"SELECT max(timestamp) FROM messages WHERE session_id IN ({sessions}) AND role = 'assistant'"
                 " AND finish_reason IS NOT NULL AND finish_reason != 'tool_calls' AND timestamp >= ?",
-                (marker, marker, since)).fetchall()
+                (named_since, marker, named_since, marker, since)).fetchall()
     except (sqlite3.Error, ValueError):
         return None
     totals: HermesTotals = {}
@@ -3666,7 +3667,7 @@ def read_hermes_turn(marker: str, since: float, until: float, before: HermesTota
     without them: a turn sent by a loop that did not note them)."""
     if before is None or not hermes_database().is_file():
         return None
-    record = hermes_record(hermes_database(), marker, since)
+    record = hermes_record(hermes_database(), marker, since, since - RECORD_LOOKBACK_SECONDS)   # the turn's prompt on
     return None if record is None else hermes_usage(record, before)
 
 

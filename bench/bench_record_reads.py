@@ -113,11 +113,15 @@ def write_opencode(database: Path, wd: str, marker: str, megabytes: float) -> tu
     """OpenCode's database with one session of about `megabytes`; the window of its last turn."""
     database.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(database) as connection:
-        connection.executescript(
+        connection.executescript(     # the columns and indexes of OpenCode 1.18.33's tables that the loop reads
             "CREATE TABLE session (id TEXT PRIMARY KEY, directory TEXT NOT NULL);"
-            "CREATE TABLE message (id TEXT PRIMARY KEY, session_id TEXT NOT NULL, data TEXT NOT NULL);"
+            "CREATE TABLE message (id TEXT PRIMARY KEY, session_id TEXT NOT NULL, time_created INTEGER NOT NULL,"
+            " time_updated INTEGER NOT NULL, data TEXT NOT NULL);"
             "CREATE TABLE part (id TEXT PRIMARY KEY, message_id TEXT NOT NULL, session_id TEXT NOT NULL,"
-            " data TEXT NOT NULL);")
+            " time_created INTEGER NOT NULL, time_updated INTEGER NOT NULL, data TEXT NOT NULL);"
+            "CREATE INDEX message_session_time_created_id_idx ON message (session_id, time_created, id);"
+            "CREATE INDEX part_message_id_id_idx ON part (message_id, id);"
+            "CREATE INDEX part_session_idx ON part (session_id);")
         connection.execute("INSERT INTO session VALUES ('ses_bench', ?)", (wd,))
         written, number, at = 0, 0, START
         while written < megabytes * 1_000_000:
@@ -127,10 +131,12 @@ def write_opencode(database: Path, wd: str, marker: str, megabytes: float) -> tu
                        "time": {"created": int(at * 1000), "completed": int((at + 3) * 1000)},
                        "tokens": {"input": 30000, "output": 20, "reasoning": 0, "cache": {"read": 0, "write": 0}}}
             parts = [{"type": "text", "text": f"Write your answer to {marker}"}, {"type": "tool", "output": FILLER}]
-            connection.execute("INSERT INTO message VALUES (?, 'ses_bench', ?)", (f"msg_{number}", json.dumps(message)))
+            created, completed = int(at * 1000), int((at + 3) * 1000)
+            connection.execute("INSERT INTO message VALUES (?, 'ses_bench', ?, ?, ?)",
+                               (f"msg_{number}", created, completed, json.dumps(message)))
             for index, part in enumerate(parts):
-                connection.execute("INSERT INTO part VALUES (?, ?, 'ses_bench', ?)",
-                                   (f"prt_{number}_{index}", f"msg_{number}", json.dumps(part)))
+                connection.execute("INSERT INTO part VALUES (?, ?, 'ses_bench', ?, ?, ?)",
+                                   (f"prt_{number}_{index}", f"msg_{number}", created, created, json.dumps(part)))
             written += len(json.dumps(message)) + sum(len(json.dumps(part)) for part in parts)
     return at - 1, at + 10
 

@@ -236,3 +236,29 @@ def test_the_totals_noted_at_a_send_are_saved_before_it_and_count_after_a_resume
     assert run_main(m) == 0
     testers = [t["tokens"] for t in json.loads(Path(m.STATE_FILE).read_text())["turn_records"] if t["role"] == "tester"]
     assert [(t["input"], t["cached_input"], t["output"]) for t in testers] == recorded["tester"]
+
+
+def test_the_totals_at_a_send_find_a_session_named_long_before_and_a_turn_reads_only_its_own(tmp_path):
+    """The role's session named the file in a turn long ago: its totals are noted at the next send all the
+    same (else that turn would count the whole session); a turn's reading looks only at sessions named since
+    a little before it began."""
+    m = run_orchestrator_loop
+    db = HermesDb(tmp_path / "state.db")
+    db.session("s1")
+    long_ago = time.time() - 3600
+    db.message("s1", "user", MARKER, at=long_ago)
+    db.call("s1", "m", 5000, 0, 0, 50, at=long_ago + 5)
+    assert figures_of(m.hermes_record(db.path, MARKER, time.time()).totals) == (5000, 0, 50)
+    since = time.time()
+    assert m.hermes_record(db.path, MARKER, since, since - m.RECORD_LOOKBACK_SECONDS).totals == {}
+    db.message("s1", "user", MARKER)
+    db.call("s1", "m", 700, 0, 0, 7)
+    db.message("s1", "assistant", "Done.", finish="stop")
+    before = {"s1": {"m": m.TokenUse(5000, 0, 50)}}
+    reading = m.hermes_usage(m.hermes_record(db.path, MARKER, since, since - m.RECORD_LOOKBACK_SECONDS), before)
+    assert figures(reading) == (700, 0, 7) and reading.over
+
+
+def figures_of(totals: dict) -> tuple[int, int, int]:
+    uses = [use for models in totals.values() for use in models.values()]
+    return tuple(sum(getattr(use, name) for use in uses) for name in ("input", "cached_input", "output"))

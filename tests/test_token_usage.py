@@ -239,6 +239,8 @@ INSERT INTO part (id, message_id, session_id, time_created, time_updated, data) 
 ('prt_3', 'msg_212ac9c8c000', 'ses_212ac9c85bbb', 1795609640000, 1795609640000,
  '{"type":"text","text":"A session of its own in the same folder, started by a person"}');
 INSERT INTO message (id, session_id, time_created, time_updated, data) VALUES
+('msg_212ac9c8a000', 'ses_212ac9c84aaa', 1795609640000, 1795609640000, '{"role":"user","time":{"created":1795609640000}}'),
+('msg_212ac9c8c000', 'ses_212ac9c85bbb', 1795609640000, 1795609640000, '{"role":"user","time":{"created":1795609640000}}'),
 ('msg_212ac9c85001XX3JUOYWnSM3js', 'ses_212ac9c83ffe', 1795609631877, 1795609631877,
  '{"role":"user","time":{"created":1795609631877},"agent":"programmer","model":{"providerID":"scripted","modelID":"scripted"},"summary":{"diffs":[]}}'),
 ('msg_212ac9c86001', 'ses_212ac9c83ffe', 1795609632115, 1795609653749,
