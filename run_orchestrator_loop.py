@@ -3115,9 +3115,10 @@ def write_report(exit_code: int | None = None) -> None:
 # ==========================================================================
 # 5. Tokens used: the CLIs' own records
 # ==========================================================================
-# Each CLI writes what every model response cost into a record of its own:
-# Claude Code and Codex into a JSONL transcript per session, OpenCode into
-# one SQLite database per home (docs/agent-clis.md names the versions). The
+# Each CLI writes what its model responses cost into a record of its own:
+# Claude Code, Codex and Copilot CLI into a JSONL file per session, OpenCode
+# into one SQLite database per home, Hermes into one that keeps running totals
+# only (docs/agent-clis.md names the versions). The
 # loop reads them where it runs beside its agents (CAO on this machine, or
 # AGENT_HOME set); it only reads, and what it cannot read is unknown --
 # never reported as 0.
