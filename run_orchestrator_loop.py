@@ -2693,7 +2693,7 @@ def _unanswered_turn() -> dict | None:
     """The prompt in flight, as a turn of the run record with no reply (None when there is none)."""
     if in_flight is None or in_flight.reply_file:
         return None
-    facts = {**sent_turn_facts(in_flight.role), "seconds": None}
+    facts = {**sent_turn_facts(in_flight.role, time.time()), "seconds": None, "tokens_before": None}
     return {**TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
                          **facts).to_json(), "cost": None}
 
@@ -5552,7 +5552,7 @@ def turn_timing(path: Path) -> str:
     return text
 
 
-def sent_turn_facts(role: str) -> dict:
+def sent_turn_facts(role: str, taken: float) -> dict:
     """What the role's prompt in flight tells of its answered turn (where in the run, when it went, the
     nudges it took, its file); without one, the turn is placed where the run is now."""
     sent = in_flight if in_flight is not None and in_flight.role == role else None
@@ -5560,18 +5560,20 @@ def sent_turn_facts(role: str) -> dict:
         return {"seconds": None, "phase": current_phase, "cycle": phase_cycle}
     first_sent = sent.first_sent_at or sent.sent_at
     prompt_file = prompt_file_path(role, sent.number) if sent.number else None
-    return {"seconds": round(time.time() - sent.sent_at, 1) if sent.sent_at is not None else None,
+    return {"seconds": round(taken - sent.sent_at, 1) if sent.sent_at is not None else None,
             "phase": sent.phase, "cycle": sent.cycle,
             "sent_at": utc_iso(first_sent, precise=True) if first_sent else "",
             "reminders": sent.reminders, "resends": sent.resends, "tokens_before": sent.tokens_before,
             "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else ""}
 
 
-def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path) -> TurnRecord:
+def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path, taken: float | None = None) -> TurnRecord:
     """Remember an answered turn for the run summary and report (saved with the state), with the tokens
-    its CLI has recorded so far."""
-    facts = sent_turn_facts(role)
-    record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(precise=True),
+    its CLI has recorded so far. `taken`: when the loop took the reply (time.time(); before it kept it on
+    disk), else now."""
+    taken = time.time() if taken is None else taken
+    facts = sent_turn_facts(role, taken)
+    record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(taken, precise=True),
                         reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name,
                         terminal=terminal_ids.get(role, ""), **facts)
     add_turn_record(record)
@@ -5808,10 +5810,11 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         tokens_before_send(role)
         message = send_prompt(role, prompt)
     reply, ended_by = wait_for_reply(role, terminal_id, path, message, build)
+    taken = time.time()                              # the reply is taken; keeping it on disk comes next
     crash_point("reply-settled")
     timing = turn_timing(path)
     archived = archive_reply(role, reply, path)
-    record = record_turn(role, len(prompt.encode("utf-8")), reply, archived)
+    record = record_turn(role, len(prompt.encode("utf-8")), reply, archived, taken)
     crash_point("turn-recorded")
     write_report()
     crash_point("report-written")

@@ -141,3 +141,26 @@ def test_counts_read_as_a_person_writes_them(load_orch, fake_cao, prompt_file, c
     out = capsys.readouterr().out
     assert "summary: PASS after round 1/8; 1 turn, " in out
     assert m.counted(1, "prompt") == "1 prompt" and m.counted(0, "prompt") == "0 prompts"
+
+
+def test_a_turn_is_timed_to_the_moment_its_reply_was_taken_not_to_when_it_was_kept_on_disk(
+        load_orch, fake_cao, prompt_file, monkeypatch):
+    """Keeping a reply (the state and the run folder written to disk) can take a while on a busy disk: a
+    turn's taken_at and seconds are those of the moment the loop took the reply, as its log line's are."""
+    import time
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli", **QUICK)
+    kept_from = []
+    keep = m.archive_reply
+
+    def slow_keep(role, text, response_file):
+        kept_from.append(time.time())
+        time.sleep(0.3)                                   # a slow fsync
+        return keep(role, text, response_file)
+
+    monkeypatch.setattr(m, "archive_reply", slow_keep)
+    assert run_main(m) == 0
+    turns = summary_of(m)["turn_list"]
+    taken = [m.parse_utc_iso(turn["taken_at"]).timestamp() for turn in turns]
+    assert len(taken) == len(kept_from) == len(FAIL_THEN_PASS)
+    assert all(took <= kept + 0.001 for took, kept in zip(taken, kept_from)), (taken, kept_from)
