@@ -3147,6 +3147,7 @@ class TokenReading:
     by_model: dict[str, TokenUse]
     over: bool = True
     context: int | None = None
+    ended_at: float | None = None      # when the CLI recorded the end of the turn (time.time()), once it is over
 
 
 class _Responses:
@@ -3176,7 +3177,7 @@ class _Responses:
             return None
         over = not pending and self.last_end is not None and self.last_end >= self.last_response
         return TokenReading(add_tokens(*({model: use} for model, use in self.found.values())), over,
-                            self.found[self.last_key][1].total)
+                            self.found[self.last_key][1].total, self.last_end.timestamp() if over else None)
 
 
 def _token_count(value: object) -> int | None:
@@ -3466,7 +3467,7 @@ def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | N
     if not used and record.last_answer is None:
         return None
     over = record.last_answer is not None and record.last_answer >= (record.last_call or 0.0)
-    return TokenReading(used, over)
+    return TokenReading(used, over, ended_at=record.last_answer if over else None)
 
 
 def tokens_before_json(before: HermesTotals | None) -> dict | None:
@@ -5552,6 +5553,16 @@ def turn_timing(path: Path) -> str:
     return text
 
 
+def recorded_end_text(role: str, taken: float) -> str:
+    """'; its CLI recorded the turn's end 0.12s before': what of the wait after the agent's turn was the loop's
+    ('' when the record does not say when)."""
+    turn = in_flight if in_flight is not None and in_flight.role == role else None
+    reading = turn_tokens(role, first_sent_at(role), taken, turn.tokens_before if turn is not None else None)
+    if reading is None or reading.ended_at is None:
+        return ""
+    return f"; its CLI recorded the turn's end {max(0.0, taken - reading.ended_at):.2f}s before"
+
+
 def sent_turn_facts(role: str, taken: float) -> dict:
     """What the role's prompt in flight tells of its answered turn (where in the run, when it went, the
     nudges it took, its file); without one, the turn is placed where the run is now."""
@@ -5813,6 +5824,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
     crash_point("reply-settled")
     timing = turn_timing(path)
+    recorded = recorded_end_text(role, taken) if ended_by == TURN_ENDED_BY_RECORD else ""
     archived = archive_reply(role, reply, path)
     record = record_turn(role, len(prompt.encode("utf-8")), reply, archived, taken)
     crash_point("turn-recorded")
@@ -5820,7 +5832,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     crash_point("report-written")
     tokens = f"; tokens: {tokens_text(record.tokens)}" if agent_cli(provider_for(role)).records else ""
     log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
-                   f"{archived}{tokens})")
+                   f"{archived}{tokens}{recorded})")
     return reply
 
 

@@ -184,7 +184,8 @@ def pytest_xdist_make_scheduler(config, log):
 _e2e_outcomes: list[tuple[str, str]] = []
 # provider -> [(role, turn seconds, seconds from reply file written to reply taken, what ended the turn,
 # seconds from the agent's turn ended (the model's last answer) to reply taken, whether the loop read the
-# CLI's records)], from the loop's log and the scripted model
+# CLI's records, seconds from the CLI's record of the turn's end to reply taken)], from the loop's log and
+# the scripted model
 _real_cli_turn_times: dict[str, list] = {}
 # provider -> [(seconds until all five agents were up, whether some needed a second try)], in a fresh HOME
 _real_cli_start_ups: dict[str, list] = {}
@@ -248,11 +249,14 @@ def _e2e_summary(terminalreporter, config) -> None:
                if ends else ""))
         for records, how in ((True, "with its records read"), (False, "without its records (screen rules)")):
             after_end = [t[4] for t in times if len(t) > 5 and t[5] is records and t[4] is not None]
+            after_record = [t[6] for t in times if len(t) > 6 and t[5] is records and t[6] is not None]
             if after_end:
                 terminalreporter.write_line(
                     f"{provider}: {how}: reply taken {statistics.median(after_end):.2f}s median, "
                     f"{max(after_end):.2f}s max after the agent's turn ended (the model's last answer; "
-                    f"{len(after_end)} turns)")
+                    f"{len(after_end)} turns)"
+                    + (f"; {statistics.median(after_record):.2f}s median after the CLI recorded the turn's end "
+                       f"({len(after_record)} turns ended by it)" if after_record else ""))
     for provider, start_ups in sorted(_real_cli_start_ups.items()):
         terminalreporter.write_line(
             f"{provider}: five agents started at once in a fresh HOME {len(start_ups)} times: all up after "

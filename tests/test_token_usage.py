@@ -672,8 +672,12 @@ def test_turns_end_when_the_cli_records_their_end_and_by_the_screen_where_its_re
     home, _ = codex_home
     m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(home), **TESTER_FAIL_THEN_PASS)
     assert run_main(m) == 0
-    ends = re.findall(r"turn end seen by ([^,]+), kept as", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    ends = re.findall(r"turn end seen by ([^,]+), kept as", out)
     assert ends == [m.TURN_ENDED_BY_RECORD] * 6, ends
+    # each reply's line says how long before it was taken the CLI recorded its turn's end: the loop's part
+    lags = [float(lag) for lag in re.findall(r"; its CLI recorded the turn's end ([\d.]+)s before\)$", out, re.M)]
+    assert len(lags) == 6 and all(0 <= lag < 30 for lag in lags), out
 
 
 def test_without_its_records_a_turn_ends_by_the_screen_rules(load_orch, fake_cao, codex_home, prompt_file, capsys,

@@ -57,9 +57,10 @@ def pytest_collection_modifyitems(items):
 REAL_CLI_THINK_SECONDS = 0.2    # the scripted model's think time per request in the real-CLI tests
 
 # Real agent CLIs: provider -> [(role, turn seconds, seconds from reply file written to reply taken, what
-# ended the turn, seconds from the model's last answer of the turn to reply taken)], as the loop's own log and
+# ended the turn, seconds from the model's last answer of the turn to reply taken, whether the loop read the
+# CLI's records, seconds from the CLI's record of the turn's end to reply taken)], as the loop's own log and
 # the scripted model reported them (filled by test_real_clis.py).
-REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float, str, float | None]]] = {}
+REAL_CLI_TURN_TIMES: dict[str, list[tuple[str, float, float, str, float | None, bool, float | None]]] = {}
 # provider -> [(seconds until all five agents were up, whether some needed a second try)], in a fresh HOME.
 REAL_CLI_START_UPS: dict[str, list[tuple[float, bool]]] = {}
 

@@ -60,10 +60,16 @@ def _moment(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def timed_turns(cao, run: Run, stdout: str) -> list[tuple[str, float, float, str, float | None, bool]]:
+RECORDED_END = re.compile(r": reply received after .*; its CLI recorded the turn's end ([\d.]+)s before\)$")
+
+
+def timed_turns(cao, run: Run, stdout: str) -> list[tuple[str, float, float, str, float | None, bool, float | None]]:
     """turn_times(), each with the seconds from the agent's turn ended -- the model's last answer of the
-    turn, its closing words after the write -- to the reply taken (None where the model gave none), and
-    whether the loop could read the CLI's records (AGENT_HOME given)."""
+    turn, its closing words after the write -- to the reply taken (None where the model gave none), whether
+    the loop could read the CLI's records (AGENT_HOME given), and the seconds from the CLI's record of the
+    turn's end to the reply taken, as the loop's line says (None for a turn not ended by the record)."""
+    recorded = [(float(found.group(1)) if found else None) for found in
+                (RECORDED_END.search(line) for line in stdout.splitlines() if TURN_LINE.search(line))]
     summary = json.loads((Path(run.state()["run_dir"]) / "summary.json").read_text(encoding="utf-8"))
     records = summary["turn_list"]
     closings = [(event["role"], event["time"]) for event in cao.model.events()
@@ -73,7 +79,8 @@ def timed_turns(cao, run: Run, stdout: str) -> list[tuple[str, float, float, str
         later = [_moment(r["sent_at"]) for r in records[index + 1:] if r["role"] == record["role"] and r["sent_at"]]
         sent, taken = _moment(record["sent_at"]), _moment(record["taken_at"])
         ends = [at for role, at in closings if role == record["role"] and sent <= at < min(later, default=taken + 60)]
-        timed.append((*turn, round(taken - max(ends), 3) if ends else None, "AGENT_HOME" in run.env))
+        timed.append((*turn, round(taken - max(ends), 3) if ends else None, "AGENT_HOME" in run.env,
+                      recorded[index] if index < len(recorded) else None))
     return timed
 
 
