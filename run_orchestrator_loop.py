@@ -5553,11 +5553,9 @@ def turn_timing(path: Path) -> str:
     return text
 
 
-def recorded_end_text(role: str, taken: float) -> str:
+def recorded_end_text(reading: TokenReading | None, taken: float) -> str:
     """'; its CLI recorded the turn's end 0.12s before': what of the wait after the agent's turn was the loop's
-    ('' when the record does not say when)."""
-    turn = in_flight if in_flight is not None and in_flight.role == role else None
-    reading = turn_tokens(role, first_sent_at(role), taken, turn.tokens_before if turn is not None else None)
+    ('' when the turn's record does not say when)."""
     if reading is None or reading.ended_at is None:
         return ""
     return f"; its CLI recorded the turn's end {max(0.0, taken - reading.ended_at):.2f}s before"
@@ -5578,21 +5576,22 @@ def sent_turn_facts(role: str, taken: float) -> dict:
             "prompt_file": prompt_file.name if prompt_file is not None and prompt_file.exists() else ""}
 
 
-def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path, taken: float | None = None) -> TurnRecord:
+def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
+                taken: float | None = None) -> tuple[TurnRecord, TokenReading | None]:
     """Remember an answered turn for the run summary and report (saved with the state), with the tokens
-    its CLI has recorded so far. `taken`: when the loop took the reply (time.time(); before it kept it on
-    disk), else now."""
+    its CLI has recorded so far; the turn and what its CLI's records said. `taken`: when the loop took the
+    reply (time.time(); before it kept it on disk), else now."""
     taken = time.time() if taken is None else taken
     facts = sent_turn_facts(role, taken)
     record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(taken, precise=True),
                         reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name,
                         terminal=terminal_ids.get(role, ""), **facts)
     add_turn_record(record)
-    read_turn_tokens(len(turn_records) - 1)
+    reading = read_turn_tokens(len(turn_records) - 1)
     record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
                  terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
                  reply_file=record.reply_file, tokens=tokens_json(record.tokens))
-    return record
+    return record, reading
 
 
 # -- Tokens used and the run's budget --------------------------------------------------
@@ -5824,9 +5823,9 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
     crash_point("reply-settled")
     timing = turn_timing(path)
-    recorded = recorded_end_text(role, taken) if ended_by == TURN_ENDED_BY_RECORD else ""
     archived = archive_reply(role, reply, path)
-    record = record_turn(role, len(prompt.encode("utf-8")), reply, archived, taken)
+    record, reading = record_turn(role, len(prompt.encode("utf-8")), reply, archived, taken)
+    recorded = recorded_end_text(reading, taken) if ended_by == TURN_ENDED_BY_RECORD else ""
     crash_point("turn-recorded")
     write_report()
     crash_point("report-written")
