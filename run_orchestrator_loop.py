@@ -40,6 +40,7 @@ Sections, in the order data flows (each uses only what stands above it):
 from __future__ import annotations
 
 __version__ = "0.4.0"
+PACKAGE_NAME = "cao-orchestrator-loop"
 
 # The public names: those the specs fix (tests and users address them), and main(); one global per setting is
 # added in section 1, from SETTINGS. Every other name is the script's own and may change.
@@ -69,6 +70,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -287,6 +289,8 @@ class AgentCli:
     program: str = ""                           # the program CAO starts ('': the one CAO names)
     traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
+    server_env: tuple[tuple[str, str, str], ...] = ()  # (variable, value, 'always' or 'root'): what its agents need
+    #                                             in the environment of a CAO server the run starts itself
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -323,7 +327,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="claude transcripts", compaction_settings="claude settings.json",
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
-        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",), run_tokens=(444_750, 700_544)),
+        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",), run_tokens=(444_750, 700_544),
+        server_env=(("IS_SANDBOX", "1", "root"),)),
     # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a first
     # turn; its own marks on the screen (ESC ] 7501;state=..., turn_mark) say when it works and when a turn
     # is over, else a screen still for QUIET_SCREEN_SECONDS.
@@ -361,7 +366,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
     "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
                        records="hermes state.db", proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
-                       run_tokens=(287_911, 455_907)),
+                       run_tokens=(287_911, 455_907), server_env=(("PROMPT_TOOLKIT_NO_CPR", "1", "always"),)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0)),
     "kiro_cli": AgentCli("Kiro CLI"),
@@ -464,6 +469,13 @@ def _role_settings() -> list[Setting]:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("API", "api", "http://localhost:9889", "url", "CAO server base URL"),
+    Setting("OWN_SERVER", "own_server", "auto", "auto_bool",
+            "auto: the CAO server at API when API (or CAO_API_PORT) is set or a server answers there, else the "
+            "run's own, started for the run and ended with it; 1: always the run's own; 0: never (a CAO server "
+            "must answer at API)"),
+    Setting("OWN_SERVER_PORT", "own_server_port", 0, "port0",
+            "the port of the run's own CAO server on 127.0.0.1 (0: a free one); one another process holds is an "
+            "error, never a server found"),
     Setting("PROVIDER", "provider", DEFAULT_PROVIDER, "provider", "CAO provider for every agent"),
     Setting("MODEL", "model", "", "model",
             "model every agent CLI is started with, passed to CAO at creation (empty: each CLI's own default)"),
@@ -607,6 +619,8 @@ _ENV_EXPECTED = {
     "text": "any text",
     "url": "an http:// or https:// URL, e.g. http://localhost:9889",
     "bool": "1 or 0",
+    "auto_bool": "auto, 1 or 0",
+    "port0": "a port number from 0 to 65535",
     "count": "a whole number of at least 1",
     "count0": "a whole number of at least 0",
     "seconds0": "a number of seconds of at least 0",
@@ -621,7 +635,8 @@ _ENV_EXPECTED = {
     "prices": 'a JSON object: model -> {"input": price, "output": price, "cached_input": price}, prices per '
               'million tokens, at least 0',
 }
-_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", count="a whole number of at least 1 (not a string)",
+_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", auto_bool='"auto", true or false',
+                      port0="a port number from 0 to 65535 (not a string)", count="a whole number of at least 1 (not a string)",
                       count0="a whole number of at least 0 (not a string)",
                       seconds="a number greater than 0 (not a string)",
                       seconds0="a number of at least 0 (not a string)", amount0="a number of at least 0 (not a string)")
@@ -655,6 +670,8 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "amount0": lambda v: _is_seconds(v, False),
     "prices": _is_price_table,
     "bool": lambda v: isinstance(v, bool),
+    "auto_bool": lambda v: v == "auto" or isinstance(v, bool),
+    "port0": lambda v: _is_whole(v, 0) and v <= 65535,
     "text": lambda v: isinstance(v, str),
     "url": lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v)),
     "provider": lambda v: v in AGENT_CLIS,
@@ -678,11 +695,11 @@ def _check_value(setting: Setting, value: object) -> object:
 def _parse_env_value(setting: Setting, raw: str) -> object:
     """Turn an environment string into the setting's type; ValueError if it can't."""
     text = raw.strip()
-    if setting.kind == "bool":
-        if text not in ("1", "0"):
+    if setting.kind in ("bool", "auto_bool"):
+        if text not in ("1", "0") and not (setting.kind == "auto_bool" and text == "auto"):
             raise ValueError
-        return text == "1"
-    if setting.kind in ("count", "count0"):
+        return "auto" if text == "auto" else text == "1"
+    if setting.kind in ("count", "count0", "port0"):
         if not re.fullmatch(r"[0-9]+", text):
             raise ValueError
         return _check_value(setting, int(text))
@@ -856,6 +873,8 @@ def _current_directory() -> str:
 
 
 API: str = _initial("API")
+OWN_SERVER: str | bool = _initial("OWN_SERVER")
+OWN_SERVER_PORT: int = _initial("OWN_SERVER_PORT")
 PROVIDER: str = _initial("PROVIDER")
 MODEL: str = _initial("MODEL")
 WD: str = _initial("WD") or _current_directory()
@@ -1024,6 +1043,14 @@ def check_budget_settings() -> None:
                           f"be read from here, or unset {budget}")
 
 
+def cao_cli_address(environ: Mapping[str, str]) -> str:
+    """The server CAO's own `cao` command talks to (CAO_API_HOST, CAO_API_PORT): the loop's too, unless API says."""
+    port = environ.get("CAO_API_PORT", "").strip() or "9889"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"CAO_API_PORT={port!r} is not a port number: set it to the port of your CAO server")
+    return f"http://{environ.get('CAO_API_HOST', '').strip() or '127.0.0.1'}:{port}"
+
+
 def configure(argv: list[str]) -> None:
     """Settle every setting (env > JSON > default) and validate it, before anything runs."""
     global explicit_settings, setting_warnings, config_argument, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
@@ -1038,6 +1065,8 @@ def configure(argv: list[str]) -> None:
         raise ConfigError(env_errors[0])
     file_values = read_config_file(argv[0]) if argv else {}
     chosen = {**file_values, **env_values}
+    if "API" not in chosen and (os.environ.get("CAO_API_PORT") or os.environ.get("CAO_API_HOST")):
+        chosen["API"] = cao_cli_address(os.environ)
     if "WD" in chosen and "STATE_FILE" not in chosen:
         chosen["STATE_FILE"] = default_state_file(os.path.abspath(chosen["WD"]))
     globals().update(chosen)
@@ -1465,12 +1494,15 @@ class LocalServer:
             args = Path(f"/proc/{self.pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")
         except OSError:
             return ""
-        for arg in args:
-            if Path(arg).name == "cao-server":
-                prefix = Path(arg).resolve().parent.parent
-                for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
-                    return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
-        return ""
+        return next((installed_cao_version(arg) for arg in args if Path(arg).name == "cao-server"), "")
+
+
+def installed_cao_version(program: str) -> str:
+    """The cli-agent-orchestrator version a cao-server program belongs to ('' if it cannot be told)."""
+    prefix = Path(program).resolve().parent.parent
+    for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
+        return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
+    return ""
 
     @property
     def tmux_socket(self) -> str:
@@ -1540,6 +1572,313 @@ def tmux_hint(command: str) -> str:
     user's own tmux server."""
     socket_path = agents_tmux_socket()
     return f"tmux -S {shlex.quote(socket_path)} {command}" if socket_path else f"tmux {command}"
+
+
+# -- The run's own CAO server ----------------------------------------------------
+# Where no server is named (no API, no CAO_API_PORT) and none answers at API, or with OWN_SERVER=1, the run
+# stands up what it needs and ends it with itself: a tmux server of its own (a private TMUX_TMPDIR, TMUX
+# unset: never the user's server; shells without a login profile, with the loop's PATH first) and cao-server
+# on a free port of 127.0.0.1, started in it. What runs is noted beside the state file, so that the next
+# invocation on that state file ends what a run killed with SIGKILL left behind (docs/agent-clis.md).
+OWN_SERVER_HOST = "127.0.0.1"
+OWN_SERVER_START_SECONDS = 60.0          # cao-server imports a lot: seconds, more on a loaded machine
+OWN_SERVER_MARK = "CAO_LOOP_OWN_SERVER"  # in the environment of all it starts: how what is left is found
+OWN_SERVER_GRACE_SECONDS = 3.0           # from SIGTERM to SIGKILL for what the own server started
+
+
+@dataclass
+class OwnServer:
+    """The run's own cao-server and tmux server: its port, the tmux folder, its log, and its processes (a pid
+    with its start time, so that a pid given out again is never taken for one of them)."""
+
+    port: int
+    tmux_dir: str
+    log_file: str
+    processes: dict[str, list[int]] = field(default_factory=dict)    # 'cao-server' / 'tmux' -> [pid, start]
+
+    @property
+    def url(self) -> str:
+        return f"http://{OWN_SERVER_HOST}:{self.port}"
+
+    @property
+    def tmux_socket(self) -> str:
+        return os.path.join(self.tmux_dir, f"tmux-{os.getuid()}", "default")
+
+
+own_server: OwnServer | None = None      # set by start_own_server(), cleared by end_own_server()
+
+
+def own_server_note() -> Path:
+    """Where the run's own server is noted while it runs: beside the state file."""
+    state = Path(STATE_FILE)
+    return state.with_name(state.stem + ".own-server.json")
+
+
+def own_server_log() -> Path:
+    """cao-server's output, beside the state file (appended by every invocation)."""
+    return Path(STATE_FILE).with_name("cao-server.log")
+
+
+def process_started_at(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot), None when it is gone or a zombie (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def marked_processes(mark: str) -> list[int]:
+    """This user's processes that carry OWN_SERVER_MARK=mark in their environment: all an own server started."""
+    needle = f"{OWN_SERVER_MARK}={mark}".encode()
+    found = []
+    with suppress(OSError):
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and int(proc.name) != os.getpid():
+                with suppress(OSError):
+                    if needle in (proc / "environ").read_bytes().split(b"\0"):
+                        found.append(int(proc.name))
+    return found
+
+
+def end_processes(pids: Iterable[int], group: bool = False) -> None:
+    """SIGTERM (to each one's process group with `group`), then SIGKILL what is still there after the grace."""
+    pids = list(pids)
+    for pid in pids:
+        with suppress(OSError):
+            os.killpg(pid, signal.SIGTERM) if group else os.kill(pid, signal.SIGTERM)
+    give_up = time.monotonic() + OWN_SERVER_GRACE_SECONDS
+    while any(process_started_at(pid) is not None for pid in pids) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    for pid in pids:
+        if process_started_at(pid) is not None:
+            with suppress(OSError):
+                os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+
+
+def end_own_processes(own: OwnServer) -> None:
+    """cao-server first (it could start a tmux server again), then the tmux server with the agents, then
+    whatever they started that outlived them; the tmux folder goes last."""
+    started = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    if "cao-server" in started:
+        end_processes([started["cao-server"]], group=True)
+    with suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["tmux", "kill-server"], env=own_server_env(own), capture_output=True, timeout=10)
+    if "tmux" in started:
+        end_processes([started["tmux"]])
+    end_processes(marked_processes(own.tmux_dir))
+    shutil.rmtree(own.tmux_dir, ignore_errors=True)
+
+
+def note_own_server(own: OwnServer) -> None:
+    """Note the own server beside the state file (written whole or not at all)."""
+    note = own_server_note()
+    temporary = note.with_name(note.name + ".tmp")
+    temporary.write_text(json.dumps({"port": own.port, "tmux_dir": own.tmux_dir, "log_file": own.log_file,
+                                     "processes": own.processes}), encoding="utf-8")
+    os.replace(temporary, note)
+
+
+def end_left_own_server() -> None:
+    """A run killed with SIGKILL left its own server running: end it before anything starts (under the
+    run's lock, so it is never a live run's)."""
+    note = own_server_note()
+    try:
+        raw = json.loads(note.read_text(encoding="utf-8"))
+        left = OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
+                         {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()})
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        log(f"note: {note} cannot be read ({exc}); removed")
+        note.unlink(missing_ok=True)
+        return
+    alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
+    log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
+        + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
+    end_own_processes(left)
+    note.unlink(missing_ok=True)
+
+
+def loop_program(name: str) -> str:
+    """A program installed with the loop (cao-server, cao), beside its Python first, else on PATH ('' if none)."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name) or ""
+
+
+def own_server_env(own: OwnServer) -> dict[str, str]:
+    """What the own tmux server, cao-server and the agents run with: the loop's environment, its Python's
+    folder first on PATH (mock_cli, cao), a private tmux folder, CAO's address for CAO's own tools, and what
+    each CLI in use needs (its row's `server_env`)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
+    path = [str(Path(sys.executable).parent), *env.get("PATH", os.defpath).split(os.pathsep)]
+    env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
+               CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
+    for provider in providers_in_use():
+        for name, value, when in agent_cli(provider).server_env:
+            if when == "always" or (when == "root" and os.geteuid() == 0):
+                env.setdefault(name, value)
+    return env
+
+
+def own_server_missing() -> str:
+    """What the own server needs and this machine lacks, as the line that says how to get it ('': nothing)."""
+    if shutil.which("tmux") is None:
+        return "tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: apt-get install tmux)"
+    if not loop_program("cao-server") or not loop_program("cao"):
+        return (f"cao-server is not installed here: pip install '{PACKAGE_NAME}[cao]' (CAO {CAO_PROVEN_VERSION}), or "
+                "point API at a CAO server you run")
+    return ""
+
+
+def port_holder(port: int) -> str:
+    """'pid 1234 (cao-server --port 9890)' for the process listening on a port of this machine ('' if none
+    is seen)."""
+    pid = _process_of(_listening_sockets(port))
+    if pid is None:
+        return ""
+    with suppress(OSError):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        return f"pid {pid} ({command[:80]})"
+    return f"pid {pid}"
+
+
+def free_port() -> int:
+    """OWN_SERVER_PORT if no process holds it (else a ConfigError), or a port the system gives as free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((OWN_SERVER_HOST, OWN_SERVER_PORT))
+        except OSError:
+            holder = port_holder(OWN_SERVER_PORT)
+            raise ConfigError(f"OWN_SERVER_PORT={OWN_SERVER_PORT}: that port of {OWN_SERVER_HOST} is taken"
+                              + (f" by {holder}" if holder else "") + "; choose another, or 0 for a free one") from None
+        return probe.getsockname()[1]
+
+
+def start_own_tmux(own: OwnServer) -> None:
+    """The agents' tmux server, before cao-server: its shells start without a login profile (which could
+    reset PATH) and it stays up while it has no session."""
+    shell = "exec bash --noprofile --norc" if shutil.which("bash") else "exec sh"
+    env = own_server_env(own)
+    started = subprocess.run(["tmux", "-f", os.devnull, "start-server", ";", "set-option", "-g", "exit-empty", "off",
+                              ";", "set-option", "-g", "default-command", shell], env=env, capture_output=True,
+                             text=True, timeout=30)
+    pid = subprocess.run(["tmux", "display-message", "-p", "#{pid}"], env=env, capture_output=True, text=True,
+                         timeout=30).stdout.strip()
+    if started.returncode != 0 or not pid.isdigit():
+        raise RunError(f"could not start the run's own tmux server: {' '.join(started.stderr.split())[:200]}")
+    own.processes["tmux"] = [int(pid), process_started_at(int(pid)) or 0]
+
+
+def launch_cao_server(own: OwnServer) -> bool:
+    """cao-server on own.port, waited for; False when it ended first (its port taken since it was found free).
+    What answers there must be it: a server of another process gets no agent and no prompt."""
+    with open(own.log_file, "ab") as output:
+        process = subprocess.Popen([loop_program("cao-server"), "--host", OWN_SERVER_HOST, "--port", str(own.port)],
+                                   env=own_server_env(own), cwd=own.tmux_dir, stdin=subprocess.DEVNULL,
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    own.processes["cao-server"] = [process.pid, process_started_at(process.pid) or 0]
+    note_own_server(own)
+    give_up = time.monotonic() + OWN_SERVER_START_SECONDS
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < give_up and process.poll() is None:
+            with suppress(httpx.HTTPError):
+                if client.get(f"{own.url}/health").status_code == 200:
+                    listener = _process_of(_listening_sockets(own.port))
+                    if listener in (None, process.pid):
+                        return True
+                    break
+            time.sleep(0.1)
+    if process.poll() is None and time.monotonic() >= give_up:
+        raise RunError(f"the run's own cao-server did not answer on {own.url} within {OWN_SERVER_START_SECONDS:g} s; "
+                       f"its log: {own.log_file}")
+    end_processes([process.pid], group=True)
+    process.wait()
+    return False
+
+
+def install_own_profiles(own: OwnServer) -> None:
+    """The run's agent profiles, installed in CAO's store where it lacks them (also where the CLI keeps a
+    copy of its own that is missing), from the profiles that come with the loop; all at once."""
+    missing = [(profile, provider) for profile, provider in
+               dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES)
+               if api.profile_installed(profile) is not True
+               or (agent_cli(provider).profile_file
+                   and not Path.home().joinpath(agent_cli(provider).profile_file.format(name=profile)).is_file())]
+    sources = {profile: bundled_profile(profile) for profile, _ in missing}
+    for profile, provider in missing:
+        if sources[profile] is None:
+            raise ConfigError(f"agent profile {profile} is not installed in CAO and does not come with the loop: "
+                              f"`cao install` it for {provider}, or use the loop's ({', '.join(DEFAULT_PROFILES.values())})")
+    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool:
+        said = list(pool.map(lambda item: subprocess.run(
+            [loop_program("cao"), "install", str(sources[item[0]]), "--provider", item[1]], env=own_server_env(own),
+            capture_output=True, text=True, timeout=120), missing))
+    for (profile, provider), done in zip(missing, said):
+        if api.profile_installed(profile) is not True:
+            raise RunError(f"`cao install {sources[profile]} --provider {provider}` did not install it: "
+                           + " ".join((done.stdout + done.stderr).split())[-300:])
+    if missing:
+        log("agent profiles installed in CAO's store: " + ", ".join(f"{profile} ({provider})"
+                                                                 for profile, provider in missing))
+
+
+def bundled_profile(name: str) -> Path | None:
+    """A profile that comes with the loop: beside the script in a checkout, else where pip put them."""
+    for folder in (Path(__file__).resolve().parent / "profiles", Path(sys.prefix) / "share" / PACKAGE_NAME / "profiles"):
+        if (folder / f"{name}.md").is_file():
+            return folder / f"{name}.md"
+    return None
+
+
+def start_own_server() -> None:
+    """Stand the run's own tmux server and cao-server up (see above); from now on API is theirs."""
+    global own_server, API
+    missing = own_server_missing()
+    if missing:
+        raise ConfigError(missing)
+    own_server = OwnServer(free_port(), tempfile.mkdtemp(prefix="cao-loop-"), str(own_server_log()))
+    note_own_server(own_server)
+    start_own_tmux(own_server)
+    for attempt in range(3):
+        if attempt:                      # another process took the port between the look and the start
+            own_server.port = free_port()
+            subprocess.run(["tmux", "set-environment", "-g", "CAO_API_PORT", str(own_server.port)],
+                           env=own_server_env(own_server), capture_output=True, timeout=30)
+        if launch_cao_server(own_server):
+            break
+        if OWN_SERVER_PORT:
+            raise ConfigError(f"OWN_SERVER_PORT={OWN_SERVER_PORT}: another process answers there; choose another "
+                              "port, or 0 for a free one")
+    else:
+        raise RunError(f"the run's own cao-server could not start; its log: {own_server.log_file}")
+    note_own_server(own_server)
+    API = own_server.url
+    explicit_settings.add("API")         # the state's server of an earlier invocation is gone
+    connect_api()
+    log(f"CAO server: the run's own, {own_server.url} (cao-server's log: {own_server.log_file}); its agents run in "
+        f"a tmux server of their own ({own_server.tmux_socket}); both end with the run")
+    install_own_profiles(own_server)
+
+
+def end_own_server() -> None:
+    """End the run's own server, its tmux server and all they started: nothing of the run is left running."""
+    global own_server
+    own = own_server
+    if own is None:
+        return
+    end_own_processes(own)
+    own_server_note().unlink(missing_ok=True)
+    own_server = None
+
+
+def server_answers(url: str) -> bool:
+    """Whether anything answers HTTP at `url` (a CAO server: the loop then uses it as the user's)."""
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=3.0)
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 # ==========================================================================
@@ -2003,6 +2342,7 @@ STATE_FIELDS: tuple[StateField, ...] = (
                parse=lambda v: [r for r in v if isinstance(r, dict)] if isinstance(v, list) else []),
     StateField("context_sent", "context_sent", parse=lambda v: set(_strings(v)), new=set, dump=sorted),
     StateField("terminals_exited", "terminals_exited", parse=lambda v: v is True, new=bool),
+    StateField("own_server", "on_own_server", parse=lambda v: v is True, new=bool),
     StateField("in_flight", "in_flight", parse=InFlight.from_json, dump=lambda r: r and r.to_json()),
     StateField("story_progress", "story_progress", parse=StoryProgress.from_json, dump=lambda r: r and r.to_json()),
     StateField("turn_records", "turn_records", new=list, dump=lambda records: [r.to_json() for r in records],
@@ -2045,6 +2385,7 @@ agent_models: dict[str, str] = _new_value("agent_models")  # role -> the model i
 verifications: list[dict] = _new_value("verifications")    # VERIFY_PASS: each check of a tester's PASS
 context_sent: set[str] = _new_value("context_sent")      # "<block>:<terminal id>" of once-only text a terminal has
 terminals_exited: bool = _new_value("terminals_exited")  # CLEANUP_ON_EXIT ended the agents: never type into them
+on_own_server: bool = _new_value("on_own_server")        # its agents run on a CAO server of its own (OWN_SERVER)
 in_flight: InFlight | None = _new_value("in_flight")
 story_progress: StoryProgress | None = _new_value("story_progress")
 turn_records: list[TurnRecord] = _new_value("turn_records")
@@ -7070,7 +7411,7 @@ def end_old_run(plan: StartPlan) -> None:
     """The new run's state is written: end the replaced run's agents and remove their CAO session."""
     old = plan.old_run if plan.set_aside else None
     ids = [i for i in old.terminal_ids.values() if i] if old is not None else []
-    if not ids or old.terminals_exited:
+    if not ids or old.terminals_exited or old.on_own_server:     # those ended with their own server
         return
     if (old.API or API).rstrip("/") != API.rstrip("/"):
         log(f"the replaced run's agents (CAO session {old.session_name}) ran on {old.API}, another server: "
@@ -7104,7 +7445,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         set_aside_old_state(plan)
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
-        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
+        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), on_own_server=own_server is not None,
                    started_at=utc_iso(precise=True), agent_models={role: model_for(role) for role in ROLES},
                    outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
                    worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
@@ -7158,6 +7499,38 @@ def verify_resume_terminals() -> None:
         except AgentLost as stop:
             raise AgentLost(stop.role, stop.terminal_id, stop.why, stop.last_line,
                             stop.ways_on, when="cannot resume: ") from None
+
+
+def new_agents_on_own_server() -> None:
+    """A resumed run on a CAO server of its own, started anew: its agents ended with the last invocation, so
+    five new ones take their places (no replacement counted), and the turn in flight is sent to its new agent
+    unless its reply was taken already. Each new agent gets its whole prompt (once-only text is per terminal)."""
+    old_ids = dict(terminal_ids)
+    new_session, new_ids = create_terminals()
+    settled_terminals.update(new_ids.values())
+    again = in_flight is not None and taken_reply(in_flight.role) is None
+    update_run(in_flight=replace(in_flight, sent_at=None) if again else in_flight, session_name=new_session,
+               terminal_ids=new_ids, agent_models={role: model_for(role) for role in ROLES}, fresh_agents_due={},
+               on_own_server=True)
+    save_state()
+    record_event("agent_replaced", roles=list(ROLES), old_terminals=old_ids, new_terminals=new_ids,
+                 session=new_session, why="the run's own CAO server was started anew", replacement=0)
+    log(f"five new agents on the run's own CAO server, in CAO session {new_session}: "
+        + ", ".join(f"{role} {old_ids.get(role) or '-'} -> {new_ids[role]}" for role in ROLES)
+        + "; every answered turn is kept, and a new agent gets its whole prompt")
+
+
+def own_server_wanted(plan: StartPlan) -> bool:
+    """OWN_SERVER=1; or with auto, no server named (API, CAO_API_PORT) and either a resumed run that was on its
+    own server or a new run where no server answers at API."""
+    if OWN_SERVER != "auto":
+        return bool(OWN_SERVER)
+    if "API" in explicit_settings:
+        return False
+    if plan.resume:
+        saved = read_state_file()
+        return saved is not None and saved.on_own_server
+    return not server_answers(API)
 
 
 def resume_required(saved: SavedState) -> StartPlan:
@@ -7887,9 +8260,46 @@ def check_run_state() -> list[CheckLine]:
                       f"starts a new run (state in {STATE_FILE})")]
 
 
+def check_own_server() -> list[CheckLine]:
+    """The run's own server: what it needs here (tmux, cao-server, a free port), and the agents' side as the
+    shells it starts will see it (their PATH and environment are the loop's, so no probe is needed)."""
+    missing = own_server_missing()
+    if missing:
+        return [CheckLine(False, missing)]
+    try:
+        own = OwnServer(free_port(), "", "")
+    except ConfigError as exc:
+        return [CheckLine(False, exc.message)]
+    server = loop_program("cao-server")
+    version = installed_cao_version(server)
+    note = "" if not version or version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
+    lines = [CheckLine(True, f"CAO server: the run's own, started for it on a free port of {OWN_SERVER_HOST} (e.g. "
+                             f"{own.port}) and ended with it: {server}" + (f", cli-agent-orchestrator {version}" if
+                                                                            version else "") + note)]
+    env = own_server_env(own)
+    programs = {}
+    for program in sorted({cli_program(provider, None) for provider in providers_in_use()}):
+        path = shutil.which(program, path=env["PATH"]) or ""
+        with suppress(OSError, subprocess.SubprocessError):
+            programs[program] = (path, (subprocess.run([path, "--version"], env=env, capture_output=True, text=True,
+                                                       timeout=PROBE_SECONDS).stdout.strip().splitlines() or [""])[0]
+                                 if path else "")
+        programs.setdefault(program, (path, ""))
+    side = AgentsSide(env, os.getuid(), programs)
+    unbundled = [profile_for(role) for role in ROLES if bundled_profile(profile_for(role)) is None]
+    profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
+                               "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
+                                                                         "CAO's store where it lacks them")
+    return lines + [profiles] + check_clis(side, None) + check_traps(side)
+
+
 def preflight_lines() -> list[CheckLine]:
     """Every check after the settings, in the order a run meets what they look at."""
-    lines = check_run_state() + check_working_directory() + check_server()
+    lines = check_run_state() + check_working_directory()
+    with suppress(ConfigError, StateFileError):
+        if own_server_wanted(choose_start()):
+            return lines + check_own_server() + check_token_budget() + check_ntfy()
+    lines += check_server()
     if lines[-1].ok is False:
         return lines
     report = api.provider_report()
@@ -7944,7 +8354,6 @@ def check_command(args: list[str]) -> int:
 # 17. Entry point
 # ==========================================================================
 
-PACKAGE_NAME = "cao-orchestrator-loop"
 # The settings most runs set; the short --help lists them, --help-settings all of them.
 COMMON_SETTINGS = ("API", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
@@ -7958,7 +8367,7 @@ def command_name() -> str:
 
 def usage_lines() -> list[str]:
     name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --check [config.json]",
+    return [f"usage: {name} [config.json]", f"       {name} --demo [DIR]", f"       {name} --check [config.json]",
             f"       {name} --status [--json] [--follow] [config.json]",
             f"       {name} --help | --help-settings | --readme | --version"]
 
@@ -7979,6 +8388,7 @@ class CommandLine(argparse.ArgumentParser):
 def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
+    parser.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR")
     for flag in ("--check", "--status", "--json", "--follow", "--help-settings", "--readme"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
@@ -8063,11 +8473,21 @@ def next_step(saved: SavedState) -> str:
             f"{saved.current_phase} phase")
 
 
+def own_server_ended(saved: SavedState) -> bool:
+    """The run was on a CAO server of its own and no process drives it: that server ended with it."""
+    return saved.on_own_server and not lock_holder()
+
+
 def _status_progress(saved: SavedState) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
+    server = (f"CAO server: the run's own, ended with its last invocation (it was at {API}); a rerun starts "
+              "another" if own_server_ended(saved) else f"CAO server: {API}")
     if saved.finished:
-        return [f"CAO server: {API}", f"turns: {len(saved.turn_records)} answered"]
-    return [f"CAO server: {API}", f"next: {next_step(saved)}", f"working now: {working_now(saved)}",
+        return [server, f"turns: {len(saved.turn_records)} answered"]
+    working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with a new "
+               "agent at the rerun" if own_server_ended(saved) and saved.in_flight and not saved.in_flight.reply_file
+               else working_now(saved))
+    return [server, f"next: {next_step(saved)}", f"working now: {working}",
             f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
             f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
             + (", story attempts not counted)" if STORY_MODE else ")")]
@@ -8090,7 +8510,9 @@ def _status_tokens(saved: SavedState) -> list[str]:
 
 def _status_agents(saved: SavedState) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
-    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else f"agents: {agents_left_note(saved)}"]
+    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
+             "agents: ended with the run's own CAO server" if own_server_ended(saved) else
+             f"agents: {agents_left_note(saved)}"]
     if any(saved.agent_models.values()):
         lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
                                                       for role in ROLES))
@@ -8151,7 +8573,7 @@ def status_facts(saved: SavedState) -> dict:
                                                                                  if holder else None),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
-        "cao_server": API, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
+        "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
     }
@@ -8208,6 +8630,7 @@ def help_text() -> str:
         "tester) on a CAO server until the tester reports PASS. Settings come from",
         "environment variables and/or a JSON config file; the environment wins.", "",
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
+        "  --demo [DIR]     a first PASS in DIR (~/cao-loop-demo): scripted agents, no AI CLI",
         "  --check          all a run needs, checked: no agent started, no token spent",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
@@ -8296,7 +8719,10 @@ def start_run(task: str) -> StartPlan:
             set_task(task)
         elif task and task != PROMPT:
             log("note: resuming with the task saved in the state file; PROMPT/PROMPT_FILE is ignored")
-        verify_resume_terminals()
+        if own_server is not None:
+            new_agents_on_own_server()
+        else:
+            verify_resume_terminals()
         if not run_dir:                     # a state file written by the shell script
             update_run(run_dir=new_run_dir())
         prepare_run_folder()
@@ -8411,7 +8837,10 @@ def wind_down(code: int) -> int:
         settle_tokens(run_ended=final_status in ("PASS", "FAIL"))
         save_state()
         report_run_summary(code)
-        if CLEANUP_ON_EXIT:
+        if own_server is not None:
+            log(f"ending the run's own CAO server ({API}), its tmux server and the five agents"
+                + ("; a rerun starts new ones and goes on" if final_status == "RUNNING" else ""))
+        elif CLEANUP_ON_EXIT:
             cleanup_terminals()
         else:
             log(agents_left_note())
@@ -8434,8 +8863,11 @@ def run_command_line(args: list[str]) -> int:
                               f"{command_name()} --help)")
         configure(args)
         task = read_task_prompt()
-        refuse_bad_start(task)           # usage errors before anything is written, the lock included
+        plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
+        end_left_own_server()
+        if own_server_wanted(plan):
+            start_own_server()
         connect_api()
         _install_sigterm(_raise_terminated)
         plan = start_run(task)
@@ -8455,7 +8887,47 @@ def run_command_line(args: list[str]) -> int:
         _install_sigterm(previous_sigterm)
         if started:
             code = wind_down(code)
+        with suppress(KeyboardInterrupt, Terminated), signals_held("ending the run's own CAO server"):
+            end_own_server()
         release_run_lock()
+    return code
+
+
+DEMO_FOLDER = "~/cao-loop-demo"
+DEMO_FILES = {".tmp", "task.md", "README.md", "greet.py", "tests"}    # what a demo leaves in its folder
+
+
+def demo_command(folder_text: str) -> int:
+    """--demo [DIR]: a first PASS with nothing set up -- a throwaway project in DIR, five scripted agents whose
+    tester fails once (a retry round), all on the run's own CAO server; then where to look and what next."""
+    from orchestrator_scripted_agent import DEMO_SCRIPT, DEMO_TASK
+    folder = Path(folder_text or DEMO_FOLDER).expanduser().absolute()
+    strangers = sorted(p.name for p in folder.iterdir() if p.name not in DEMO_FILES) if folder.is_dir() else []
+    if strangers or (folder.exists() and not folder.is_dir()):
+        say_error(f"error: --demo {folder}: it holds files of its own ({', '.join(strangers[:3]) or 'not a folder'}); "
+                  "give a new or empty folder")
+        return EXIT_USAGE
+    agents = folder / ".tmp" / "demo-agents"
+    shutil.rmtree(agents, ignore_errors=True)
+    agents.mkdir(parents=True)
+    (agents / "script.json").write_text(json.dumps(DEMO_SCRIPT), encoding="utf-8")
+    (folder / "task.md").write_text(DEMO_TASK, encoding="utf-8")
+    (folder / "README.md").write_text("# The orchestrator loop's demo\n\nA throwaway project: its agents are "
+                                      "scripted. Remove this folder when done.\n", encoding="utf-8")
+    for setting in SETTINGS:             # the demo is the same everywhere: no setting of the caller's counts
+        os.environ.pop(setting.env, None)
+    os.environ.update(WD=str(folder), PROMPT_FILE=str(folder / "task.md"), PROVIDER="mock_cli", OWN_SERVER="1",
+                      RESUME="0", MOCK_AGENT_HOME=str(agents))
+    os.environ.setdefault("MOCK_AGENT_THINK_MS", "300")
+    emit(f"demo: a greeting CLI built in {folder} by five scripted agents (no AI CLI, nothing paid); the "
+         "tester fails the first try, so you see a retry round")
+    code = run_command_line([])
+    if code == EXIT_PASS:
+        emit(f"demo: PASS. What the agents wrote: `python {folder / 'greet.py'} World`; every prompt and reply: "
+             f"{folder / '.tmp' / 'latest' / 'report.html'}")
+        emit("demo: next, with a real CLI: in your project, write task.md (the template: prompt_template.md) and "
+             f"run `PROVIDER=claude_code PROMPT_FILE=task.md {command_name()} --check`, then the same without "
+             f"--check; remove the demo with `rm -rf {folder}`")
     return code
 
 
@@ -8483,6 +8955,11 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(options, option) and not options.status:
             say_error(f"error: --{option} goes with --status (see {command_name()} --help)")
             raise SystemExit(EXIT_USAGE)
+    if options.demo is not None:
+        if options.check or options.status or config:
+            say_error(f"error: --demo takes only a folder (see {command_name()} --help)")
+            raise SystemExit(EXIT_USAGE)
+        raise SystemExit(demo_command(options.demo))
     if options.status:
         raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
     command = check_command if options.check else run_command_line
