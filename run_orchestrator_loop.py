@@ -378,6 +378,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     "mcode": AgentCli("mcode"),
     "q_cli": AgentCli("Amazon Q CLI"),          # CAO's older name for Kiro CLI
 }
+SCRIPTED_PROVIDER = "mock_cli"   # the scripted agent, installed with the loop: --demo runs it
 DEFAULT_PROVIDER = "codex"
 
 
@@ -1479,6 +1480,14 @@ def connect_api() -> None:
 CAO_PROVEN_VERSION = "2.5.4"      # the cao-server version the loop is proven with (docs/agent-clis.md)
 
 
+def installed_cao_version(program: str) -> str:
+    """The cli-agent-orchestrator version a cao-server program belongs to ('' if it cannot be told)."""
+    prefix = Path(program).resolve().parent.parent
+    for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
+        return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
+    return ""
+
+
 @dataclass(frozen=True)
 class LocalServer:
     """cao-server, running here: its process, its user and its environment."""
@@ -1495,14 +1504,6 @@ class LocalServer:
         except OSError:
             return ""
         return next((installed_cao_version(arg) for arg in args if Path(arg).name == "cao-server"), "")
-
-
-def installed_cao_version(program: str) -> str:
-    """The cli-agent-orchestrator version a cao-server program belongs to ('' if it cannot be told)."""
-    prefix = Path(program).resolve().parent.parent
-    for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
-        return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
-    return ""
 
     @property
     def tmux_socket(self) -> str:
@@ -8630,7 +8631,7 @@ def help_text() -> str:
         "tester) on a CAO server until the tester reports PASS. Settings come from",
         "environment variables and/or a JSON config file; the environment wins.", "",
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
-        "  --demo [DIR]     a first PASS in DIR (~/cao-loop-demo): scripted agents, no AI CLI",
+        "  --demo [DIR]     a first PASS, scripted agents in DIR (~/cao-loop-demo)",
         "  --check          all a run needs, checked: no agent started, no token spent",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
@@ -8645,9 +8646,7 @@ def help_text() -> str:
                    (EXIT_ERROR, "error (rerun to resume)"))
     more_codes = ((EXIT_BUDGET, "budget used"), (EXIT_LOCKED, "another process drives the run"),
                   (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
-    lines += ["", "Example:",
-              "  API=http://localhost:9889 PROVIDER=claude_code WD=~/my-project \\",
-              f"    PROMPT_FILE=~/my-project/task.md {name}", "",
+    lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", "",
               "Exit codes: " + ", ".join(f"{code} {short}" for code, short in first_codes) + ",",
               "  " + ", ".join(f"{code} {short}" for code, short in more_codes),
               f"Documentation: {name} --readme (README.md; the rest in docs/)"]
@@ -8916,7 +8915,7 @@ def demo_command(folder_text: str) -> int:
                                       "scripted. Remove this folder when done.\n", encoding="utf-8")
     for setting in SETTINGS:             # the demo is the same everywhere: no setting of the caller's counts
         os.environ.pop(setting.env, None)
-    os.environ.update(WD=str(folder), PROMPT_FILE=str(folder / "task.md"), PROVIDER="mock_cli", OWN_SERVER="1",
+    os.environ.update(WD=str(folder), PROMPT_FILE=str(folder / "task.md"), PROVIDER=SCRIPTED_PROVIDER, OWN_SERVER="1",
                       RESUME="0", MOCK_AGENT_HOME=str(agents))
     os.environ.setdefault("MOCK_AGENT_THINK_MS", "300")
     emit(f"demo: a greeting CLI built in {folder} by five scripted agents (no AI CLI, nothing paid); the "
