@@ -1709,10 +1709,10 @@ def loop_program(name: str) -> str:
 
 def own_server_env(own: OwnServer) -> dict[str, str]:
     """What the own tmux server, cao-server and the agents run with: the loop's environment, its Python's
-    folder first on PATH (mock_cli, cao), a private tmux folder, CAO's address for CAO's own tools, and what
+    folder on PATH (mock_cli, cao; after the user's own), a private tmux folder, CAO's address for CAO's own tools, and what
     each CLI in use needs (its row's `server_env`)."""
     env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
-    path = [str(Path(sys.executable).parent), *env.get("PATH", os.defpath).split(os.pathsep)]
+    path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
     env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
                CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
     for provider in providers_in_use():
