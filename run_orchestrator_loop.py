@@ -1756,10 +1756,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def own_tmux_folder() -> str:
+    """A new folder for the own tmux server's socket: under TMPDIR, or /tmp where that would make the socket's
+    path longer than a socket's path may be (about 100 bytes)."""
+    parents = (tempfile.gettempdir(), "/tmp")
+    parent = next((p for p in parents if len(os.path.join(p, "cao-loop-12345678", "tmux-4294967295", "default")) < 100),
+                  parents[-1])
+    return tempfile.mkdtemp(prefix="cao-loop-", dir=parent)
+
+
 def start_own_tmux(own: OwnServer) -> None:
     """The agents' tmux server, before cao-server: its shells start without a login profile (which could
     reset PATH) and it stays up while it has no session."""
-    shell = "exec bash --noprofile --norc" if shutil.which("bash") else "exec sh"
+    shell = "exec bash --noprofile --norc +o history" if shutil.which("bash") else "exec sh"   # no ~/.bash_history
     env = own_server_env(own)
     started = subprocess.run(["tmux", "-f", os.devnull, "start-server", ";", "set-option", "-g", "exit-empty", "off",
                               ";", "set-option", "-g", "default-command", shell], env=env, capture_output=True,
@@ -1838,7 +1847,7 @@ def start_own_server() -> None:
     missing = own_server_missing()
     if missing:
         raise ConfigError(missing)
-    own_server = OwnServer(free_port(), tempfile.mkdtemp(prefix="cao-loop-"), str(own_server_log()))
+    own_server = OwnServer(free_port(), own_tmux_folder(), str(own_server_log()))
     note_own_server(own_server)
     start_own_tmux(own_server)
     for attempt in range(3):
@@ -8915,6 +8924,7 @@ def demo_command(folder_text: str) -> int:
                                       "scripted. Remove this folder when done.\n", encoding="utf-8")
     for setting in SETTINGS:             # the demo is the same everywhere: no setting of the caller's counts
         os.environ.pop(setting.env, None)
+    globals().update({setting.env: setting.default for setting in SETTINGS})
     os.environ.update(WD=str(folder), PROMPT_FILE=str(folder / "task.md"), PROVIDER=SCRIPTED_PROVIDER, OWN_SERVER="1",
                       RESUME="0", MOCK_AGENT_HOME=str(agents))
     os.environ.setdefault("MOCK_AGENT_THINK_MS", "300")
