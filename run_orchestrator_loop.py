@@ -5959,6 +5959,52 @@ def extract_test_evidence(text: str, uncapped: bool = False) -> str:
     return "\n".join(kept[:limit]).strip()
 
 
+# -- a failure's signature: what must repeat for a round to count as one without progress ---------
+# Two failures are the same when their evidence is, once what differs between two runs of the same test is set
+# aside: times and dates, durations, memory and network addresses, ids, temporary paths, the order of lines.
+NOISE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern, re.IGNORECASE), mark)
+                                                           for pattern, mark in (
+    (r"\x1b\[[0-9;?]*[A-Za-z]", ""),                                           # terminal colours
+    (r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?", "<time>"),
+    (r"\b\d{1,2}:\d{2}(?::\d{2})?(?:[.,]\d+)?(?:\s?[AP]M)?\b", "<time>"),
+    (r"(?:/private)?(?:/tmp|/var/tmp|/var/folders|/dev/shm)/\S*|\S*/\.tmp/\S*|\btmp[\w-]{6,}", "<tmp>"),
+    (r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", "<id>"),
+    (r"\b0x[0-9a-f]+\b", "<address>"),
+    (r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b", "<id>"),            # hashes, session ids
+    (r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\blocalhost:\d+|\[[0-9a-f:]*\]:\d+", "<host>"),
+    (r"\bpid[ =:]*\d+", "pid <n>"),
+    (r"\b\d+(?:[.,]\d+)?\s?(?:ns|µs|us|ms|msec|s|secs?|seconds?|mins?|minutes?|h|hrs?|hours?)\b", "<duration>"),
+))
+EVIDENCE_LEAD = re.compile(r"^(?:[-*+•]\s+|\d+[.)]\s+)+")
+
+
+def failure_lines(evidence: str) -> list[str]:
+    """The evidence's lines with what varies between runs of the same test set aside, in sorted order (the
+    order a tester lists its findings in is not progress); the RESULT and EVIDENCE labels left out."""
+    lines = []
+    for line in (evidence or "").splitlines():
+        for pattern, mark in NOISE_PATTERNS:
+            line = pattern.sub(mark, line)
+        line = " ".join(EVIDENCE_LEAD.sub("", line.strip()).split())
+        if line and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", line, re.IGNORECASE):
+            lines.append(line)
+    return sorted(lines)
+
+
+def failure_signature(evidence: str) -> str:
+    """A short hash that two failures share when their evidence differs only in what varies between runs."""
+    return hashlib.sha1("\n".join(failure_lines(evidence)).encode("utf-8")).hexdigest()[:16]
+
+
+def failing_step(evidence: str) -> str:
+    """The first finding of the evidence, as the tester wrote it: the line a person reads to know what failed."""
+    for line in (evidence or "").splitlines():
+        text = EVIDENCE_LEAD.sub("", line.strip()).strip()
+        if text and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", text, re.IGNORECASE):
+            return text[:200]
+    return "(no evidence)"
+
+
 def review_feedback_from(review_text: str) -> str:
     """What an author is told of its review: the notes, or all of it if condensing is off."""
     return extract_review_notes(review_text) if CONDENSE_REVIEW_FEEDBACK else (review_text or "").strip()
