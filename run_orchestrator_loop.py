@@ -6509,9 +6509,10 @@ def repeated_failure_note(round_num: int) -> str:
                f"you changed {', '.join(last.files[:8])}" + (f" and {len(last.files) - 8} more files"
                                                              if len(last.files) > 8 else "")
                if last.files else "what you changed is not known")
-    return (f"The test failed in round {last.round} at the same step as in round {last.repeats}: {last.step}\n"
-            f"Your change in round {last.round} did not fix it: {changed}. Find out why that step still "
-            "fails before you change the code again; if you are blocked, say so in your summary.")
+    return (f"The test failed in round {last.round} the same way as in round {last.repeats} (the feedback above; "
+            f"only times, paths and the like differ). Your change in round {last.round} did not fix it: {changed}. "
+            "Find out why that step still fails before you change the code again; if you are blocked, say so in "
+            "your summary.")
 
 
 def build_programmer_review_prompt(programmer_out: str) -> Prompt:
@@ -7698,8 +7699,9 @@ def no_progress_record() -> dict:
             "turns_left_at_most": left, "turns_saved": turns, "tokens_saved": tokens_json(tokens)}
 
 
-def no_progress_line(stop: dict) -> str:
-    """The stop's one line: which failure repeated, for how many rounds, what they changed, what is saved."""
+def no_progress_line(stop: dict, agents_ended: bool = False) -> str:
+    """The stop's one line: which failure repeated, for how many rounds, what they changed, what is saved, and
+    how to go on (a run whose agents were ended cannot: a rerun starts a new one)."""
     changed = files_text(stop["files_changed"] if stop.get("files_known", True) else None)
     tokens = tokens_from_json(stop.get("tokens_saved"))
     return (f"stopped without progress: the test failed at the same step in rounds {stop['first_round']} to "
@@ -7707,8 +7709,9 @@ def no_progress_line(stop: dict) -> str:
             f"MAX_ROUNDS_WITHOUT_PROGRESS={stop.get('limit', stop['rounds'])}): {stop['step']}; in those rounds "
             f"{changed}; about {counted(stop['turns_saved'], 'turn')}"
             + (f" ({tokens_text(tokens)})" if tokens else "")
-            + f" not spent (at most {stop['turns_left_at_most']}); a person is needed, then to go on: "
-            f"{go_on_command(stop['round'], True)}")
+            + f" not spent (at most {stop['turns_left_at_most']}); a person is needed"
+            + ("; its agents were ended (CLEANUP_ON_EXIT=1), so a rerun starts a new run" if agents_ended else
+               f", then to go on: {go_on_command(stop['round'], True)}"))
 
 
 def stop_without_progress() -> int:
@@ -7718,7 +7721,7 @@ def stop_without_progress() -> int:
     mark_after_run_due("FAIL")
     set_position(PHASE_DONE)
     save_state()
-    log(f"{no_progress_line(stop)}; state in {STATE_FILE}")
+    log(f"{no_progress_line(stop, CLEANUP_ON_EXIT)}; state in {STATE_FILE}")
     return EXIT_NO_PROGRESS
 
 
@@ -8499,7 +8502,7 @@ def status_report() -> tuple[int, str]:
     if not holder:
         lines += _status_last_stop(saved)
     if saved.no_progress_stop:
-        lines.append(no_progress_line(saved.no_progress_stop))
+        lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.final_status == "FAIL" and not saved.terminals_exited:
         lines.append(f"next: to go on, {go_on_command(saved.current_round, True)}" if saved.no_progress_stop else
                      f"next: to go on with more rounds, {continue_command(saved.current_round + 1)}")
@@ -8742,7 +8745,7 @@ def wind_down(code: int) -> int:
         for warning in setting_warnings:     # said first, and again last: it must not scroll away unseen
             say_error(warning)
         if code == EXIT_NO_PROGRESS and no_progress_stop:
-            say_error(no_progress_line(no_progress_stop))     # the last line: why, and the command that goes on
+            say_error(no_progress_line(no_progress_stop, terminals_exited))   # the last line: why, and how to go on
     except OSError as exc:
         say_error(f"error: could not save the state to {STATE_FILE}: {exc}")
         return code or EXIT_ERROR

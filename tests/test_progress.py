@@ -134,9 +134,9 @@ def test_the_same_failure_round_after_round_stops_the_run_and_says_why(load_orch
     # what the programmer was told: its last change did not fix the step, and what it changed (nothing)
     third = fake_cao.prompts_for("programmer")[1]
     assert "Test failure feedback:\nRESULT: FAIL" in third
-    assert ("The same failure again:\nThe test failed in round 2 at the same step as in round 1: Step 2 "
-            "(`greet World`)") in third
-    assert "Your change in round 2 did not fix it: you changed no file in the project." in third
+    assert ("The same failure again:\nThe test failed in round 2 the same way as in round 1 (the feedback above; "
+            "only times, paths and the like differ). Your change in round 2 did not fix it: you changed no file in "
+            "the project.") in third
     assert "The same failure again:" not in fake_cao.prompts_for("programmer")[0]
 
     assert run_main(m, "--status") == 0
@@ -232,3 +232,13 @@ def test_help_names_every_exit_code_the_no_progress_stop_among_them(orch):
     for code, _, _ in orch.EXIT_CODES:
         assert f" {code} {orch.EXIT_SHORT[code]}" in text
     assert "5 no progress" in text
+
+
+def test_a_stop_whose_agents_are_ended_says_a_rerun_starts_a_new_run(load_orch, fake_cao, prompt_file, capsys):
+    fake_cao.script["tester"] = [failure()]
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUNDS_WITHOUT_PROGRESS="1",
+                  MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", CLEANUP_ON_EXIT="1", **FAST)
+    assert run_main(m) == 5
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("a person is needed; its agents were ended (CLEANUP_ON_EXIT=1), so a rerun starts a new run")
+    assert "RESUME=1" not in last
