@@ -242,3 +242,15 @@ def test_a_stop_whose_agents_are_ended_says_a_rerun_starts_a_new_run(load_orch, 
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.endswith("a person is needed; its agents were ended (CLEANUP_ON_EXIT=1), so a rerun starts a new run")
     assert "RESUME=1" not in last
+
+
+def test_what_the_rounds_left_would_cost_comes_from_this_runs_own_retry_rounds(orch):
+    use = orch.TokenUse
+    records = [orch.TurnRecord("tester", 1, 1.0, 10, tokens={"m": use(1000, 0, 10)})] + [
+        orch.TurnRecord(role, number, 1.0, 10, tokens={"m": use(100, 50, 10)})
+        for number in (2, 3) for role in ("programmer", "peer_programmer", "tester")]
+    orch.update_run(turn_records=records)
+    turns, tokens = orch.round_figures(4)
+    assert turns == 4 * 3 and tokens == {"m": use(4 * 300, 4 * 150, 4 * 30)}   # round 1 (the analysis) left out
+    orch.update_run(turn_records=records + [orch.TurnRecord("programmer", 4, 1.0, 10)])
+    assert orch.round_figures(4)[1] is None                                    # a turn's tokens not known
