@@ -20,6 +20,7 @@ RESUME=1, or automatically when the state file says the run is still RUNNING.
 
 Usage:  python run_orchestrator_loop.py [config.json]
 Exit codes: 0 PASS, 1 FAIL or runtime error, 2 bad usage or configuration,
+5 the same failure round after round (a person is needed),
 75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 
 On PASS the run can archive its OpenSpec change and commit its work, and
@@ -101,7 +102,7 @@ import httpx
 # nothing below main() can turn them into a traceback.
 # --------------------------------------------------------------------------
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET = 0, 1, 2, 3, 4
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS = 0, 1, 2, 3, 4, 5
 EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 75, 130, 143
 # Each exit code: what it means, and what a job scheduler (cron, a CI job, a Kubernetes Job) should do on it.
 EXIT_CODES = (
@@ -114,6 +115,8 @@ EXIT_CODES = (
      "retry: the same command resumes the run"),
     (EXIT_BUDGET, "the run has used MAX_RUN_TOKENS or MAX_RUN_COST; stopped before a turn, the state saved",
      "stop and alert: a person raises the budget, then the same command goes on"),
+    (EXIT_NO_PROGRESS, "the same test failure repeated for MAX_ROUNDS_WITHOUT_PROGRESS rounds in a row; the state "
+                       "is saved", "stop: a person is needed (reads the report), then RESUME=1 goes on"),
     (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
      "retry later, never beside it"),
     (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); the state is saved", "retry: the same command resumes the run"),
@@ -123,9 +126,9 @@ EXIT_MEANINGS = {code: meaning for code, meaning, _ in EXIT_CODES}
 SCHEDULER_ACTIONS = {code: action for code, _, action in EXIT_CODES}
 
 
-def exit_code_of(result: str) -> int:
-    """The exit code of a finished run's result (PASS or FAIL)."""
-    return EXIT_PASS if result == "PASS" else EXIT_FAIL
+def exit_code_of(result: str, without_progress: bool = False) -> int:
+    """The exit code of a finished run's result (PASS or FAIL; a FAIL that stopped without progress: 5)."""
+    return EXIT_PASS if result == "PASS" else EXIT_NO_PROGRESS if without_progress else EXIT_FAIL
 
 
 def result_of(code: int) -> str:
@@ -495,6 +498,10 @@ SETTINGS: tuple[Setting, ...] = (
             "instead of starting a new run"),
     Setting("START_AGENT", "start_agent", "analyst", "role", "role whose turn starts a new run"),
     Setting("MAX_ROUNDS", "limits.max_rounds", 8, "count", "test rounds before the run fails"),
+    Setting("MAX_ROUNDS_WITHOUT_PROGRESS", "limits.max_rounds_without_progress", 0, "count0",
+            "failed rounds in a row whose failure repeats the one before (the same evidence once times, paths "
+            "and ordering are set aside) before the run stops (exit 5: a person is needed; RESUME=1 goes on); "
+            "0: never"),
     Setting("MAX_REVIEW_CYCLES", "limits.max_review_cycles", 3, "count", "review cycles per phase"),
     Setting("MIN_REVIEW_CYCLES_BEFORE_APPROVAL", "limits.min_review_cycles_before_approval", 2, "count",
             "first cycle whose approval counts"),
@@ -888,6 +895,7 @@ CLEANUP_ON_EXIT: bool = _initial("CLEANUP_ON_EXIT")
 REPORT_FINISHED_RUN: bool = _initial("REPORT_FINISHED_RUN")
 START_AGENT: str = _initial("START_AGENT")
 MAX_ROUNDS: int = _initial("MAX_ROUNDS")
+MAX_ROUNDS_WITHOUT_PROGRESS: int = _initial("MAX_ROUNDS_WITHOUT_PROGRESS")
 MAX_REVIEW_CYCLES: int = _initial("MAX_REVIEW_CYCLES")
 MIN_REVIEW_CYCLES_BEFORE_APPROVAL: int = _initial("MIN_REVIEW_CYCLES_BEFORE_APPROVAL")
 REQUIRE_REVIEW_EVIDENCE: bool = _initial("REQUIRE_REVIEW_EVIDENCE")
@@ -2270,6 +2278,36 @@ class AgentEvent(PlainRecord):
         return cls(*(_text(raw.get(key)) for key in ("role", "terminal", "at", "what", "detail")))
 
 
+@dataclass
+class FailedRound(PlainRecord):
+    """A round the tester FAILed, as the next rounds compare with it: the failure's signature (its evidence with
+    times, paths and ordering set aside), its first step, the evidence itself, and what changed in the WD."""
+
+    round: int
+    signature: str
+    step: str                         # the first line of the evidence that names what failed
+    evidence: str
+    files: list[str] | None = None    # paths changed in the WD since the last FAIL (None: not known)
+    repeats: int = 0                  # the round whose failure this one repeats (0: progress, or the first)
+
+    @classmethod
+    def read(cls, raw: dict) -> FailedRound:
+        files = raw.get("files")
+        return cls(_whole(raw.get("round")) or 0, _text(raw.get("signature")), _text(raw.get("step")),
+                   _text(raw.get("evidence")), _strings(files) if isinstance(files, list) else None,
+                   _whole(raw.get("repeats")) or 0)
+
+
+def files_text(files: list[str] | None) -> str:
+    """'no file changed', 'changed greet.py, tests/test_greet.py', or that it is not known."""
+    if files is None:
+        return "the files changed are not known"
+    if not files:
+        return "no file changed"
+    shown = ", ".join(files[:8]) + (f" and {len(files) - 8} more" if len(files) > 8 else "")
+    return f"changed {shown}"
+
+
 def _terminals(raw: object) -> dict[str, str]:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict) or not all(isinstance(value, str) for value in raw.values()):
@@ -2363,6 +2401,11 @@ STATE_FIELDS: tuple[StateField, ...] = (
                parse=lambda v: [r for r in map(Replacement.from_json, v) if r] if isinstance(v, list) else []),
     StateField("agent_events", "agent_events", new=list, dump=lambda events: [e.to_json() for e in events],
                parse=lambda v: [e for e in map(AgentEvent.from_json, v) if e] if isinstance(v, list) else []),
+    StateField("failed_rounds", "failed_rounds", new=list, dump=lambda rounds: [r.to_json() for r in rounds],
+               parse=lambda v: [r for r in map(FailedRound.from_json, v) if r] if isinstance(v, list) else []),
+    StateField("rounds_without_progress", "rounds_without_progress", new=int, parse=lambda v: _whole(v) or 0),
+    StateField("worktree_at_fail", "worktree_at_fail", parse=_fingerprints),
+    StateField("no_progress_stop", "no_progress_stop", parse=lambda v: v if isinstance(v, dict) else None),
     StateField("fresh_agents_due", "fresh_agents_due", new=dict,
                parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
                if isinstance(v, dict) else {}),
@@ -2404,6 +2447,10 @@ after_run: AfterRun = _new_value("after_run")
 replacements: list[Replacement] = _new_value("replacements")   # lost agents replaced (REPLACE_LOST_AGENTS=1)
 agent_events: list[AgentEvent] = _new_value("agent_events")    # conversations compacted, cleared, started anew
 fresh_agents_due: dict[str, str] = _new_value("fresh_agents_due")  # role -> why its next turn needs a new agent
+failed_rounds: list[FailedRound] = _new_value("failed_rounds")   # each FAILed round, compared with the one before
+rounds_without_progress: int = _new_value("rounds_without_progress")  # FAILs in a row that repeat the one before
+worktree_at_fail: dict | None = _new_value("worktree_at_fail")  # the WD's fingerprints at the last FAIL
+no_progress_stop: dict | None = _new_value("no_progress_stop")  # why the run stopped without progress, if it did
 
 
 def update_run(**changes: object) -> None:
@@ -2413,8 +2460,8 @@ def update_run(**changes: object) -> None:
     defined right below, so every change to what the state file holds is
     found here. The doors: set_output(), add_turn_record(), note_turn_outcome(),
     set_turn_tokens(), record_sent(), forget_sent(), set_after_run(),
-    update_story_progress(), add_story_result(). No other function assigns a run-state global or
-    changes its value in place.
+    update_story_progress(), add_story_result(), add_failed_round(). No
+    other function assigns a run-state global or changes its value in place.
     """
     unknown = set(changes) - set(RUN_FIELDS)
     if unknown:
@@ -2487,6 +2534,11 @@ def end_answered_turn() -> None:
 def add_story_result(result: StoryResult) -> None:
     """How a story ended, for the summary the peer programmer reviews after the story loop."""
     story_progress.results.append(result)
+
+
+def add_failed_round(record: FailedRound) -> None:
+    """A FAILed round as compared with the one before, for the next comparison, the prompt, the report."""
+    failed_rounds.append(record)
 
 
 def reset_run_state() -> None:
@@ -2765,7 +2817,12 @@ EVENT_KINDS = {
     "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
                    "compacted, context low, new conversation, ...), detail",
     "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
-    "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action",
+    "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
+                      "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
+                      "(null: not known)",
+    "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action, "
+                   "turns, tokens, no_progress (why it stopped without progress: the repeated failure's step, its "
+                   "first_round and round, rounds, files_changed, turns_saved, tokens_saved; null otherwise)",
 }
 EVENTS_TAIL_BYTES = 65_536          # where the last event's seq is looked for
 
@@ -3078,6 +3135,8 @@ def run_summary(exit_code: int | None) -> dict:
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
         "agent_events": [e.to_json() for e in agent_events],
+        "no_progress_stop": no_progress_stop,
+        "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
         "turn_list": turns,
     }
 
@@ -3112,6 +3171,8 @@ dd { margin: 0; overflow-wrap: anywhere }
 .track { position: relative; flex: 1; height: 1.6em; background: #f1f1f1 }
 .turn { position: absolute; top: 0; bottom: 0; min-width: 4px; color: #fff; font-size: 11px; text-align: center;
         overflow: hidden; text-decoration: none }
+.side-by-side { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 1em }
+h3 { font-size: 1em; margin: .6em 0 .2em }
 pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: .6em; margin: .3em 0 }
 summary { cursor: pointer; padding: .2em 0 }
 .legend span { display: inline-block; padding: 0 .5em; margin-right: .4em; color: #fff }
@@ -3180,6 +3241,10 @@ CODE = Template("<code>$text</code>")
 SCENARIO_BLOCK = Template('<h2>Scenario test</h2>\n<pre id="scenario-test">$text</pre>')
 EVIDENCE_BLOCK = Template('<h2>Last test result: $what</h2>\n<pre id="final-evidence">$text</pre>\n'
                           '<p>The whole reply: <a href="#turn-$number">turn $number</a></p>')
+NO_PROGRESS_BLOCK = Template(
+    '<section id="no-progress"><h2>Stopped without progress</h2>\n<p>$line</p>\n'
+    '<div class="side-by-side"><div><h3>Round $first</h3><pre data-round="$first">$before</pre></div>'
+    '<div><h3>Round $last</h3><pre data-round="$last">$after</pre></div></div></section>')
 NO_EVIDENCE = Template('<h2>Last test result</h2>\n<p id="final-evidence">$text</p>')
 AGENT_EVENTS = Template('<section id="agent-events"><h2>Agents\' conversations and limits</h2><ul>\n'
                         '$items\n</ul></section>')
@@ -3294,7 +3359,9 @@ def _figures(summary: dict) -> ReportHtml:
     if ended:
         meaning = EXIT_MEANINGS.get(summary["exit_code"])
         if summary["result"] == "FAIL" and not terminals_exited:
-            meaning = f"no PASS within MAX_ROUNDS; to go on with more rounds: {continue_command(summary['rounds'] + 1)}"
+            meaning = (f"{meaning}; to go on: {go_on_command(summary['rounds'], True)}" if no_progress_stop else
+                       "no PASS within MAX_ROUNDS; to go on with more rounds: "
+                       f"{continue_command(summary['rounds'] + 1)}")
         figures.append(("exit code", f"{summary['exit_code']}" + (f" ({meaning})" if meaning else "")))
     if summary["verifications"]:
         last = summary["verifications"][-1]
@@ -3334,7 +3401,22 @@ def _outcome(summary: dict, replies: list[str]) -> ReportHtml:
         blocks.append(_fill(EVIDENCE_BLOCK, what=what, text=evidence, number=number))
     else:
         blocks.append(_fill(NO_EVIDENCE, text="The tester has not answered yet."))
-    return _join(blocks)
+    return _join(blocks + [_no_progress(summary)])
+
+
+def _no_progress(summary: dict) -> ReportHtml:
+    """A stop without progress: its line, and the first and the last of the repeated failures side by side."""
+    stop = summary["no_progress_stop"]
+    rounds = {r["round"]: r for r in summary["failed_rounds"]}
+    if not stop or stop["first_round"] not in rounds or stop["round"] not in rounds:
+        return ReportHtml("")
+    changed = [f"round {r['round']}: {files_text(r['files'])}" for r in summary["failed_rounds"]
+               if stop["first_round"] < r["round"] <= stop["round"]]
+    line = (f"The test failed at the same step in rounds {stop['first_round']} to {stop['round']} "
+            f"({counted(stop['rounds'], 'round')} in a row without progress): {stop['step']} -- "
+            f"{'; '.join(changed)}. About {counted(stop['turns_saved'], 'turn')} not spent.")
+    return _fill(NO_PROGRESS_BLOCK, line=line, first=stop["first_round"], last=stop["round"],
+                 before=rounds[stop["first_round"]]["evidence"], after=rounds[stop["round"]]["evidence"])
 
 
 def _agent_events(events: list[dict]) -> ReportHtml:
@@ -6310,6 +6392,52 @@ def extract_test_evidence(text: str, uncapped: bool = False) -> str:
     return "\n".join(kept[:limit]).strip()
 
 
+# -- a failure's signature: what must repeat for a round to count as one without progress ---------
+# Two failures are the same when their evidence is, once what differs between two runs of the same test is set
+# aside: times and dates, durations, memory and network addresses, ids, temporary paths, the order of lines.
+NOISE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern, re.IGNORECASE), mark)
+                                                           for pattern, mark in (
+    (r"\x1b\[[0-9;?]*[A-Za-z]", ""),                                           # terminal colours
+    (r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?", "<time>"),
+    (r"\b\d{1,2}:\d{2}(?::\d{2})?(?:[.,]\d+)?(?:\s?[AP]M)?\b", "<time>"),
+    (r"(?:/private)?(?:/tmp|/var/tmp|/var/folders|/dev/shm)/\S*|\S*/\.tmp/\S*|\btmp[\w-]{6,}", "<tmp>"),
+    (r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", "<id>"),
+    (r"\b0x[0-9a-f]+\b", "<address>"),
+    (r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b", "<id>"),            # hashes, session ids
+    (r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\blocalhost:\d+|\[[0-9a-f:]*\]:\d+", "<host>"),
+    (r"\bpid[ =:]*\d+", "pid <n>"),
+    (r"\b\d+(?:[.,]\d+)?\s?(?:ns|µs|us|ms|msec|s|secs?|seconds?|mins?|minutes?|h|hrs?|hours?)\b", "<duration>"),
+))
+EVIDENCE_LEAD = re.compile(r"^(?:[-*+•]\s+|\d+[.)]\s+)+")
+
+
+def failure_lines(evidence: str) -> list[str]:
+    """The evidence's lines with what varies between runs of the same test set aside, in sorted order (the
+    order a tester lists its findings in is not progress); the RESULT and EVIDENCE labels left out."""
+    lines = []
+    for line in (evidence or "").splitlines():
+        for pattern, mark in NOISE_PATTERNS:
+            line = pattern.sub(mark, line)
+        line = " ".join(EVIDENCE_LEAD.sub("", line.strip()).split())
+        if line and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", line, re.IGNORECASE):
+            lines.append(line)
+    return sorted(lines)
+
+
+def failure_signature(evidence: str) -> str:
+    """A short hash that two failures share when their evidence differs only in what varies between runs."""
+    return hashlib.sha1("\n".join(failure_lines(evidence)).encode("utf-8")).hexdigest()[:16]
+
+
+def failing_step(evidence: str) -> str:
+    """The first finding of the evidence, as the tester wrote it: the line a person reads to know what failed."""
+    for line in (evidence or "").splitlines():
+        text = EVIDENCE_LEAD.sub("", line.strip()).strip()
+        if text and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", text, re.IGNORECASE):
+            return text[:200]
+    return "(no evidence)"
+
+
 def review_feedback_from(review_text: str) -> str:
     """What an author is told of its review: the notes, or all of it if condensing is off."""
     return extract_review_notes(review_text) if CONDENSE_REVIEW_FEEDBACK else (review_text or "").strip()
@@ -6692,7 +6820,8 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
     else:
         situation = f"round {round_num} of {MAX_ROUNDS}: a retry after a failed test; "
         upstream = [("Test failure feedback", _or_none(feedback), True),
-                    ("Your previous changes (context)", programmer_context_for_retry.strip(), False)]
+                    ("Your previous changes (context)", programmer_context_for_retry.strip(), False),
+                    ("The same failure again", repeated_failure_note(round_num), False)]
         task = ("Task:\n"
                 "1. Use /opsx:explore to investigate the failure against the code and the OpenSpec change.\n"
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
@@ -6719,6 +6848,22 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
         draft.once("response-file"),
     ]
     return draft.finish(parts)
+
+
+def repeated_failure_note(round_num: int) -> str:
+    """MAX_ROUNDS_WITHOUT_PROGRESS: when the last round's failure repeated the one before, what the programmer
+    needs to know of it: its last change did not fix that step, and what that change was ('' otherwise)."""
+    last = failed_rounds[-1] if failed_rounds else None
+    if last is None or not last.repeats or last.round != round_num - 1:
+        return ""
+    changed = ("you changed no file in the project" if last.files == [] else
+               f"you changed {', '.join(last.files[:8])}" + (f" and {len(last.files) - 8} more files"
+                                                             if len(last.files) > 8 else "")
+               if last.files else "what you changed is not known")
+    return (f"The test failed in round {last.round} the same way as in round {last.repeats} (the feedback above; "
+            f"only times, paths and the like differ). Your change in round {last.round} did not fix it: {changed}. "
+            "Find out why that step still fails before you change the code again; if you are blocked, say so in "
+            "your summary.")
 
 
 def build_programmer_review_prompt(programmer_out: str) -> Prompt:
@@ -7228,7 +7373,10 @@ def _after_run_notes() -> list[str]:
 
 def run_end_line(result: str) -> str:
     """The run's last line: its result, and after a PASS what the archive and commit did."""
-    parts = [f"PASS in round {current_round}" if result == "PASS" else f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
+    parts = [f"PASS in round {current_round}" if result == "PASS" else
+             f"FAIL: stopped without progress after round {current_round} (the same failure for "
+             f"{counted(no_progress_stop['rounds'], 'round')} in a row)" if no_progress_stop else
+             f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
     if result == "PASS":
         parts += _after_run_notes()
     return "; ".join(parts)
@@ -7336,7 +7484,7 @@ def finish_stopped_run() -> None:
     load_state()
     log(f"the run in {STATE_FILE} ended with {final_status} in round {current_round}; still to do after it: "
         f"{', '.join(after_run_pending(final_status, after_run))} (stopped before, or not sent); doing that now")
-    finish_run(exit_code_of(final_status))
+    finish_run(exit_code_of(final_status, bool(no_progress_stop)))
 
 
 # ==========================================================================
@@ -7569,14 +7717,15 @@ def resume_or_replace(saved: SavedState) -> StartPlan:
     # A finished run with after-run steps left over is finished first (start_run, under the lock).
     leftover = finished and bool(after_run_pending(status, saved.after_run))
     if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
-        raise AlreadyFinished(exit_code_of(status),
+        raise AlreadyFinished(exit_code_of(status, bool(saved.no_progress_stop)),
                               f"the run in {STATE_FILE} {describe_state(saved)}; REPORT_FINISHED_RUN=1, so "
                               "nothing was started (move the state file away to start a new run)")
     if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
         return StartPlan(True)
     why = " (RESUME=0)" if "RESUME" in explicit_settings else \
         " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
-    instead = (f" (to go on with that run instead: {continue_command(saved.current_round + 1)})"
+    instead = (f" (to go on with that run instead: "
+               f"{go_on_command(saved.current_round, bool(saved.no_progress_stop))})"
                if status == "FAIL" and not exited and "RESUME" not in explicit_settings else "")
     return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
                             f"file will be kept as {state_backup_path(saved)}{instead}", set_aside=True, old_run=saved)
@@ -7586,6 +7735,14 @@ def continue_command(rounds: int) -> str:
     """'RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop config.json': the command that takes a run that ended in FAIL
     on to `rounds` rounds."""
     return " ".join(part for part in (f"RESUME=1 MAX_ROUNDS={rounds}", command_name(), config_argument) if part)
+
+
+def go_on_command(round_played: int, without_progress: bool) -> str:
+    """The command that takes a run that ended in FAIL on: RESUME=1 alone after a stop without progress with
+    rounds left, else with a MAX_ROUNDS one above the rounds played."""
+    if without_progress and MAX_ROUNDS > round_played:
+        return " ".join(part for part in ("RESUME=1", command_name(), config_argument) if part)
+    return continue_command(round_played + 1)
 
 
 def choose_start() -> StartPlan:
@@ -7783,6 +7940,174 @@ def handle_tester_fail() -> None:
     set_position(PHASE_PROGRAMMER)
 
 
+# -- Progress between failed rounds (MAX_ROUNDS_WITHOUT_PROGRESS) -----------------------------------
+# After each FAIL the round's failure is compared with the last one's (failure_signature(), section 10) and
+# what the round changed in WD is noted. A failure that repeats the last one is a round without progress,
+# whatever the round changed; MAX_ROUNDS_WITHOUT_PROGRESS such rounds in a row stop the run (exit 5) with its
+# state saved as a FAIL, so that RESUME=1 goes on from there as after a FAIL at MAX_ROUNDS.
+HEAD_MARK = "<HEAD>"                 # the key of WD's git HEAD among the fingerprints of what WD holds
+MORE_FILES_MARK = "<more files>"     # the key of one digest for the files beyond PROGRESS_FILE_LIMIT
+PROGRESS_FILE_LIMIT = 5000           # files of a WD without git fingerprinted one by one
+
+
+def _git_fingerprints(top: str) -> dict[str, str]:
+    """WD in git: HEAD, and each changed or untracked path (its content), the loop's own files left out."""
+    code, head, _ = git(["rev-parse", "--verify", "-q", "HEAD"], top)
+    marks = {path: fingerprint(Path(top) / path) for path in git_changed_paths(top)
+             if not is_orchestrator_file((Path(top) / path).resolve())}
+    marks[HEAD_MARK] = head.strip() if code == 0 else ""
+    return marks
+
+
+def _walked_fingerprints() -> dict[str, str]:
+    """WD without git: each file's size and time of change, $WD/.tmp/ left out; past PROGRESS_FILE_LIMIT files
+    one digest stands for the rest."""
+    root, marks, rest = Path(WD), {}, hashlib.sha1()
+    for folder, folders, files in os.walk(root):
+        folders[:] = sorted(name for name in folders if name != ".git" and not (folder == str(root) and name == ".tmp"))
+        for name in sorted(files):
+            path = Path(folder) / name
+            try:
+                stat = path.lstat()
+            except OSError:
+                continue
+            if is_orchestrator_file(path.resolve()):
+                continue
+            mark = f"{stat.st_size}:{stat.st_mtime_ns}"
+            if len(marks) < PROGRESS_FILE_LIMIT:
+                marks[str(path.relative_to(root))] = mark
+            else:
+                rest.update(f"{path}\0{mark}\0".encode("utf-8", "replace"))
+                marks[MORE_FILES_MARK] = rest.hexdigest()
+    return marks
+
+
+def worktree_fingerprints() -> dict[str, str] | None:
+    """What WD holds now, to tell which files a round changed (None when it cannot be read)."""
+    top = git_top(WD)
+    try:
+        return _git_fingerprints(top) if top else _walked_fingerprints()
+    except OSError as exc:
+        log(f"could not read what {WD} holds ({exc}); the round's changed files are not known")
+        return None
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """The paths whose fingerprints differ (with git: and what the commits in between changed)."""
+    paths = {path for path in before.keys() | after.keys() if path != HEAD_MARK and before.get(path) != after.get(path)}
+    old, new = before.get(HEAD_MARK), after.get(HEAD_MARK)
+    if old and new and old != new:
+        top = git_top(WD)
+        code, out, _ = git(["diff", "--name-only", old, new, "--", WD], top) if top else (1, "", "")
+        paths.update(line for line in out.splitlines() if line and code == 0)
+    return sorted(paths)
+
+
+def compare_failure() -> tuple[FailedRound, dict[str, str] | None]:
+    """This round's FAIL beside the last one's, and what WD holds now (the tester's answer is still there)."""
+    evidence = extract_test_evidence(outputs["tester"])
+    now = worktree_fingerprints()
+    files = changed_files(worktree_at_fail, now) if worktree_at_fail is not None and now is not None else None
+    signature = failure_signature(evidence)
+    last = failed_rounds[-1] if failed_rounds else None
+    repeats = last.round if last is not None and last.signature == signature else 0
+    return FailedRound(current_round, signature, failing_step(evidence), evidence, files, repeats), now
+
+
+def note_progress() -> None:
+    """MAX_ROUNDS_WITHOUT_PROGRESS: compare the FAIL just read with the last one, keep it and count the rounds in
+    a row without progress; before handle_tester_fail() clears the tester's answer."""
+    if not MAX_ROUNDS_WITHOUT_PROGRESS:
+        return
+    record, now = compare_failure()
+    add_failed_round(record)
+    streak = rounds_without_progress + 1 if record.repeats else 0
+    update_run(rounds_without_progress=streak, worktree_at_fail=now)
+    log_turn("tester", (f"the same failure as in round {record.repeats} ({files_text(record.files)} in the round): "
+                        f"{streak} of MAX_ROUNDS_WITHOUT_PROGRESS={MAX_ROUNDS_WITHOUT_PROGRESS} rounds without "
+                        "progress")
+             if record.repeats else "a failure other than the last round's: progress")
+    record_event("round_compared", round=record.round, progress=not record.repeats,
+                 repeats_round=record.repeats or None, rounds_without_progress=streak, step=record.step,
+                 files_changed=record.files)
+
+
+def progress_stop_due() -> bool:
+    """After a FAIL: whether the rounds without progress reached MAX_ROUNDS_WITHOUT_PROGRESS while rounds remain
+    (at MAX_ROUNDS the run ends in FAIL as without the setting)."""
+    return bool(MAX_ROUNDS_WITHOUT_PROGRESS) and rounds_without_progress >= MAX_ROUNDS_WITHOUT_PROGRESS \
+        and current_round <= MAX_ROUNDS
+
+
+def turns_left_at_most(saved: SavedState) -> int:
+    """The most agent turns an unfinished run can still take (story attempts not counted), with the
+    limits in force now: what is left of the current phase, then every remaining round in full."""
+    if saved.finished or saved.current_phase == PHASE_DONE:
+        return 0
+    reviewed_phase = 2 * (MAX_REVIEW_CYCLES - saved.phase_cycle + 1) - (1 if saved.phase_step == "review" else 0)
+    code_round = 2 * MAX_REVIEW_CYCLES + 1
+    left_in_round = {PHASE_ANALYST: reviewed_phase + code_round, PHASE_PROGRAMMER: reviewed_phase + 1,
+                     PHASE_TESTER: 1}[saved.current_phase]
+    return max(0, left_in_round) + max(0, MAX_ROUNDS - saved.current_round) * code_round
+
+
+def round_figures(rounds: int) -> tuple[int, dict[str, TokenUse] | None]:
+    """What `rounds` more retry rounds cost at this run's own pace: the turns (its retry rounds' turns per
+    round, else a round in full) and their tokens (None: not known)."""
+    retry = [r for r in turn_records if r.round > 1]
+    played = len({r.round for r in retry})
+    per_round = round(len(retry) / played) if played else 2 * MAX_REVIEW_CYCLES + 1
+    known = [r.tokens for r in retry if r.tokens is not None]
+    if not known or len(known) < len(retry):
+        return rounds * per_round, None
+    total = add_tokens(*known)
+    share = rounds / played
+    return rounds * per_round, {model: TokenUse(round(use.input * share), round(use.cached_input * share),
+                                                round(use.output * share)) for model, use in total.items()}
+
+
+def no_progress_record() -> dict:
+    """Why the run stops without progress: the repeated failure, its rounds, what they changed, what it saves."""
+    played = current_round - 1
+    first_round = played - rounds_without_progress
+    first = next((r for r in failed_rounds if r.round == first_round), failed_rounds[-1])
+    repeated = [r for r in failed_rounds if first_round < r.round <= played]
+    files = sorted({path for r in repeated for path in (r.files or [])})
+    turns, tokens = round_figures(MAX_ROUNDS - played)
+    left = turns_left_at_most(SimpleNamespace(finished=False, current_phase=PHASE_PROGRAMMER, phase_cycle=1,
+                                              phase_step="author", current_round=current_round))
+    return {"round": played, "first_round": first.round, "rounds": rounds_without_progress,
+            "limit": MAX_ROUNDS_WITHOUT_PROGRESS, "step": first.step,
+            "files_changed": files, "files_known": all(r.files is not None for r in repeated),
+            "turns_left_at_most": left, "turns_saved": turns, "tokens_saved": tokens_json(tokens)}
+
+
+def no_progress_line(stop: dict, agents_ended: bool = False) -> str:
+    """The stop's one line: which failure repeated, for how many rounds, what they changed, what is saved, and
+    how to go on (a run whose agents were ended cannot: a rerun starts a new one)."""
+    changed = files_text(stop["files_changed"] if stop.get("files_known", True) else None)
+    tokens = tokens_from_json(stop.get("tokens_saved"))
+    return (f"stopped without progress: the test failed at the same step in rounds {stop['first_round']} to "
+            f"{stop['round']} ({counted(stop['rounds'], 'round')} in a row without progress, "
+            f"MAX_ROUNDS_WITHOUT_PROGRESS={stop.get('limit', stop['rounds'])}): {stop['step']}; in those rounds "
+            f"{changed}; about {counted(stop['turns_saved'], 'turn')}"
+            + (f" ({tokens_text(tokens)})" if tokens else "")
+            + f" not spent (at most {stop['turns_left_at_most']}); a person is needed"
+            + ("; its agents were ended (CLEANUP_ON_EXIT=1), so a rerun starts a new run" if agents_ended else
+               f", then to go on: {go_on_command(stop['round'], True)}"))
+
+
+def stop_without_progress() -> int:
+    """End the run as a FAIL of the round just played, saying why, so that RESUME=1 goes on from there."""
+    stop = no_progress_record()
+    update_run(final_status="FAIL", current_round=stop["round"], no_progress_stop=stop)
+    mark_after_run_due("FAIL")
+    set_position(PHASE_DONE)
+    save_state()
+    log(f"{no_progress_line(stop, CLEANUP_ON_EXIT)}; state in {STATE_FILE}")
+    return EXIT_NO_PROGRESS
+
+
 def verify_pass() -> str:
     """VERIFY_PASS: run PROJECT_TEST_CMD in WD after the tester's PASS; 'PASS' when it exits 0.
 
@@ -7845,6 +8170,7 @@ def run_tester_phase() -> str:
         mark_after_run_due(result)
         set_position(PHASE_DONE)
     else:
+        note_progress()                    # before handle_tester_fail() clears the tester's answer
         handle_tester_fail()
     save_state()
     return result
@@ -7865,6 +8191,8 @@ def drive_rounds() -> int:
             if run_tester_phase() == "PASS":
                 log(f"PASS in round {current_round}; state in {STATE_FILE}")
                 return EXIT_PASS
+            if progress_stop_due():
+                return stop_without_progress()
         else:
             run_reviewed_phase(current_phase)
     # The last FAIL set up a next round (its evidence kept for the programmer): the run played one round less,
@@ -7926,7 +8254,7 @@ def report_run_summary(exit_code: int) -> None:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
     record_event("run_stopped", result=summary["result"], exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
                  scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=summary["turns"],
-                 tokens=summary["tokens"])
+                 tokens=summary["tokens"], no_progress=no_progress_stop)
     if run_dir:
         path = Path(run_dir) / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -8443,18 +8771,6 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
             f"`cao shutdown --session {session}`, or set CLEANUP_ON_EXIT=1)")
 
 
-def turns_left_at_most(saved: SavedState) -> int:
-    """The most agent turns an unfinished run can still take (story attempts not counted), with the
-    limits in force now: what is left of the current phase, then every remaining round in full."""
-    if saved.finished or saved.current_phase == PHASE_DONE:
-        return 0
-    reviewed_phase = 2 * (MAX_REVIEW_CYCLES - saved.phase_cycle + 1) - (1 if saved.phase_step == "review" else 0)
-    code_round = 2 * MAX_REVIEW_CYCLES + 1
-    left_in_round = {PHASE_ANALYST: reviewed_phase + code_round, PHASE_PROGRAMMER: reviewed_phase + 1,
-                     PHASE_TESTER: 1}[saved.current_phase]
-    return max(0, left_in_round) + max(0, MAX_ROUNDS - saved.current_round) * code_round
-
-
 def working_now(saved: SavedState) -> str:
     """'programmer (terminal 1a2b3c4d), prompt sent 2026-11-24 15:00:00 UTC, 2m 5s ago': the turn under way."""
     turn = saved.in_flight
@@ -8586,6 +8902,9 @@ def status_facts(saved: SavedState) -> dict:
         "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
+        "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
+        "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
+        if saved.final_status == "FAIL" and not saved.terminals_exited else None,
     }
 
 
@@ -8614,8 +8933,11 @@ def status_report() -> tuple[int, str]:
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
     if not holder:
         lines += _status_last_stop(saved)
+    if saved.no_progress_stop:
+        lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.final_status == "FAIL" and not saved.terminals_exited:
-        lines.append(f"next: to go on with more rounds, {continue_command(saved.current_round + 1)}")
+        lines.append(f"next: to go on, {go_on_command(saved.current_round, True)}" if saved.no_progress_stop else
+                     f"next: to go on with more rounds, {continue_command(saved.current_round + 1)}")
     lines += _status_agents(saved) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
@@ -8629,6 +8951,12 @@ def readme_text() -> str:
         return metadata.metadata(PACKAGE_NAME).get_payload() or ""
     except metadata.PackageNotFoundError:
         return ""
+
+
+# Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
+EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun to resume)",
+              EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress",
+              EXIT_LOCKED: "run locked", EXIT_SIGINT: "Ctrl-C", EXIT_SIGTERM: "SIGTERM"}
 
 
 def help_text() -> str:
@@ -8651,14 +8979,10 @@ def help_text() -> str:
         setting = SETTINGS_BY_ENV[env]
         lines.append(f"  {env:20} {_shown_default(setting)}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
-    first_codes = ((EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL"), (EXIT_USAGE, "bad settings"),
-                   (EXIT_ERROR, "error (rerun to resume)"))
-    more_codes = ((EXIT_BUDGET, "budget used"), (EXIT_LOCKED, "another process drives the run"),
-                  (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
-    lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", "",
-              "Exit codes: " + ", ".join(f"{code} {short}" for code, short in first_codes) + ",",
-              "  " + ", ".join(f"{code} {short}" for code, short in more_codes),
-              f"Documentation: {name} --readme (README.md; the rest in docs/)"]
+    lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
+    codes = ", ".join(f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES)
+    lines += [line.replace("\xa0", " ") for line in textwrap.wrap(f"Exit codes: {codes}", 78, subsequent_indent="  ")]
+    lines.append(f"Documentation: {name} --readme (README.md; the rest in docs/)")
     return "\n".join(lines)
 
 
@@ -8700,14 +9024,17 @@ def refuse_bad_start(task: str) -> StartPlan:
 
 
 def continue_failed_run() -> None:
-    """RESUME=1 with a higher MAX_ROUNDS after a FAIL: the same run goes on at its next round -- the analysis,
+    """RESUME=1 with a higher MAX_ROUNDS after a FAIL (or with rounds left after a stop without progress, whose
+    rounds without progress are then counted anew): the same run goes on at its next round -- the analysis,
     the agents' conversations and the last test evidence kept (its FAIL set that round up), the turns and the
     report of the first invocation too; its after-run steps are due again at its new end."""
-    played = current_round
-    update_run(final_status="RUNNING", current_round=played + 1, after_run=_new_value("after_run"))
+    played, why = current_round, "without progress" if no_progress_stop else "in FAIL"
+    update_run(final_status="RUNNING", current_round=played + 1, after_run=_new_value("after_run"),
+               rounds_without_progress=0, no_progress_stop=None)
     set_position(PHASE_PROGRAMMER)
-    log(f"the run ended in FAIL after round {played}; going on with round {played + 1} of MAX_ROUNDS={MAX_ROUNDS}: "
-        "the programmer gets the last test evidence")
+    log(f"the run ended {why} after round {played}; going on with round {played + 1} of MAX_ROUNDS={MAX_ROUNDS}: "
+        "the programmer gets the last test evidence" + (" (the rounds without progress are counted anew)"
+                                                         if why != "in FAIL" else ""))
 
 
 def start_run(task: str) -> StartPlan:
@@ -8854,6 +9181,8 @@ def wind_down(code: int) -> int:
             log(agents_left_note())
         for warning in setting_warnings:     # said first, and again last: it must not scroll away unseen
             say_error(warning)
+        if code == EXIT_NO_PROGRESS and no_progress_stop:
+            say_error(no_progress_line(no_progress_stop, terminals_exited))   # the last line: why, and how to go on
     except OSError as exc:
         say_error(f"error: could not save the state to {STATE_FILE}: {exc}")
         return code or EXIT_ERROR
@@ -8941,7 +9270,7 @@ def demo_command(folder_text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
+    """Run the loop and exit with its code (EXIT_CODES): 0 PASS, 1 FAIL, 2 usage, 3 error, 5 no progress, ..."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         options = command_line().parse_args(args)
