@@ -1,0 +1,238 @@
+"""The run's own CAO server (section 2): when the loop starts one, what its agents' environment holds, how a
+killed run's helpers are found and ended, and how a run on it is resumed and reported. (Started and ended for
+real, with every kind of stop: tests/e2e/test_own_server_e2e.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import FAST, run_main
+from fake_cao import MainThreadSignals
+
+
+@pytest.mark.parametrize("raw, value", [("auto", "auto"), ("1", True), ("0", False)])
+def test_own_server_is_auto_1_or_0(load_orch, raw, value):
+    assert load_orch(OWN_SERVER=raw).OWN_SERVER == value
+
+
+def test_a_bad_own_server_setting_is_refused_in_one_line(load_orch, capsys):
+    m = load_orch(OWN_SERVER="yes", OWN_SERVER_PORT="70000")
+    assert run_main(m) == 2
+    assert capsys.readouterr().err.strip() == "error: OWN_SERVER='yes' is not valid: expected auto, 1 or 0"
+
+
+def test_caos_own_port_variable_names_the_server_where_api_is_unset(load_orch, monkeypatch):
+    m = load_orch(API=None)
+    monkeypatch.setenv("CAO_API_PORT", "9890")
+    m.configure([])
+    assert m.API == "http://127.0.0.1:9890" and "API" in m.explicit_settings
+    monkeypatch.setenv("API", "http://cao.test")                  # API says where, whatever CAO's variable says
+    m.configure([])
+    assert m.API == "http://cao.test"
+    monkeypatch.delenv("API")
+    monkeypatch.setenv("CAO_API_PORT", "ninety")
+    with pytest.raises(m.ConfigError, match="CAO_API_PORT='ninety' is not a port number"):
+        m.configure([])
+
+
+def test_when_the_run_starts_a_server_of_its_own(load_orch, monkeypatch):
+    m = load_orch(API=None)
+    new_run, resumed = m.StartPlan(False), m.StartPlan(True)
+    monkeypatch.setattr(m, "server_answers", lambda url: False)
+    assert m.own_server_wanted(new_run)                           # nothing named, nothing answering
+    monkeypatch.setattr(m, "server_answers", lambda url: True)
+    assert not m.own_server_wanted(new_run)                       # a server answers at API: the user's
+    monkeypatch.setattr(m, "read_state_file", lambda: m.SavedState(on_own_server=True))
+    assert m.own_server_wanted(resumed)                           # a run that was on its own goes on on one
+    monkeypatch.setattr(m, "read_state_file", lambda: m.SavedState(on_own_server=False))
+    assert not m.own_server_wanted(resumed)
+    m.explicit_settings.add("API")
+    assert not m.own_server_wanted(new_run)
+    m.OWN_SERVER = True
+    assert m.own_server_wanted(new_run)
+    m.OWN_SERVER = False
+    monkeypatch.setattr(m, "server_answers", lambda url: False)
+    m.explicit_settings.discard("API")
+    assert not m.own_server_wanted(new_run)
+
+
+def test_a_refused_connection_is_no_server_and_any_answer_is_one(orch):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert not orch.server_answers(f"http://127.0.0.1:{port}")
+    import respx
+    with respx.mock() as router:
+        router.get("http://cao.test/health").mock(return_value=httpx.Response(401))
+        assert orch.server_answers("http://cao.test")
+
+
+def test_the_agents_environment_is_the_loops_with_a_private_tmux_and_what_each_cli_needs(load_orch, monkeypatch):
+    monkeypatch.setenv("TMUX", "/tmp/tmux-0/default,123,0")      # run from inside the user's own tmux
+    monkeypatch.setenv("TMUX_TMPDIR", "/home/you/.tmux")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "key")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    for name in ("IS_SANDBOX", "PROMPT_TOOLKIT_NO_CPR"):
+        monkeypatch.delenv(name, raising=False)
+    m = load_orch(PROVIDER="claude_code", TESTER_PROVIDER="hermes")
+    own = m.OwnServer(4321, "/tmp/cao-loop-x", "")
+    monkeypatch.setattr(m.os, "geteuid", lambda: 0)
+    env = m.own_server_env(own)
+    assert "TMUX" not in env and env["TMUX_TMPDIR"] == "/tmp/cao-loop-x"
+    assert (env["CAO_API_HOST"], env["CAO_API_PORT"]) == ("127.0.0.1", "4321")
+    assert env["PATH"].split(os.pathsep) == ["/usr/bin", "/bin", str(Path(sys.executable).parent)]  # mock_cli, cao
+    assert env["ANTHROPIC_API_KEY"] == "key" and env[m.OWN_SERVER_MARK] == "/tmp/cao-loop-x"
+    assert env["IS_SANDBOX"] == "1" and env["PROMPT_TOOLKIT_NO_CPR"] == "1"
+    monkeypatch.setattr(m.os, "geteuid", lambda: 1000)
+    assert "IS_SANDBOX" not in m.own_server_env(own)             # only root needs it
+    assert own.tmux_socket == f"/tmp/cao-loop-x/tmux-{os.getuid()}/default"
+
+
+def test_a_long_temporary_folder_gives_way_to_tmp_for_the_socket(orch, monkeypatch, tmp_path):
+    deep = tmp_path / ("x" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(orch.tempfile, "gettempdir", lambda: str(deep))
+    folder = orch.own_tmux_folder()
+    try:
+        assert Path(folder).parent == Path("/tmp")
+    finally:
+        os.rmdir(folder)
+
+
+def test_the_port_asked_for_held_by_another_process_is_refused_naming_it(load_orch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        m = load_orch(OWN_SERVER_PORT=str(port))
+        with pytest.raises(m.ConfigError) as refused:
+            m.free_port()
+    assert refused.value.message.startswith(f"OWN_SERVER_PORT={port}: that port of 127.0.0.1 is taken by pid "
+                                            f"{os.getpid()} (")
+    assert load_orch(OWN_SERVER_PORT="0").free_port() > 0
+
+
+def marked_sleeper(mark: str) -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "600"], env={**os.environ, "CAO_LOOP_OWN_SERVER": mark},
+                            start_new_session=True)
+
+
+def test_what_a_killed_run_left_running_is_ended_by_the_next_invocation(orch, tmp_path, capsys):
+    """The note beside the state file names the own server's processes (pid and start time) and its tmux
+    folder: they and whatever carries the folder's mark are ended, the folder and the note removed."""
+    folder = tmp_path / "cao-loop-left"
+    folder.mkdir()
+    server, agent = marked_sleeper(str(folder)), marked_sleeper(str(folder))
+    reused = subprocess.Popen(["sleep", "600"])                   # a pid noted with another start time: not ours
+    try:
+        note = orch.own_server_note()
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(json.dumps({"port": 1, "tmux_dir": str(folder), "log_file": "", "processes": {
+            "cao-server": [server.pid, orch.process_started_at(server.pid)],
+            "tmux": [reused.pid, orch.process_started_at(reused.pid) + 1]}}), encoding="utf-8")
+        orch.end_left_own_server()
+        assert server.wait(timeout=10) is not None and agent.wait(timeout=10) is not None
+        assert reused.poll() is None
+        assert not note.exists() and not folder.exists()
+        assert f"(cao-server pid {server.pid}, its tmux server {folder}" in capsys.readouterr().out
+    finally:
+        for process in (server, agent, reused):
+            process.kill()
+            process.wait()
+
+
+def test_an_unreadable_note_is_said_and_removed(orch, capsys):
+    note = orch.own_server_note()
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text("{not json", encoding="utf-8")
+    orch.end_left_own_server()
+    assert not note.exists() and "cannot be read" in capsys.readouterr().out
+    orch.end_left_own_server()                                    # no note: nothing to do, nothing said
+    assert capsys.readouterr().out == ""
+
+
+def test_what_the_own_server_needs_is_said_before_anything_starts(load_orch, monkeypatch, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", PROVIDER="mock_cli")
+    monkeypatch.setattr(m, "loop_program", lambda name: "")
+    assert run_main(m) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: cao-server is not installed here: pip install 'cao-orchestrator-loop[cao]' (CAO "
+                       "2.5.4), or point API at a CAO server you run")
+    assert not Path(m.STATE_FILE).exists() and not m.own_server_note().exists()
+
+
+def own_server_stand_in(m, monkeypatch, started: list) -> None:
+    """start_own_server and end_own_server without processes: the fake CAO at API plays the new server."""
+    def start() -> None:
+        started.append("start")
+        m.own_server = m.OwnServer(1, "/nonexistent", "")
+
+    def end() -> None:
+        if m.own_server is not None:
+            started.append("end")
+        m.own_server = None
+
+    monkeypatch.setattr(m, "start_own_server", start)
+    monkeypatch.setattr(m, "end_own_server", end)
+
+
+def test_a_run_resumed_on_a_new_own_server_gets_five_new_agents_and_keeps_its_answered_turns(
+        load_orch, fake_cao, prompt_file, monkeypatch, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
+    started: list = []
+    own_server_stand_in(m, monkeypatch, started)
+    with MainThreadSignals() as signals:
+        fake_cao.script["programmer"] = [{"action": "call", "call": lambda fake, terminal: signals.send(
+            signal.SIGINT)}]
+        assert run_main(m) == 130
+    assert started == ["start", "end"]
+    first = json.loads(Path(m.STATE_FILE).read_text())
+    assert first["own_server"] is True and first["in_flight"]["role"] == "programmer"
+    fake_cao.script.pop("programmer")                             # its usual answer, this time
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert "five new agents on the run's own CAO server" in out
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert set(state["terminals"].values()).isdisjoint(first["terminals"].values())
+    assert state["replacements"] == []                            # not a replacement: nothing was lost
+    assert len(fake_cao.prompts_for("analyst")) == len(fake_cao.prompts_for("peer_analyst")) == 1         # answered before the stop: never sent again
+    assert len(fake_cao.prompts_for("programmer")) == 2           # in flight at the stop: sent to its new agent
+    assert m.EXPLORE_SUMMARY.strip().splitlines()[0] in fake_cao.prompts_for("programmer")[1]   # its whole prompt
+
+
+def test_status_of_a_run_on_its_own_server_says_it_ended_with_it(load_orch, fake_cao, prompt_file, monkeypatch,
+                                                                  capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
+    own_server_stand_in(m, monkeypatch, [])
+    with MainThreadSignals() as signals:
+        fake_cao.script["programmer"] = [{"action": "call", "call": lambda fake, terminal: signals.send(
+            signal.SIGTERM)}]
+        assert run_main(m) == 143
+    capsys.readouterr()
+    assert run_main(m, "--status") == 0
+    out = capsys.readouterr().out
+    assert "agents: ended with the run's own CAO server" in out
+    assert "working now: no agent: they ended with the run's own CAO server; programmer's turn goes on" in out
+    assert "CAO server: the run's own, ended with its last invocation" in out
+    assert run_main(m, "--status", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["own_server"] is True
+
+
+def test_the_demo_refuses_a_folder_that_holds_files_of_its_own(orch, tmp_path, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine", encoding="utf-8")
+    assert run_main(orch, "--demo", str(folder)) == 2
+    assert "it holds files of its own (notes.txt); give a new or empty folder" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert run_main(orch, "--demo", str(folder), "--check") == 2
