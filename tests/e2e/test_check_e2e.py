@@ -24,9 +24,7 @@ from . import agent_clis
 from .cao_env import ensure_cao
 from .harness import AGENT_PROFILES, REPO_ROOT, _free_port, _write_mock_cli
 
-# The README's quick start links mock_cli into /usr/local/bin while it runs, which is on every login PATH:
-# run beside it, the trap "mock_cli not on the agents' PATH" would not be there to find. One worker runs both.
-pytestmark = [pytest.mark.e2e, pytest.mark.real_cli, pytest.mark.xdist_group("test_quick_start:quick_start")]
+pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
 TASK = """*** ORIGINAL EXPLORE SUMMARY ***
 Build greet.py: `python greet.py NAME` prints `Hello, NAME!`.
