@@ -106,7 +106,7 @@ EXPECTED_UNIT_SECONDS = {
     "test_unattended_e2e:restartable_cao_server": 190,
     "test_long_runs_e2e:claude_cao": 190,
     "test_real_clis:copilot_cao": 170,
-    "test_lost_agents_e2e:restartable_cao_server": 200,
+    "test_lost_agents_e2e:restartable_cao_server": 190,
     "test_a_machine_killed_right_after_a_reply_was_written_goes_on_on_a_fresh_machine[complete]": 80,
     "test_a_machine_killed_right_after_a_reply_was_written_goes_on_on_a_fresh_machine[cut off]": 75,
     "test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_next_pod_finishes": 45,
