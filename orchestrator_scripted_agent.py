@@ -53,9 +53,11 @@ first line and the response-file line, each after ``›``.
 script.json: ``{"<role>": [step, ...]}``. Turn N uses step N, the last step
 repeats. A step is a string (the answer text) or
 ``{"text": str, "think_ms": int, "silent": bool, "action": "write" | "no_file" |
-"error" | "write_on_reminder", "files": {path: content or null}}``; while it
-thinks the agent repaints a timer every second, as a working CLI does, unless
-``silent`` (a hung CLI); ``files`` are
+"error" | "write_on_reminder", "files": {path: content or null}, "hold_ms": int}``;
+while it thinks the agent repaints a timer every second, as a working CLI does,
+unless ``silent`` (a hung CLI); ``hold_ms`` keeps it at work that long after it
+wrote its answer (a CLI still busy with its turn once the file is there, which a
+test can kill right then); ``files`` are
 written (null: deleted) in the project before the answer, as an agent
 changes the code (a relative path is taken from the agent's working
 directory). A missing role or text gets a default answer that
@@ -407,8 +409,12 @@ def normalise_step(step, role: str, default_think_ms: int) -> dict:
     files = step.get("files")
     if not isinstance(files, dict):
         files = {}
+    try:
+        hold_ms = int(step.get("hold_ms", 0))
+    except (TypeError, ValueError):
+        hold_ms = 0
     return {"text": text, "action": action, "think_ms": max(0, think_ms), "files": files,
-            "silent": step.get("silent") is True}
+            "silent": step.get("silent") is True, "hold_ms": max(0, hold_ms)}
 
 
 def pick_step(script: dict, role: str, turn: int, default_think_ms: int) -> dict:
@@ -555,6 +561,8 @@ class Agent:
             self.finish(f"{role} turn {turn}: answer held back until a reminder")
         else:
             self.write_answer(path, step["text"])
+            if step["hold_ms"]:
+                self.think(step["hold_ms"])      # still at work on its turn, its answer written
             self.finish(f"{role} turn {turn}: wrote {os.path.basename(path)}")
 
     def answer_reminder(self, role: str, path: str) -> None:

@@ -1424,6 +1424,9 @@ class ApiClient:
                 return None
             raise
         terminals = answer.get("terminals") if isinstance(answer, dict) else None
+        record = answer.get("session") if isinstance(answer, dict) else None
+        if isinstance(record, dict) and record.get("status") == "terminated":
+            return None                 # CAO's stand-in for a gone session whose agents failed to start
         if not isinstance(terminals, list):
             raise ApiError(f"CAO {what} answered without its terminals: {answer!r:.200}")
         return [entry["id"] for entry in terminals if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
@@ -1973,6 +1976,7 @@ class InFlight:
     reply_file: str = ""              # answered: the reply's name in the run's folder, its outcome not saved yet
     tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (CLIs that keep
     #                                            only those: Hermes); None for the others
+    terminal: str = ""                # the terminal it was (last) sent to ("" in a state file from before)
 
     def belongs_to(self, position: dict) -> bool:
         """Whether this is the prompt of the turn at `position` (see turn_position())."""
@@ -1987,7 +1991,8 @@ class InFlight:
                 "reminders": self.reminders, "resends": self.resends,
                 **({"limit_line": self.limit_line, "limit_until": self.limit_until} if self.limit_line else {}),
                 **({"reply_file": self.reply_file} if self.reply_file else {}),
-                **({"tokens_before": tokens_before_json(self.tokens_before)} if self.tokens_before is not None else {})}
+                **({"tokens_before": tokens_before_json(self.tokens_before)} if self.tokens_before is not None else {}),
+                **({"terminal": self.terminal} if self.terminal else {})}
 
     @classmethod
     def from_json(cls, raw: object) -> InFlight | None:
@@ -2000,7 +2005,7 @@ class InFlight:
                    _number(raw.get("first_sent_at")), _whole(raw.get("prompt_bytes")) or 0,
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
                    _text(raw.get("limit_line")), _number(raw.get("limit_until")), _text(raw.get("reply_file")),
-                   tokens_before_from_json(raw.get("tokens_before")))
+                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("terminal")))
 
 
 class PlainRecord:
@@ -2764,6 +2769,9 @@ FILE_CHECK_SECONDS = 0.05
 # reply in one go (a tool call, a heredoc), and the turn also needs the agent
 # seen idle or its screen still, so a short settle is enough.
 FILE_SETTLE_SECONDS = 0.1
+# Filesystem timestamps can be coarse: a file whose time is this much before the prompt's still counts as
+# written since (the stale file of an earlier turn was moved aside before the send).
+MTIME_SLACK_SECONDS = 1.0
 
 
 def new_run_dir() -> str:
@@ -3008,12 +3016,57 @@ def taken_reply(role: str) -> Path | None:
         if name != path.name or not name.endswith(f"-{role}.md"):
             continue                    # a state file edited by hand: only a file of the run's folder counts
         try:
-            fresh = path.stat().st_mtime >= in_flight.sent_at - 1.0
+            fresh = path.stat().st_mtime >= in_flight.sent_at - MTIME_SLACK_SECONDS
         except OSError:
             continue
         if fresh and read_reply_file(path):
             return path
     return None
+
+
+# A reply is complete when it holds every part its format's reader reads (sections 9-15: the verdict and the
+# notes of a review, the result and the evidence of a test, ...); a reply cut off as it was written lacks its last.
+REPLY_PARTS: dict[str, tuple[str, ...]] = {
+    "analyst": ("ANALYST_SUMMARY", "Handoff"),
+    "peer_analyst": ("REVIEW_RESULT", "REVIEW_NOTES"),
+    "programmer": ("PROGRAMMER_SUMMARY", "Files changed", "Behaviou?r implemented"),
+    "peer_programmer": ("REVIEW_RESULT", "REVIEW_NOTES"),
+    "tester": ("RESULT", "EVIDENCE"),
+}
+
+
+def reply_complete(role: str, text: str) -> bool:
+    """Whether a reply holds every labelled part its format's reader reads (in story mode, the programmer's
+    <promise> too): what a reply cut off mid-write lacks."""
+    for part in REPLY_PARTS.get(role, ()):
+        if not re.search(rf"^\W*(?:\d+[.)]\s*)?(?:{part})\W*:", text, re.MULTILINE | re.IGNORECASE):
+            return False
+    if role == "tester" and not re.search(r"^\W*RESULT\W*:\W*(?:PASS|FAIL)\b", text, re.MULTILINE | re.IGNORECASE):
+        return False
+    return not (role == "programmer" and STORY_MODE) or bool(promise_signal(text)[0])
+
+
+def left_reply(role: str, path: Path) -> str:
+    """The answer the turn in flight's agent left before it was gone: written since the prompt was sent,
+    settled, and complete by its format's reader ('' if none).
+
+    The one rule wherever a turn's agent is gone -- the wait, a resumed turn,
+    a replaced agent's turn: a reply written is a reply taken, and the turn is
+    not sent again; a reply cut off mid-write is not taken, and the turn goes
+    to the new agent.
+    """
+    version = reply_file_version(path)
+    if in_flight is None or in_flight.role != role or in_flight.sent_at is None or version is None:
+        return ""
+    written_at = version[0] / 1e9
+    if written_at < in_flight.sent_at - MTIME_SLACK_SECONDS:
+        return ""
+    if time.time() - written_at < FILE_SETTLE_SECONDS:     # just written: it settles, or it was not all there
+        time.sleep(FILE_SETTLE_SECONDS)
+        if reply_file_version(path) != version:
+            return ""
+    reply = read_reply_file(path)
+    return reply if reply_complete(role, reply) else ""
 
 
 def reply_file_version(path: Path) -> tuple[int, int] | None:
@@ -4248,7 +4301,7 @@ def compaction_point(role: str) -> int | None:
 # passes with time: it is waited out with growing pauses for up to USAGE_LIMIT_MAX_WAIT in all, never failed.
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
-LIVENESS_CHECK_SECONDS = 5.0          # how often a turn without a reply file asks whether its agent is still there
+LIVENESS_CHECK_SECONDS = 5.0          # how often a turn asks whether its agent is still there
 CONFIRM_READ_SECONDS = 0.5            # how often a settled reply file's turn asks whether the agent has finished
 RECORD_READ_SECONDS = 0.1             # ... and reads its CLI's own record, where the loop reads it (a local read)
 # The first look after a send comes soon: a CLI that compacts as the prompt is submitted says so at once, and
@@ -4490,8 +4543,9 @@ class AgentLost(RunError):
         super().__init__(f"{when}the {role} agent (terminal {terminal_id}) is lost: {why}{shown}; {ways_on}")
 
 
-def why_gone(terminal_id: str, screen: str | None = None) -> str:
-    """'' while the agent can take input; else why not: its session gone, its terminal gone, its CLI exited.
+def why_gone(terminal_id: str, screen: str | None = None, unreadable: bool = False) -> str:
+    """'' while the agent can take input; else why not: its session gone, its terminal gone, its CLI exited,
+    or (`unreadable`) its screen unreadable while CAO cannot tell its status.
 
     A server that cannot answer for sessions (an older CAO without the route)
     leaves the screen to tell.
@@ -4508,6 +4562,8 @@ def why_gone(terminal_id: str, screen: str | None = None) -> str:
         return f"CAO session {session_name} no longer has this terminal"
     if shows_shell_prompt(screen):
         return "its agent CLI exited (its terminal shows a shell prompt)"
+    if unreadable:
+        return "CAO can neither read its screen nor tell its status (its tmux window is gone)"
     return ""
 
 
@@ -4527,13 +4583,18 @@ def lost_agent(role: str, terminal_id: str, why: str, screen: str | None) -> Age
     return AgentLost(role, terminal_id, why, lines[-1].strip() if lines else "")
 
 
+def check_gone(role: str, terminal_id: str, screen: str | None) -> None:
+    """Raise AgentLost if the agent is gone (its session, its terminal, its CLI)."""
+    why = why_gone(terminal_id, screen)
+    if why:
+        raise lost_agent(role, terminal_id, why, screen)
+
+
 def check_alive(role: str, terminal_id: str) -> None:
     """Before typing into a terminal: raise AgentLost if its agent is gone (never type into a shell), and
     close a menu its CLI opened (typed text and Enter would pick the menu's highlighted choice)."""
     screen = _screen(terminal_id)
-    why = why_gone(terminal_id, screen)
-    if why:
-        raise lost_agent(role, terminal_id, why, screen)
+    check_gone(role, terminal_id, screen)
     menu = open_menu(screen)
     if menu is not None:
         answer_menu(role, terminal_id, menu)
@@ -4650,6 +4711,7 @@ TURN_ENDED_BY_STATUS = "CAO's ready status"
 TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
 TURN_ENDED_BY_STILL_SCREEN = "a still screen"
 TURN_ENDED_BY_RECORD = "its CLI's own record"
+TURN_ENDED_BY_AGENT_GONE = "its agent gone, the reply complete"
 
 
 class Verdict(Enum):
@@ -4713,6 +4775,7 @@ class TurnFacts:
     #                                      turn ended, or not begun)
     screen_changed_at: float = float("-inf")
     lost: str = ""                    # why the agent is gone ("" while it is there)
+    left_reply: bool = False          # ... and it left its reply complete (left_reply(), section 4)
     resend_used: bool = False         # the one resend (or a carried-over turn's first reminder) is spent
     reminders: int = 0
     provider_errors: int = 0          # model provider errors waited out this turn
@@ -4768,8 +4831,9 @@ class TurnFacts:
         if turn_over and self.file_version is not None and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_RECORD
 
-    def note_lost(self, why: str) -> None:
-        self.lost = why
+    def note_lost(self, why: str, left_reply: bool = False) -> None:
+        """Why the agent is gone ('' : it is there), and whether it left a complete reply (left_reply())."""
+        self.lost, self.left_reply = why, bool(why) and left_reply
 
     def note_usage_limit(self, limit: UsageLimit | None) -> None:
         """What the latest screen says of a usage limit (None: nothing, or a reply file is there)."""
@@ -4796,7 +4860,9 @@ class TurnFacts:
     # -- questions ---------------------------------------------------------------
     def ended_by(self) -> str:
         """What confirmed a settled reply file (once the turn is DONE): the status, the CLI's mark or its record,
-        a still screen."""
+        a still screen; or that its agent was gone, the reply complete."""
+        if self.lost:
+            return TURN_ENDED_BY_AGENT_GONE
         return self.finished_by if self.finished_by and self.mark != "working" else TURN_ENDED_BY_STILL_SCREEN
 
     def file_settled(self, now: float) -> bool:
@@ -4871,6 +4937,8 @@ OPEN_STATES = frozenset(TurnState) - {TurnState.DONE, TurnState.FAILED, TurnStat
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
+    WaitRule(frozenset({TurnState.LOST}), "it left its reply complete: a reply written is a reply taken",
+             lambda f, now: f.left_reply, Verdict.TAKE_REPLY),
     WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)",
              lambda f, now: True, Verdict.LOST),
     WaitRule(frozenset({TurnState.FAILED}), "always",
@@ -4923,7 +4991,7 @@ class ReadSchedule:
     """When to ask the server: the status once per POLL_SECONDS; as soon as a reply file has settled,
     then every CONFIRM_READ_SECONDS until the agent is seen finished (the next agent waits on it), for
     at most QUIET_SCREEN_SECONDS (an agent still working after that is asked at the usual pace);
-    whether the agent is still there once per LIVENESS_CHECK_SECONDS while there is no file. Where the
+    whether the agent is still there once per LIVENESS_CHECK_SECONDS, with or without a file. Where the
     CLI's own record is read on this machine, a settled file's turn reads it every RECORD_READ_SECONDS
     over the same stretch: a file read, no call to the server."""
 
@@ -4963,8 +5031,9 @@ class ReadSchedule:
     def status_read(self, now: float) -> None:
         self.next_status_at = now + POLL_SECONDS
 
-    def liveness_due(self, facts: TurnFacts, now: float) -> bool:
-        if facts.file_version is not None or now < self.next_liveness_at:
+    def liveness_due(self, now: float) -> bool:
+        """Whether to ask again if the agent is still there: in every state of the wait, file or no file."""
+        if now < self.next_liveness_at:
             return False
         self.next_liveness_at = now + LIVENESS_CHECK_SECONDS
         return True
@@ -5374,25 +5443,35 @@ def observe_terminal(turn: Turn) -> None:
         turn.told_unknown = True
         log_turn(turn.role, f"CAO cannot tell the status of terminal {turn.terminal_id} ({status!r}, e.g. after "
                             "a server restart); judging the turn by the response file and the screen")
-    liveness = turn.reads.liveness_due(turn.facts, now)
-    screen = None
-    if liveness or turn.reads.screen_due(turn.facts, now):
+    liveness = turn.reads.liveness_due(now)
+    screen, screen_read = None, liveness or turn.reads.screen_due(turn.facts, now)
+    if screen_read:
         screen = _screen(turn.terminal_id)
         turn.facts.note_screen(screen, time.monotonic())
         if screen is not None:
             turn.facts.note_usage_limit(usage_limit_on(screen, time.time(), turn.facts.cli))
             if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
-    if liveness:
-        turn.facts.note_lost(why_gone(turn.terminal_id, screen))
-    elif shows_shell_prompt(screen):
-        turn.facts.note_lost(why_gone(turn.terminal_id, screen))
+    note_gone(turn, screen, liveness, unreadable=screen_read and screen is None and status not in KNOWN_STATUSES)
     menu = open_menu(screen)
     known = safe_menu_choice(menu, turn.facts.cli) if menu is not None and not turn.facts.lost else None
     if known:
         answer_menu_in_turn(turn, menu, known)     # e.g. what to do at a usage limit: wait for it
     elif status == "waiting_user_answer" and not turn.facts.lost:
         handle_permission_prompt(turn)
+
+
+def note_gone(turn: Turn, screen: str | None, liveness: bool, unreadable: bool) -> None:
+    """Whether the agent is gone, asked every LIVENESS_CHECK_SECONDS in every state of the wait, and at once
+    when its screen shows a shell prompt or cannot be read while CAO cannot tell its status; a gone agent's
+    complete reply is noted with it (left_reply(): the wait then takes it)."""
+    if not (liveness or unreadable or shows_shell_prompt(screen)):
+        return
+    why = why_gone(turn.terminal_id, screen, unreadable)
+    left = bool(why) and bool(left_reply(turn.role, turn.path))
+    if left:
+        log_turn(turn.role, f"terminal {turn.terminal_id} is gone ({why}); the reply it wrote is complete: taking it")
+    turn.facts.note_lost(why, left)
 
 
 def first_sent_at(role: str) -> float:
@@ -5770,6 +5849,25 @@ def check_replaceable(lost: AgentLost) -> bool:
     return session_gone
 
 
+def turn_goes_again(roles: Iterable[str]) -> bool:
+    """Whether the prompt in flight goes again, to a new agent of `roles`.
+
+    It went to a terminal that is gone: the new agent has not got it, whatever
+    its status reads (a fresh OpenCode can read `completed`), so it is sent
+    again, not waited for -- unless its reply was taken already (kept in the
+    run's folder by a process that stopped before it saved what the reply led
+    to), or its agent left the reply complete (left_reply()): that turn is
+    over, and its reply is taken, never sent again.
+    """
+    if in_flight is None or in_flight.role not in roles or taken_reply(in_flight.role) is not None:
+        return False
+    if left_reply(in_flight.role, response_path(in_flight.role)):
+        log(f"{in_flight.role}: its reply, written before its agent was gone, is complete: it is taken, and the "
+            "turn is not sent again")
+        return False
+    return True
+
+
 def replace_lost_agent(lost: AgentLost) -> None:
     """A new agent for a lost one (REPLACE_LOST_AGENTS=1, or one that died as it started), or the run stops
     on `lost`.
@@ -5794,12 +5892,7 @@ def replace_lost_agent(lost: AgentLost) -> None:
         remove_terminal(lost.terminal_id)
     event = replacements_used() + 1
     at = utc_iso()
-    # The prompt in flight went to a terminal that is gone: the new agent has not got it, whatever its
-    # status reads (a fresh OpenCode can read `completed`), so the turn is sent again, not waited for --
-    # unless its reply was taken already (kept in the run's folder by a process that stopped before it
-    # saved what the reply led to): that turn is over, and is taken again from there, never sent again.
-    again = in_flight is not None and in_flight.role in roles and taken_reply(in_flight.role) is None
-    unsent = replace(in_flight, sent_at=None) if again else in_flight
+    unsent = replace(in_flight, sent_at=None) if turn_goes_again(roles) else in_flight
     update_run(in_flight=unsent, session_name=new_session, terminal_ids=new_ids,
                agent_models={**agent_models, **{role: model_for(role) for role in roles}},
                fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles},
@@ -5856,9 +5949,12 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     ready_in_a_row = 0
     cli = agent_cli(provider_for(role))
     answered_before = any(record.terminal == terminal_id for record in turn_records)
-    screen, still_since = None, started
+    screen, still_since, next_liveness_at = None, started, started + LIVENESS_CHECK_SECONDS
     while ready_in_a_row < 2:
         status = api.get_status(terminal_id)
+        if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
+            check_gone(role, terminal_id, screen)
+            next_liveness_at += LIVENESS_CHECK_SECONDS
         if status in BUSY_STATUSES:
             now, seen = time.monotonic(), _screen(terminal_id)
             if seen != screen:
@@ -5869,13 +5965,19 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
         ready_in_a_row = ready_in_a_row + 1 if status not in BUSY_STATUSES else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            marks = TURN_STATE_MARK.findall(screen or "")
-            raise agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT="
-                                                  f"{RESPONSE_TIMEOUT:g}s (status {status!r}"
-                                                  + (f"; its marks: {', '.join(marks[-4:])}" if marks else "") + ")")
+            raise never_ready(role, terminal_id, status, screen)
         if ready_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
+
+
+def never_ready(role: str, terminal_id: str, status: str, screen: str | None) -> RunError:
+    """The error for a terminal that did not become ready within RESPONSE_TIMEOUT: its status, and its CLI's
+    last marks."""
+    marks = TURN_STATE_MARK.findall(screen or "")
+    return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
+                                           f"(status {status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks
+                                                                    else "") + ")")
 
 
 def deliverable_message(role: str, prompt: str) -> str:
@@ -5902,10 +6004,13 @@ def turn_position(role: str) -> dict:
 
 
 def carried_over_turn(role: str, path: Path) -> str:
-    """After an interruption: did this very prompt already go out? 'taken', 'reply', 'limited', 'working' or ''.
+    """After an interruption: did this very prompt already go out? 'taken', 'left', 'reply', 'limited', 'working'
+    or ''.
 
     'taken': the loop had taken the answer (it is kept in the run's folder)
     and stopped before saving what it led to;
+    'left': the agent it went to is gone (replaced since) and left its answer
+    complete (left_reply()): taken at once;
     'reply': the agent has written its answer since the prompt was sent;
     'limited': it stopped at its usage limit, which the wait waits out;
     'working': it is still busy with it. Either way the prompt is not sent
@@ -5916,22 +6021,27 @@ def carried_over_turn(role: str, path: Path) -> str:
         return ""
     if not read_reply_file(path) and taken_reply(role) is not None:
         return "taken"
+    if in_flight.terminal not in ("", terminal_ids[role]):
+        return "left" if left_reply(role, path) else ""     # the new agent never had it: sent to it (fresh)
     try:
         written_at = path.stat().st_mtime
     except OSError:
         written_at = None
     if written_at is not None:
-        # Filesystem timestamps can be coarse: a second of slack, and the
-        # stale file of an earlier turn was moved aside before the send.
-        if written_at >= in_flight.sent_at - 1.0 and read_reply_file(path):
+        if written_at >= in_flight.sent_at - MTIME_SLACK_SECONDS and read_reply_file(path):
             return "reply"
         set_aside_stale_reply(path)
     if in_flight.limit_line:
         return "limited"         # its agent waits out a usage limit: the wait continues the turn
+    return "working" if at_work(role) else ""
+
+
+def at_work(role: str) -> bool:
+    """Whether the role's agent may be at work on a prompt: busy, or a status that cannot tell (the wait then
+    judges by file and screen); not when it reads ready, failed, or its CLI marks itself at rest."""
     status = agent_cli(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
-    if status == "error" or status in READY_STATUSES or turn_mark(_screen(terminal_ids[role])) in ("ended", "idle"):
-        return ""                # not at work on it (a CLI that marks its turns says so itself)
-    return "working"             # busy, or a status that cannot tell: the wait judges by file and screen
+    return not (status == "error" or status in READY_STATUSES
+                or turn_mark(_screen(terminal_ids[role])) in ("ended", "idle"))
 
 
 def send_prompt(role: str, prompt: str) -> str:
@@ -5953,7 +6063,8 @@ def send_prompt(role: str, prompt: str) -> str:
                                   first_sent_at=in_flight.first_sent_at if again else now,
                                   prompt_bytes=len(prompt.encode("utf-8")),
                                   resends=in_flight.resends if again else 0,
-                                  tokens_before=in_flight.tokens_before if again else turn_tokens_before(role)))
+                                  tokens_before=in_flight.tokens_before if again else turn_tokens_before(role),
+                                  terminal=terminal_id))
     save_state()
     keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
     write_report()
@@ -6242,17 +6353,13 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     carried = carried_over_turn(role, path)
     if carried == "taken":
         return retake_reply(role, len(prompt.encode("utf-8")))
-    message = None
-    if carried:
-        record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
-        if carried != "limited":
-            log_turn(role, "taking the reply written while the loop was down (prompt not sent again)"
-                     if carried == "reply" else f"terminal {terminal_id} is still working on the prompt sent before "
-                     "the interruption; waiting for it")
+    if carried == "left":
+        record_sent(in_flight.sent_in_full)
+        log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
+                       "complete, so the prompt is not sent again")
+        reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE
     else:
-        tokens_before_send(role)
-        message = send_prompt(role, prompt)
-    reply, ended_by = wait_for_reply(role, terminal_id, path, message, build)
+        reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
     crash_point("reply-settled")
     timing = turn_timing(path)
@@ -6266,6 +6373,19 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
                    f"{archived}{tokens}{recorded})")
     return reply
+
+
+def begin_turn(role: str, prompt: Prompt, carried: str) -> str | None:
+    """Send the turn's prompt (what was sent), or -- a turn carried over -- say what the wait takes up (None)."""
+    if not carried:
+        tokens_before_send(role)
+        return send_prompt(role, prompt)
+    record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
+    if carried != "limited":
+        log_turn(role, "taking the reply written while the loop was down (prompt not sent again)"
+                 if carried == "reply" else f"terminal {terminal_ids[role]} is still working on the prompt sent "
+                 "before the interruption; waiting for it")
+    return None
 
 
 def retake_reply(role: str, prompt_bytes: int) -> str:

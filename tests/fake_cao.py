@@ -136,6 +136,7 @@ class Terminal:
     started: bool = False            # the agent has started on the last input (a codex terminal marks its turn)
     sent_to: bool = False            # it had input (before, a codex terminal's screen shows its start-up mark)
     cli_dead: bool = False           # the agent CLI died: the pane shows a shell prompt, input runs as commands
+    window_gone: bool = False        # its tmux window is gone: CAO cannot read its screen (404)
     deleted: bool = False
 
 
@@ -215,13 +216,14 @@ class FakeCao:
         terminal.echo += "Killed\n\x1b[?2004hbash-5.2# "
         return terminal
 
-    def end_session(self, session: str) -> None:
-        """The agents' tmux session ends (a killed tmux server, a reboot): CAO still answers for the terminals."""
+    def end_session(self, session: str, screens_too: bool = False) -> None:
+        """The agents' tmux session ends (a killed tmux server, a reboot): CAO still answers for the terminals,
+        with their old screens or (`screens_too`, as CAO 2.5.4 did once) none."""
         with self._lock:
             self.sessions.discard(session)
         for terminal in self.terminals.values():
             if terminal.session == session:
-                terminal.pending = None
+                terminal.pending, terminal.window_gone = None, screens_too
 
     def current_terminal(self, role: str) -> Terminal:
         """The role's newest terminal that is not deleted (after a replacement, the new one)."""
@@ -610,6 +612,8 @@ class FakeCao:
         terminal = self._terminal(request)
         if terminal is None:
             return self._missing(request)
+        if terminal.window_gone:
+            return httpx.Response(404, json={"detail": f"Terminal '{terminal.id}' output not found"})
         if mode == "full":              # the screen since the last input: the echoed prompt, then the reply
             screen = terminal.echo if terminal.cli_dead else terminal.echo + self._marked(terminal)
             return httpx.Response(200, json={"output": screen, "mode": "full"})

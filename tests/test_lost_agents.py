@@ -223,6 +223,114 @@ def test_replacements_stop_at_max_agent_replacements(run, fake_cao, capsys):
     assert len(state_of(m)["replacements"]) == 1
 
 
+# -- a written reply outlives its writer -----------------------------------------------------
+
+CUT_OFF_PASS = PASS_REPLY[:PASS_REPLY.index("EVIDENCE")]          # its agent gone as it wrote it
+
+
+def write_then_vanish(text: str, screens_too: bool = False):
+    """A step: the agent writes `text` as its reply, then its session ends before its turn's end is seen."""
+    def call(fake, terminal) -> None:
+        Path(terminal.response_path).write_text(text, encoding="utf-8")
+        fake.end_session(terminal.session, screens_too)
+    return call
+
+
+@pytest.mark.parametrize("screens_too", [False, True], ids=["old screen", "no screen"])
+def test_a_session_gone_after_the_reply_was_written_is_noticed_and_the_reply_taken(run, fake_cao, capsys,
+                                                                                   screens_too):
+    """After a cao-server restart (status `unknown`) the turn's end is judged by a still screen; the tester's
+    session ends right after it wrote its reply: the loop notices (the session's record, or a screen CAO can
+    no longer read), and takes the complete reply -- not a still screen, not RESPONSE_TIMEOUT."""
+    fake_cao.reported_status = "unknown"
+    fake_cao.script["tester"] = [{"action": "call", "call": write_then_vanish(PASS_REPLY, screens_too)}]
+    m = run(**{**TESTER_ONLY, "RESPONSE_TIMEOUT": "60", "QUIET_SCREEN_SECONDS": "30"})
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert f"turn end seen by {m.TURN_ENDED_BY_AGENT_GONE}" in out
+    assert "the reply it wrote is complete: taking it" in out
+    assert len(fake_cao.prompts_for("tester")) == 1 and state_of(m)["final_status"] == "PASS"
+
+
+def test_a_window_gone_while_cao_cannot_tell_its_status_is_lost_though_its_session_is_listed(run, fake_cao,
+                                                                                                capsys):
+    """CAO lists the session, but can neither tell the terminal's status nor read its screen: the agent is
+    gone, with or without a reply file -- noticed, not waited on."""
+    def window_gone(fake, terminal) -> None:
+        terminal.window_gone = True
+    fake_cao.reported_status = "unknown"
+    fake_cao.script["tester"] = [{"action": "call", "call": window_gone}]
+    m = run(**{**TESTER_ONLY, "RESPONSE_TIMEOUT": "60"})
+    assert run_main(m) == 3
+    _out, err = one_line(capsys)
+    assert "the tester agent" in err and "CAO can neither read its screen nor tell its status" in err
+
+
+def test_a_reply_cut_off_as_its_session_ended_stops_the_run_naming_the_agent(run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": write_then_vanish(CUT_OFF_PASS)}]
+    m = run(**{**TESTER_ONLY, "RESPONSE_TIMEOUT": "60", "QUIET_SCREEN_SECONDS": "30"})
+    assert run_main(m) == 3
+    _out, err = one_line(capsys)
+    assert f"its CAO session {m.session_name} is gone" in err
+    assert state_of(m)["in_flight"]["role"] == "tester"
+
+
+def test_a_reply_cut_off_as_its_session_ended_is_not_taken_and_the_turn_goes_to_a_new_agent(run, fake_cao,
+                                                                                                capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": write_then_vanish(CUT_OFF_PASS)}, PASS_REPLY]
+    m = run(**{**TESTER_ONLY, "RESPONSE_TIMEOUT": "60", "QUIET_SCREEN_SECONDS": "30"}, REPLACE_LOST_AGENTS="1")
+    assert run_main(m) == 0
+    first, again = fake_cao.prompts_for("tester")
+    assert again == first and m.terminal_ids["tester"] != fake_cao.terminal_for("tester").id
+    assert len(state_of(m)["replacements"]) == 5
+    assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY        # the new agent's, whole
+
+
+class MachineGone(BaseException):
+    """The loop's machine died: nothing of the process runs on."""
+
+
+def machine_killed_after_the_reply(load_orch, prompt_file, fake_cao, monkeypatch, text: str):
+    """A run whose machine dies right after the tester wrote `text` as its reply, before the loop took it; the
+    agents are gone with it. Returns the module to run again on a fresh machine."""
+    def write_then_die(fake, terminal) -> None:
+        Path(terminal.response_path).write_text(text, encoding="utf-8")
+        raise MachineGone()
+    fake_cao.script["tester"] = [{"action": "call", "call": write_then_die}, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    monkeypatch.setattr(m, "wind_down", lambda code: code)     # SIGKILL: nothing saved on the way out
+    with pytest.raises(MachineGone):
+        m.main([])
+    m.release_run_lock()
+    for session in list(fake_cao.sessions):
+        fake_cao.end_session(session)
+    monkeypatch.undo()
+    return load_orch(PROMPT_FILE=str(prompt_file), REPLACE_LOST_AGENTS="1", **TESTER_ONLY)
+
+
+def test_a_complete_reply_left_by_agents_gone_with_their_machine_is_taken_not_sent_again(
+        load_orch, prompt_file, fake_cao, monkeypatch, capsys):
+    m = machine_killed_after_the_reply(load_orch, prompt_file, fake_cao, monkeypatch, PASS_REPLY)
+    assert run_main(m) == 0
+    assert len(fake_cao.prompts_for("tester")) == 1             # not sent again to the new agent
+    assert state_of(m)["final_status"] == "PASS" and len(state_of(m)["replacements"]) == 5
+    assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY
+    out = capsys.readouterr().out
+    assert "tester: its reply, written before its agent was gone, is complete" in out
+    assert f"turn end seen by {m.TURN_ENDED_BY_AGENT_GONE}" in out
+
+
+def test_a_cut_off_reply_left_by_agents_gone_with_their_machine_is_not_taken_the_turn_goes_again(
+        load_orch, prompt_file, fake_cao, monkeypatch):
+    m = machine_killed_after_the_reply(load_orch, prompt_file, fake_cao, monkeypatch, CUT_OFF_PASS)
+    assert run_main(m) == 0
+    first, again = fake_cao.prompts_for("tester")
+    assert again == first
+    assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY        # the new agent's, whole
+    assert any(p.name.endswith("-stale-test_result.md") and p.read_text() == CUT_OFF_PASS
+               for p in Path(m.run_dir).iterdir())             # set aside, never read as the answer
+
+
 # -- at resume: a reboot ---------------------------------------------------------------
 
 def _saved_run_whose_session_is_gone(m, fake_cao) -> dict:

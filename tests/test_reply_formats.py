@@ -86,3 +86,29 @@ def test_a_story_reply_in_the_prompts_format_gives_its_completion_signal(m):
     answer = format_lines(full_format, "PROGRAMMER_SUMMARY:")
     assert m.promise_signal(written_as_asked(answer))[0] == "COMPLETE"
     assert m.promise_signal(written_as_asked(answer, alternative=True))[0] == "FAILED"
+
+
+@pytest.mark.parametrize("role, build, first, last", [
+    ("analyst", lambda m: m.build_analyst_prompt(1, 1), "ANALYST_SUMMARY:", "- Handoff:"),
+    ("peer_analyst", lambda m: m.build_analyst_review_prompt(ANALYST_OUT), "REVIEW_RESULT:", "REVIEW_NOTES:"),
+    ("programmer", lambda m: m.build_programmer_prompt(1, 1, ANALYST_OUT), "PROGRAMMER_SUMMARY:",
+     "- Behavior implemented:"),
+    ("peer_programmer", lambda m: m.build_programmer_review_prompt(PROGRAMMER_OUT), "REVIEW_RESULT:",
+     "REVIEW_NOTES:"),
+    ("tester", lambda m: m.build_tester_prompt(PROGRAMMER_OUT), "RESULT:", "EVIDENCE:"),
+])
+def test_a_reply_in_the_prompts_format_is_complete_and_one_cut_off_before_its_last_part_is_not(
+        m, role, build, first, last):
+    """What a gone agent left is taken only when complete: every part its format's reader reads is there."""
+    reply = written_as_asked(format_lines(build(m), first))
+    assert m.reply_complete(role, reply)
+    assert m.reply_complete(role, "Narration first.\n" + reply.replace("- ", "**", 1))
+    assert not m.reply_complete(role, reply[:reply.index(last)])               # cut off before its last part
+    assert not m.reply_complete(role, reply[:len(first) - 3])                   # ... or in its first line
+
+
+def test_a_story_reply_is_complete_only_with_its_completion_signal(m):
+    m.STORY_MODE = True
+    reply = written_as_asked(format_lines(m.STORY_ANSWER_FORMAT[0], "PROGRAMMER_SUMMARY:"))
+    assert m.reply_complete("programmer", reply)
+    assert not m.reply_complete("programmer", reply[:reply.index("<promise>")])

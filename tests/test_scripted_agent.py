@@ -47,6 +47,22 @@ def test_turns_are_counted_in_the_process_without_a_home(bare_agent, tmp_path):
         assert counters["turns"] == {"tester": 2}
 
 
+def test_a_step_held_after_its_answer_works_on_with_the_file_written(tmp_path, monkeypatch, capsys):
+    """`hold_ms`: the answer is on disk while the agent still shows itself at work (no prompt yet)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "script.json").write_text('{"tester": [{"text": "RESULT: PASS\\n", "hold_ms": 300}]}')
+    agent = agent_module.Agent(agent_module.Home(str(home)), default_think_ms=0)
+    path = tmp_path / "test_result.md"
+    seen = []
+    monkeypatch.setattr(agent_module.time, "sleep", lambda seconds: seen.append(path.exists()))
+    agent.handle(prompt_for(path))
+    assert path.read_text(encoding="utf-8") == "RESULT: PASS\n"
+    assert seen and all(seen)                        # every pause of the hold came after the file
+    out = capsys.readouterr().out
+    assert out.rindex("thinking") < out.rindex(agent_module.PROMPT)
+
+
 def test_a_reminder_with_nothing_pending_is_answered(bare_agent, tmp_path, capsys):
     bare_agent.handle(f"Please write {tmp_path / 'analyst_summary.md'} now.")
     assert "reminder: nothing pending" in capsys.readouterr().out

@@ -185,6 +185,28 @@ def test_an_agent_whose_session_or_cli_is_gone_is_lost_at_once(m):
     assert decide(m, facts, 3.0) == ("LOST", "LOST")
 
 
+def test_a_gone_agent_that_left_its_reply_complete_has_it_taken(m):
+    """A reply written is a reply taken: its agent gone (CAO's status `unknown`, the turn's end never seen),
+    the settled, complete reply ends the turn, and the log says so."""
+    facts = sent_at_zero(m)
+    facts.note_status("unknown", 2.0)
+    facts.note_file(FILE, 2.5)
+    assert decide(m, facts, 3.0) == ("FILE_SETTLED", "WAIT")
+    facts.note_lost("its CAO session cao-x is gone", left_reply=True)
+    assert decide(m, facts, 3.0) == ("LOST", "TAKE_REPLY")
+    assert facts.ended_by() == m.TURN_ENDED_BY_AGENT_GONE
+
+
+def test_a_gone_agent_without_a_complete_reply_is_lost(m):
+    """Its reply cut off mid-write (or none): the agent is lost, and the turn goes to a new one."""
+    facts = sent_at_zero(m)
+    facts.note_file(FILE, 2.5)
+    facts.note_lost("its CAO session cao-x is gone", left_reply=False)
+    assert decide(m, facts, 3.0) == ("LOST", "LOST")
+    facts.note_lost("", left_reply=True)                      # not gone: nothing it left counts
+    assert not facts.left_reply
+
+
 def test_a_working_agent_whose_screen_stays_unchanged_for_agent_stall_seconds_is_lost(m):
     facts = sent_at_zero(m)
     facts.note_status("processing", 2.0)
@@ -564,13 +586,14 @@ def test_a_cli_reported_ready_while_it_works_is_not_reminded_while_its_screen_mo
     assert facts.cao_status == "completed"                      # what CAO said is kept for the progress line
 
 
-def test_whether_the_agent_is_there_is_asked_every_liveness_check_while_there_is_no_file(m):
-    facts, reads = sent_at_zero(m), m.ReadSchedule(next_status_at=POLL, next_liveness_at=5.0)
-    assert not reads.liveness_due(facts, 4.9)
-    assert reads.liveness_due(facts, 5.0)
-    assert not reads.liveness_due(facts, 5.0 + m.LIVENESS_CHECK_SECONDS - 0.1)
-    facts.note_file(FILE, 9.0)
-    assert not reads.liveness_due(facts, 20.0)
+def test_whether_the_agent_is_there_is_asked_every_liveness_check_with_or_without_a_file(m):
+    """A gone agent is never waited on: its session is asked after in every state of the wait, also once a
+    reply file is there and the turn's end is awaited."""
+    reads = m.ReadSchedule(next_status_at=POLL, next_liveness_at=5.0)
+    assert not reads.liveness_due(4.9)
+    assert reads.liveness_due(5.0)
+    assert not reads.liveness_due(5.0 + m.LIVENESS_CHECK_SECONDS - 0.1)
+    assert reads.liveness_due(5.0 + m.LIVENESS_CHECK_SECONDS)     # whatever the facts: the file is not asked
 
 
 def test_the_screen_is_read_with_each_status_until_the_prompt_shows(m):

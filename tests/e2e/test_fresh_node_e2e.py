@@ -25,8 +25,8 @@ import pytest
 
 from .harness import _pids_with_env, _server_env, _write_mock_cli, private_cao
 from .cao_env import ensure_cao
-from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SHORT_ROUND, \
-    Run, explain, numbered
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SCRIPT, \
+    SHORT_ROUND, Run, explain, numbered
 
 pytestmark = pytest.mark.e2e
 
@@ -137,6 +137,50 @@ def test_a_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_from_its_worki
             for pid in _pids_with_env(f"HOME={root / 'home'}".encode()):
                 os.kill(pid, signal.SIGKILL)
             shutil.rmtree(root, ignore_errors=True)
+
+
+# The tester writes its reply after 1 s, then works on for a minute: the loop waits for its turn's end, and the
+# machine dies in that window. CUT_OFF is a reply its agent was cut off in writing.
+CUT_OFF = PASS_REPLY[:PASS_REPLY.index("EVIDENCE")]
+TRIES = 3                          # the window is a race: it holds on every try
+
+
+@pytest.mark.parametrize("written, sent_again", [(PASS_REPLY, False), (CUT_OFF, True)], ids=["complete", "cut off"])
+def test_a_machine_killed_right_after_a_reply_was_written_goes_on_on_a_fresh_machine(written, sent_again):
+    """Machine A dies (the loop, cao-server, tmux and the agents killed) right after the tester wrote its reply,
+    before the loop took it; the working directory goes on on machine B (a new HOME and cao-server,
+    REPLACE_LOST_AGENTS=1). A complete reply is taken there and the tester's turn is not sent again; a reply
+    cut off mid-write is set aside and the turn goes to B's new tester."""
+    with private_cao() as node_a, private_cao() as node_b:
+        for attempt in range(1, TRIES + 1):
+            node_a.set_script({"tester": [{"text": written, "think_ms": 1000, "hold_ms": 60000}]})
+            node_b.set_script({})
+            run = Run(node_a, START_AGENT="tester")
+            loop = run.start()
+            deadline = time.monotonic() + 60
+            while not ((files := [Path(r["response_file"]) for r in run.prompts()]) and files[0].exists()):
+                assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+                time.sleep(0.01)
+            loop.kill()                                   # the machine dies: the loop, its agents, cao-server
+            loop.wait(timeout=10)
+            node_a.kill_tmux_server()
+            node_a.stop_server()
+            state = run.state()
+            assert state["in_flight"]["role"] == "tester" and not state["turn_records"], "taken on A"
+
+            env = {**run.env, **node_b.env, "REPLACE_LOST_AGENTS": "1"}
+            result = subprocess.run([sys.executable, str(SCRIPT)], cwd=REPO_ROOT, env=env, capture_output=True,
+                                    text=True, timeout=90)
+            assert result.returncode == 0, explain(result)
+            on_b = received_prompts(node_b.mock_home)
+            print(f"machine killed after the reply ({'cut off' if sent_again else 'complete'}), try {attempt}: "
+                  f"prompts on B: {on_b}")
+            assert on_b == ["tester"] * sent_again, explain(result)          # sent again only when cut off
+            kept = run.archived_text("001-tester.md")
+            assert (kept != written) if sent_again else (kept == written), explain(result)
+            assert run.state()["final_status"] == "PASS" and len(run.state()["replacements"]) == 5
+            node_a.start_server_again()
+            node_b.kill_all_sessions()
 
 
 def test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_next_pod_finishes(cao):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,49 @@ def test_after_a_reboot_the_same_command_replaces_the_agents_and_passes(restarta
     again.wait_for_line(r"replacement 1/3: ", timeout=60)
     print(f"fault-reaction: reboot, replaced: {time.monotonic() - fault_at:.1f}s")
     assert_replaced_and_passed(again, set(QUICK_ROUND))
+
+
+# ---------------------------------------------------------------------------
+# The agents' session killed in the last second of a turn: the reply written, its end not yet seen
+# ---------------------------------------------------------------------------
+
+# The programmer thinks 4 s, writes its reply, then works on (repainting its timer) for a minute: its turn's
+# end is not seen while CAO reads `unknown` (a server restarted), so the loop waits for a still screen.
+HELD_AFTER_ITS_REPLY = {"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 4000, "hold_ms": 60000}]}
+TRIES = 3                          # the window is a race: it holds on every try
+NOTICED_WITHIN = 10.0              # a gone session is asked after every 5 s, an unreadable screen at once
+
+
+def test_agents_killed_right_after_a_reply_was_written_the_reply_is_taken_in_seconds_never_waited_out(
+        restartable_cao, start_run):
+    """CAO restarted while the programmer works (its status reads `unknown` from then on); its reply file
+    written, the agents' tmux session is killed before the turn's end is seen: the loop notices within
+    seconds, takes the complete reply (the programmer is not asked again), replaces the five agents and
+    passes -- RESPONSE_TIMEOUT (600 s) is never waited out."""
+    cao = restartable_cao
+    for attempt in range(1, TRIES + 1):
+        cao.kill_all_sessions()
+        cao.set_script(HELD_AFTER_ITS_REPLY)
+        run = unattended_run(cao, START_AGENT="programmer", REPLACE_LOST_AGENTS="1", RESPONSE_TIMEOUT="600")
+        live = start_run(run)
+        live.wait_until(lambda: "programmer" in run.roles_prompted(), "the programmer got its prompt")
+        programmer = run.state()["terminals"]["programmer"]
+        live.wait_until(lambda: f'"POST /terminals/{programmer}/input?' in cao.server_log(),
+                        "CAO answered the programmer's prompt", timeout=10)
+        cao.stop_server()
+        cao.start_server_again()
+        reply_file = Path(run.prompts()[0]["response_file"])
+        live.wait_until(reply_file.exists, "the programmer wrote its reply", timeout=30, interval=0.01)
+        cao.tmux("kill-session", "-t", f"={run.state()['session_name']}")
+        killed_at = time.monotonic()
+        line = live.wait_for_line(r"programmer: reply received", timeout=60)
+        noticed = time.monotonic() - killed_at
+        print(f"fault-reaction: session killed after the reply, try {attempt}: reply taken {noticed:.1f}s after")
+        assert "turn end seen by its agent gone, the reply complete" in line, live.explain()
+        assert noticed <= NOTICED_WITHIN, live.explain()
+        assert live.finish(timeout=60) == 0, live.explain()
+        state = run.state()
+        assert state["final_status"] == "PASS" and len(state["replacements"]) == 5, live.explain()
+        assert run.roles_prompted() == ["programmer", "peer_programmer", "tester"], live.explain()
+        assert run.archived_text("001-programmer.md") == PROGRAMMER_REPLY
+        assert "CAO cannot tell the status" in live.stdout, live.explain()     # it was judged with `unknown`
