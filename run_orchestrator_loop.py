@@ -7782,11 +7782,11 @@ def verify_resume_terminals() -> None:
 def new_agents_on_own_server() -> None:
     """A resumed run on a CAO server of its own, started anew: its agents ended with the last invocation, so
     five new ones take their places (no replacement counted), and the turn in flight is sent to its new agent
-    unless its reply was taken already. Each new agent gets its whole prompt (once-only text is per terminal)."""
+    unless its reply was taken or left complete (turn_goes_again). Each new agent gets its whole prompt."""
     old_ids = dict(terminal_ids)
     new_session, new_ids = create_terminals()
     settled_terminals.update(new_ids.values())
-    again = in_flight is not None and taken_reply(in_flight.role) is None
+    again = turn_goes_again(ROLES)
     update_run(in_flight=replace(in_flight, sent_at=None) if again else in_flight, session_name=new_session,
                terminal_ids=new_ids, agent_models={role: model_for(role) for role in ROLES}, fresh_agents_due={},
                on_own_server=True)
