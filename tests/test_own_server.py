@@ -236,3 +236,23 @@ def test_the_demo_refuses_a_folder_that_holds_files_of_its_own(orch, tmp_path, c
     assert "it holds files of its own (notes.txt); give a new or empty folder" in capsys.readouterr().err
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
     assert run_main(orch, "--demo", str(folder), "--check") == 2
+
+
+def test_check_in_own_server_mode_looks_at_what_the_own_server_needs(load_orch, monkeypatch, prompt_file, capsys,
+                                                                       tmp_path):
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name in ("cao-server", "cao"):
+        (tools / name).write_text("#!/bin/sh\n", encoding="utf-8")
+        (tools / name).chmod(0o755)
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", PROVIDER="mock_cli", API=None)
+    monkeypatch.setattr(m, "loop_program", lambda name: str(tools / name))
+    assert run_main(m, "--check") == 0
+    out = capsys.readouterr().out
+    assert f"✓ CAO server: the run's own, started for it on a free port of 127.0.0.1 (e.g. " in out
+    assert f"and ended with it: {tools / 'cao-server'}\n" in out
+    assert "✓ mock_cli found by the agents' shells: " in out and out.rstrip().endswith("a run can start")
+    which = m.shutil.which
+    monkeypatch.setattr(m.shutil, "which", lambda name, **kw: None if name == "tmux" else which(name, **kw))
+    assert run_main(m, "--check") == 1
+    assert "✗ tmux is not installed: CAO runs the agents in tmux" in capsys.readouterr().out
