@@ -5876,12 +5876,46 @@ def _first_marker_line(lines: list[str], marker: str) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class VerdictFormat:
+    """A reply that ends in a verdict: its verdict line (`label: word`) and the section that says why. The
+    prompts ask with these words (12), verdict_line() reads them, the profiles in profiles/ and the scripted
+    agent write them (tests/test_reply_formats.py holds them to this row)."""
+
+    label: str                     # the verdict line's label: "RESULT"
+    good: str                      # the word that passes: "PASS"
+    other: str                     # the word that does not: "FAIL"
+    section: str                   # the section with the why: "EVIDENCE"
+
+    def line(self, passed: bool) -> str:
+        return f"{self.label}: {self.good if passed else self.other}"
+
+
+VERDICT_FORMATS = {
+    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE"),
+    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES"),
+}
+
+
+def verdict_line(form: VerdictFormat, text: str) -> tuple[int | None, str]:
+    """The reply's last verdict line (its index among the text's stripped lines; None: none) and its word,
+    upper-cased: the one the reply ends on, when it changed its mind on the way."""
+    pattern = re.compile(r"^\W*" + re.escape(form.label) + r"\W*:\W*([A-Za-z_]+)")
+    found: tuple[int | None, str] = (None, "")
+    for index, line in enumerate((text or "").strip().splitlines()):
+        match = pattern.match(line)
+        if match:
+            found = (index, match.group(1).upper())
+    return found
+
+
 def review_verdict(review_text: str) -> str:
     """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
-    verdicts = re.findall(r"^\W*REVIEW_RESULT\W*:\W*([A-Za-z_]+)", review_text or "", re.MULTILINE)
-    if not verdicts:
+    form = VERDICT_FORMATS["review"]
+    at, word = verdict_line(form, review_text)
+    if at is None:
         return "MISSING"
-    return "APPROVED" if verdicts[-1].upper() == "APPROVED" else "REVISE"
+    return form.good if word == form.good else form.other
 
 
 def _evidence_patterns(review_role: str) -> tuple[str, ...]:
@@ -5945,14 +5979,17 @@ def extract_review_notes(text: str) -> str:
 
 
 def extract_test_evidence(text: str, uncapped: bool = False) -> str:
-    """The RESULT line plus the EVIDENCE section, capped at MAX_TEST_EVIDENCE_LINES (`uncapped`: all of it, as
-    the run's page shows it); the head of the text when it has no EVIDENCE line."""
+    """The RESULT line the verdict is read from (the last, tester_result) plus the EVIDENCE section after it,
+    capped at MAX_TEST_EVIDENCE_LINES (`uncapped`: all of it, as the run's page shows it); the head of the text
+    when it has no EVIDENCE line."""
+    form = VERDICT_FORMATS["tester"]
     limit = None if uncapped else MAX_TEST_EVIDENCE_LINES
     lines = (text or "").strip().splitlines()
-    evidence = _first_marker_line(lines, "EVIDENCE")
+    result, _word = verdict_line(form, text)
+    after = _first_marker_line(lines[result:], form.section) if result is not None else None
+    evidence = result + after if result is not None and after is not None else _first_marker_line(lines, form.section)
     if evidence is None:
         return _head(text, limit)
-    result = _first_marker_line(lines, "RESULT")
     kept = lines[evidence:]
     if result is not None and result < evidence:
         kept = [lines[result]] + kept
@@ -6116,6 +6153,9 @@ def promise_signal(reply: str) -> tuple[str, str]:
 # section labels). Building a prompt changes nothing: the Prompt it returns
 # says which blocks it carries in full, and ask_agent() records them as sent.
 
+TESTER_FORMAT, REVIEW_FORMAT = VERDICT_FORMATS["tester"], VERDICT_FORMATS["review"]     # section 9
+
+
 def _review_back_reference(checks: tuple[ReviewCheck, ...], author: str) -> str:
     """What a reviewer is told in place of the checklist and answer format it already has."""
     names = ", ".join(check.name for check in checks)
@@ -6129,8 +6169,8 @@ def _review_checks(checks: tuple[ReviewCheck, ...], author: str) -> str:
     return ("Check, citing what you looked at:\n"
             + "".join(f"{number}. {check.name}: {check.asks}\n" for number, check in enumerate(checks, 1))
             + "\nAnswer format:\n"
-            "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
-            "REVIEW_NOTES:\n"
+            f"{REVIEW_FORMAT.line(passed=True)}  (or {REVIEW_FORMAT.line(passed=False)})\n"
+            f"{REVIEW_FORMAT.section}:\n"
             "- <one line of evidence per check above>\n"
             f"- <for REVISE: each change {author} must make>")
 
@@ -6158,8 +6198,8 @@ ANSWER_FORMATS = {
         "Behavior implemented, Tests run, Known gaps."),
     "tester": (
         "Answer format:\n"
-        "RESULT: PASS  (or RESULT: FAIL)\n"
-        "EVIDENCE:\n"
+        f"{TESTER_FORMAT.line(passed=True)}  (or {TESTER_FORMAT.line(passed=False)})\n"
+        f"{TESTER_FORMAT.section}:\n"
         "- <commands run and the output that matters>\n"
         "- <for FAIL: the failing step, error messages, stack trace lines>\n"
         "- Recommended next fix: <for FAIL: where to look first>",
@@ -7384,8 +7424,8 @@ def run_reviewed_phase(phase: str) -> None:
 
 def tester_result(text: str) -> str:
     """PASS only if the last RESULT line says so; anything else is a FAIL."""
-    results = re.findall(r"^\W*RESULT\W*:\W*([A-Za-z]+)", text or "", re.MULTILINE)
-    return "PASS" if results and results[-1].upper() == "PASS" else "FAIL"
+    form = VERDICT_FORMATS["tester"]
+    return form.good if verdict_line(form, text)[1] == form.good else form.other
 
 
 def handle_tester_fail() -> None:
@@ -7427,8 +7467,8 @@ def verify_pass() -> str:
     lines = [line for line in (out + ("\n" if out and err else "") + err).splitlines() if line.strip()]
     shown = lines[-max(1, MAX_TEST_EVIDENCE_LINES - 4):]     # with the lines above it, within the evidence cap
     set_output("tester", "\n".join([
-        "RESULT: FAIL",
-        "EVIDENCE:",
+        VERDICT_FORMATS["tester"].line(passed=False),
+        f"{VERDICT_FORMATS['tester'].section}:",
         f"- The tester reported PASS, but the project's test command disagreed: `{PROJECT_TEST_CMD}` {outcome} "
         f"(run by the orchestrator in {WD}).",
         f"- Its last {len(shown)} lines of output:" if shown else "- It printed nothing.",
