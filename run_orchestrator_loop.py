@@ -19,22 +19,25 @@ original shell orchestrator) so that an interrupted run continues with
 RESUME=1, or automatically when the state file says the run is still RUNNING.
 
 Usage:  python run_orchestrator_loop.py [config.json]
-Exit codes: 0 PASS, 1 FAIL or runtime error, 2 bad usage or configuration,
-75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
+Exit codes: 0 PASS, 1 FAIL, 2 bad usage or configuration (or a stop a setting must lift),
+3 runtime error (the same command resumes), 4 budget used, 70 a fault of the loop itself
+(its traceback in the run folder), 75 another process drives this run, 130 interrupted
+(SIGINT), 143 terminated (SIGTERM).
 
 On PASS the run can archive its OpenSpec change and commit its work, and
 it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 NTFY_TOPIC; all off by default).
 
 Sections, in the order data flows (each uses only what stands above it):
-    1. Configuration                   9. Review gate
-    2. CAO API client                 10. Condensation
-    3. Run state: the state file      11. OpenSpec: the run's change and its stories
-    4. Response files, run record     12. Prompt builders
-    5. Tokens used (CLIs' records)    13. After the run: archive, commit, notify
-    6. The wait for a reply           14. Init and resume
-    7. The agents' terminals          15. Main loop
-    8. Asking an agent                16. Entry point
+    1. Configuration                  10. Condensation
+    2. CAO API client                 11. OpenSpec: the run's change and its stories
+    3. Run state: the state file      12. Prompt builders
+    4. Response files                 13. After the run: archive, commit, notify
+    5. Tokens used                    14. Init and resume
+    6. The wait for a reply           15. Main loop
+    7. The agents' terminals          16. Before a run: --check
+    8. Asking an agent                17. Entry point
+    9. Review gate
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -100,18 +104,23 @@ import httpx
 # --------------------------------------------------------------------------
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET = 0, 1, 2, 3, 4
-EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 75, 130, 143
+EXIT_BUG, EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 70, 75, 130, 143
+TRACEBACK_FILE = "traceback.txt"     # in the run folder: the traceback of a fault of the loop itself (exit 70)
 # Each exit code: what it means, and what a job scheduler (cron, a CI job, a Kubernetes Job) should do on it.
 EXIT_CODES = (
     (EXIT_PASS, "the tester reported RESULT: PASS", "done"),
     (EXIT_FAIL, "no PASS within MAX_ROUNDS: the tester's verdict; the state is saved",
      "stop, do not retry: a person reads the report (or reruns with a higher MAX_ROUNDS)"),
-    (EXIT_USAGE, "bad usage or configuration; nothing was started, contacted or written",
-     "stop and alert: fix the settings"),
-    (EXIT_ERROR, "a runtime error (server unreachable, agent lost, timeout, ...); the state is saved",
+    (EXIT_USAGE, "bad usage or configuration, or a stop only a person or a setting can lift (the line says what "
+                 "to change); a run that started has its state saved",
+     "stop and alert: change what the line says"),
+    (EXIT_ERROR, "a runtime error the same command can get past (server unreachable, timeout, usage limit, agent "
+                 "lost with REPLACE_LOST_AGENTS=1, ...); the state is saved",
      "retry: the same command resumes the run"),
     (EXIT_BUDGET, "the run has used MAX_RUN_TOKENS or MAX_RUN_COST; stopped before a turn, the state saved",
      "stop and alert: a person raises the budget, then the same command goes on"),
+    (EXIT_BUG, f"a fault of the loop itself: its traceback is in {TRACEBACK_FILE} in the run folder (the last "
+               "line names it); the state is saved", "stop and alert: a bug (report it with its traceback)"),
     (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
      "retry later, never beside it"),
     (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); the state is saved", "retry: the same command resumes the run"),
@@ -287,6 +296,7 @@ class AgentCli:
     program: str = ""                           # the program CAO starts ('': the one CAO names)
     traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
+    cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -363,7 +373,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                        records="hermes state.db", proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
                        run_tokens=(287_911, 455_907)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
-    "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0)),
+    "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
     "kiro_cli": AgentCli("Kiro CLI"),
     "kimi_cli": AgentCli("Kimi CLI"),
     "cursor_cli": AgentCli("Cursor CLI"),
@@ -4046,7 +4056,8 @@ def clock_text(when: float) -> str:
 
 
 class AgentLost(RunError):
-    """An agent that is gone or gives no sign of life: replaced (REPLACE_LOST_AGENTS=1), else the run stops."""
+    """An agent that is gone or gives no sign of life: replaced (REPLACE_LOST_AGENTS=1), else the run stops
+    with exit 2 -- the same command would find it gone again; only a setting (its line names it) gets past it."""
 
     def __init__(self, role: str, terminal_id: str, why: str, last_line: str = "", ways_on: str = "",
                  when: str = ""):
@@ -4054,7 +4065,8 @@ class AgentLost(RunError):
         shown = f"; last screen line: {last_line[:120]!r}" if last_line else ""
         ways_on = ways_on or "set REPLACE_LOST_AGENTS=1 to go on with a new agent, or RESUME=0 to start the run over"
         self.ways_on = ways_on
-        super().__init__(f"{when}the {role} agent (terminal {terminal_id}) is lost: {why}{shown}; {ways_on}")
+        super().__init__(f"{when}the {role} agent (terminal {terminal_id}) is lost: {why}{shown}; {ways_on}",
+                         EXIT_USAGE)
 
 
 def why_gone(terminal_id: str, screen: str | None = None) -> str:
@@ -4184,14 +4196,14 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     if known is None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
-                                              "answer it yourself")
+                                              "answer it yourself", EXIT_USAGE)
     pick_menu_choice(role, terminal_id, menu, known)
     name, choice = known
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
     while open_menu(_screen(terminal_id)) == menu:
         if time.monotonic() >= deadline:
             raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
-                                                  f"\"{dict(menu.choices)[choice]}\"; answer it yourself")
+                                                  f"\"{dict(menu.choices)[choice]}\"; answer it yourself", EXIT_USAGE)
         time.sleep(0.2)
 
 
@@ -4637,9 +4649,10 @@ def progress_text(facts: TurnFacts, began: float, now: float) -> str:
     return "; ".join(parts)
 
 
-def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
+def agent_failed(role: str, terminal_id: str, what: str, code: int = EXIT_ERROR) -> RunError:
+    """The stop of a turn its agent cannot finish; `code` EXIT_USAGE where a person must act before a rerun."""
     return RunError(f"the {role} agent (terminal {terminal_id}) {what}; look at it with "
-                    f"`{tmux_hint('attach -t ' + session_name)}`, then rerun to resume")
+                    f"`{tmux_hint('attach -t ' + session_name)}`, then rerun to resume", code)
 
 
 def deliver(role: str, terminal_id: str, message: str) -> None:
@@ -5181,12 +5194,35 @@ def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[
     return answers, failures
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'2.5.4' -> (2, 5, 4): release numbers compared as numbers."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def provider_unknown_line(provider: str, report: dict[str, tuple[str, bool]] | None, version: str) -> str:
+    """What to change when the CAO server does not know a provider: the release its row needs, else the
+    providers the server lists."""
+    cao = f"cao-server at {API}" + (f" (cli-agent-orchestrator {version})" if version else "")
+    since = agent_cli(provider).cao_since
+    if since:
+        return (f"this CAO does not know {provider}: CAO >= {since} ({cao}); install it where cao-server runs "
+                f"(`pip install 'cli-agent-orchestrator>={since}'`) and restart cao-server")
+    known = ", ".join(sorted(report)) if report else "see `cao --help`"
+    return (f"{cao} does not know provider {provider} (it knows: {known}): set PROVIDER (or <ROLE>_PROVIDER) to "
+            "one of those, or upgrade CAO where cao-server runs")
+
+
 def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid."""
     # A failed session explains the rest: the adds failed or stopped because of it.
     error = failures.get("analyst") or "; ".join(failures.values())
     if "(HTTP 401," in error:        # the server refuses our token: fixed in the settings, not by a retry
         return ConfigError(error)
+    unknown = re.search(r"Unknown provider type:?\s*'?([\w.-]+)", error)
+    if unknown:                      # a retry asks the same server again
+        server = local_server()
+        return ConfigError(provider_unknown_line(unknown.group(1), api.provider_report(),
+                                                 server.cao_version() if server else ""))
     if model_refused(error):
         return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
                            "accepts, or leave it empty for each CLI's own default")
@@ -6072,10 +6108,11 @@ def find_story_change() -> Path:
     if name:
         return changes / name
     if STORY_CHANGE:
-        raise RunError(f"story mode: STORY_CHANGE={STORY_CHANGE} but {changes / STORY_CHANGE} is not a directory")
+        raise RunError(f"story mode: STORY_CHANGE={STORY_CHANGE} but {changes / STORY_CHANGE} is not a directory",
+                       EXIT_USAGE)
     what = ", ".join(found) if found else "no change directory"
     raise RunError(f"story mode needs exactly one OpenSpec change in {changes}, found {what}: "
-                   "set STORY_CHANGE to the change to work on")
+                   "set STORY_CHANGE to the change to work on", EXIT_USAGE)
 
 
 @dataclass
@@ -7155,14 +7192,26 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
 
 
+def next_role() -> str:
+    """The role whose turn the saved run takes next: the one in flight, else the one its position names."""
+    if in_flight is not None:
+        return in_flight.role
+    if current_phase not in PHASE_ROLES:
+        return "tester"
+    author, reviewer = PHASE_ROLES[current_phase]
+    return reviewer if phase_step == "review" else author
+
+
 def first_lost_agent() -> AgentLost | None:
     """The first of the saved run's agents that is gone (its terminal, its session or its CLI), if any.
 
     CAO answers a terminal's status from its database even when its session
     is gone (a reboot), so the session's record and the screen are asked too --
-    once every terminal's record is known to exist (a missing one ends the check).
+    once every terminal's record is known to exist (a missing one ends the check). The role whose turn
+    is next is asked first: it is the one a stop names.
     """
-    for role in ROLES:
+    roles = sorted(ROLES, key=lambda role: role != next_role())
+    for role in roles:
         terminal_id = terminal_ids[role]
         try:
             api.get_status(terminal_id)
@@ -7170,7 +7219,7 @@ def first_lost_agent() -> AgentLost | None:
             if exc.status_code is None:
                 raise RunError(f"cannot resume: {exc}") from None
             return AgentLost(role, terminal_id, f"CAO cannot reach this terminal ({exc})")
-    for role in ROLES:
+    for role in roles:
         terminal_id = terminal_ids[role]
         screen = _screen(terminal_id)
         why = why_gone(terminal_id, screen)
@@ -8173,7 +8222,34 @@ def _status_last_stop(saved: SavedState) -> list[str]:
     if code is None:
         return []
     return [f"last stop: exit {code} ({EXIT_MEANINGS.get(code, 'not a code of this program')}); "
-            f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"]
+            f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"] + \
+        ([f"traceback: {traceback_path(saved)}"] if code == EXIT_BUG else [])
+
+
+def traceback_path(saved: SavedState) -> str:
+    """Where the run's last fault of the loop itself left its traceback."""
+    return str(Path(saved.run_dir) / TRACEBACK_FILE)
+
+
+def status_next(saved: SavedState) -> str | None:
+    """What comes next: the turn a run under way takes, the command that takes a FAIL on (None: nothing)."""
+    if not saved.finished:
+        return next_step(saved)
+    if saved.final_status == "FAIL" and not saved.terminals_exited:
+        return f"to go on with more rounds, {continue_command(saved.current_round + 1)}"
+    return None
+
+
+def working_facts(saved: SavedState) -> dict | None:
+    """--status --json's "working_now": who works on the turn in flight since when (None: between turns)."""
+    turn = saved.in_flight
+    if saved.finished or turn is None:
+        return None
+    sent = turn.first_sent_at or turn.sent_at
+    return {"role": turn.role, "terminal": saved.terminal_ids.get(turn.role) or None,
+            "since": utc_iso(sent) if sent is not None else None, "reply_taken": bool(turn.reply_file),
+            "usage_limit_until": utc_iso(turn.limit_until) if turn.limit_until is not None else None,
+            "text": working_now(saved)}
 
 
 def status_facts(saved: SavedState) -> dict:
@@ -8185,12 +8261,13 @@ def status_facts(saved: SavedState) -> dict:
     total, unknown = turns_tokens(saved.turn_records)
     return {
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
-        "max_rounds": MAX_ROUNDS, "phase": saved.current_phase, "next": None if saved.finished else next_step(saved),
-        "turns": len(saved.turn_records),
+        "max_rounds": MAX_ROUNDS, "phase": saved.current_phase, "next": status_next(saved),
+        "working_now": working_facts(saved), "turns": len(saved.turn_records),
         "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
                                                                                  if holder else None),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
+        "traceback": traceback_path(saved) if code == EXIT_BUG else None,
         "cao_server": API, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
@@ -8222,8 +8299,8 @@ def status_report() -> tuple[int, str]:
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
     if not holder:
         lines += _status_last_stop(saved)
-    if saved.final_status == "FAIL" and not saved.terminals_exited:
-        lines.append(f"next: to go on with more rounds, {continue_command(saved.current_round + 1)}")
+    if saved.finished and status_next(saved):
+        lines.append(f"next: {status_next(saved)}")
     lines += _status_agents(saved) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
@@ -8441,8 +8518,31 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
         return EXIT_SIGINT, f"interrupted (SIGINT){saved}"
     if isinstance(exc, Terminated):
         return EXIT_SIGTERM, f"terminated (SIGTERM){saved}"
-    # the machine (a full disk, ...) or a fault of this script
-    return EXIT_ERROR, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
+    if isinstance(exc, OSError):           # the machine (a full disk, a folder gone): the same command may get past it
+        return EXIT_ERROR, f"error: {exc.__class__.__name__}: {exc}{saved}"
+    kept = keep_traceback(exc)
+    where = f"its traceback is in {kept}" if kept else "its traceback is above"
+    saved = "" if not started else "; state saved: once the fault is fixed, the same command goes on"
+    return EXIT_BUG, (f"error: a fault of the loop itself ({exc.__class__.__name__}: {exc}); {where}{saved}; "
+                      "report it with the traceback")
+
+
+def keep_traceback(exc: BaseException) -> str:
+    """A fault's whole traceback, written to the run folder (else beside the state file); its path. Where no
+    file can be written it goes to stderr, and '' is returned."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    for folder in (run_dir, os.path.dirname(STATE_FILE)):
+        if not folder:
+            continue
+        path = Path(folder) / TRACEBACK_FILE
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{utc_iso()} {command_name()} {__version__}\n{text}", encoding="utf-8")
+            return str(path)
+        except OSError:
+            continue
+    emit(text.rstrip("\n"), sys.stderr)
+    return ""
 
 
 def wind_down(code: int) -> int:
@@ -8500,7 +8600,7 @@ def run_command_line(args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the loop and exit with its code: 0 PASS, 1 FAIL/error, 2 usage, 130 SIGINT, 143 SIGTERM."""
+    """Run the loop (or --check, --status, a help page) and exit with its code (EXIT_CODES)."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         options = command_line().parse_args(args)
