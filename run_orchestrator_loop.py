@@ -979,6 +979,16 @@ def is_copy_of_this_program(directory: Path) -> bool:
         ((directory / Path(__file__).name).is_file() and (directory / "pyproject.toml").is_file())
 
 
+def refuse_wd_in_this_program() -> None:
+    """WD may be neither this program's own directory (or a checkout of it) nor a folder inside one."""
+    inside = next((folder for folder in Path(WD).parents if is_copy_of_this_program(folder)), None)
+    if is_copy_of_this_program(Path(WD)) or inside:
+        what = f"is inside {inside}, this program's own directory" if inside else "is this program's own directory"
+        raise ConfigError(f"WD={WD} {what} (a checkout of the orchestrator loop): the agents would rewrite the "
+                          "orchestrator. Make a directory for your project outside it and set WD to it (or run "
+                          "from there)")
+
+
 def validate_settings() -> None:
     """Cross-checks no single value can make, and making paths absolute."""
     global WD, STATE_FILE
@@ -986,10 +996,7 @@ def validate_settings() -> None:
         what = "does not exist" if not os.path.exists(WD) else "is not a directory"
         raise ConfigError(f"WD={WD} {what}: set WD (or 'wd' in the config file) to the project directory")
     WD = os.path.abspath(WD)
-    if is_copy_of_this_program(Path(WD)):
-        raise ConfigError(f"WD={WD} is this program's own directory (a checkout of the orchestrator loop): the "
-                          "agents would rewrite the orchestrator. Make a directory for your project and set WD "
-                          "to it (or run from there)")
+    refuse_wd_in_this_program()
     STATE_FILE = os.path.abspath(STATE_FILE)
     if VERIFY_PASS and not PROJECT_TEST_CMD.strip():
         raise ConfigError("VERIFY_PASS=1 needs PROJECT_TEST_CMD: set it to the command that runs the project's "
@@ -1368,13 +1375,16 @@ class ApiClient:
         """What the server says of its providers: name -> (the CLI's program, installed?).
 
         None when the server cannot tell (an older server without the route,
-        or any other failure): that is never an error. A provider the list
-        leaves out (CAO leaves out `mock_cli`, see docs/agent-clis.md) is not
-        known missing.
+        or any other failure but one): that is never an error. A server that
+        refuses us (HTTP 401) is: raised, it would refuse the run too. A provider
+        the list leaves out (CAO leaves out `mock_cli`, see docs/agent-clis.md)
+        is not known missing.
         """
         try:
             answer = self._call("list providers", "GET", "/agents/providers", retry=False)
-        except ApiError:
+        except ApiError as exc:
+            if exc.status_code == 401:
+                raise
             return None
         if not isinstance(answer, list):
             return None
@@ -7755,9 +7765,11 @@ def probe_agents_side(server: LocalServer, programs: list[str]) -> AgentsSide | 
 
 
 def check_server() -> list[CheckLine]:
-    """CAO reachable, and its version (where it runs here) against the one proven."""
+    """CAO reachable and taking our token (its /health asks for none), and its version (where it runs here)
+    against the one proven."""
     try:
         api.check_health()
+        api.provider_report()
     except ApiError as exc:
         return [CheckLine(False, f"{exc}")]
     server = local_server()
@@ -7766,6 +7778,26 @@ def check_server() -> list[CheckLine]:
         return [CheckLine(True, f"CAO server at {API} answers")]
     note = "" if version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
     return [CheckLine(True, f"CAO server at {API} answers: cli-agent-orchestrator {version}{note}")]
+
+
+def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
+    """Each role's provider known to this CAO: listed by it, or (CAO leaves some out of its list) a provider
+    whose row names the first CAO release that knows it, against the version running here."""
+    server = local_server()
+    version = server.cao_version() if server else ""
+    lines = []
+    for provider in providers_in_use():
+        since = agent_cli(provider).cao_since
+        if report is None or provider in report:
+            continue
+        if not since:
+            lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
+        elif version and version_tuple(version) < version_tuple(since):
+            lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
+        elif not version:
+            lines.append(CheckLine(None, f"provider {provider}: CAO leaves it out of its list and its version "
+                                         f"cannot be told from here (it needs CAO >= {since})"))
+    return lines
 
 
 def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
@@ -7982,8 +8014,11 @@ def preflight_lines() -> list[CheckLine]:
     if lines[-1].ok is False:
         return lines
     report = api.provider_report()
+    unknown = check_providers(report)
+    if any(line.ok is False for line in unknown):
+        return lines + unknown
     agents, side = check_agents_side(report)
-    return lines + check_profiles(side) + agents + check_token_budget() + check_ntfy()
+    return lines + unknown + check_profiles(side) + agents + check_token_budget() + check_ntfy()
 
 
 def check_mark(ok: bool | None) -> str:
@@ -7996,11 +8031,10 @@ def check_mark(ok: bool | None) -> str:
     return marks[ok]
 
 
-def check_command(args: list[str]) -> int:
-    """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
-    1 for anything else to fix."""
+def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
+    """The settings, then every check after them: the exit code the settings leave (2 when they are wrong, 70
+    for a fault of this script), and the lines."""
     lines: list[CheckLine] = []
-    code = EXIT_PASS
     try:
         if len(args) > 1:
             raise ConfigError(f"--check takes at most a config file (see {command_name()} --help)")
@@ -8012,18 +8046,29 @@ def check_command(args: list[str]) -> int:
         lines.append(CheckLine(True, f"settings{' from ' + args[0] if args else ''} and the environment; {task}"))
         lines += preflight_lines()
     except ConfigError as exc:
-        lines.append(CheckLine(False, exc.message))
-        code = EXIT_USAGE
+        return EXIT_USAGE, lines + [CheckLine(False, exc.message)]
+    except (OSError, ApiError) as exc:            # the machine, or a server that broke off
+        return EXIT_PASS, lines + [CheckLine(False, f"unexpected {exc.__class__.__name__} while checking: {exc}")]
+    except Exception as exc:                      # a fault of this script: its traceback on stderr
+        emit("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n"), sys.stderr)
+        return EXIT_BUG, lines + [CheckLine(False, f"a fault of --check itself ({exc.__class__.__name__}: {exc}); "
+                                                   "its traceback is above: report it")]
+    return EXIT_PASS, lines
+
+
+def check_command(args: list[str]) -> int:
+    """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
+    1 for anything else to fix."""
+    try:
+        code, lines = checked_lines(args)
     except KeyboardInterrupt:
         say_error("interrupted (SIGINT): --check started nothing and changed nothing")
         return EXIT_SIGINT
-    except Exception as exc:            # the machine, or a fault of this script: one line, never a traceback
-        lines.append(CheckLine(False, f"unexpected {exc.__class__.__name__} while checking: {exc}"))
     for line in lines:
         emit(f"{check_mark(line.ok)} {line.text}")
     if code == EXIT_PASS and any(line.ok is False for line in lines):
         code = EXIT_FAIL
-    for line in cost_estimate() if code != EXIT_USAGE else []:
+    for line in cost_estimate() if code == EXIT_FAIL or code == EXIT_PASS else []:
         emit(line)
     emit("a run can start" if code == EXIT_PASS else "fix what is marked, then run --check again")
     return code
