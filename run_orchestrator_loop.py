@@ -2457,9 +2457,22 @@ def last_event_seq(path: Path) -> tuple[int, bool]:
     return 0, bool(tail) and not tail.endswith(b"\n")
 
 
+# What the run could not keep in its folder (an event, a prompt's copy): said once each, then the run goes on.
+unwritten_said: set[str] = set()
+
+
+def say_unwritten(what: str, path: Path, exc: OSError) -> None:
+    """Say once in the log that a kind of record cannot be written (and why); the run goes on without it."""
+    if what in unwritten_said:
+        return
+    unwritten_said.add(what)
+    log(f"warning: could not write {what} to {path} ({exc.__class__.__name__}: {exc}); the run goes on without "
+        "them (said once)")
+
+
 def record_event(event: str, **fields: object) -> None:
     """Append one event to the run's events.jsonl (one write, so a line is whole or torn, never mixed). A
-    folder that cannot be written costs the event, never the run."""
+    folder that cannot be written costs the event, never the run: said once in the log."""
     if event not in EVENT_KINDS:
         raise ValueError(f"not an event kind: {event}")
     if not run_dir:
@@ -2473,8 +2486,8 @@ def record_event(event: str, **fields: object) -> None:
             os.write(handle, (("\n" if torn else "") + line + "\n").encode("utf-8"))
         finally:
             os.close(handle)
-    except OSError:
-        pass
+    except OSError as exc:
+        say_unwritten("the run's events", path, exc)
 
 
 def read_events(path: Path, after: int = 0) -> list[dict]:
@@ -2561,7 +2574,7 @@ def keep_sent(role: str, kind: str, message: str) -> None:
     """Keep what the turn in flight was sent beside the reply it gets: the prompt (NNN-<role>.prompt.md),
     then each resend, reminder or "continue" appended under a line that says what and when.
 
-    A file that cannot be written costs only the record, never the run.
+    A file that cannot be written costs only the record, never the run: said once in the log.
     """
     if in_flight is None or in_flight.number is None or not run_dir:
         return
@@ -2571,8 +2584,8 @@ def keep_sent(role: str, kind: str, message: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w" if kind == "prompt" else "a", encoding="utf-8") as handle:
             handle.write(text if text.endswith("\n") else text + "\n")
-    except OSError:
-        pass
+    except OSError as exc:
+        say_unwritten("the copies of the prompts sent", path, exc)
     if kind == "reminder":
         update_run(in_flight=replace(in_flight, reminders=in_flight.reminders + 1))
     elif kind == "resend":
