@@ -5664,8 +5664,8 @@ TOKENS_SETTLE_SECONDS = 10.0   # at a run's end: how long the CLIs may take to r
 class BudgetReached(RunError):
     """The run has used its MAX_RUN_TOKENS or MAX_RUN_COST: stopped before a turn, resumable with a higher one."""
 
-    def __init__(self, message: str):
-        super().__init__(message, EXIT_BUDGET)
+    def __init__(self, message: str, code: int = EXIT_BUDGET):
+        super().__init__(message, code)
 
 
 def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
@@ -5709,10 +5709,16 @@ def check_budget(role: str) -> None:
     """Stop before the role's turn is sent if the run has used MAX_RUN_TOKENS or MAX_RUN_COST (BudgetReached)."""
     if not (MAX_RUN_TOKENS or MAX_RUN_COST):
         return
+    unread = next((number for number, record in enumerate(turn_records) if record.tokens is None), None)
+    if unread is not None:            # counting on without them would spend past the budget unseen
+        record = turn_records[unread]
+        raise BudgetReached(f"the tokens of turn {unread + 1} (the {record.role}'s, terminal {record.terminal}, "
+                            f"sent {record.sent_at}) cannot be read from its CLI's records "
+                            f"({agent_cli(provider_for(record.role)).records}): the budget cannot count them, so the "
+                            f"{role}'s turn was not sent; state saved. Find why its CLI recorded nothing "
+                            "(AGENT_HOME), or unset MAX_RUN_TOKENS and MAX_RUN_COST to go on without a budget",
+                            EXIT_USAGE)
     used = turns_tokens(turn_records)[0] or {}
-    if turn_records and turn_records[-1].tokens is None:
-        log_turn(role, f"the {turn_records[-1].role}'s last turn left no record of its tokens that could be read: "
-                       "the budget cannot count them")
     total = sum(used.values(), TokenUse()).total
     go_on = f"state saved: rerun with a higher {{}} to go on with the {role}'s turn"
     if MAX_RUN_TOKENS and total >= MAX_RUN_TOKENS:
