@@ -1562,6 +1562,16 @@ def tmux_hint(command: str) -> str:
     return f"tmux -S {shlex.quote(socket_path)} {command}" if socket_path else f"tmux {command}"
 
 
+def cao_hint(command: str) -> str:
+    """A `cao` command for the user, naming the server at API: CAO's CLI reads its address from CAO_API_HOST
+    and CAO_API_PORT (127.0.0.1:9889 unless set)."""
+    address = urlparse(API)
+    host, port = address.hostname or "127.0.0.1", address.port or (443 if address.scheme == "https" else 80)
+    where = ([f"CAO_API_HOST={host}"] if host not in LOCAL_HOSTS else []) + \
+        ([f"CAO_API_PORT={port}"] if port != 9889 else [])
+    return " ".join([*where, "cao", command])
+
+
 # ==========================================================================
 # 3. Run state: the state file and its lock
 # ==========================================================================
@@ -5164,7 +5174,8 @@ def start_failure_hint(error: str) -> str:
         return "; another CAO session has the name this run picked at random: run it again to pick another"
     if "HTTP 429" in error:
         return ("; the CAO server is full: it runs as many agent terminals as its CAO_MAX_TERMINALS allows; rerun "
-                "once other runs' agents have ended (`cao shutdown --session <name>`), or on a server of its own")
+                f"once other runs' agents have ended (`{cao_hint('shutdown --session <name>')}`), or on a server "
+                "of its own")
     if CLI_START_TIMED_OUT not in error:
         return ""
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
@@ -8173,7 +8184,7 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
         return f"the agents of CAO session {session} are gone (the server no longer has their terminals)"
     count = "the five agents" if len(running) == len(ROLES) else f"{len(running)} of the five agents"
     return (f"{count} of CAO session {session} are still running (watch: `{tmux_hint('attach -t ' + session)}`; stop: "
-            f"`cao shutdown --session {session}`, or set CLEANUP_ON_EXIT=1)")
+            f"`{cao_hint('shutdown --session ' + session)}`, or set CLEANUP_ON_EXIT=1)")
 
 
 def turns_left_at_most(saved: SavedState) -> int:
