@@ -273,7 +273,7 @@ KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # escape sequences removed (Claude Code draws a line's spaces as cursor moves and colours words in pieces).
 @dataclass(frozen=True)
 class AgentCli:
-    """One agent CLI, as the loop knows it; a provider without a row gets the defaults (CAO's word stands)."""
+    """One agent CLI, as the loop knows it: a provider without a row is refused by the settings."""
 
     label: str                                  # its name as people (and CAO's messages) call it
     ready_status_trusted: bool = True           # CAO's idle/completed means the turn has ended
