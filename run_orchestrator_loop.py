@@ -5257,6 +5257,9 @@ def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
         server = local_server()
         return ConfigError(provider_unknown_line(unknown.group(1), api.provider_report(),
                                                  server.cao_version() if server else ""))
+    if "Working directory not allowed" in error:
+        return ConfigError(f"{error}: set WD to a project folder CAO allows (not /tmp itself, nor a folder under "
+                           "/root, /etc or another system path)")
     if model_refused(error):
         return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
                            "accepts, or leave it empty for each CLI's own default")
@@ -8594,7 +8597,7 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
     if isinstance(exc, Terminated):
         return EXIT_SIGTERM, f"terminated (SIGTERM){saved}"
     if isinstance(exc, OSError):           # the machine (a full disk, a folder gone): the same command may get past it
-        return EXIT_ERROR, f"error: {exc.__class__.__name__}: {exc}{saved}"
+        return EXIT_ERROR, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
     kept = keep_traceback(exc)
     where = f"its traceback is in {kept}" if kept else "its traceback is above"
     saved = "" if not started else "; state saved: once the fault is fixed, the same command goes on"
