@@ -8341,6 +8341,8 @@ def status_facts(saved: SavedState) -> dict:
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
         "max_rounds": MAX_ROUNDS, "phase": saved.current_phase, "next": status_next(saved),
         "working_now": working_facts(saved), "turns": len(saved.turn_records),
+        "turns_left_at_most": turns_left_at_most(saved),
+        "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
         "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
                                                                                  if holder else None),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
@@ -8414,8 +8416,8 @@ def help_text() -> str:
         lines.append(f"  {env:20} {_shown_default(setting)}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
     first_codes = ((EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL"), (EXIT_USAGE, "bad settings"),
-                   (EXIT_ERROR, "error (rerun to resume)"))
-    more_codes = ((EXIT_BUDGET, "budget used"), (EXIT_LOCKED, "another process drives the run"),
+                   (EXIT_ERROR, "error (rerun)"), (EXIT_BUDGET, "budget used"))
+    more_codes = ((EXIT_BUG, "a bug"), (EXIT_LOCKED, "another process drives the run"),
                   (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
     lines += ["", "Example:",
               "  API=http://localhost:9889 PROVIDER=claude_code WD=~/my-project \\",
