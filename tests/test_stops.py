@@ -157,3 +157,17 @@ def test_the_docstring_and_the_code_map_name_every_exit_code_and_section(orch):
     assert sorted(rows, key=int) == sorted(headings, key=int)
     for number, name in rows.items():
         assert headings[number].startswith(name.replace("`", "")), (number, name, headings[number])
+
+
+def test_check_holds_an_older_cao_to_the_release_that_knows_the_scripted_agent(load_orch, fake_cao, prompt_file,
+                                                                              capsys, monkeypatch):
+    """CAO leaves mock_cli out of its providers list even where it knows it: --check goes by the version of the
+    cao-server running here, and an older one is told the release to install, not 'a run can start'."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli")
+    older = type("Server", (), {"cao_version": lambda self: "2.4.0", "env": {}, "tmux_socket": ""})()
+    monkeypatch.setattr(m, "local_server", lambda: older)
+    assert run_main(m, "--check") == 1
+    out = capsys.readouterr().out
+    assert "✗ this CAO does not know mock_cli: CAO >= 2.5.4 (cao-server at http://cao.test " \
+           "(cli-agent-orchestrator 2.4.0)); install it where cao-server runs" in out
+    assert "a run can start" not in out
