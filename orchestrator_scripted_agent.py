@@ -145,6 +145,115 @@ DEFAULT_TEXTS = {
 VALID_ACTIONS = {"write", "no_file", "error", "write_on_reminder"}
 
 
+# The demo (`cao-orchestrator-loop --demo`): a small task, and a script under which the programmer writes a
+# greet.py that misses a comma, the tester fails it with that evidence, and the retry round fixes it.
+DEMO_TASK = """\
+The orchestrator loop's demo: five scripted agents, no AI CLI and nothing paid.
+*** ORIGINAL EXPLORE SUMMARY ***
+Build a tiny greeting CLI in an empty Python project: `python greet.py NAME` prints
+`Hello, NAME!` and exits 0; without NAME it prints `usage: greet.py NAME` on stderr
+and exits 2. Add tests for both cases.
+*** SCENARIO TEST ***
+1. `python greet.py World` prints exactly `Hello, World!` and exits 0.
+2. `python greet.py` prints `usage: greet.py NAME` on stderr and exits 2.
+3. The project's tests pass.
+"""
+
+_DEMO_GREET = """\
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: greet.py NAME", file=sys.stderr)
+        return 2
+    print(f"Hello{separator} {{argv[1]}}!")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
+"""
+
+_DEMO_TEST = """\
+import subprocess
+import sys
+from pathlib import Path
+
+GREET = Path(__file__).resolve().parents[1] / "greet.py"
+
+
+def test_greets_by_name():
+    done = subprocess.run([sys.executable, str(GREET), "World"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout{check}
+
+
+def test_usage_without_a_name():
+    done = subprocess.run([sys.executable, str(GREET)], capture_output=True, text=True)
+    assert done.returncode == 2 and "usage: greet.py NAME" in done.stderr
+"""
+
+
+def _demo_programmer(summary: str, separator: str, check: str) -> dict:
+    return {"text": summary, "files": {"greet.py": _DEMO_GREET.format(separator=separator),
+                                       "tests/test_greet.py": _DEMO_TEST.format(check=check)}}
+
+
+_DEMO_FIRST_CODE = _demo_programmer("""\
+PROGRAMMER_SUMMARY:
+- Files changed: greet.py (new), tests/test_greet.py (new: R1, R2)
+- Behavior implemented: R1 `python greet.py NAME` prints the greeting; R2 no NAME prints the usage line on stderr, exit 2
+- Tests run: python -m pytest -q (2 passed)
+""", "", '.startswith("Hello")')
+_DEMO_FIXED_CODE = _demo_programmer("""\
+PROGRAMMER_SUMMARY:
+- Files changed: greet.py (format string fixed to `Hello, NAME!`), tests/test_greet.py (asserts the exact output)
+- Behavior implemented: R1 `python greet.py World` now prints `Hello, World!`; R2 unchanged
+- Tests run: python -m pytest -q (2 passed)
+""", ",", ' == "Hello, World!\\n"')
+
+DEMO_SCRIPT = {
+    "analyst": ["""\
+ANALYST_SUMMARY:
+- Change: add-greeting-cli: greet.py and its tests
+- P1 requirements: R1 `greet.py NAME` prints `Hello, NAME!` (scenario step 1); R2 no NAME: usage on stderr, exit 2 (step 2)
+- Contracts: command `python greet.py NAME`; stdout `Hello, NAME!`; exit codes 0 and 2
+- Handoff: write greet.py, then tests/test_greet.py for R1 and R2; no open risks
+"""],
+    "peer_analyst": ["""\
+REVIEW_RESULT: APPROVED
+REVIEW_NOTES:
+- Artifacts: the analysis matches the task; the proposal is small and complete
+- P1 traceability: R1 and R2 each trace to a scenario step
+- Downstream contract: command line, output and exit codes are fixed for programmer and tester
+- Handoff: actionable; two concrete first steps
+"""],
+    "programmer": [_DEMO_FIRST_CODE, _DEMO_FIRST_CODE, _DEMO_FIXED_CODE],     # round 1 has two turns
+    "peer_programmer": ["""\
+REVIEW_RESULT: APPROVED
+REVIEW_NOTES:
+- Tests: ran python -m pytest -q; all tests passed (2 passed)
+- Files: read greet.py and tests/test_greet.py
+- Requirements: R1 and R2 implemented; each scenario step has a test
+- Edge cases: a missing NAME is handled (error handling: usage on stderr, exit 2)
+"""],
+    "tester": ["""\
+RESULT: FAIL
+EVIDENCE:
+- Step 1: `python greet.py World` printed `Hello World!` (exit 0); expected `Hello, World!`: the comma is missing
+- Step 2: `python greet.py` printed `usage: greet.py NAME` on stderr, exit 2, as expected
+- Step 3: python -m pytest -q: 2 passed (the test only checks that the output starts with `Hello`)
+- Recommended next fix: the format string in greet.py, and a test for the exact output
+""", """\
+RESULT: PASS
+EVIDENCE:
+- Step 1: `python greet.py World` printed `Hello, World!` (exit 0)
+- Step 2: `python greet.py` printed `usage: greet.py NAME` on stderr, exit 2
+- Step 3: python -m pytest -q: 2 passed
+"""],
+}
+
+
 def log(msg: str) -> None:
     """Diagnostics go to stderr, which is the same pane.
 

@@ -20,9 +20,9 @@ RESUME=1, or automatically when the state file says the run is still RUNNING.
 
 Usage:  python run_orchestrator_loop.py [config.json]
 Exit codes: 0 PASS, 1 FAIL, 2 bad usage or configuration (or a stop a setting must lift),
-3 runtime error (the same command resumes), 4 budget used, 70 a fault of the loop itself
-(its traceback in the run folder), 75 another process drives this run, 130 interrupted
-(SIGINT), 143 terminated (SIGTERM).
+3 runtime error (the same command resumes), 4 budget used, 5 the same failure round after
+round (a person is needed), 70 a fault of the loop itself (its traceback in the run folder),
+75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 
 On PASS the run can archive its OpenSpec change and commit its work, and
 it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
@@ -43,6 +43,7 @@ Sections, in the order data flows (each uses only what stands above it):
 from __future__ import annotations
 
 __version__ = "0.4.0"
+PACKAGE_NAME = "cao-orchestrator-loop"
 
 # The public names: those the specs fix (tests and users address them), and main(); one global per setting is
 # added in section 1, from SETTINGS. Every other name is the script's own and may change.
@@ -72,6 +73,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -103,7 +105,7 @@ import httpx
 # nothing below main() can turn them into a traceback.
 # --------------------------------------------------------------------------
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET = 0, 1, 2, 3, 4
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS = 0, 1, 2, 3, 4, 5
 EXIT_BUG, EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 70, 75, 130, 143
 TRACEBACK_FILE = "traceback.txt"     # in the run folder: the traceback of a fault of the loop itself (exit 70)
 # Each exit code: what it means, and what a job scheduler (cron, a CI job, a Kubernetes Job) should do on it.
@@ -119,6 +121,8 @@ EXIT_CODES = (
      "retry: the same command resumes the run"),
     (EXIT_BUDGET, "the run has used MAX_RUN_TOKENS or MAX_RUN_COST; stopped before a turn, the state saved",
      "stop and alert: a person raises the budget, then the same command goes on"),
+    (EXIT_NO_PROGRESS, "the same test failure repeated for MAX_ROUNDS_WITHOUT_PROGRESS rounds in a row; the state "
+                       "is saved", "stop: a person is needed (reads the report), then RESUME=1 goes on"),
     (EXIT_BUG, f"a fault of the loop itself: its traceback is in {TRACEBACK_FILE} in the run folder (the last "
                "line names it); the state is saved", "stop and alert: a bug (report it with its traceback)"),
     (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
@@ -130,9 +134,9 @@ EXIT_MEANINGS = {code: meaning for code, meaning, _ in EXIT_CODES}
 SCHEDULER_ACTIONS = {code: action for code, _, action in EXIT_CODES}
 
 
-def exit_code_of(result: str) -> int:
-    """The exit code of a finished run's result (PASS or FAIL)."""
-    return EXIT_PASS if result == "PASS" else EXIT_FAIL
+def exit_code_of(result: str, without_progress: bool = False) -> int:
+    """The exit code of a finished run's result (PASS or FAIL; a FAIL that stopped without progress: 5)."""
+    return EXIT_PASS if result == "PASS" else EXIT_NO_PROGRESS if without_progress else EXIT_FAIL
 
 
 def result_of(code: int) -> str:
@@ -296,6 +300,8 @@ class AgentCli:
     program: str = ""                           # the program CAO starts ('': the one CAO names)
     traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
+    server_env: tuple[tuple[str, str, str], ...] = ()  # (variable, value, 'always' or 'root'): what its agents need
+    #                                             in the environment of a CAO server the run starts itself
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
 
     def status_word(self, status: str) -> str:
@@ -333,7 +339,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="claude transcripts", compaction_settings="claude settings.json",
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
-        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",), run_tokens=(444_750, 700_544)),
+        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",), run_tokens=(444_750, 700_544),
+        server_env=(("IS_SANDBOX", "1", "root"),)),
     # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a first
     # turn; its own marks on the screen (ESC ] 7501;state=..., turn_mark) say when it works and when a turn
     # is over, else a screen still for QUIET_SCREEN_SECONDS.
@@ -371,7 +378,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
     "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
                        records="hermes state.db", proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
-                       run_tokens=(287_911, 455_907)),
+                       run_tokens=(287_911, 455_907), server_env=(("PROMPT_TOOLKIT_NO_CPR", "1", "always"),)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
     "kiro_cli": AgentCli("Kiro CLI"),
@@ -383,6 +390,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     "mcode": AgentCli("mcode"),
     "q_cli": AgentCli("Amazon Q CLI"),          # CAO's older name for Kiro CLI
 }
+SCRIPTED_PROVIDER = "mock_cli"   # the scripted agent, installed with the loop: --demo runs it
 DEFAULT_PROVIDER = "codex"
 
 
@@ -474,6 +482,13 @@ def _role_settings() -> list[Setting]:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("API", "api", "http://localhost:9889", "url", "CAO server base URL"),
+    Setting("OWN_SERVER", "own_server", "auto", "auto_bool",
+            "auto: the CAO server at API when API (or CAO_API_PORT) is set or a server answers there, else the "
+            "run's own, started for the run and ended with it; 1: always the run's own; 0: never (a CAO server "
+            "must answer at API)"),
+    Setting("OWN_SERVER_PORT", "own_server_port", 0, "port0",
+            "the port of the run's own CAO server on 127.0.0.1 (0: a free one); one another process holds is an "
+            "error, never a server found"),
     Setting("PROVIDER", "provider", DEFAULT_PROVIDER, "provider", "CAO provider for every agent"),
     Setting("MODEL", "model", "", "model",
             "model every agent CLI is started with, passed to CAO at creation (empty: each CLI's own default)"),
@@ -492,6 +507,10 @@ SETTINGS: tuple[Setting, ...] = (
             "instead of starting a new run"),
     Setting("START_AGENT", "start_agent", "analyst", "role", "role whose turn starts a new run"),
     Setting("MAX_ROUNDS", "limits.max_rounds", 8, "count", "test rounds before the run fails"),
+    Setting("MAX_ROUNDS_WITHOUT_PROGRESS", "limits.max_rounds_without_progress", 0, "count0",
+            "failed rounds in a row whose failure repeats the one before (the same evidence once times, paths "
+            "and ordering are set aside) before the run stops (exit 5: a person is needed; RESUME=1 goes on); "
+            "0: never"),
     Setting("MAX_REVIEW_CYCLES", "limits.max_review_cycles", 3, "count", "review cycles per phase"),
     Setting("MIN_REVIEW_CYCLES_BEFORE_APPROVAL", "limits.min_review_cycles_before_approval", 2, "count",
             "first cycle whose approval counts"),
@@ -617,6 +636,8 @@ _ENV_EXPECTED = {
     "text": "any text",
     "url": "an http:// or https:// URL, e.g. http://localhost:9889",
     "bool": "1 or 0",
+    "auto_bool": "auto, 1 or 0",
+    "port0": "a port number from 0 to 65535",
     "count": "a whole number of at least 1",
     "count0": "a whole number of at least 0",
     "seconds0": "a number of seconds of at least 0",
@@ -631,7 +652,8 @@ _ENV_EXPECTED = {
     "prices": 'a JSON object: model -> {"input": price, "output": price, "cached_input": price}, prices per '
               'million tokens, at least 0',
 }
-_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", count="a whole number of at least 1 (not a string)",
+_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", auto_bool='"auto", true or false',
+                      port0="a port number from 0 to 65535 (not a string)", count="a whole number of at least 1 (not a string)",
                       count0="a whole number of at least 0 (not a string)",
                       seconds="a number greater than 0 (not a string)",
                       seconds0="a number of at least 0 (not a string)", amount0="a number of at least 0 (not a string)")
@@ -665,6 +687,8 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "amount0": lambda v: _is_seconds(v, False),
     "prices": _is_price_table,
     "bool": lambda v: isinstance(v, bool),
+    "auto_bool": lambda v: v == "auto" or isinstance(v, bool),
+    "port0": lambda v: _is_whole(v, 0) and v <= 65535,
     "text": lambda v: isinstance(v, str),
     "url": lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v)),
     "provider": lambda v: v in AGENT_CLIS,
@@ -688,11 +712,11 @@ def _check_value(setting: Setting, value: object) -> object:
 def _parse_env_value(setting: Setting, raw: str) -> object:
     """Turn an environment string into the setting's type; ValueError if it can't."""
     text = raw.strip()
-    if setting.kind == "bool":
-        if text not in ("1", "0"):
+    if setting.kind in ("bool", "auto_bool"):
+        if text not in ("1", "0") and not (setting.kind == "auto_bool" and text == "auto"):
             raise ValueError
-        return text == "1"
-    if setting.kind in ("count", "count0"):
+        return "auto" if text == "auto" else text == "1"
+    if setting.kind in ("count", "count0", "port0"):
         if not re.fullmatch(r"[0-9]+", text):
             raise ValueError
         return _check_value(setting, int(text))
@@ -866,6 +890,8 @@ def _current_directory() -> str:
 
 
 API: str = _initial("API")
+OWN_SERVER: str | bool = _initial("OWN_SERVER")
+OWN_SERVER_PORT: int = _initial("OWN_SERVER_PORT")
 PROVIDER: str = _initial("PROVIDER")
 MODEL: str = _initial("MODEL")
 WD: str = _initial("WD") or _current_directory()
@@ -878,6 +904,7 @@ CLEANUP_ON_EXIT: bool = _initial("CLEANUP_ON_EXIT")
 REPORT_FINISHED_RUN: bool = _initial("REPORT_FINISHED_RUN")
 START_AGENT: str = _initial("START_AGENT")
 MAX_ROUNDS: int = _initial("MAX_ROUNDS")
+MAX_ROUNDS_WITHOUT_PROGRESS: int = _initial("MAX_ROUNDS_WITHOUT_PROGRESS")
 MAX_REVIEW_CYCLES: int = _initial("MAX_REVIEW_CYCLES")
 MIN_REVIEW_CYCLES_BEFORE_APPROVAL: int = _initial("MIN_REVIEW_CYCLES_BEFORE_APPROVAL")
 REQUIRE_REVIEW_EVIDENCE: bool = _initial("REQUIRE_REVIEW_EVIDENCE")
@@ -1041,6 +1068,14 @@ def check_budget_settings() -> None:
                           f"be read from here, or unset {budget}")
 
 
+def cao_cli_address(environ: Mapping[str, str]) -> str:
+    """The server CAO's own `cao` command talks to (CAO_API_HOST, CAO_API_PORT): the loop's too, unless API says."""
+    port = environ.get("CAO_API_PORT", "").strip() or "9889"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"CAO_API_PORT={port!r} is not a port number: set it to the port of your CAO server")
+    return f"http://{environ.get('CAO_API_HOST', '').strip() or '127.0.0.1'}:{port}"
+
+
 def configure(argv: list[str]) -> None:
     """Settle every setting (env > JSON > default) and validate it, before anything runs."""
     global explicit_settings, setting_warnings, config_argument, CAO_AUTH_LOCAL_TOKEN, NTFY_TOKEN
@@ -1055,6 +1090,8 @@ def configure(argv: list[str]) -> None:
         raise ConfigError(env_errors[0])
     file_values = read_config_file(argv[0]) if argv else {}
     chosen = {**file_values, **env_values}
+    if "API" not in chosen and (os.environ.get("CAO_API_PORT") or os.environ.get("CAO_API_HOST")):
+        chosen["API"] = cao_cli_address(os.environ)
     if "WD" in chosen and "STATE_FILE" not in chosen:
         chosen["STATE_FILE"] = default_state_file(os.path.abspath(chosen["WD"]))
     globals().update(chosen)
@@ -1470,6 +1507,14 @@ def connect_api() -> None:
 CAO_PROVEN_VERSION = "2.5.4"      # the cao-server version the loop is proven with (docs/agent-clis.md)
 
 
+def installed_cao_version(program: str) -> str:
+    """The cli-agent-orchestrator version a cao-server program belongs to ('' if it cannot be told)."""
+    prefix = Path(program).resolve().parent.parent
+    for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
+        return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
+    return ""
+
+
 @dataclass(frozen=True)
 class LocalServer:
     """cao-server, running here: its process, its user and its environment."""
@@ -1485,12 +1530,7 @@ class LocalServer:
             args = Path(f"/proc/{self.pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")
         except OSError:
             return ""
-        for arg in args:
-            if Path(arg).name == "cao-server":
-                prefix = Path(arg).resolve().parent.parent
-                for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
-                    return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
-        return ""
+        return next((installed_cao_version(arg) for arg in args if Path(arg).name == "cao-server"), "")
 
     @property
     def tmux_socket(self) -> str:
@@ -1570,6 +1610,322 @@ def cao_hint(command: str) -> str:
     where = ([f"CAO_API_HOST={host}"] if host not in LOCAL_HOSTS else []) + \
         ([f"CAO_API_PORT={port}"] if port != 9889 else [])
     return " ".join([*where, "cao", command])
+
+
+# -- The run's own CAO server ----------------------------------------------------
+# Where no server is named (no API, no CAO_API_PORT) and none answers at API, or with OWN_SERVER=1, the run
+# stands up what it needs and ends it with itself: a tmux server of its own (a private TMUX_TMPDIR, TMUX
+# unset: never the user's server; shells without a login profile, with the loop's PATH first) and cao-server
+# on a free port of 127.0.0.1, started in it. What runs is noted beside the state file, so that the next
+# invocation on that state file ends what a run killed with SIGKILL left behind (docs/agent-clis.md).
+OWN_SERVER_HOST = "127.0.0.1"
+OWN_SERVER_START_SECONDS = 60.0          # cao-server imports a lot: seconds, more on a loaded machine
+OWN_SERVER_MARK = "CAO_LOOP_OWN_SERVER"  # in the environment of all it starts: how what is left is found
+OWN_SERVER_GRACE_SECONDS = 3.0           # from SIGTERM to SIGKILL for what the own server started
+
+
+@dataclass
+class OwnServer:
+    """The run's own cao-server and tmux server: its port, the tmux folder, its log, and its processes (a pid
+    with its start time, so that a pid given out again is never taken for one of them)."""
+
+    port: int
+    tmux_dir: str
+    log_file: str
+    processes: dict[str, list[int]] = field(default_factory=dict)    # 'cao-server' / 'tmux' -> [pid, start]
+
+    @property
+    def url(self) -> str:
+        return f"http://{OWN_SERVER_HOST}:{self.port}"
+
+    @property
+    def tmux_socket(self) -> str:
+        return os.path.join(self.tmux_dir, f"tmux-{os.getuid()}", "default")
+
+
+own_server: OwnServer | None = None      # set by start_own_server(), cleared by end_own_server()
+
+
+def own_server_note() -> Path:
+    """Where the run's own server is noted while it runs: beside the state file."""
+    state = Path(STATE_FILE)
+    return state.with_name(state.stem + ".own-server.json")
+
+
+def own_server_log() -> Path:
+    """cao-server's output, beside the state file (appended by every invocation)."""
+    return Path(STATE_FILE).with_name("cao-server.log")
+
+
+def process_started_at(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot), None when it is gone or a zombie (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def marked_processes(mark: str) -> list[int]:
+    """This user's processes that carry OWN_SERVER_MARK=mark in their environment: all an own server started."""
+    needle = f"{OWN_SERVER_MARK}={mark}".encode()
+    found = []
+    with suppress(OSError):
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and int(proc.name) != os.getpid():
+                with suppress(OSError):
+                    if needle in (proc / "environ").read_bytes().split(b"\0"):
+                        found.append(int(proc.name))
+    return found
+
+
+def end_processes(pids: Iterable[int], group: bool = False) -> None:
+    """SIGTERM (to each one's process group with `group`), then SIGKILL what is still there after the grace."""
+    pids = list(pids)
+    for pid in pids:
+        with suppress(OSError):
+            os.killpg(pid, signal.SIGTERM) if group else os.kill(pid, signal.SIGTERM)
+    give_up = time.monotonic() + OWN_SERVER_GRACE_SECONDS
+    while any(process_started_at(pid) is not None for pid in pids) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    for pid in pids:
+        if process_started_at(pid) is not None:
+            with suppress(OSError):
+                os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+
+
+def end_own_processes(own: OwnServer) -> None:
+    """cao-server first (it could start a tmux server again), then the tmux server with the agents, then
+    whatever they started that outlived them; the tmux folder goes last."""
+    started = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    if "cao-server" in started:
+        end_processes([started["cao-server"]], group=True)
+    with suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["tmux", "kill-server"], env=own_server_env(own), capture_output=True, timeout=10)
+    if "tmux" in started:
+        end_processes([started["tmux"]])
+    end_processes(marked_processes(own.tmux_dir))
+    shutil.rmtree(own.tmux_dir, ignore_errors=True)
+
+
+def note_own_server(own: OwnServer) -> None:
+    """Note the own server beside the state file (written whole or not at all)."""
+    note = own_server_note()
+    temporary = note.with_name(note.name + ".tmp")
+    temporary.write_text(json.dumps({"port": own.port, "tmux_dir": own.tmux_dir, "log_file": own.log_file,
+                                     "processes": own.processes}), encoding="utf-8")
+    os.replace(temporary, note)
+
+
+def end_left_own_server() -> None:
+    """A run killed with SIGKILL left its own server running: end it before anything starts (under the
+    run's lock, so it is never a live run's)."""
+    note = own_server_note()
+    try:
+        raw = json.loads(note.read_text(encoding="utf-8"))
+        left = OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
+                         {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()})
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        log(f"note: {note} cannot be read ({exc}); removed")
+        note.unlink(missing_ok=True)
+        return
+    alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
+    log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
+        + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
+    end_own_processes(left)
+    note.unlink(missing_ok=True)
+
+
+def loop_program(name: str) -> str:
+    """A program installed with the loop (cao-server, cao), beside its Python first, else on PATH ('' if none)."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name) or ""
+
+
+def own_server_env(own: OwnServer) -> dict[str, str]:
+    """What the own tmux server, cao-server and the agents run with: the loop's environment, its Python's
+    folder on PATH (mock_cli, cao; after the user's own), a private tmux folder, CAO's address for CAO's own tools, and what
+    each CLI in use needs (its row's `server_env`)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
+    path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
+    env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
+               CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
+    for provider in providers_in_use():
+        for name, value, when in agent_cli(provider).server_env:
+            if when == "always" or (when == "root" and os.geteuid() == 0):
+                env.setdefault(name, value)
+    return env
+
+
+def own_server_missing() -> str:
+    """What the own server needs and this machine lacks, as the line that says how to get it ('': nothing)."""
+    if shutil.which("tmux") is None:
+        return "tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: apt-get install tmux)"
+    if not loop_program("cao-server") or not loop_program("cao"):
+        return (f"cao-server is not installed here: pip install '{PACKAGE_NAME}[cao]' (CAO {CAO_PROVEN_VERSION}), or "
+                "point API at a CAO server you run")
+    return ""
+
+
+def port_holder(port: int) -> str:
+    """'pid 1234 (cao-server --port 9890)' for the process listening on a port of this machine ('' if none
+    is seen)."""
+    pid = _process_of(_listening_sockets(port))
+    if pid is None:
+        return ""
+    with suppress(OSError):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        return f"pid {pid} ({command[:80]})"
+    return f"pid {pid}"
+
+
+def free_port() -> int:
+    """OWN_SERVER_PORT if no process holds it (else a ConfigError), or a port the system gives as free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((OWN_SERVER_HOST, OWN_SERVER_PORT))
+        except OSError:
+            holder = port_holder(OWN_SERVER_PORT)
+            raise ConfigError(f"OWN_SERVER_PORT={OWN_SERVER_PORT}: that port of {OWN_SERVER_HOST} is taken"
+                              + (f" by {holder}" if holder else "") + "; choose another, or 0 for a free one") from None
+        return probe.getsockname()[1]
+
+
+def own_tmux_folder() -> str:
+    """A new folder for the own tmux server's socket: under TMPDIR, or /tmp where that would make the socket's
+    path longer than a socket's path may be (about 100 bytes)."""
+    parents = (tempfile.gettempdir(), "/tmp")
+    parent = next((p for p in parents if len(os.path.join(p, "cao-loop-12345678", "tmux-4294967295", "default")) < 100),
+                  parents[-1])
+    return tempfile.mkdtemp(prefix="cao-loop-", dir=parent)
+
+
+def start_own_tmux(own: OwnServer) -> None:
+    """The agents' tmux server, before cao-server: its shells start without a login profile (which could
+    reset PATH) and it stays up while it has no session."""
+    shell = "exec bash --noprofile --norc +o history" if shutil.which("bash") else "exec sh"   # no ~/.bash_history
+    env = own_server_env(own)
+    started = subprocess.run(["tmux", "-f", os.devnull, "start-server", ";", "set-option", "-g", "exit-empty", "off",
+                              ";", "set-option", "-g", "default-command", shell], env=env, capture_output=True,
+                             text=True, timeout=30)
+    pid = subprocess.run(["tmux", "display-message", "-p", "#{pid}"], env=env, capture_output=True, text=True,
+                         timeout=30).stdout.strip()
+    if started.returncode != 0 or not pid.isdigit():
+        raise RunError(f"could not start the run's own tmux server: {' '.join(started.stderr.split())[:200]}")
+    own.processes["tmux"] = [int(pid), process_started_at(int(pid)) or 0]
+
+
+def launch_cao_server(own: OwnServer) -> bool:
+    """cao-server on own.port, waited for; False when it ended first (its port taken since it was found free).
+    What answers there must be it: a server of another process gets no agent and no prompt."""
+    with open(own.log_file, "ab") as output:
+        process = subprocess.Popen([loop_program("cao-server"), "--host", OWN_SERVER_HOST, "--port", str(own.port)],
+                                   env=own_server_env(own), cwd=own.tmux_dir, stdin=subprocess.DEVNULL,
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    own.processes["cao-server"] = [process.pid, process_started_at(process.pid) or 0]
+    note_own_server(own)
+    give_up = time.monotonic() + OWN_SERVER_START_SECONDS
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < give_up and process.poll() is None:
+            with suppress(httpx.HTTPError):
+                if client.get(f"{own.url}/health").status_code == 200:
+                    listener = _process_of(_listening_sockets(own.port))
+                    if listener in (None, process.pid):
+                        return True
+                    break
+            time.sleep(0.1)
+    if process.poll() is None and time.monotonic() >= give_up:
+        raise RunError(f"the run's own cao-server did not answer on {own.url} within {OWN_SERVER_START_SECONDS:g} s; "
+                       f"its log: {own.log_file}")
+    end_processes([process.pid], group=True)
+    process.wait()
+    return False
+
+
+def install_own_profiles(own: OwnServer) -> None:
+    """The run's agent profiles, installed in CAO's store where it lacks them (also where the CLI keeps a
+    copy of its own that is missing), from the profiles that come with the loop; all at once."""
+    missing = [(profile, provider) for profile, provider in
+               dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES)
+               if api.profile_installed(profile) is not True
+               or (agent_cli(provider).profile_file
+                   and not Path.home().joinpath(agent_cli(provider).profile_file.format(name=profile)).is_file())]
+    sources = {profile: bundled_profile(profile) for profile, _ in missing}
+    for profile, provider in missing:
+        if sources[profile] is None:
+            raise ConfigError(f"agent profile {profile} is not installed in CAO and does not come with the loop: "
+                              f"`cao install` it for {provider}, or use the loop's ({', '.join(DEFAULT_PROFILES.values())})")
+    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool:
+        said = list(pool.map(lambda item: subprocess.run(
+            [loop_program("cao"), "install", str(sources[item[0]]), "--provider", item[1]], env=own_server_env(own),
+            capture_output=True, text=True, timeout=120), missing))
+    for (profile, provider), done in zip(missing, said):
+        if api.profile_installed(profile) is not True:
+            raise RunError(f"`cao install {sources[profile]} --provider {provider}` did not install it: "
+                           + " ".join((done.stdout + done.stderr).split())[-300:])
+    if missing:
+        log("agent profiles installed in CAO's store: " + ", ".join(f"{profile} ({provider})"
+                                                                 for profile, provider in missing))
+
+
+def bundled_profile(name: str) -> Path | None:
+    """A profile that comes with the loop: beside the script in a checkout, else where pip put them."""
+    for folder in (Path(__file__).resolve().parent / "profiles", Path(sys.prefix) / "share" / PACKAGE_NAME / "profiles"):
+        if (folder / f"{name}.md").is_file():
+            return folder / f"{name}.md"
+    return None
+
+
+def start_own_server() -> None:
+    """Stand the run's own tmux server and cao-server up (see above); from now on API is theirs."""
+    global own_server, API
+    missing = own_server_missing()
+    if missing:
+        raise ConfigError(missing)
+    own_server = OwnServer(free_port(), own_tmux_folder(), str(own_server_log()))
+    note_own_server(own_server)
+    start_own_tmux(own_server)
+    for attempt in range(3):
+        if attempt:                      # another process took the port between the look and the start
+            own_server.port = free_port()
+            subprocess.run(["tmux", "set-environment", "-g", "CAO_API_PORT", str(own_server.port)],
+                           env=own_server_env(own_server), capture_output=True, timeout=30)
+        if launch_cao_server(own_server):
+            break
+        if OWN_SERVER_PORT:
+            raise ConfigError(f"OWN_SERVER_PORT={OWN_SERVER_PORT}: another process answers there; choose another "
+                              "port, or 0 for a free one")
+    else:
+        raise RunError(f"the run's own cao-server could not start; its log: {own_server.log_file}")
+    note_own_server(own_server)
+    API = own_server.url
+    explicit_settings.add("API")         # the state's server of an earlier invocation is gone
+    connect_api()
+    log(f"CAO server: the run's own, {own_server.url} (cao-server's log: {own_server.log_file}); its agents run in "
+        f"a tmux server of their own ({own_server.tmux_socket}); both end with the run")
+    install_own_profiles(own_server)
+
+
+def end_own_server() -> None:
+    """End the run's own server, its tmux server and all they started: nothing of the run is left running."""
+    global own_server
+    own = own_server
+    if own is None:
+        return
+    end_own_processes(own)
+    own_server_note().unlink(missing_ok=True)
+    own_server = None
+
+
+def server_answers(url: str) -> bool:
+    """Whether anything answers HTTP at `url` (a CAO server: the loop then uses it as the user's)."""
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=3.0)
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 # ==========================================================================
@@ -1951,6 +2307,36 @@ class AgentEvent(PlainRecord):
         return cls(*(_text(raw.get(key)) for key in ("role", "terminal", "at", "what", "detail")))
 
 
+@dataclass
+class FailedRound(PlainRecord):
+    """A round the tester FAILed, as the next rounds compare with it: the failure's signature (its evidence with
+    times, paths and ordering set aside), its first step, the evidence itself, and what changed in the WD."""
+
+    round: int
+    signature: str
+    step: str                         # the first line of the evidence that names what failed
+    evidence: str
+    files: list[str] | None = None    # paths changed in the WD since the last FAIL (None: not known)
+    repeats: int = 0                  # the round whose failure this one repeats (0: progress, or the first)
+
+    @classmethod
+    def read(cls, raw: dict) -> FailedRound:
+        files = raw.get("files")
+        return cls(_whole(raw.get("round")) or 0, _text(raw.get("signature")), _text(raw.get("step")),
+                   _text(raw.get("evidence")), _strings(files) if isinstance(files, list) else None,
+                   _whole(raw.get("repeats")) or 0)
+
+
+def files_text(files: list[str] | None) -> str:
+    """'no file changed', 'changed greet.py, tests/test_greet.py', or that it is not known."""
+    if files is None:
+        return "the files changed are not known"
+    if not files:
+        return "no file changed"
+    shown = ", ".join(files[:8]) + (f" and {len(files) - 8} more" if len(files) > 8 else "")
+    return f"changed {shown}"
+
+
 def _terminals(raw: object) -> dict[str, str]:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict) or not all(isinstance(value, str) for value in raw.values()):
@@ -2033,6 +2419,7 @@ STATE_FIELDS: tuple[StateField, ...] = (
                parse=lambda v: [r for r in v if isinstance(r, dict)] if isinstance(v, list) else []),
     StateField("context_sent", "context_sent", parse=lambda v: set(_strings(v)), new=set, dump=sorted),
     StateField("terminals_exited", "terminals_exited", parse=lambda v: v is True, new=bool),
+    StateField("own_server", "on_own_server", parse=lambda v: v is True, new=bool),
     StateField("in_flight", "in_flight", parse=InFlight.from_json, dump=lambda r: r and r.to_json()),
     StateField("story_progress", "story_progress", parse=StoryProgress.from_json, dump=lambda r: r and r.to_json()),
     StateField("turn_records", "turn_records", new=list, dump=lambda records: [r.to_json() for r in records],
@@ -2043,6 +2430,11 @@ STATE_FIELDS: tuple[StateField, ...] = (
                parse=lambda v: [r for r in map(Replacement.from_json, v) if r] if isinstance(v, list) else []),
     StateField("agent_events", "agent_events", new=list, dump=lambda events: [e.to_json() for e in events],
                parse=lambda v: [e for e in map(AgentEvent.from_json, v) if e] if isinstance(v, list) else []),
+    StateField("failed_rounds", "failed_rounds", new=list, dump=lambda rounds: [r.to_json() for r in rounds],
+               parse=lambda v: [r for r in map(FailedRound.from_json, v) if r] if isinstance(v, list) else []),
+    StateField("rounds_without_progress", "rounds_without_progress", new=int, parse=lambda v: _whole(v) or 0),
+    StateField("worktree_at_fail", "worktree_at_fail", parse=_fingerprints),
+    StateField("no_progress_stop", "no_progress_stop", parse=lambda v: v if isinstance(v, dict) else None),
     StateField("fresh_agents_due", "fresh_agents_due", new=dict,
                parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
                if isinstance(v, dict) else {}),
@@ -2075,6 +2467,7 @@ agent_models: dict[str, str] = _new_value("agent_models")  # role -> the model i
 verifications: list[dict] = _new_value("verifications")    # VERIFY_PASS: each check of a tester's PASS
 context_sent: set[str] = _new_value("context_sent")      # "<block>:<terminal id>" of once-only text a terminal has
 terminals_exited: bool = _new_value("terminals_exited")  # CLEANUP_ON_EXIT ended the agents: never type into them
+on_own_server: bool = _new_value("on_own_server")        # its agents run on a CAO server of its own (OWN_SERVER)
 in_flight: InFlight | None = _new_value("in_flight")
 story_progress: StoryProgress | None = _new_value("story_progress")
 turn_records: list[TurnRecord] = _new_value("turn_records")
@@ -2083,6 +2476,10 @@ after_run: AfterRun = _new_value("after_run")
 replacements: list[Replacement] = _new_value("replacements")   # lost agents replaced (REPLACE_LOST_AGENTS=1)
 agent_events: list[AgentEvent] = _new_value("agent_events")    # conversations compacted, cleared, started anew
 fresh_agents_due: dict[str, str] = _new_value("fresh_agents_due")  # role -> why its next turn needs a new agent
+failed_rounds: list[FailedRound] = _new_value("failed_rounds")   # each FAILed round, compared with the one before
+rounds_without_progress: int = _new_value("rounds_without_progress")  # FAILs in a row that repeat the one before
+worktree_at_fail: dict | None = _new_value("worktree_at_fail")  # the WD's fingerprints at the last FAIL
+no_progress_stop: dict | None = _new_value("no_progress_stop")  # why the run stopped without progress, if it did
 
 
 def update_run(**changes: object) -> None:
@@ -2092,8 +2489,8 @@ def update_run(**changes: object) -> None:
     defined right below, so every change to what the state file holds is
     found here. The doors: set_output(), add_turn_record(), note_turn_outcome(),
     set_turn_tokens(), record_sent(), forget_sent(), set_after_run(),
-    update_story_progress(), add_story_result(). No other function assigns a run-state global or
-    changes its value in place.
+    update_story_progress(), add_story_result(), add_failed_round(). No
+    other function assigns a run-state global or changes its value in place.
     """
     unknown = set(changes) - set(RUN_FIELDS)
     if unknown:
@@ -2166,6 +2563,11 @@ def end_answered_turn() -> None:
 def add_story_result(result: StoryResult) -> None:
     """How a story ended, for the summary the peer programmer reviews after the story loop."""
     story_progress.results.append(result)
+
+
+def add_failed_round(record: FailedRound) -> None:
+    """A FAILed round as compared with the one before, for the next comparison, the prompt, the report."""
+    failed_rounds.append(record)
 
 
 def reset_run_state() -> None:
@@ -2444,7 +2846,12 @@ EVENT_KINDS = {
     "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
                    "compacted, context low, new conversation, ...), detail",
     "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
-    "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action",
+    "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
+                      "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
+                      "(null: not known)",
+    "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action, "
+                   "turns, tokens, no_progress (why it stopped without progress: the repeated failure's step, its "
+                   "first_round and round, rounds, files_changed, turns_saved, tokens_saved; null otherwise)",
 }
 EVENTS_TAIL_BYTES = 65_536          # where the last event's seq is looked for
 
@@ -2770,6 +3177,8 @@ def run_summary(exit_code: int | None) -> dict:
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
         "agent_events": [e.to_json() for e in agent_events],
+        "no_progress_stop": no_progress_stop,
+        "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
         "turn_list": turns,
     }
 
@@ -2804,6 +3213,8 @@ dd { margin: 0; overflow-wrap: anywhere }
 .track { position: relative; flex: 1; height: 1.6em; background: #f1f1f1 }
 .turn { position: absolute; top: 0; bottom: 0; min-width: 4px; color: #fff; font-size: 11px; text-align: center;
         overflow: hidden; text-decoration: none }
+.side-by-side { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 1em }
+h3 { font-size: 1em; margin: .6em 0 .2em }
 pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: .6em; margin: .3em 0 }
 summary { cursor: pointer; padding: .2em 0 }
 .legend span { display: inline-block; padding: 0 .5em; margin-right: .4em; color: #fff }
@@ -2872,6 +3283,10 @@ CODE = Template("<code>$text</code>")
 SCENARIO_BLOCK = Template('<h2>Scenario test</h2>\n<pre id="scenario-test">$text</pre>')
 EVIDENCE_BLOCK = Template('<h2>Last test result: $what</h2>\n<pre id="final-evidence">$text</pre>\n'
                           '<p>The whole reply: <a href="#turn-$number">turn $number</a></p>')
+NO_PROGRESS_BLOCK = Template(
+    '<section id="no-progress"><h2>Stopped without progress</h2>\n<p>$line</p>\n'
+    '<div class="side-by-side"><div><h3>Round $first</h3><pre data-round="$first">$before</pre></div>'
+    '<div><h3>Round $last</h3><pre data-round="$last">$after</pre></div></div></section>')
 NO_EVIDENCE = Template('<h2>Last test result</h2>\n<p id="final-evidence">$text</p>')
 AGENT_EVENTS = Template('<section id="agent-events"><h2>Agents\' conversations and limits</h2><ul>\n'
                         '$items\n</ul></section>')
@@ -2986,7 +3401,9 @@ def _figures(summary: dict) -> ReportHtml:
     if ended:
         meaning = EXIT_MEANINGS.get(summary["exit_code"])
         if summary["result"] == "FAIL" and not terminals_exited:
-            meaning = f"no PASS within MAX_ROUNDS; to go on with more rounds: {continue_command(summary['rounds'] + 1)}"
+            meaning = (f"{meaning}; to go on: {go_on_command(summary['rounds'], True)}" if no_progress_stop else
+                       "no PASS within MAX_ROUNDS; to go on with more rounds: "
+                       f"{continue_command(summary['rounds'] + 1)}")
         figures.append(("exit code", f"{summary['exit_code']}" + (f" ({meaning})" if meaning else "")))
     if summary["verifications"]:
         last = summary["verifications"][-1]
@@ -3026,7 +3443,22 @@ def _outcome(summary: dict, replies: list[str]) -> ReportHtml:
         blocks.append(_fill(EVIDENCE_BLOCK, what=what, text=evidence, number=number))
     else:
         blocks.append(_fill(NO_EVIDENCE, text="The tester has not answered yet."))
-    return _join(blocks)
+    return _join(blocks + [_no_progress(summary)])
+
+
+def _no_progress(summary: dict) -> ReportHtml:
+    """A stop without progress: its line, and the first and the last of the repeated failures side by side."""
+    stop = summary["no_progress_stop"]
+    rounds = {r["round"]: r for r in summary["failed_rounds"]}
+    if not stop or stop["first_round"] not in rounds or stop["round"] not in rounds:
+        return ReportHtml("")
+    changed = [f"round {r['round']}: {files_text(r['files'])}" for r in summary["failed_rounds"]
+               if stop["first_round"] < r["round"] <= stop["round"]]
+    line = (f"The test failed at the same step in rounds {stop['first_round']} to {stop['round']} "
+            f"({counted(stop['rounds'], 'round')} in a row without progress): {stop['step']} -- "
+            f"{'; '.join(changed)}. About {counted(stop['turns_saved'], 'turn')} not spent.")
+    return _fill(NO_PROGRESS_BLOCK, line=line, first=stop["first_round"], last=stop["round"],
+                 before=rounds[stop["first_round"]]["evidence"], after=rounds[stop["round"]]["evidence"])
 
 
 def _agent_events(events: list[dict]) -> ReportHtml:
@@ -6075,6 +6507,52 @@ def extract_test_evidence(text: str, uncapped: bool = False) -> str:
     return "\n".join(kept[:limit]).strip()
 
 
+# -- a failure's signature: what must repeat for a round to count as one without progress ---------
+# Two failures are the same when their evidence is, once what differs between two runs of the same test is set
+# aside: times and dates, durations, memory and network addresses, ids, temporary paths, the order of lines.
+NOISE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern, re.IGNORECASE), mark)
+                                                           for pattern, mark in (
+    (r"\x1b\[[0-9;?]*[A-Za-z]", ""),                                           # terminal colours
+    (r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?", "<time>"),
+    (r"\b\d{1,2}:\d{2}(?::\d{2})?(?:[.,]\d+)?(?:\s?[AP]M)?\b", "<time>"),
+    (r"(?:/private)?(?:/tmp|/var/tmp|/var/folders|/dev/shm)/\S*|\S*/\.tmp/\S*|\btmp[\w-]{6,}", "<tmp>"),
+    (r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", "<id>"),
+    (r"\b0x[0-9a-f]+\b", "<address>"),
+    (r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b", "<id>"),            # hashes, session ids
+    (r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\blocalhost:\d+|\[[0-9a-f:]*\]:\d+", "<host>"),
+    (r"\bpid[ =:]*\d+", "pid <n>"),
+    (r"\b\d+(?:[.,]\d+)?\s?(?:ns|µs|us|ms|msec|s|secs?|seconds?|mins?|minutes?|h|hrs?|hours?)\b", "<duration>"),
+))
+EVIDENCE_LEAD = re.compile(r"^(?:[-*+•]\s+|\d+[.)]\s+)+")
+
+
+def failure_lines(evidence: str) -> list[str]:
+    """The evidence's lines with what varies between runs of the same test set aside, in sorted order (the
+    order a tester lists its findings in is not progress); the RESULT and EVIDENCE labels left out."""
+    lines = []
+    for line in (evidence or "").splitlines():
+        for pattern, mark in NOISE_PATTERNS:
+            line = pattern.sub(mark, line)
+        line = " ".join(EVIDENCE_LEAD.sub("", line.strip()).split())
+        if line and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", line, re.IGNORECASE):
+            lines.append(line)
+    return sorted(lines)
+
+
+def failure_signature(evidence: str) -> str:
+    """A short hash that two failures share when their evidence differs only in what varies between runs."""
+    return hashlib.sha1("\n".join(failure_lines(evidence)).encode("utf-8")).hexdigest()[:16]
+
+
+def failing_step(evidence: str) -> str:
+    """The first finding of the evidence, as the tester wrote it: the line a person reads to know what failed."""
+    for line in (evidence or "").splitlines():
+        text = EVIDENCE_LEAD.sub("", line.strip()).strip()
+        if text and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", text, re.IGNORECASE):
+            return text[:200]
+    return "(no evidence)"
+
+
 def review_feedback_from(review_text: str) -> str:
     """What an author is told of its review: the notes, or all of it if condensing is off."""
     return extract_review_notes(review_text) if CONDENSE_REVIEW_FEEDBACK else (review_text or "").strip()
@@ -6461,7 +6939,8 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
     else:
         situation = f"round {round_num} of {MAX_ROUNDS}: a retry after a failed test; "
         upstream = [("Test failure feedback", _or_none(feedback), True),
-                    ("Your previous changes (context)", programmer_context_for_retry.strip(), False)]
+                    ("Your previous changes (context)", programmer_context_for_retry.strip(), False),
+                    ("The same failure again", repeated_failure_note(round_num), False)]
         task = ("Task:\n"
                 "1. Use /opsx:explore to investigate the failure against the code and the OpenSpec change.\n"
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
@@ -6488,6 +6967,22 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
         draft.once("response-file"),
     ]
     return draft.finish(parts)
+
+
+def repeated_failure_note(round_num: int) -> str:
+    """MAX_ROUNDS_WITHOUT_PROGRESS: when the last round's failure repeated the one before, what the programmer
+    needs to know of it: its last change did not fix that step, and what that change was ('' otherwise)."""
+    last = failed_rounds[-1] if failed_rounds else None
+    if last is None or not last.repeats or last.round != round_num - 1:
+        return ""
+    changed = ("you changed no file in the project" if last.files == [] else
+               f"you changed {', '.join(last.files[:8])}" + (f" and {len(last.files) - 8} more files"
+                                                             if len(last.files) > 8 else "")
+               if last.files else "what you changed is not known")
+    return (f"The test failed in round {last.round} the same way as in round {last.repeats} (the feedback above; "
+            f"only times, paths and the like differ). Your change in round {last.round} did not fix it: {changed}. "
+            "Find out why that step still fails before you change the code again; if you are blocked, say so in "
+            "your summary.")
 
 
 def build_programmer_review_prompt(programmer_out: str) -> Prompt:
@@ -6997,7 +7492,10 @@ def _after_run_notes() -> list[str]:
 
 def run_end_line(result: str) -> str:
     """The run's last line: its result, and after a PASS what the archive and commit did."""
-    parts = [f"PASS in round {current_round}" if result == "PASS" else f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
+    parts = [f"PASS in round {current_round}" if result == "PASS" else
+             f"FAIL: stopped without progress after round {current_round} (the same failure for "
+             f"{counted(no_progress_stop['rounds'], 'round')} in a row)" if no_progress_stop else
+             f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
     if result == "PASS":
         parts += _after_run_notes()
     return "; ".join(parts)
@@ -7105,7 +7603,7 @@ def finish_stopped_run() -> None:
     load_state()
     log(f"the run in {STATE_FILE} ended with {final_status} in round {current_round}; still to do after it: "
         f"{', '.join(after_run_pending(final_status, after_run))} (stopped before, or not sent); doing that now")
-    finish_run(exit_code_of(final_status))
+    finish_run(exit_code_of(final_status, bool(no_progress_stop)))
 
 
 # ==========================================================================
@@ -7190,7 +7688,7 @@ def end_old_run(plan: StartPlan) -> None:
     """The new run's state is written: end the replaced run's agents and remove their CAO session."""
     old = plan.old_run if plan.set_aside else None
     ids = [i for i in old.terminal_ids.values() if i] if old is not None else []
-    if not ids or old.terminals_exited:
+    if not ids or old.terminals_exited or old.on_own_server:     # those ended with their own server
         return
     if (old.API or API).rstrip("/") != API.rstrip("/"):
         log(f"the replaced run's agents (CAO session {old.session_name}) ran on {old.API}, another server: "
@@ -7224,7 +7722,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         set_aside_old_state(plan)
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
-        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(),
+        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), on_own_server=own_server is not None,
                    started_at=utc_iso(precise=True), agent_models={role: model_for(role) for role in ROLES},
                    outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
                    worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
@@ -7292,6 +7790,38 @@ def verify_resume_terminals() -> None:
                             stop.ways_on, when="cannot resume: ") from None
 
 
+def new_agents_on_own_server() -> None:
+    """A resumed run on a CAO server of its own, started anew: its agents ended with the last invocation, so
+    five new ones take their places (no replacement counted), and the turn in flight is sent to its new agent
+    unless its reply was taken already. Each new agent gets its whole prompt (once-only text is per terminal)."""
+    old_ids = dict(terminal_ids)
+    new_session, new_ids = create_terminals()
+    settled_terminals.update(new_ids.values())
+    again = in_flight is not None and taken_reply(in_flight.role) is None
+    update_run(in_flight=replace(in_flight, sent_at=None) if again else in_flight, session_name=new_session,
+               terminal_ids=new_ids, agent_models={role: model_for(role) for role in ROLES}, fresh_agents_due={},
+               on_own_server=True)
+    save_state()
+    record_event("agent_replaced", roles=list(ROLES), old_terminals=old_ids, new_terminals=new_ids,
+                 session=new_session, why="the run's own CAO server was started anew", replacement=0)
+    log(f"five new agents on the run's own CAO server, in CAO session {new_session}: "
+        + ", ".join(f"{role} {old_ids.get(role) or '-'} -> {new_ids[role]}" for role in ROLES)
+        + "; every answered turn is kept, and a new agent gets its whole prompt")
+
+
+def own_server_wanted(plan: StartPlan) -> bool:
+    """OWN_SERVER=1; or with auto, no server named (API, CAO_API_PORT) and either a resumed run that was on its
+    own server or a new run where no server answers at API."""
+    if OWN_SERVER != "auto":
+        return bool(OWN_SERVER)
+    if "API" in explicit_settings:
+        return False
+    if plan.resume:
+        saved = read_state_file()
+        return saved is not None and saved.on_own_server
+    return not server_answers(API)
+
+
 def resume_required(saved: SavedState) -> StartPlan:
     """RESUME=1: the saved run goes on (a FAIL with more rounds than it played too), or the start is refused
     saying why it cannot."""
@@ -7318,14 +7848,15 @@ def resume_or_replace(saved: SavedState) -> StartPlan:
     # A finished run with after-run steps left over is finished first (start_run, under the lock).
     leftover = finished and bool(after_run_pending(status, saved.after_run))
     if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
-        raise AlreadyFinished(exit_code_of(status),
+        raise AlreadyFinished(exit_code_of(status, bool(saved.no_progress_stop)),
                               f"the run in {STATE_FILE} {describe_state(saved)}; REPORT_FINISHED_RUN=1, so "
                               "nothing was started (move the state file away to start a new run)")
     if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
         return StartPlan(True)
     why = " (RESUME=0)" if "RESUME" in explicit_settings else \
         " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
-    instead = (f" (to go on with that run instead: {continue_command(saved.current_round + 1)})"
+    instead = (f" (to go on with that run instead: "
+               f"{go_on_command(saved.current_round, bool(saved.no_progress_stop))})"
                if status == "FAIL" and not exited and "RESUME" not in explicit_settings else "")
     return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
                             f"file will be kept as {state_backup_path(saved)}{instead}", set_aside=True, old_run=saved)
@@ -7335,6 +7866,14 @@ def continue_command(rounds: int) -> str:
     """'RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop config.json': the command that takes a run that ended in FAIL
     on to `rounds` rounds."""
     return " ".join(part for part in (f"RESUME=1 MAX_ROUNDS={rounds}", command_name(), config_argument) if part)
+
+
+def go_on_command(round_played: int, without_progress: bool) -> str:
+    """The command that takes a run that ended in FAIL on: RESUME=1 alone after a stop without progress with
+    rounds left, else with a MAX_ROUNDS one above the rounds played."""
+    if without_progress and MAX_ROUNDS > round_played:
+        return " ".join(part for part in ("RESUME=1", command_name(), config_argument) if part)
+    return continue_command(round_played + 1)
 
 
 def choose_start() -> StartPlan:
@@ -7532,6 +8071,174 @@ def handle_tester_fail() -> None:
     set_position(PHASE_PROGRAMMER)
 
 
+# -- Progress between failed rounds (MAX_ROUNDS_WITHOUT_PROGRESS) -----------------------------------
+# After each FAIL the round's failure is compared with the last one's (failure_signature(), section 10) and
+# what the round changed in WD is noted. A failure that repeats the last one is a round without progress,
+# whatever the round changed; MAX_ROUNDS_WITHOUT_PROGRESS such rounds in a row stop the run (exit 5) with its
+# state saved as a FAIL, so that RESUME=1 goes on from there as after a FAIL at MAX_ROUNDS.
+HEAD_MARK = "<HEAD>"                 # the key of WD's git HEAD among the fingerprints of what WD holds
+MORE_FILES_MARK = "<more files>"     # the key of one digest for the files beyond PROGRESS_FILE_LIMIT
+PROGRESS_FILE_LIMIT = 5000           # files of a WD without git fingerprinted one by one
+
+
+def _git_fingerprints(top: str) -> dict[str, str]:
+    """WD in git: HEAD, and each changed or untracked path (its content), the loop's own files left out."""
+    code, head, _ = git(["rev-parse", "--verify", "-q", "HEAD"], top)
+    marks = {path: fingerprint(Path(top) / path) for path in git_changed_paths(top)
+             if not is_orchestrator_file((Path(top) / path).resolve())}
+    marks[HEAD_MARK] = head.strip() if code == 0 else ""
+    return marks
+
+
+def _walked_fingerprints() -> dict[str, str]:
+    """WD without git: each file's size and time of change, $WD/.tmp/ left out; past PROGRESS_FILE_LIMIT files
+    one digest stands for the rest."""
+    root, marks, rest = Path(WD), {}, hashlib.sha1()
+    for folder, folders, files in os.walk(root):
+        folders[:] = sorted(name for name in folders if name != ".git" and not (folder == str(root) and name == ".tmp"))
+        for name in sorted(files):
+            path = Path(folder) / name
+            try:
+                stat = path.lstat()
+            except OSError:
+                continue
+            if is_orchestrator_file(path.resolve()):
+                continue
+            mark = f"{stat.st_size}:{stat.st_mtime_ns}"
+            if len(marks) < PROGRESS_FILE_LIMIT:
+                marks[str(path.relative_to(root))] = mark
+            else:
+                rest.update(f"{path}\0{mark}\0".encode("utf-8", "replace"))
+                marks[MORE_FILES_MARK] = rest.hexdigest()
+    return marks
+
+
+def worktree_fingerprints() -> dict[str, str] | None:
+    """What WD holds now, to tell which files a round changed (None when it cannot be read)."""
+    top = git_top(WD)
+    try:
+        return _git_fingerprints(top) if top else _walked_fingerprints()
+    except OSError as exc:
+        log(f"could not read what {WD} holds ({exc}); the round's changed files are not known")
+        return None
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """The paths whose fingerprints differ (with git: and what the commits in between changed)."""
+    paths = {path for path in before.keys() | after.keys() if path != HEAD_MARK and before.get(path) != after.get(path)}
+    old, new = before.get(HEAD_MARK), after.get(HEAD_MARK)
+    if old and new and old != new:
+        top = git_top(WD)
+        code, out, _ = git(["diff", "--name-only", old, new, "--", WD], top) if top else (1, "", "")
+        paths.update(line for line in out.splitlines() if line and code == 0)
+    return sorted(paths)
+
+
+def compare_failure() -> tuple[FailedRound, dict[str, str] | None]:
+    """This round's FAIL beside the last one's, and what WD holds now (the tester's answer is still there)."""
+    evidence = extract_test_evidence(outputs["tester"])
+    now = worktree_fingerprints()
+    files = changed_files(worktree_at_fail, now) if worktree_at_fail is not None and now is not None else None
+    signature = failure_signature(evidence)
+    last = failed_rounds[-1] if failed_rounds else None
+    repeats = last.round if last is not None and last.signature == signature else 0
+    return FailedRound(current_round, signature, failing_step(evidence), evidence, files, repeats), now
+
+
+def note_progress() -> None:
+    """MAX_ROUNDS_WITHOUT_PROGRESS: compare the FAIL just read with the last one, keep it and count the rounds in
+    a row without progress; before handle_tester_fail() clears the tester's answer."""
+    if not MAX_ROUNDS_WITHOUT_PROGRESS:
+        return
+    record, now = compare_failure()
+    add_failed_round(record)
+    streak = rounds_without_progress + 1 if record.repeats else 0
+    update_run(rounds_without_progress=streak, worktree_at_fail=now)
+    log_turn("tester", (f"the same failure as in round {record.repeats} ({files_text(record.files)} in the round): "
+                        f"{streak} of MAX_ROUNDS_WITHOUT_PROGRESS={MAX_ROUNDS_WITHOUT_PROGRESS} rounds without "
+                        "progress")
+             if record.repeats else "a failure other than the last round's: progress")
+    record_event("round_compared", round=record.round, progress=not record.repeats,
+                 repeats_round=record.repeats or None, rounds_without_progress=streak, step=record.step,
+                 files_changed=record.files)
+
+
+def progress_stop_due() -> bool:
+    """After a FAIL: whether the rounds without progress reached MAX_ROUNDS_WITHOUT_PROGRESS while rounds remain
+    (at MAX_ROUNDS the run ends in FAIL as without the setting)."""
+    return bool(MAX_ROUNDS_WITHOUT_PROGRESS) and rounds_without_progress >= MAX_ROUNDS_WITHOUT_PROGRESS \
+        and current_round <= MAX_ROUNDS
+
+
+def turns_left_at_most(saved: SavedState) -> int:
+    """The most agent turns an unfinished run can still take (story attempts not counted), with the
+    limits in force now: what is left of the current phase, then every remaining round in full."""
+    if saved.finished or saved.current_phase == PHASE_DONE:
+        return 0
+    reviewed_phase = 2 * (MAX_REVIEW_CYCLES - saved.phase_cycle + 1) - (1 if saved.phase_step == "review" else 0)
+    code_round = 2 * MAX_REVIEW_CYCLES + 1
+    left_in_round = {PHASE_ANALYST: reviewed_phase + code_round, PHASE_PROGRAMMER: reviewed_phase + 1,
+                     PHASE_TESTER: 1}[saved.current_phase]
+    return max(0, left_in_round) + max(0, MAX_ROUNDS - saved.current_round) * code_round
+
+
+def round_figures(rounds: int) -> tuple[int, dict[str, TokenUse] | None]:
+    """What `rounds` more retry rounds cost at this run's own pace: the turns (its retry rounds' turns per
+    round, else a round in full) and their tokens (None: not known)."""
+    retry = [r for r in turn_records if r.round > 1]
+    played = len({r.round for r in retry})
+    per_round = round(len(retry) / played) if played else 2 * MAX_REVIEW_CYCLES + 1
+    known = [r.tokens for r in retry if r.tokens is not None]
+    if not known or len(known) < len(retry):
+        return rounds * per_round, None
+    total = add_tokens(*known)
+    share = rounds / played
+    return rounds * per_round, {model: TokenUse(round(use.input * share), round(use.cached_input * share),
+                                                round(use.output * share)) for model, use in total.items()}
+
+
+def no_progress_record() -> dict:
+    """Why the run stops without progress: the repeated failure, its rounds, what they changed, what it saves."""
+    played = current_round - 1
+    first_round = played - rounds_without_progress
+    first = next((r for r in failed_rounds if r.round == first_round), failed_rounds[-1])
+    repeated = [r for r in failed_rounds if first_round < r.round <= played]
+    files = sorted({path for r in repeated for path in (r.files or [])})
+    turns, tokens = round_figures(MAX_ROUNDS - played)
+    left = turns_left_at_most(SimpleNamespace(finished=False, current_phase=PHASE_PROGRAMMER, phase_cycle=1,
+                                              phase_step="author", current_round=current_round))
+    return {"round": played, "first_round": first.round, "rounds": rounds_without_progress,
+            "limit": MAX_ROUNDS_WITHOUT_PROGRESS, "step": first.step,
+            "files_changed": files, "files_known": all(r.files is not None for r in repeated),
+            "turns_left_at_most": left, "turns_saved": turns, "tokens_saved": tokens_json(tokens)}
+
+
+def no_progress_line(stop: dict, agents_ended: bool = False) -> str:
+    """The stop's one line: which failure repeated, for how many rounds, what they changed, what is saved, and
+    how to go on (a run whose agents were ended cannot: a rerun starts a new one)."""
+    changed = files_text(stop["files_changed"] if stop.get("files_known", True) else None)
+    tokens = tokens_from_json(stop.get("tokens_saved"))
+    return (f"stopped without progress: the test failed at the same step in rounds {stop['first_round']} to "
+            f"{stop['round']} ({counted(stop['rounds'], 'round')} in a row without progress, "
+            f"MAX_ROUNDS_WITHOUT_PROGRESS={stop.get('limit', stop['rounds'])}): {stop['step']}; in those rounds "
+            f"{changed}; about {counted(stop['turns_saved'], 'turn')}"
+            + (f" ({tokens_text(tokens)})" if tokens else "")
+            + f" not spent (at most {stop['turns_left_at_most']}); a person is needed"
+            + ("; its agents were ended (CLEANUP_ON_EXIT=1), so a rerun starts a new run" if agents_ended else
+               f", then to go on: {go_on_command(stop['round'], True)}"))
+
+
+def stop_without_progress() -> int:
+    """End the run as a FAIL of the round just played, saying why, so that RESUME=1 goes on from there."""
+    stop = no_progress_record()
+    update_run(final_status="FAIL", current_round=stop["round"], no_progress_stop=stop)
+    mark_after_run_due("FAIL")
+    set_position(PHASE_DONE)
+    save_state()
+    log(f"{no_progress_line(stop, CLEANUP_ON_EXIT)}; state in {STATE_FILE}")
+    return EXIT_NO_PROGRESS
+
+
 def verify_pass() -> str:
     """VERIFY_PASS: run PROJECT_TEST_CMD in WD after the tester's PASS; 'PASS' when it exits 0.
 
@@ -7594,6 +8301,7 @@ def run_tester_phase() -> str:
         mark_after_run_due(result)
         set_position(PHASE_DONE)
     else:
+        note_progress()                    # before handle_tester_fail() clears the tester's answer
         handle_tester_fail()
     save_state()
     return result
@@ -7614,6 +8322,8 @@ def drive_rounds() -> int:
             if run_tester_phase() == "PASS":
                 log(f"PASS in round {current_round}; state in {STATE_FILE}")
                 return EXIT_PASS
+            if progress_stop_due():
+                return stop_without_progress()
         else:
             run_reviewed_phase(current_phase)
     # The last FAIL set up a next round (its evidence kept for the programmer): the run played one round less,
@@ -7675,7 +8385,7 @@ def report_run_summary(exit_code: int) -> None:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
     record_event("run_stopped", result=summary["result"], exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
                  scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=summary["turns"],
-                 tokens=summary["tokens"])
+                 tokens=summary["tokens"], no_progress=no_progress_stop)
     if run_dir:
         path = Path(run_dir) / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -8041,9 +8751,46 @@ def check_run_state() -> list[CheckLine]:
                       f"starts a new run (state in {STATE_FILE})")]
 
 
+def check_own_server() -> list[CheckLine]:
+    """The run's own server: what it needs here (tmux, cao-server, a free port), and the agents' side as the
+    shells it starts will see it (their PATH and environment are the loop's, so no probe is needed)."""
+    missing = own_server_missing()
+    if missing:
+        return [CheckLine(False, missing)]
+    try:
+        own = OwnServer(free_port(), "", "")
+    except ConfigError as exc:
+        return [CheckLine(False, exc.message)]
+    server = loop_program("cao-server")
+    version = installed_cao_version(server)
+    note = "" if not version or version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
+    lines = [CheckLine(True, f"CAO server: the run's own, started for it on a free port of {OWN_SERVER_HOST} (e.g. "
+                             f"{own.port}) and ended with it: {server}" + (f", cli-agent-orchestrator {version}" if
+                                                                            version else "") + note)]
+    env = own_server_env(own)
+    programs = {}
+    for program in sorted({cli_program(provider, None) for provider in providers_in_use()}):
+        path = shutil.which(program, path=env["PATH"]) or ""
+        with suppress(OSError, subprocess.SubprocessError):
+            programs[program] = (path, (subprocess.run([path, "--version"], env=env, capture_output=True, text=True,
+                                                       timeout=PROBE_SECONDS).stdout.strip().splitlines() or [""])[0]
+                                 if path else "")
+        programs.setdefault(program, (path, ""))
+    side = AgentsSide(env, os.getuid(), programs)
+    unbundled = [profile_for(role) for role in ROLES if bundled_profile(profile_for(role)) is None]
+    profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
+                               "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
+                                                                         "CAO's store where it lacks them")
+    return lines + [profiles] + check_clis(side, None) + check_traps(side)
+
+
 def preflight_lines() -> list[CheckLine]:
     """Every check after the settings, in the order a run meets what they look at."""
-    lines = check_run_state() + check_working_directory() + check_server()
+    lines = check_run_state() + check_working_directory()
+    with suppress(ConfigError, StateFileError):
+        if own_server_wanted(choose_start()):
+            return lines + check_own_server() + check_token_budget() + check_ntfy()
+    lines += check_server()
     if lines[-1].ok is False:
         return lines
     report = api.provider_report()
@@ -8111,7 +8858,6 @@ def check_command(args: list[str]) -> int:
 # 17. Entry point
 # ==========================================================================
 
-PACKAGE_NAME = "cao-orchestrator-loop"
 # The settings most runs set; the short --help lists them, --help-settings all of them.
 COMMON_SETTINGS = ("API", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
@@ -8125,7 +8871,7 @@ def command_name() -> str:
 
 def usage_lines() -> list[str]:
     name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --check [config.json]",
+    return [f"usage: {name} [config.json]", f"       {name} --demo [DIR]", f"       {name} --check [config.json]",
             f"       {name} --status [--json] [--follow] [config.json]",
             f"       {name} --help | --help-settings | --readme | --version"]
 
@@ -8146,6 +8892,7 @@ class CommandLine(argparse.ArgumentParser):
 def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
+    parser.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR")
     for flag in ("--check", "--status", "--json", "--follow", "--help-settings", "--readme"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
@@ -8190,18 +8937,6 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
             f"`{cao_hint('shutdown --session ' + session)}`, or set CLEANUP_ON_EXIT=1)")
 
 
-def turns_left_at_most(saved: SavedState) -> int:
-    """The most agent turns an unfinished run can still take (story attempts not counted), with the
-    limits in force now: what is left of the current phase, then every remaining round in full."""
-    if saved.finished or saved.current_phase == PHASE_DONE:
-        return 0
-    reviewed_phase = 2 * (MAX_REVIEW_CYCLES - saved.phase_cycle + 1) - (1 if saved.phase_step == "review" else 0)
-    code_round = 2 * MAX_REVIEW_CYCLES + 1
-    left_in_round = {PHASE_ANALYST: reviewed_phase + code_round, PHASE_PROGRAMMER: reviewed_phase + 1,
-                     PHASE_TESTER: 1}[saved.current_phase]
-    return max(0, left_in_round) + max(0, MAX_ROUNDS - saved.current_round) * code_round
-
-
 def working_now(saved: SavedState) -> str:
     """'programmer (terminal 1a2b3c4d), prompt sent 2026-11-24 15:00:00 UTC, 2m 5s ago': the turn under way."""
     turn = saved.in_flight
@@ -8230,11 +8965,21 @@ def next_step(saved: SavedState) -> str:
             f"{saved.current_phase} phase")
 
 
+def own_server_ended(saved: SavedState) -> bool:
+    """The run was on a CAO server of its own and no process drives it: that server ended with it."""
+    return saved.on_own_server and not lock_holder()
+
+
 def _status_progress(saved: SavedState) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
+    server = (f"CAO server: the run's own, ended with its last invocation (it was at {API}); a rerun starts "
+              "another" if own_server_ended(saved) else f"CAO server: {API}")
     if saved.finished:
-        return [f"CAO server: {API}", f"turns: {len(saved.turn_records)} answered"]
-    return [f"CAO server: {API}", f"next: {next_step(saved)}", f"working now: {working_now(saved)}",
+        return [server, f"turns: {len(saved.turn_records)} answered"]
+    working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with a new "
+               "agent at the rerun" if own_server_ended(saved) and saved.in_flight and not saved.in_flight.reply_file
+               else working_now(saved))
+    return [server, f"next: {next_step(saved)}", f"working now: {working}",
             f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
             f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
             + (", story attempts not counted)" if STORY_MODE else ")")]
@@ -8257,7 +9002,9 @@ def _status_tokens(saved: SavedState) -> list[str]:
 
 def _status_agents(saved: SavedState) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
-    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else f"agents: {agents_left_note(saved)}"]
+    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
+             "agents: ended with the run's own CAO server" if own_server_ended(saved) else
+             f"agents: {agents_left_note(saved)}"]
     if any(saved.agent_models.values()):
         lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
                                                       for role in ROLES))
@@ -8314,7 +9061,8 @@ def status_next(saved: SavedState) -> str | None:
     if not saved.finished:
         return next_step(saved)
     if saved.final_status == "FAIL" and not saved.terminals_exited:
-        return f"to go on with more rounds, {continue_command(saved.current_round + 1)}"
+        return (f"to go on, {go_on_command(saved.current_round, True)}" if saved.no_progress_stop else
+                f"to go on with more rounds, {continue_command(saved.current_round + 1)}")
     return None
 
 
@@ -8348,9 +9096,13 @@ def status_facts(saved: SavedState) -> dict:
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
         "traceback": traceback_path(saved) if code == EXIT_BUG else None,
-        "cao_server": API, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
+        "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None,
+        "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
+        "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
+        "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
+        if saved.final_status == "FAIL" and not saved.terminals_exited else None,
     }
 
 
@@ -8379,6 +9131,8 @@ def status_report() -> tuple[int, str]:
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
     if not holder:
         lines += _status_last_stop(saved)
+    if saved.no_progress_stop:
+        lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.finished and status_next(saved):
         lines.append(f"next: {status_next(saved)}")
     lines += _status_agents(saved) + _status_after_run(saved)
@@ -8396,6 +9150,12 @@ def readme_text() -> str:
         return ""
 
 
+# Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
+EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun)",
+              EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress", EXIT_BUG: "a bug",
+              EXIT_LOCKED: "run locked", EXIT_SIGINT: "Ctrl-C", EXIT_SIGTERM: "SIGTERM"}
+
+
 def help_text() -> str:
     """--help: what the command does, how to run it, the settings most runs set, where the rest is."""
     name = command_name()
@@ -8405,6 +9165,7 @@ def help_text() -> str:
         "tester) on a CAO server until the tester reports PASS. Settings come from",
         "environment variables and/or a JSON config file; the environment wins.", "",
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
+        "  --demo [DIR]     a first PASS, scripted agents in DIR (~/cao-loop-demo)",
         "  --check          all a run needs, checked: no agent started, no token spent",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
@@ -8415,16 +9176,10 @@ def help_text() -> str:
         setting = SETTINGS_BY_ENV[env]
         lines.append(f"  {env:20} {_shown_default(setting)}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
-    first_codes = ((EXIT_PASS, "PASS"), (EXIT_FAIL, "FAIL"), (EXIT_USAGE, "bad settings"),
-                   (EXIT_ERROR, "error (rerun)"), (EXIT_BUDGET, "budget used"))
-    more_codes = ((EXIT_BUG, "a bug"), (EXIT_LOCKED, "another process drives the run"),
-                  (EXIT_SIGINT, "Ctrl-C"), (EXIT_SIGTERM, "SIGTERM"))
-    lines += ["", "Example:",
-              "  API=http://localhost:9889 PROVIDER=claude_code WD=~/my-project \\",
-              f"    PROMPT_FILE=~/my-project/task.md {name}", "",
-              "Exit codes: " + ", ".join(f"{code} {short}" for code, short in first_codes) + ",",
-              "  " + ", ".join(f"{code} {short}" for code, short in more_codes),
-              f"Documentation: {name} --readme (README.md; the rest in docs/)"]
+    lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
+    codes = ", ".join(f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES)
+    lines += [line.replace("\xa0", " ") for line in textwrap.wrap(f"Exit codes: {codes}", 78, subsequent_indent="  ")]
+    lines.append(f"Documentation: {name} --readme (README.md; the rest in docs/)")
     return "\n".join(lines)
 
 
@@ -8466,14 +9221,17 @@ def refuse_bad_start(task: str) -> StartPlan:
 
 
 def continue_failed_run() -> None:
-    """RESUME=1 with a higher MAX_ROUNDS after a FAIL: the same run goes on at its next round -- the analysis,
+    """RESUME=1 with a higher MAX_ROUNDS after a FAIL (or with rounds left after a stop without progress, whose
+    rounds without progress are then counted anew): the same run goes on at its next round -- the analysis,
     the agents' conversations and the last test evidence kept (its FAIL set that round up), the turns and the
     report of the first invocation too; its after-run steps are due again at its new end."""
-    played = current_round
-    update_run(final_status="RUNNING", current_round=played + 1, after_run=_new_value("after_run"))
+    played, why = current_round, "without progress" if no_progress_stop else "in FAIL"
+    update_run(final_status="RUNNING", current_round=played + 1, after_run=_new_value("after_run"),
+               rounds_without_progress=0, no_progress_stop=None)
     set_position(PHASE_PROGRAMMER)
-    log(f"the run ended in FAIL after round {played}; going on with round {played + 1} of MAX_ROUNDS={MAX_ROUNDS}: "
-        "the programmer gets the last test evidence")
+    log(f"the run ended {why} after round {played}; going on with round {played + 1} of MAX_ROUNDS={MAX_ROUNDS}: "
+        "the programmer gets the last test evidence" + (" (the rounds without progress are counted anew)"
+                                                         if why != "in FAIL" else ""))
 
 
 def start_run(task: str) -> StartPlan:
@@ -8493,7 +9251,10 @@ def start_run(task: str) -> StartPlan:
             set_task(task)
         elif task and task != PROMPT:
             log("note: resuming with the task saved in the state file; PROMPT/PROMPT_FILE is ignored")
-        verify_resume_terminals()
+        if own_server is not None:
+            new_agents_on_own_server()
+        else:
+            verify_resume_terminals()
         if not run_dir:                     # a state file written by the shell script
             update_run(run_dir=new_run_dir())
         prepare_run_folder()
@@ -8631,12 +9392,17 @@ def wind_down(code: int) -> int:
         settle_tokens(run_ended=final_status in ("PASS", "FAIL"))
         save_state()
         report_run_summary(code)
-        if CLEANUP_ON_EXIT:
+        if own_server is not None:
+            log(f"ending the run's own CAO server ({API}), its tmux server and the five agents"
+                + ("; a rerun starts new ones and goes on" if final_status == "RUNNING" else ""))
+        elif CLEANUP_ON_EXIT:
             cleanup_terminals()
         else:
             log(agents_left_note())
         for warning in setting_warnings:     # said first, and again last: it must not scroll away unseen
             say_error(warning)
+        if code == EXIT_NO_PROGRESS and no_progress_stop:
+            say_error(no_progress_line(no_progress_stop, terminals_exited))   # the last line: why, and how to go on
     except OSError as exc:
         say_error(f"error: could not save the state to {STATE_FILE}: {exc}")
         return code or EXIT_ERROR
@@ -8654,8 +9420,11 @@ def run_command_line(args: list[str]) -> int:
                               f"{command_name()} --help)")
         configure(args)
         task = read_task_prompt()
-        refuse_bad_start(task)           # usage errors before anything is written, the lock included
+        plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
+        end_left_own_server()
+        if own_server_wanted(plan):
+            start_own_server()
         connect_api()
         _install_sigterm(_raise_terminated)
         plan = start_run(task)
@@ -8675,7 +9444,48 @@ def run_command_line(args: list[str]) -> int:
         _install_sigterm(previous_sigterm)
         if started:
             code = wind_down(code)
+        with suppress(KeyboardInterrupt, Terminated), signals_held("ending the run's own CAO server"):
+            end_own_server()
         release_run_lock()
+    return code
+
+
+DEMO_FOLDER = "~/cao-loop-demo"
+DEMO_FILES = {".tmp", "task.md", "README.md", "greet.py", "tests"}    # what a demo leaves in its folder
+
+
+def demo_command(folder_text: str) -> int:
+    """--demo [DIR]: a first PASS with nothing set up -- a throwaway project in DIR, five scripted agents whose
+    tester fails once (a retry round), all on the run's own CAO server; then where to look and what next."""
+    from orchestrator_scripted_agent import DEMO_SCRIPT, DEMO_TASK
+    folder = Path(folder_text or DEMO_FOLDER).expanduser().absolute()
+    strangers = sorted(p.name for p in folder.iterdir() if p.name not in DEMO_FILES) if folder.is_dir() else []
+    if strangers or (folder.exists() and not folder.is_dir()):
+        say_error(f"error: --demo {folder}: it holds files of its own ({', '.join(strangers[:3]) or 'not a folder'}); "
+                  "give a new or empty folder")
+        return EXIT_USAGE
+    agents = folder / ".tmp" / "demo-agents"
+    shutil.rmtree(agents, ignore_errors=True)
+    agents.mkdir(parents=True)
+    (agents / "script.json").write_text(json.dumps(DEMO_SCRIPT), encoding="utf-8")
+    (folder / "task.md").write_text(DEMO_TASK, encoding="utf-8")
+    (folder / "README.md").write_text("# The orchestrator loop's demo\n\nA throwaway project: its agents are "
+                                      "scripted. Remove this folder when done.\n", encoding="utf-8")
+    for setting in SETTINGS:             # the demo is the same everywhere: no setting of the caller's counts
+        os.environ.pop(setting.env, None)
+    globals().update({setting.env: setting.default for setting in SETTINGS})
+    os.environ.update(WD=str(folder), PROMPT_FILE=str(folder / "task.md"), PROVIDER=SCRIPTED_PROVIDER, OWN_SERVER="1",
+                      RESUME="0", MOCK_AGENT_HOME=str(agents))
+    os.environ.setdefault("MOCK_AGENT_THINK_MS", "300")
+    emit(f"demo: a greeting CLI built in {folder} by five scripted agents (no AI CLI, nothing paid); the "
+         "tester fails the first try, so you see a retry round")
+    code = run_command_line([])
+    if code == EXIT_PASS:
+        emit(f"demo: PASS. What the agents wrote: `python {folder / 'greet.py'} World`; every prompt and reply: "
+             f"{folder / '.tmp' / 'latest' / 'report.html'}")
+        emit("demo: next, with a real CLI: in your project, write task.md (the template: prompt_template.md) and "
+             f"run `PROVIDER=claude_code PROMPT_FILE=task.md {command_name()} --check`, then the same without "
+             f"--check; remove the demo with `rm -rf {folder}`")
     return code
 
 
@@ -8703,6 +9513,11 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(options, option) and not options.status:
             say_error(f"error: --{option} goes with --status (see {command_name()} --help)")
             raise SystemExit(EXIT_USAGE)
+    if options.demo is not None:
+        if options.check or options.status or config:
+            say_error(f"error: --demo takes only a folder (see {command_name()} --help)")
+            raise SystemExit(EXIT_USAGE)
+        raise SystemExit(demo_command(options.demo))
     if options.status:
         raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
     command = check_command if options.check else run_command_line

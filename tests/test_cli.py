@@ -35,7 +35,7 @@ def test_help_is_one_screen_with_usage_example_providers_and_where_the_rest_is(o
     assert any(line.split() == ["RESPONSE_TIMEOUT", "1800", "s"] for line in lines)
     text = " ".join(result.stdout.split())
     assert all(provider in text for provider in orch.AGENT_CLIS)
-    assert "Example: API=http://localhost:9889 PROVIDER=claude_code" in text
+    assert "Example: PROVIDER=claude_code PROMPT_FILE=task.md run_orchestrator_loop.py" in text
     assert "--help-settings" in text and lines[-1] == "Documentation: run_orchestrator_loop.py --readme (README.md; the rest in docs/)"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,36 +22,44 @@ def run_entrypoint(env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-@pytest.mark.parametrize("missing", ["tmux", "cao", "cao-server"])
-def test_a_tool_missing_on_the_machine_is_one_line_and_exit_2_before_anything_starts(tmp_path, missing):
+TASK = "*** ORIGINAL EXPLORE SUMMARY ***\nBuild it.\n*** SCENARIO TEST ***\n1. It works.\n"
+
+
+@pytest.mark.parametrize("missing", ["tmux", "cao-server"])
+def test_what_the_machine_lacks_is_one_line_and_exit_2_before_anything_starts(tmp_path, missing):
+    """The loop, run by the entrypoint with its own server, says what the machine lacks before it starts
+    anything: no state file, no tmux folder, no process."""
     tools = tmp_path / "bin"
     tools.mkdir()
     for name in {"tmux", "cao", "cao-server"} - {missing}:
         (tools / name).write_text("#!/bin/sh\necho started > \"$0.ran\"\n")
         (tools / name).chmod(0o755)
-    for name in ("dirname", "basename", "python3"):                  # and what a shell script needs
+    for name in ("dirname", "bash"):
         (tools / name).symlink_to(shutil.which(name))
-    env = {"PATH": str(tools), "HOME": str(tmp_path)}
+    (tools / "python3").symlink_to(sys.executable)
+    wd = tmp_path / "project"
+    wd.mkdir()
+    env = {"PATH": str(tools), "HOME": str(tmp_path), "WD": str(wd), "PROMPT": TASK, "PROVIDER": "mock_cli"}
     result = run_entrypoint(env, tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"entrypoint: error: {missing} is not on PATH: install it in the image (tmux; pip install "
-        "cli-agent-orchestrator)"]
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {missing} is not installed")
     assert not list(tools.glob("*.ran"))                              # nothing was started
+    assert not (wd / ".tmp" / "orchestrator-loop-state.json").exists()
 
 
 def test_the_recipes_pod_failure_policy_stops_on_the_codes_a_scheduler_must_not_retry(orch):
     text = SCHEDULING.read_text(encoding="utf-8")
     fail_job = re.search(r"action: FailJob.*?values: \[([\d, ]+)\]", text, re.DOTALL)
     stop = [code for code, _, action in orch.EXIT_CODES if action.startswith("stop")]
-    assert [int(code) for code in fail_job.group(1).split(",")] == stop == [1, 2, 4, 70]
+    assert [int(code) for code in fail_job.group(1).split(",")] == stop == [1, 2, 4, 5, 70]
     assert "deploy/entrypoint.sh" in text and "podReplacementPolicy: Failed" in text
 
 
 def test_the_recipe_names_each_setting_of_the_entrypoint():
     script = ENTRYPOINT.read_text(encoding="utf-8")
-    settings = set(re.findall(r'^([A-Z_]+)="\$\{\1:-', script, re.MULTILINE)) - {"API", "REPLACE_LOST_AGENTS"}
-    assert settings == {"CAO_PORT", "PROFILES_DIR", "CAO_SERVER_LOG", "CAO_START_SECONDS", "PYTHON"}
+    settings = set(re.findall(r'^(?:export )?([A-Z_]+)="\$\{\1:-', script, re.MULTILINE)) - {"REPLACE_LOST_AGENTS"}
+    assert settings == {"PYTHON"}
+    assert "export OWN_SERVER=1" in script
     documented = SCHEDULING.read_text(encoding="utf-8")
     for name in settings:
         assert f"| `{name}` |" in documented, name

@@ -2,7 +2,7 @@
 
 ``private_cao()`` starts one and yields a ``CaoServer``; on exit it stops
 everything it started and raises if anything was left behind. The pytest
-fixtures in ``conftest.py`` and the ``demo.py`` command are built on it. This
+fixtures in ``conftest.py`` are built on it. This
 module works both as part of the ``tests/e2e`` package and as a plain module
 imported from a script that put ``tests/e2e`` on ``sys.path``.
 

@@ -1,4 +1,5 @@
-"""The demo a newcomer runs (docs/testing.md, "The demo"), run as written."""
+"""The pinned CAO the end-to-end suite and the demo use: one installed with the project is used as it is.
+(The demo itself, `--demo`, runs in tests/e2e/test_own_server_e2e.py and the README's quick start.)"""
 
 from __future__ import annotations
 
@@ -12,21 +13,6 @@ import pytest
 from . import cao_env
 
 pytestmark = pytest.mark.e2e
-
-DEMO = Path(__file__).resolve().with_name("demo.py")
-
-
-def test_the_demo_passes_and_its_last_lines_fit_what_it_left():
-    result = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "MOCK_AGENT_THINK_MS": "300"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out = result.stdout
-    assert "----- orchestrator exited with 0 (PASS) -----" in out
-    # The demo removes its server: the loop ends its agents itself, and nothing points at them.
-    assert "CLEANUP_ON_EXIT=1: ending the five agents" in out
-    assert "tmux attach" not in out and "cao shutdown" not in out
-    assert out.splitlines()[-1].startswith("demo: done in ")
-
 
 def test_a_cao_of_the_pinned_version_installed_here_is_used_as_it_is(monkeypatch, tmp_path):
     bin_dir = tmp_path / "venv" / "bin"

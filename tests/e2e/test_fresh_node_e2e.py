@@ -4,9 +4,9 @@ Machine A: a private cao-server, its tmux server and scripted agents, and the lo
 After three turns everything there is killed with SIGKILL -- the loop, cao-server, the tmux server and the
 agents in it -- as a node lost under a Kubernetes Job. Machine B has nothing of A but the working directory
 (the volume): a new HOME without CAO's profiles or database, a new tmux server, a cao-server on another port.
-There `deploy/entrypoint.sh`, the recipe's entrypoint, starts tmux, installs the profiles, starts cao-server
-and runs the loop, which finds the agents gone, starts five new ones and finishes the run: every turn
-answered on A is kept and never sent again, and the exit code is the loop's.
+There `deploy/entrypoint.sh`, the recipe's entrypoint, runs the loop with a server of its own: it starts its
+tmux server and cao-server, installs the profiles, starts five new agents and finishes the run: every turn
+answered on A is kept and never sent again, the exit code is the loop's, and nothing of B is left running.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import _free_port as free_port, _pids_with_env, _server_env, _write_mock_cli, private_cao
+from .harness import _pids_with_env, _server_env, _write_mock_cli, private_cao
 from .cao_env import ensure_cao
 from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SHORT_ROUND, \
     Run, explain, numbered
@@ -69,6 +69,12 @@ def fresh_machine(root: Path) -> tuple[dict, Path]:
     return _server_env(dirs, ensure_cao().parent, think_ms=None), dirs["mock"]
 
 
+def server_log(run: Run) -> str:
+    """The own cao-server's log, beside the run's state file."""
+    path = run.state_file.with_name("cao-server.log")
+    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
 def still_running(needle: str, seconds: float) -> list[str]:
     """The command lines of the processes with `needle` in their environment still there after `seconds`."""
     deadline = time.monotonic() + seconds
@@ -109,12 +115,11 @@ def test_a_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_from_its_worki
             env, mock_home = fresh_machine(root)
             (mock_home / "script.json").write_text(json.dumps(script), encoding="utf-8")
             settings = {k: v for k, v in run.env.items() if k not in env and k != "API"}   # the loop's own
-            env.update(settings, PROVIDER="mock_cli", CAO_PORT=str(free_port()), PYTHON=sys.executable,
-                       CAO_SERVER_LOG=str(root / "cao-server.log"))
+            env.update(settings, PROVIDER="mock_cli", PYTHON=sys.executable)
             result = subprocess.run(["bash", str(ENTRYPOINT)], cwd=root, env=env, capture_output=True, text=True,
                                     timeout=300)
-            assert result.returncode == 0, explain(result) + (root / "cao-server.log").read_text(errors="replace")
-            assert "replacing all five agents: their CAO session" in result.stdout, explain(result)
+            assert result.returncode == 0, explain(result) + server_log(run)
+            assert "five new agents on the run's own CAO server" in result.stdout, explain(result)
 
             state = run.state()
             assert state["final_status"] == "PASS" and state["current_round"] == 2
@@ -127,9 +132,9 @@ def test_a_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_from_its_worki
             replaced = [e for e in events if e["event"] == "agent_replaced"]
             assert len(replaced) == 1 and sorted(replaced[0]["roles"]) == sorted(QUICK_ROUND)
             assert events[-1]["event"] == "run_stopped" and events[-1]["exit_code"] == 0
-            assert not still_running(f"TMUX_TMPDIR={root / 'tmux'}", seconds=10), "the entrypoint left them"
+            assert not still_running(f"HOME={root / 'home'}", seconds=10), "the entrypoint left them"
         finally:
-            for pid in _pids_with_env(f"TMUX_TMPDIR={root / 'tmux'}".encode()):
+            for pid in _pids_with_env(f"HOME={root / 'home'}".encode()):
                 os.kill(pid, signal.SIGKILL)
             shutil.rmtree(root, ignore_errors=True)
 
@@ -146,7 +151,7 @@ def test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_n
         for (env, mock_home), root in zip(machines, roots):
             (mock_home / "script.json").write_text(json.dumps(script), encoding="utf-8")
             env.update({k: v for k, v in run.env.items() if k not in env and k != "API"}, PROVIDER="mock_cli",
-                       CAO_PORT=str(free_port()), PYTHON=sys.executable, CAO_SERVER_LOG=str(root / "cao.log"))
+                       PYTHON=sys.executable)
         first = subprocess.Popen(["bash", str(ENTRYPOINT)], cwd=roots[0], env=machines[0][0], text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 90
@@ -159,7 +164,7 @@ def test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_n
         assert "terminated (SIGTERM); state saved" in err
         state = run.state()
         assert state["final_status"] == "RUNNING" and state["in_flight"]["role"] == "programmer"
-        assert not still_running(f"TMUX_TMPDIR={roots[0] / 'tmux'}", seconds=10), "the entrypoint left them"
+        assert not still_running(f"HOME={roots[0] / 'home'}", seconds=10), "the entrypoint left them"
 
         second = subprocess.run(["bash", str(ENTRYPOINT)], cwd=roots[1], env=machines[1][0], capture_output=True,
                                 text=True, timeout=300)
@@ -168,10 +173,10 @@ def test_a_pod_deleted_while_an_agent_works_stops_with_its_state_saved_and_the_n
         assert received_prompts(machines[0][1]) == answered_first + ["programmer"]
         assert received_prompts(machines[1][1]) == FAIL_THEN_PASS[2:]
         assert run.state()["final_status"] == "PASS" and run.archived() == numbered(FAIL_THEN_PASS)
-        assert not still_running(f"TMUX_TMPDIR={roots[1] / 'tmux'}", seconds=10), "the entrypoint left them"
+        assert not still_running(f"HOME={roots[1] / 'home'}", seconds=10), "the entrypoint left them"
     finally:
         for root in roots:
-            for pid in _pids_with_env(f"TMUX_TMPDIR={root / 'tmux'}".encode()):
+            for pid in _pids_with_env(f"HOME={root / 'home'}".encode()):
                 os.kill(pid, signal.SIGKILL)
             shutil.rmtree(root, ignore_errors=True)
 
@@ -214,12 +219,11 @@ def test_a_claude_code_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_wi
                               cli_bin=agent_clis.cli_bin_for("claude_code"),
                               extra=agent_clis.claude_tmux_env(model.url))
             settings = {k: v for k, v in run.env.items() if k not in env and k not in ("API", "AGENT_HOME")}
-            env.update(settings, PROVIDER="claude_code", CAO_PORT=str(free_port()), PYTHON=sys.executable,
-                       AGENT_HOME=str(dirs["home"]), CAO_SERVER_LOG=str(root / "cao-server.log"))
+            env.update(settings, PROVIDER="claude_code", PYTHON=sys.executable, AGENT_HOME=str(dirs["home"]))
             result = subprocess.run(["bash", str(ENTRYPOINT)], cwd=root, env=env, capture_output=True, text=True,
                                     timeout=600)
-            assert result.returncode == 0, explain(result) + (root / "cao-server.log").read_text(errors="replace")
-            assert "replacing all five agents: their CAO session" in result.stdout, explain(result)
+            assert result.returncode == 0, explain(result) + server_log(run)
+            assert "five new agents on the run's own CAO server" in result.stdout, explain(result)
             state = run.state()
             assert state["final_status"] == "PASS" and run.archived() == numbered(FAIL_THEN_PASS)
             expected = {role: FAIL_THEN_PASS.count(role) for role in set(FAIL_THEN_PASS)}
@@ -227,8 +231,8 @@ def test_a_claude_code_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_wi
             assert model.turns() == expected, model.events()
             assert [turn["tokens"] for turn in state["turn_records"][:TURNS_ON_A]] == tokens_on_a
             check_tokens_are_the_models(node_a, run, unanswered={("peer_programmer", 1)})
-            assert not still_running(f"TMUX_TMPDIR={root / 'tmux'}", seconds=10), "the entrypoint left them"
+            assert not still_running(f"HOME={root / 'home'}", seconds=10), "the entrypoint left them"
         finally:
-            for pid in _pids_with_env(f"TMUX_TMPDIR={root / 'tmux'}".encode()):
+            for pid in _pids_with_env(f"HOME={root / 'home'}".encode()):
                 os.kill(pid, signal.SIGKILL)
             shutil.rmtree(root, ignore_errors=True)

@@ -1,21 +1,22 @@
-"""The README's quick start, run as written: a fresh clone, a new virtual environment, a new
-HOME, a cao-server of its own on the default port, the shipped scripted agent -- and a PASS.
+"""The README's quick start, run as written: a fresh clone, a new virtual environment, a new HOME, the two
+commands -- and a PASS, with nothing of the run left running and the user's own tmux server untouched.
 
-The block is read from README.md (the first ``sh`` block under "## Quick start"), so the test
-follows the text a new user follows. Only the surroundings are set: a new HOME, a private tmux
-socket directory, and a PATH with nothing but the interpreter and the system directories (no
-virtual environment of ours, no settings of the loop). The shell traces every command with
-the seconds since the start; the transcript is written to ``$QUICK_START_TRANSCRIPT`` when set.
+The block is read from README.md (the first ``sh`` block under "## Quick start"), so the test follows the
+text a new user follows. Only the surroundings are set: a new HOME, a PATH with nothing but the interpreter
+and the system directories (no virtual environment of ours, no settings of the loop), and a tmux server of
+the user's own with a session, which the block is run inside of (TMUX set, as in a terminal of that tmux):
+the run must neither use nor end it. The shell traces every command with the seconds since the start; the
+transcript is written to ``$QUICK_START_TRANSCRIPT`` when set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,12 +25,13 @@ from pathlib import Path
 import pytest
 
 from .conftest import running_in_ci
+from .harness import _pids_with_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
-PORT = 9889                                   # the README uses CAO's default address
-AGENT_LINK = Path("/usr/local/bin/mock_cli")  # where the README puts the scripted agent
+AGENT_LINK = Path("/usr/local/bin/mock_cli")  # where an earlier quick start linked the scripted agent
 TIMEOUT = 900                                 # pip downloads on a cold cache included
+USERS_SESSION = "mine"
 
 pytestmark = pytest.mark.e2e
 
@@ -42,42 +44,22 @@ def quick_start_block(readme: str) -> str:
     return match.group(1)
 
 
-# Run while the agents still run (before the block stops them): the tmux command the run printed for watching
-# them, as has-session, from a new login shell's environment -- no TMUX_TMPDIR, the system's PATH. It must
-# reach the agents' server, not a tmux server of the user's own.
-HINT_PROBE = r"""
-hint=$(sed -n 's/.*(watch: `\(tmux .*\) attach -t \([^`]*\)`.*/\1 has-session -t \2/p' ~/try-loop/.tmp/*/run.log | tail -n 1)
-env -i HOME="$HOME" TERM=dumb bash -l -c "$hint" && echo "the printed hint reached the agents: $hint"
-"""
-
-
-def with_hint_probe(block: str) -> str:
-    """The block with HINT_PROBE inserted before the line that stops the agents."""
-    before, stop, after = block.partition("\ncao shutdown")
-    assert stop, "README.md: the quick start no longer stops the agents with `cao shutdown`"
-    return before + "\n" + HINT_PROBE.strip() + stop + after
-
-
-def test_quick_start_block_is_what_the_test_runs():
+def test_quick_start_block_is_two_commands_install_and_run():
     block = quick_start_block(README.read_text(encoding="utf-8"))
-    assert "pip install ." in block and "PROVIDER=mock_cli" in block and "cao-orchestrator-loop" in block
-    assert "cao shutdown" in block  # the block also stops what it started
-    assert "rm -f /usr/local/bin/mock_cli" in block   # and undoes what it changed outside the clone
+    commands = [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert len(commands) == 2, commands
+    assert "pip install '.[cao]'" in commands[0] and "cao-orchestrator-loop --demo" in commands[1]
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _fresh_user_env(home: Path, tmux_dir: Path) -> dict[str, str]:
-    """What a new user's shell has: a HOME, the system PATH with a Python, pip's machine settings."""
+def _fresh_user_env(home: Path, users_tmux: Path) -> dict[str, str]:
+    """What a new user's shell has: a HOME, the system PATH with a Python, pip's machine settings, and
+    TMUX_TMPDIR for the user's own tmux server."""
     python_bin = Path(sys.base_prefix) / "bin"
     env = {
         "HOME": str(home),
         "PATH": os.pathsep.join([str(python_bin), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
                                  "/usr/bin", "/sbin", "/bin"]),
-        "TMUX_TMPDIR": str(tmux_dir),      # a tmux server of its own, not the machine's
+        "TMUX_TMPDIR": str(users_tmux),      # the user's own tmux server, started below
         "LANG": os.environ.get("LANG", "C.UTF-8"),
         "TERM": "xterm-256color",
         "USER": os.environ.get("USER", "root"),
@@ -90,64 +72,98 @@ def _fresh_user_env(home: Path, tmux_dir: Path) -> dict[str, str]:
     return env
 
 
+def start_users_tmux(env: dict[str, str]) -> tuple[int, str]:
+    """The user's own tmux server with a session, as a user has one: its pid and its socket."""
+    subprocess.run(["tmux", "new-session", "-d", "-s", USERS_SESSION, "sleep 100000"], env=env, check=True,
+                   timeout=30)
+    pid = subprocess.run(["tmux", "display-message", "-p", "#{pid}"], env=env, capture_output=True, text=True,
+                         check=True, timeout=30).stdout.strip()
+    socket_path = Path(env["TMUX_TMPDIR"]) / f"tmux-{os.getuid()}" / "default"
+    return int(pid), str(socket_path)
+
+
 @dataclass
 class QuickStart:
-    """What the README's quick start left: its transcript and exit code, and the new user's HOME, clone and
-    environment (with the virtual environment the block made)."""
+    """What the README's quick start left: its transcript and exit code, what was still running after it,
+    whether the user's tmux session lived on, and the new user's HOME, clone and environment."""
 
     returncode: int | None
     transcript: str
-    tmux_servers_left: list[str]
-    left_link: bool
+    left_running: list[str]
+    users_session_alive: bool
+    link_made: bool
     home: Path
     clone: Path
     env: dict[str, str]
 
 
+def _still_running(home: Path, users_pids: set[int]) -> list[str]:
+    """The command lines of the processes started with the new HOME, less the user's tmux server and what
+    runs in it: what the run left behind."""
+    left = []
+    for pid in _pids_with_env(f"HOME={home}".encode()):
+        if pid in users_pids or _parent(pid) in users_pids:
+            continue
+        try:
+            left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return left
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def run_quick_start(tmp_path: Path) -> QuickStart:
-    """Run the README's quick start block as a new user would, in a fresh clone, HOME and tmux directory."""
-    missing = [tool for tool in ("git", "tmux", "curl", "bash") if shutil.which(tool) is None]
+    """Run the README's quick start block as a new user would, in a fresh clone and HOME, inside the user's
+    own tmux server."""
+    missing = [tool for tool in ("git", "tmux", "bash") if shutil.which(tool) is None]
     if missing:
         message = f"the quick start needs {', '.join(missing)}"
         if running_in_ci():
             pytest.fail(message + " (CI is set, so this fails instead of being skipped)", pytrace=False)
         pytest.skip(message)
-    if _port_in_use(PORT):
-        pytest.fail(f"port {PORT} is in use; the README's quick start starts cao-server there. Stop "
-                    "whatever listens on it and run this test again", pytrace=False)
-    if not os.access(AGENT_LINK.parent, os.W_OK):
-        pytest.fail(f"{AGENT_LINK.parent} is not writable; the quick start links mock_cli there "
-                    "(run the suite as root, as CI does)", pytrace=False)
-
     clone = tmp_path / "orchestrator-loop"
     subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True, timeout=120)
     home = tmp_path / "home"
-    tmux_dir = tmp_path / "tmux"
+    users_tmux = tmp_path / "users-tmux"
     home.mkdir()
-    tmux_dir.mkdir()
-    env = _fresh_user_env(home, tmux_dir)
+    users_tmux.mkdir()
+    env = _fresh_user_env(home, users_tmux)
+    link_before = AGENT_LINK.is_symlink() or AGENT_LINK.exists()
+    tmux_pid, socket_path = start_users_tmux(env)
     block = quick_start_block(README.read_text(encoding="utf-8"))
-    old_link = os.readlink(AGENT_LINK) if AGENT_LINK.is_symlink() else None
-
     # bash takes no PS4 from the environment when run as root: the trace prefix is set in the script.
-    traced = "PS4='+ [${SECONDS}s] '\n" + with_hint_probe(block)
-    proc = subprocess.Popen(["bash", "-e", "-x", "-c", traced], cwd=clone, env=env,
+    traced = "PS4='+ [${SECONDS}s] '\n" + block
+    inside_tmux = {**env, "TMUX": f"{socket_path},{tmux_pid},0"}     # a terminal of the user's tmux
+    proc = subprocess.Popen(["bash", "-e", "-x", "-c", traced], cwd=clone, env=inside_tmux,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    left_link, tmux_servers_left = True, []
     try:
         transcript, _ = proc.communicate(timeout=TIMEOUT)
-        left_link = AGENT_LINK.is_symlink() or AGENT_LINK.exists()
-        tmux_servers_left = _tmux_servers(home)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         transcript, _ = proc.communicate()
         transcript += f"\n(timed out after {TIMEOUT}s)"
+    try:
+        users_pids = {tmux_pid} | {pid for pid in _pids_with_env(f"TMUX_TMPDIR={users_tmux}".encode())
+                                   if _parent(pid) == tmux_pid}
+        left = _still_running(home, users_pids)
+        alive = subprocess.run(["tmux", "has-session", "-t", USERS_SESSION], env=env, capture_output=True,
+                               timeout=30).returncode == 0
+        link_made = not link_before and (AGENT_LINK.is_symlink() or AGENT_LINK.exists())
     finally:
-        _clean_up(proc, env, old_link)
+        subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=30)
+        for pid in _pids_with_env(f"HOME={home}".encode()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     if os.environ.get("QUICK_START_TRANSCRIPT"):
         Path(os.environ["QUICK_START_TRANSCRIPT"]).write_text(transcript, encoding="utf-8")
-    return QuickStart(proc.returncode, transcript, tmux_servers_left, left_link, home, clone, env)
+    return QuickStart(proc.returncode, transcript, left, alive, link_made, home, clone, env)
 
 
 @pytest.fixture(scope="module")
@@ -156,54 +172,27 @@ def quick_start(tmp_path_factory) -> QuickStart:
     return run_quick_start(tmp_path_factory.mktemp("quick-start"))
 
 
-def test_readme_quick_start_reaches_pass(quick_start):
+def test_readme_quick_start_reaches_pass_and_leaves_nothing_running(quick_start):
     transcript = quick_start.transcript
     assert quick_start.returncode == 0, f"the quick start failed (exit {quick_start.returncode}):\n{transcript[-6000:]}"
-    assert not quick_start.tmux_servers_left, f"the quick start left a tmux server running: {quick_start.tmux_servers_left}"
-    assert re.search(r"PASS in round 1", transcript), transcript[-4000:]
-    assert re.search(r"\n✓ [^\n]*\n(?:estimate: [^\n]*\n)*a run can start\n", transcript), transcript[-4000:]  # --check
-    reached = re.search(r"the printed hint reached the agents: tmux -S (\S+) has-session -t cao-loop-\w+",
-                        transcript)
-    assert reached, transcript[-4000:]
-    assert reached.group(1).startswith(str(quick_start.home / ".cache" / "try-loop-tmux"))
-    assert not quick_start.left_link, "the quick start left /usr/local/bin/mock_cli behind"
-    runs = quick_start.home / "try-loop" / ".tmp"
-    summaries = [p for p in runs.glob("*/summary.json") if p.parent.name != "latest"]
-    assert len(summaries) == 1, f"expected one run summary under {runs}"
+    assert re.search(r"PASS in round 2", transcript), transcript[-4000:]
+    assert re.search(r"CAO server: the run's own, http://127\.0\.0\.1:\d+", transcript), transcript[-4000:]
+    assert not quick_start.left_running, f"the run left these running: {quick_start.left_running}"
+    assert quick_start.users_session_alive, "the user's own tmux session did not outlive the quick start"
+    assert not quick_start.link_made, "the quick start linked mock_cli into /usr/local/bin"
+    own_tmux = re.search(r"in a tmux server of their own \((\S+)/tmux-\d+/default\)", transcript)
+    assert own_tmux and not Path(own_tmux.group(1)).exists(), "the run's tmux folder was left behind"
+    project = quick_start.home / "try-loop"
+    greeting = subprocess.run([sys.executable, str(project / "greet.py"), "World"], capture_output=True, text=True,
+                              timeout=30)
+    assert greeting.stdout == "Hello, World!\n"          # the retry round's fix, written by the scripted agent
+    summaries = [p for p in (project / ".tmp").glob("*/summary.json") if p.parent.name != "latest"]
+    assert len(summaries) == 1, f"expected one run summary under {project}"
     summary = json.loads(summaries[0].read_text(encoding="utf-8"))
-    # Defaults: two review cycles for the analysis and the code (an approval counts from cycle 2),
-    # then the tester: 9 turns, each answered once.
-    assert (summary["result"], summary["exit_code"], summary["rounds"], summary["turns"]) == ("PASS", 0, 1, 9)
-
-
-def _tmux_servers(home: Path) -> list[str]:
-    """The sockets of tmux servers still answering under the quick start's TMUX_TMPDIR (and the test's own)."""
-    sockets = [*(home / ".cache" / "try-loop-tmux").glob("tmux-*/*")]
-    alive = []
-    for socket_path in sockets:
-        if subprocess.run(["tmux", "-S", str(socket_path), "list-sessions"], capture_output=True,
-                          timeout=30).returncode == 0 or subprocess.run(
-                ["tmux", "-S", str(socket_path), "display-message", "-p", "x"], capture_output=True,
-                timeout=30).returncode == 0:
-            alive.append(str(socket_path))
-    return alive
-
-
-def _clean_up(proc: subprocess.Popen, env: dict[str, str], old_link: str | None) -> None:
-    """Whatever the block left running (cao-server, the tmux server with the agents) is stopped,
-    and the machine's /usr/local/bin/mock_cli is what it was before."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=30)
-    private = Path(env["HOME"]) / ".cache" / "try-loop-tmux"
-    subprocess.run(["tmux", "kill-server"], env={**env, "TMUX_TMPDIR": str(private)}, capture_output=True,
-                   timeout=30)
-    if AGENT_LINK.is_symlink() or AGENT_LINK.exists():
-        AGENT_LINK.unlink()
-    if old_link is not None:
-        AGENT_LINK.symlink_to(old_link)
+    # Defaults: two review cycles for the analysis and the code (an approval counts from cycle 2), the tester's
+    # FAIL, then the retry round: programmer and peer programmer twice more, the tester's PASS. 14 turns.
+    assert (summary["result"], summary["exit_code"], summary["rounds"], summary["turns"]) == ("PASS", 0, 2, 14)
+    assert re.search(r"demo: PASS\. .*report\.html", transcript), transcript[-2000:]
 
 
 def readme_unit_test_command(readme: str) -> str:

@@ -1,0 +1,244 @@
+"""The run's own CAO server, as a user meets it: no server named, none running -- the loop starts cao-server
+and a tmux server of its own, and ends them with the run, whatever ends it.
+
+Each test gives the loop a new HOME (so CAO's store, database and logs are the test's), a working directory
+and the scripted agents, and puts the pinned cao-server on PATH as `pip install '.[cao]'` would put it beside
+the loop. What the run started carries that HOME in its environment: a process with it still running after
+the run is a process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .cao_env import ensure_cao
+from .harness import _pids_with_env, private_cao
+from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, SCRIPT, SHORT_ROUND, \
+    TASK, explain, numbered
+
+pytestmark = pytest.mark.e2e
+
+FAIL_THEN_PASS = QUICK_ROUND + SHORT_ROUND
+LOOP_SETTINGS = ("API", "PROVIDER", "WD", "PROMPT_FILE", "OWN_SERVER", "OWN_SERVER_PORT", "RESUME", "STATE_FILE")
+
+
+class OwnRun:
+    """One working directory, a HOME of its own and the command that drives the loop on its own server."""
+
+    def __init__(self, root: Path, **settings: str):
+        self.home, self.wd, self.agents = root / "home", root / "project", root / "agents"
+        for folder in (self.home, self.wd, self.agents):
+            folder.mkdir()
+        (root / "task.md").write_text(TASK, encoding="utf-8")
+        self.state_file = self.wd / ".tmp" / "orchestrator-loop-state.json"
+        self.env = {k: v for k, v in os.environ.items()
+                    if k not in LOOP_SETTINGS and not k.startswith(("CAO_", "MOCK_AGENT_", "TMUX", "NTFY_"))}
+        self.env.update(HOME=str(self.home), PATH=f"{os.environ['PATH']}{os.pathsep}{ensure_cao().parent}",
+                        WD=str(self.wd), PROMPT_FILE=str(root / "task.md"), PROVIDER="mock_cli",
+                        MOCK_AGENT_HOME=str(self.agents), MOCK_AGENT_THINK_MS="200", POLL_SECONDS="0.2",
+                        MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", RESPONSE_TIMEOUT="120")
+        self.env.update(settings)
+        self.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+
+    def set_script(self, script: dict) -> None:
+        (self.agents / "script.json").write_text(json.dumps(script), encoding="utf-8")
+
+    def start(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(SCRIPT)], cwd=self.wd, env=self.env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    def run(self) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPT)], cwd=self.wd, env=self.env, capture_output=True,
+                              text=True, timeout=300)
+
+    def state(self) -> dict:
+        return json.loads(self.state_file.read_text(encoding="utf-8"))
+
+    def prompts(self) -> list[str]:
+        """The roles whose agents got a prompt, in order, as the scripted agents recorded it."""
+        path = self.agents / "received.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+        return [record["role"] for record in map(json.loads, lines) if record.get("kind") == "prompt"]
+
+    def left_running(self, seconds: float = 10) -> list[str]:
+        """What still runs with this run's HOME after `seconds` (zombies count as gone)."""
+        deadline = time.monotonic() + seconds
+        while (pids := _pids_with_env(f"HOME={self.home}".encode())) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        commands = []
+        for pid in pids:
+            try:
+                commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                continue
+        return commands
+
+    def kill_leftovers(self) -> None:
+        for pid in _pids_with_env(f"HOME={self.home}".encode()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_for_prompt(self, loop: subprocess.Popen, role: str, count: int = 1) -> None:
+        deadline = time.monotonic() + 120
+        while self.prompts().count(role) < count:
+            assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def own_run(tmp_path_factory):
+    # A short root: the agents' working directory is shown in tmux, and CAO refuses paths under /root.
+    runs = []
+
+    def make(**settings: str) -> OwnRun:
+        root = Path(tmp_path_factory.mktemp("own"))
+        runs.append(OwnRun(root, **settings))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.kill_leftovers()
+
+
+def own_server_line(output: str) -> re.Match:
+    line = re.search(r"CAO server: the run's own, (http://127\.0\.0\.1:(\d+)) \(cao-server's log: (\S+)\); its "
+                     r"agents run in a tmux server of their own \((\S+)/tmux-\d+/default\)", output)
+    assert line, output[-3000:]
+    return line
+
+
+def test_a_run_with_no_server_starts_its_own_and_leaves_nothing_running(own_run):
+    run = own_run()
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    line = own_server_line(result.stdout)
+    assert run.prompts() == FAIL_THEN_PASS
+    assert run.state()["own_server"] is True and run.state()["api"] == line[1]
+    assert Path(line[3]) == run.state_file.with_name("cao-server.log") and Path(line[3]).stat().st_size > 0
+    assert "agent profiles installed in CAO's store: system_analyst (mock_cli)" in result.stdout  # a new HOME
+    assert not run.left_running(), "the run left its helpers running"
+    assert not Path(line[4]).exists(), "the run's tmux folder was left behind"
+    assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
+    assert "ending the run's own CAO server" in result.stdout and "still running" not in result.stdout
+    status = subprocess.run([sys.executable, str(SCRIPT), "--status"], cwd=run.wd, env=run.env,
+                            capture_output=True, text=True, timeout=60)
+    assert "agents: ended with the run's own CAO server" in status.stdout, status.stdout + status.stderr
+
+
+def test_the_port_asked_for_held_by_another_cao_server_gets_nothing(own_run):
+    """OWN_SERVER_PORT names a port another cao-server listens on: the run stops with one line before it
+    starts anything, and that server gets no agent and no prompt."""
+    with private_cao() as other:
+        run = own_run(OWN_SERVER_PORT=str(other.port))
+        result = run.run()
+        assert result.returncode == 2, explain(result)
+        assert result.stderr.strip().splitlines()[-1].startswith(
+            f"error: OWN_SERVER_PORT={other.port}: that port of 127.0.0.1 is taken by pid "), explain(result)
+        with other.http() as client:
+            assert client.get("/sessions").json() == []
+        assert other.received() == [] and other.tmux_sessions() == []
+        assert not run.left_running()
+        assert not run.state_file.exists()
+
+
+def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_again(own_run):
+    """SIGKILL mid-turn leaves the own server running (nothing can end it); the same command again ends
+    them first, starts new ones, and goes on to PASS without sending an answered turn again."""
+    run = own_run()
+    run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
+                                                                        "think_ms": 4000}, PROGRAMMER_REPLY]})
+    loop = run.start()
+    run.wait_for_prompt(loop, "programmer")
+    os.killpg(loop.pid, signal.SIGKILL)
+    loop.wait(timeout=30)
+    note = json.loads(run.state_file.with_name("orchestrator-loop-state.own-server.json").read_text())
+    assert run.left_running(seconds=0), "SIGKILL ends the loop alone"
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    pids = ", ".join(f"{name} pid {pid}" for name, (pid, _) in note["processes"].items())
+    assert f"ending what the last invocation's own CAO server left running ({pids}" in result.stdout, explain(result)
+    assert "five new agents on the run's own CAO server" in result.stdout
+    # The analysts' answered turns were not sent again; the programmer's, in flight, went to its new agent.
+    assert run.prompts() == QUICK_ROUND[:3] + FAIL_THEN_PASS[2:]
+    assert run.state()["final_status"] == "PASS"
+    assert sorted(p.name for p in Path(run.state()["run_dir"]).glob("[0-9][0-9][0-9]-*.md")
+                  if not p.name.endswith(".prompt.md")) == numbered(FAIL_THEN_PASS)
+    assert not run.left_running()
+    assert not Path(note["tmux_dir"]).exists()
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_end_the_own_server_with_the_run_and_the_rerun_passes(own_run, signum, code):
+    run = own_run()
+    run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
+                                                                        "think_ms": 4000}, PROGRAMMER_REPLY]})
+    loop = run.start()
+    run.wait_for_prompt(loop, "programmer")
+    loop.send_signal(signum)
+    out, err = loop.communicate(timeout=60)
+    assert loop.returncode == code, out[-3000:] + err[-2000:]
+    assert not run.left_running(), "the stopped run left its helpers running"
+    assert run.state()["final_status"] == "RUNNING" and run.state()["in_flight"]["role"] == "programmer"
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert "ending what the last invocation" not in result.stdout      # nothing was left to end
+    assert run.prompts() == QUICK_ROUND[:3] + FAIL_THEN_PASS[2:]
+    assert not run.left_running()
+
+
+def test_the_demo_writes_nothing_outside_its_folder_and_caos_store(tmp_path):
+    """--demo DIR: a first PASS with a retry round; afterwards its folder, CAO's store in HOME and nothing
+    else (the temporary folder it used is empty again), and nothing running."""
+    home, scratch, folder = tmp_path / "home", tmp_path / "tmp", tmp_path / "demo"
+    home.mkdir()
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CAO_", "MOCK_AGENT_", "TMUX"))}
+    env.update(HOME=str(home), TMPDIR=str(scratch), PATH=f"{os.environ['PATH']}{os.pathsep}{ensure_cao().parent}",
+               MOCK_AGENT_THINK_MS="100", PROVIDER="codex", MAX_ROUNDS="1")     # the caller's settings: ignored
+    result = subprocess.run([sys.executable, str(SCRIPT), "--demo", str(folder)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert "PASS in round 2" in result.stdout and "demo: PASS." in result.stdout
+    assert subprocess.run([sys.executable, str(folder / "greet.py"), "World"], capture_output=True,
+                          text=True).stdout == "Hello, World!\n"
+    assert sorted(p.name for p in home.iterdir()) == [".aws"]
+    assert list(scratch.iterdir()) == []
+    assert not _pids_with_env(f"HOME={home}".encode())
+    again = subprocess.run([sys.executable, str(SCRIPT), "--demo", str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 2 and "give a new or empty folder" in again.stderr
+
+
+@pytest.mark.real_cli
+def test_a_claude_code_run_on_its_own_server_passes_with_what_claude_code_needs_set_for_it(own_run):
+    """The real Claude Code on the scripted model, with nothing stood up by hand: the run's own server
+    starts it (as root it needs IS_SANDBOX=1 in its environment, which the caller did not set: the loop
+    does), FAIL then PASS, each turn once, tokens read from its records, nothing left running."""
+    from . import agent_clis
+    from .scripted_model import ScriptedModel
+
+    with ScriptedModel(think_seconds=0.2) as model:
+        run = own_run(PROVIDER="claude_code", RESPONSE_TIMEOUT="300")
+        agent_clis.write_claude_home(run.home, workdirs=[run.wd])
+        needs = {k: v for k, v in agent_clis.claude_tmux_env(model.url).items() if k != "IS_SANDBOX"}
+        run.env.update(needs, PATH=f"{agent_clis.cli_bin_for('claude_code')}{os.pathsep}{run.env['PATH']}")
+        run.env.pop("IS_SANDBOX", None)
+        model.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+        result = run.run()
+        assert result.returncode == 0, explain(result)
+        own_server_line(result.stdout)
+        assert model.turns() == {role: FAIL_THEN_PASS.count(role) for role in set(FAIL_THEN_PASS)}, model.events()
+        state = run.state()
+        assert state["final_status"] == "PASS" and all(turn["tokens"] for turn in state["turn_records"])
+        assert not run.left_running(), "the run left its helpers running"
