@@ -9489,6 +9489,19 @@ def demo_command(folder_text: str) -> int:
     return code
 
 
+def refuse_mixed_options(options: argparse.Namespace, config: list[str]) -> None:
+    """Exit 2 on options that do not go together: two commands, --json or --follow without --status, --demo
+    with anything but its folder."""
+    mixed = ("--check and --status are two commands: give one" if options.check and options.status else
+             next((f"--{option} goes with --status" for option in ("json", "follow")
+                   if getattr(options, option) and not options.status), "") or
+             ("--demo takes only a folder" if options.demo is not None and (options.check or options.status or config)
+              else ""))
+    if mixed:
+        say_error(f"error: {mixed} (see {command_name()} --help)")
+        raise SystemExit(EXIT_USAGE)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the loop (or --check, --status, a help page) and exit with its code (EXIT_CODES)."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -9506,17 +9519,8 @@ def main(argv: list[str] | None = None) -> None:
         emit(f"{command_name()} ({PACKAGE_NAME}) {__version__}")
         raise SystemExit(EXIT_PASS)
     config = [options.config] if options.config else []
-    if options.check and options.status:
-        say_error(f"error: --check and --status are two commands: give one (see {command_name()} --help)")
-        raise SystemExit(EXIT_USAGE)
-    for option in ("json", "follow"):
-        if getattr(options, option) and not options.status:
-            say_error(f"error: --{option} goes with --status (see {command_name()} --help)")
-            raise SystemExit(EXIT_USAGE)
+    refuse_mixed_options(options, config)
     if options.demo is not None:
-        if options.check or options.status or config:
-            say_error(f"error: --demo takes only a folder (see {command_name()} --help)")
-            raise SystemExit(EXIT_USAGE)
         raise SystemExit(demo_command(options.demo))
     if options.status:
         raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
