@@ -19,8 +19,9 @@ original shell orchestrator) so that an interrupted run continues with
 RESUME=1, or automatically when the state file says the run is still RUNNING.
 
 Usage:  python run_orchestrator_loop.py [config.json]
-Exit codes: 0 PASS, 1 FAIL or runtime error, 2 bad usage or configuration,
-5 the same failure round after round (a person is needed),
+Exit codes: 0 PASS, 1 FAIL, 2 bad usage or configuration (or a stop a setting must lift),
+3 runtime error (the same command resumes), 4 budget used, 5 the same failure round after
+round (a person is needed), 70 a fault of the loop itself (its traceback in the run folder),
 75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 
 On PASS the run can archive its OpenSpec change and commit its work, and
@@ -28,14 +29,15 @@ it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 NTFY_TOPIC; all off by default).
 
 Sections, in the order data flows (each uses only what stands above it):
-    1. Configuration                   9. Review gate
-    2. CAO API client                 10. Condensation
-    3. Run state: the state file      11. OpenSpec: the run's change and its stories
-    4. Response files, run record     12. Prompt builders
-    5. Tokens used (CLIs' records)    13. After the run: archive, commit, notify
-    6. The wait for a reply           14. Init and resume
-    7. The agents' terminals          15. Main loop
-    8. Asking an agent                16. Entry point
+    1. Configuration                  10. Condensation
+    2. CAO API client                 11. OpenSpec: the run's change and its stories
+    3. Run state: the state file      12. Prompt builders
+    4. Response files                 13. After the run: archive, commit, notify
+    5. Tokens used                    14. Init and resume
+    6. The wait for a reply           15. Main loop
+    7. The agents' terminals          16. Before a run: --check
+    8. Asking an agent                17. Entry point
+    9. Review gate
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -103,20 +106,25 @@ import httpx
 # --------------------------------------------------------------------------
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS = 0, 1, 2, 3, 4, 5
-EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 75, 130, 143
+EXIT_BUG, EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 70, 75, 130, 143
+TRACEBACK_FILE = "traceback.txt"     # in the run folder: the traceback of a fault of the loop itself (exit 70)
 # Each exit code: what it means, and what a job scheduler (cron, a CI job, a Kubernetes Job) should do on it.
 EXIT_CODES = (
     (EXIT_PASS, "the tester reported RESULT: PASS", "done"),
     (EXIT_FAIL, "no PASS within MAX_ROUNDS: the tester's verdict; the state is saved",
      "stop, do not retry: a person reads the report (or reruns with a higher MAX_ROUNDS)"),
-    (EXIT_USAGE, "bad usage or configuration; nothing was started, contacted or written",
-     "stop and alert: fix the settings"),
-    (EXIT_ERROR, "a runtime error (server unreachable, agent lost, timeout, ...); the state is saved",
+    (EXIT_USAGE, "bad usage or configuration, or a stop only a person or a setting can lift (the line says what "
+                 "to change); a run that started has its state saved",
+     "stop and alert: change what the line says"),
+    (EXIT_ERROR, "a runtime error the same command can get past (server unreachable, timeout, usage limit, agent "
+                 "lost with REPLACE_LOST_AGENTS=1, ...); the state is saved",
      "retry: the same command resumes the run"),
     (EXIT_BUDGET, "the run has used MAX_RUN_TOKENS or MAX_RUN_COST; stopped before a turn, the state saved",
      "stop and alert: a person raises the budget, then the same command goes on"),
     (EXIT_NO_PROGRESS, "the same test failure repeated for MAX_ROUNDS_WITHOUT_PROGRESS rounds in a row; the state "
                        "is saved", "stop: a person is needed (reads the report), then RESUME=1 goes on"),
+    (EXIT_BUG, f"a fault of the loop itself: its traceback is in {TRACEBACK_FILE} in the run folder (the last "
+               "line names it); the state is saved", "stop and alert: a bug (report it with its traceback)"),
     (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
      "retry later, never beside it"),
     (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); the state is saved", "retry: the same command resumes the run"),
@@ -269,7 +277,7 @@ KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # escape sequences removed (Claude Code draws a line's spaces as cursor moves and colours words in pieces).
 @dataclass(frozen=True)
 class AgentCli:
-    """One agent CLI, as the loop knows it; a provider without a row gets the defaults (CAO's word stands)."""
+    """One agent CLI, as the loop knows it: a provider without a row is refused by the settings."""
 
     label: str                                  # its name as people (and CAO's messages) call it
     ready_status_trusted: bool = True           # CAO's idle/completed means the turn has ended
@@ -294,6 +302,7 @@ class AgentCli:
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
     server_env: tuple[tuple[str, str, str], ...] = ()  # (variable, value, 'always' or 'root'): what its agents need
     #                                             in the environment of a CAO server the run starts itself
+    cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -371,7 +380,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                        records="hermes state.db", proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
                        run_tokens=(287_911, 455_907), server_env=(("PROMPT_TOOLKIT_NO_CPR", "1", "always"),)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
-    "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0)),
+    "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
     "kiro_cli": AgentCli("Kiro CLI"),
     "kimi_cli": AgentCli("Kimi CLI"),
     "cursor_cli": AgentCli("Cursor CLI"),
@@ -997,6 +1006,16 @@ def is_copy_of_this_program(directory: Path) -> bool:
         ((directory / Path(__file__).name).is_file() and (directory / "pyproject.toml").is_file())
 
 
+def refuse_wd_in_this_program() -> None:
+    """WD may be neither this program's own directory (or a checkout of it) nor a folder inside one."""
+    inside = next((folder for folder in Path(WD).parents if is_copy_of_this_program(folder)), None)
+    if is_copy_of_this_program(Path(WD)) or inside:
+        what = f"is inside {inside}, this program's own directory" if inside else "is this program's own directory"
+        raise ConfigError(f"WD={WD} {what} (a checkout of the orchestrator loop): the agents would rewrite the "
+                          "orchestrator. Make a directory for your project outside it and set WD to it (or run "
+                          "from there)")
+
+
 def validate_settings() -> None:
     """Cross-checks no single value can make, and making paths absolute."""
     global WD, STATE_FILE
@@ -1004,10 +1023,7 @@ def validate_settings() -> None:
         what = "does not exist" if not os.path.exists(WD) else "is not a directory"
         raise ConfigError(f"WD={WD} {what}: set WD (or 'wd' in the config file) to the project directory")
     WD = os.path.abspath(WD)
-    if is_copy_of_this_program(Path(WD)):
-        raise ConfigError(f"WD={WD} is this program's own directory (a checkout of the orchestrator loop): the "
-                          "agents would rewrite the orchestrator. Make a directory for your project and set WD "
-                          "to it (or run from there)")
+    refuse_wd_in_this_program()
     STATE_FILE = os.path.abspath(STATE_FILE)
     if VERIFY_PASS and not PROJECT_TEST_CMD.strip():
         raise ConfigError("VERIFY_PASS=1 needs PROJECT_TEST_CMD: set it to the command that runs the project's "
@@ -1396,13 +1412,16 @@ class ApiClient:
         """What the server says of its providers: name -> (the CLI's program, installed?).
 
         None when the server cannot tell (an older server without the route,
-        or any other failure): that is never an error. A provider the list
-        leaves out (CAO leaves out `mock_cli`, see docs/agent-clis.md) is not
-        known missing.
+        or any other failure but one): that is never an error. A server that
+        refuses us (HTTP 401) is: raised, it would refuse the run too. A provider
+        the list leaves out (CAO leaves out `mock_cli`, see docs/agent-clis.md)
+        is not known missing.
         """
         try:
             answer = self._call("list providers", "GET", "/agents/providers", retry=False)
-        except ApiError:
+        except ApiError as exc:
+            if exc.status_code == 401:
+                raise
             return None
         if not isinstance(answer, list):
             return None
@@ -1584,6 +1603,16 @@ def tmux_hint(command: str) -> str:
     user's own tmux server."""
     socket_path = agents_tmux_socket()
     return f"tmux -S {shlex.quote(socket_path)} {command}" if socket_path else f"tmux {command}"
+
+
+def cao_hint(command: str) -> str:
+    """A `cao` command for the user, naming the server at API: CAO's CLI reads its address from CAO_API_HOST
+    and CAO_API_PORT (127.0.0.1:9889 unless set)."""
+    address = urlparse(API)
+    host, port = address.hostname or "127.0.0.1", address.port or (443 if address.scheme == "https" else 80)
+    where = ([f"CAO_API_HOST={host}"] if host not in LOCAL_HOSTS else []) + \
+        ([f"CAO_API_PORT={port}"] if port != 9889 else [])
+    return " ".join([*where, "cao", command])
 
 
 # -- The run's own CAO server ----------------------------------------------------
@@ -2853,9 +2882,22 @@ def last_event_seq(path: Path) -> tuple[int, bool]:
     return 0, bool(tail) and not tail.endswith(b"\n")
 
 
+# What the run could not keep in its folder (an event, a prompt's copy): said once each, then the run goes on.
+unwritten_said: set[str] = set()
+
+
+def say_unwritten(what: str, path: Path, exc: OSError) -> None:
+    """Say once in the log that a kind of record cannot be written (and why); the run goes on without it."""
+    if what in unwritten_said:
+        return
+    unwritten_said.add(what)
+    log(f"warning: could not write {what} to {path} ({exc.__class__.__name__}: {exc}); the run goes on without "
+        "them (said once)")
+
+
 def record_event(event: str, **fields: object) -> None:
     """Append one event to the run's events.jsonl (one write, so a line is whole or torn, never mixed). A
-    folder that cannot be written costs the event, never the run."""
+    folder that cannot be written costs the event, never the run: said once in the log."""
     if event not in EVENT_KINDS:
         raise ValueError(f"not an event kind: {event}")
     if not run_dir:
@@ -2869,8 +2911,8 @@ def record_event(event: str, **fields: object) -> None:
             os.write(handle, (("\n" if torn else "") + line + "\n").encode("utf-8"))
         finally:
             os.close(handle)
-    except OSError:
-        pass
+    except OSError as exc:
+        say_unwritten("the run's events", path, exc)
 
 
 def read_events(path: Path, after: int = 0) -> list[dict]:
@@ -2957,7 +2999,7 @@ def keep_sent(role: str, kind: str, message: str) -> None:
     """Keep what the turn in flight was sent beside the reply it gets: the prompt (NNN-<role>.prompt.md),
     then each resend, reminder or "continue" appended under a line that says what and when.
 
-    A file that cannot be written costs only the record, never the run.
+    A file that cannot be written costs only the record, never the run: said once in the log.
     """
     if in_flight is None or in_flight.number is None or not run_dir:
         return
@@ -2967,8 +3009,8 @@ def keep_sent(role: str, kind: str, message: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w" if kind == "prompt" else "a", encoding="utf-8") as handle:
             handle.write(text if text.endswith("\n") else text + "\n")
-    except OSError:
-        pass
+    except OSError as exc:
+        say_unwritten("the copies of the prompts sent", path, exc)
     if kind == "reminder":
         update_run(in_flight=replace(in_flight, reminders=in_flight.reminders + 1))
     elif kind == "resend":
@@ -3041,7 +3083,8 @@ def reply_complete(role: str, text: str) -> bool:
     for part in REPLY_PARTS.get(role, ()):
         if not re.search(rf"^\W*(?:\d+[.)]\s*)?(?:{part})\W*:", text, re.MULTILINE | re.IGNORECASE):
             return False
-    if role == "tester" and not re.search(r"^\W*RESULT\W*:\W*(?:PASS|FAIL)\b", text, re.MULTILINE | re.IGNORECASE):
+    form = VERDICT_FORMATS["tester"] if role == "tester" else None
+    if form is not None and verdict_line(form, text)[1] not in (form.good, form.other):
         return False
     return not (role == "programmer" and STORY_MODE) or bool(promise_signal(text)[0])
 
@@ -4532,7 +4575,8 @@ def clock_text(when: float) -> str:
 
 
 class AgentLost(RunError):
-    """An agent that is gone or gives no sign of life: replaced (REPLACE_LOST_AGENTS=1), else the run stops."""
+    """An agent that is gone or gives no sign of life: replaced (REPLACE_LOST_AGENTS=1), else the run stops
+    with exit 2 -- the same command would find it gone again; only a setting (its line names it) gets past it."""
 
     def __init__(self, role: str, terminal_id: str, why: str, last_line: str = "", ways_on: str = "",
                  when: str = ""):
@@ -4540,7 +4584,8 @@ class AgentLost(RunError):
         shown = f"; last screen line: {last_line[:120]!r}" if last_line else ""
         ways_on = ways_on or "set REPLACE_LOST_AGENTS=1 to go on with a new agent, or RESUME=0 to start the run over"
         self.ways_on = ways_on
-        super().__init__(f"{when}the {role} agent (terminal {terminal_id}) is lost: {why}{shown}; {ways_on}")
+        super().__init__(f"{when}the {role} agent (terminal {terminal_id}) is lost: {why}{shown}; {ways_on}",
+                         EXIT_USAGE)
 
 
 def why_gone(terminal_id: str, screen: str | None = None, unreadable: bool = False) -> str:
@@ -4678,14 +4723,14 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     if known is None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
-                                              "answer it yourself")
+                                              "answer it yourself", EXIT_USAGE)
     pick_menu_choice(role, terminal_id, menu, known)
     name, choice = known
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
     while open_menu(_screen(terminal_id)) == menu:
         if time.monotonic() >= deadline:
             raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
-                                                  f"\"{dict(menu.choices)[choice]}\"; answer it yourself")
+                                                  f"\"{dict(menu.choices)[choice]}\"; answer it yourself", EXIT_USAGE)
         time.sleep(0.2)
 
 
@@ -5139,9 +5184,10 @@ def progress_text(facts: TurnFacts, began: float, now: float) -> str:
     return "; ".join(parts)
 
 
-def agent_failed(role: str, terminal_id: str, what: str) -> RunError:
+def agent_failed(role: str, terminal_id: str, what: str, code: int = EXIT_ERROR) -> RunError:
+    """The stop of a turn its agent cannot finish; `code` EXIT_USAGE where a person must act before a rerun."""
     return RunError(f"the {role} agent (terminal {terminal_id}) {what}; look at it with "
-                    f"`{tmux_hint('attach -t ' + session_name)}`, then rerun to resume")
+                    f"`{tmux_hint('attach -t ' + session_name)}`, then rerun to resume", code)
 
 
 def deliver(role: str, terminal_id: str, message: str) -> None:
@@ -5640,7 +5686,8 @@ def start_failure_hint(error: str) -> str:
         return "; another CAO session has the name this run picked at random: run it again to pick another"
     if "HTTP 429" in error:
         return ("; the CAO server is full: it runs as many agent terminals as its CAO_MAX_TERMINALS allows; rerun "
-                "once other runs' agents have ended (`cao shutdown --session <name>`), or on a server of its own")
+                f"once other runs' agents have ended (`{cao_hint('shutdown --session <name>')}`), or on a server "
+                "of its own")
     if CLI_START_TIMED_OUT not in error:
         return ""
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
@@ -5693,12 +5740,38 @@ def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[
     return answers, failures
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'2.5.4' -> (2, 5, 4): release numbers compared as numbers."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def provider_unknown_line(provider: str, report: dict[str, tuple[str, bool]] | None, version: str) -> str:
+    """What to change when the CAO server does not know a provider: the release its row needs, else the
+    providers the server lists."""
+    cao = f"cao-server at {API}" + (f" (cli-agent-orchestrator {version})" if version else "")
+    since = agent_cli(provider).cao_since
+    if since:
+        return (f"this CAO does not know {provider}: CAO >= {since} ({cao}); install it where cao-server runs "
+                f"(`pip install 'cli-agent-orchestrator>={since}'`) and restart cao-server")
+    known = ", ".join(sorted(report)) if report else "see `cao --help`"
+    return (f"{cao} does not know provider {provider} (it knows: {known}): set PROVIDER (or <ROLE>_PROVIDER) to "
+            "one of those, or upgrade CAO where cao-server runs")
+
+
 def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid."""
     # A failed session explains the rest: the adds failed or stopped because of it.
     error = failures.get("analyst") or "; ".join(failures.values())
     if "(HTTP 401," in error:        # the server refuses our token: fixed in the settings, not by a retry
         return ConfigError(error)
+    unknown = re.search(r"Unknown provider type:?\s*'?([\w.-]+)", error)
+    if unknown:                      # a retry asks the same server again
+        server = local_server()
+        return ConfigError(provider_unknown_line(unknown.group(1), api.provider_report(),
+                                                 server.cao_version() if server else ""))
+    if "Working directory not allowed" in error:
+        return ConfigError(f"{error}: set WD to a project folder CAO allows (not /tmp itself, nor a folder under "
+                           "/root, /etc or another system path)")
     if model_refused(error):
         return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
                            "accepts, or leave it empty for each CLI's own default")
@@ -6149,8 +6222,8 @@ TOKENS_SETTLE_SECONDS = 10.0   # at a run's end: how long the CLIs may take to r
 class BudgetReached(RunError):
     """The run has used its MAX_RUN_TOKENS or MAX_RUN_COST: stopped before a turn, resumable with a higher one."""
 
-    def __init__(self, message: str):
-        super().__init__(message, EXIT_BUDGET)
+    def __init__(self, message: str, code: int = EXIT_BUDGET):
+        super().__init__(message, code)
 
 
 def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
@@ -6194,10 +6267,16 @@ def check_budget(role: str) -> None:
     """Stop before the role's turn is sent if the run has used MAX_RUN_TOKENS or MAX_RUN_COST (BudgetReached)."""
     if not (MAX_RUN_TOKENS or MAX_RUN_COST):
         return
+    unread = next((number for number, record in enumerate(turn_records) if record.tokens is None), None)
+    if unread is not None:            # counting on without them would spend past the budget unseen
+        record = turn_records[unread]
+        raise BudgetReached(f"the tokens of turn {unread + 1} (the {record.role}'s, terminal {record.terminal}, "
+                            f"sent {record.sent_at}) cannot be read from its CLI's records "
+                            f"({agent_cli(provider_for(record.role)).records}): the budget cannot count them, so the "
+                            f"{role}'s turn was not sent; state saved. Find why its CLI recorded nothing "
+                            "(AGENT_HOME), or unset MAX_RUN_TOKENS and MAX_RUN_COST to go on without a budget",
+                            EXIT_USAGE)
     used = turns_tokens(turn_records)[0] or {}
-    if turn_records and turn_records[-1].tokens is None:
-        log_turn(role, f"the {turn_records[-1].role}'s last turn left no record of its tokens that could be read: "
-                       "the budget cannot count them")
     total = sum(used.values(), TokenUse()).total
     go_on = f"state saved: rerun with a higher {{}} to go on with the {role}'s turn"
     if MAX_RUN_TOKENS and total >= MAX_RUN_TOKENS:
@@ -6429,12 +6508,46 @@ def _first_marker_line(lines: list[str], marker: str) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class VerdictFormat:
+    """A reply that ends in a verdict: its verdict line (`label: word`) and the section that says why. The
+    prompts ask with these words (12), verdict_line() reads them, the profiles in profiles/ and the scripted
+    agent write them (tests/test_reply_formats.py holds them to this row)."""
+
+    label: str                     # the verdict line's label: "RESULT"
+    good: str                      # the word that passes: "PASS"
+    other: str                     # the word that does not: "FAIL"
+    section: str                   # the section with the why: "EVIDENCE"
+
+    def line(self, passed: bool) -> str:
+        return f"{self.label}: {self.good if passed else self.other}"
+
+
+VERDICT_FORMATS = {
+    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE"),
+    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES"),
+}
+
+
+def verdict_line(form: VerdictFormat, text: str) -> tuple[int | None, str]:
+    """The reply's last verdict line (its index among the text's stripped lines; None: none) and its word,
+    upper-cased: the one the reply ends on, when it changed its mind on the way."""
+    pattern = re.compile(r"^\W*" + re.escape(form.label) + r"\W*:\W*([A-Za-z_]+)")
+    found: tuple[int | None, str] = (None, "")
+    for index, line in enumerate((text or "").strip().splitlines()):
+        match = pattern.match(line)
+        if match:
+            found = (index, match.group(1).upper())
+    return found
+
+
 def review_verdict(review_text: str) -> str:
     """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
-    verdicts = re.findall(r"^\W*REVIEW_RESULT\W*:\W*([A-Za-z_]+)", review_text or "", re.MULTILINE)
-    if not verdicts:
+    form = VERDICT_FORMATS["review"]
+    at, word = verdict_line(form, review_text)
+    if at is None:
         return "MISSING"
-    return "APPROVED" if verdicts[-1].upper() == "APPROVED" else "REVISE"
+    return form.good if word == form.good else form.other
 
 
 def _evidence_patterns(review_role: str) -> tuple[str, ...]:
@@ -6498,14 +6611,17 @@ def extract_review_notes(text: str) -> str:
 
 
 def extract_test_evidence(text: str, uncapped: bool = False) -> str:
-    """The RESULT line plus the EVIDENCE section, capped at MAX_TEST_EVIDENCE_LINES (`uncapped`: all of it, as
-    the run's page shows it); the head of the text when it has no EVIDENCE line."""
+    """The RESULT line the verdict is read from (the last, tester_result) plus the EVIDENCE section after it,
+    capped at MAX_TEST_EVIDENCE_LINES (`uncapped`: all of it, as the run's page shows it); the head of the text
+    when it has no EVIDENCE line."""
+    form = VERDICT_FORMATS["tester"]
     limit = None if uncapped else MAX_TEST_EVIDENCE_LINES
     lines = (text or "").strip().splitlines()
-    evidence = _first_marker_line(lines, "EVIDENCE")
+    result, _word = verdict_line(form, text)
+    after = _first_marker_line(lines[result:], form.section) if result is not None else None
+    evidence = result + after if result is not None and after is not None else _first_marker_line(lines, form.section)
     if evidence is None:
         return _head(text, limit)
-    result = _first_marker_line(lines, "RESULT")
     kept = lines[evidence:]
     if result is not None and result < evidence:
         kept = [lines[result]] + kept
@@ -6634,10 +6750,11 @@ def find_story_change() -> Path:
     if name:
         return changes / name
     if STORY_CHANGE:
-        raise RunError(f"story mode: STORY_CHANGE={STORY_CHANGE} but {changes / STORY_CHANGE} is not a directory")
+        raise RunError(f"story mode: STORY_CHANGE={STORY_CHANGE} but {changes / STORY_CHANGE} is not a directory",
+                       EXIT_USAGE)
     what = ", ".join(found) if found else "no change directory"
     raise RunError(f"story mode needs exactly one OpenSpec change in {changes}, found {what}: "
-                   "set STORY_CHANGE to the change to work on")
+                   "set STORY_CHANGE to the change to work on", EXIT_USAGE)
 
 
 @dataclass
@@ -6715,6 +6832,9 @@ def promise_signal(reply: str) -> tuple[str, str]:
 # section labels). Building a prompt changes nothing: the Prompt it returns
 # says which blocks it carries in full, and ask_agent() records them as sent.
 
+TESTER_FORMAT, REVIEW_FORMAT = VERDICT_FORMATS["tester"], VERDICT_FORMATS["review"]     # section 9
+
+
 def _review_back_reference(checks: tuple[ReviewCheck, ...], author: str) -> str:
     """What a reviewer is told in place of the checklist and answer format it already has."""
     names = ", ".join(check.name for check in checks)
@@ -6728,8 +6848,8 @@ def _review_checks(checks: tuple[ReviewCheck, ...], author: str) -> str:
     return ("Check, citing what you looked at:\n"
             + "".join(f"{number}. {check.name}: {check.asks}\n" for number, check in enumerate(checks, 1))
             + "\nAnswer format:\n"
-            "REVIEW_RESULT: APPROVED  (or REVIEW_RESULT: REVISE)\n"
-            "REVIEW_NOTES:\n"
+            f"{REVIEW_FORMAT.line(passed=True)}  (or {REVIEW_FORMAT.line(passed=False)})\n"
+            f"{REVIEW_FORMAT.section}:\n"
             "- <one line of evidence per check above>\n"
             f"- <for REVISE: each change {author} must make>")
 
@@ -6757,8 +6877,8 @@ ANSWER_FORMATS = {
         "Behavior implemented, Tests run, Known gaps."),
     "tester": (
         "Answer format:\n"
-        "RESULT: PASS  (or RESULT: FAIL)\n"
-        "EVIDENCE:\n"
+        f"{TESTER_FORMAT.line(passed=True)}  (or {TESTER_FORMAT.line(passed=False)})\n"
+        f"{TESTER_FORMAT.section}:\n"
         "- <commands run and the output that matters>\n"
         "- <for FAIL: the failing step, error messages, stack trace lines>\n"
         "- Recommended next fix: <for FAIL: where to look first>",
@@ -7734,14 +7854,26 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         + f"; starting at {START_AGENT}; state in {STATE_FILE}; replies kept in {run_dir}")
 
 
+def next_role() -> str:
+    """The role whose turn the saved run takes next: the one in flight, else the one its position names."""
+    if in_flight is not None:
+        return in_flight.role
+    if current_phase not in PHASE_ROLES:
+        return "tester"
+    author, reviewer = PHASE_ROLES[current_phase]
+    return reviewer if phase_step == "review" else author
+
+
 def first_lost_agent() -> AgentLost | None:
     """The first of the saved run's agents that is gone (its terminal, its session or its CLI), if any.
 
     CAO answers a terminal's status from its database even when its session
     is gone (a reboot), so the session's record and the screen are asked too --
-    once every terminal's record is known to exist (a missing one ends the check).
+    once every terminal's record is known to exist (a missing one ends the check). The role whose turn
+    is next is asked first: it is the one a stop names.
     """
-    for role in ROLES:
+    roles = sorted(ROLES, key=lambda role: role != next_role())
+    for role in roles:
         terminal_id = terminal_ids[role]
         try:
             api.get_status(terminal_id)
@@ -7749,7 +7881,7 @@ def first_lost_agent() -> AgentLost | None:
             if exc.status_code is None:
                 raise RunError(f"cannot resume: {exc}") from None
             return AgentLost(role, terminal_id, f"CAO cannot reach this terminal ({exc})")
-    for role in ROLES:
+    for role in roles:
         terminal_id = terminal_ids[role]
         screen = _screen(terminal_id)
         why = why_gone(terminal_id, screen)
@@ -8044,8 +8176,8 @@ def run_reviewed_phase(phase: str) -> None:
 
 def tester_result(text: str) -> str:
     """PASS only if the last RESULT line says so; anything else is a FAIL."""
-    results = re.findall(r"^\W*RESULT\W*:\W*([A-Za-z]+)", text or "", re.MULTILINE)
-    return "PASS" if results and results[-1].upper() == "PASS" else "FAIL"
+    form = VERDICT_FORMATS["tester"]
+    return form.good if verdict_line(form, text)[1] == form.good else form.other
 
 
 def handle_tester_fail() -> None:
@@ -8255,8 +8387,8 @@ def verify_pass() -> str:
     lines = [line for line in (out + ("\n" if out and err else "") + err).splitlines() if line.strip()]
     shown = lines[-max(1, MAX_TEST_EVIDENCE_LINES - 4):]     # with the lines above it, within the evidence cap
     set_output("tester", "\n".join([
-        "RESULT: FAIL",
-        "EVIDENCE:",
+        VERDICT_FORMATS["tester"].line(passed=False),
+        f"{VERDICT_FORMATS['tester'].section}:",
         f"- The tester reported PASS, but the project's test command disagreed: `{PROJECT_TEST_CMD}` {outcome} "
         f"(run by the orchestrator in {WD}).",
         f"- Its last {len(shown)} lines of output:" if shown else "- It printed nothing.",
@@ -8497,9 +8629,11 @@ def probe_agents_side(server: LocalServer, programs: list[str]) -> AgentsSide | 
 
 
 def check_server() -> list[CheckLine]:
-    """CAO reachable, and its version (where it runs here) against the one proven."""
+    """CAO reachable and taking our token (its /health asks for none), and its version (where it runs here)
+    against the one proven."""
     try:
         api.check_health()
+        api.provider_report()
     except ApiError as exc:
         return [CheckLine(False, f"{exc}")]
     server = local_server()
@@ -8508,6 +8642,26 @@ def check_server() -> list[CheckLine]:
         return [CheckLine(True, f"CAO server at {API} answers")]
     note = "" if version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
     return [CheckLine(True, f"CAO server at {API} answers: cli-agent-orchestrator {version}{note}")]
+
+
+def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
+    """Each role's provider known to this CAO: listed by it, or (CAO leaves some out of its list) a provider
+    whose row names the first CAO release that knows it, against the version running here."""
+    server = local_server()
+    version = server.cao_version() if server else ""
+    lines = []
+    for provider in providers_in_use():
+        since = agent_cli(provider).cao_since
+        if report is None or provider in report:
+            continue
+        if not since:
+            lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
+        elif version and version_tuple(version) < version_tuple(since):
+            lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
+        elif not version:
+            lines.append(CheckLine(None, f"provider {provider}: CAO leaves it out of its list and its version "
+                                         f"cannot be told from here (it needs CAO >= {since})"))
+    return lines
 
 
 def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
@@ -8761,8 +8915,11 @@ def preflight_lines() -> list[CheckLine]:
     if lines[-1].ok is False:
         return lines
     report = api.provider_report()
+    unknown = check_providers(report)
+    if any(line.ok is False for line in unknown):
+        return lines + unknown
     agents, side = check_agents_side(report)
-    return lines + check_profiles(side) + agents + check_token_budget() + check_ntfy()
+    return lines + unknown + check_profiles(side) + agents + check_token_budget() + check_ntfy()
 
 
 def check_mark(ok: bool | None) -> str:
@@ -8775,11 +8932,10 @@ def check_mark(ok: bool | None) -> str:
     return marks[ok]
 
 
-def check_command(args: list[str]) -> int:
-    """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
-    1 for anything else to fix."""
+def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
+    """The settings, then every check after them: the exit code the settings leave (2 when they are wrong, 70
+    for a fault of this script), and the lines."""
     lines: list[CheckLine] = []
-    code = EXIT_PASS
     try:
         if len(args) > 1:
             raise ConfigError(f"--check takes at most a config file (see {command_name()} --help)")
@@ -8791,18 +8947,29 @@ def check_command(args: list[str]) -> int:
         lines.append(CheckLine(True, f"settings{' from ' + args[0] if args else ''} and the environment; {task}"))
         lines += preflight_lines()
     except ConfigError as exc:
-        lines.append(CheckLine(False, exc.message))
-        code = EXIT_USAGE
+        return EXIT_USAGE, lines + [CheckLine(False, exc.message)]
+    except (OSError, ApiError) as exc:            # the machine, or a server that broke off
+        return EXIT_PASS, lines + [CheckLine(False, f"unexpected {exc.__class__.__name__} while checking: {exc}")]
+    except Exception as exc:                      # a fault of this script: its traceback on stderr
+        emit("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n"), sys.stderr)
+        return EXIT_BUG, lines + [CheckLine(False, f"a fault of --check itself ({exc.__class__.__name__}: {exc}); "
+                                                   "its traceback is above: report it")]
+    return EXIT_PASS, lines
+
+
+def check_command(args: list[str]) -> int:
+    """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
+    1 for anything else to fix."""
+    try:
+        code, lines = checked_lines(args)
     except KeyboardInterrupt:
         say_error("interrupted (SIGINT): --check started nothing and changed nothing")
         return EXIT_SIGINT
-    except Exception as exc:            # the machine, or a fault of this script: one line, never a traceback
-        lines.append(CheckLine(False, f"unexpected {exc.__class__.__name__} while checking: {exc}"))
     for line in lines:
         emit(f"{check_mark(line.ok)} {line.text}")
     if code == EXIT_PASS and any(line.ok is False for line in lines):
         code = EXIT_FAIL
-    for line in cost_estimate() if code != EXIT_USAGE else []:
+    for line in cost_estimate() if code == EXIT_FAIL or code == EXIT_PASS else []:
         emit(line)
     emit("a run can start" if code == EXIT_PASS else "fix what is marked, then run --check again")
     return code
@@ -8888,7 +9055,7 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
         return f"the agents of CAO session {session} are gone (the server no longer has their terminals)"
     count = "the five agents" if len(running) == len(ROLES) else f"{len(running)} of the five agents"
     return (f"{count} of CAO session {session} are still running (watch: `{tmux_hint('attach -t ' + session)}`; stop: "
-            f"`cao shutdown --session {session}`, or set CLEANUP_ON_EXIT=1)")
+            f"`{cao_hint('shutdown --session ' + session)}`, or set CLEANUP_ON_EXIT=1)")
 
 
 def working_now(saved: SavedState) -> str:
@@ -9001,7 +9168,35 @@ def _status_last_stop(saved: SavedState) -> list[str]:
     if code is None:
         return []
     return [f"last stop: exit {code} ({EXIT_MEANINGS.get(code, 'not a code of this program')}); "
-            f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"]
+            f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"] + \
+        ([f"traceback: {traceback_path(saved)}"] if code == EXIT_BUG else [])
+
+
+def traceback_path(saved: SavedState) -> str:
+    """Where the run's last fault of the loop itself left its traceback."""
+    return str(Path(saved.run_dir) / TRACEBACK_FILE)
+
+
+def status_next(saved: SavedState) -> str | None:
+    """What comes next: the turn a run under way takes, the command that takes a FAIL on (None: nothing)."""
+    if not saved.finished:
+        return next_step(saved)
+    if saved.final_status == "FAIL" and not saved.terminals_exited:
+        return (f"to go on, {go_on_command(saved.current_round, True)}" if saved.no_progress_stop else
+                f"to go on with more rounds, {continue_command(saved.current_round + 1)}")
+    return None
+
+
+def working_facts(saved: SavedState) -> dict | None:
+    """--status --json's "working_now": who works on the turn in flight since when (None: between turns)."""
+    turn = saved.in_flight
+    if saved.finished or turn is None:
+        return None
+    sent = turn.first_sent_at or turn.sent_at
+    return {"role": turn.role, "terminal": saved.terminal_ids.get(turn.role) or None,
+            "since": utc_iso(sent) if sent is not None else None, "reply_taken": bool(turn.reply_file),
+            "usage_limit_until": utc_iso(turn.limit_until) if turn.limit_until is not None else None,
+            "text": working_now(saved)}
 
 
 def status_facts(saved: SavedState) -> dict:
@@ -9013,13 +9208,17 @@ def status_facts(saved: SavedState) -> dict:
     total, unknown = turns_tokens(saved.turn_records)
     return {
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
-        "max_rounds": MAX_ROUNDS, "phase": saved.current_phase, "next": None if saved.finished else next_step(saved),
-        "turns": len(saved.turn_records),
+        "max_rounds": MAX_ROUNDS, "phase": saved.current_phase, "next": status_next(saved),
+        "working_now": working_facts(saved), "turns": len(saved.turn_records),
+        "turns_left_at_most": turns_left_at_most(saved),
+        "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
         "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
                                                                                  if holder else None),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
-        "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None, "terminals": dict(saved.terminal_ids),
+        "traceback": traceback_path(saved) if code == EXIT_BUG else None,
+        "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None,
+        "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
@@ -9055,9 +9254,8 @@ def status_report() -> tuple[int, str]:
         lines += _status_last_stop(saved)
     if saved.no_progress_stop:
         lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
-    if saved.final_status == "FAIL" and not saved.terminals_exited:
-        lines.append(f"next: to go on, {go_on_command(saved.current_round, True)}" if saved.no_progress_stop else
-                     f"next: to go on with more rounds, {continue_command(saved.current_round + 1)}")
+    if saved.finished and status_next(saved):
+        lines.append(f"next: {status_next(saved)}")
     lines += _status_agents(saved) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
@@ -9074,8 +9272,8 @@ def readme_text() -> str:
 
 
 # Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
-EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun to resume)",
-              EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress",
+EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun)",
+              EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress", EXIT_BUG: "a bug",
               EXIT_LOCKED: "run locked", EXIT_SIGINT: "Ctrl-C", EXIT_SIGTERM: "SIGTERM"}
 
 
@@ -9282,8 +9480,31 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
         return EXIT_SIGINT, f"interrupted (SIGINT){saved}"
     if isinstance(exc, Terminated):
         return EXIT_SIGTERM, f"terminated (SIGTERM){saved}"
-    # the machine (a full disk, ...) or a fault of this script
-    return EXIT_ERROR, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
+    if isinstance(exc, OSError):           # the machine (a full disk, a folder gone): the same command may get past it
+        return EXIT_ERROR, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
+    kept = keep_traceback(exc)
+    where = f"its traceback is in {kept}" if kept else "its traceback is above"
+    saved = "" if not started else "; state saved: once the fault is fixed, the same command goes on"
+    return EXIT_BUG, (f"error: a fault of the loop itself ({exc.__class__.__name__}: {exc}); {where}{saved}; "
+                      "report it with the traceback")
+
+
+def keep_traceback(exc: BaseException) -> str:
+    """A fault's whole traceback, written to the run folder (else beside the state file); its path. Where no
+    file can be written it goes to stderr, and '' is returned."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    for folder in (run_dir, os.path.dirname(STATE_FILE)):
+        if not folder:
+            continue
+        path = Path(folder) / TRACEBACK_FILE
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{utc_iso()} {command_name()} {__version__}\n{text}", encoding="utf-8")
+            return str(path)
+        except OSError:
+            continue
+    emit(text.rstrip("\n"), sys.stderr)
+    return ""
 
 
 def wind_down(code: int) -> int:
@@ -9389,8 +9610,21 @@ def demo_command(folder_text: str) -> int:
     return code
 
 
+def refuse_mixed_options(options: argparse.Namespace, config: list[str]) -> None:
+    """Exit 2 on options that do not go together: two commands, --json or --follow without --status, --demo
+    with anything but its folder."""
+    mixed = ("--check and --status are two commands: give one" if options.check and options.status else
+             next((f"--{option} goes with --status" for option in ("json", "follow")
+                   if getattr(options, option) and not options.status), "") or
+             ("--demo takes only a folder" if options.demo is not None and (options.check or options.status or config)
+              else ""))
+    if mixed:
+        say_error(f"error: {mixed} (see {command_name()} --help)")
+        raise SystemExit(EXIT_USAGE)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the loop and exit with its code (EXIT_CODES): 0 PASS, 1 FAIL, 2 usage, 3 error, 5 no progress, ..."""
+    """Run the loop (or --check, --status, a help page) and exit with its code (EXIT_CODES)."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         options = command_line().parse_args(args)
@@ -9406,17 +9640,8 @@ def main(argv: list[str] | None = None) -> None:
         emit(f"{command_name()} ({PACKAGE_NAME}) {__version__}")
         raise SystemExit(EXIT_PASS)
     config = [options.config] if options.config else []
-    if options.check and options.status:
-        say_error(f"error: --check and --status are two commands: give one (see {command_name()} --help)")
-        raise SystemExit(EXIT_USAGE)
-    for option in ("json", "follow"):
-        if getattr(options, option) and not options.status:
-            say_error(f"error: --{option} goes with --status (see {command_name()} --help)")
-            raise SystemExit(EXIT_USAGE)
+    refuse_mixed_options(options, config)
     if options.demo is not None:
-        if options.check or options.status or config:
-            say_error(f"error: --demo takes only a folder (see {command_name()} --help)")
-            raise SystemExit(EXIT_USAGE)
         raise SystemExit(demo_command(options.demo))
     if options.status:
         raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))

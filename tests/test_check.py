@@ -291,3 +291,10 @@ def test_check_interrupted_or_failing_inside_says_one_line_never_a_traceback(loa
     monkeypatch.setattr(orch, "preflight_lines", broken)
     code, lines = run_check(orch, capsys)
     assert code == 1 and any(line.startswith("✗ unexpected OSError while checking") for line in lines)
+
+    def faulty():
+        return {}["a key the code forgot"]
+    monkeypatch.setattr(orch, "preflight_lines", faulty)
+    assert run_main(orch, "--check") == 70                  # a fault of the loop itself: a bug, not a fix to make
+    out, err = capsys.readouterr()
+    assert "✗ a fault of --check itself (KeyError" in out and "Traceback (most recent call last)" in err

@@ -5,10 +5,13 @@ that its readers no longer understand the answers it asks for fails here."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from test_prompts import ANALYST_OUT, PROGRAMMER_OUT, m  # noqa: F401  (the fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def format_lines(prompt: str, first: str) -> list[str]:
@@ -112,3 +115,62 @@ def test_a_story_reply_is_complete_only_with_its_completion_signal(m):
     reply = written_as_asked(format_lines(m.STORY_ANSWER_FORMAT[0], "PROGRAMMER_SUMMARY:"))
     assert m.reply_complete("programmer", reply)
     assert not m.reply_complete("programmer", reply[:reply.index("<promise>")])
+
+
+# Which verdict row each profile in profiles/ and each of the scripted agent's replies answers in.
+PROFILE_FORMATS = {"tester.md": "tester", "peer_system_analyst.md": "review", "peer_programmer.md": "review"}
+SCRIPTED_FORMATS = {"tester": "tester", "peer_analyst": "review", "peer_programmer": "review"}
+
+
+def contract_lines(profile: str) -> list[str]:
+    """The lines of a profile's output contract (its fenced block under '## Output contract')."""
+    text = (ROOT / "profiles" / profile).read_text(encoding="utf-8")
+    block = text.split("## Output contract", 1)[1].split("```")[1]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("profile, row", sorted(PROFILE_FORMATS.items()))
+def test_each_profiles_output_contract_is_its_verdict_row(m, profile, row):
+    """A profile asks for the verdict line and the section its row names, in that order, both words offered:
+    a reply written as the profile asks is read by the row's reader as meant."""
+    form = m.VERDICT_FORMATS[row]
+    lines = contract_lines(profile)
+    assert lines[0].split()[:2] == form.line(passed=True).split()
+    assert form.line(passed=False) in lines[0]
+    assert lines[1] == f"{form.section}:"
+    for passed in (True, False):
+        reply = "\n".join([form.line(passed)] + lines[1:])
+        assert m.verdict_line(form, reply) == (0, form.good if passed else form.other)
+
+
+@pytest.mark.parametrize("role, row", sorted(SCRIPTED_FORMATS.items()))
+def test_the_scripted_agents_replies_are_in_their_verdict_row(m, role, row):
+    """The scripted agent (mock_cli) answers with its row's passing verdict line, then the row's section."""
+    import orchestrator_scripted_agent as agent
+
+    form = m.VERDICT_FORMATS[row]
+    lines = agent.DEFAULT_TEXTS[role].strip().splitlines()
+    at, word = m.verdict_line(form, agent.DEFAULT_TEXTS[role])
+    assert (lines[at], word) == (form.line(passed=True), form.good)
+    assert lines[at + 1] == f"{form.section}:"
+
+
+def test_the_loops_own_fail_is_written_in_the_testers_row(m, tmp_path, monkeypatch):
+    """VERIFY_PASS's FAIL (the project's tests disagreed with the tester) is written with the row's words, so
+    the one reader takes its verdict and evidence as from a tester."""
+    m.WD, m.PROJECT_TEST_CMD, m.VERIFY_TIMEOUT = str(tmp_path), "echo broken; exit 3", 30.0
+    monkeypatch.setattr(m, "save_state", lambda: None)
+    assert m.verify_pass() == "FAIL"
+    written = m.outputs["tester"]
+    assert m.tester_result(written) == "FAIL"
+    assert m.extract_test_evidence(written).startswith(
+        f"{m.TESTER_FORMAT.line(passed=False)}\n{m.TESTER_FORMAT.section}:")
+
+
+def test_verdict_and_evidence_come_from_the_same_result_line(m):
+    """A tester that changed its mind: the verdict is its last RESULT line, and the evidence passed on is the
+    section under that line, not the first one."""
+    reply = ("RESULT: FAIL\nEVIDENCE:\n- first try failed\n\nRan it again after the fix.\n"
+             "RESULT: PASS\nEVIDENCE:\n- all green\n")
+    assert m.tester_result(reply) == "PASS"
+    assert m.extract_test_evidence(reply) == "RESULT: PASS\nEVIDENCE:\n- all green"

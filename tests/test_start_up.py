@@ -163,14 +163,14 @@ def test_a_session_refused_at_once_stops_the_adds(load_orch, fake_cao, prompt_fi
     fake_cao.fail_create["system_analyst"] = (400, "Working directory not allowed: /srv")
     fake_cao.refusals_wait_for_session = True      # an add that came too early hears 404 once the session failed
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 3
+    assert run_main(m) == 2                        # the same server would refuse the same WD: a setting to change
     assert fake_cao.gave_up == []
     assert fake_cao.terminals == {}
     assert all(status == 404 for profile in ADD_PROFILES for status in answers_for(fake_cao, profile))
     assert len(creation_requests(fake_cao)) <= 1 + 4 * 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
-    assert "(analyst: CAO create session failed: HTTP 400: Working directory not allowed: /srv)" in err
+    assert "analyst: CAO create session failed: HTTP 400: Working directory not allowed: /srv: set WD to" in err
     assert not Path(m.STATE_FILE).exists()
 
 

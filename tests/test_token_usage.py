@@ -890,3 +890,24 @@ def test_a_record_file_without_times_or_rewritten_is_read_from_its_start(tmp_pat
     replaced.replace(path)
     assert m._file_text(path, old + 2900) == path.read_text()
     assert m.turn_offset(tmp_path / "missing.jsonl", old) == 0
+
+
+def test_a_budget_run_whose_turn_left_no_readable_record_stops_before_the_next_turn(load_orch, fake_cao, codex_home,
+                                                                                    prompt_file, capsys):
+    """The peer programmer's turn leaves no record: under MAX_RUN_TOKENS the run does not go on counting less
+    than was spent -- the tester's turn is not sent, the line names the turn, the state is saved (exit 2: the
+    same command would find the same record missing); without a budget the same state goes on."""
+    home, _ = codex_home
+    fake_cao.script["peer_programmer"] = [fake_cao_reply("peer_programmer")]          # answers, records nothing
+    settings = {"PROMPT_FILE": str(prompt_file), "AGENT_HOME": str(home), **TESTER_FAIL_THEN_PASS}
+    m = load_orch(MAX_RUN_TOKENS="1000000", **settings)
+    assert run_main(m) == 2
+    err = capsys.readouterr().err
+    assert "error: the tokens of turn 2 (the peer_programmer's, terminal" in err
+    assert "cannot be read from its CLI's records (codex rollouts)" in err and "tester's turn was not sent" in err
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "RUNNING" and state["in_flight"] is None and len(state["turn_records"]) == 2
+    assert [role for role, _ in fake_cao.prompts] == ["programmer", "peer_programmer"]
+    m = load_orch(**settings)
+    assert run_main(m) == 0
+    assert [role for role, _ in fake_cao.prompts][:3] == ["programmer", "peer_programmer", "tester"]
