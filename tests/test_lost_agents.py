@@ -261,7 +261,7 @@ def test_a_window_gone_while_cao_cannot_tell_its_status_is_lost_though_its_sessi
     fake_cao.reported_status = "unknown"
     fake_cao.script["tester"] = [{"action": "call", "call": window_gone}]
     m = run(**{**TESTER_ONLY, "RESPONSE_TIMEOUT": "60"})
-    assert run_main(m) == 3
+    assert run_main(m) == 2
     _out, err = one_line(capsys)
     assert "the tester agent" in err and "CAO can neither read its screen nor tell its status" in err
 
@@ -269,7 +269,7 @@ def test_a_window_gone_while_cao_cannot_tell_its_status_is_lost_though_its_sessi
 def test_a_reply_cut_off_as_its_session_ended_stops_the_run_naming_the_agent(run, fake_cao, capsys):
     fake_cao.script["tester"] = [{"action": "call", "call": write_then_vanish(CUT_OFF_PASS)}]
     m = run(**{**TESTER_ONLY, "RESPONSE_TIMEOUT": "60", "QUIET_SCREEN_SECONDS": "30"})
-    assert run_main(m) == 3
+    assert run_main(m) == 2
     _out, err = one_line(capsys)
     assert f"its CAO session {m.session_name} is gone" in err
     assert state_of(m)["in_flight"]["role"] == "tester"
