@@ -9543,11 +9543,11 @@ def run_command_line(args: list[str]) -> int:
         task = read_task_prompt()
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
+        _install_sigterm(_raise_terminated)   # a SIGTERM from here on still ends what the run started
         end_left_own_server()
         if own_server_wanted(plan):
             start_own_server()
         connect_api()
-        _install_sigterm(_raise_terminated)
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
         say_tokens_not_counted()

@@ -256,3 +256,36 @@ def test_check_in_own_server_mode_looks_at_what_the_own_server_needs(load_orch, 
     monkeypatch.setattr(m.shutil, "which", lambda name, **kw: None if name == "tmux" else which(name, **kw))
     assert run_main(m, "--check") == 1
     assert "✗ tmux is not installed: CAO runs the agents in tmux" in capsys.readouterr().out
+
+
+def test_a_server_of_another_process_answering_on_the_port_is_never_taken_for_the_runs_own(orch, monkeypatch,
+                                                                                          tmp_path):
+    """The port was free when looked at, then another server took it: the run's cao-server cannot bind and
+    has not ended yet when that server answers /health -- the listener is not the run's child, so it is
+    not used, and the run's cao-server is ended."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    slow = tmp_path / "cao-server"
+    slow.write_text("#!/bin/sh\nsleep 30\n", encoding="utf-8")        # it never binds; it ends late
+    slow.chmod(0o755)
+    monkeypatch.setattr(orch, "loop_program", lambda name: str(slow))
+    own = orch.OwnServer(other.server_address[1], str(tmp_path), str(tmp_path / "cao-server.log"))
+    Path(orch.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        assert orch.launch_cao_server(own) is False
+        pid = own.processes["cao-server"][0]
+        assert orch.process_started_at(pid) is None                   # the run's own was ended
+    finally:
+        other.shutdown()
