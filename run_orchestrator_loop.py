@@ -6205,9 +6205,11 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
                         terminal=terminal_ids.get(role, ""), **facts)
     add_turn_record(record)
     reading = read_turn_tokens(len(turn_records) - 1)
-    record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
-                 terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
-                 reply_file=record.reply_file, tokens=tokens_json(record.tokens))
+    if not any(e.get("event") == "reply_taken" and e.get("reply_file") == record.reply_file
+               for e in read_events(Path(run_dir) / EVENTS_FILE)):   # a stop before the state saved it: said once
+        record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
+                     terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
+                     reply_file=record.reply_file, tokens=tokens_json(record.tokens))
     return record, reading
 
 

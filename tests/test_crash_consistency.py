@@ -131,3 +131,6 @@ def test_a_reply_taken_before_a_kill_is_not_sent_again_to_the_new_agents_of_a_ma
     assert fake_cao.roles_prompted() == WHOLE_RUN            # the programmer's first turn once, on the old agent
     assert archived(m) == [f"{n:03d}-{role}.md" for n, role in enumerate(WHOLE_RUN, 1)]
     assert [r["role"] for r in state_of(m)["replacements"]] == list(m.ROLES)
+    events = Path(state_of(m)["run_dir"], "events.jsonl").read_text(encoding="utf-8").splitlines()
+    taken = [json.loads(line)["role"] for line in events if json.loads(line)["event"] == "reply_taken"]
+    assert taken == WHOLE_RUN                                # each turn's reply_taken said once, the kill or not
