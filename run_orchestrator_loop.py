@@ -348,7 +348,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                ("Codex's question whether to trust the project", "Trust and continue")),
         usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
-        traps=("project trusted",), run_tokens=(300_716, 457_996)),
+        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996)),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
     # turn); it repaints its busy bar about twenty times a second while it works.
     "opencode_cli": AgentCli(
@@ -8553,16 +8553,40 @@ def _trusted_in_codex(config: Path, folder: Path) -> bool:
     return any(path == folder or path in folder.parents for path in trusted)
 
 
+def codex_config(side: AgentsSide) -> Path:
+    """The agents' Codex config.toml: in CODEX_HOME, else ~/.codex of their home."""
+    return Path(side.env["CODEX_HOME"]) / "config.toml" if side.env.get("CODEX_HOME") else \
+        side.home(".codex", "config.toml")
+
+
 def trap_codex_untrusted(side: AgentsSide) -> CheckLine:
     top = git_top(WD)
     folder = Path(top or WD).resolve()
-    config = Path(side.env["CODEX_HOME"]) / "config.toml" if side.env.get("CODEX_HOME") else \
-        side.home(".codex", "config.toml")
+    config = codex_config(side)
     if _trusted_in_codex(config, folder):
         return CheckLine(True, f"Codex trusts the project ({folder})")
     return CheckLine(False, f"Codex does not trust {folder}: it asks at each agent's start (a minute each, the "
                             f"first prompt lost); add to {config}: [projects.\"{folder}\"] then "
                             'trust_level = "trusted"')
+
+
+# Codex 0.169 at a usage limit (a 429 with its rate-limit headers) offers a cheaper model; a bare Enter takes it,
+# and CAO sends one 0.5 s after the prompt's. The offer's "never show again" writes this to config.toml.
+CODEX_NUDGE_HIDDEN = re.compile(r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
+                                r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b", re.M)
+
+
+def trap_codex_model_offer(side: AgentsSide) -> CheckLine:
+    config = codex_config(side)
+    try:
+        text = config.read_text(encoding="utf-8")
+    except OSError:
+        text = ""
+    if CODEX_NUDGE_HIDDEN.search(text + "\n"):
+        return CheckLine(True, "Codex: its offer of another model at a usage limit is turned off")
+    return CheckLine(False, "Codex offers another model at a usage limit, and the second Enter CAO sends with a "
+                            "prompt takes it: the agent goes on with a model nobody chose (the run then stops); "
+                            f"add to {config}: [notice] then hide_rate_limit_model_nudge = true")
 
 
 def trap_copilot_mcp(side: AgentsSide) -> CheckLine:
@@ -8594,6 +8618,7 @@ def trap_opencode_model(side: AgentsSide) -> CheckLine:
 TRAP_CHECKS: dict[str, Callable[[AgentsSide], CheckLine]] = {
     "root needs IS_SANDBOX": trap_root_without_sandbox,
     "project trusted": trap_codex_untrusted,
+    "model offer hidden": trap_codex_model_offer,
     "CAO's MCP server disabled": trap_copilot_mcp,
     "PROMPT_TOOLKIT_NO_CPR": trap_hermes_cpr,
     "model file": trap_opencode_model,
