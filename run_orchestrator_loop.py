@@ -533,7 +533,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(a working agent CLI repaints its screen every second)"),
     Setting("REPLACE_LOST_AGENTS", "recovery.replace_lost_agents", False, "bool",
             "1: a lost agent (its CLI exited, its session gone, no sign of life) is replaced by a new one and "
-            "its turn sent again; 0: the run stops, naming the agent"),
+            "its turn sent again (and one whose CLI changed its model takes the next turn); 0: the run stops, naming "
+            "the agent"),
     Setting("MAX_AGENT_REPLACEMENTS", "recovery.max_agent_replacements", 3, "count0",
             "replacements per run (all agents of a vanished session count as one); then the run stops"),
     Setting("PROVIDER_ERROR_RETRIES", "recovery.provider_error_retries", 3, "count0",
