@@ -6230,11 +6230,12 @@ def start_fresh_agent(role: str, why: str) -> None:
 
 # -- The agent's model -------------------------------------------------------------
 # Each turn's model is the one its CLI recorded for its requests (section 5). An agent is started with the model
-# the user chose (MODEL, or the role's own: agent_models); with none, the first model its CLI recorded stands
-# for its default. A CLI may change it on its own: Codex 0.169 at a usage limit offers a cheaper model, and the
-# second Enter CAO sends with a prompt takes the offer. No CLI here lets the loop set a model back in place, so
-# a change is said and recorded where it is seen, and before the role's next turn a new agent, started with
-# the chosen model, takes its place (REPLACE_LOST_AGENTS=1); otherwise the run stops there (ModelChanged).
+# the user chose (MODEL, or the role's own: agent_models); with none, the first model recorded by an agent of
+# its CLI started without one stands for that CLI's default. A CLI may change it on its own: Codex 0.169 at a
+# usage limit offers a cheaper model, and the second Enter CAO sends with a prompt takes the offer. No CLI here
+# lets the loop set a model back in place, so a change is said and recorded where it is seen, and before the
+# role's next turn a new agent, started with the chosen model, takes its place (REPLACE_LOST_AGENTS=1);
+# otherwise the run stops there (ModelChanged).
 class ModelChanged(RunError):
     """An agent's CLI changed the model it was started with: stopped before the role's next turn, resumable."""
 
@@ -6249,25 +6250,26 @@ def model_is(recorded: str, asked: str) -> bool:
     return bool(wanted) and wanted in recorded.lower()
 
 
-def turn_models(record: TurnRecord) -> list[str]:
-    """The models a turn's requests named, as its CLI recorded them, in the order first seen."""
-    return list(dict.fromkeys(model for model in [*(record.tokens or {}), record.model] if model))
+def default_model_seen(provider: str) -> str:
+    """The first model recorded by an agent of the provider's CLI started without a model asked for ('': none)."""
+    return next((r.model for r in turn_records
+                 if r.model and provider_for(r.role) == provider and not agent_models.get(r.role)), "")
 
 
 def model_change(number: int) -> tuple[str, str] | None:
-    """(the model the turn's agent was started with, the other one the turn's requests named), or None. Only a
-    turn of the role's current agent counts: the one that would take its next turn."""
+    """(the model the turn's agent was started with, the other one its last response named), or None. Only a
+    turn of the role's current agent counts: the one that would take its next turn. Without a model asked for,
+    its CLI's default is the first model recorded by an agent of that CLI started without one (a switch on an
+    agent's first turn shows against the others'). The last response is the agent's own: a sub-agent it ran
+    (Claude Code's Task tool) may use a model of its own, counted in the turn's tokens, never a change."""
     record = turn_records[number]
-    if not record.terminal or record.terminal != terminal_ids.get(record.role):
+    if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
         return None
     started = agent_models.get(record.role, "")
     if started:
-        other = next((model for model in turn_models(record) if not model_is(model, started)), "")
-        return (started, other) if other else None
-    first_seen = next((models[0] for models in (turn_models(r) for r in turn_records if r.terminal == record.terminal)
-                       if models), "")
-    other = next((model for model in turn_models(record) if model != first_seen), "")
-    return (f"{first_seen} (its CLI's default)", other) if other else None
+        return None if model_is(record.model, started) else (started, record.model)
+    first_seen = default_model_seen(provider_for(record.role))
+    return None if record.model == first_seen else (f"{first_seen} (its CLI's default)", record.model)
 
 
 def model_changed_event(terminal_id: str) -> AgentEvent | None:

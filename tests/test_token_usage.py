@@ -1034,7 +1034,45 @@ def test_without_a_model_chosen_a_change_from_the_first_model_seen_is_said(load_
     assert "model changed" in Path(m.run_dir, "report.html").read_text()
 
 
+def test_without_a_model_chosen_a_switch_in_an_agent_s_first_turn_shows_against_the_others(load_orch, fake_cao,
+                                                                                            prompt_file, tmp_path,
+                                                                                            capsys):
+    """The tester's first turn is on another model than the other agents of the same CLI, all started with
+    its default: said, and the run stops before the tester's next turn."""
+    home = tmp_path / "agent-home"
+    step, _ = codex_like(home)
+    from fake_cao import DEFAULT_REPLIES
+    fake_cao.script["programmer"] = [step(DEFAULT_REPLIES["programmer"])]
+    fake_cao.script["peer_programmer"] = [step(DEFAULT_REPLIES["peer_programmer"])]
+    fake_cao.script["tester"] = [step(FAIL_REPLY, "gpt-6-luna"), step(PASS_REPLY)]
+    m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(home), **TESTER_FAIL_THEN_PASS)
+    assert run_main(m) == 2
+    assert "tester: its model changed from gpt-5-codex (its CLI's default) to gpt-6-luna in turn 3 (round 1)" \
+        in capsys.readouterr().out
+    assert [role for role, _ in fake_cao.prompts] == \
+        ["programmer", "peer_programmer", "tester", "programmer", "peer_programmer"]
+
+
 def test_a_recorded_model_is_the_one_asked_for_under_a_longer_name():
     m = run_orchestrator_loop
     assert m.model_is("claude-sonnet-4-5-20250929", "sonnet") and m.model_is("scripted", "scripted/scripted")
     assert not m.model_is("gpt-6-luna", "gpt-5.5") and not m.model_is("anything", "")
+
+
+def test_only_the_model_of_the_agent_s_own_last_response_counts_as_its_model(monkeypatch):
+    """A sub-agent it ran (Claude Code's Task tool) may use another model: its tokens count, it is no change."""
+    m = run_orchestrator_loop
+    use = m.TokenUse(100, 0, 10)
+    turn = m.TurnRecord("programmer", 1, 1.0, 10, terminal="t1", model="claude-sonnet-4-5",
+                        tokens={"claude-haiku-4-5": use, "claude-sonnet-4-5": use})
+    monkeypatch.setattr(m, "turn_records", [turn])
+    monkeypatch.setattr(m, "terminal_ids", {"programmer": "t1"})
+    monkeypatch.setattr(m, "agent_models", {"programmer": "claude-sonnet-4-5"})
+    assert m.model_change(0) is None
+    monkeypatch.setattr(m, "agent_models", {"programmer": ""})          # its CLI's default: the first model seen
+    assert m.model_change(0) is None
+    monkeypatch.setattr(m, "turn_records", [turn, m.TurnRecord("programmer", 2, 1.0, 10, terminal="t1",
+                                                               model="claude-haiku-4-5")])
+    assert m.model_change(1) == ("claude-sonnet-4-5 (its CLI's default)", "claude-haiku-4-5")
+    monkeypatch.setattr(m, "terminal_ids", {"programmer": "t2"})        # a turn of an agent since replaced
+    assert m.model_change(1) is None
