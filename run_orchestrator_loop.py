@@ -114,7 +114,8 @@ EXIT_CODES = (
     (EXIT_FAIL, "no PASS within MAX_ROUNDS: the tester's verdict; the state is saved",
      "stop, do not retry: a person reads the report (or reruns with a higher MAX_ROUNDS)"),
     (EXIT_USAGE, "bad usage or configuration, or a stop only a person or a setting can lift (the line says what "
-                 "to change); a run that started has its state saved",
+                 "to change; also an agent's CLI that changed its model on its own); a run that started has its "
+                 "state saved",
      "stop and alert: change what the line says"),
     (EXIT_ERROR, "a runtime error the same command can get past (server unreachable, timeout, usage limit, agent "
                  "lost with REPLACE_LOST_AGENTS=1, ...); the state is saved",
@@ -356,7 +357,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                ("Codex's question whether to trust the project", "Trust and continue")),
         usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
-        traps=("project trusted",), run_tokens=(300_716, 457_996)),
+        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996)),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
     # turn); it repaints its busy bar about twenty times a second while it works.
     "opencode_cli": AgentCli(
@@ -541,7 +542,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(a working agent CLI repaints its screen every second)"),
     Setting("REPLACE_LOST_AGENTS", "recovery.replace_lost_agents", False, "bool",
             "1: a lost agent (its CLI exited, its session gone, no sign of life) is replaced by a new one and "
-            "its turn sent again; 0: the run stops, naming the agent"),
+            "its turn sent again (and one whose CLI changed its model takes the next turn); 0: the run stops, naming "
+            "the agent"),
     Setting("MAX_AGENT_REPLACEMENTS", "recovery.max_agent_replacements", 3, "count0",
             "replacements per run (all agents of a vanished session count as one); then the run stops"),
     Setting("PROVIDER_ERROR_RETRIES", "recovery.provider_error_retries", 3, "count0",
@@ -2220,6 +2222,7 @@ class TurnRecord:
     terminal: str = ""                # the terminal that answered ("" in a state file written before it was kept)
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
     tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (InFlight's)
+    model: str = ""                   # the model its last response named, as its CLI recorded it ("": unknown)
 
     def to_json(self) -> dict:
         data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
@@ -2227,7 +2230,7 @@ class TurnRecord:
                 "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
                 "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
                 "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final, "terminal": self.terminal,
-                "context_tokens": self.context_tokens}
+                "context_tokens": self.context_tokens, "model": self.model}
         if self.tokens_before is not None and not self.tokens_final:   # needed until its tokens stand
             data["tokens_before"] = tokens_before_json(self.tokens_before)
         return data if self.outcome is None else {**data, "outcome": self.outcome}
@@ -2243,7 +2246,7 @@ class TurnRecord:
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
                    _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
                    raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")),
-                   tokens_before_from_json(raw.get("tokens_before")))
+                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")))
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
@@ -2520,13 +2523,16 @@ def note_turn_outcome(outcome: str) -> None:
         record_event("verdict", role=turn_records[-1].role, round=turn_records[-1].round, outcome=outcome)
 
 
-def set_turn_tokens(number: int, tokens: dict[str, TokenUse] | None, final: bool, context: int | None = None) -> None:
+def set_turn_tokens(number: int, tokens: dict[str, TokenUse] | None, final: bool, context: int | None = None,
+                    model: str = "") -> None:
     """What the agent's CLI recorded for an answered turn (its index in turn_records), read again until final;
-    a context size read stays until another is read."""
+    a context size or model read stays until another is read."""
     record = turn_records[number]
     record.tokens, record.tokens_final = tokens, final
     if context is not None:
         record.context_tokens = context
+    if model:
+        record.model = model
 
 
 def record_sent(marks: Iterable[str]) -> None:
@@ -2848,11 +2854,11 @@ EVENT_KINDS = {
     "turn_sent": "a prompt went to an agent: role, round, phase, cycle, number (its files' number), "
                  "prompt_bytes, resend (true: sent again by a later invocation)",
     "reply_taken": "an agent's answer was taken: role, round, phase, cycle, seconds, reply_bytes, reply_file, "
-                   "tokens (null: not known)",
+                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known)",
     "verdict": "what an answer decided: role, round, outcome (APPROVED, REVISE, PASS, FAIL, ...; "
                "'(not counted)' after an approval that does not count)",
     "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
-                   "compacted, context low, new conversation, ...), detail",
+                   "compacted, context low, new conversation, model changed, ...), detail",
     "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
     "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
                       "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
@@ -3529,7 +3535,8 @@ def _bar(number: int, turn: dict, begin: float, end: float, span: float) -> Repo
     verdict = _verdict_of(turn.get("outcome"))
     return _fill(BAR, number=number, verdict=verdict, colour=REPORT_COLOURS[verdict],
                  left=f"{100 * begin / span:.2f}", width=f"{max(0.4, 100 * (end - begin) / span):.2f}",
-                 title=f"{number}: {turn['role']}, round {turn['round']}, {turn.get('outcome') or ''}")
+                 title=f"{number}: {turn['role']}, round {turn['round']}, {turn.get('outcome') or ''}"
+                       + (f", model {turn['model']}" if turn.get("model") else ""))
 
 
 TIMELINE_GAP_SHARE = 0.1      # a start-up that takes this share of the timeline is labelled
@@ -3570,6 +3577,7 @@ def _turn_details(turns: list[dict], prompts: list[str], replies: list[str]) -> 
         where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
         extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
         took = report_duration(turn["seconds"]) if turn["seconds"] is not None else "no reply yet"
+        extra += f"; model {turn['model']}" if turn.get("model") else ""
         label = f"{number:03d} {turn['role']}: {where}; {took}; {turn.get('outcome') or 'no verdict'}{extra}"
         details.append(_fill(TURN_DETAIL, number=number, label=label, prompt_bytes=f"{turn['prompt_bytes']:,}",
                              sent=local_time(turn["sent_at"]), prompt=prompts[number - 1],
@@ -3677,6 +3685,7 @@ class TokenReading:
     over: bool = True
     context: int | None = None
     ended_at: float | None = None      # when the CLI recorded the end of the turn (time.time()), once it is over
+    model: str = ""                    # the model its last response named ('' when its record does not say)
 
 
 class _Responses:
@@ -3705,8 +3714,9 @@ class _Responses:
         if not self.found:
             return None
         over = not pending and self.last_end is not None and self.last_end >= self.last_response
+        last_model, last_use = self.found[self.last_key]
         return TokenReading(add_tokens(*({model: use} for model, use in self.found.values())), over,
-                            self.found[self.last_key][1].total, self.last_end.timestamp() if over else None)
+                            last_use.total, self.last_end.timestamp() if over else None, last_model)
 
 
 def _token_count(value: object) -> int | None:
@@ -3948,6 +3958,7 @@ class HermesRecord:
     totals: HermesTotals
     last_call: float | None        # when the last of their calls since the turn began was counted
     last_answer: float | None      # when the last assistant message since then that ended a turn was written
+    last_model: str = ""           # the model of the calls counted last since the turn began
 
 
 def hermes_record(db_path: str | Path, marker: str, since: float, named_since: float = 0.0) -> HermesRecord | None:
@@ -3969,7 +3980,7 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
     except (sqlite3.Error, ValueError):
         return None
     totals: HermesTotals = {}
-    last_call = None
+    last_call, last_model = None, ""
     for session, model, fresh, written, read, output, seen in usage:
         counts = [_token_count(value) for value in (fresh, written, read, output)]
         if not isinstance(session, str) or None in counts:
@@ -3977,9 +3988,10 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
         models = totals.setdefault(session, {})
         use = TokenUse(counts[0] + counts[1], counts[2], counts[3])
         models[_text(model)] = models.get(_text(model), TokenUse()) + use
-        if isinstance(seen, (int, float)) and seen >= since:
-            last_call = max(seen, last_call or seen)
-    return HermesRecord(totals, last_call, last_answer if isinstance(last_answer, (int, float)) else None)
+        if isinstance(seen, (int, float)) and seen >= since and seen >= (last_call or seen):
+            last_call, last_model = seen, _text(model)
+    return HermesRecord(totals, last_call, last_answer if isinstance(last_answer, (int, float)) else None,
+                        last_model)
 
 
 def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | None:
@@ -3996,7 +4008,8 @@ def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | N
     if not used and record.last_answer is None:
         return None
     over = record.last_answer is not None and record.last_answer >= (record.last_call or 0.0)
-    return TokenReading(used, over, ended_at=record.last_answer if over else None)
+    model = record.last_model if record.last_model in used else next(iter(used)) if len(used) == 1 else ""
+    return TokenReading(used, over, ended_at=record.last_answer if over else None, model=model)
 
 
 def tokens_before_json(before: HermesTotals | None) -> dict | None:
@@ -6209,7 +6222,7 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
                for e in read_events(Path(run_dir) / EVENTS_FILE)):   # a stop before the state saved it: said once
         record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
                      terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
-                     reply_file=record.reply_file, tokens=tokens_json(record.tokens))
+                     reply_file=record.reply_file, tokens=tokens_json(record.tokens), model=record.model or None)
     return record, reading
 
 
@@ -6236,7 +6249,7 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before) \
         if since is not None else None
     set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
-                    reading.context if reading is not None else None)
+                    reading.context if reading is not None else None, reading.model if reading is not None else "")
     return reading
 
 
@@ -6407,14 +6420,99 @@ def start_fresh_agent(role: str, why: str) -> None:
     log_turn(role, f"{why}: a new agent (terminal {new}, was {old}) takes the turn, with the full task")
 
 
+# -- The agent's model -------------------------------------------------------------
+# Each turn's model is the one its CLI recorded for its requests (section 5). An agent is started with the model
+# the user chose (MODEL, or the role's own: agent_models); with none, the first model recorded by an agent of
+# its CLI started without one stands for that CLI's default. A CLI may change it on its own: Codex 0.169 at a
+# usage limit offers a cheaper model, and the second Enter CAO sends with a prompt takes the offer. No CLI here
+# lets the loop set a model back in place, so a change is said and recorded where it is seen, and before the
+# role's next turn a new agent, started with the chosen model, takes its place (REPLACE_LOST_AGENTS=1);
+# otherwise the run stops there (ModelChanged).
+class ModelChanged(RunError):
+    """An agent's CLI changed the model it was started with: stopped before the role's next turn, resumable."""
+
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_USAGE)
+
+
+def model_is(recorded: str, asked: str) -> bool:
+    """Whether a recorded model is the one asked for: a CLI may record a longer name (a dated id for an alias,
+    the model without the provider OpenCode's setting names)."""
+    wanted = asked.rpartition("/")[2].lower()
+    return bool(wanted) and wanted in recorded.lower()
+
+
+def default_model_seen(provider: str) -> str:
+    """The first model recorded by an agent of the provider's CLI started without a model asked for ('': none)."""
+    return next((r.model for r in turn_records
+                 if r.model and provider_for(r.role) == provider and not agent_models.get(r.role)), "")
+
+
+def model_change(number: int) -> tuple[str, str] | None:
+    """(the model the turn's agent was started with, the other one its last response named), or None. Only a
+    turn of the role's current agent counts: the one that would take its next turn. Without a model asked for,
+    its CLI's default is the first model recorded by an agent of that CLI started without one (a switch on an
+    agent's first turn shows against the others'). The last response is the agent's own: a sub-agent it ran
+    (Claude Code's Task tool) may use a model of its own, counted in the turn's tokens, never a change."""
+    record = turn_records[number]
+    if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
+        return None
+    started = agent_models.get(record.role, "")
+    if started:
+        return None if model_is(record.model, started) else (started, record.model)
+    first_seen = default_model_seen(provider_for(record.role))
+    return None if record.model == first_seen else (f"{first_seen} (its CLI's default)", record.model)
+
+
+def model_changed_event(terminal_id: str) -> AgentEvent | None:
+    """The change of model recorded for the agent on that terminal, if there was one."""
+    return next((e for e in agent_events if e.terminal == terminal_id and e.what == "model changed"), None)
+
+
+def note_model_change(number: int) -> None:
+    """Say and record, once per agent, that an answered turn's requests named a model other than its agent's."""
+    change = model_change(number)
+    record = turn_records[number]
+    if change is None or model_changed_event(record.terminal) is not None:
+        return
+    detail = f"from {change[0]} to {change[1]} in turn {number + 1} (round {record.round})"
+    record_agent_event(record.role, record.terminal, "model changed", detail)
+    save_state()
+    then = ("a new agent with the chosen model takes its next turn" if REPLACE_LOST_AGENTS
+            else "the run stops before its next turn")
+    log_turn(record.role, f"its model changed {detail}, and not by the run's settings: {then}")
+
+
+def model_change_due(role: str) -> str:
+    """Before the role's turn: why a new agent takes it, its agent's model having changed ('' if it has not);
+    without REPLACE_LOST_AGENTS the run stops instead (ModelChanged)."""
+    terminal_id = terminal_ids[role]
+    last = next((n for n in range(len(turn_records) - 1, -1, -1) if turn_records[n].terminal == terminal_id), None)
+    if last is not None:
+        if not turn_records[last].tokens_final:
+            read_turn_tokens(last)             # its last responses, recorded since its reply was taken
+        note_model_change(last)
+    changed = model_changed_event(terminal_id)
+    if changed is None:
+        return ""
+    if REPLACE_LOST_AGENTS:
+        return f"its model changed {changed.detail}"
+    chosen = agent_models.get(role) or "its CLI's default"
+    raise ModelChanged(f"the {role}'s agent (terminal {terminal_id}) went on with another model than it was "
+                       f"started with, {changed.detail}; stopped before its next turn, state saved in {STATE_FILE}. "
+                       f"Keep its CLI from changing it ({command_name()} --check names the setting), then rerun with "
+                       f"REPLACE_LOST_AGENTS=1: a new agent with {chosen} takes the {role}'s turn")
+
+
 def prepare_conversation(role: str) -> None:
     """Before a turn's prompt is built: hear what the screen says of the conversation since the last turn
-    (/compact or /clear typed by a person), and start a new one where one is due."""
+    (/compact or /clear typed by a person), and start a new one where one is due (a new agent where the
+    model changed)."""
     sent = in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role))
     if sent:
         return                            # a turn carried over: its agent has the prompt
     note_conversation(role, terminal_ids[role], _screen(terminal_ids[role]))
-    why = fresh_agents_due.get(role) or stale_round_reason(role)
+    why = fresh_agents_due.get(role) or model_change_due(role) or stale_round_reason(role)
     if why:
         start_fresh_agent(role, why)
         return
@@ -6451,8 +6549,10 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     write_report()
     crash_point("report-written")
     tokens = f"; tokens: {tokens_text(record.tokens)}" if agent_cli(provider_for(role)).records else ""
+    tokens += f"; model: {record.model}" if record.model else ""
     log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
                    f"{archived}{tokens}{recorded})")
+    note_model_change(len(turn_records) - 1)
     return reply
 
 
@@ -8083,7 +8183,7 @@ def story_attempt(story: Story, change: Path, scenarios: list, attempt: int) -> 
         reply = ask_agent("programmer", lambda: build_story_prompt(
             story, change, scenarios, attempt, story_progress.last_failure))
         signal_name, reason = promise_signal(reply)
-    except AgentLost:
+    except (AgentLost, ModelChanged):
         raise                        # not the story's fault: the run stops (or the agent was replaced)
     except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
         log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
@@ -8732,16 +8832,40 @@ def _trusted_in_codex(config: Path, folder: Path) -> bool:
     return any(path == folder or path in folder.parents for path in trusted)
 
 
+def codex_config(side: AgentsSide) -> Path:
+    """The agents' Codex config.toml: in CODEX_HOME, else ~/.codex of their home."""
+    return Path(side.env["CODEX_HOME"]) / "config.toml" if side.env.get("CODEX_HOME") else \
+        side.home(".codex", "config.toml")
+
+
 def trap_codex_untrusted(side: AgentsSide) -> CheckLine:
     top = git_top(WD)
     folder = Path(top or WD).resolve()
-    config = Path(side.env["CODEX_HOME"]) / "config.toml" if side.env.get("CODEX_HOME") else \
-        side.home(".codex", "config.toml")
+    config = codex_config(side)
     if _trusted_in_codex(config, folder):
         return CheckLine(True, f"Codex trusts the project ({folder})")
     return CheckLine(False, f"Codex does not trust {folder}: it asks at each agent's start (a minute each, the "
                             f"first prompt lost); add to {config}: [projects.\"{folder}\"] then "
                             'trust_level = "trusted"')
+
+
+# Codex 0.169 at a usage limit (a 429 with its rate-limit headers) offers a cheaper model; a bare Enter takes it,
+# and CAO sends one 0.5 s after the prompt's. The offer's "never show again" writes this to config.toml.
+CODEX_NUDGE_HIDDEN = re.compile(r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
+                                r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b", re.M)
+
+
+def trap_codex_model_offer(side: AgentsSide) -> CheckLine:
+    config = codex_config(side)
+    try:
+        text = config.read_text(encoding="utf-8")
+    except OSError:
+        text = ""
+    if CODEX_NUDGE_HIDDEN.search(text + "\n"):
+        return CheckLine(True, "Codex: its offer of another model at a usage limit is turned off")
+    return CheckLine(False, "Codex offers another model at a usage limit, and the second Enter CAO sends with a "
+                            "prompt takes it: the agent goes on with a model nobody chose (the run then stops); "
+                            f"add to {config}: [notice] then hide_rate_limit_model_nudge = true")
 
 
 def trap_copilot_mcp(side: AgentsSide) -> CheckLine:
@@ -8773,6 +8897,7 @@ def trap_opencode_model(side: AgentsSide) -> CheckLine:
 TRAP_CHECKS: dict[str, Callable[[AgentsSide], CheckLine]] = {
     "root needs IS_SANDBOX": trap_root_without_sandbox,
     "project trusted": trap_codex_untrusted,
+    "model offer hidden": trap_codex_model_offer,
     "CAO's MCP server disabled": trap_copilot_mcp,
     "PROMPT_TOOLKIT_NO_CPR": trap_hermes_cpr,
     "model file": trap_opencode_model,

@@ -120,6 +120,30 @@ def test_codex_home_moves_its_config(orch, tmp_path, workdir):
     assert orch.TRAP_CHECKS["project trusted"](_side(orch, tmp_path, CODEX_HOME=str(codex_home))).ok is True
 
 
+def test_codex_needs_its_offer_of_another_model_at_a_usage_limit_turned_off(orch, tmp_path):
+    """Else CAO's second Enter takes Codex's offer and the agent goes on with a model nobody chose."""
+    trap = orch.TRAP_CHECKS["model offer hidden"]
+    assert "model offer hidden" in orch.AGENT_CLIS["codex"].traps
+    side = _side(orch, tmp_path)
+    config = Path(side.env["HOME"]) / ".codex" / "config.toml"
+    found = trap(side)
+    assert found.ok is False and f"add to {config}: [notice] then hide_rate_limit_model_nudge = true" in found.text
+    config.parent.mkdir()
+    config.write_text('model = "m"\n[notice]\nhide_rate_limit_model_nudge = true\n[projects."/w"]\n', encoding="utf-8")
+    assert trap(side).ok is True
+    config.write_text('notice.hide_rate_limit_model_nudge = true\n', encoding="utf-8")
+    assert trap(side).ok is True
+    for wrong in ('[notice]\nhide_rate_limit_model_nudge = false\n',
+                  '[notice]\n[tui]\nhide_rate_limit_model_nudge = true\n',      # in another table
+                  '[notice]\n# hide_rate_limit_model_nudge = true\n'):
+        config.write_text(wrong, encoding="utf-8")
+        assert trap(side).ok is False, wrong
+    codex_home = tmp_path / "codex-home"                # CODEX_HOME moves it
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text("[notice]\nhide_rate_limit_model_nudge = true\n", encoding="utf-8")
+    assert trap(_side(orch, tmp_path, CODEX_HOME=str(codex_home))).ok is True
+
+
 def test_copilot_needs_cao_s_mcp_server_disabled(orch, tmp_path):
     trap = orch.TRAP_CHECKS["CAO's MCP server disabled"]
     side = _side(orch, tmp_path)

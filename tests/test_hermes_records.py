@@ -262,3 +262,19 @@ def test_the_totals_at_a_send_find_a_session_named_long_before_and_a_turn_reads_
 def figures_of(totals: dict) -> tuple[int, int, int]:
     uses = [use for models in totals.values() for use in models.values()]
     return tuple(sum(getattr(use, name) for use in uses) for name in ("input", "cached_input", "output"))
+
+
+def test_a_hermes_turn_s_model_is_the_one_its_last_counted_call_named(tmp_path):
+    m = run_orchestrator_loop
+    db = HermesDb(tmp_path / "state.db")
+    db.session("s1")
+    db.message("s1", "user", f"Write your answer to {MARKER}")
+    db.call("s1", "scripted-small", 1000, 0, 0, 20, at=100.0)
+    db.call("s1", "scripted-title", 50, 0, 0, 5, task="title_generation", at=103.0)   # a side call: not the turn's
+    db.message("s1", "assistant", "Done.", finish="stop", at=101.0)
+    assert m.hermes_usage(m.hermes_record(db.path, MARKER, 0.0), {}).model == "scripted-small"
+    before = m.hermes_record(db.path, MARKER, 0.0).totals
+    db.call("s1", "scripted-small", 100, 0, 0, 10, at=110.0)
+    db.call("s1", "scripted-large", 100, 0, 0, 10, at=111.0)              # switched mid-turn
+    db.message("s1", "assistant", "Done again.", finish="stop", at=112.0)
+    assert m.hermes_usage(m.hermes_record(db.path, MARKER, 105.0), before).model == "scripted-large"

@@ -559,26 +559,29 @@ def rollout_of(home: Path, terminal) -> Path:
     return home / ".codex" / "sessions" / "2026" / "11" / "25" / f"rollout-2026-11-25T12-00-00-{terminal.id}.jsonl"
 
 
-def usage_record(response_id: str, tokens_in: int, when: str | None = None) -> str:
+def usage_record(response_id: str, tokens_in: int, when: str | None = None, turn_id: str = "t") -> str:
     stamp = when or run_orchestrator_loop.utc_iso(time.time(), precise=True)
-    return ('{"timestamp":"%s","type":"token_usage_record","payload":{"turn_id":"t","response_id":"%s","usage":'
-            '{"input_tokens":%d,"cached_input_tokens":100,"output_tokens":20}}}' % (stamp, response_id, tokens_in))
+    return ('{"timestamp":"%s","type":"token_usage_record","payload":{"turn_id":"%s","response_id":"%s","usage":'
+            '{"input_tokens":%d,"cached_input_tokens":100,"output_tokens":20}}}' % (stamp, turn_id, response_id,
+                                                                                    tokens_in))
 
 
 def codex_like(home: Path, responses: int = 1):
     """Fake agents that record their turns as Codex does; the log of what they recorded per role."""
     recorded: dict[str, list[tuple[int, int, int]]] = {}
 
-    def step(text: str) -> dict:
+    def step(text: str, model: str = "gpt-5-codex") -> dict:
         def act(fake, terminal):
             number = sum(len(turns) for turns in recorded.values()) + 1
             stamp = run_orchestrator_loop.utc_iso(time.time(), precise=True)
-            lines = ['{"timestamp":"%s","type":"turn_context","payload":{"turn_id":"t","model":"gpt-5-codex"}}' % stamp,
+            lines = ['{"timestamp":"%s","type":"turn_context","payload":{"turn_id":"t%d","model":"%s"}}'
+                     % (stamp, number, model),
                      '{"timestamp":"%s","type":"response_item","payload":{"role":"user","content":[{"text":'
                      '"Write your complete answer to this file: %s"}]}}' % (stamp, terminal.response_path)]
-            lines += [usage_record(f"resp_{number}_{index}", 1000 * number) for index in range(responses)]
-            lines.append('{"timestamp":"%s","type":"event_msg","payload":{"type":"task_complete","turn_id":"t"}}'
-                         % run_orchestrator_loop.utc_iso(time.time(), precise=True))
+            lines += [usage_record(f"resp_{number}_{index}", 1000 * number, turn_id=f"t{number}")
+                      for index in range(responses)]
+            lines.append('{"timestamp":"%s","type":"event_msg","payload":{"type":"task_complete","turn_id":"t%d"}}'
+                         % (run_orchestrator_loop.utc_iso(time.time(), precise=True), number))
             rollout = rollout_of(home, terminal)
             rollout.parent.mkdir(parents=True, exist_ok=True)
             with rollout.open("a", encoding="utf-8") as file:
@@ -911,3 +914,186 @@ def test_a_budget_run_whose_turn_left_no_readable_record_stops_before_the_next_t
     m = load_orch(**settings)
     assert run_main(m) == 0
     assert [role for role, _ in fake_cao.prompts][:3] == ["programmer", "peer_programmer", "tester"]
+
+
+# --------------------------------------------------------------------------
+# The model of a turn: the one its last response named, as each CLI records it
+# --------------------------------------------------------------------------
+
+def test_a_claude_turn_s_model_is_the_one_its_last_response_named():
+    m = run_orchestrator_loop
+    assert m.claude_usage(CLAUDE_TURN, TURN_START, TURN_END).model == "claude-sonnet-4-5"
+    switched = [*CLAUDE_TURN[:-2], CLAUDE_TURN[-2].replace('"model":"claude-sonnet-4-5"', '"model":"claude-haiku-4-5"'),
+                CLAUDE_TURN[-1]]
+    reading = m.claude_usage(switched, TURN_START, TURN_END)
+    assert reading.model == "claude-haiku-4-5" and list(reading.by_model) == ["claude-sonnet-4-5", "claude-haiku-4-5"]
+
+
+def test_a_codex_turn_s_model_is_the_one_its_turn_context_named():
+    """Codex names the model on each turn's turn_context line: a turn continued after a switch to another
+    model (a new turn id) records the other one."""
+    m = run_orchestrator_loop
+    context = CODEX_TURN[1].replace('"cwd"', '"model":"gpt-5.5","cwd"')
+    assert m.codex_usage([CODEX_TURN[0], context, *CODEX_TURN[2:]], TURN_START, TURN_END).model == "gpt-5.5"
+    later = [line.replace("e797", "f000").replace("resp_scripted_000005", "resp_scripted_000007")
+             .replace("12:04:37", "12:04:45") for line in (context, CODEX_SECOND_RECORD)]
+    later[0] = later[0].replace('"gpt-5.5"', '"gpt-6-luna"')
+    reading = m.codex_usage([CODEX_TURN[0], context, *CODEX_TURN[2:], *later], TURN_START, TURN_END)
+    assert reading.model == "gpt-6-luna" and list(reading.by_model) == ["gpt-5.5", "gpt-6-luna"]
+    assert m.codex_usage(CODEX_TURN, TURN_START, TURN_END).model == ""       # a turn_context without a model
+
+
+def test_a_copilot_turn_s_model_is_the_one_its_last_usage_record_named():
+    m = run_orchestrator_loop
+    assert m.copilot_usage(COPILOT_TURN, COPILOT_START, COPILOT_END).model == "scripted"
+    switched = [*COPILOT_TURN[:5], COPILOT_TURN[5].replace('"model":"scripted"', '"model":"scripted-mini"'),
+                *COPILOT_TURN[6:]]
+    assert m.copilot_usage(switched, COPILOT_START, COPILOT_END).model == "scripted-mini"
+
+
+def test_an_opencode_turn_s_model_is_the_one_its_last_message_named(tmp_path):
+    m = run_orchestrator_loop
+    path = opencode_db(tmp_path)
+    reading = m.opencode_usage(path, PROJECT, "agent-responses/", OPENCODE_START, OPENCODE_END)
+    assert reading.model == "scripted"
+    with sqlite3.connect(path) as connection:       # its last completed message named another model
+        connection.execute("UPDATE message SET data = json_set(data, '$.modelID', 'scripted-mini')"
+                           " WHERE json_extract(data, '$.time.completed') = 1795609657000")
+    assert m.opencode_usage(path, PROJECT, "agent-responses/", OPENCODE_START, OPENCODE_END).model == "scripted-mini"
+
+
+# --------------------------------------------------------------------------
+# A model its CLI changed on its own: said, recorded, and the role's next turn not sent to it
+# --------------------------------------------------------------------------
+
+def test_each_turn_s_model_is_kept_in_the_state_summary_report_and_events(load_orch, fake_cao, codex_home,
+                                                                          prompt_file, capsys):
+    home, _ = codex_home
+    m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(home), **TESTER_FAIL_THEN_PASS)
+    assert run_main(m) == 0
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert [t["model"] for t in state["turn_records"]] == ["gpt-5-codex"] * 6
+    summary = json.loads(Path(m.run_dir, "summary.json").read_text())
+    assert [t["model"] for t in summary["turn_list"]] == ["gpt-5-codex"] * 6
+    events = [json.loads(line) for line in Path(m.run_dir, "events.jsonl").read_text().splitlines()]
+    assert [e["model"] for e in events if e["event"] == "reply_taken"] == ["gpt-5-codex"] * 6
+    assert capsys.readouterr().out.count("; model: gpt-5-codex") == 6
+    page = Path(m.run_dir, "report.html").read_text()
+    assert 'title="1: programmer, round 1, , model gpt-5-codex"' in page and "; model gpt-5-codex</summary>" in page
+    assert "model changed" not in json.dumps(summary["agent_events"])
+
+
+def model_switching_run(fake_cao, home: Path, programmer_models: tuple[str, ...]):
+    """The scripted agents of a FAIL-then-PASS run recording as Codex does; the programmer's turns name
+    the given models."""
+    step, _ = codex_like(home)
+    from fake_cao import DEFAULT_REPLIES
+    fake_cao.script["programmer"] = [step(DEFAULT_REPLIES["programmer"], model) for model in programmer_models]
+    fake_cao.script["peer_programmer"] = [step(DEFAULT_REPLIES["peer_programmer"])]
+    fake_cao.script["tester"] = [step(FAIL_REPLY), step(PASS_REPLY)]
+
+
+def test_a_model_changed_by_the_cli_stops_the_run_before_the_role_s_next_turn(load_orch, fake_cao, prompt_file,
+                                                                               tmp_path, capsys):
+    """MODEL=gpt-5-codex, and the programmer's first turn went out on gpt-6-luna (Codex's offer taken at
+    a usage limit): one line says so, the agent event records it, and the programmer's round-2 prompt is
+    not sent (exit 2, the state saved); rerun with REPLACE_LOST_AGENTS=1, a new agent with gpt-5-codex
+    takes the turn and the run goes on."""
+    home = tmp_path / "agent-home"
+    model_switching_run(fake_cao, home, ("gpt-6-luna", "gpt-5-codex"))
+    settings = {"PROMPT_FILE": str(prompt_file), "AGENT_HOME": str(home), "MODEL": "gpt-5-codex",
+                **TESTER_FAIL_THEN_PASS}
+    m = load_orch(**settings)
+    assert run_main(m) == 2
+    out, err = capsys.readouterr()
+    said = [line for line in out.splitlines() if "its model changed" in line]
+    assert len(said) == 1 and "programmer" in said[0]
+    assert "its model changed from gpt-5-codex to gpt-6-luna in turn 1 (round 1)" in said[0]
+    assert "the run stops before its next turn" in said[0]
+    assert "went on with another model than it was started with, from gpt-5-codex to gpt-6-luna" in err
+    assert "--check names the setting" in err and "REPLACE_LOST_AGENTS=1" in err
+    assert [role for role, _ in fake_cao.prompts] == ["programmer", "peer_programmer", "tester"]
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "RUNNING" and len(state["turn_records"]) == 3
+    changed = [e for e in state["agent_events"] if e["what"] == "model changed"]
+    assert [(e["role"], e["detail"]) for e in changed] == [
+        ("programmer", "from gpt-5-codex to gpt-6-luna in turn 1 (round 1)")]
+    events = [json.loads(line) for line in Path(m.run_dir, "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "agent_event" and e["what"] == "model changed" for e in events)
+    old_terminal = changed[0]["terminal"]
+
+    m = load_orch(**settings)                       # the same command again: it stops again, sends nothing
+    assert run_main(m) == 2
+    assert len(fake_cao.prompts) == 3
+    capsys.readouterr()
+
+    m = load_orch(**settings, REPLACE_LOST_AGENTS="1")
+    assert run_main(m) == 0
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert [role for role, _ in fake_cao.prompts] == ["programmer", "peer_programmer", "tester"] * 2
+    assert state["terminals"]["programmer"] != old_terminal
+    assert state["turn_records"][3]["model"] == "gpt-5-codex"
+    fresh = [e for e in state["agent_events"] if e["what"] == "new conversation"]
+    assert len(fresh) == 1 and "its model changed from gpt-5-codex to gpt-6-luna" in fresh[0]["detail"]
+
+
+def test_without_a_model_chosen_a_change_from_the_first_model_seen_is_said(load_orch, fake_cao, prompt_file,
+                                                                           tmp_path, capsys):
+    """No MODEL: the first model the agent's CLI recorded stands for its default; a later turn on another is
+    said and recorded, and a new agent takes the next turn with REPLACE_LOST_AGENTS=1."""
+    home = tmp_path / "agent-home"
+    model_switching_run(fake_cao, home, ("gpt-5-codex", "gpt-6-luna"))
+    m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(home), REPLACE_LOST_AGENTS="1",
+                  **TESTER_FAIL_THEN_PASS)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    assert "its model changed from gpt-5-codex (its CLI's default) to gpt-6-luna in turn 4 (round 2), and not by " \
+           "the run's settings: a new agent with the chosen model takes its next turn" in out
+    summary = json.loads(Path(m.run_dir, "summary.json").read_text())
+    assert [t["model"] for t in summary["turn_list"] if t["role"] == "programmer"] == ["gpt-5-codex", "gpt-6-luna"]
+    assert [e["what"] for e in summary["agent_events"]] == ["model changed"]
+    assert "model changed" in Path(m.run_dir, "report.html").read_text()
+
+
+def test_without_a_model_chosen_a_switch_in_an_agent_s_first_turn_shows_against_the_others(load_orch, fake_cao,
+                                                                                            prompt_file, tmp_path,
+                                                                                            capsys):
+    """The tester's first turn is on another model than the other agents of the same CLI, all started with
+    its default: said, and the run stops before the tester's next turn."""
+    home = tmp_path / "agent-home"
+    step, _ = codex_like(home)
+    from fake_cao import DEFAULT_REPLIES
+    fake_cao.script["programmer"] = [step(DEFAULT_REPLIES["programmer"])]
+    fake_cao.script["peer_programmer"] = [step(DEFAULT_REPLIES["peer_programmer"])]
+    fake_cao.script["tester"] = [step(FAIL_REPLY, "gpt-6-luna"), step(PASS_REPLY)]
+    m = load_orch(PROMPT_FILE=str(prompt_file), AGENT_HOME=str(home), **TESTER_FAIL_THEN_PASS)
+    assert run_main(m) == 2
+    assert "tester: its model changed from gpt-5-codex (its CLI's default) to gpt-6-luna in turn 3 (round 1)" \
+        in capsys.readouterr().out
+    assert [role for role, _ in fake_cao.prompts] == \
+        ["programmer", "peer_programmer", "tester", "programmer", "peer_programmer"]
+
+
+def test_a_recorded_model_is_the_one_asked_for_under_a_longer_name():
+    m = run_orchestrator_loop
+    assert m.model_is("claude-sonnet-4-5-20250929", "sonnet") and m.model_is("scripted", "scripted/scripted")
+    assert not m.model_is("gpt-6-luna", "gpt-5.5") and not m.model_is("anything", "")
+
+
+def test_only_the_model_of_the_agent_s_own_last_response_counts_as_its_model(monkeypatch):
+    """A sub-agent it ran (Claude Code's Task tool) may use another model: its tokens count, it is no change."""
+    m = run_orchestrator_loop
+    use = m.TokenUse(100, 0, 10)
+    turn = m.TurnRecord("programmer", 1, 1.0, 10, terminal="t1", model="claude-sonnet-4-5",
+                        tokens={"claude-haiku-4-5": use, "claude-sonnet-4-5": use})
+    monkeypatch.setattr(m, "turn_records", [turn])
+    monkeypatch.setattr(m, "terminal_ids", {"programmer": "t1"})
+    monkeypatch.setattr(m, "agent_models", {"programmer": "claude-sonnet-4-5"})
+    assert m.model_change(0) is None
+    monkeypatch.setattr(m, "agent_models", {"programmer": ""})          # its CLI's default: the first model seen
+    assert m.model_change(0) is None
+    monkeypatch.setattr(m, "turn_records", [turn, m.TurnRecord("programmer", 2, 1.0, 10, terminal="t1",
+                                                               model="claude-haiku-4-5")])
+    assert m.model_change(1) == ("claude-sonnet-4-5 (its CLI's default)", "claude-haiku-4-5")
+    monkeypatch.setattr(m, "terminal_ids", {"programmer": "t2"})        # a turn of an agent since replaced
+    assert m.model_change(1) is None

@@ -149,14 +149,18 @@ def test_check_finds_each_trap_planted_alone_with_its_fix_and_passes_once_fixed(
     clis = agent_clis.cli_bin_for("codex")
     machine.login_path(machine.bin, clis)
     code, output = machine.check("codex")
-    [line] = failed_lines(output)
-    assert code == 1 and line.startswith(f"✗ Codex does not trust {machine.work.resolve()}")
+    config = machine.home / ".codex" / "config.toml"
+    untrusted, offer = failed_lines(output)
+    assert code == 1 and untrusted.startswith(f"✗ Codex does not trust {machine.work.resolve()}")
+    assert offer.startswith("✗ Codex offers another model at a usage limit") and \
+        offer.endswith(f"add to {config}: [notice] then hide_rate_limit_model_nudge = true")
     assert f"✓ codex found by the agents' shells: {clis / 'codex'}, {agent_clis.CODEX_VERSION}" in output, output
-    config = machine.home / ".codex" / "config.toml"          # what the fix says, as a user writes it
-    config.parent.mkdir()
-    config.write_text(f'[projects."{machine.work.resolve()}"]\ntrust_level = "trusted"\n', encoding="utf-8")
+    config.parent.mkdir()                                     # what the fixes say, as a user writes them
+    config.write_text(f'[projects."{machine.work.resolve()}"]\ntrust_level = "trusted"\n\n'
+                      '[notice]\nhide_rate_limit_model_nudge = true\n', encoding="utf-8")
     code, output = machine.check("codex")
     assert code == 0 and "✓ Codex trusts the project" in output, output
+    assert "✓ Codex: its offer of another model at a usage limit is turned off" in output, output
 
     # Claude Code as root, cao-server started without IS_SANDBOX
     code, output = machine.check("claude_code")

@@ -6,8 +6,10 @@ an account that has hit its usage limit. What is asserted is what a paying user
 cares about: the prompt that sets off a compaction carries the task in full, so
 no request after it reaches the model without the task (and only that agent's:
 other agents keep their back-references), a usage limit
-is waited out without a reminder or a repeated turn, and a limit too far away
-stops the run cleanly with a rerun that continues the turn.
+is waited out without a reminder or a repeated turn, a limit too far away
+stops the run cleanly with a rerun that continues the turn, and a model Codex
+switched to at a limit, unasked, is said and stops the run before that role's
+next turn (kept away by the setting --check asks for).
 """
 
 from __future__ import annotations
@@ -163,6 +165,77 @@ def test_codex_at_its_usage_limit_is_waited_out_and_continues_on_the_model_it_wa
     state = run.state()
     assert state["final_status"] == "PASS" and [e["what"] for e in state["agent_events"]] == ["usage limit"]
     print("usage limit (codex): " + next(line for line in result.stdout.splitlines() if "usage limit reached" in line))
+
+
+@pytest.fixture
+def codex_offering_models_cao(codex_cao):
+    """Codex whose config.toml leaves on its offer of another model at a usage limit (no
+    `hide_rate_limit_model_nudge = true` under [notice], as a user's Codex has it until told otherwise)."""
+    config = codex_cao.home / ".codex" / "config.toml"
+    with files_restored(config):
+        text = config.read_text(encoding="utf-8")
+        assert "hide_rate_limit_model_nudge = true\n" in text
+        config.write_text(text.replace("hide_rate_limit_model_nudge = true\n", ""), encoding="utf-8")
+        yield codex_cao
+
+
+def model_offer_run(cao, tester: tuple[str, ...] = (FAIL_REPLY, PASS_REPLY), **settings: str) -> Run:
+    """FAIL in round 1, PASS in round 2 (or as `tester` says), every agent asked for scripted-large; the
+    tester's first prompt is answered at once with a usage limit (reset in 5 s) and Codex's rate-limit
+    headers, within the half second between the two Enters CAO sends with it."""
+    run = real_cli_run(cao, START_AGENT="programmer", AGENT_HOME=str(cao.home), MODEL="scripted-large",
+                       MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", USAGE_LIMIT_MARGIN_SECONDS="3", **settings)
+    cao.model.set_script({"tester": list(tester), "programmer": [PROGRAMMER_REPLY]})
+    cao.model.usage_limit_next(1, resets_in=5, role="tester", limit_headers=True)
+    return run
+
+
+def turn_models(run) -> list[tuple[str, str]]:
+    """(role, model) of each turn in the run's summary.json."""
+    summary = json.loads((Path(run.state()["run_dir"]) / "summary.json").read_text(encoding="utf-8"))
+    return [(turn["role"], turn["model"]) for turn in summary["turn_list"]]
+
+
+@pytest.mark.real_cli
+def test_codex_taking_its_offer_of_another_model_is_said_and_stops_the_run(codex_offering_models_cao):
+    """Codex's offer opens between CAO's Enters and the second Enter takes it: the tester's turn goes on,
+    after the wait, on a model nobody chose. The loop reads it from Codex's rollout, says it in one line,
+    records it, and stops before the tester's next turn (exit 2, state saved); every turn's model is in
+    summary.json and report.html. (Codex sends the model it switched to no tools, so the scripted model
+    cannot write the tester's file on it: its terminal output is taken instead, STRICT_FILE_HANDOFF=0.)"""
+    cao = codex_offering_models_cao
+    run = model_offer_run(cao, STRICT_FILE_HANDOFF="0", MAX_FILE_REMINDERS="0", IDLE_GRACE_SECONDS="8")
+    result = run.run(timeout=300)
+    switched = [e["model"] for e in cao.model.events() if e["model"] != "scripted-large"]
+    assert switched and all("luna" in model for model in switched), (cao.model.events(), explain(result))
+    assert result.returncode == 2, explain(result)
+    [said] = [line for line in result.stdout.splitlines() if "its model changed" in line]
+    assert re.search(r"tester: its model changed from scripted-large to \S*luna\S* in turn 3 \(round 1\), and not by "
+                     r"the run's settings: the run stops before its next turn$", said), said
+    assert "went on with another model than it was started with" in result.stderr, explain(result)
+    state = run.state()
+    assert state["final_status"] == "RUNNING" and state["current_round"] == 2, explain(result)
+    assert [e["what"] for e in state["agent_events"]] == ["usage limit", "model changed"], state["agent_events"]
+    models = turn_models(run)
+    assert models[:2] == [("programmer", "scripted-large"), ("peer_programmer", "scripted-large")], models
+    assert models[2][0] == "tester" and "luna" in models[2][1], models
+    page = (Path(state["run_dir"]) / "report.html").read_text(encoding="utf-8")
+    assert f"model {models[2][1]}" in page and "model changed" in page
+    assert len(kept_prompts(run, "tester")) == 1                     # its next turn never went out
+    print("model offer taken (codex): " + said)
+
+
+@pytest.mark.real_cli
+def test_codex_with_its_offer_of_another_model_turned_off_keeps_the_model(codex_cao):
+    """The same run with `hide_rate_limit_model_nudge = true` in the agents' config.toml (what --check asks
+    for): no offer, the limit waited out, every turn on the model asked for, PASS in round 1."""
+    run = model_offer_run(codex_cao, tester=(PASS_REPLY,))
+    result = run.run(timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert {e["model"] for e in codex_cao.model.events() if e["role"]} == {"scripted-large"}, codex_cao.model.events()
+    assert turn_models(run) == [(role, "scripted-large") for role in ("programmer", "peer_programmer", "tester")]
+    assert "its model changed" not in result.stdout
+    assert [e["what"] for e in run.state()["agent_events"]] == ["usage limit"]
 
 
 @pytest.mark.real_cli
