@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from .test_orchestrator_e2e import PROGRAMMER_REPLY, QUICK_ROUND
-from .test_unattended_e2e import LiveRun, start_run, unattended_run  # noqa: F401  (start_run: a fixture)
+from .test_unattended_e2e import LiveRun, programmer_prompt_delivered, start_run, unattended_run  # noqa: F401  (start_run: a fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -228,10 +228,7 @@ def test_agents_killed_right_after_a_reply_was_written_the_reply_is_taken_in_sec
         cao.set_script(HELD_AFTER_ITS_REPLY)
         run = unattended_run(cao, START_AGENT="programmer", REPLACE_LOST_AGENTS="1", RESPONSE_TIMEOUT="600")
         live = start_run(run)
-        live.wait_until(lambda: "programmer" in run.roles_prompted(), "the programmer got its prompt")
-        programmer = run.state()["terminals"]["programmer"]
-        live.wait_until(lambda: f'"POST /terminals/{programmer}/input?' in cao.server_log(),
-                        "CAO answered the programmer's prompt", timeout=10)
+        programmer_prompt_delivered(live, run, cao)
         cao.stop_server()
         cao.start_server_again()
         reply_file = Path(run.prompts()[0]["response_file"])

@@ -152,6 +152,15 @@ def start_run():
             live.process.wait(timeout=10)
 
 
+def programmer_prompt_delivered(live, run, cao) -> str:
+    """Wait until the programmer got its prompt and CAO answered that send; the programmer's terminal."""
+    live.wait_until(lambda: "programmer" in run.roles_prompted(), "the programmer got its prompt")
+    programmer = run.state()["terminals"]["programmer"]
+    live.wait_until(lambda: f'"POST /terminals/{programmer}/input?' in cao.server_log(),
+                    "CAO answered the programmer's prompt", timeout=10)
+    return programmer
+
+
 def unattended_run(cao, **settings: str) -> Run:
     return Run(cao, **{**UNATTENDED, **settings})
 
@@ -194,10 +203,7 @@ def test_server_killed_while_agent_works_run_finishes_without_repeating_a_turn(r
     cao.set_script({"tester": [FAIL_REPLY, PASS_REPLY],
                     "programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 30000}, PROGRAMMER_REPLY]})
     live = start_run(run)
-    live.wait_until(lambda: "programmer" in run.roles_prompted(), "the programmer got its prompt")
-    programmer = run.state()["terminals"]["programmer"]
-    live.wait_until(lambda: f'"POST /terminals/{programmer}/input?' in cao.server_log(),
-                    "CAO answered the programmer's prompt", timeout=10)
+    programmer_prompt_delivered(live, run, cao)
     cao.stop_server()
     reply_file = Path(next(r for r in run.prompts() if r["role"] == "programmer")["response_file"])
     assert not reply_file.exists(), "the programmer was done before the kill: nothing was tested"
