@@ -138,35 +138,6 @@ def limited_run(cao, **settings: str):
     return run
 
 
-@pytest.mark.real_cli
-def test_codex_at_its_usage_limit_is_waited_out_and_continues_on_the_model_it_was_given(codex_cao):
-    """The model answers the tester's prompt: usage limit reached, reset in 5 s, with the rate-limit headers
-    of a plan 100% used. Codex shows "You've hit your usage limit. Try again at ..."; the loop waits for the
-    reset and a margin, tells it to continue (never typing into a menu: a known one gets the choice that
-    keeps the user's model, tests/test_menus.py), and the run passes: the prompt sent once, no reminder, one
-    turn at the model, and every request of the tester, after the wait too, names the model it was started
-    with."""
-    run = limited_run(codex_cao, USAGE_LIMIT_MARGIN_SECONDS="3")
-    codex_cao.model.usage_limit_next(1, resets_in=5, role="tester", limit_headers=True)
-    result = run.run(timeout=600)
-    assert result.returncode == 0, explain(result)
-    started_with = {e["model"] for e in codex_cao.model.events() if e["role"] == "tester"}
-    assert len(started_with) == 1 and not any("luna" in model for model in started_with), codex_cao.model.events()
-    after_wait = [e for e in codex_cao.model.events() if e["role"] == "tester" and e["action"] == "write"]
-    assert after_wait and {e["model"] for e in after_wait} == started_with, codex_cao.model.events()
-    assert re.search(r"tester: usage limit reached; waiting until (?:\w{3} \d\d )?\d\d:\d\d \(in \d+s\), then it continues",
-                     result.stdout), explain(result)
-    assert re.search(r"then it continues \(You.ve hit your usage limit\. Try again at \d{1,2}:\d\d [AP]M\.\)$",
-                     result.stdout, re.MULTILINE), explain(result)
-    assert "usage limit reset; telling terminal" in result.stdout
-    assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout
-    assert codex_cao.model.turns() == LIMITED_RUN, codex_cao.model.events()
-    assert len(kept_prompts(run, "tester")) == 1
-    state = run.state()
-    assert state["final_status"] == "PASS" and [e["what"] for e in state["agent_events"]] == ["usage limit"]
-    print("usage limit (codex): " + next(line for line in result.stdout.splitlines() if "usage limit reached" in line))
-
-
 @pytest.fixture
 def codex_offering_models_cao(codex_cao):
     """Codex whose config.toml leaves on its offer of another model at a usage limit (no
@@ -228,10 +199,20 @@ def test_codex_taking_its_offer_of_another_model_is_said_and_stops_the_run(codex
 @pytest.mark.real_cli
 def test_codex_with_its_offer_of_another_model_turned_off_keeps_the_model(codex_cao):
     """The same run with `hide_rate_limit_model_nudge = true` in the agents' config.toml (what --check asks
-    for): no offer, the limit waited out, every turn on the model asked for, PASS in round 1."""
+    for): no offer; Codex shows "You've hit your usage limit. Try again at ..."; the loop waits for the reset
+    and a margin and tells it to continue (the prompt sent once, no reminder); every turn on the model asked
+    for, after the wait too; PASS in round 1."""
     run = model_offer_run(codex_cao, tester=(PASS_REPLY,))
     result = run.run(timeout=300)
     assert result.returncode == 0, explain(result)
+    assert re.search(r"tester: usage limit reached; waiting until (?:\w{3} \d\d )?\d\d:\d\d \(in \d+s\), then it continues",
+                     result.stdout), explain(result)
+    assert re.search(r"then it continues \(You.ve hit your usage limit\. Try again at \d{1,2}:\d\d [AP]M\.\)$",
+                     result.stdout, re.MULTILINE), explain(result)
+    assert "usage limit reset; telling terminal" in result.stdout
+    assert "reminder" not in result.stdout and "sending the whole prompt again" not in result.stdout
+    assert len(kept_prompts(run, "tester")) == 1 and codex_cao.model.turns() == LIMITED_RUN, codex_cao.model.events()
+    print("usage limit (codex): " + next(line for line in result.stdout.splitlines() if "usage limit reached" in line))
     assert {e["model"] for e in codex_cao.model.events() if e["role"]} == {"scripted-large"}, codex_cao.model.events()
     assert turn_models(run) == [(role, "scripted-large") for role in ("programmer", "peer_programmer", "tester")]
     assert "its model changed" not in result.stdout

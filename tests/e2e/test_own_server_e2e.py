@@ -118,24 +118,6 @@ def own_server_line(output: str) -> re.Match:
     return line
 
 
-def test_a_run_with_no_server_starts_its_own_and_leaves_nothing_running(own_run):
-    run = own_run()
-    result = run.run()
-    assert result.returncode == 0, explain(result)
-    line = own_server_line(result.stdout)
-    assert run.prompts() == FAIL_THEN_PASS
-    assert run.state()["own_server"] is True and run.state()["api"] == line[1]
-    assert Path(line[3]) == run.state_file.with_name("cao-server.log") and Path(line[3]).stat().st_size > 0
-    assert "agent profiles installed in CAO's store: system_analyst (mock_cli)" in result.stdout  # a new HOME
-    assert not run.left_running(), "the run left its helpers running"
-    assert not Path(line[4]).exists(), "the run's tmux folder was left behind"
-    assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
-    assert "ending the run's own CAO server" in result.stdout and "still running" not in result.stdout
-    status = subprocess.run([sys.executable, str(SCRIPT), "--status"], cwd=run.wd, env=run.env,
-                            capture_output=True, text=True, timeout=60)
-    assert "agents: ended with the run's own CAO server" in status.stdout, status.stdout + status.stderr
-
-
 def test_the_port_asked_for_held_by_another_cao_server_gets_nothing(own_run):
     """OWN_SERVER_PORT names a port another cao-server listens on: the run stops with one line before it
     starts anything, and that server gets no agent and no prompt."""
@@ -161,11 +143,17 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
     loop = run.start()
     run.wait_for_prompt(loop, "programmer")
     os.killpg(loop.pid, signal.SIGKILL)
+    first = loop.stdout.read()
+    assert "agent profiles installed in CAO's store: system_analyst (mock_cli)" in first   # a new HOME
     loop.wait(timeout=30)
     note = json.loads(run.state_file.with_name("orchestrator-loop-state.own-server.json").read_text())
     assert run.left_running(seconds=0), "SIGKILL ends the loop alone"
     result = run.run()
     assert result.returncode == 0, explain(result)
+    line = own_server_line(result.stdout)
+    assert run.state()["own_server"] is True and run.state()["api"] == line[1]
+    assert Path(line[3]) == run.state_file.with_name("cao-server.log") and Path(line[3]).stat().st_size > 0
+    assert "ending the run's own CAO server" in result.stdout and "still running" not in result.stdout
     pids = ", ".join(f"{name} pid {pid}" for name, (pid, _) in note["processes"].items())
     assert f"ending what the last invocation's own CAO server left running ({pids}" in result.stdout, explain(result)
     assert "five new agents on the run's own CAO server" in result.stdout
@@ -175,11 +163,15 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
     assert sorted(p.name for p in Path(run.state()["run_dir"]).glob("[0-9][0-9][0-9]-*.md")
                   if not p.name.endswith(".prompt.md")) == numbered(FAIL_THEN_PASS)
     assert not run.left_running()
-    assert not Path(note["tmux_dir"]).exists()
+    assert not Path(note["tmux_dir"]).exists() and not Path(line[4]).exists()
+    assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
+    status = subprocess.run([sys.executable, str(SCRIPT), "--status"], cwd=run.wd, env=run.env,
+                            capture_output=True, text=True, timeout=60)
+    assert "agents: ended with the run's own CAO server" in status.stdout, status.stdout + status.stderr
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_ctrl_c_and_sigterm_end_the_own_server_with_the_run_and_the_rerun_passes(own_run, signum, code):
+@pytest.mark.parametrize("signum, code, rerun", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
+def test_ctrl_c_and_sigterm_end_the_own_server_with_the_run_and_the_rerun_passes(own_run, signum, code, rerun):
     run = own_run()
     run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
                                                                         "think_ms": 4000}, PROGRAMMER_REPLY]})
@@ -190,6 +182,8 @@ def test_ctrl_c_and_sigterm_end_the_own_server_with_the_run_and_the_rerun_passes
     assert loop.returncode == code, out[-3000:] + err[-2000:]
     assert not run.left_running(), "the stopped run left its helpers running"
     assert run.state()["final_status"] == "RUNNING" and run.state()["in_flight"]["role"] == "programmer"
+    if not rerun:                                   # the rerun after a stop: SIGTERM's case, and SIGKILL's above
+        return
     result = run.run()
     assert result.returncode == 0, explain(result)
     assert "ending what the last invocation" not in result.stdout      # nothing was left to end
