@@ -102,7 +102,7 @@ EXPECTED_UNIT_SECONDS = {
     "test_real_clis:hermes_cao": 150,
     "test_real_clis:claude_cao": 280,
     "test_long_runs_e2e:codex_cao": 250,
-    "test_quick_start:quick_start": 220,   # with test_check_e2e, which runs beside it
+    "test_quick_start:quick_start": 160,
     "test_unattended_e2e:restartable_cao_server": 190,
     "test_long_runs_e2e:claude_cao": 190,
     "test_real_clis:copilot_cao": 170,
