@@ -17,8 +17,10 @@ STORY_MODE=1 the programmer works through the OpenSpec change one story
 Progress is saved to a JSON state file after every step (same fields as the
 original shell orchestrator) so that an interrupted run continues with
 RESUME=1, or automatically when the state file says the run is still RUNNING.
+Where no CAO server is named or running, the run starts its own (cao-server in
+a tmux server of its own) and ends it with itself.
 
-Usage:  python run_orchestrator_loop.py [config.json]
+Usage:  python run_orchestrator_loop.py [config.json]   (--demo [DIR]: a first PASS)
 Exit codes: 0 PASS, 1 FAIL, 2 bad usage or configuration (or a stop a setting must lift),
 3 runtime error (the same command resumes), 4 budget used, 5 the same failure round after
 round (a person is needed), 70 a fault of the loop itself (its traceback in the run folder),
