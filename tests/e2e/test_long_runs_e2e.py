@@ -181,18 +181,22 @@ def test_codex_taking_its_offer_of_another_model_is_said_and_stops_the_run(codex
     assert switched and all("luna" in model for model in switched), (cao.model.events(), explain(result))
     assert result.returncode == 2, explain(result)
     [said] = [line for line in result.stdout.splitlines() if "its model changed" in line]
-    assert re.search(r"tester: its model changed from scripted-large to \S*luna\S* in turn 3 \(round 1\), and not by "
-                     r"the run's settings: the run stops before its next turn$", said), said
+    # The offer opens at the limit (turn 3) or, where CAO's Enters came first there, at the tester's next prompt
+    # (Codex offers it again): the line names the turn it was taken in, and no tester turn goes out after it.
+    found = re.search(r"tester: its model changed from scripted-large to \S*luna\S* in turn (\d+) \(round \d\), and "
+                      r"not by the run's settings: the run stops before its next turn$", said)
+    assert found, said
     assert "went on with another model than it was started with" in result.stderr, explain(result)
     state = run.state()
-    assert state["final_status"] == "RUNNING" and state["current_round"] == 2, explain(result)
-    assert [e["what"] for e in state["agent_events"]] == ["usage limit", "model changed"], state["agent_events"]
+    assert state["final_status"] == "RUNNING", explain(result)
+    assert [e["what"] for e in state["agent_events"]][-1] == "model changed", state["agent_events"]
     models = turn_models(run)
-    assert models[:2] == [("programmer", "scripted-large"), ("peer_programmer", "scripted-large")], models
-    assert models[2][0] == "tester" and "luna" in models[2][1], models
+    changed = int(found.group(1)) - 1
+    assert models[changed][0] == "tester" and "luna" in models[changed][1], models
+    assert all(model == "scripted-large" for _, model in models[:changed]), models
     page = (Path(state["run_dir"]) / "report.html").read_text(encoding="utf-8")
-    assert f"model {models[2][1]}" in page and "model changed" in page
-    assert len(kept_prompts(run, "tester")) == 1                     # its next turn never went out
+    assert f"model {models[changed][1]}" in page and "model changed" in page
+    assert len(kept_prompts(run, "tester")) == [role for role, _ in models].count("tester")   # none after it
     print("model offer taken (codex): " + said)
 
 
