@@ -289,3 +289,27 @@ def test_a_server_of_another_process_answering_on_the_port_is_never_taken_for_th
         assert orch.process_started_at(pid) is None                   # the run's own was ended
     finally:
         other.shutdown()
+
+
+def test_the_demo_is_the_same_whatever_the_callers_settings(load_orch, monkeypatch, tmp_path, capsys):
+    """--demo runs the scripted agents on a server of its own in its folder, whatever the caller's
+    environment sets (a provider, a round limit, a server)."""
+    for name in ("WD", "PROMPT_FILE", "PROVIDER", "OWN_SERVER", "RESUME", "MOCK_AGENT_HOME", "MOCK_AGENT_THINK_MS"):
+        monkeypatch.delenv(name, raising=False)            # what the demo sets, put back after the test
+    m = load_orch(PROVIDER="codex", MAX_ROUNDS="1", API="http://cao.test", OWN_SERVER="0")
+    seen = {}
+
+    def run(args):
+        seen.update({name: getattr(m, name) for name in ("PROVIDER", "MAX_ROUNDS", "OWN_SERVER")},
+                    env={name: os.environ.get(name) for name in ("PROVIDER", "MAX_ROUNDS", "API", "OWN_SERVER",
+                                                                 "WD", "MOCK_AGENT_HOME")})
+        return 0
+    monkeypatch.setattr(m, "run_command_line", run)
+    folder = tmp_path / "demo"
+    assert run_main(m, "--demo", str(folder)) == 0
+    assert (seen["PROVIDER"], seen["MAX_ROUNDS"], seen["OWN_SERVER"]) == ("codex", 8, "auto")  # defaults again
+    assert seen["env"] == {"PROVIDER": m.SCRIPTED_PROVIDER, "MAX_ROUNDS": None, "API": None, "OWN_SERVER": "1",
+                           "WD": str(folder), "MOCK_AGENT_HOME": str(folder / ".tmp" / "demo-agents")}
+    assert json.loads((folder / ".tmp" / "demo-agents" / "script.json").read_text())["tester"][0].startswith(
+        "RESULT: FAIL")
+    assert "demo: PASS." in capsys.readouterr().out

@@ -60,6 +60,7 @@ def _fresh_user_env(home: Path, users_tmux: Path) -> dict[str, str]:
         "PATH": os.pathsep.join([str(python_bin), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
                                  "/usr/bin", "/sbin", "/bin"]),
         "TMUX_TMPDIR": str(users_tmux),      # the user's own tmux server, started below
+        "TMPDIR": str(home.parent / "tmp"),  # a temporary folder of its own: the run leaves nothing there
         "LANG": os.environ.get("LANG", "C.UTF-8"),
         "TERM": "xterm-256color",
         "USER": os.environ.get("USER", "root"),
@@ -133,6 +134,7 @@ def run_quick_start(tmp_path: Path) -> QuickStart:
     users_tmux = tmp_path / "users-tmux"
     home.mkdir()
     users_tmux.mkdir()
+    (tmp_path / "tmp").mkdir()
     env = _fresh_user_env(home, users_tmux)
     link_before = AGENT_LINK.is_symlink() or AGENT_LINK.exists()
     tmux_pid, socket_path = start_users_tmux(env)
@@ -180,6 +182,9 @@ def test_readme_quick_start_reaches_pass_and_leaves_nothing_running(quick_start)
     assert not quick_start.left_running, f"the run left these running: {quick_start.left_running}"
     assert quick_start.users_session_alive, "the user's own tmux session did not outlive the quick start"
     assert not quick_start.link_made, "the quick start linked mock_cli into /usr/local/bin"
+    # Nothing written outside the demo's folder but the install (the virtual environment) and CAO's store.
+    assert sorted(p.name for p in quick_start.home.iterdir()) == [".aws", ".venvs", "try-loop"]
+    assert list((quick_start.home.parent / "tmp").iterdir()) == []
     own_tmux = re.search(r"in a tmux server of their own \((\S+)/tmux-\d+/default\)", transcript)
     assert own_tmux and not Path(own_tmux.group(1)).exists(), "the run's tmux folder was left behind"
     project = quick_start.home / "try-loop"
