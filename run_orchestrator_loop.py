@@ -30,7 +30,8 @@ On PASS the run can archive its OpenSpec change and commit its work, and
 it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
 NTFY_TOPIC; all off by default).
 
-Sections, in the order data flows (each uses only what stands above it):
+Sections, in the order data flows; each uses only what stands above it, save the
+few forward references tests/test_docs.py names with their reasons:
     1. Configuration                  10. Condensation
     2. CAO API client                 11. OpenSpec: the run's change and its stories
     3. Run state: the state file      12. Prompt builders
@@ -983,6 +984,13 @@ explicit_settings: set[str] = set(_env_values)
 # Warnings for environment variables that look like a misspelt setting: said first and again last.
 setting_warnings: list[str] = []
 config_argument = ""               # the config file named on the command line ("" if none), for printed commands
+
+
+def command_name() -> str:
+    """The name the user ran: the installed command, or the script (python run_orchestrator_loop.py)."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name if name in (PACKAGE_NAME, Path(__file__).name) else PACKAGE_NAME
+
 
 # The task, parsed from PROMPT / PROMPT_FILE (or from the state on resume).
 EXPLORE_HEADER = "*** ORIGINAL EXPLORE SUMMARY ***"
@@ -1950,6 +1958,9 @@ PHASE_TESTER = "tester"
 PHASE_DONE = "done"
 PHASES = (PHASE_ANALYST, PHASE_PROGRAMMER, PHASE_TESTER, PHASE_DONE)
 PHASE_STEPS = ("author", "review", "verify")   # whose turn is next in a phase; "verify": the loop's own check
+PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
+PHASE_OUTPUTS = {PHASE_ANALYST: ("analyst", "analyst_review"), PHASE_PROGRAMMER: ("programmer", "programmer_review")}
+NEXT_PHASE = {PHASE_ANALYST: PHASE_PROGRAMMER, PHASE_PROGRAMMER: PHASE_TESTER}
 STATE_VERSION = 1
 
 
@@ -2715,6 +2726,20 @@ def describe_state(saved: SavedState) -> str:
     what = (f"finished with {saved.final_status} in {round_text}" if saved.finished
             else f"an unfinished run ({round_text}, {saved.current_phase} phase)")
     return f"{what}, last saved {saved.updated_at or 'at an unknown time'}"
+
+
+def continue_command(rounds: int) -> str:
+    """'RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop config.json': the command that takes a run that ended in FAIL
+    on to `rounds` rounds."""
+    return " ".join(part for part in (f"RESUME=1 MAX_ROUNDS={rounds}", command_name(), config_argument) if part)
+
+
+def go_on_command(round_played: int, without_progress: bool) -> str:
+    """The command that takes a run that ended in FAIL on: RESUME=1 alone after a stop without progress with
+    rounds left, else with a MAX_ROUNDS one above the rounds played."""
+    if without_progress and MAX_ROUNDS > round_played:
+        return " ".join(part for part in ("RESUME=1", command_name(), config_argument) if part)
+    return continue_command(round_played + 1)
 
 
 # One process per run: an exclusive lock on a file beside the state file, held
@@ -8087,20 +8112,6 @@ def resume_or_replace(saved: SavedState) -> StartPlan:
                             f"file will be kept as {state_backup_path(saved)}{instead}", set_aside=True, old_run=saved)
 
 
-def continue_command(rounds: int) -> str:
-    """'RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop config.json': the command that takes a run that ended in FAIL
-    on to `rounds` rounds."""
-    return " ".join(part for part in (f"RESUME=1 MAX_ROUNDS={rounds}", command_name(), config_argument) if part)
-
-
-def go_on_command(round_played: int, without_progress: bool) -> str:
-    """The command that takes a run that ended in FAIL on: RESUME=1 alone after a stop without progress with
-    rounds left, else with a MAX_ROUNDS one above the rounds played."""
-    if without_progress and MAX_ROUNDS > round_played:
-        return " ".join(part for part in ("RESUME=1", command_name(), config_argument) if part)
-    return continue_command(round_played + 1)
-
-
 def choose_start() -> StartPlan:
     """Resume, report a finished run, or start a new one -- and what happens to an old state file.
 
@@ -8125,11 +8136,6 @@ def choose_start() -> StartPlan:
 # ==========================================================================
 # 15. Main loop
 # ==========================================================================
-
-PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
-PHASE_OUTPUTS = {PHASE_ANALYST: ("analyst", "analyst_review"), PHASE_PROGRAMMER: ("programmer", "programmer_review")}
-NEXT_PHASE = {PHASE_ANALYST: PHASE_PROGRAMMER, PHASE_PROGRAMMER: PHASE_TESTER}
-
 
 REVIEW_FEEDBACK = {PHASE_ANALYST: "analyst_feedback", PHASE_PROGRAMMER: "programmer_feedback"}
 
@@ -9111,12 +9117,6 @@ def check_command(args: list[str]) -> int:
 # The settings most runs set; the short --help lists them, --help-settings all of them.
 COMMON_SETTINGS = ("API", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
-
-
-def command_name() -> str:
-    """The name the user ran: the installed command, or the script (python run_orchestrator_loop.py)."""
-    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return name if name in (PACKAGE_NAME, Path(__file__).name) else PACKAGE_NAME
 
 
 def usage_lines() -> list[str]:

@@ -3,12 +3,15 @@
 docs/settings.md holds one row per setting whose variable, JSON key and default are the program's
 own (``SETTINGS``, defaults as ``--help-settings`` shows them), and no row for a setting that does
 not exist; the README's short table obeys the same rule. Every relative Markdown link in README.md
-and docs/*.md leads to a file that exists, and every ``#anchor`` to a heading of that file.
+and docs/*.md leads to a file that exists, and every ``#anchor`` to a heading of that file. The
+script's sections use only what stands above them, but for the forward references listed here.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import symtable
 from pathlib import Path
 
 import pytest
@@ -183,3 +186,80 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(page: Path):
     assert broken == [], f"{page.relative_to(ROOT)}: {broken}"
     if page != README:
         assert links, f"{page.relative_to(ROOT)} links nowhere"
+
+
+# -- the sections' order -----------------------------------------------------------------
+
+# The references from a section to a name defined in a later one, each with why it stands there; any other
+# reference points upward (the module docstring says so). {name used: (the top-level users, why)}
+FORWARD_REFERENCES = {
+    "token_records_readable": (("check_budget_settings",), "a token budget needs the CLIs' records (5) readable"),
+    "LOCAL_HOSTS": (("agents_tmux_socket", "cao_hint", "local_server"), "kept with the record readers (5)"),
+    "tokens_before_json": (("InFlight", "TurnRecord"), "a turn's tokens before it, as section 5 writes them"),
+    "tokens_before_from_json": (("InFlight", "TurnRecord"), "read back by section 5's own reader"),
+    "record_event": (("note_turn_outcome",), "a turn's outcome goes into the run record (4)"),
+    "utc_iso": (("save_state",), "the run record's clock (4) stamps the state too"),
+    "extract_test_evidence": (("_outcome",), "the run's page shows the tester's evidence (10)"),
+    "tokens_not_counted": (("_tokens_figure", "_tokens_section"), "the page says why no tokens are known (15)"),
+    "sent_turn_facts": (("_unanswered_turn",), "the page describes the prompt still unanswered (8)"),
+    "VERDICT_FORMATS": (("reply_complete",), "a reply is whole when it holds its verdict line (9)"),
+    "verdict_line": (("reply_complete",), "a reply is whole when it holds its verdict line (9)"),
+    "promise_signal": (("reply_complete",), "a story's reply is whole with its promise signal (11)"),
+    "record_agent_event": (("begin_limit_wait",), "the wait records a usage limit as asking (8) does"),
+    "note_conversation": (("observe_terminal",), "the wait notes a compacted conversation for asking (8)"),
+    "send_prompt": (("resend_in_full",), "the wait resends a prompt lost on the screen (8)"),
+    "PromptDraft": (("stale_round_reason",), "whether the next prompt carries the round's history (12)"),
+}
+
+
+def forward_references(source: str) -> set[tuple[str, str]]:
+    """(top-level user, name) for each name a top-level function or class of section N uses that is first
+    defined at the top level of a section M > N; sections are the `# N. Title` banners (0 above the first)."""
+    banners = [(source.count("\n", 0, m.start()) + 1, int(m.group(1))) for m in re.finditer(r"^# (\d+)\. ", source, re.M)]
+
+    def section(line: int) -> int:
+        return max((number for start, number in banners if start <= line), default=0)
+
+    tree = ast.parse(source)
+    defined: dict[str, int] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+        else:
+            names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+        for name in names:
+            defined.setdefault(name, section(node.lineno))
+
+    def statement_at(line: int) -> ast.stmt:
+        return next(node for node in tree.body if node.lineno <= line <= node.end_lineno)
+
+    found = set()
+    tables = list(symtable.symtable(source, "module", "exec").get_children())
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        user = statement_at(table.get_lineno())
+        for symbol in table.get_symbols():
+            name = symbol.get_name()
+            outer = symbol.is_global() or (table.get_type() == "class" and not symbol.is_assigned())
+            if symbol.is_referenced() and outer and defined.get(name, 0) > section(user.lineno):
+                found.add((getattr(user, "name", f"line {user.lineno}"), name))
+    return found
+
+
+def test_forward_references_are_found_through_scopes():
+    source = "\n".join(["def early():", "    late = 1", "    return late + later()", "# 1. Next",
+                        "def later():", "    return 2", "late = 3", "class Early:", "    x = later"])
+    source = source.replace("def early", "# 0. First\ndef early")
+    assert forward_references(source) == {("early", "later")}
+
+
+def test_each_section_uses_only_what_stands_above_it_but_the_listed_references():
+    source = Path(orch.__file__).read_text(encoding="utf-8")
+    allowed = {(user, name) for name, (users, _why) in FORWARD_REFERENCES.items() for user in users}
+    found = forward_references(source)
+    assert sorted(found - allowed) == [], "a reference to a later section: move the name up, or list it here"
+    assert sorted(allowed - found) == [], "listed but gone: take it off FORWARD_REFERENCES"
+    assert "each uses only what stands above it, save the\nfew forward references tests/test_docs.py" in orch.__doc__
