@@ -424,9 +424,8 @@ FRESH_CONTEXT_CHOICES = ("off", "round")     # FRESH_CONTEXT: when an agent star
 
 @dataclass(frozen=True)
 class ReviewCheck:
-    """One check a peer review must make: its name, what the review prompt asks of it, and the evidence that
-    the review made it (a regex on its REVIEW_NOTES). The prompt's checklist (section 12) and the approval's
-    evidence check (section 9) come from the same row, so rewording one cannot silently change the other."""
+    """One check a peer review must make: what the prompt asks (12) and the evidence in REVIEW_NOTES the approval
+    looks for (9), in one row so that neither is reworded without the other."""
 
     name: str
     asks: str
@@ -1212,11 +1211,8 @@ def profile_for(role: str) -> str:
 # ==========================================================================
 
 class ApiError(RuntimeError):
-    """A CAO call that failed; the message names the call and what went wrong.
-
-    `retryable`: the server may answer if asked again (down, slow, 5xx).
-    `unsent`: the request never left this machine, so repeating it is harmless.
-    """
+    """A CAO call that failed. `retryable`: the server may answer if asked again (down, slow, 5xx); `unsent`: the
+    request never left this machine, so repeating it is harmless."""
 
     def __init__(self, message: str, status_code: int | None = None, retryable: bool = False,
                  unsent: bool = False):
@@ -1249,13 +1245,8 @@ def _error_detail(response: httpx.Response) -> str:
 
 
 class ApiClient:
-    """The few CAO HTTP calls the loop needs, over one connection pool.
-
-    While a run is under way (`retry_seconds` > 0) a server that cannot be
-    reached, times out or answers 5xx is retried with backoff -- but only
-    where repeating cannot do harm: reads always, and writes only when the
-    connection was never opened, so a prompt is never delivered twice.
-    """
+    """The few CAO HTTP calls the loop needs, over one connection pool; during a run (`retry_seconds` > 0) a
+    failure is retried with backoff only where repeating cannot deliver a prompt twice."""
 
     # Creating a terminal waits until the agent CLI is up (15-30 s with real
     # CLIs), so reads get a generous timeout; a dead address fails fast.
@@ -1273,9 +1264,8 @@ class ApiClient:
 
     @property
     def _http(self) -> httpx.Client:
-        """The connection pool, made at the first request (start-up creates terminals from several
-        threads): building its TLS context takes a noticeable part of a second, which `--help`,
-        `--version` and a refused setting need not pay."""
+        """The connection pool, made at the first request: its TLS context costs a part of a second that
+        `--help` and a refused setting need not pay."""
         with self._client_lock:
             if self._client is None:
                 headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -1285,15 +1275,8 @@ class ApiClient:
 
     def _call(self, what: str, method: str, path: str, params: dict | None = None,
               retry: bool = True, idempotent: bool = False) -> object:
-        """One request, retried where safe; every failure becomes an ApiError that says what to do.
-
-        `retry=False` is for a look that may simply fail (the screen of a
-        terminal with no reply yet): the caller treats a failure as "cannot tell".
-        A request that changes something is retried only if it never left this
-        machine, or if it is `idempotent` and its answer was lost (it carries an
-        idempotency key: CAO answers the same key with what the first request
-        made, never a second one); an error the server answered is not retried.
-        """
+        """One request, retried where safe (a write: unsent, or `idempotent` with its answer lost); every
+        failure becomes an ApiError. `retry=False`: a look whose failure means "cannot tell"."""
         started = time.monotonic()
         window = self.retry_seconds if retry else 0.0
         delay = min(POLL_SECONDS, 1.0)
@@ -1355,15 +1338,8 @@ class ApiClient:
 
     def create_session(self, profile: str, provider: str | None = None, session_name: str | None = None,
                        model: str = "", idempotency_key: str = "") -> dict:
-        """A new CAO session whose first terminal runs `profile`; returns its id and session_name.
-
-        With `session_name` the caller picks the name, so that terminals can be
-        added to the session before this call returns; CAO puts `cao-` in front
-        of a name that does not start with it (docs/agent-clis.md), so read the
-        name it answers.
-        A `model` goes along only when one is asked for (CAO answers `model_honored`).
-        An `idempotency_key` makes the request safe to send again when its answer was lost (agent_key()).
-        """
+        """A new CAO session whose first terminal runs `profile`: its id and session_name (read it: CAO may put
+        `cao-` in front of the name asked for)."""
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
         if session_name is not None:
             params["session_name"] = session_name
@@ -1421,14 +1397,8 @@ class ApiClient:
         return answer["output"]
 
     def provider_report(self) -> dict[str, tuple[str, bool]] | None:
-        """What the server says of its providers: name -> (the CLI's program, installed?).
-
-        None when the server cannot tell (an older server without the route,
-        or any other failure but one): that is never an error. A server that
-        refuses us (HTTP 401) is: raised, it would refuse the run too. A provider
-        the list leaves out (CAO leaves out `mock_cli`, see docs/agent-clis.md)
-        is not known missing.
-        """
+        """Name -> (the CLI's program, installed?); None when the server cannot tell (never an error, but a
+        401 is raised: it would refuse the run too). A provider left out is not known missing (`mock_cli`)."""
         try:
             answer = self._call("list providers", "GET", "/agents/providers", retry=False)
         except ApiError as exc:
@@ -1441,12 +1411,8 @@ class ApiClient:
                 for entry in answer if isinstance(entry, dict) and isinstance(entry.get("name"), str)}
 
     def session_terminals(self, session: str) -> list[str] | None:
-        """The terminal ids the session's own record lists, or None when the session is gone.
-
-        CAO answers GET /terminals/{id} from its database even after the
-        agents' tmux session is gone (a killed tmux server, a reboot); the
-        session's record is looked up in tmux, so it tells.
-        """
+        """The terminal ids the session lists, or None when it is gone: unlike GET /terminals/{id}, answered from
+        CAO's database, the session is looked up in tmux."""
         what = f"session {session}"
         try:
             answer = self._call(what, "GET", f"/sessions/{quote(session, safe='')}")
@@ -1760,9 +1726,8 @@ def loop_program(name: str) -> str:
 
 
 def own_server_env(own: OwnServer) -> dict[str, str]:
-    """What the own tmux server, cao-server and the agents run with: the loop's environment, its Python's
-    folder on PATH (mock_cli, cao; after the user's own), a private tmux folder, CAO's address for CAO's own tools, and what
-    each CLI in use needs (its row's `server_env`)."""
+    """The own server's environment: the loop's, its Python's folder on PATH (after the user's own), a private
+    tmux folder, CAO's address, and each CLI's row's `server_env`."""
     env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
     path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
     env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
@@ -2117,21 +2082,8 @@ class StoryProgress:
 
 @dataclass(frozen=True)
 class TokenUse:
-    """Tokens used by model responses, in three numbers that never overlap, so that any two add up.
-
-    input: prompt tokens not read from a cache (tokens written to a cache count here: they are sent,
-    and billed, as new input); cached_input: prompt tokens read from the provider's cache; output:
-    generated tokens, reasoning included. The CLIs' own numbers map as follows:
-      Claude Code: input = input_tokens + cache_creation_input_tokens (Anthropic's input_tokens leaves
-        out both cache reads and cache writes); cached_input = cache_read_input_tokens; output = output_tokens.
-      Codex: input = input_tokens - cached_input_tokens (OpenAI's input_tokens includes the cached part,
-        and cache_write_input_tokens is taken to be inside it too); cached_input = cached_input_tokens;
-        output = output_tokens (already includes reasoning_output_tokens).
-      OpenCode: input = tokens.input + tokens.cache.write (its input leaves out both cache numbers);
-        cached_input = tokens.cache.read; output = tokens.output + tokens.reasoning (its output leaves
-        out reasoning).
-      Hermes: input = input_tokens + cache_write_tokens (it takes both cache numbers out of the prompt);
-        cached_input = cache_read_tokens; output = output_tokens (the completion, reasoning included)."""
+    """Tokens in three numbers that never overlap, so any two add up: input (cache writes included), cached
+    input, output (reasoning included). How each CLI's numbers map: docs/following-a-run.md."""
 
     input: int = 0
     cached_input: int = 0
@@ -2390,15 +2342,9 @@ def _fingerprints(raw: object) -> dict | None:
 
 @dataclass(frozen=True)
 class StateField:
-    """One key of the state file and the module global that holds it.
-
-    `parse` turns the saved JSON value (None when the key is missing) into
-    the global's value, falling back to a default; a ValueError there makes
-    the whole file unusable. `kind` says what happens at a new run and at a
-    resume: "run" fields start from `new()`, "setting" fields are what the
-    run's terminals were created with (restored unless the user chose the
-    setting now), the "task" is restored as the run's task.
-    """
+    """One key of the state file and its module global. `parse` reads the saved value (None: missing; a
+    ValueError makes the file unusable); `kind`: "run" (a new run starts from `new()`), "setting" (restored
+    unless chosen now), "task"."""
 
     key: str
     name: str
@@ -2504,14 +2450,9 @@ no_progress_stop: dict | None = _new_value("no_progress_stop")  # why the run st
 
 
 def update_run(**changes: object) -> None:
-    """Change run-state globals: the one place the loop assigns them (load_state() and resets come here too).
-
-    A change inside a field's value goes through one of the other doors,
-    defined right below, so every change to what the state file holds is
-    found here. The doors: set_output(), add_turn_record(), note_turn_outcome(),
-    set_turn_tokens(), record_sent(), forget_sent(), set_after_run(),
-    update_story_progress(), add_story_result(), add_failed_round(). No
-    other function assigns a run-state global or changes its value in place.
+    """The one place run-state globals are assigned; a change inside a value goes through the doors below.
+    The doors: set_output(), add_turn_record(), note_turn_outcome(), set_turn_tokens(), record_sent(),
+    forget_sent(), set_after_run(), update_story_progress(), add_story_result(), add_failed_round().
     """
     unknown = set(changes) - set(RUN_FIELDS)
     if unknown:
@@ -2682,12 +2623,8 @@ def read_state_file() -> SavedState | None:
 
 
 def load_state() -> bool:
-    """Restore the run from STATE_FILE; False if there is no state file.
-
-    The settings the terminals were created with come back too, unless the
-    user chose them now. What the prompt in flight carried in full counts as
-    sent only once it is known to have arrived (ask_agent records it then).
-    """
+    """Restore the run from STATE_FILE (with the terminals' settings, unless chosen now); False if there is none.
+    What the prompt in flight carried in full counts as sent only once it is known to have arrived."""
     saved = read_state_file()
     if saved is None:
         return False
@@ -6639,9 +6576,8 @@ def _first_marker_line(lines: list[str], marker: str) -> int | None:
 
 @dataclass(frozen=True)
 class VerdictFormat:
-    """A reply that ends in a verdict: its verdict line (`label: word`) and the section that says why. The
-    prompts ask with these words (12), verdict_line() reads them, the profiles in profiles/ and the scripted
-    agent write them (tests/test_reply_formats.py holds them to this row)."""
+    """A reply that ends in a verdict: its line (`label: word`) and the section that says why; the prompts (12)
+    ask with it, verdict_line() reads it."""
 
     label: str                     # the verdict line's label: "RESULT"
     good: str                      # the word that passes: "PASS"
@@ -6740,9 +6676,8 @@ def extract_review_notes(text: str) -> str:
 
 
 def extract_test_evidence(text: str, uncapped: bool = False) -> str:
-    """The RESULT line the verdict is read from (the last, tester_result) plus the EVIDENCE section after it,
-    capped at MAX_TEST_EVIDENCE_LINES (`uncapped`: all of it, as the run's page shows it); the head of the text
-    when it has no EVIDENCE line."""
+    """The last RESULT line and the EVIDENCE after it, capped at MAX_TEST_EVIDENCE_LINES unless `uncapped`; the
+    head of the text when it has no EVIDENCE line."""
     form = VERDICT_FORMATS["tester"]
     limit = None if uncapped else MAX_TEST_EVIDENCE_LINES
     lines = (text or "").strip().splitlines()
@@ -6859,11 +6794,8 @@ def openspec_changes_dir() -> Path:
 
 
 def openspec_change() -> tuple[str, list[str]]:
-    """(the run's change, the active changes found): STORY_CHANGE if it is a directory, else the only active one.
-
-    The name is '' when none can be named: STORY_CHANGE is not a directory,
-    or there is not exactly one active change (the archive folder does not count).
-    """
+    """(the run's change, the active changes found): STORY_CHANGE if it is a directory, else the only active
+    one; '' when none can be named."""
     changes = openspec_changes_dir()
     if STORY_CHANGE:
         return (STORY_CHANGE if (changes / STORY_CHANGE).is_dir() else ""), []
@@ -7349,11 +7281,8 @@ HEREDOC_MARKER_RE = re.compile(r"(?:[A-Z]+_)?EOF(?:_[A-Z]+)?|PYEOF|SHEOF|EOT|END
 
 
 def is_accident_name(path: str) -> bool:
-    """True for a path an agent surely did not mean to create: shell or code characters, a heredoc marker.
-
-    Every part of the path counts, so `$(pwd)/notes.md` is caught too.
-    Spaces, dots, dashes, brackets and non-ASCII letters alone are normal names.
-    """
+    """True for a path an agent surely did not mean to create: shell or code characters or a heredoc marker in
+    any part (`$(pwd)/notes.md`); spaces, dots, dashes, brackets and non-ASCII letters are normal."""
     for part in path.split("/"):
         if not part:
             continue
@@ -7366,12 +7295,8 @@ def is_accident_name(path: str) -> bool:
 
 def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None = None,
                 env: Mapping[str, str] | None = None) -> tuple[int | None, str, str]:
-    """Run a program without a terminal: (exit code, stdout, stderr); exit code None after `timeout`.
-
-    It runs in its own process group, so a timeout stops the program and
-    everything it started (a wrapper script's children would otherwise
-    hold the output pipes open). OSError (not installed) is the caller's.
-    """
+    """(exit code, stdout, stderr) of a program, exit code None after `timeout`; its own process group, so a
+    timeout stops its children too (they would hold the pipes open). OSError is the caller's."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                             env={**os.environ, **(env or {})}, start_new_session=True)
@@ -7420,11 +7345,8 @@ def change_to_archive() -> tuple[str, str]:
 # -- archive ----------------------------------------------------------------------
 
 def archive_change() -> dict:
-    """ARCHIVE_ON_PASS: `openspec archive <change> --yes` in WD; the outcome for after_run.
-
-    result is "archived", "skipped" (no single change) or "failed" (missing
-    command, error, timeout); a failure keeps the commit from running.
-    """
+    """ARCHIVE_ON_PASS: `openspec archive <change> --yes` in WD; "archived", "skipped" (no single change) or
+    "failed", which keeps the commit from running."""
     change, why = change_to_archive()
     if not change:
         log(f"archive: skipped, {why}")
@@ -7503,11 +7425,8 @@ def fingerprint(path: Path) -> str:
 
 
 def snapshot_worktree() -> dict | None:
-    """COMMIT_ON_PASS at a run's start: every path git shows as changed or untracked, with its fingerprint.
-
-    At the end, a path whose fingerprint is unchanged was the user's before
-    the run and is left alone. None when WD is not in a git repository.
-    """
+    """COMMIT_ON_PASS at a run's start: each changed or untracked path's fingerprint, so the user's own changes
+    are left alone at the end. None when WD is not in a git repository."""
     top = git_top(WD)
     if not top:
         return None
@@ -7530,14 +7449,8 @@ def is_orchestrator_file(path: Path) -> bool:
 
 
 def choose_commit_paths(top: str) -> tuple[list[str], list[str], list[str]]:
-    """(paths to commit, the new ones among them, accident files left out), relative to the repository top.
-
-    A path is committed when git shows it changed and the run changed it: it
-    was not in the start snapshot, or its content differs from then. The
-    loop's own files and files with accident names are never committed.
-    Without a snapshot, untracked files are left out (nothing says the run
-    made them).
-    """
+    """(paths to commit, the new ones among them, accident files left out): what git shows changed and the run
+    changed since its snapshot; without one, untracked files are left out (nothing says the run made them)."""
     chosen, untracked, accidents = [], [], []
     for path, status in git_changed_paths(top).items():
         absolute = Path(top) / path
@@ -7618,12 +7531,8 @@ def _git_installed() -> bool:
 
 
 def commit_run(archive: dict) -> dict:
-    """COMMIT_ON_PASS: commit exactly the paths the run changed; the outcome for after_run.
-
-    New files are added by literal pathspec (with $WD/.tmp/ excluded), then
-    `git commit --only` takes just the chosen paths, so whatever the user
-    had staged stays staged and out of this commit.
-    """
+    """COMMIT_ON_PASS: commit exactly the paths the run changed (`git commit --only`: what the user had staged
+    stays staged and out of it); the outcome for after_run."""
     if archive.get("result") == "failed":
         log("commit: skipped, the archive of the OpenSpec change failed (see above); commit by hand once it "
             "is archived")
@@ -7669,12 +7578,8 @@ def _header_text(text: str) -> str:
 
 
 def notify(event: str, message: str) -> bool:
-    """Publish one ntfy message (POST {server}/{topic}); True if the server took it.
-
-    Nothing is sent without NTFY_TOPIC. A server that is down, slow or says
-    no is logged in one line and never stops the run; the token is sent
-    only when NTFY_TOKEN is set, and never shown.
-    """
+    """Publish one ntfy message if NTFY_TOPIC is set; True if the server took it. A failure is one log line,
+    never a stop."""
     if not NTFY_TOPIC:
         return False
     prefix, priority, tags = NOTIFY_EVENTS[event]
@@ -7758,11 +7663,8 @@ def _notify_run_end(result: str) -> None:
 
 @dataclass(frozen=True)
 class AfterRunStep:
-    """One thing done after a run: when the settings ask for it, whether it is done, and doing it.
-
-    A step with `done` is done at most once per run and listed in after_run.due
-    when the run ends, so a stop in the middle of the steps loses none.
-    """
+    """One thing done after a run, at most once (listed in after_run.due, so a stop among the steps loses
+    none)."""
 
     name: str
     asked: Callable[[str], bool]                    # the run's result (PASS or FAIL) -> wanted
@@ -7820,11 +7722,7 @@ def after_run_pending(result: str, record: AfterRun) -> list[str]:
 
 
 def finish_run(code: int) -> int:
-    """The after-run steps, in order, each once per run; returns `code`.
-
-    Nothing here changes the exit code: a step that fails is logged and the
-    run's result stands.
-    """
+    """The after-run steps, in order, each once per run; returns `code` (a failed step never changes it)."""
     result = result_of(code)
     for step in AFTER_RUN_STEPS:
         if not step.asked(result):
@@ -7838,12 +7736,8 @@ def finish_run(code: int) -> int:
 
 
 def finish_stopped_run() -> None:
-    """A finished run stopped during its after-run steps (a kill, a reboot), or whose notification could
-    not be sent: do the rest now, each once.
-
-    Runs under the run's lock, before anything else is decided; a state file
-    that cannot be read is left to choose_start() to report.
-    """
+    """Do now, each once, the after-run steps a finished run was stopped in (or could not notify); under the
+    run's lock, before anything else is decided."""
     try:
         saved = read_state_file()
     except StateFileError:
@@ -7889,12 +7783,8 @@ def cleanup_terminals() -> None:
 
 
 def check_agent_clis() -> None:
-    """Stop before creating anything when cao-server reports a provider's CLI not installed.
-
-    CAO would wait for that CLI's start-up for a minute or two per terminal
-    and then fail. IGNORE_MISSING_CLI=1 tries anyway: CAO looks the program up
-    on its own PATH, while the agents start in login shells, whose PATH can differ.
-    """
+    """Stop before creating anything when cao-server reports a provider's CLI not installed (CAO would wait
+    minutes per terminal, then fail); IGNORE_MISSING_CLI=1: the agents' login shells may have another PATH."""
     report = api.provider_report()
     if not report:
         return
@@ -7958,13 +7848,8 @@ def end_old_run(plan: StartPlan) -> None:
 
 
 def init_new_run(plan: StartPlan | None = None) -> None:
-    """Create the session and five terminals, reset the run, and write the first state.
-
-    The run it replaces (`plan`) is set aside only once the new terminals
-    exist, so a start that fails leaves the old state file where it was; a
-    Ctrl-C from then on waits until the new state is written, so a rerun
-    resumes the new run. The old run's agents are ended after (end_old_run).
-    """
+    """Create the session and five terminals, reset the run, and write the first state. The replaced run
+    (`plan`) is set aside only once the new terminals exist, so a failed start leaves its state file."""
     plan = plan or StartPlan(False)
     with signals_held("writing the new run's state"):
         session, terminals = create_terminals()
@@ -7994,13 +7879,8 @@ def next_role() -> str:
 
 
 def first_lost_agent() -> AgentLost | None:
-    """The first of the saved run's agents that is gone (its terminal, its session or its CLI), if any.
-
-    CAO answers a terminal's status from its database even when its session
-    is gone (a reboot), so the session's record and the screen are asked too --
-    once every terminal's record is known to exist (a missing one ends the check). The role whose turn
-    is next is asked first: it is the one a stop names.
-    """
+    """The first of the saved run's agents that is gone (terminal, session or CLI), next turn's role first. CAO
+    answers a status from its database even when the session is gone, so the session and screen are asked too."""
     roles = sorted(ROLES, key=lambda role: role != next_role())
     for role in roles:
         terminal_id = terminal_ids[role]
@@ -8020,11 +7900,8 @@ def first_lost_agent() -> AgentLost | None:
 
 
 def verify_resume_terminals() -> None:
-    """Make sure every agent of the saved run is still there before touching it.
-
-    A lost one stops the resume with one line naming it, or -- with
-    REPLACE_LOST_AGENTS=1 -- is replaced before the run goes on at its saved turn.
-    """
+    """Every agent of the saved run is still there before it is touched; a lost one stops the resume, or is
+    replaced with REPLACE_LOST_AGENTS=1."""
     for role in ROLES:
         if not terminal_ids.get(role, ""):
             raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
@@ -8041,9 +7918,8 @@ def verify_resume_terminals() -> None:
 
 
 def new_agents_on_own_server() -> None:
-    """A resumed run on a CAO server of its own, started anew: its agents ended with the last invocation, so
-    five new ones take their places (no replacement counted), and the turn in flight is sent to its new agent
-    unless its reply was taken or left complete (turn_goes_again). Each new agent gets its whole prompt."""
+    """A resumed run on a new server of its own: five new agents (no replacement counted), each sent its whole
+    prompt; the turn in flight goes again unless its reply was taken or left complete."""
     old_ids = dict(terminal_ids)
     new_session, new_ids = create_terminals()
     settled_terminals.update(new_ids.values())
@@ -8113,11 +7989,8 @@ def resume_or_replace(saved: SavedState) -> StartPlan:
 
 
 def choose_start() -> StartPlan:
-    """Resume, report a finished run, or start a new one -- and what happens to an old state file.
-
-    Decides only: nothing is moved or written here, so a run that then fails
-    to start leaves the state file as it found it.
-    """
+    """Resume, report a finished run, or start a new one, and what happens to an old state file; decides only,
+    writes nothing."""
     try:
         saved = read_state_file()
     except StateFileError as exc:
@@ -8471,14 +8344,8 @@ def stop_without_progress() -> int:
 
 
 def verify_pass() -> str:
-    """VERIFY_PASS: run PROJECT_TEST_CMD in WD after the tester's PASS; 'PASS' when it exits 0.
-
-    Anything else makes the round a FAIL whose test evidence is the command's
-    exit code and the last MAX_TEST_EVIDENCE_LINES lines of its output, headed
-    so that the programmer sees the tester said PASS and the command did not.
-    The check runs under VERIFY_TIMEOUT; a stop during it is resumed by
-    running it again, never by asking the tester again.
-    """
+    """VERIFY_PASS: 'PASS' when PROJECT_TEST_CMD exits 0 after the tester's PASS, else a FAIL whose evidence is
+    the command's tail. A stop during it reruns the command, never the tester."""
     log_turn("tester", f"the tester reported PASS; checking it with PROJECT_TEST_CMD in {WD} (VERIFY_PASS=1, at "
                        f"most {VERIFY_TIMEOUT:g}s): {PROJECT_TEST_CMD}")
     started = time.monotonic()
@@ -8569,11 +8436,7 @@ def drive_rounds() -> int:
 
 
 def run_loop() -> int:
-    """Drive the phases to PASS (0) or FAIL (1), then do what the user asked for after a run (section 13).
-
-    A stop that needs a person (an agent error, a timeout, an unreachable
-    server) is announced on its way out to main().
-    """
+    """Drive the phases to PASS (0) or FAIL (1), then the after-run steps (section 13)."""
     try:
         code = drive_rounds()
     except (RunError, ApiError) as exc:
@@ -9471,10 +9334,8 @@ def refuse_bad_start(task: str) -> StartPlan:
 
 
 def continue_failed_run() -> None:
-    """RESUME=1 with a higher MAX_ROUNDS after a FAIL (or with rounds left after a stop without progress, whose
-    rounds without progress are then counted anew): the same run goes on at its next round -- the analysis,
-    the agents' conversations and the last test evidence kept (its FAIL set that round up), the turns and the
-    report of the first invocation too; its after-run steps are due again at its new end."""
+    """RESUME=1 with rounds left after a FAIL: the same run goes on at its next round, all it has kept; its
+    after-run steps are due again at its new end."""
     played, why = current_round, "without progress" if no_progress_stop else "in FAIL"
     update_run(final_status="RUNNING", current_round=played + 1, after_run=_new_value("after_run"),
                rounds_without_progress=0, no_progress_stop=None)
@@ -9485,13 +9346,8 @@ def continue_failed_run() -> None:
 
 
 def start_run(task: str) -> StartPlan:
-    """Resume the saved run or create a new one for `task`; nothing is written if this fails.
-    Returns the plan: a run it replaced still has its agents (end_old_run() ends them).
-
-    Decided again under the run's lock: another process may have moved the
-    state on since refuse_bad_start() looked. A finished run that was stopped
-    during its after-run steps gets them done first (section 13).
-    """
+    """Resume the saved run or create a new one for `task`, decided again under the run's lock (another process
+    may have moved the state on); the plan's replaced run still has its agents (end_old_run())."""
     finish_stopped_run()
     plan = refuse_bad_start(task)
     if plan.resume:
@@ -9564,9 +9420,8 @@ def event_line(event: dict) -> str:
 
 
 def follow_events(as_json: bool) -> int:
-    """--status --follow: print the run's events (from its state file's run folder) as they are appended,
-    until the invocation that drives the run ends (its run_stopped), or at once when none does. Read only:
-    it takes no lock and asks no server."""
+    """--status --follow: print the run's events as they are appended, until its run_stopped (at once when no
+    invocation drives it); read only."""
     printed, last_kind, folder = 0, "", ""
     try:
         while True:
@@ -9589,11 +9444,8 @@ def follow_events(as_json: bool) -> int:
 
 
 def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
-    """The exit code and the one line for the user of a run that stopped on `exc`.
-
-    With CLEANUP_ON_EXIT=1 the agents are ended on the way out, so a rerun
-    starts a new run: the line says so instead of "rerun to resume".
-    """
+    """The exit code and the one line for the user of a run that stopped on `exc` (with CLEANUP_ON_EXIT=1 a
+    rerun starts a new run, and the line says so)."""
     ended = started and CLEANUP_ON_EXIT
     saved = "" if not started else "; CLEANUP_ON_EXIT=1 ends the agents, so a rerun starts a new run" if ended \
         else "; state saved, rerun to resume"
