@@ -1480,11 +1480,8 @@ def connect_api() -> None:
 
 
 # -- The server's own process, when it runs on this machine ---------------------
-# CAO starts each agent in a tmux server of its user's: libtmux's default one for
-# cao-server's environment (TMUX_TMPDIR, else /tmp). The hints the loop prints
-# name that server's socket, so that they reach the agents from any shell;
-# --check (section 16) starts a probe there, as CAO starts an agent. Found through
-# /proc (Linux): the process that listens on API's port.
+# Found through /proc (Linux): the process listening on API's port. Its tmux socket (TMUX_TMPDIR, else /tmp)
+# is where the agents run, so the printed hints name it.
 CAO_PROVEN_VERSION = "2.5.4"      # the cao-server version the loop is proven with (docs/agent-clis.md)
 
 
@@ -1594,11 +1591,8 @@ def cao_hint(command: str) -> str:
 
 
 # -- The run's own CAO server ----------------------------------------------------
-# Where no server is named (no API, no CAO_API_PORT) and none answers at API, or with OWN_SERVER=1, the run
-# stands up what it needs and ends it with itself: a tmux server of its own (a private TMUX_TMPDIR, TMUX
-# unset: never the user's server; shells without a login profile, with the loop's PATH first) and cao-server
-# on a free port of 127.0.0.1, started in it. What runs is noted beside the state file, so that the next
-# invocation on that state file ends what a run killed with SIGKILL left behind (docs/agent-clis.md).
+# A private tmux server and cao-server, ended with the run; noted beside the state file so that the next
+# invocation ends what a killed run left behind (docs/agent-clis.md).
 OWN_SERVER_HOST = "127.0.0.1"
 OWN_SERVER_START_SECONDS = 60.0          # cao-server imports a lot: seconds, more on a loaded machine
 OWN_SERVER_MARK = "CAO_LOOP_OWN_SERVER"  # in the environment of all it starts: how what is left is found
@@ -1911,11 +1905,8 @@ def server_answers(url: str) -> bool:
 # ==========================================================================
 # 3. Run state: the state file and its lock
 # ==========================================================================
-# Everything a run must remember across an interruption is declared once, in
-# STATE_FIELDS below: save_state(), read_state_file(), load_state(), the reset
-# of a new run, --status and the description of a replaced run all derive from
-# it. Each field lives in a module global (the specs fix several names);
-# update_run() and the few doors beside it are where the loop changes them.
+# What a run remembers is declared once, in STATE_FIELDS; each field is a module global (the specs fix several
+# names), changed only by update_run() and the doors beside it.
 
 PHASE_ANALYST = "analyst"
 PHASE_PROGRAMMER = "programmer"
@@ -2138,9 +2129,7 @@ def add_tokens(*parts: dict[str, TokenUse] | None) -> dict[str, TokenUse]:
     return total
 
 
-# -- What it costs ---------------------------------------------------------------
-# MODEL_PRICES: {"<model>": {"input": ..., "cached_input": ..., "output": ...}},
-# each a price per million tokens in the user's currency; none by default.
+# -- What it costs (MODEL_PRICES: per million tokens, per model) -----------------
 
 def cost_of(tokens: dict[str, TokenUse] | None) -> float | None:
     """The estimated cost of tokens by model; None when a model has no price (or the tokens are unknown)."""
@@ -2679,11 +2668,8 @@ def go_on_command(round_played: int, without_progress: bool) -> str:
     return continue_command(round_played + 1)
 
 
-# One process per run: an exclusive lock on a file beside the state file, held
-# until the process ends. The operating system drops it when the process dies,
-# so a killed run never blocks the next one. The file is removed when the lock
-# is given back (a start-up refused with exit 2 leaves nothing behind); a
-# process that locked a file removed meanwhile takes the lock again on the new one.
+# One process per run: an exclusive lock beside the state file, which the system drops when the process dies
+# (a killed run never blocks the next); a lock on a file removed meanwhile is taken again on the new one.
 run_lock = None
 run_lock_made_folder: Path | None = None     # the folder the lock file needed, made by this process
 
@@ -6693,8 +6679,7 @@ def extract_test_evidence(text: str, uncapped: bool = False) -> str:
 
 
 # -- a failure's signature: what must repeat for a round to count as one without progress ---------
-# Two failures are the same when their evidence is, once what differs between two runs of the same test is set
-# aside: times and dates, durations, memory and network addresses, ids, temporary paths, the order of lines.
+# The evidence without what differs between two runs of the same test (times, addresses, ids, line order).
 NOISE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern, re.IGNORECASE), mark)
                                                            for pattern, mark in (
     (r"\x1b\[[0-9;?]*[A-Za-z]", ""),                                           # terminal colours
@@ -6884,14 +6869,8 @@ def promise_signal(reply: str) -> tuple[str, str]:
 # ==========================================================================
 # 12. Prompt builders
 # ==========================================================================
-# Text that stays the same for a whole run -- the task, a role's checks and
-# answer format, how to write the response file -- is sent to a terminal in
-# full once: the agent keeps it in its conversation, so sending it again would
-# only fill its context. Each such block is defined once, in ONCE_BLOCKS, with
-# the back-reference that stands in for it later; the back-reference names
-# what it stands for and keeps the words the loop reads back (REVIEW_RESULT,
-# section labels). Building a prompt changes nothing: the Prompt it returns
-# says which blocks it carries in full, and ask_agent() records them as sent.
+# What stays the same for a run is sent to a terminal in full once (ONCE_BLOCKS), then by a back-reference
+# that keeps the words the loop reads back. Building a prompt changes nothing: ask_agent() records what it sent.
 
 TESTER_FORMAT, REVIEW_FORMAT = VERDICT_FORMATS["tester"], VERDICT_FORMATS["review"]     # section 9
 
@@ -7258,11 +7237,8 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
 # ==========================================================================
 # 13. After the run: archive, commit, notify
 # ==========================================================================
-# Opt-in steps for runs nobody watches (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
-# NTFY_TOPIC), one row each in AFTER_RUN_STEPS. Each is done at most once per
-# run -- after_run in the state file records it -- and none of them can turn
-# a PASS into a failure: what goes wrong is logged with how to fix it, and the
-# run's exit code stands.
+# Opt-in steps (AFTER_RUN_STEPS), each done at most once per run (after_run in the state); none changes the
+# exit code.
 
 GIT_TIMEOUT_SECONDS = 60.0
 GIT_COMMIT_TIMEOUT_SECONDS = 300.0      # a commit hook may run the project's checks
@@ -7273,9 +7249,7 @@ OPENSPEC_PACKAGE = "@fission-ai/openspec"
 # Keep an unattended archive from phoning home or asking anything.
 OPENSPEC_ENV = {"OPENSPEC_TELEMETRY": "0", "DO_NOT_TRACK": "1", "CI": "1"}
 
-# A new file whose path holds one of these characters, or a part that is a
-# heredoc end marker, is taken for an agent's accident (a broken heredoc or
-# redirection writes files named `EOF)` or `x = 1`) and never committed.
+# A new file named like a broken heredoc or redirection (`EOF)`, `x = 1`) is an accident, never committed.
 ACCIDENT_CHARACTERS = frozenset("=()'\"$`;|<>&\\")
 HEREDOC_MARKER_RE = re.compile(r"(?:[A-Z]+_)?EOF(?:_[A-Z]+)?|PYEOF|SHEOF|EOT|END|EOL|HEREDOC")
 
@@ -8176,10 +8150,7 @@ def handle_tester_fail() -> None:
 
 
 # -- Progress between failed rounds (MAX_ROUNDS_WITHOUT_PROGRESS) -----------------------------------
-# After each FAIL the round's failure is compared with the last one's (failure_signature(), section 10) and
-# what the round changed in WD is noted. A failure that repeats the last one is a round without progress,
-# whatever the round changed; MAX_ROUNDS_WITHOUT_PROGRESS such rounds in a row stop the run (exit 5) with its
-# state saved as a FAIL, so that RESUME=1 goes on from there as after a FAIL at MAX_ROUNDS.
+# A FAIL whose signature (section 10) repeats the last one is a round without progress, whatever WD changed.
 HEAD_MARK = "<HEAD>"                 # the key of WD's git HEAD among the fingerprints of what WD holds
 MORE_FILES_MARK = "<more files>"     # the key of one digest for the files beyond PROGRESS_FILE_LIMIT
 PROGRESS_FILE_LIMIT = 5000           # files of a WD without git fingerprinted one by one
