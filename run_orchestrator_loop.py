@@ -103,9 +103,8 @@ import httpx
 
 
 # --------------------------------------------------------------------------
-# Exits and logging. Every way the loop stops on purpose carries its exit
-# code and one line for the user; the exits derive from SystemExit so that
-# nothing below main() can turn them into a traceback.
+# Exits and logging. A deliberate stop carries its exit code and one line; it derives from SystemExit, so
+# nothing below main() turns it into a traceback.
 # --------------------------------------------------------------------------
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS = 0, 1, 2, 3, 4, 5
@@ -416,8 +415,7 @@ DEFAULT_PROFILES = {
 }
 
 STATE_FILE_NAME = "orchestrator-loop-state.json"
-# The name the shell orchestrator (and this loop, before it was renamed) gave its state file: a state
-# file there is still the one used, so a run under way resumes.
+# The shell orchestrator's name for the state file: a state file there is still used, so its run resumes.
 OLD_STATE_FILE_NAME = "codex-3agents-loop-state.json"
 FRESH_CONTEXT_CHOICES = ("off", "round")     # FRESH_CONTEXT: when an agent starts a new conversation
 
@@ -628,8 +626,7 @@ SETTINGS_BY_ENV = {s.env: s for s in SETTINGS}
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
 # Keys a config file may carry that are not settings (free text for people).
 CONFIG_NOTE_KEYS = ("description",)
-# Secrets: read from the environment only, never from a config file, never
-# logged or saved. A config key that looks like one is refused, naming its variable.
+# Secrets: from the environment only, never logged or saved; a config key that looks like one is refused.
 SECRET_VARIABLES = ("CAO_AUTH_LOCAL_TOKEN", "NTFY_TOKEN")
 SECRET_HELP = (("CAO_AUTH_LOCAL_TOKEN", "bearer token for a cao-server started with one; never logged or saved"),
                ("NTFY_TOKEN", "ntfy access token, sent as a bearer token with each notification; never logged or "
@@ -876,8 +873,7 @@ def default_state_file(wd: str) -> str:
     return old if os.path.exists(old) and not os.path.exists(path) else path
 
 
-# The environment is read when the module starts, as in the shell script. A
-# bad value falls back to its default here; main() reports it.
+# The environment is read at import, as in the shell script; a bad value is its default until main() reports it.
 _env_values, _ = read_env_settings(os.environ)
 
 
@@ -970,15 +966,11 @@ MAX_RUN_COST: float = _initial("MAX_RUN_COST")
 MODEL_PRICES: dict[str, dict[str, float]] = _initial("MODEL_PRICES")
 AGENT_HOME: str = _initial("AGENT_HOME")
 
-# CAO's own convention for a server started with a token. A secret, so it is
-# read from the environment only and never logged or saved.
+# The secrets (SECRET_VARIABLES): CAO's own convention for a server started with a token, and ntfy's.
 CAO_AUTH_LOCAL_TOKEN: str = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
-# The ntfy access token: a secret too, so environment only, never logged,
-# never saved, and refused as a config file key.
 NTFY_TOKEN: str = os.environ.get("NTFY_TOKEN", "")
 
-# Names of the settings the user chose (environment or config file); on
-# resume these win over what the state file recorded.
+# The settings the user chose (environment or config file): on resume they win over the state file's.
 explicit_settings: set[str] = set(_env_values)
 # Warnings for environment variables that look like a misspelt setting: said first and again last.
 setting_warnings: list[str] = []
@@ -1110,8 +1102,7 @@ def configure(argv: list[str]) -> None:
     validate_settings()
 
 
-# Lines of prompt_template.md that stand for the user's own text: a task that
-# still holds one is the unedited template.
+# Lines of prompt_template.md that stand for the user's text: a task holding one is the unedited template.
 TEMPLATE_PLACEHOLDERS = (
     "What to build or change, and what the agents should know before they start.",
     "How the tester decides PASS or FAIL: concrete steps with expected results, e.g.",
@@ -1248,8 +1239,7 @@ class ApiClient:
     """The few CAO HTTP calls the loop needs, over one connection pool; during a run (`retry_seconds` > 0) a
     failure is retried with backoff only where repeating cannot deliver a prompt twice."""
 
-    # Creating a terminal waits until the agent CLI is up (15-30 s with real
-    # CLIs), so reads get a generous timeout; a dead address fails fast.
+    # Creating a terminal waits until the agent CLI is up (15-30 s); a dead address fails fast.
     TIMEOUT = httpx.Timeout(300.0, connect=10.0)
     # A creation with an idempotency key whose answer was lost is asked again for this long.
     LOST_ANSWER_RETRY_SECONDS = 30.0
@@ -1502,8 +1492,7 @@ class LocalServer:
     env: dict[str, str]
 
     def cao_version(self) -> str:
-        """The version of the cli-agent-orchestrator it runs ('' if its installation cannot be told):
-        its API names none of its own."""
+        """The version of cli-agent-orchestrator it runs ('' if unknown): its API names none."""
         try:
             args = Path(f"/proc/{self.pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")
         except OSError:
@@ -1574,8 +1563,7 @@ def agents_tmux_socket() -> str:
 
 
 def tmux_hint(command: str) -> str:
-    """A tmux command for the user, naming the agents' server: from any shell it reaches them, never the
-    user's own tmux server."""
+    """A tmux command for the user, naming the agents' server: from any shell it reaches them, not the user's."""
     socket_path = agents_tmux_socket()
     return f"tmux -S {shlex.quote(socket_path)} {command}" if socket_path else f"tmux {command}"
 
@@ -1744,8 +1732,7 @@ def own_server_missing() -> str:
 
 
 def port_holder(port: int) -> str:
-    """'pid 1234 (cao-server --port 9890)' for the process listening on a port of this machine ('' if none
-    is seen)."""
+    """'pid 1234 (cao-server --port 9890)': the process listening on a port of this machine ('' if none)."""
     pid = _process_of(_listening_sockets(port))
     if pid is None:
         return ""
@@ -2204,8 +2191,7 @@ class TurnRecord:
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
-    """The tokens of some turns by model, summed over those whose tokens are known (None when none is), and
-    how many turns' tokens are unknown."""
+    """(the known tokens of some turns by model, None when none is known; how many turns' are unknown)"""
     records = list(records)
     known = [r.tokens for r in records if r.tokens is not None]
     return (add_tokens(*known) if known else None), len(records) - len(known)
@@ -2403,8 +2389,7 @@ def _new_value(name: str) -> object:
     return STATE_FIELDS_BY_NAME[name].new()
 
 
-# The run's state: one global per "run" row of STATE_FIELDS, as the settings
-# above have one per row of SETTINGS. A new run starts from these values.
+# The run's state: one global per "run" row of STATE_FIELDS, a new run's values.
 session_name: str = _new_value("session_name")            # the run's CAO session
 terminal_ids: dict[str, str] = _new_value("terminal_ids")  # role -> its CAO terminal
 current_round: int = _new_value("current_round")
@@ -2484,8 +2469,7 @@ def record_sent(marks: Iterable[str]) -> None:
 
 
 def forget_sent(marks: Iterable[str]) -> None:
-    """Once-only blocks a terminal is not known to hold (its conversation lost them, or the prompt carrying
-    them may not have arrived): its next prompt carries them in full."""
+    """Once-only blocks a terminal is not known to hold: its next prompt carries them in full."""
     context_sent.difference_update(marks)
 
 
@@ -2550,8 +2534,7 @@ def save_state() -> None:
 
 
 def sync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable (a power loss cannot bring back the old entry). Best effort:
-    some filesystems cannot open a directory for it."""
+    """Make a rename in `directory` durable against a power loss; best effort (not every filesystem can)."""
     try:
         handle = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -2633,8 +2616,7 @@ def restore_saved_settings(saved: SavedState) -> None:
 
 
 def state_backup_path(saved: SavedState | None = None) -> Path:
-    """Where an old state file is kept when a new run replaces it: named after the run it holds (its
-    folder's name, the time it started), else after the time it was set aside."""
+    """Where a replaced state file is kept: named after its run's folder, else after the time it was set aside."""
     path = Path(STATE_FILE)
     held = Path(saved.run_dir).name if saved is not None and saved.run_dir else ""
     stamp = held if re.fullmatch(r"\d{8}-\d{6}(-\d+)?", held) else datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -6764,8 +6746,7 @@ def condense_programmer_for_tester(text: str) -> str:
 # ==========================================================================
 # 11. OpenSpec: the run's change and its stories
 # ==========================================================================
-# Story mode (STORY_MODE) works the change one story (tasks.md section) at a
-# time; ARCHIVE_ON_PASS archives the same change. Both ask openspec_change().
+# STORY_MODE works the change one story (tasks.md section) at a time; ARCHIVE_ON_PASS archives that change.
 
 STORY_HEADING = re.compile(r"^##\s+(\d+)\.?\s+(.*?)\s*#*\s*$")
 TASK_LINE = re.compile(r"^\s*[-*]\s+\[([ xX])\]\s+(.*?)\s*$")
@@ -7552,8 +7533,7 @@ def _header_text(text: str) -> str:
 
 
 def notify(event: str, message: str) -> bool:
-    """Publish one ntfy message if NTFY_TOPIC is set; True if the server took it. A failure is one log line,
-    never a stop."""
+    """Publish one ntfy message if NTFY_TOPIC is set; True if taken. A failure is one log line, never a stop."""
     if not NTFY_TOPIC:
         return False
     prefix, priority, tags = NOTIFY_EVENTS[event]
@@ -7637,8 +7617,7 @@ def _notify_run_end(result: str) -> None:
 
 @dataclass(frozen=True)
 class AfterRunStep:
-    """One thing done after a run, at most once (listed in after_run.due, so a stop among the steps loses
-    none)."""
+    """One thing done after a run, at most once; listed in after_run.due, so a stop among the steps loses none."""
 
     name: str
     asked: Callable[[str], bool]                    # the run's result (PASS or FAIL) -> wanted
@@ -7728,8 +7707,7 @@ def finish_stopped_run() -> None:
 # 14. Init and resume
 # ==========================================================================
 
-# Where a run starts for each START_AGENT: phase, step, and the outputs
-# that hold _UPSTREAM_PLACEHOLDER because their agent was skipped.
+# START_AGENT -> (phase, step, the outputs that hold _UPSTREAM_PLACEHOLDER because their agent was skipped)
 START_POSITIONS = {
     "analyst": (PHASE_ANALYST, "author", ()),
     "peer_analyst": (PHASE_ANALYST, "review", ("analyst",)),
@@ -7747,8 +7725,7 @@ def set_position(phase: str, cycle: int = 1, step: str = "author") -> None:
 
 
 def cleanup_terminals() -> None:
-    """CLEANUP_ON_EXIT: end the five agents and their CAO session, and record it, so no resume types
-    into their shells: a rerun starts a new run."""
+    """CLEANUP_ON_EXIT: end the agents and their session, recorded so that a rerun starts anew, not in shells."""
     log(f"CLEANUP_ON_EXIT=1: ending the five agents and removing CAO session {session_name}; a rerun starts "
         "a new run")
     end_agents([terminal_ids.get(role, "") for role in ROLES], session_name)
@@ -8246,8 +8223,7 @@ def progress_stop_due() -> bool:
 
 
 def turns_left_at_most(saved: SavedState) -> int:
-    """The most agent turns an unfinished run can still take (story attempts not counted), with the
-    limits in force now: what is left of the current phase, then every remaining round in full."""
+    """The most agent turns an unfinished run can still take under today's limits (story attempts not counted)."""
     if saved.finished or saved.current_phase == PHASE_DONE:
         return 0
     reviewed_phase = 2 * (MAX_REVIEW_CYCLES - saved.phase_cycle + 1) - (1 if saved.phase_step == "review" else 0)
