@@ -457,6 +457,38 @@ REVIEW_CHECKLISTS: dict[str, tuple[ReviewCheck, ...]] = {
 
 
 @dataclass(frozen=True)
+class VerdictFormat:
+    """A reply that ends in a verdict: its line (`label: word`) and the section that says why; the prompts (12)
+    ask with it, verdict_line() reads it."""
+
+    label: str                     # the verdict line's label: "RESULT"
+    good: str                      # the word that passes: "PASS"
+    other: str                     # the word that does not: "FAIL"
+    section: str                   # the section with the why: "EVIDENCE"
+
+    def line(self, passed: bool) -> str:
+        return f"{self.label}: {self.good if passed else self.other}"
+
+
+VERDICT_FORMATS = {
+    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE"),
+    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES"),
+}
+
+
+def verdict_line(form: VerdictFormat, text: str) -> tuple[int | None, str]:
+    """The reply's last verdict line (its index among the text's stripped lines; None: none) and its word,
+    upper-cased: the one the reply ends on, when it changed its mind on the way."""
+    pattern = re.compile(r"^\W*" + re.escape(form.label) + r"\W*:\W*([A-Za-z_]+)")
+    found: tuple[int | None, str] = (None, "")
+    for index, line in enumerate((text or "").strip().splitlines()):
+        match = pattern.match(line)
+        if match:
+            found = (index, match.group(1).upper())
+    return found
+
+
+@dataclass(frozen=True)
 class Setting:
     """One configuration variable: its env name, JSON key, default and kind."""
 
@@ -6542,38 +6574,6 @@ def _first_marker_line(lines: list[str], marker: str) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class VerdictFormat:
-    """A reply that ends in a verdict: its line (`label: word`) and the section that says why; the prompts (12)
-    ask with it, verdict_line() reads it."""
-
-    label: str                     # the verdict line's label: "RESULT"
-    good: str                      # the word that passes: "PASS"
-    other: str                     # the word that does not: "FAIL"
-    section: str                   # the section with the why: "EVIDENCE"
-
-    def line(self, passed: bool) -> str:
-        return f"{self.label}: {self.good if passed else self.other}"
-
-
-VERDICT_FORMATS = {
-    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE"),
-    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES"),
-}
-
-
-def verdict_line(form: VerdictFormat, text: str) -> tuple[int | None, str]:
-    """The reply's last verdict line (its index among the text's stripped lines; None: none) and its word,
-    upper-cased: the one the reply ends on, when it changed its mind on the way."""
-    pattern = re.compile(r"^\W*" + re.escape(form.label) + r"\W*:\W*([A-Za-z_]+)")
-    found: tuple[int | None, str] = (None, "")
-    for index, line in enumerate((text or "").strip().splitlines()):
-        match = pattern.match(line)
-        if match:
-            found = (index, match.group(1).upper())
-    return found
-
-
 def review_verdict(review_text: str) -> str:
     """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
     form = VERDICT_FORMATS["review"]
@@ -6853,7 +6853,7 @@ def promise_signal(reply: str) -> tuple[str, str]:
 # What stays the same for a run is sent to a terminal in full once (ONCE_BLOCKS), then by a back-reference
 # that keeps the words the loop reads back. Building a prompt changes nothing: ask_agent() records what it sent.
 
-TESTER_FORMAT, REVIEW_FORMAT = VERDICT_FORMATS["tester"], VERDICT_FORMATS["review"]     # section 9
+TESTER_FORMAT, REVIEW_FORMAT = VERDICT_FORMATS["tester"], VERDICT_FORMATS["review"]     # section 1
 
 
 def _review_back_reference(checks: tuple[ReviewCheck, ...], author: str) -> str:

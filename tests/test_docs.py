@@ -202,8 +202,6 @@ FORWARD_REFERENCES = {
     "extract_test_evidence": (("_outcome",), "the run's page shows the tester's evidence (10)"),
     "tokens_not_counted": (("_tokens_figure", "_tokens_section"), "the page says why no tokens are known (15)"),
     "sent_turn_facts": (("_unanswered_turn",), "the page describes the prompt still unanswered (8)"),
-    "VERDICT_FORMATS": (("reply_complete",), "a reply is whole when it holds its verdict line (9)"),
-    "verdict_line": (("reply_complete",), "a reply is whole when it holds its verdict line (9)"),
     "promise_signal": (("reply_complete",), "a story's reply is whole with its promise signal (11)"),
     "record_agent_event": (("begin_limit_wait",), "the wait records a usage limit as asking (8) does"),
     "note_conversation": (("observe_terminal",), "the wait notes a compacted conversation for asking (8)"),
