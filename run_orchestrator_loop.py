@@ -774,8 +774,7 @@ KIND_CHOICES: dict[str, Iterable[str]] = {"provider": AGENT_CLIS, "role_provider
 
 
 def did_you_mean(setting: Setting, value: object) -> str:
-    """' (did you mean claude_code?)' for a value close to one the setting allows: another case, the start
-    of a name, a typo. '' when nothing is close."""
+    """' (did you mean claude_code?)' for a value close to one the setting allows ('' when nothing is)."""
     choices = KIND_CHOICES.get(setting.kind)
     if not choices or not isinstance(value, str) or not value.strip():
         return ""
@@ -899,8 +898,7 @@ def read_config_file(path: str) -> dict[str, object]:
 
 
 def default_state_file(wd: str) -> str:
-    """$WD/.tmp/orchestrator-loop-state.json -- or the older name where only a state file of that name exists
-    (the shell orchestrator's, or one of an earlier release), so its run goes on."""
+    """$WD/.tmp/orchestrator-loop-state.json, or the older name where only that file exists (its run goes on)."""
     path, old = (os.path.join(wd, ".tmp", name) for name in (STATE_FILE_NAME, OLD_STATE_FILE_NAME))
     return old if os.path.exists(old) and not os.path.exists(path) else path
 
@@ -1601,8 +1599,7 @@ def tmux_hint(command: str) -> str:
 
 
 def cao_hint(command: str) -> str:
-    """A `cao` command for the user, naming the server at API: CAO's CLI reads its address from CAO_API_HOST
-    and CAO_API_PORT (127.0.0.1:9889 unless set)."""
+    """A `cao` command for the user, naming the server at API through CAO_API_HOST and CAO_API_PORT."""
     address = urlparse(API)
     host, port = address.hostname or "127.0.0.1", address.port or (443 if address.scheme == "https" else 80)
     where = ([f"CAO_API_HOST={host}"] if host not in LOCAL_HOSTS else []) + \
@@ -1621,8 +1618,7 @@ OWN_SERVER_GRACE_SECONDS = 3.0           # from SIGTERM to SIGKILL for what the 
 
 @dataclass
 class OwnServer:
-    """The run's own cao-server and tmux server: its port, the tmux folder, its log, and its processes (a pid
-    with its start time, so that a pid given out again is never taken for one of them)."""
+    """The run's own cao-server and tmux server; each process a pid with its start time (a pid is given out again)."""
 
     port: int
     tmux_dir: str
@@ -1713,8 +1709,7 @@ def note_own_server(own: OwnServer) -> None:
 
 
 def end_left_own_server() -> None:
-    """A run killed with SIGKILL left its own server running: end it before anything starts (under the
-    run's lock, so it is never a live run's)."""
+    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
     note = own_server_note()
     try:
         raw = json.loads(note.read_text(encoding="utf-8"))
@@ -1796,8 +1791,7 @@ def own_tmux_folder() -> str:
 
 
 def start_own_tmux(own: OwnServer) -> None:
-    """The agents' tmux server, before cao-server: its shells start without a login profile (which could
-    reset PATH) and it stays up while it has no session."""
+    """The agents' tmux server, before cao-server: shells without a login profile (it could reset PATH)."""
     shell = "exec bash --noprofile --norc +o history" if shutil.which("bash") else "exec sh"   # no ~/.bash_history
     env = own_server_env(own)
     started = subprocess.run(["tmux", "-f", os.devnull, "start-server", ";", "set-option", "-g", "exit-empty", "off",
@@ -2272,8 +2266,7 @@ class Replacement(PlainRecord):
 
 @dataclass
 class AgentEvent(PlainRecord):
-    """Something that happened to an agent's conversation or account: compacted, cleared, nearly full, a new
-    conversation started, a usage limit waited out. For the run record, the report and --status."""
+    """Something that happened to an agent's conversation or account (compacted, a usage limit waited out, ...)."""
 
     required: ClassVar[str] = "what"
     role: str
@@ -2289,8 +2282,7 @@ class AgentEvent(PlainRecord):
 
 @dataclass
 class FailedRound(PlainRecord):
-    """A round the tester FAILed, as the next rounds compare with it: the failure's signature (its evidence with
-    times, paths and ordering set aside), its first step, the evidence itself, and what changed in the WD."""
+    """A round the tester FAILed, as the next rounds compare with it (its failure's signature, what WD changed)."""
 
     round: int
     signature: str
@@ -2514,8 +2506,7 @@ def set_after_run(**done: object) -> None:
 
 
 def update_story_progress(**changes: object) -> None:
-    """Fields of story_progress: the story under way, its attempt, and why the last attempt failed. A story
-    attempt's end is what its answered turn led to: that turn is in flight no more."""
+    """Fields of story_progress; an attempt's end is what its answered turn led to, so it is in flight no more."""
     for name, value in changes.items():
         if not hasattr(story_progress, name):
             raise AttributeError(f"not a field of story_progress: {name}")
@@ -2669,8 +2660,7 @@ def describe_state(saved: SavedState) -> str:
 
 
 def continue_command(rounds: int) -> str:
-    """'RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop config.json': the command that takes a run that ended in FAIL
-    on to `rounds` rounds."""
+    """'RESUME=1 MAX_ROUNDS=3 cao-orchestrator-loop config.json': a FAILed run taken on to `rounds` rounds."""
     return " ".join(part for part in (f"RESUME=1 MAX_ROUNDS={rounds}", command_name(), config_argument) if part)
 
 
@@ -8978,8 +8968,7 @@ def _shown_default(setting: Setting) -> str:
 
 
 def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
-    """Where a run's agents are, as the server tells it: still running (and how to watch and stop them)
-    only for agents it still has."""
+    """Where a run's agents are, as the server tells it (how to watch and stop those it still has)."""
     run = saved or SimpleNamespace(session_name=session_name, terminal_ids=terminal_ids)
     session = run.session_name
     try:
@@ -9330,8 +9319,7 @@ def start_run(task: str) -> StartPlan:
 
 
 def status_command(args: list[str], as_json: bool = False, follow: bool = False) -> int:
-    """--status [--json] [--follow] [config.json]: print where the run stands (for people, or one JSON object
-    for a program), or follow its events; its exit code."""
+    """--status [--json] [--follow] [config.json]: where the run stands, or its events followed; its exit code."""
     try:
         if len(args) > 1:
             raise ConfigError(f"--status takes at most a config file (see {command_name()} --help)")
@@ -9539,8 +9527,7 @@ def demo_command(folder_text: str) -> int:
 
 
 def refuse_mixed_options(options: argparse.Namespace, config: list[str]) -> None:
-    """Exit 2 on options that do not go together: two commands, --json or --follow without --status, --demo
-    with anything but its folder."""
+    """Exit 2 on options that do not go together (two commands, --json without --status, ...)."""
     mixed = ("--check and --status are two commands: give one" if options.check and options.status else
              next((f"--{option} goes with --status" for option in ("json", "follow")
                    if getattr(options, option) and not options.status), "") or
