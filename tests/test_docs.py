@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 import symtable
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -213,7 +214,8 @@ FORWARD_REFERENCES = {
 def forward_references(source: str) -> set[tuple[str, str]]:
     """(top-level user, name) for each name a top-level function or class of section N uses that is first
     defined at the top level of a section M > N; sections are the `# N. Title` banners (0 above the first)."""
-    banners = [(source.count("\n", 0, m.start()) + 1, int(m.group(1))) for m in re.finditer(r"^# (\d+)\. ", source, re.M)]
+    banners = [(source.count("\n", 0, match.start()) + 1, int(match.group(1)))
+               for match in re.finditer(r"^# (\d+)\. ", source, re.M)]
 
     def section(line: int) -> int:
         return max((number for start, number in banners if start <= line), default=0)
@@ -248,10 +250,21 @@ def forward_references(source: str) -> set[tuple[str, str]]:
 
 
 def test_forward_references_are_found_through_scopes():
-    source = "\n".join(["def early():", "    late = 1", "    return late + later()", "# 1. Next",
-                        "def later():", "    return 2", "late = 3", "class Early:", "    x = later"])
-    source = source.replace("def early", "# 0. First\ndef early")
-    assert forward_references(source) == {("early", "later")}
+    source = textwrap.dedent("""\
+        # 0. First
+        def early():
+            late = 1
+            return late + later()
+        class Early:
+            def method(self):
+                return LATER
+        # 1. Next
+        def later():
+            return early()
+        late = 3
+        LATER = 4
+        """)
+    assert forward_references(source) == {("early", "later"), ("Early", "LATER")}
 
 
 def test_each_section_uses_only_what_stands_above_it_but_the_listed_references():
