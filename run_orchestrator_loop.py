@@ -306,6 +306,8 @@ class AgentCli:
     server_env: tuple[tuple[str, str, str], ...] = ()  # (variable, value, 'always' or 'root'): what its agents need
     #                                             in the environment of a CAO server the run starts itself
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
+    turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
+    #                                             done and idle): how it marks its turns on the screen (): none
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -359,7 +361,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
                ("Codex's question whether to trust the project", "Trust and continue")),
         usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
-        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996)),
+        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996),
+        turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle")),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
     # turn); it repaints its busy bar about twenty times a second while it works.
     "opencode_cli": AgentCli(
@@ -2798,17 +2801,7 @@ RESPONSE_FILES = {
     "peer_programmer": "programmer_review.md",
     "tester": "test_result.md",
 }
-# How often the response file is looked at between two status polls:
-# reading a local file costs nothing, so a reply is noticed quickly.
-FILE_CHECK_SECONDS = 0.05
-# A response file counts once it has not changed for this long, so a reply
-# still being written (or rewritten) is never read half-way. Agents write a
-# reply in one go (a tool call, a heredoc), and the turn also needs the agent
-# seen idle or its screen still, so a short settle is enough.
-FILE_SETTLE_SECONDS = 0.1
-# Filesystem timestamps can be coarse: a file whose time is this much before the prompt's still counts as
-# written since (the stale file of an earlier turn was moved aside before the send).
-MTIME_SLACK_SECONDS = 1.0
+FILE_CHECK_SECONDS = 0.05      # how often the response file is looked at: a local read, so a reply is seen at once
 
 
 def new_run_dir() -> str:
@@ -4341,38 +4334,30 @@ def compaction_point(role: str) -> int | None:
 # ==========================================================================
 # 6. The wait for a reply
 # ==========================================================================
-# CAO's status is a hint: it can lag, stick at `processing` when it misreads a
-# CLI's screen, or read `unknown` after a server restart. The response file is
-# the agent's own word, so it leads. Whether the agent is still there at all
-# is asked of the session's own record and of the screen (below). The wait is
-# a small state machine:
-#
-#   TurnFacts      what has been observed of the turn (pure questions on it)
-#   turn_state()   the named state those facts put the turn in
-#   WAIT_RULES     the decision table: (states, condition) -> verdict
-#   decide()       the first rule that applies; pure, so each rule is tested
-#                  alone on a fake clock
-#   ReadSchedule   what to ask the server, and when
-#   wait_for_reply() does the I/O: it feeds observations in and acts on verdicts.
+# CAO's status is a hint; the response file is the agent's own word and leads (docs/code-map.md, "One turn,
+# end to end"). TurnFacts holds what was observed, turn_state() names the state, WAIT_RULES decides (decide(),
+# pure), ReadSchedule says when to ask the server, wait_for_reply() does the I/O.
 
-# A CLI's model provider failing is told by its row's `error_lines`; a rate limit (its `rate_limit_lines`)
-# passes with time: it is waited out with growing pauses for up to USAGE_LIMIT_MAX_WAIT in all, never failed.
+# -- When a turn is over: the constants every judge of it uses --------------------
+# With STILL_SCREEN_SECONDS (section 1, above the table whose rows use it) and the QUIET_SCREEN_SECONDS setting.
+FILE_SETTLE_SECONDS = 0.1        # a reply file unchanged this long is whole (agents write it in one go)
+MTIME_SLACK_SECONDS = 1.0        # coarse file times: a file this much older than the prompt still counts as newer
+CONFIRM_READ_SECONDS = 0.5       # how often a settled reply file's turn asks whether the agent has finished
+RECORD_READ_SECONDS = 0.1        # ... and reads its CLI's own record, where the loop reads it (a local read)
+# What ended a turn, as the reply's log line says it ("turn end seen by ..."): one row of WAIT_RULES each.
+TURN_ENDED_BY_STATUS = "CAO's ready status"
+TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
+TURN_ENDED_BY_STILL_SCREEN = "a still screen"
+TURN_ENDED_BY_RECORD = "its CLI's own record"
+TURN_ENDED_BY_AGENT_GONE = "its agent gone, the reply complete"
+
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn asks whether its agent is still there
-CONFIRM_READ_SECONDS = 0.5            # how often a settled reply file's turn asks whether the agent has finished
-RECORD_READ_SECONDS = 0.1             # ... and reads its CLI's own record, where the loop reads it (a local read)
-# The first look after a send comes soon: a CLI that compacts as the prompt is submitted says so at once, and
-# a long turn's output can push those words out of the 32 KB of screen CAO keeps before a later look.
-FIRST_LOOK_SECONDS = 0.5
+FIRST_LOOK_SECONDS = 0.5              # the first look after a send: a compaction's words can scroll away later
 
 # -- Is the agent still there? -------------------------------------------------
-# An agent CLI can die (a crash, the OOM killer) and leave its pane at a shell
-# prompt; the agents' tmux server can end (a logout, a reboot). CAO notices
-# neither: it keeps answering the terminal's last status from its database.
-# So the loop asks the session's own record, and reads the screen: a shell
-# prompt on its last line means the CLI is gone, and nothing may be typed
-# there -- a shell runs every line it is sent.
+# CAO keeps answering a dead CLI's last status: the session's record and a shell prompt on the screen tell.
 
 # CSI sequences, OSC strings, charset choices and the two-character escapes.
 ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[()*+][0-9A-Za-z]"
@@ -4418,57 +4403,30 @@ def shows_prompt(screen: str | None, markers: tuple[str, ...]) -> bool:
     return any(marker in screen_text for marker in markers)
 
 
-# Codex announces its turn's state to the terminal as it goes: `ESC ] 7501 ; state=working:app=codex`
-# when a turn starts, `state=done`, then `state=idle` when it has ended. CAO's status for Codex is
-# wrong both ways (`processing` for good after a finished turn, a stale `idle` or `completed` while it
-# works), so this mark, when there is one, outranks it: the loop learns at once that a turn is over,
-# and never takes a half-written answer for a finished one. CAO's screen holds only what was printed
-# since the last input -- but Codex marks its start-up too: `idle` once it has loaded, and `working`
-# then `idle` around a task of its own just after. CAO takes Codex for ready while it still loads, so
-# a first prompt sent at once (on a loaded machine) finds those marks on the screen after it, ahead of
-# the turn's own `working`. Only `done` is the end of a turn.
-TURN_STATE_MARK = re.compile(r"\x1b\]7501;state=(\w+)")
-TURN_DONE_MARK, TURN_IDLE_MARK, TURN_WORKING_MARK = "done", "idle", "working"
+# -- A CLI's own marks of its turns (its row's `turn_marks`) ---------------------
+# They outrank CAO's status; only `done` after the newest `working` ends a turn (start-up marks idle too).
+
+def turn_marks_on(screen: str | None, cli: AgentCli) -> list[str]:
+    """The marks the CLI printed on the screen, oldest first, as 'working', 'done' or 'idle' (none: no marks)."""
+    if not cli.turn_marks:
+        return []
+    pattern, *words = cli.turn_marks
+    meaning = dict(zip(words, ("working", "done", "idle")))
+    return [meaning.get(word, word) for word in cli_pattern(pattern).findall(screen or "")]
 
 
-# CAO reads each CLI's screen its own way, and for some it reads wrong (their rows in AGENT_CLIS say which;
-# docs/agent-clis.md for which versions): a reply file the CLI rewrites later in its turn would be taken at
-# its first write. For such a CLI a ready status counts for nothing -- the loop judges by the screen as it
-# does for a status it does not know -- and a settled reply file is confirmed by a screen still for the
-# row's `still_screen_ends_turn` (else QUIET_SCREEN_SECONDS) or by the CLI's own end-of-turn mark.
-
-
-def turn_mark(screen: str | None) -> str | None:
-    """What the CLI's marks on the screen say: 'working'; 'ended' (a `done` after the newest `working`,
-    which may have scrolled out of the screen: the turn is over); 'idle' (idle with no `done` since the
-    newest `working`: the CLI's start-up, which says nothing of a turn); or None (no mark)."""
-    marks = TURN_STATE_MARK.findall(screen or "")
+def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) -> str | None:
+    """What the marks say: 'working'; 'ended' (a `done` after the newest `working`); 'rest' (idle after a
+    `done`, or after a turn of this run: a task of its own followed the turn); 'idle' (its start-up); or None."""
+    marks = turn_marks_on(screen, cli)
     if not marks:
         return None
-    newest_working = len(marks) - marks[::-1].index(TURN_WORKING_MARK) if TURN_WORKING_MARK in marks else 0
-    if TURN_DONE_MARK in marks[newest_working:]:
+    newest_working = len(marks) - marks[::-1].index("working") if "working" in marks else 0
+    if "done" in marks[newest_working:]:
         return "ended"
-    return "idle" if marks[-1] == TURN_IDLE_MARK else "working"
-
-
-def rests_after_a_turn(screen: str | None, answered_before: bool = False) -> bool:
-    """Whether the CLI's marks say it is at rest after a turn: the turn's end, or -- after a turn's `done`
-    -- a task of its own (a title: `working`, then `idle`). Idle with no `done` at all is its start-up,
-    which may still be loading -- unless the agent has `answered_before` in this run: then the `done` has
-    only left CAO's screen (the tail of what the pane printed), pushed out by that task of its own."""
-    marks = TURN_STATE_MARK.findall(screen or "")
-    if not marks or turn_mark(screen) == "ended":
-        return bool(marks)
-    return marks[-1] == TURN_IDLE_MARK and (TURN_DONE_MARK in marks or answered_before)
-
-
-def quiet_after_a_turn(screen: str | None, still_seconds: float, cli: AgentCli) -> bool:
-    """For a CLI whose ready status CAO cannot be trusted with: at rest when its screen has been still as long as
-    ends its turns, unless its marks say it is starting up (idle, no `done` yet). Its marks may have scrolled out
-    of CAO's screen, or a task of its own may have left a `working` behind, while it waits for input."""
-    if cli.ready_status_trusted or screen is None or turn_mark(screen) == "idle":
-        return False
-    return still_seconds >= (cli.still_screen_ends_turn or QUIET_SCREEN_SECONDS)
+    if marks[-1] != "idle":
+        return "working"
+    return "rest" if "done" in marks or answered_before else "idle"
 
 
 # -- What the screen says of the agent's conversation and its account -----------
@@ -4761,17 +4719,8 @@ class TurnState(Enum):
     WORKING = "working"                                 # no file; the prompt arrived, not idle
     IDLE_WITHOUT_FILE = "idle without a file"           # no file; the prompt arrived, now idle
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
-    FILE_SETTLED = "file settled, awaiting confirmation"  # not yet seen finished (ready, end mark, still screen)
-    DONE = "done"                                       # settled file, and the agent seen finished since
+    FILE_SETTLED = "file settled"                       # its turn-ending rows say whether the turn is over
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
-
-
-# What confirmed that a turn with a settled reply file is over, as the reply's log line says it.
-TURN_ENDED_BY_STATUS = "CAO's ready status"
-TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
-TURN_ENDED_BY_STILL_SCREEN = "a still screen"
-TURN_ENDED_BY_RECORD = "its CLI's own record"
-TURN_ENDED_BY_AGENT_GONE = "its agent gone, the reply complete"
 
 
 class Verdict(Enum):
@@ -4792,30 +4741,8 @@ class Verdict(Enum):
 
 @dataclass
 class TurnFacts:
-    """What has been observed of one turn. Its note_* methods take observations in; the rest only asks.
-
-      file     the response file's (mtime, size), looked at every FILE_CHECK_SECONDS
-      status   CAO's status word, read at most once per POLL_SECONDS (plus at once
-               when a file has settled and every CONFIRM_READ_SECONDS after, so a
-               finished turn ends at once)
-      screen   the terminal's recent output, read with the status while the
-               prompt is not yet seen on it or the status alone cannot end the
-               turn, and every LIVENESS_CHECK_SECONDS while there is no file;
-               an agent CLI that marks its turn's end there (Codex) says so
-      reply    CAO's last reply, read before the prompt and once more before
-               sending it again: a change means the agent worked
-      lost     why the agent is gone, once the session's record or the screen says so
-      record   where the loop reads the CLI's own records (section 5): whether the CLI
-               has recorded the end of its turn, read with each status read once a
-               reply file is there
-
-    "Idle" is a ready status, the CLI's own mark that it is idle, or
-    -- when the status is one the loop does not know -- a screen that has not
-    changed for QUIET_SCREEN_SECONDS; a CLI whose mark says it works is never
-    idle, whatever CAO says. Whether a prompt arrived is judged by the prompt
-    on the screen, never by motion: a dialog that swallows a prompt changes
-    the screen too.
-    """
+    """What has been observed of one turn (or of a terminal about to be prompted: no markers, no file).
+    The note_* methods take observations in; the rest only asks."""
 
     started: float                    # when the prompt went out (or the wait began, for a carried-over turn)
     guard_since: float                # the last prompt or reminder: not seen working on it yet at this time
@@ -4827,12 +4754,10 @@ class TurnFacts:
     ready_since: float | None = None  # the first of the latest unbroken run of ready status reads
     file_version: tuple[int, int] | None = None
     file_seen_at: float = float("-inf")  # when file_version last changed (appeared, was rewritten, vanished)
-    finished_by: str = ""             # since the file's last change, what first said the agent finished: a ready
-    #                                   status read or the CLI's end mark ("" : nothing yet)
+    finished_by: str = ""             # since the file's last change, what first said the agent finished
     screen: str | None = None
-    mark: str | None = None           # the CLI's own word on its screen: 'working', 'ended', 'idle' or None
-    marked_idle_at: float | None = None  # when the screen first showed the CLI's mark that it is idle (its
-    #                                      turn ended, or not begun)
+    mark: str | None = None           # the CLI's own marks: turn_mark() (stands until the screen shows another)
+    marked_idle_at: float | None = None  # when the screen first showed a mark that the CLI is idle
     screen_changed_at: float = float("-inf")
     lost: str = ""                    # why the agent is gone ("" while it is there)
     left_reply: bool = False          # ... and it left its reply complete (left_reply(), section 4)
@@ -4846,6 +4771,7 @@ class TurnFacts:
     usage_limit: UsageLimit | None = None  # the screen says the account's usage limit stopped the agent
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
     full_prompt_due: bool = False     # compacted during the turn, its prompt referring back to what that summarised
+    answered_before: bool = False     # the agent has answered a turn of this run (its marks: turn_mark())
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -4859,7 +4785,7 @@ class TurnFacts:
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
-        if ready and self.file_version is not None and not self.finished_by:
+        if ready and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_STATUS
         if status in BUSY_STATUSES:
             self.seen_working = True
@@ -4869,13 +4795,12 @@ class TurnFacts:
             return
         if self.markers and not self.prompt_seen and shows_prompt(screen, self.markers):
             self.prompt_seen = True
-        # CAO's screen is the tail of what the CLI printed: a spinner redrawn many times a second can push the
-        # turn's mark out of it. A mark the turn showed stands until the screen shows another (or a new prompt).
-        # Only the mark of a turn's end confirms a reply file: an idle CLI's start-up marks do not.
-        self.mark = turn_mark(screen) or self.mark
-        if self.mark in ("ended", "idle"):
+        # A spinner can push the turn's mark out of CAO's screen (its tail): the mark stands until another shows.
+        self.mark = turn_mark(screen, self.cli, self.answered_before) or self.mark
+        if self.mark in ("ended", "rest", "idle"):
             self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
-            if self.mark == "ended" and self.file_version is not None and not self.finished_by:
+            at_rest = self.mark == "ended" or (self.mark == "rest" and self.file_version is None)
+            if at_rest and not self.finished_by:
                 self.finished_by = TURN_ENDED_BY_MARK
         else:
             self.marked_idle_at = None
@@ -4886,8 +4811,7 @@ class TurnFacts:
         self.screen, self.screen_changed_at = screen, now
 
     def note_record(self, turn_over: bool) -> None:
-        """What the CLI's own record says of the turn (read after the reply file's latest version was seen):
-        the end of its turn, recorded after its last response, confirms that file."""
+        """Whether the CLI's own record, read after the file's latest version was seen, shows the turn over."""
         if turn_over and self.file_version is not None and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_RECORD
 
@@ -4901,8 +4825,8 @@ class TurnFacts:
 
     def note_sent(self, now: float, whole_prompt: bool = False,
                   markers: tuple[str, ...] | None = None) -> None:
-        """After a prompt or reminder went out: the agent has not been seen working on it yet
-        (nor, after the whole prompt again, seen to have it; `markers`: a prompt of other words)."""
+        """After a prompt or reminder went out: not seen working on it yet (nor, after the whole prompt again,
+        seen to have it; `markers`: a prompt of other words)."""
         self.guard_since, self.seen_working = now, False
         self.provider_pause_until, self.marked_idle_at, self.mark = None, None, None
         self.usage_limit = self.limit_wait_until = None
@@ -4913,17 +4837,20 @@ class TurnFacts:
             self.markers = markers
 
     def note_compacted(self, prompt_referred_back: bool) -> None:
-        """Its CLI compacted the conversation during the turn; if the prompt referred back to what the
-        summary may have dropped, the prompt is due again in full."""
+        """Compacted during the turn, before a reply file: the prompt is due in full if it referred back."""
         self.full_prompt_due = self.full_prompt_due or (prompt_referred_back and self.file_version is None)
 
     # -- questions ---------------------------------------------------------------
-    def ended_by(self) -> str:
-        """What confirmed a settled reply file (once the turn is DONE): the status, the CLI's mark or its record,
-        a still screen; or that its agent was gone, the reply complete."""
-        if self.lost:
-            return TURN_ENDED_BY_AGENT_GONE
-        return self.finished_by if self.finished_by and self.mark != "working" else TURN_ENDED_BY_STILL_SCREEN
+    def said_finished(self, by: str) -> bool:
+        """Whether `by` first said the agent finished since the file's last change, and no mark says it works."""
+        return self.finished_by == by and self.mark != "working"
+
+    def still_screen_ends(self, now: float) -> bool:
+        """A screen still for its row's window since the file's last change; with no file (a terminal about to
+        be prompted) only for a CLI whose ready status CAO misreads, and not at its start-up."""
+        if self.file_version is None and (self.cli.ready_status_trusted or self.mark == "idle"):
+            return False
+        return self.screen_still_since(self.file_seen_at, now, self.cli.still_screen_ends_turn)
 
     def file_settled(self, now: float) -> bool:
         return self.file_version is not None and now - self.file_seen_at >= FILE_SETTLE_SECONDS
@@ -4966,11 +4893,7 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
     if facts.status == "error":
         return TurnState.FAILED
     if facts.file_version is not None:
-        if not facts.file_settled(now):
-            return TurnState.FILE_SETTLING
-        said_done = bool(facts.finished_by) and facts.mark != "working"
-        confirmed = said_done or facts.screen_still_since(facts.file_seen_at, now, facts.cli.still_screen_ends_turn)
-        return TurnState.DONE if confirmed else TurnState.FILE_SETTLED
+        return TurnState.FILE_SETTLED if facts.file_settled(now) else TurnState.FILE_SETTLING
     if facts.markers and not facts.prompt_seen:
         return TurnState.PROMPT_NOT_SHOWN if facts.is_quiet(now) else TurnState.AWAITING_SIGN_OF_LIFE
     arrived = facts.seen_working or facts.prompt_seen
@@ -4987,24 +4910,32 @@ class WaitRule:
     condition: str                    # the rule in words
     applies: Callable[[TurnFacts, float], bool]
     verdict: Verdict
+    ended_by: str = ""                # a row that ends the turn: what the reply's log line says ended it
 
 
 def _since_prompt(facts: TurnFacts, now: float) -> float:
     return now - facts.guard_since
 
 
-OPEN_STATES = frozenset(TurnState) - {TurnState.DONE, TurnState.FAILED, TurnState.LOST}
+OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST}
+SETTLED = frozenset({TurnState.FILE_SETTLED})
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
     WaitRule(frozenset({TurnState.LOST}), "it left its reply complete: a reply written is a reply taken",
-             lambda f, now: f.left_reply, Verdict.TAKE_REPLY),
+             lambda f, now: f.left_reply, Verdict.TAKE_REPLY, TURN_ENDED_BY_AGENT_GONE),
     WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)",
              lambda f, now: True, Verdict.LOST),
     WaitRule(frozenset({TurnState.FAILED}), "always",
              lambda f, now: True, Verdict.ERROR),
-    WaitRule(frozenset({TurnState.DONE}), "always",
-             lambda f, now: True, Verdict.TAKE_REPLY),
+    WaitRule(SETTLED, "a ready status read since the file's last change, for a CLI whose ready word CAO reads right",
+             lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
+    WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
+             lambda f, now: f.said_finished(TURN_ENDED_BY_MARK), Verdict.TAKE_REPLY, TURN_ENDED_BY_MARK),
+    WaitRule(SETTLED, "its CLI's own record of the turn's end, read since the file's last change",
+             lambda f, now: f.said_finished(TURN_ENDED_BY_RECORD), Verdict.TAKE_REPLY, TURN_ENDED_BY_RECORD),
+    WaitRule(SETTLED, "the screen still since then for its row's still_screen_ends_turn, else QUIET_SCREEN_SECONDS",
+             lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
     WaitRule(OPEN_STATES, "a usage-limit wait is under way",
              lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
     WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet (CAO reads Codex busy)",
@@ -5046,6 +4977,12 @@ def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
     return state, Verdict.WAIT
 
 
+def turn_ended_by(facts: TurnFacts, now: float) -> str:
+    """What says the turn is over: the first turn-ending row of WAIT_RULES that holds ('' : none). Pure; the
+    one judge, asked by the wait, a carried-over turn (at_work) and the settle check (wait_until_settled)."""
+    return next((rule.ended_by for rule in WAIT_RULES if rule.ended_by and rule.applies(facts, now)), "")
+
+
 @dataclass
 class ReadSchedule:
     """When to ask the server: the status once per POLL_SECONDS; as soon as a reply file has settled,
@@ -5062,7 +4999,7 @@ class ReadSchedule:
 
     def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
         """When a settled file's turn is next asked whether it has finished (None: no such file)."""
-        if not facts.file_settled(now) or turn_state(facts, now) is not TurnState.FILE_SETTLED:
+        if turn_state(facts, now) is not TurnState.FILE_SETTLED or turn_ended_by(facts, now):
             return None
         settled_at = facts.file_seen_at + FILE_SETTLE_SECONDS
         if facts.status_at < settled_at:
@@ -5568,10 +5505,11 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
             observe_terminal(turn)
         elif turn.reads.record_due(turn.facts, now):
             read_turn_record(turn)
-        state, verdict = decide(turn.facts, time.monotonic())
+        decided_at = time.monotonic()
+        state, verdict = decide(turn.facts, decided_at)
         reply = act_on(turn, state, verdict)
         if reply is not None:
-            return reply, turn.facts.ended_by()
+            return reply, turn_ended_by(turn.facts, decided_at)
         if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
             log_turn(role, progress_text(turn.facts, began, time.monotonic()))
             next_progress_at += PROGRESS_SECONDS
@@ -6022,47 +5960,37 @@ class Prompt(str):
 
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
-    """Before the first prompt to a terminal this process did not create (a resumed run's):
-    ready twice in a row, since some CLIs show their prompt before they take input.
-
-    A status word the loop does not know (`unknown` after a cao-server
-    restart) cannot become ready, so it counts as settled: the prompt goes out
-    and the reply file decides. A CLI whose own mark on its screen says its
-    turn has ended is at rest whatever CAO says (Codex, which CAO reads
-    `processing` for good after a turn; see rests_after_a_turn()).
-    """
+    """Before the first prompt to a terminal this process did not create (a resumed run's): at rest twice in a
+    row (some CLIs show their prompt before they take input) -- CAO's status not busy, or turn_ended_by()."""
     if terminal_id in settled_terminals:
         return
     started = time.monotonic()
-    ready_in_a_row = 0
-    cli = agent_cli(provider_for(role))
-    answered_before = any(record.terminal == terminal_id for record in turn_records)
-    screen, still_since, next_liveness_at = None, started, started + LIVENESS_CHECK_SECONDS
-    while ready_in_a_row < 2:
+    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)),
+                      answered_before=any(record.terminal == terminal_id for record in turn_records))
+    at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
+    while at_rest_in_a_row < 2:
         status = api.get_status(terminal_id)
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
-            check_gone(role, terminal_id, screen)
+            check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        if status in BUSY_STATUSES:
-            now, seen = time.monotonic(), _screen(terminal_id)
-            if seen != screen:
-                screen, still_since = seen, now
-            if rests_after_a_turn(screen, answered_before) or quiet_after_a_turn(screen, now - still_since, cli):
-                status = "idle"
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
-        ready_in_a_row = ready_in_a_row + 1 if status not in BUSY_STATUSES else 0
+        if status in BUSY_STATUSES:
+            now = time.monotonic()
+            facts.note_status(status, now)
+            facts.note_screen(_screen(terminal_id), now)
+        at_rest = status not in BUSY_STATUSES or bool(turn_ended_by(facts, time.monotonic()))
+        at_rest_in_a_row = at_rest_in_a_row + 1 if at_rest else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, status, screen)
-        if ready_in_a_row < 2:
+            raise never_ready(role, terminal_id, status, facts)
+        if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
 
 
-def never_ready(role: str, terminal_id: str, status: str, screen: str | None) -> RunError:
-    """The error for a terminal that did not become ready within RESPONSE_TIMEOUT: its status, and its CLI's
-    last marks."""
-    marks = TURN_STATE_MARK.findall(screen or "")
+def never_ready(role: str, terminal_id: str, status: str, facts: TurnFacts) -> RunError:
+    """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
+    marks = turn_marks_on(facts.screen, facts.cli)
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
                                            f"(status {status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks
                                                                     else "") + ")")
@@ -6125,11 +6053,15 @@ def carried_over_turn(role: str, path: Path) -> str:
 
 
 def at_work(role: str) -> bool:
-    """Whether the role's agent may be at work on a prompt: busy, or a status that cannot tell (the wait then
-    judges by file and screen); not when it reads ready, failed, or its CLI marks itself at rest."""
-    status = agent_cli(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
-    return not (status == "error" or status in READY_STATUSES
-                or turn_mark(_screen(terminal_ids[role])) in ("ended", "idle"))
+    """Whether the role's agent may be at work on a prompt: not when it failed, turn_ended_by() says its turn is
+    over (the status a CLI's row trusts, its marks), or its marks say it is idle."""
+    terminal_id, now = terminal_ids[role], time.monotonic()
+    facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
+    facts.note_status(api.get_status(terminal_id), now)
+    if facts.status == "error" or turn_ended_by(facts, now):
+        return False
+    facts.note_screen(_screen(terminal_id), now)
+    return not (turn_ended_by(facts, now) or facts.mark == "idle")
 
 
 def send_prompt(role: str, prompt: str) -> str:
