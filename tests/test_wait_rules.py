@@ -486,6 +486,42 @@ def test_an_end_mark_without_a_file_is_idle_and_reminded_after_idle_grace(m):
     assert decide(m, facts, 10.0 + GRACE + 1) == ("WORKING", "WAIT")
 
 
+def test_a_cli_whose_row_names_no_turn_marks_has_none_read(m):
+    """Codex's marks on the screen of a CLI without `turn_marks` say nothing: its settled file waits for its
+    own confirmations (here CAO's ready status), not for a `done` it never prints."""
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_file(FILE, 3.0)
+    facts.note_screen(f"{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK}", 3.0 + SETTLE)
+    assert facts.mark is None and m.turn_marks_on(f"{WORKING_MARK}{DONE_MARK}", facts.cli) == []
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    facts.note_status("completed", 3.5)
+    assert decide(m, facts, 3.5) == ("FILE_SETTLED", m.TURN_ENDED_BY_STATUS)
+
+
+def test_every_way_a_turn_ends_is_a_row_of_its_own(m):
+    """The table says which confirmation ends a turn: each TURN_ENDED_BY_* is one row taking the reply (each
+    row's own test above fails without it), and no row takes a reply without naming what ended the turn."""
+    taking = [rule for rule in m.WAIT_RULES if rule.verdict is m.Verdict.TAKE_REPLY]
+    assert all(rule.ended_by for rule in taking)
+    assert sorted(rule.ended_by for rule in taking) == sorted(
+        getattr(m, name) for name in dir(m) if name.startswith("TURN_ENDED_BY_"))
+
+
+def test_a_terminal_at_rest_after_a_turn_is_over_by_its_marks_without_a_file(m):
+    """What the settle check asks of a terminal about to be prompted: idle after a `done`, or after a turn this
+    run saw it answer, is at rest; its start-up's idle is not, nor a mark that it works."""
+    after_own_task = f"{WORKING_MARK}{DONE_MARK}{IDLE_MARK}{WORKING_MARK}{IDLE_MARK}"
+    for screen, answered_before, over in ((after_own_task, False, m.TURN_ENDED_BY_MARK),
+                                          (f"{WORKING_MARK}{IDLE_MARK}", True, m.TURN_ENDED_BY_MARK),
+                                          (f"{WORKING_MARK}{IDLE_MARK}", False, ""),
+                                          (f"{DONE_MARK}{WORKING_MARK} Working", True, "")):
+        facts = m.TurnFacts(started=0.0, guard_since=0.0, cli=codex(m), answered_before=answered_before)
+        facts.note_status("processing", 1.0)
+        facts.note_screen(screen, 1.0)
+        assert m.turn_ended_by(facts, 1.0) == over, screen
+
+
 def test_only_a_done_after_the_newest_working_mark_ends_a_turn(m):
     """Codex marks its start-up too: `idle` once loaded, `working` then `idle` around a task of its own.
     Those say it is idle, not that a turn has ended; `done` does, even with the `working` scrolled out."""
