@@ -2791,8 +2791,7 @@ def release_run_lock() -> None:
 # ==========================================================================
 # 4. Response files and the run record
 # ==========================================================================
-# Each agent writes its answer to a file of its own; the file is the agent's
-# word, so it leads every decision about a turn (section 6).
+# Each agent writes its answer to a file of its own: the agent's word, which leads every decision of a turn.
 
 RESPONSE_FILES = {
     "analyst": "analyst_summary.md",
@@ -2835,13 +2834,7 @@ def prepare_run_folder() -> None:
 
 
 # -- The run's events: events.jsonl, for programs ----------------------------------------------------
-# run.log is for people. A program (a job scheduler, a dashboard, a script) reads events.jsonl in the run's
-# folder instead: one JSON object a line, appended as things happen and never rewritten, each with `seq`
-# (1, 2, 3, ... going on across every invocation of the run), `at` (UTC, to the millisecond), `event` (one
-# of EVENT_KINDS) and that kind's fields. `--status --follow` streams it. A line an invocation killed in
-# the middle of writing left torn is followed by a new line, never written over: readers skip what does
-# not parse. After a crash between taking a reply and saving it, the next invocation takes the same reply
-# again: its `reply_taken` then appears twice, with the same `reply_file`.
+# Appended, never rewritten; a torn line is followed by a new one (docs/following-a-run.md says the format).
 EVENTS_FILE = "events.jsonl"
 EVENT_KINDS = {
     "run_started": "a new run's five agents are up: session, terminals, provider, max_rounds",
@@ -2997,11 +2990,8 @@ def prompt_file_path(role: str, number: int) -> Path:
 
 
 def keep_sent(role: str, kind: str, message: str) -> None:
-    """Keep what the turn in flight was sent beside the reply it gets: the prompt (NNN-<role>.prompt.md),
-    then each resend, reminder or "continue" appended under a line that says what and when.
-
-    A file that cannot be written costs only the record, never the run: said once in the log.
-    """
+    """Keep what the turn in flight was sent beside its reply (NNN-<role>.prompt.md), each resend, reminder
+    or "continue" appended below; a file that cannot be written costs only the record, said once."""
     if in_flight is None or in_flight.number is None or not run_dir:
         return
     path = prompt_file_path(role, in_flight.number)
@@ -3019,13 +3009,8 @@ def keep_sent(role: str, kind: str, message: str) -> None:
 
 
 def archive_reply(role: str, text: str, response_file: Path) -> Path:
-    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, beside its prompt, taking the response file along.
-
-    The state names the reply's place (in_flight.reply_file) before the move,
-    and both are on disk before the caller goes on: whatever instant the loop
-    dies, a rerun finds the reply -- where the agent wrote it or where it
-    was kept -- and takes it without sending the prompt again.
-    """
+    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, its place saved first: whenever the loop dies,
+    a rerun finds the reply and takes it without sending the prompt again."""
     directory = Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     number = in_flight.number if in_flight is not None and in_flight.role == role else None
@@ -3067,8 +3052,7 @@ def taken_reply(role: str) -> Path | None:
     return None
 
 
-# A reply is complete when it holds every part its format's reader reads (sections 9-15: the verdict and the
-# notes of a review, the result and the evidence of a test, ...); a reply cut off as it was written lacks its last.
+# The parts each format's reader reads (sections 9-15): a reply cut off as it was written lacks its last.
 REPLY_PARTS: dict[str, tuple[str, ...]] = {
     "analyst": ("ANALYST_SUMMARY", "Handoff"),
     "peer_analyst": ("REVIEW_RESULT", "REVIEW_NOTES"),
@@ -3091,14 +3075,8 @@ def reply_complete(role: str, text: str) -> bool:
 
 
 def left_reply(role: str, path: Path) -> str:
-    """The answer the turn in flight's agent left before it was gone: written since the prompt was sent,
-    settled, and complete by its format's reader ('' if none).
-
-    The one rule wherever a turn's agent is gone -- the wait, a resumed turn,
-    a replaced agent's turn: a reply written is a reply taken, and the turn is
-    not sent again; a reply cut off mid-write is not taken, and the turn goes
-    to the new agent.
-    """
+    """The answer the gone agent of the turn in flight left: written since the prompt, settled and complete
+    ('' if none). The one rule wherever an agent is gone: a reply written is taken, one cut off is not."""
     version = reply_file_version(path)
     if in_flight is None or in_flight.role != role or in_flight.sent_at is None or version is None:
         return ""
@@ -3114,12 +3092,7 @@ def left_reply(role: str, path: Path) -> str:
 
 
 def reply_file_version(path: Path) -> tuple[int, int] | None:
-    """(mtime, size) of a non-empty response file, None while it is missing or empty.
-
-    Looking costs a read of a small local file, so it is done every
-    FILE_CHECK_SECONDS; the server is asked far less often. A file of blanks
-    counts as empty.
-    """
+    """(mtime, size) of a non-empty response file (blanks count as empty), None while missing or empty."""
     try:
         info = path.stat()
     except OSError:
@@ -3204,12 +3177,8 @@ def _unanswered_turn() -> dict | None:
 
 
 def run_summary(exit_code: int | None) -> dict:
-    """What the run did, from its turn records: for the last log lines, CI dashboards and the report.
-
-    A prompt sent and not answered (an interrupted run) is listed among the
-    turns with no reply and counted in the prompts sent. `exit_code` is None
-    while the run is still going.
-    """
+    """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
+    counts among the prompts sent. `exit_code` is None while the run goes on."""
     unanswered = _unanswered_turn()
     turns = [{**r.to_json(), "cost": cost_of(r.tokens) if MODEL_PRICES else None} for r in turn_records] \
         + ([unanswered] if unanswered else [])
@@ -3239,8 +3208,7 @@ def run_summary(exit_code: int | None) -> dict:
 
 
 # -- report.html: the page a person opens to see a run ----------------------------
-# The page is one template (REPORT_PAGE) filled by a few builders. Every value goes into the markup through
-# _fill() or _join(), which escape it; only fragments a builder made that way (ReportHtml) go in as they are.
+# One template (REPORT_PAGE); every value goes in escaped through _fill() or _join() (ReportHtml: already so).
 
 REPORT_COLOURS = {"PASS": "#2e7d32", "FAIL": "#d32f2f", "APPROVED": "#66bb6a", "REVISE": "#f9a825",
                   "MISSING": "#8d6e63", "COMPLETE": "#26a69a", "unanswered": "#9e9e9e", "": "#1976d2"}
@@ -3408,8 +3376,7 @@ def report_duration(seconds: float | None) -> str:
     return f"{max(0.0, seconds):.1f}s" if seconds < 10 else duration_text(seconds)
 
 
-# The report is written anew after every prompt and reply: the kept files it shows are read again only when
-# they changed (a prompt file grows by each resend or reminder), not once per page for every turn so far.
+# The page is written after every prompt and reply: a kept file is read again only when it changed.
 _kept_texts: dict[Path, tuple[tuple[int, int], str]] = {}    # path -> ((mtime_ns, size), the text shown)
 
 
@@ -3589,9 +3556,8 @@ def _token_cells(tokens: dict | None, cost: float | None) -> dict[str, str]:
 
 
 def _tokens_section(summary: dict) -> ReportHtml:
-    """A row of tokens per answered turn and per role, with the run's total: as the agents' CLIs recorded
-    them (unknown where they could not be read), and the estimated cost where MODEL_PRICES prices them.
-    A run whose CLIs record no tokens gets one line that says so."""
+    """Tokens per answered turn and per role, with the run's total and the estimated cost where MODEL_PRICES
+    prices them; one line where the CLIs record none."""
     not_counted = tokens_not_counted(summary)
     if not_counted:
         return _fill(TOKENS_UNCOUNTED, note=f"Not counted: {not_counted}.")
@@ -3611,10 +3577,8 @@ def _tokens_section(summary: dict) -> ReportHtml:
 
 
 def report_html(summary: dict) -> str:
-    """report.html: the task, the result with the scenario test and the tester's last evidence, the run's
-    facts and files, a timeline with one lane per role (a bar per turn, coloured by its verdict) and every
-    turn's prompt and reply, in one file that needs nothing from the network. While the run goes on (no
-    exit code yet) the page reloads itself every REPORT_RELOAD_SECONDS."""
+    """report.html: the task, the result, the run's facts and files, a timeline lane per role and every turn's
+    prompt and reply, in one file; it reloads itself every REPORT_RELOAD_SECONDS while the run goes on."""
     turns = summary["turn_list"]
     prompts = [_kept_text(turn["prompt_file"]) for turn in turns]       # each kept file read once per page
     replies = [_kept_text(turn["reply_file"]) for turn in turns]
@@ -3630,9 +3594,8 @@ def report_html(summary: dict) -> str:
 
 
 def write_report(exit_code: int | None = None) -> None:
-    """Write report.html (and nothing else) into the run's folder; a page that cannot be written never
-    stops the run. Rewritten after every prompt and reply, so a page opened mid-run shows how far it got
-    (and reloads itself until the run has ended)."""
+    """Write report.html into the run's folder after every prompt and reply; a page that cannot be written
+    never stops the run."""
     if not run_dir:
         return
     path = Path(run_dir) / "report.html"
@@ -4388,10 +4351,8 @@ def _squeezed(text: str) -> str:
 
 
 def prompt_markers(message: str) -> tuple[str, ...]:
-    """What shows on an agent's screen once it has a message: its first line, and the response-file line
-    every prompt carries (both agent CLIs echo a submitted prompt into their transcript; CAO's screen
-    holds only what the terminal printed since the last input, so an earlier prompt cannot be mistaken
-    for this one)."""
+    """What shows on the screen once the agent has the message: its first line and its response-file line
+    (CAO's screen holds only what was printed since the last input: an earlier prompt is not there)."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     markers = [_squeezed(lines[0])[:100]] if lines else []
     markers += [_squeezed(line)[:60] for line in lines if line.startswith("Write your complete answer to this file:")]
@@ -4430,24 +4391,12 @@ def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) 
 
 
 # -- What the screen says of the agent's conversation and its account -----------
-# An agent CLI summarises its conversation when it nears its context window
-# (or when a person types /compact), and /clear starts it over: from then on
-# the agent has a model-written summary, or nothing, instead of what it was
-# told. The loop sends some text only once per conversation (section 12), so
-# it must hear of this: the CLI says so on its screen, in the words of its row
-# in AGENT_CLIS (matched squeezed), or that its context is nearly full and
-# nothing will compact it.
+# A compaction or /clear loses what was sent once per conversation (section 12); its row's words tell.
 
 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
-    """What the screen says happened to the agent's conversation: ('compacted', ''), ('context low', 'Context
-    low (8% remaining)') or ('', '').
-
-    The whole screen counts, not only what follows the prompt's echo: Claude Code that compacts when a prompt
-    is submitted draws the prompt again below "Conversation compacted". CAO's screen holds what the pane
-    printed since the last input, so an earlier turn's words are gone -- except where CAO reads the pane's
-    history instead (after a cao-server restart): then an old compaction costs one prompt in full, never a
-    lost task. `cli`: the screen's CLI (None: the words of every CLI)."""
+    """('compacted' or 'cleared', ''), ('context low', 'Context low (8% remaining)') or ('', ''): the whole screen,
+    in its CLI's words (None: every CLI's); Claude Code draws a prompt again below "Conversation compacted"."""
     rows = cli_rows(cli)
     text = _squeezed(screen or "")
     for words, what in (pair for row in rows for pair in row.conversation_words):
@@ -4460,9 +4409,7 @@ def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tupl
     return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
 
 
-# An account's usage limit stops the agent until a reset time its CLI names (its row's `usage_limit`; the
-# words the CLIs use, in section 1); RESET_AT reads the reset from the words after it. Claude Code may also
-# open a menu whose first choice waits: "1. Stop and wait for limit to reset".
+# An account's usage limit (its row's `usage_limit`) lasts until the reset RESET_AT reads in the words after it.
 RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
 RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
                         r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
@@ -4478,12 +4425,8 @@ class UsageLimit:
 
 
 def reset_time(when: str, zone: str | None, now: float) -> float | None:
-    """The reset a CLI names ('3:05 PM', '3pm', 'Jan 5th, 2026 3:05 PM') as time.time(), or None.
-
-    A time of day without a date is the next such time (within a few minutes
-    back it is today's: the limit has just reset). The zone is the one the
-    CLI names, else this machine's: the CLIs print the time of their machine.
-    """
+    """The reset a CLI names ('3:05 PM', 'Jan 5th, 2026 3:05 PM') as time.time(), or None: a time of day is the
+    next such (today's within minutes back), in the zone named, else this machine's."""
     match = RESET_WHEN.match(when.strip())
     if not match:
         return None
@@ -4533,8 +4476,7 @@ def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) 
             found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
-    # The raw screen may run the next things drawn into the same line: the report ends with its reset time,
-    # or with its first full stop.
+    # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
     reset = RESET_AT.search(found["rest"])
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
@@ -4562,12 +4504,8 @@ class AgentLost(RunError):
 
 
 def why_gone(terminal_id: str, screen: str | None = None, unreadable: bool = False) -> str:
-    """'' while the agent can take input; else why not: its session gone, its terminal gone, its CLI exited,
-    or (`unreadable`) its screen unreadable while CAO cannot tell its status.
-
-    A server that cannot answer for sessions (an older CAO without the route)
-    leaves the screen to tell.
-    """
+    """'' while the agent can take input; else why not: its session, its terminal gone, its CLI exited, or
+    (`unreadable`) no screen while CAO cannot tell its status. Without CAO's sessions route the screen tells."""
     try:
         listed = api.session_terminals(session_name) if session_name else None
     except ApiError as exc:
@@ -4619,13 +4557,8 @@ def check_alive(role: str, terminal_id: str) -> None:
 
 
 # -- Menus an agent CLI opens by itself ------------------------------------------
-# A CLI may open a numbered menu in a turn: an offer to switch to a cheaper model at a usage limit (Codex
-# 0.169: "Switch to gpt-6-luna for lower credit usage?  › 1. Switch to gpt-6-luna  2. Keep current model"), a
-# question what to do at a limit (Claude Code: "1. Stop and wait for limit to reset"). A message typed into it
-# ends with Enter, which picks the highlighted choice: the loop never does that. It moves to the choice that
-# keeps what the user chose (the model, the permissions, the spending) and picks it; a menu it does not know
-# stops the turn with one line naming it. Every menu seen and every answer is logged. The menus each CLI
-# opens, and the choice that keeps what the user chose, are in its row in AGENT_CLIS.
+# Typed text's Enter would pick the highlighted choice: the loop picks the one its row names, which keeps what
+# the user chose (its row's `menus`); a menu it does not know stops the turn, naming it. Every answer is logged.
 MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
 MENU_LINES = 14                        # a menu is among the screen's last lines
 MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
@@ -4644,9 +4577,8 @@ class Menu:
 
 
 def open_menu(screen: str | None) -> Menu | None:
-    """The numbered menu among the screen's last lines, if one is open: choices 1, 2, ... on consecutive lines
-    (a line that continues a choice may sit between), exactly one of them marked as highlighted. A numbered
-    list in an agent's answer has no such mark."""
+    """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
+    highlighted (a numbered list in an answer has no such mark)."""
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
         first = MENU_OPTION.match(line)
@@ -4985,12 +4917,8 @@ def turn_ended_by(facts: TurnFacts, now: float) -> str:
 
 @dataclass
 class ReadSchedule:
-    """When to ask the server: the status once per POLL_SECONDS; as soon as a reply file has settled,
-    then every CONFIRM_READ_SECONDS until the agent is seen finished (the next agent waits on it), for
-    at most QUIET_SCREEN_SECONDS (an agent still working after that is asked at the usual pace);
-    whether the agent is still there once per LIVENESS_CHECK_SECONDS, with or without a file. Where the
-    CLI's own record is read on this machine, a settled file's turn reads it every RECORD_READ_SECONDS
-    over the same stretch: a file read, no call to the server."""
+    """When to ask the server: the status every POLL_SECONDS, a settled file's turn every CONFIRM_READ_SECONDS
+    for at most QUIET_SCREEN_SECONDS (its record every RECORD_READ_SECONDS), liveness every LIVENESS_CHECK_SECONDS."""
 
     next_status_at: float
     next_liveness_at: float = float("-inf")
@@ -5037,9 +4965,8 @@ class ReadSchedule:
 
     @staticmethod
     def screen_due(facts: TurnFacts, now: float) -> bool:
-        """With a status read, when the prompt is not yet seen, when a settled file waits for the agent's
-        word that it has finished (the screen can say so, or say that a ready status is stale), when the
-        agent reads idle without its file, or when the status is one the loop does not know."""
+        """With a status read: while the prompt is not seen, a settled file waits, the agent asks or is idle
+        without its file, or the status is one the loop does not know."""
         if facts.markers and not facts.prompt_seen and facts.file_version is None:
             return True
         if facts.status == "error":
@@ -5094,11 +5021,7 @@ class Turn:
 
 
 def _last_output(terminal_id: str) -> str | None:
-    """The agent's last reply as CAO extracts it, or None if the server cannot say.
-
-    Not retried: before an agent's first reply CAO answers 500 (nothing to
-    extract), which is an answer, not an outage.
-    """
+    """The agent's last reply as CAO extracts it, or None; not retried (500 before a first reply is an answer)."""
     try:
         return api.get_last_output(terminal_id, retry=False)
     except ApiError:
@@ -5143,11 +5066,8 @@ def agent_failed(role: str, terminal_id: str, what: str, code: int = EXIT_ERROR)
 
 
 def deliver(role: str, terminal_id: str, message: str) -> None:
-    """Type a message into an agent's terminal, but never into a pane whose agent is gone.
-
-    A delivery that fails is checked the same way: a gone agent raises
-    AgentLost; any other failure is the caller's to judge (ApiError).
-    """
+    """Type a message into an agent's terminal, never into a pane whose agent is gone (AgentLost); any other
+    failed delivery is the caller's to judge (ApiError)."""
     check_alive(role, terminal_id)
     try:
         api.send_input(terminal_id, message)
@@ -5209,9 +5129,8 @@ def idle_without_file(turn: Turn) -> str | None:
 
 
 def pause_after_provider_error(turn: Turn, error_line: str) -> None:
-    """The agent stopped on its model provider's error: pause (twice as long each time), then it is told to
-    continue. An overloaded or failing model gets PROVIDER_ERROR_RETRIES such pauses; a rate limit (429) as
-    many as fit in USAGE_LIMIT_MAX_WAIT, after which the run stops with its state saved (a rerun continues)."""
+    """The agent stopped on its provider's error: pause (doubling), then tell it to continue; PROVIDER_ERROR_RETRIES
+    pauses, or for a rate limit as many as fit in USAGE_LIMIT_MAX_WAIT (then the run stops, resumable)."""
     role, terminal_id, facts = turn.role, turn.terminal_id, turn.facts
     limited = rate_limited(error_line, facts.cli)
     pause = PROVIDER_ERROR_PAUSE_SECONDS * 2 ** facts.provider_errors
@@ -5365,8 +5284,7 @@ def remind_unless_limited(turn: Turn) -> str | None:
     return idle_without_file(turn)
 
 
-# The verdicts that type something into the agent's terminal (or wait for its limit): what each one does.
-# None of them is carried out once the reply file has come.
+# What each verdict that types into the terminal (or waits for its limit) does; none once the reply file came.
 NUDGES: dict[Verdict, Callable[[Turn], str | None]] = {
     Verdict.RESEND: resend_unseen_prompt,
     Verdict.REMIND: remind_unless_limited,
@@ -5460,9 +5378,8 @@ def observe_terminal(turn: Turn) -> None:
 
 
 def note_gone(turn: Turn, screen: str | None, liveness: bool, unreadable: bool) -> None:
-    """Whether the agent is gone, asked every LIVENESS_CHECK_SECONDS in every state of the wait, and at once
-    when its screen shows a shell prompt or cannot be read while CAO cannot tell its status; a gone agent's
-    complete reply is noted with it (left_reply(): the wait then takes it)."""
+    """Whether the agent is gone: every LIVENESS_CHECK_SECONDS, and at once on a shell prompt or an unreadable
+    screen while CAO cannot tell its status; with it, whether it left its reply complete (left_reply())."""
     if not (liveness or unreadable or shows_shell_prompt(screen)):
         return
     why = why_gone(turn.terminal_id, screen, unreadable)
@@ -5480,12 +5397,8 @@ def first_sent_at(role: str) -> float:
 
 def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
                    rebuild: Callable[[], Prompt] | None = None) -> tuple[str, str]:
-    """Wait until the turn's rules say the agent is done: its answer, and what showed the turn was over.
-
-    `message` is what was sent (None for a turn carried over from an earlier
-    process); it is sent again once if the agent's screen never showed it.
-    `rebuild` builds the turn's prompt again: in full, after a compaction.
-    """
+    """Wait until the turn's rules say it is over: its answer, and what ended it. `message`: what was sent (None:
+    carried over); `rebuild`: the prompt again, in full after a compaction."""
     now = time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
                       cli=agent_cli(provider_for(role)))
@@ -5937,21 +5850,14 @@ def replace_lost_agent(lost: AgentLost) -> None:
 # ==========================================================================
 # 8. Asking an agent
 # ==========================================================================
-# One turn from end to end: the prompt out (once, and recorded as it goes),
-# the wait, the reply archived. A turn interrupted by a stop of the loop is
-# taken over by the next process without sending its prompt again.
+# One turn: the prompt out (once, recorded as it goes), the wait, the reply archived; a stop's turn is taken over.
 
-# CAO takes a message in the URL's query string and refuses one of about 64 KB
-# (encoded). Larger prompts are written to a file the agent is told to read.
-MAX_INLINE_PROMPT_BYTES = 32_000
+MAX_INLINE_PROMPT_BYTES = 32_000   # CAO refuses a query string of ~64 KB: a longer prompt goes as a file to read
 
 
 class Prompt(str):
-    """A prompt's text, with the once-only blocks it carries in full ("<block>:<terminal id>").
-
-    A str, so it reads and compares as its text; ask_agent() records the
-    blocks as sent once the prompt has (or may have) reached the terminal.
-    """
+    """A prompt's text (a str) with the once-only blocks it carries in full ("<block>:<terminal id>"), recorded
+    as sent once the prompt has (or may have) reached the terminal."""
 
     def __new__(cls, text: str, carries_in_full: Iterable[str] = ()):
         prompt = super().__new__(cls, text)
@@ -6020,19 +5926,9 @@ def turn_position(role: str) -> dict:
 
 
 def carried_over_turn(role: str, path: Path) -> str:
-    """After an interruption: did this very prompt already go out? 'taken', 'left', 'reply', 'limited', 'working'
-    or ''.
-
-    'taken': the loop had taken the answer (it is kept in the run's folder)
-    and stopped before saving what it led to;
-    'left': the agent it went to is gone (replaced since) and left its answer
-    complete (left_reply()): taken at once;
-    'reply': the agent has written its answer since the prompt was sent;
-    'limited': it stopped at its usage limit, which the wait waits out;
-    'working': it is still busy with it. Either way the prompt is not sent
-    again. A response file older than the prompt is an earlier turn's and is
-    moved aside.
-    """
+    """After an interruption, whether this very prompt already went out: 'taken' (its answer kept), 'left' (its
+    gone agent left it complete), 'reply', 'limited' (a usage-limit wait), 'working' or '' (send it).
+    A response file older than the prompt is an earlier turn's: moved aside."""
     if in_flight is None or in_flight.sent_at is None or not in_flight.belongs_to(turn_position(role)):
         return ""
     if not read_reply_file(path) and taken_reply(role) is not None:
@@ -6065,12 +5961,8 @@ def at_work(role: str) -> bool:
 
 
 def send_prompt(role: str, prompt: str) -> str:
-    """Send a turn's prompt; return what was sent (the words the terminal shows may differ from the prompt's).
-
-    The turn is saved as in flight before the send, and what the prompt
-    carries in full is recorded as sent once the terminal has it -- or may
-    have it: a delivery whose answer broke off is watched, not repeated.
-    """
+    """Send a turn's prompt, saved as in flight first; return what was sent. A delivery whose answer broke
+    off is watched, not repeated."""
     terminal_id = terminal_ids[role]
     wait_until_settled(role, terminal_id)
     set_aside_stale_reply(response_path(role))
@@ -6096,9 +5988,7 @@ def send_prompt(role: str, prompt: str) -> str:
     except ApiError as exc:
         if exc.unsent or not exc.retryable:
             raise
-        # The request went out and the answer broke off (a server restart):
-        # the agent may have the prompt. The wait tells -- a reply, a busy
-        # agent or new output -- and sends it again only if nothing shows.
+        # The answer broke off (a server restart): the wait sends it again only if nothing shows it arrived.
         log_turn(role, f"delivery to terminal {terminal_id} broke off ({exc}); watching whether the "
                        "prompt arrived before sending it again")
     record_sent(in_flight.sent_in_full)
@@ -6142,9 +6032,8 @@ def sent_turn_facts(role: str, taken: float) -> dict:
 
 def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
                 taken: float | None = None) -> tuple[TurnRecord, TokenReading | None]:
-    """Remember an answered turn for the run summary and report (saved with the state), with the tokens
-    its CLI has recorded so far; the turn and what its CLI's records said. `taken`: when the loop took the
-    reply (time.time(); before it kept it on disk), else now."""
+    """Remember an answered turn (saved with the state) with the tokens its CLI has recorded so far; `taken`:
+    when the loop took the reply (time.time()), else now."""
     taken = time.time() if taken is None else taken
     facts = sent_turn_facts(role, taken)
     record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(taken, precise=True),
@@ -6161,10 +6050,7 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
 
 
 # -- Tokens used and the run's budget --------------------------------------------------
-# A turn's tokens are read from its CLI's records (section 5) when its reply is
-# taken, again before each later send (the budget counts them), and for the
-# last time when the role's next turn is sent or the run ends: its agent has
-# been idle since, so they stand from then on.
+# Read when a reply is taken, before each send (the budget), and last when the role's next turn is sent.
 TOKENS_SETTLE_SECONDS = 10.0   # at a run's end: how long the CLIs may take to record the end of the last turns
 
 
@@ -6197,9 +6083,8 @@ def tokens_before_send(role: str) -> None:
 
 
 def settle_tokens(run_ended: bool) -> None:
-    """When the loop stops: the turns whose tokens may still grow are read again. At a run's end each CLI is
-    given up to TOKENS_SETTLE_SECONDS to record the end of its last turn (or, where the run found its CLI's
-    records before, the turn at all), and the figures stand from then on."""
+    """When the loop stops: read again the turns whose tokens may still grow; at a run's end, up to
+    TOKENS_SETTLE_SECONDS for the CLIs to record their last turns, whose figures then stand."""
     deadline = time.monotonic() + (TOKENS_SETTLE_SECONDS if run_ended else 0.0)
     growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
     while growing:
@@ -6251,14 +6136,8 @@ def say_tokens_not_counted() -> None:
 
 
 # -- The agent's conversation ---------------------------------------------------
-# Once-only text (section 12) is worth sending once only while the agent's
-# conversation still holds it. A CLI that compacts its conversation (or a
-# person who types /compact or /clear) leaves it with a summary: the loop
-# forgets what that terminal was sent, so its next prompt carries everything
-# in full, as a new agent's would. A conversation can also be started anew on
-# purpose: each round (FRESH_CONTEXT=round), or when the CLI says its context
-# is nearly full and it will not compact it (Claude Code with auto-compact off)
-# -- a new agent then takes the role's next turn.
+# Once-only text holds while the conversation does: after a compaction or /clear it goes again in full; a new
+# agent starts a conversation anew (FRESH_CONTEXT=round, or a context nearly full that nothing will compact).
 
 def record_agent_event(role: str, terminal_id: str, what: str, detail: str = "") -> None:
     """Keep what happened to an agent's conversation or account in the run's record (saved with the state)."""
@@ -6304,13 +6183,8 @@ def note_conversation(role: str, terminal_id: str, screen: str | None) -> str:
     return ""
 
 
-# A compaction foreseen. Claude Code and Codex compact when a prompt is
-# submitted (or a tool's result comes back) with the context past their
-# compaction point; the prompt that set it off is kept after the summary. So
-# once an agent's last turn left its context within COMPACTION_FORESIGHT of
-# that point, its next prompt carries the full task: whatever the summary
-# drops, the prompt itself holds the task.
-COMPACTION_FORESIGHT = 0.85
+# A compaction foreseen: a prompt that may set one off keeps the full task (the CLIs keep it after the summary).
+COMPACTION_FORESIGHT = 0.85   # of the context at which its CLI compacts, reached by the agent's last turn
 
 
 def compaction_foreseen(role: str) -> str:
@@ -6355,13 +6229,8 @@ def start_fresh_agent(role: str, why: str) -> None:
 
 
 # -- The agent's model -------------------------------------------------------------
-# Each turn's model is the one its CLI recorded for its requests (section 5). An agent is started with the model
-# the user chose (MODEL, or the role's own: agent_models); with none, the first model recorded by an agent of
-# its CLI started without one stands for that CLI's default. A CLI may change it on its own: Codex 0.169 at a
-# usage limit offers a cheaper model, and the second Enter CAO sends with a prompt takes the offer. No CLI here
-# lets the loop set a model back in place, so a change is said and recorded where it is seen, and before the
-# role's next turn a new agent, started with the chosen model, takes its place (REPLACE_LOST_AGENTS=1);
-# otherwise the run stops there (ModelChanged).
+# A CLI may change the model on its own (Codex's offer at a usage limit): said, then a new agent with the chosen
+# one takes the role's next turn (REPLACE_LOST_AGENTS=1), else the run stops (ModelChanged).
 class ModelChanged(RunError):
     """An agent's CLI changed the model it was started with: stopped before the role's next turn, resumable."""
 
@@ -6383,11 +6252,8 @@ def default_model_seen(provider: str) -> str:
 
 
 def model_change(number: int) -> tuple[str, str] | None:
-    """(the model the turn's agent was started with, the other one its last response named), or None. Only a
-    turn of the role's current agent counts: the one that would take its next turn. Without a model asked for,
-    its CLI's default is the first model recorded by an agent of that CLI started without one (a switch on an
-    agent's first turn shows against the others'). The last response is the agent's own: a sub-agent it ran
-    (Claude Code's Task tool) may use a model of its own, counted in the turn's tokens, never a change."""
+    """(the model the turn's agent was started with, the other one its last response named), or None; only the
+    role's current agent counts, and without a model asked for the CLI's first recorded model is its default."""
     record = turn_records[number]
     if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
         return None
@@ -6439,9 +6305,8 @@ def model_change_due(role: str) -> str:
 
 
 def prepare_conversation(role: str) -> None:
-    """Before a turn's prompt is built: hear what the screen says of the conversation since the last turn
-    (/compact or /clear typed by a person), and start a new one where one is due (a new agent where the
-    model changed)."""
+    """Before a turn's prompt is built: hear what the screen says of the conversation, and start a new one
+    where one is due (a new agent where the model changed)."""
     sent = in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role))
     if sent:
         return                            # a turn carried over: its agent has the prompt
@@ -6519,11 +6384,8 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
 
 
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
-    """The role's answer to the prompt `build()` writes; a lost agent is replaced and the turn sent again.
-
-    The prompt is built for the terminal it goes to, so a new agent gets
-    every once-only block in full; completed turns are never sent again.
-    """
+    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced and the
+    turn sent again (to the new agent every once-only block in full)."""
     while True:
         try:
             return take_turn(role, build)
