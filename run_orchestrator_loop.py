@@ -4727,20 +4727,24 @@ class TurnFacts:
             return
         if self.markers and not self.prompt_seen and shows_prompt(screen, self.markers):
             self.prompt_seen = True
-        # A spinner can push the turn's mark out of CAO's screen (its tail): the mark stands until another shows.
-        self.mark = turn_mark(screen, self.cli, self.answered_before) or self.mark
-        if self.mark in ("ended", "rest", "idle"):
-            self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
-            at_rest = self.mark == "ended" or (self.mark == "rest" and self.file_version is None)
-            if at_rest and not self.finished_by:
-                self.finished_by = TURN_ENDED_BY_MARK
-        else:
-            self.marked_idle_at = None
+        self.note_mark(turn_mark(screen, self.cli, self.answered_before), now)
         if screen == self.screen:
             return
         if self.screen is not None and self.status not in KNOWN_STATUSES:
             self.seen_working = True     # nothing else tells that it works
         self.screen, self.screen_changed_at = screen, now
+
+    def note_mark(self, mark: str | None, now: float) -> None:
+        """The CLI's marks on a screen; a spinner can push them out of CAO's screen (its tail), so the last stands.
+        Only a turn's end confirms a reply file; without one, a CLI at rest after a turn is finished too."""
+        self.mark = mark or self.mark
+        if self.mark not in ("ended", "rest", "idle"):
+            self.marked_idle_at = None
+            return
+        self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
+        at_rest = self.mark == "ended" or (self.mark == "rest" and self.file_version is None)
+        if at_rest and not self.finished_by:
+            self.finished_by = TURN_ENDED_BY_MARK
 
     def note_record(self, turn_over: bool) -> None:
         """Whether the CLI's own record, read after the file's latest version was seen, shows the turn over."""
