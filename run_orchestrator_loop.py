@@ -4367,6 +4367,7 @@ def shows_prompt(screen: str | None, markers: tuple[str, ...]) -> bool:
 # -- A CLI's own marks of its turns (its row's `turn_marks`) ---------------------
 # They outrank CAO's status; only `done` after the newest `working` ends a turn (start-up marks idle too).
 
+
 def turn_marks_on(screen: str | None, cli: AgentCli) -> list[str]:
     """The marks the CLI printed on the screen, oldest first, as 'working', 'done' or 'idle' (none: no marks)."""
     if not cli.turn_marks:
