@@ -306,6 +306,8 @@ class AgentCli:
     server_env: tuple[tuple[str, str, str], ...] = ()  # (variable, value, 'always' or 'root'): what its agents need
     #                                             in the environment of a CAO server the run starts itself
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
+    turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
+    #                                             done and idle): how it marks its turns on the screen (): none
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -359,7 +361,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
                ("Codex's question whether to trust the project", "Trust and continue")),
         usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
-        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996)),
+        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996),
+        turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle")),
     # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
     # turn); it repaints its busy bar about twenty times a second while it works.
     "opencode_cli": AgentCli(
@@ -2740,8 +2743,7 @@ def release_run_lock() -> None:
 # ==========================================================================
 # 4. Response files and the run record
 # ==========================================================================
-# Each agent writes its answer to a file of its own; the file is the agent's
-# word, so it leads every decision about a turn (section 6).
+# Each agent writes its answer to a file of its own: the agent's word, which leads every decision of a turn.
 
 RESPONSE_FILES = {
     "analyst": "analyst_summary.md",
@@ -2750,17 +2752,7 @@ RESPONSE_FILES = {
     "peer_programmer": "programmer_review.md",
     "tester": "test_result.md",
 }
-# How often the response file is looked at between two status polls:
-# reading a local file costs nothing, so a reply is noticed quickly.
-FILE_CHECK_SECONDS = 0.05
-# A response file counts once it has not changed for this long, so a reply
-# still being written (or rewritten) is never read half-way. Agents write a
-# reply in one go (a tool call, a heredoc), and the turn also needs the agent
-# seen idle or its screen still, so a short settle is enough.
-FILE_SETTLE_SECONDS = 0.1
-# Filesystem timestamps can be coarse: a file whose time is this much before the prompt's still counts as
-# written since (the stale file of an earlier turn was moved aside before the send).
-MTIME_SLACK_SECONDS = 1.0
+FILE_CHECK_SECONDS = 0.05      # how often the response file is looked at: a local read, so a reply is seen at once
 
 
 def new_run_dir() -> str:
@@ -2794,13 +2786,7 @@ def prepare_run_folder() -> None:
 
 
 # -- The run's events: events.jsonl, for programs ----------------------------------------------------
-# run.log is for people. A program (a job scheduler, a dashboard, a script) reads events.jsonl in the run's
-# folder instead: one JSON object a line, appended as things happen and never rewritten, each with `seq`
-# (1, 2, 3, ... going on across every invocation of the run), `at` (UTC, to the millisecond), `event` (one
-# of EVENT_KINDS) and that kind's fields. `--status --follow` streams it. A line an invocation killed in
-# the middle of writing left torn is followed by a new line, never written over: readers skip what does
-# not parse. After a crash between taking a reply and saving it, the next invocation takes the same reply
-# again: its `reply_taken` then appears twice, with the same `reply_file`.
+# Appended, never rewritten; a torn line is followed by a new one (docs/following-a-run.md says the format).
 EVENTS_FILE = "events.jsonl"
 EVENT_KINDS = {
     "run_started": "a new run's five agents are up: session, terminals, provider, max_rounds",
@@ -2956,11 +2942,8 @@ def prompt_file_path(role: str, number: int) -> Path:
 
 
 def keep_sent(role: str, kind: str, message: str) -> None:
-    """Keep what the turn in flight was sent beside the reply it gets: the prompt (NNN-<role>.prompt.md),
-    then each resend, reminder or "continue" appended under a line that says what and when.
-
-    A file that cannot be written costs only the record, never the run: said once in the log.
-    """
+    """Keep what the turn in flight was sent beside its reply (NNN-<role>.prompt.md), each resend, reminder
+    or "continue" appended below; a file that cannot be written costs only the record, said once."""
     if in_flight is None or in_flight.number is None or not run_dir:
         return
     path = prompt_file_path(role, in_flight.number)
@@ -2978,13 +2961,8 @@ def keep_sent(role: str, kind: str, message: str) -> None:
 
 
 def archive_reply(role: str, text: str, response_file: Path) -> Path:
-    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, beside its prompt, taking the response file along.
-
-    The state names the reply's place (in_flight.reply_file) before the move,
-    and both are on disk before the caller goes on: whatever instant the loop
-    dies, a rerun finds the reply -- where the agent wrote it or where it
-    was kept -- and takes it without sending the prompt again.
-    """
+    """Keep a consumed reply as $WD/.tmp/<run>/NNN-<role>.md, its place saved first: whenever the loop dies,
+    a rerun finds the reply and takes it without sending the prompt again."""
     directory = Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     number = in_flight.number if in_flight is not None and in_flight.role == role else None
@@ -3026,8 +3004,7 @@ def taken_reply(role: str) -> Path | None:
     return None
 
 
-# A reply is complete when it holds every part its format's reader reads (sections 9-15: the verdict and the
-# notes of a review, the result and the evidence of a test, ...); a reply cut off as it was written lacks its last.
+# The parts each format's reader reads (sections 9-15): a reply cut off as it was written lacks its last.
 REPLY_PARTS: dict[str, tuple[str, ...]] = {
     "analyst": ("ANALYST_SUMMARY", "Handoff"),
     "peer_analyst": ("REVIEW_RESULT", "REVIEW_NOTES"),
@@ -3050,14 +3027,8 @@ def reply_complete(role: str, text: str) -> bool:
 
 
 def left_reply(role: str, path: Path) -> str:
-    """The answer the turn in flight's agent left before it was gone: written since the prompt was sent,
-    settled, and complete by its format's reader ('' if none).
-
-    The one rule wherever a turn's agent is gone -- the wait, a resumed turn,
-    a replaced agent's turn: a reply written is a reply taken, and the turn is
-    not sent again; a reply cut off mid-write is not taken, and the turn goes
-    to the new agent.
-    """
+    """The answer the gone agent of the turn in flight left: written since the prompt, settled and complete
+    ('' if none). The one rule wherever an agent is gone: a reply written is taken, one cut off is not."""
     version = reply_file_version(path)
     if in_flight is None or in_flight.role != role or in_flight.sent_at is None or version is None:
         return ""
@@ -3073,12 +3044,7 @@ def left_reply(role: str, path: Path) -> str:
 
 
 def reply_file_version(path: Path) -> tuple[int, int] | None:
-    """(mtime, size) of a non-empty response file, None while it is missing or empty.
-
-    Looking costs a read of a small local file, so it is done every
-    FILE_CHECK_SECONDS; the server is asked far less often. A file of blanks
-    counts as empty.
-    """
+    """(mtime, size) of a non-empty response file (blanks count as empty), None while missing or empty."""
     try:
         info = path.stat()
     except OSError:
@@ -3163,12 +3129,8 @@ def _unanswered_turn() -> dict | None:
 
 
 def run_summary(exit_code: int | None) -> dict:
-    """What the run did, from its turn records: for the last log lines, CI dashboards and the report.
-
-    A prompt sent and not answered (an interrupted run) is listed among the
-    turns with no reply and counted in the prompts sent. `exit_code` is None
-    while the run is still going.
-    """
+    """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
+    counts among the prompts sent. `exit_code` is None while the run goes on."""
     unanswered = _unanswered_turn()
     turns = [{**r.to_json(), "cost": cost_of(r.tokens) if MODEL_PRICES else None} for r in turn_records] \
         + ([unanswered] if unanswered else [])
@@ -3198,8 +3160,7 @@ def run_summary(exit_code: int | None) -> dict:
 
 
 # -- report.html: the page a person opens to see a run ----------------------------
-# The page is one template (REPORT_PAGE) filled by a few builders. Every value goes into the markup through
-# _fill() or _join(), which escape it; only fragments a builder made that way (ReportHtml) go in as they are.
+# One template (REPORT_PAGE); every value goes in escaped through _fill() or _join() (ReportHtml: already so).
 
 REPORT_COLOURS = {"PASS": "#2e7d32", "FAIL": "#d32f2f", "APPROVED": "#66bb6a", "REVISE": "#f9a825",
                   "MISSING": "#8d6e63", "COMPLETE": "#26a69a", "unanswered": "#9e9e9e", "": "#1976d2"}
@@ -3367,8 +3328,7 @@ def report_duration(seconds: float | None) -> str:
     return f"{max(0.0, seconds):.1f}s" if seconds < 10 else duration_text(seconds)
 
 
-# The report is written anew after every prompt and reply: the kept files it shows are read again only when
-# they changed (a prompt file grows by each resend or reminder), not once per page for every turn so far.
+# The page is written after every prompt and reply: a kept file is read again only when it changed.
 _kept_texts: dict[Path, tuple[tuple[int, int], str]] = {}    # path -> ((mtime_ns, size), the text shown)
 
 
@@ -3548,9 +3508,8 @@ def _token_cells(tokens: dict | None, cost: float | None) -> dict[str, str]:
 
 
 def _tokens_section(summary: dict) -> ReportHtml:
-    """A row of tokens per answered turn and per role, with the run's total: as the agents' CLIs recorded
-    them (unknown where they could not be read), and the estimated cost where MODEL_PRICES prices them.
-    A run whose CLIs record no tokens gets one line that says so."""
+    """Tokens per answered turn and per role, with the run's total and the estimated cost where MODEL_PRICES
+    prices them; one line where the CLIs record none."""
     not_counted = tokens_not_counted(summary)
     if not_counted:
         return _fill(TOKENS_UNCOUNTED, note=f"Not counted: {not_counted}.")
@@ -3570,10 +3529,8 @@ def _tokens_section(summary: dict) -> ReportHtml:
 
 
 def report_html(summary: dict) -> str:
-    """report.html: the task, the result with the scenario test and the tester's last evidence, the run's
-    facts and files, a timeline with one lane per role (a bar per turn, coloured by its verdict) and every
-    turn's prompt and reply, in one file that needs nothing from the network. While the run goes on (no
-    exit code yet) the page reloads itself every REPORT_RELOAD_SECONDS."""
+    """report.html: the task, the result, the run's facts and files, a timeline lane per role and every turn's
+    prompt and reply, in one file; it reloads itself every REPORT_RELOAD_SECONDS while the run goes on."""
     turns = summary["turn_list"]
     prompts = [_kept_text(turn["prompt_file"]) for turn in turns]       # each kept file read once per page
     replies = [_kept_text(turn["reply_file"]) for turn in turns]
@@ -3589,9 +3546,8 @@ def report_html(summary: dict) -> str:
 
 
 def write_report(exit_code: int | None = None) -> None:
-    """Write report.html (and nothing else) into the run's folder; a page that cannot be written never
-    stops the run. Rewritten after every prompt and reply, so a page opened mid-run shows how far it got
-    (and reloads itself until the run has ended)."""
+    """Write report.html into the run's folder after every prompt and reply; a page that cannot be written
+    never stops the run."""
     if not run_dir:
         return
     path = Path(run_dir) / "report.html"
@@ -4293,38 +4249,30 @@ def compaction_point(role: str) -> int | None:
 # ==========================================================================
 # 6. The wait for a reply
 # ==========================================================================
-# CAO's status is a hint: it can lag, stick at `processing` when it misreads a
-# CLI's screen, or read `unknown` after a server restart. The response file is
-# the agent's own word, so it leads. Whether the agent is still there at all
-# is asked of the session's own record and of the screen (below). The wait is
-# a small state machine:
-#
-#   TurnFacts      what has been observed of the turn (pure questions on it)
-#   turn_state()   the named state those facts put the turn in
-#   WAIT_RULES     the decision table: (states, condition) -> verdict
-#   decide()       the first rule that applies; pure, so each rule is tested
-#                  alone on a fake clock
-#   ReadSchedule   what to ask the server, and when
-#   wait_for_reply() does the I/O: it feeds observations in and acts on verdicts.
+# CAO's status is a hint; the response file is the agent's own word and leads (docs/code-map.md, "One turn,
+# end to end"). TurnFacts holds what was observed, turn_state() names the state, WAIT_RULES decides (decide(),
+# pure), ReadSchedule says when to ask the server, wait_for_reply() does the I/O.
 
-# A CLI's model provider failing is told by its row's `error_lines`; a rate limit (its `rate_limit_lines`)
-# passes with time: it is waited out with growing pauses for up to USAGE_LIMIT_MAX_WAIT in all, never failed.
+# -- When a turn is over: the constants every judge of it uses --------------------
+# With STILL_SCREEN_SECONDS (section 1, above the table whose rows use it) and the QUIET_SCREEN_SECONDS setting.
+FILE_SETTLE_SECONDS = 0.1        # a reply file unchanged this long is whole (agents write it in one go)
+MTIME_SLACK_SECONDS = 1.0        # coarse file times: a file this much older than the prompt still counts as newer
+CONFIRM_READ_SECONDS = 0.5       # how often a settled reply file's turn asks whether the agent has finished
+RECORD_READ_SECONDS = 0.1        # ... and reads its CLI's own record, where the loop reads it (a local read)
+# What ended a turn, as the reply's log line says it ("turn end seen by ..."): one row of WAIT_RULES each.
+TURN_ENDED_BY_STATUS = "CAO's ready status"
+TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
+TURN_ENDED_BY_STILL_SCREEN = "a still screen"
+TURN_ENDED_BY_RECORD = "its CLI's own record"
+TURN_ENDED_BY_AGENT_GONE = "its agent gone, the reply complete"
+
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn asks whether its agent is still there
-CONFIRM_READ_SECONDS = 0.5            # how often a settled reply file's turn asks whether the agent has finished
-RECORD_READ_SECONDS = 0.1             # ... and reads its CLI's own record, where the loop reads it (a local read)
-# The first look after a send comes soon: a CLI that compacts as the prompt is submitted says so at once, and
-# a long turn's output can push those words out of the 32 KB of screen CAO keeps before a later look.
-FIRST_LOOK_SECONDS = 0.5
+FIRST_LOOK_SECONDS = 0.5              # the first look after a send: a compaction's words can scroll away later
 
 # -- Is the agent still there? -------------------------------------------------
-# An agent CLI can die (a crash, the OOM killer) and leave its pane at a shell
-# prompt; the agents' tmux server can end (a logout, a reboot). CAO notices
-# neither: it keeps answering the terminal's last status from its database.
-# So the loop asks the session's own record, and reads the screen: a shell
-# prompt on its last line means the CLI is gone, and nothing may be typed
-# there -- a shell runs every line it is sent.
+# CAO keeps answering a dead CLI's last status: the session's record and a shell prompt on the screen tell.
 
 # CSI sequences, OSC strings, charset choices and the two-character escapes.
 ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[()*+][0-9A-Za-z]"
@@ -4355,10 +4303,8 @@ def _squeezed(text: str) -> str:
 
 
 def prompt_markers(message: str) -> tuple[str, ...]:
-    """What shows on an agent's screen once it has a message: its first line, and the response-file line
-    every prompt carries (both agent CLIs echo a submitted prompt into their transcript; CAO's screen
-    holds only what the terminal printed since the last input, so an earlier prompt cannot be mistaken
-    for this one)."""
+    """What shows on the screen once the agent has the message: its first line and its response-file line
+    (CAO's screen holds only what was printed since the last input: an earlier prompt is not there)."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     markers = [_squeezed(lines[0])[:100]] if lines else []
     markers += [_squeezed(line)[:60] for line in lines if line.startswith("Write your complete answer to this file:")]
@@ -4370,78 +4316,40 @@ def shows_prompt(screen: str | None, markers: tuple[str, ...]) -> bool:
     return any(marker in screen_text for marker in markers)
 
 
-# Codex announces its turn's state to the terminal as it goes: `ESC ] 7501 ; state=working:app=codex`
-# when a turn starts, `state=done`, then `state=idle` when it has ended. CAO's status for Codex is
-# wrong both ways (`processing` for good after a finished turn, a stale `idle` or `completed` while it
-# works), so this mark, when there is one, outranks it: the loop learns at once that a turn is over,
-# and never takes a half-written answer for a finished one. CAO's screen holds only what was printed
-# since the last input -- but Codex marks its start-up too: `idle` once it has loaded, and `working`
-# then `idle` around a task of its own just after. CAO takes Codex for ready while it still loads, so
-# a first prompt sent at once (on a loaded machine) finds those marks on the screen after it, ahead of
-# the turn's own `working`. Only `done` is the end of a turn.
-TURN_STATE_MARK = re.compile(r"\x1b\]7501;state=(\w+)")
-TURN_DONE_MARK, TURN_IDLE_MARK, TURN_WORKING_MARK = "done", "idle", "working"
+# -- A CLI's own marks of its turns (its row's `turn_marks`) ---------------------
+# They outrank CAO's status; only `done` after the newest `working` ends a turn (start-up marks idle too).
 
 
-# CAO reads each CLI's screen its own way, and for some it reads wrong (their rows in AGENT_CLIS say which;
-# docs/agent-clis.md for which versions): a reply file the CLI rewrites later in its turn would be taken at
-# its first write. For such a CLI a ready status counts for nothing -- the loop judges by the screen as it
-# does for a status it does not know -- and a settled reply file is confirmed by a screen still for the
-# row's `still_screen_ends_turn` (else QUIET_SCREEN_SECONDS) or by the CLI's own end-of-turn mark.
+def turn_marks_on(screen: str | None, cli: AgentCli) -> list[str]:
+    """The marks the CLI printed on the screen, oldest first, as 'working', 'done' or 'idle' (none: no marks)."""
+    if not cli.turn_marks:
+        return []
+    pattern, *words = cli.turn_marks
+    meaning = dict(zip(words, ("working", "done", "idle")))
+    return [meaning.get(word, word) for word in cli_pattern(pattern).findall(screen or "")]
 
 
-def turn_mark(screen: str | None) -> str | None:
-    """What the CLI's marks on the screen say: 'working'; 'ended' (a `done` after the newest `working`,
-    which may have scrolled out of the screen: the turn is over); 'idle' (idle with no `done` since the
-    newest `working`: the CLI's start-up, which says nothing of a turn); or None (no mark)."""
-    marks = TURN_STATE_MARK.findall(screen or "")
+def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) -> str | None:
+    """What the marks say: 'working'; 'ended' (a `done` after the newest `working`); 'rest' (idle after a
+    `done`, or after a turn of this run: a task of its own followed the turn); 'idle' (its start-up); or None."""
+    marks = turn_marks_on(screen, cli)
     if not marks:
         return None
-    newest_working = len(marks) - marks[::-1].index(TURN_WORKING_MARK) if TURN_WORKING_MARK in marks else 0
-    if TURN_DONE_MARK in marks[newest_working:]:
+    newest_working = len(marks) - marks[::-1].index("working") if "working" in marks else 0
+    if "done" in marks[newest_working:]:
         return "ended"
-    return "idle" if marks[-1] == TURN_IDLE_MARK else "working"
-
-
-def rests_after_a_turn(screen: str | None, answered_before: bool = False) -> bool:
-    """Whether the CLI's marks say it is at rest after a turn: the turn's end, or -- after a turn's `done`
-    -- a task of its own (a title: `working`, then `idle`). Idle with no `done` at all is its start-up,
-    which may still be loading -- unless the agent has `answered_before` in this run: then the `done` has
-    only left CAO's screen (the tail of what the pane printed), pushed out by that task of its own."""
-    marks = TURN_STATE_MARK.findall(screen or "")
-    if not marks or turn_mark(screen) == "ended":
-        return bool(marks)
-    return marks[-1] == TURN_IDLE_MARK and (TURN_DONE_MARK in marks or answered_before)
-
-
-def quiet_after_a_turn(screen: str | None, still_seconds: float, cli: AgentCli) -> bool:
-    """For a CLI whose ready status CAO cannot be trusted with: at rest when its screen has been still as long as
-    ends its turns, unless its marks say it is starting up (idle, no `done` yet). Its marks may have scrolled out
-    of CAO's screen, or a task of its own may have left a `working` behind, while it waits for input."""
-    if cli.ready_status_trusted or screen is None or turn_mark(screen) == "idle":
-        return False
-    return still_seconds >= (cli.still_screen_ends_turn or QUIET_SCREEN_SECONDS)
+    if marks[-1] != "idle":
+        return "working"
+    return "rest" if "done" in marks or answered_before else "idle"
 
 
 # -- What the screen says of the agent's conversation and its account -----------
-# An agent CLI summarises its conversation when it nears its context window
-# (or when a person types /compact), and /clear starts it over: from then on
-# the agent has a model-written summary, or nothing, instead of what it was
-# told. The loop sends some text only once per conversation (section 12), so
-# it must hear of this: the CLI says so on its screen, in the words of its row
-# in AGENT_CLIS (matched squeezed), or that its context is nearly full and
-# nothing will compact it.
+# A compaction or /clear loses what was sent once per conversation (section 12); its row's words tell.
 
 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
-    """What the screen says happened to the agent's conversation: ('compacted', ''), ('context low', 'Context
-    low (8% remaining)') or ('', '').
-
-    The whole screen counts, not only what follows the prompt's echo: Claude Code that compacts when a prompt
-    is submitted draws the prompt again below "Conversation compacted". CAO's screen holds what the pane
-    printed since the last input, so an earlier turn's words are gone -- except where CAO reads the pane's
-    history instead (after a cao-server restart): then an old compaction costs one prompt in full, never a
-    lost task. `cli`: the screen's CLI (None: the words of every CLI)."""
+    """('compacted' or 'cleared', ''), ('context low', 'Context low (8% remaining)') or ('', ''): the whole screen,
+    in its CLI's words (None: every CLI's); Claude Code draws a prompt again below "Conversation compacted"."""
     rows = cli_rows(cli)
     text = _squeezed(screen or "")
     for words, what in (pair for row in rows for pair in row.conversation_words):
@@ -4454,9 +4362,7 @@ def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tupl
     return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
 
 
-# An account's usage limit stops the agent until a reset time its CLI names (its row's `usage_limit`; the
-# words the CLIs use, in section 1); RESET_AT reads the reset from the words after it. Claude Code may also
-# open a menu whose first choice waits: "1. Stop and wait for limit to reset".
+# An account's usage limit (its row's `usage_limit`) lasts until the reset RESET_AT reads in the words after it.
 RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
 RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
                         r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
@@ -4472,12 +4378,8 @@ class UsageLimit:
 
 
 def reset_time(when: str, zone: str | None, now: float) -> float | None:
-    """The reset a CLI names ('3:05 PM', '3pm', 'Jan 5th, 2026 3:05 PM') as time.time(), or None.
-
-    A time of day without a date is the next such time (within a few minutes
-    back it is today's: the limit has just reset). The zone is the one the
-    CLI names, else this machine's: the CLIs print the time of their machine.
-    """
+    """The reset a CLI names ('3:05 PM', 'Jan 5th, 2026 3:05 PM') as time.time(), or None: a time of day is the
+    next such (today's within minutes back), in the zone named, else this machine's."""
     match = RESET_WHEN.match(when.strip())
     if not match:
         return None
@@ -4527,8 +4429,7 @@ def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) 
             found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
-    # The raw screen may run the next things drawn into the same line: the report ends with its reset time,
-    # or with its first full stop.
+    # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
     reset = RESET_AT.search(found["rest"])
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
@@ -4556,12 +4457,8 @@ class AgentLost(RunError):
 
 
 def why_gone(terminal_id: str, screen: str | None = None, unreadable: bool = False) -> str:
-    """'' while the agent can take input; else why not: its session gone, its terminal gone, its CLI exited,
-    or (`unreadable`) its screen unreadable while CAO cannot tell its status.
-
-    A server that cannot answer for sessions (an older CAO without the route)
-    leaves the screen to tell.
-    """
+    """'' while the agent can take input; else why not: its session, its terminal gone, its CLI exited, or
+    (`unreadable`) no screen while CAO cannot tell its status. Without CAO's sessions route the screen tells."""
     try:
         listed = api.session_terminals(session_name) if session_name else None
     except ApiError as exc:
@@ -4613,13 +4510,8 @@ def check_alive(role: str, terminal_id: str) -> None:
 
 
 # -- Menus an agent CLI opens by itself ------------------------------------------
-# A CLI may open a numbered menu in a turn: an offer to switch to a cheaper model at a usage limit (Codex
-# 0.169: "Switch to gpt-6-luna for lower credit usage?  › 1. Switch to gpt-6-luna  2. Keep current model"), a
-# question what to do at a limit (Claude Code: "1. Stop and wait for limit to reset"). A message typed into it
-# ends with Enter, which picks the highlighted choice: the loop never does that. It moves to the choice that
-# keeps what the user chose (the model, the permissions, the spending) and picks it; a menu it does not know
-# stops the turn with one line naming it. Every menu seen and every answer is logged. The menus each CLI
-# opens, and the choice that keeps what the user chose, are in its row in AGENT_CLIS.
+# Typed text's Enter would pick the highlighted choice: the loop picks the one its row names, which keeps what
+# the user chose (its row's `menus`); a menu it does not know stops the turn, naming it. Every answer is logged.
 MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
 MENU_LINES = 14                        # a menu is among the screen's last lines
 MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
@@ -4638,9 +4530,8 @@ class Menu:
 
 
 def open_menu(screen: str | None) -> Menu | None:
-    """The numbered menu among the screen's last lines, if one is open: choices 1, 2, ... on consecutive lines
-    (a line that continues a choice may sit between), exactly one of them marked as highlighted. A numbered
-    list in an agent's answer has no such mark."""
+    """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
+    highlighted (a numbered list in an answer has no such mark)."""
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
         first = MENU_OPTION.match(line)
@@ -4713,17 +4604,8 @@ class TurnState(Enum):
     WORKING = "working"                                 # no file; the prompt arrived, not idle
     IDLE_WITHOUT_FILE = "idle without a file"           # no file; the prompt arrived, now idle
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
-    FILE_SETTLED = "file settled, awaiting confirmation"  # not yet seen finished (ready, end mark, still screen)
-    DONE = "done"                                       # settled file, and the agent seen finished since
+    FILE_SETTLED = "file settled"                       # its turn-ending rows say whether the turn is over
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
-
-
-# What confirmed that a turn with a settled reply file is over, as the reply's log line says it.
-TURN_ENDED_BY_STATUS = "CAO's ready status"
-TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
-TURN_ENDED_BY_STILL_SCREEN = "a still screen"
-TURN_ENDED_BY_RECORD = "its CLI's own record"
-TURN_ENDED_BY_AGENT_GONE = "its agent gone, the reply complete"
 
 
 class Verdict(Enum):
@@ -4744,30 +4626,8 @@ class Verdict(Enum):
 
 @dataclass
 class TurnFacts:
-    """What has been observed of one turn. Its note_* methods take observations in; the rest only asks.
-
-      file     the response file's (mtime, size), looked at every FILE_CHECK_SECONDS
-      status   CAO's status word, read at most once per POLL_SECONDS (plus at once
-               when a file has settled and every CONFIRM_READ_SECONDS after, so a
-               finished turn ends at once)
-      screen   the terminal's recent output, read with the status while the
-               prompt is not yet seen on it or the status alone cannot end the
-               turn, and every LIVENESS_CHECK_SECONDS while there is no file;
-               an agent CLI that marks its turn's end there (Codex) says so
-      reply    CAO's last reply, read before the prompt and once more before
-               sending it again: a change means the agent worked
-      lost     why the agent is gone, once the session's record or the screen says so
-      record   where the loop reads the CLI's own records (section 5): whether the CLI
-               has recorded the end of its turn, read with each status read once a
-               reply file is there
-
-    "Idle" is a ready status, the CLI's own mark that it is idle, or
-    -- when the status is one the loop does not know -- a screen that has not
-    changed for QUIET_SCREEN_SECONDS; a CLI whose mark says it works is never
-    idle, whatever CAO says. Whether a prompt arrived is judged by the prompt
-    on the screen, never by motion: a dialog that swallows a prompt changes
-    the screen too.
-    """
+    """What has been observed of one turn (or of a terminal about to be prompted: no markers, no file).
+    The note_* methods take observations in; the rest only asks."""
 
     started: float                    # when the prompt went out (or the wait began, for a carried-over turn)
     guard_since: float                # the last prompt or reminder: not seen working on it yet at this time
@@ -4779,12 +4639,10 @@ class TurnFacts:
     ready_since: float | None = None  # the first of the latest unbroken run of ready status reads
     file_version: tuple[int, int] | None = None
     file_seen_at: float = float("-inf")  # when file_version last changed (appeared, was rewritten, vanished)
-    finished_by: str = ""             # since the file's last change, what first said the agent finished: a ready
-    #                                   status read or the CLI's end mark ("" : nothing yet)
+    finished_by: str = ""             # since the file's last change, what first said the agent finished
     screen: str | None = None
-    mark: str | None = None           # the CLI's own word on its screen: 'working', 'ended', 'idle' or None
-    marked_idle_at: float | None = None  # when the screen first showed the CLI's mark that it is idle (its
-    #                                      turn ended, or not begun)
+    mark: str | None = None           # the CLI's own marks: turn_mark() (stands until the screen shows another)
+    marked_idle_at: float | None = None  # when the screen first showed a mark that the CLI is idle
     screen_changed_at: float = float("-inf")
     lost: str = ""                    # why the agent is gone ("" while it is there)
     left_reply: bool = False          # ... and it left its reply complete (left_reply(), section 4)
@@ -4798,6 +4656,7 @@ class TurnFacts:
     usage_limit: UsageLimit | None = None  # the screen says the account's usage limit stopped the agent
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
     full_prompt_due: bool = False     # compacted during the turn, its prompt referring back to what that summarised
+    answered_before: bool = False     # the agent has answered a turn of this run (its marks: turn_mark())
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -4811,7 +4670,7 @@ class TurnFacts:
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
-        if ready and self.file_version is not None and not self.finished_by:
+        if ready and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_STATUS
         if status in BUSY_STATUSES:
             self.seen_working = True
@@ -4821,25 +4680,27 @@ class TurnFacts:
             return
         if self.markers and not self.prompt_seen and shows_prompt(screen, self.markers):
             self.prompt_seen = True
-        # CAO's screen is the tail of what the CLI printed: a spinner redrawn many times a second can push the
-        # turn's mark out of it. A mark the turn showed stands until the screen shows another (or a new prompt).
-        # Only the mark of a turn's end confirms a reply file: an idle CLI's start-up marks do not.
-        self.mark = turn_mark(screen) or self.mark
-        if self.mark in ("ended", "idle"):
-            self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
-            if self.mark == "ended" and self.file_version is not None and not self.finished_by:
-                self.finished_by = TURN_ENDED_BY_MARK
-        else:
-            self.marked_idle_at = None
+        self.note_mark(turn_mark(screen, self.cli, self.answered_before), now)
         if screen == self.screen:
             return
         if self.screen is not None and self.status not in KNOWN_STATUSES:
             self.seen_working = True     # nothing else tells that it works
         self.screen, self.screen_changed_at = screen, now
 
+    def note_mark(self, mark: str | None, now: float) -> None:
+        """The CLI's marks on a screen; a spinner can push them out of CAO's screen (its tail), so the last stands.
+        Only a turn's end confirms a reply file; without one, a CLI at rest after a turn is finished too."""
+        self.mark = mark or self.mark
+        if self.mark not in ("ended", "rest", "idle"):
+            self.marked_idle_at = None
+            return
+        self.marked_idle_at = now if self.marked_idle_at is None else self.marked_idle_at
+        at_rest = self.mark == "ended" or (self.mark == "rest" and self.file_version is None)
+        if at_rest and not self.finished_by:
+            self.finished_by = TURN_ENDED_BY_MARK
+
     def note_record(self, turn_over: bool) -> None:
-        """What the CLI's own record says of the turn (read after the reply file's latest version was seen):
-        the end of its turn, recorded after its last response, confirms that file."""
+        """Whether the CLI's own record, read after the file's latest version was seen, shows the turn over."""
         if turn_over and self.file_version is not None and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_RECORD
 
@@ -4853,8 +4714,8 @@ class TurnFacts:
 
     def note_sent(self, now: float, whole_prompt: bool = False,
                   markers: tuple[str, ...] | None = None) -> None:
-        """After a prompt or reminder went out: the agent has not been seen working on it yet
-        (nor, after the whole prompt again, seen to have it; `markers`: a prompt of other words)."""
+        """After a prompt or reminder went out: not seen working on it yet (nor, after the whole prompt again,
+        seen to have it; `markers`: a prompt of other words)."""
         self.guard_since, self.seen_working = now, False
         self.provider_pause_until, self.marked_idle_at, self.mark = None, None, None
         self.usage_limit = self.limit_wait_until = None
@@ -4865,17 +4726,20 @@ class TurnFacts:
             self.markers = markers
 
     def note_compacted(self, prompt_referred_back: bool) -> None:
-        """Its CLI compacted the conversation during the turn; if the prompt referred back to what the
-        summary may have dropped, the prompt is due again in full."""
+        """Compacted during the turn, before a reply file: the prompt is due in full if it referred back."""
         self.full_prompt_due = self.full_prompt_due or (prompt_referred_back and self.file_version is None)
 
     # -- questions ---------------------------------------------------------------
-    def ended_by(self) -> str:
-        """What confirmed a settled reply file (once the turn is DONE): the status, the CLI's mark or its record,
-        a still screen; or that its agent was gone, the reply complete."""
-        if self.lost:
-            return TURN_ENDED_BY_AGENT_GONE
-        return self.finished_by if self.finished_by and self.mark != "working" else TURN_ENDED_BY_STILL_SCREEN
+    def said_finished(self, by: str) -> bool:
+        """Whether `by` first said the agent finished since the file's last change, and no mark says it works."""
+        return self.finished_by == by and self.mark != "working"
+
+    def still_screen_ends(self, now: float) -> bool:
+        """A screen still for its row's window since the file's last change; with no file (a terminal about to
+        be prompted) only for a CLI whose ready status CAO misreads, and not at its start-up."""
+        if self.file_version is None and (self.cli.ready_status_trusted or self.mark == "idle"):
+            return False
+        return self.screen_still_since(self.file_seen_at, now, self.cli.still_screen_ends_turn)
 
     def file_settled(self, now: float) -> bool:
         return self.file_version is not None and now - self.file_seen_at >= FILE_SETTLE_SECONDS
@@ -4918,11 +4782,7 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
     if facts.status == "error":
         return TurnState.FAILED
     if facts.file_version is not None:
-        if not facts.file_settled(now):
-            return TurnState.FILE_SETTLING
-        said_done = bool(facts.finished_by) and facts.mark != "working"
-        confirmed = said_done or facts.screen_still_since(facts.file_seen_at, now, facts.cli.still_screen_ends_turn)
-        return TurnState.DONE if confirmed else TurnState.FILE_SETTLED
+        return TurnState.FILE_SETTLED if facts.file_settled(now) else TurnState.FILE_SETTLING
     if facts.markers and not facts.prompt_seen:
         return TurnState.PROMPT_NOT_SHOWN if facts.is_quiet(now) else TurnState.AWAITING_SIGN_OF_LIFE
     arrived = facts.seen_working or facts.prompt_seen
@@ -4939,24 +4799,32 @@ class WaitRule:
     condition: str                    # the rule in words
     applies: Callable[[TurnFacts, float], bool]
     verdict: Verdict
+    ended_by: str = ""                # a row that ends the turn: what the reply's log line says ended it
 
 
 def _since_prompt(facts: TurnFacts, now: float) -> float:
     return now - facts.guard_since
 
 
-OPEN_STATES = frozenset(TurnState) - {TurnState.DONE, TurnState.FAILED, TurnState.LOST}
+OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST}
+SETTLED = frozenset({TurnState.FILE_SETTLED})
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
     WaitRule(frozenset({TurnState.LOST}), "it left its reply complete: a reply written is a reply taken",
-             lambda f, now: f.left_reply, Verdict.TAKE_REPLY),
+             lambda f, now: f.left_reply, Verdict.TAKE_REPLY, TURN_ENDED_BY_AGENT_GONE),
     WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)",
              lambda f, now: True, Verdict.LOST),
     WaitRule(frozenset({TurnState.FAILED}), "always",
              lambda f, now: True, Verdict.ERROR),
-    WaitRule(frozenset({TurnState.DONE}), "always",
-             lambda f, now: True, Verdict.TAKE_REPLY),
+    WaitRule(SETTLED, "a ready status read since the file's last change, for a CLI whose ready word CAO reads right",
+             lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
+    WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
+             lambda f, now: f.said_finished(TURN_ENDED_BY_MARK), Verdict.TAKE_REPLY, TURN_ENDED_BY_MARK),
+    WaitRule(SETTLED, "its CLI's own record of the turn's end, read since the file's last change",
+             lambda f, now: f.said_finished(TURN_ENDED_BY_RECORD), Verdict.TAKE_REPLY, TURN_ENDED_BY_RECORD),
+    WaitRule(SETTLED, "the screen still since then for its row's still_screen_ends_turn, else QUIET_SCREEN_SECONDS",
+             lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
     WaitRule(OPEN_STATES, "a usage-limit wait is under way",
              lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
     WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet (CAO reads Codex busy)",
@@ -4998,14 +4866,16 @@ def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
     return state, Verdict.WAIT
 
 
+def turn_ended_by(facts: TurnFacts, now: float) -> str:
+    """What says the turn is over: the first turn-ending row of WAIT_RULES that holds ('' : none). Pure; the
+    one judge, asked by the wait, a carried-over turn (at_work) and the settle check (wait_until_settled)."""
+    return next((rule.ended_by for rule in WAIT_RULES if rule.ended_by and rule.applies(facts, now)), "")
+
+
 @dataclass
 class ReadSchedule:
-    """When to ask the server: the status once per POLL_SECONDS; as soon as a reply file has settled,
-    then every CONFIRM_READ_SECONDS until the agent is seen finished (the next agent waits on it), for
-    at most QUIET_SCREEN_SECONDS (an agent still working after that is asked at the usual pace);
-    whether the agent is still there once per LIVENESS_CHECK_SECONDS, with or without a file. Where the
-    CLI's own record is read on this machine, a settled file's turn reads it every RECORD_READ_SECONDS
-    over the same stretch: a file read, no call to the server."""
+    """When to ask the server: the status every POLL_SECONDS, a settled file's turn every CONFIRM_READ_SECONDS
+    for at most QUIET_SCREEN_SECONDS (its record every RECORD_READ_SECONDS), liveness every LIVENESS_CHECK_SECONDS."""
 
     next_status_at: float
     next_liveness_at: float = float("-inf")
@@ -5014,7 +4884,7 @@ class ReadSchedule:
 
     def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
         """When a settled file's turn is next asked whether it has finished (None: no such file)."""
-        if not facts.file_settled(now) or turn_state(facts, now) is not TurnState.FILE_SETTLED:
+        if turn_state(facts, now) is not TurnState.FILE_SETTLED or turn_ended_by(facts, now):
             return None
         settled_at = facts.file_seen_at + FILE_SETTLE_SECONDS
         if facts.status_at < settled_at:
@@ -5052,9 +4922,8 @@ class ReadSchedule:
 
     @staticmethod
     def screen_due(facts: TurnFacts, now: float) -> bool:
-        """With a status read, when the prompt is not yet seen, when a settled file waits for the agent's
-        word that it has finished (the screen can say so, or say that a ready status is stale), when the
-        agent reads idle without its file, or when the status is one the loop does not know."""
+        """With a status read: while the prompt is not seen, a settled file waits, the agent asks or is idle
+        without its file, or the status is one the loop does not know."""
         if facts.markers and not facts.prompt_seen and facts.file_version is None:
             return True
         if facts.status == "error":
@@ -5109,11 +4978,7 @@ class Turn:
 
 
 def _last_output(terminal_id: str) -> str | None:
-    """The agent's last reply as CAO extracts it, or None if the server cannot say.
-
-    Not retried: before an agent's first reply CAO answers 500 (nothing to
-    extract), which is an answer, not an outage.
-    """
+    """The agent's last reply as CAO extracts it, or None; not retried (500 before a first reply is an answer)."""
     try:
         return api.get_last_output(terminal_id, retry=False)
     except ApiError:
@@ -5158,11 +5023,8 @@ def agent_failed(role: str, terminal_id: str, what: str, code: int = EXIT_ERROR)
 
 
 def deliver(role: str, terminal_id: str, message: str) -> None:
-    """Type a message into an agent's terminal, but never into a pane whose agent is gone.
-
-    A delivery that fails is checked the same way: a gone agent raises
-    AgentLost; any other failure is the caller's to judge (ApiError).
-    """
+    """Type a message into an agent's terminal, never into a pane whose agent is gone (AgentLost); any other
+    failed delivery is the caller's to judge (ApiError)."""
     check_alive(role, terminal_id)
     try:
         api.send_input(terminal_id, message)
@@ -5224,9 +5086,8 @@ def idle_without_file(turn: Turn) -> str | None:
 
 
 def pause_after_provider_error(turn: Turn, error_line: str) -> None:
-    """The agent stopped on its model provider's error: pause (twice as long each time), then it is told to
-    continue. An overloaded or failing model gets PROVIDER_ERROR_RETRIES such pauses; a rate limit (429) as
-    many as fit in USAGE_LIMIT_MAX_WAIT, after which the run stops with its state saved (a rerun continues)."""
+    """The agent stopped on its provider's error: pause (doubling), then tell it to continue; PROVIDER_ERROR_RETRIES
+    pauses, or for a rate limit as many as fit in USAGE_LIMIT_MAX_WAIT (then the run stops, resumable)."""
     role, terminal_id, facts = turn.role, turn.terminal_id, turn.facts
     limited = rate_limited(error_line, facts.cli)
     pause = PROVIDER_ERROR_PAUSE_SECONDS * 2 ** facts.provider_errors
@@ -5380,8 +5241,7 @@ def remind_unless_limited(turn: Turn) -> str | None:
     return idle_without_file(turn)
 
 
-# The verdicts that type something into the agent's terminal (or wait for its limit): what each one does.
-# None of them is carried out once the reply file has come.
+# What each verdict that types into the terminal (or waits for its limit) does; none once the reply file came.
 NUDGES: dict[Verdict, Callable[[Turn], str | None]] = {
     Verdict.RESEND: resend_unseen_prompt,
     Verdict.REMIND: remind_unless_limited,
@@ -5475,9 +5335,8 @@ def observe_terminal(turn: Turn) -> None:
 
 
 def note_gone(turn: Turn, screen: str | None, liveness: bool, unreadable: bool) -> None:
-    """Whether the agent is gone, asked every LIVENESS_CHECK_SECONDS in every state of the wait, and at once
-    when its screen shows a shell prompt or cannot be read while CAO cannot tell its status; a gone agent's
-    complete reply is noted with it (left_reply(): the wait then takes it)."""
+    """Whether the agent is gone: every LIVENESS_CHECK_SECONDS, and at once on a shell prompt or an unreadable
+    screen while CAO cannot tell its status; with it, whether it left its reply complete (left_reply())."""
     if not (liveness or unreadable or shows_shell_prompt(screen)):
         return
     why = why_gone(turn.terminal_id, screen, unreadable)
@@ -5495,12 +5354,8 @@ def first_sent_at(role: str) -> float:
 
 def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
                    rebuild: Callable[[], Prompt] | None = None) -> tuple[str, str]:
-    """Wait until the turn's rules say the agent is done: its answer, and what showed the turn was over.
-
-    `message` is what was sent (None for a turn carried over from an earlier
-    process); it is sent again once if the agent's screen never showed it.
-    `rebuild` builds the turn's prompt again: in full, after a compaction.
-    """
+    """Wait until the turn's rules say it is over: its answer, and what ended it. `message`: what was sent (None:
+    carried over); `rebuild`: the prompt again, in full after a compaction."""
     now = time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, markers=prompt_markers(message) if message else (),
                       cli=agent_cli(provider_for(role)))
@@ -5520,10 +5375,11 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
             observe_terminal(turn)
         elif turn.reads.record_due(turn.facts, now):
             read_turn_record(turn)
-        state, verdict = decide(turn.facts, time.monotonic())
+        decided_at = time.monotonic()
+        state, verdict = decide(turn.facts, decided_at)
         reply = act_on(turn, state, verdict)
         if reply is not None:
-            return reply, turn.facts.ended_by()
+            return reply, turn_ended_by(turn.facts, decided_at)
         if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
             log_turn(role, progress_text(turn.facts, began, time.monotonic()))
             next_progress_at += PROGRESS_SECONDS
@@ -5951,21 +5807,14 @@ def replace_lost_agent(lost: AgentLost) -> None:
 # ==========================================================================
 # 8. Asking an agent
 # ==========================================================================
-# One turn from end to end: the prompt out (once, and recorded as it goes),
-# the wait, the reply archived. A turn interrupted by a stop of the loop is
-# taken over by the next process without sending its prompt again.
+# One turn: the prompt out (once, recorded as it goes), the wait, the reply archived; a stop's turn is taken over.
 
-# CAO takes a message in the URL's query string and refuses one of about 64 KB
-# (encoded). Larger prompts are written to a file the agent is told to read.
-MAX_INLINE_PROMPT_BYTES = 32_000
+MAX_INLINE_PROMPT_BYTES = 32_000   # CAO refuses a query string of ~64 KB: a longer prompt goes as a file to read
 
 
 class Prompt(str):
-    """A prompt's text, with the once-only blocks it carries in full ("<block>:<terminal id>").
-
-    A str, so it reads and compares as its text; ask_agent() records the
-    blocks as sent once the prompt has (or may have) reached the terminal.
-    """
+    """A prompt's text (a str) with the once-only blocks it carries in full ("<block>:<terminal id>"), recorded
+    as sent once the prompt has (or may have) reached the terminal."""
 
     def __new__(cls, text: str, carries_in_full: Iterable[str] = ()):
         prompt = super().__new__(cls, text)
@@ -5974,47 +5823,37 @@ class Prompt(str):
 
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
-    """Before the first prompt to a terminal this process did not create (a resumed run's):
-    ready twice in a row, since some CLIs show their prompt before they take input.
-
-    A status word the loop does not know (`unknown` after a cao-server
-    restart) cannot become ready, so it counts as settled: the prompt goes out
-    and the reply file decides. A CLI whose own mark on its screen says its
-    turn has ended is at rest whatever CAO says (Codex, which CAO reads
-    `processing` for good after a turn; see rests_after_a_turn()).
-    """
+    """Before the first prompt to a terminal this process did not create (a resumed run's): at rest twice in a
+    row (some CLIs show their prompt before they take input) -- CAO's status not busy, or turn_ended_by()."""
     if terminal_id in settled_terminals:
         return
     started = time.monotonic()
-    ready_in_a_row = 0
-    cli = agent_cli(provider_for(role))
-    answered_before = any(record.terminal == terminal_id for record in turn_records)
-    screen, still_since, next_liveness_at = None, started, started + LIVENESS_CHECK_SECONDS
-    while ready_in_a_row < 2:
+    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)),
+                      answered_before=any(record.terminal == terminal_id for record in turn_records))
+    at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
+    while at_rest_in_a_row < 2:
         status = api.get_status(terminal_id)
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
-            check_gone(role, terminal_id, screen)
+            check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        if status in BUSY_STATUSES:
-            now, seen = time.monotonic(), _screen(terminal_id)
-            if seen != screen:
-                screen, still_since = seen, now
-            if rests_after_a_turn(screen, answered_before) or quiet_after_a_turn(screen, now - still_since, cli):
-                status = "idle"
         if status == "error":
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
-        ready_in_a_row = ready_in_a_row + 1 if status not in BUSY_STATUSES else 0
+        if status in BUSY_STATUSES:
+            now = time.monotonic()
+            facts.note_status(status, now)
+            facts.note_screen(_screen(terminal_id), now)
+        at_rest = status not in BUSY_STATUSES or bool(turn_ended_by(facts, time.monotonic()))
+        at_rest_in_a_row = at_rest_in_a_row + 1 if at_rest else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, status, screen)
-        if ready_in_a_row < 2:
+            raise never_ready(role, terminal_id, status, facts)
+        if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
 
 
-def never_ready(role: str, terminal_id: str, status: str, screen: str | None) -> RunError:
-    """The error for a terminal that did not become ready within RESPONSE_TIMEOUT: its status, and its CLI's
-    last marks."""
-    marks = TURN_STATE_MARK.findall(screen or "")
+def never_ready(role: str, terminal_id: str, status: str, facts: TurnFacts) -> RunError:
+    """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
+    marks = turn_marks_on(facts.screen, facts.cli)
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
                                            f"(status {status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks
                                                                     else "") + ")")
@@ -6044,19 +5883,9 @@ def turn_position(role: str) -> dict:
 
 
 def carried_over_turn(role: str, path: Path) -> str:
-    """After an interruption: did this very prompt already go out? 'taken', 'left', 'reply', 'limited', 'working'
-    or ''.
-
-    'taken': the loop had taken the answer (it is kept in the run's folder)
-    and stopped before saving what it led to;
-    'left': the agent it went to is gone (replaced since) and left its answer
-    complete (left_reply()): taken at once;
-    'reply': the agent has written its answer since the prompt was sent;
-    'limited': it stopped at its usage limit, which the wait waits out;
-    'working': it is still busy with it. Either way the prompt is not sent
-    again. A response file older than the prompt is an earlier turn's and is
-    moved aside.
-    """
+    """After an interruption, whether this very prompt already went out: 'taken' (its answer kept), 'left' (its
+    gone agent left it complete), 'reply', 'limited' (a usage-limit wait), 'working' or '' (send it).
+    A response file older than the prompt is an earlier turn's: moved aside."""
     if in_flight is None or in_flight.sent_at is None or not in_flight.belongs_to(turn_position(role)):
         return ""
     if not read_reply_file(path) and taken_reply(role) is not None:
@@ -6077,20 +5906,20 @@ def carried_over_turn(role: str, path: Path) -> str:
 
 
 def at_work(role: str) -> bool:
-    """Whether the role's agent may be at work on a prompt: busy, or a status that cannot tell (the wait then
-    judges by file and screen); not when it reads ready, failed, or its CLI marks itself at rest."""
-    status = agent_cli(provider_for(role)).status_word(api.get_status(terminal_ids[role]))
-    return not (status == "error" or status in READY_STATUSES
-                or turn_mark(_screen(terminal_ids[role])) in ("ended", "idle"))
+    """Whether the role's agent may be at work on a prompt: not when it failed, turn_ended_by() says its turn is
+    over (the status a CLI's row trusts, its marks), or its marks say it is idle."""
+    terminal_id, now = terminal_ids[role], time.monotonic()
+    facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
+    facts.note_status(api.get_status(terminal_id), now)
+    if facts.status == "error" or turn_ended_by(facts, now):
+        return False
+    facts.note_screen(_screen(terminal_id), now)
+    return not (turn_ended_by(facts, now) or facts.mark == "idle")
 
 
 def send_prompt(role: str, prompt: str) -> str:
-    """Send a turn's prompt; return what was sent (the words the terminal shows may differ from the prompt's).
-
-    The turn is saved as in flight before the send, and what the prompt
-    carries in full is recorded as sent once the terminal has it -- or may
-    have it: a delivery whose answer broke off is watched, not repeated.
-    """
+    """Send a turn's prompt, saved as in flight first; return what was sent. A delivery whose answer broke
+    off is watched, not repeated."""
     terminal_id = terminal_ids[role]
     wait_until_settled(role, terminal_id)
     set_aside_stale_reply(response_path(role))
@@ -6116,9 +5945,7 @@ def send_prompt(role: str, prompt: str) -> str:
     except ApiError as exc:
         if exc.unsent or not exc.retryable:
             raise
-        # The request went out and the answer broke off (a server restart):
-        # the agent may have the prompt. The wait tells -- a reply, a busy
-        # agent or new output -- and sends it again only if nothing shows.
+        # The answer broke off (a server restart): the wait sends it again only if nothing shows it arrived.
         log_turn(role, f"delivery to terminal {terminal_id} broke off ({exc}); watching whether the "
                        "prompt arrived before sending it again")
     record_sent(in_flight.sent_in_full)
@@ -6162,9 +5989,8 @@ def sent_turn_facts(role: str, taken: float) -> dict:
 
 def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
                 taken: float | None = None) -> tuple[TurnRecord, TokenReading | None]:
-    """Remember an answered turn for the run summary and report (saved with the state), with the tokens
-    its CLI has recorded so far; the turn and what its CLI's records said. `taken`: when the loop took the
-    reply (time.time(); before it kept it on disk), else now."""
+    """Remember an answered turn (saved with the state) with the tokens its CLI has recorded so far; `taken`:
+    when the loop took the reply (time.time()), else now."""
     taken = time.time() if taken is None else taken
     facts = sent_turn_facts(role, taken)
     record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(taken, precise=True),
@@ -6181,10 +6007,7 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
 
 
 # -- Tokens used and the run's budget --------------------------------------------------
-# A turn's tokens are read from its CLI's records (section 5) when its reply is
-# taken, again before each later send (the budget counts them), and for the
-# last time when the role's next turn is sent or the run ends: its agent has
-# been idle since, so they stand from then on.
+# Read when a reply is taken, before each send (the budget), and last when the role's next turn is sent.
 TOKENS_SETTLE_SECONDS = 10.0   # at a run's end: how long the CLIs may take to record the end of the last turns
 
 
@@ -6217,9 +6040,8 @@ def tokens_before_send(role: str) -> None:
 
 
 def settle_tokens(run_ended: bool) -> None:
-    """When the loop stops: the turns whose tokens may still grow are read again. At a run's end each CLI is
-    given up to TOKENS_SETTLE_SECONDS to record the end of its last turn (or, where the run found its CLI's
-    records before, the turn at all), and the figures stand from then on."""
+    """When the loop stops: read again the turns whose tokens may still grow; at a run's end, up to
+    TOKENS_SETTLE_SECONDS for the CLIs to record their last turns, whose figures then stand."""
     deadline = time.monotonic() + (TOKENS_SETTLE_SECONDS if run_ended else 0.0)
     growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
     while growing:
@@ -6271,14 +6093,8 @@ def say_tokens_not_counted() -> None:
 
 
 # -- The agent's conversation ---------------------------------------------------
-# Once-only text (section 12) is worth sending once only while the agent's
-# conversation still holds it. A CLI that compacts its conversation (or a
-# person who types /compact or /clear) leaves it with a summary: the loop
-# forgets what that terminal was sent, so its next prompt carries everything
-# in full, as a new agent's would. A conversation can also be started anew on
-# purpose: each round (FRESH_CONTEXT=round), or when the CLI says its context
-# is nearly full and it will not compact it (Claude Code with auto-compact off)
-# -- a new agent then takes the role's next turn.
+# Once-only text holds while the conversation does: after a compaction or /clear it goes again in full; a new
+# agent starts a conversation anew (FRESH_CONTEXT=round, or a context nearly full that nothing will compact).
 
 def record_agent_event(role: str, terminal_id: str, what: str, detail: str = "") -> None:
     """Keep what happened to an agent's conversation or account in the run's record (saved with the state)."""
@@ -6324,13 +6140,8 @@ def note_conversation(role: str, terminal_id: str, screen: str | None) -> str:
     return ""
 
 
-# A compaction foreseen. Claude Code and Codex compact when a prompt is
-# submitted (or a tool's result comes back) with the context past their
-# compaction point; the prompt that set it off is kept after the summary. So
-# once an agent's last turn left its context within COMPACTION_FORESIGHT of
-# that point, its next prompt carries the full task: whatever the summary
-# drops, the prompt itself holds the task.
-COMPACTION_FORESIGHT = 0.85
+# A compaction foreseen: a prompt that may set one off keeps the full task (the CLIs keep it after the summary).
+COMPACTION_FORESIGHT = 0.85   # of the context at which its CLI compacts, reached by the agent's last turn
 
 
 def compaction_foreseen(role: str) -> str:
@@ -6375,13 +6186,8 @@ def start_fresh_agent(role: str, why: str) -> None:
 
 
 # -- The agent's model -------------------------------------------------------------
-# Each turn's model is the one its CLI recorded for its requests (section 5). An agent is started with the model
-# the user chose (MODEL, or the role's own: agent_models); with none, the first model recorded by an agent of
-# its CLI started without one stands for that CLI's default. A CLI may change it on its own: Codex 0.169 at a
-# usage limit offers a cheaper model, and the second Enter CAO sends with a prompt takes the offer. No CLI here
-# lets the loop set a model back in place, so a change is said and recorded where it is seen, and before the
-# role's next turn a new agent, started with the chosen model, takes its place (REPLACE_LOST_AGENTS=1);
-# otherwise the run stops there (ModelChanged).
+# A CLI may change the model on its own (Codex's offer at a usage limit): said, then a new agent with the chosen
+# one takes the role's next turn (REPLACE_LOST_AGENTS=1), else the run stops (ModelChanged).
 class ModelChanged(RunError):
     """An agent's CLI changed the model it was started with: stopped before the role's next turn, resumable."""
 
@@ -6403,11 +6209,8 @@ def default_model_seen(provider: str) -> str:
 
 
 def model_change(number: int) -> tuple[str, str] | None:
-    """(the model the turn's agent was started with, the other one its last response named), or None. Only a
-    turn of the role's current agent counts: the one that would take its next turn. Without a model asked for,
-    its CLI's default is the first model recorded by an agent of that CLI started without one (a switch on an
-    agent's first turn shows against the others'). The last response is the agent's own: a sub-agent it ran
-    (Claude Code's Task tool) may use a model of its own, counted in the turn's tokens, never a change."""
+    """(the model the turn's agent was started with, the other one its last response named), or None; only the
+    role's current agent counts, and without a model asked for the CLI's first recorded model is its default."""
     record = turn_records[number]
     if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
         return None
@@ -6459,9 +6262,8 @@ def model_change_due(role: str) -> str:
 
 
 def prepare_conversation(role: str) -> None:
-    """Before a turn's prompt is built: hear what the screen says of the conversation since the last turn
-    (/compact or /clear typed by a person), and start a new one where one is due (a new agent where the
-    model changed)."""
+    """Before a turn's prompt is built: hear what the screen says of the conversation, and start a new one
+    where one is due (a new agent where the model changed)."""
     sent = in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role))
     if sent:
         return                            # a turn carried over: its agent has the prompt
@@ -6539,11 +6341,8 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
 
 
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
-    """The role's answer to the prompt `build()` writes; a lost agent is replaced and the turn sent again.
-
-    The prompt is built for the terminal it goes to, so a new agent gets
-    every once-only block in full; completed turns are never sent again.
-    """
+    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced and the
+    turn sent again (to the new agent every once-only block in full)."""
     while True:
         try:
             return take_turn(role, build)

@@ -7,7 +7,7 @@ response file the prompt names, as a real agent following the prompt would
 -- and reports `completed`. A `codex` terminal also marks its state on its
 screen as Codex does: `idle` once started up, then since each input `working`
 once it starts on what it was sent, and `done`, `idle` when it is idle or has
-completed its turn again.
+completed its turn again (`turn_marks` adds other CLIs that mark their turns).
 
 A step is either a reply text or a dict:
     {"text": str, "action": "write" | "no_file" | "write_on_reminder" | "error" | "call",
@@ -190,6 +190,9 @@ class FakeCao:
     deleted_sessions: list[str] = field(default_factory=list)
     keys: list[tuple[str, str]] = field(default_factory=list)  # (role, key) of single key presses
     key_hook: object = None              # callable(fake, terminal, key) run on each key press
+    # provider -> (its start-up mark, the mark of a turn started, of a turn ended): a CLI that marks its turns
+    turn_marks: dict[str, tuple[str, str, str]] = field(
+        default_factory=lambda: {"codex": (CODEX_IDLE, CODEX_WORKING, CODEX_ENDED)})
     _session_thread: int | None = None   # the thread that sent the (last) session request
     _session_answered: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -619,14 +622,12 @@ class FakeCao:
             return httpx.Response(200, json={"output": screen, "mode": "full"})
         return httpx.Response(200, json={"output": terminal.last_output, "mode": "last"})
 
-    @staticmethod
-    def _marked(terminal: Terminal) -> str:
-        """What the agent printed, with the marks Codex puts around a turn it started on."""
-        if terminal.provider != "codex" or not terminal.started:
-            startup = CODEX_IDLE if terminal.provider == "codex" and not terminal.sent_to else ""
-            return startup + terminal.printed
-        ended = CODEX_ENDED if terminal.status in ("idle", "completed") else ""
-        return CODEX_WORKING + terminal.printed + ended
+    def _marked(self, terminal: Terminal) -> str:
+        """What the agent printed, with the marks its CLI (Codex, or one of `turn_marks`) puts around a turn."""
+        marks = self.turn_marks.get(terminal.provider)
+        if marks is None or not terminal.started:
+            return (marks[0] if marks and not terminal.sent_to else "") + terminal.printed
+        return marks[1] + terminal.printed + (marks[2] if terminal.status in ("idle", "completed") else "")
 
     def _exit(self, request: httpx.Request) -> httpx.Response:
         self._params(request)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from conftest import FAST, run_main
@@ -76,6 +77,30 @@ def test_a_made_up_cli_added_as_a_row_runs_the_loop(load_orch, fake_cao, prompt_
     assert "Made-up CLI's upsell on terminal" in out and 'choosing 2. "Not now"' in out
     tester_ends = re.findall(r"tester: reply received.*turn end seen by ([^,]+),", out)
     assert tester_ends[0] == m.TURN_ENDED_BY_STILL_SCREEN, out
+
+
+# The made-up CLI's own marks of its turns: another escape than Codex's, other words.
+MADE_UP_BUSY, MADE_UP_FINISHED, MADE_UP_RESTING = (f"\x1b]777;turn={word}\x07" for word in ("busy", "finished", "resting"))
+
+
+def test_a_made_up_cli_that_marks_its_turns_has_each_ended_by_its_mark(load_orch, fake_cao, prompt_file, monkeypatch,
+                                                                       capsys):
+    """Its row names its turn marks; CAO reads `processing` for good and no still screen is waited for (60 s):
+    every turn, FAIL then PASS, ends by the made-up CLI's own end-of-turn mark."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli", IGNORE_MISSING_CLI="1",
+                  QUIET_SCREEN_SECONDS="60", **PROGRAMMER_ON)
+    row = replace(made_up_row(m), still_screen_ends_turn=None,
+                  turn_marks=(r"\x1b\]777;turn=(\w+)\x07", "busy", "finished", "resting"))
+    monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", row)
+    fake_cao.turn_marks["made_up_cli"] = (MADE_UP_RESTING, MADE_UP_BUSY, MADE_UP_FINISHED + MADE_UP_RESTING)
+    fake_cao.reported_status = "processing"
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    assert run_main(m) == 0
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "PASS" and state["current_round"] == 2
+    ends = re.findall(r"(\w+): reply received.*turn end seen by ([^,]+),", capsys.readouterr().out)
+    assert [role for role, _ in ends].count("tester") == 2
+    assert {ended_by for _, ended_by in ends} == {m.TURN_ENDED_BY_MARK}, ends
 
 
 def test_no_provider_is_named_outside_the_table(orch):

@@ -119,7 +119,8 @@ def test_a_reply_file_outranks_a_usage_limit_on_the_screen(m):
     facts.note_usage_limit(a_limit(m))
     assert facts.usage_limit is None
     facts.note_status("completed", 4.0)
-    assert decide(m, facts, 4.0) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 4.0) == ("FILE_SETTLED", "TAKE_REPLY")
+    assert m.turn_ended_by(facts, 4.0) == m.TURN_ENDED_BY_STATUS
 
 
 def test_a_message_sent_ends_the_limit_and_its_wait(m):

@@ -26,14 +26,28 @@ def m(orch, monkeypatch):
     return orch
 
 
-def sent_at_zero(m, prompt_known: bool = True, shown: bool = True):
+def sent_at_zero(m, prompt_known: bool = True, shown: bool = True, cli=None):
     """A turn whose prompt went out at t=0 (and, by default, showed on the agent's screen at once)."""
     markers = m.prompt_markers(PROMPT) if prompt_known else ()
-    return m.TurnFacts(started=0.0, guard_since=0.0, markers=markers, prompt_seen=shown and prompt_known)
+    facts = m.TurnFacts(started=0.0, guard_since=0.0, markers=markers, prompt_seen=shown and prompt_known)
+    facts.cli = cli or facts.cli
+    return facts
+
+
+def codex(m):
+    return m.agent_cli("codex")
+
+
+def marking(m):
+    """A CLI whose ready status CAO reads right, and which marks its turns as Codex does."""
+    return m.AgentCli("a CLI that marks its turns", turn_marks=m.agent_cli("codex").turn_marks)
 
 
 def decide(m, facts, now):
+    """The state and verdict by name; a reply taken is named by what ended its turn (a TURN_ENDED_BY_* row)."""
     state, verdict = m.decide(facts, now)
+    if verdict is m.Verdict.TAKE_REPLY:
+        return state.name, m.turn_ended_by(facts, now)
     return state.name, verdict.name
 
 
@@ -70,7 +84,7 @@ def test_a_settled_file_waits_for_a_ready_status_read_after_it_appeared(m):
     facts.note_file(FILE, 3.0)
     assert decide(m, facts, 4.0) == ("FILE_SETTLED", "WAIT")
     facts.note_status("completed", 4.0)
-    assert decide(m, facts, 4.0) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 4.0) == ("FILE_SETTLED", m.TURN_ENDED_BY_STATUS)
 
 
 def test_a_settled_file_is_taken_once_the_screen_has_been_still_for_quiet_screen_seconds(m):
@@ -79,7 +93,7 @@ def test_a_settled_file_is_taken_once_the_screen_has_been_still_for_quiet_screen
     facts.note_screen("spinner 1", 2.0)
     facts.note_file(FILE, 3.0)
     assert decide(m, facts, 3.0 + QUIET - 0.1) == ("FILE_SETTLED", "WAIT")
-    assert decide(m, facts, 3.0 + QUIET) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 3.0 + QUIET) == ("FILE_SETTLED", m.TURN_ENDED_BY_STILL_SCREEN)
 
 
 def test_a_changing_screen_never_ends_a_turn(m):
@@ -193,8 +207,7 @@ def test_a_gone_agent_that_left_its_reply_complete_has_it_taken(m):
     facts.note_file(FILE, 2.5)
     assert decide(m, facts, 3.0) == ("FILE_SETTLED", "WAIT")
     facts.note_lost("its CAO session cao-x is gone", left_reply=True)
-    assert decide(m, facts, 3.0) == ("LOST", "TAKE_REPLY")
-    assert facts.ended_by() == m.TURN_ENDED_BY_AGENT_GONE
+    assert decide(m, facts, 3.0) == ("LOST", m.TURN_ENDED_BY_AGENT_GONE)
 
 
 def test_a_gone_agent_without_a_complete_reply_is_lost(m):
@@ -291,7 +304,7 @@ def test_a_settled_file_is_asked_about_at_once_then_every_confirm_read_seconds(m
     assert reads.next_look_at(facts, 0.5 + SETTLE) == pytest.approx(0.5 + SETTLE + confirm)
     assert reads.status_due(facts, 0.5 + SETTLE + confirm)
     read(facts, reads, 0.5 + SETTLE + confirm, status="completed")
-    assert decide(m, facts, 0.5 + SETTLE + confirm) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 0.5 + SETTLE + confirm) == ("FILE_SETTLED", m.TURN_ENDED_BY_STATUS)
     assert reads.confirm_read_at(facts, 0.5 + SETTLE + confirm) is None          # nothing left to ask
 
 
@@ -324,7 +337,7 @@ def test_a_settled_file_s_turn_reads_its_cli_s_record_between_status_reads_where
     assert not reads.status_due(facts, settled + step)              # no call to the server for it
     reads.record_read(settled + step)
     facts.note_record(True)                                         # the record shows the turn over
-    assert decide(m, facts, settled + step) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, settled + step) == ("FILE_SETTLED", m.TURN_ENDED_BY_RECORD)
     without = m.ReadSchedule(next_status_at=POLL)
     facts = sent_at_zero(m)
     facts.note_file(FILE, 0.5)
@@ -365,24 +378,24 @@ WORKING_MARK, DONE_MARK, IDLE_MARK = ("\x1b]7501;state=working:app=codex\x07", "
 
 
 def test_the_newest_turn_state_mark_on_a_screen_decides(m):
-    assert m.turn_mark(None) is None and m.turn_mark("plain text, no marks") is None
-    assert m.turn_mark("\x1b]0;state=done\x07") is None                       # another escape's text
-    assert m.turn_mark(f"> prompt{WORKING_MARK} Working (2s - esc to interrupt)") == "working"
-    assert m.turn_mark(f"{WORKING_MARK} Working{DONE_MARK} Worked for 3s{IDLE_MARK}") == "ended"
-    assert m.turn_mark(f"{WORKING_MARK}{DONE_MARK}") == "ended"
-    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK} again") == "working"
+    assert m.turn_mark(None, codex(m)) is None and m.turn_mark("plain text, no marks", codex(m)) is None
+    assert m.turn_mark("\x1b]0;state=done\x07", codex(m)) is None                       # another escape's text
+    assert m.turn_mark(f"> prompt{WORKING_MARK} Working (2s - esc to interrupt)", codex(m)) == "working"
+    assert m.turn_mark(f"{WORKING_MARK} Working{DONE_MARK} Worked for 3s{IDLE_MARK}", codex(m)) == "ended"
+    assert m.turn_mark(f"{WORKING_MARK}{DONE_MARK}", codex(m)) == "ended"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK} again", codex(m)) == "working"
 
 
 def test_a_cli_marked_working_outranks_a_stale_ready_status(m):
     """CAO answers `completed` left over from before, while Codex's screen says it works on a draft:
     the draft is not taken, and the agent does not count as idle."""
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_file(FILE, 3.0)
     facts.note_status("completed", 3.0 + SETTLE)
     assert m.ReadSchedule.screen_due(facts, 3.0 + SETTLE)                 # the screen may say otherwise
     facts.note_screen(f"{WORKING_MARK} Working (1s)", 3.0 + SETTLE)
     assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_status("completed", 2.0)
     facts.note_screen(f"{WORKING_MARK} Working (2s)", 2.0)
     facts.note_screen(f"{WORKING_MARK} Working (40s)", 40.0)
@@ -393,7 +406,7 @@ def test_a_working_mark_pushed_off_the_screen_still_stands(m):
     """CAO's screen is the tail of what Codex printed: its spinner, redrawn many times a second, can push the
     working mark out of it while the CLI works on past a draft. With CAO's stale `completed`, the draft is
     still not taken, nor is the agent idle; the end mark, when it shows, ends the turn."""
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_screen(f"{WORKING_MARK} Working (1s)", 1.0)
     facts.note_file(FILE, 3.0)
     facts.note_status("completed", 3.0 + SETTLE)
@@ -402,45 +415,45 @@ def test_a_working_mark_pushed_off_the_screen_still_stands(m):
     assert not facts.is_idle(3.0 + SETTLE)
     facts.note_file((FILE[0] + 1, 50), 5.0)                                      # the final answer
     facts.note_screen(f" Working (5s){DONE_MARK}{IDLE_MARK} > Ask Codex", 5.0 + SETTLE)
-    assert decide(m, facts, 5.0 + SETTLE) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 5.0 + SETTLE) == ("FILE_SETTLED", m.TURN_ENDED_BY_MARK)
 
 
 def test_a_settled_file_is_taken_once_the_cli_marks_its_turn_ended_though_cao_says_processing(m):
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_status("processing", 2.0)
     facts.note_screen(f"{WORKING_MARK} Working", 2.0)
     facts.note_file(FILE, 3.0)
     facts.note_screen(f"{WORKING_MARK} Working (3s){DONE_MARK}{IDLE_MARK} > Ask Codex", 3.0 + SETTLE)
     facts.note_status("processing", 3.0 + SETTLE)
-    assert decide(m, facts, 3.0 + SETTLE) == ("DONE", "TAKE_REPLY")               # not QUIET seconds later
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", m.TURN_ENDED_BY_MARK)               # not QUIET seconds later
 
 
 def test_a_settled_file_is_taken_once_the_cli_s_own_record_says_its_turn_ended(m):
     """The CLI's record (its transcript, rollout or database) says the turn is over: no still screen waited for,
     whatever CAO's status says."""
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.cli = m.AGENT_CLIS["opencode_cli"]                  # CAO's ready word not trusted, 2 s of still screen
     facts.note_status("processing", 2.0)
     facts.note_file(FILE, 3.0)
     facts.note_record(False)                                  # a draft: the CLI works on
     assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
     facts.note_record(True)
-    assert decide(m, facts, 3.5) == ("DONE", "TAKE_REPLY") and facts.ended_by() == m.TURN_ENDED_BY_RECORD
+    assert decide(m, facts, 3.5) == ("FILE_SETTLED", m.TURN_ENDED_BY_RECORD)
 
 
 def test_a_record_read_before_the_file_changed_counts_only_when_read_again(m):
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_file(FILE, 3.0)
     facts.note_record(True)
     facts.note_file((FILE[0] + 1, 50), 4.0)                   # rewritten after that read: the agent was at work
     assert decide(m, facts, 4.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
     facts.note_record(True)
-    assert decide(m, facts, 4.5) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 4.5) == ("FILE_SETTLED", m.TURN_ENDED_BY_RECORD)
 
 
 def test_a_cli_still_marked_working_keeps_a_settled_file_waiting(m):
     """The CLI wrote a draft and works on: its newest mark says working, so the file is not final yet."""
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_status("processing", 2.0)
     facts.note_file(FILE, 3.0)
     for second in range(4, 4 + int(QUIET)):
@@ -449,19 +462,19 @@ def test_a_cli_still_marked_working_keeps_a_settled_file_waiting(m):
 
 
 def test_an_end_mark_seen_before_the_file_changed_counts_only_when_seen_again(m):
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_file(FILE, 3.0)
     facts.note_screen(f"{WORKING_MARK}{DONE_MARK}", 3.5)
     facts.note_file((FILE[0] + 1, 50), 4.0)                          # rewritten after that read
     assert decide(m, facts, 4.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
     facts.note_screen(f"{WORKING_MARK}{DONE_MARK}", 4.0 + SETTLE)
-    assert decide(m, facts, 4.0 + SETTLE) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 4.0 + SETTLE) == ("FILE_SETTLED", m.TURN_ENDED_BY_MARK)
 
 
 def test_an_end_mark_without_a_file_is_idle_and_reminded_after_idle_grace(m):
     """CAO says processing for good, but Codex marked its turn ended with no file written: reminded after
     IDLE_GRACE_SECONDS from the mark, not left until AGENT_STALL_SECONDS counts it lost."""
-    facts = sent_at_zero(m)
+    facts = sent_at_zero(m, cli=marking(m))
     facts.note_status("processing", 2.0)
     facts.note_screen(f"> {PROMPT}{WORKING_MARK} Working", 2.0)
     facts.note_screen(f"> {PROMPT}{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK}", 10.0)
@@ -473,14 +486,50 @@ def test_an_end_mark_without_a_file_is_idle_and_reminded_after_idle_grace(m):
     assert decide(m, facts, 10.0 + GRACE + 1) == ("WORKING", "WAIT")
 
 
+def test_a_cli_whose_row_names_no_turn_marks_has_none_read(m):
+    """Codex's marks on the screen of a CLI without `turn_marks` say nothing: its settled file waits for its
+    own confirmations (here CAO's ready status), not for a `done` it never prints."""
+    facts = sent_at_zero(m)
+    facts.note_status("processing", 2.0)
+    facts.note_file(FILE, 3.0)
+    facts.note_screen(f"{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK}", 3.0 + SETTLE)
+    assert facts.mark is None and m.turn_marks_on(f"{WORKING_MARK}{DONE_MARK}", facts.cli) == []
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", "WAIT")
+    facts.note_status("completed", 3.5)
+    assert decide(m, facts, 3.5) == ("FILE_SETTLED", m.TURN_ENDED_BY_STATUS)
+
+
+def test_every_way_a_turn_ends_is_a_row_of_its_own(m):
+    """The table says which confirmation ends a turn: each TURN_ENDED_BY_* is one row taking the reply (each
+    row's own test above fails without it), and no row takes a reply without naming what ended the turn."""
+    taking = [rule for rule in m.WAIT_RULES if rule.verdict is m.Verdict.TAKE_REPLY]
+    assert all(rule.ended_by for rule in taking)
+    assert sorted(rule.ended_by for rule in taking) == sorted(
+        getattr(m, name) for name in dir(m) if name.startswith("TURN_ENDED_BY_"))
+
+
+def test_a_terminal_at_rest_after_a_turn_is_over_by_its_marks_without_a_file(m):
+    """What the settle check asks of a terminal about to be prompted: idle after a `done`, or after a turn this
+    run saw it answer, is at rest; its start-up's idle is not, nor a mark that it works."""
+    after_own_task = f"{WORKING_MARK}{DONE_MARK}{IDLE_MARK}{WORKING_MARK}{IDLE_MARK}"
+    for screen, answered_before, over in ((after_own_task, False, m.TURN_ENDED_BY_MARK),
+                                          (f"{WORKING_MARK}{IDLE_MARK}", True, m.TURN_ENDED_BY_MARK),
+                                          (f"{WORKING_MARK}{IDLE_MARK}", False, ""),
+                                          (f"{DONE_MARK}{WORKING_MARK} Working", True, "")):
+        facts = m.TurnFacts(started=0.0, guard_since=0.0, cli=codex(m), answered_before=answered_before)
+        facts.note_status("processing", 1.0)
+        facts.note_screen(screen, 1.0)
+        assert m.turn_ended_by(facts, 1.0) == over, screen
+
+
 def test_only_a_done_after_the_newest_working_mark_ends_a_turn(m):
     """Codex marks its start-up too: `idle` once loaded, `working` then `idle` around a task of its own.
     Those say it is idle, not that a turn has ended; `done` does, even with the `working` scrolled out."""
-    assert m.turn_mark(IDLE_MARK) == "idle"
-    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK} tab to queue message") == "idle"
-    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK}{WORKING_MARK} Working") == "working"
-    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK}") == "ended"
-    assert m.turn_mark(f" Working (9s){DONE_MARK}{IDLE_MARK} > Ask Codex") == "ended"
+    assert m.turn_mark(IDLE_MARK, codex(m)) == "idle"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK} tab to queue message", codex(m)) == "idle"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK}{IDLE_MARK}{WORKING_MARK} Working", codex(m)) == "working"
+    assert m.turn_mark(f"{IDLE_MARK}{WORKING_MARK} Working{DONE_MARK}{IDLE_MARK}", codex(m)) == "ended"
+    assert m.turn_mark(f" Working (9s){DONE_MARK}{IDLE_MARK} > Ask Codex", codex(m)) == "ended"
 
 
 def codex_turn(m, shown: bool = True):
@@ -512,7 +561,7 @@ def test_a_draft_of_a_codex_that_got_its_prompt_while_loading_is_not_taken(m):
     facts.note_file((FILE[0] + 1, 50), 4.5)                                      # the final answer
     facts.note_status("idle", 4.5 + SETTLE)
     facts.note_screen(f"{turn}\n\u2022 Ran cat > summary.md{DONE_MARK}{IDLE_MARK}\u203a Ask Codex", 4.5 + SETTLE)
-    assert decide(m, facts, 4.5 + SETTLE) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 4.5 + SETTLE) == ("FILE_SETTLED", m.TURN_ENDED_BY_MARK)
 
 
 def test_a_codex_draft_under_a_stale_idle_status_waits_for_a_still_screen_when_no_mark_shows(m):
@@ -527,7 +576,7 @@ def test_a_codex_draft_under_a_stale_idle_status_waits_for_a_still_screen_when_n
         assert decide(m, facts, now) == ("FILE_SETTLED", "WAIT")
     last_change = 1.0 + SETTLE + 7 / 2
     assert decide(m, facts, last_change + QUIET - 0.5) == ("FILE_SETTLED", "WAIT")
-    assert decide(m, facts, last_change + QUIET) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, last_change + QUIET) == ("FILE_SETTLED", m.TURN_ENDED_BY_STILL_SCREEN)
 
 
 # -- an agent CLI whose ready status CAO misreads (OpenCode) -----------------------
@@ -560,7 +609,7 @@ def test_a_settled_file_of_a_cli_reported_ready_while_it_works_waits_for_a_still
         assert decide(m, facts, now) == ("FILE_SETTLED", "WAIT")
     last_frame = 3.0 + SETTLE + 19 / 4
     assert decide(m, facts, last_frame + window - 0.01) == ("FILE_SETTLED", "WAIT")
-    assert decide(m, facts, last_frame + window) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, last_frame + window) == ("FILE_SETTLED", m.TURN_ENDED_BY_STILL_SCREEN)
     assert window < QUIET                                       # sooner than a CLI judged by QUIET_SCREEN_SECONDS
 
 
@@ -569,7 +618,7 @@ def test_the_same_facts_with_a_trusted_ready_status_take_the_file_at_once(m):
     facts.note_file(FILE, 3.0)
     facts.note_status("completed", 3.0 + SETTLE)
     facts.note_screen("busy bar frame 0", 3.0 + SETTLE)
-    assert decide(m, facts, 3.0 + SETTLE) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, 3.0 + SETTLE) == ("FILE_SETTLED", m.TURN_ENDED_BY_STATUS)
 
 
 def test_a_cli_reported_ready_while_it_works_is_not_reminded_while_its_screen_moves(m):
@@ -712,7 +761,7 @@ def test_a_copilot_draft_is_not_taken_while_its_spinner_turns(m):
     last_frame = 1.0 + SETTLE + 11 / 4
     facts.note_status("completed", last_frame + 0.5)
     assert decide(m, facts, last_frame + window - 0.01) == ("FILE_SETTLED", "WAIT")
-    assert decide(m, facts, last_frame + window) == ("DONE", "TAKE_REPLY")
+    assert decide(m, facts, last_frame + window) == ("FILE_SETTLED", m.TURN_ENDED_BY_STILL_SCREEN)
 
 
 def test_a_resumed_codex_at_rest_after_a_task_of_its_own_is_settled_whatever_cao_says(m, monkeypatch):
