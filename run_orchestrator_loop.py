@@ -270,19 +270,46 @@ BUSY_STATUSES = ("processing", "waiting_user_answer")
 KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 
 # -- The agent CLIs: all the loop knows of each, one row a CLI ----------------------------------------
-# CAO starts each CLI under a provider of that name. Beyond CAO's word, the loop knows a CLI by what it
-# shows and what it records: whether CAO's status for it can be trusted, how its screen says a turn is
-# over, its words for a compacted or cleared conversation, the menus it opens and the answer that changes
-# nothing, where it records its turns (tokens, context) and where it compacts, what to tell a user whose
-# CLI did not start. The readers of records and settings (section 5) and the wait (section 6) ask the row;
-# nothing else names a provider. Adding a CLI is a row here and its tests (docs/code-map.md); what was
-# proven with which version is in docs/agent-clis.md. Screen words are matched squeezed: whitespace and
-# escape sequences removed (Claude Code draws a line's spaces as cursor moves and colours words in pieces).
+# CAO starts each CLI under a provider of that name; what the loop knows beyond CAO's word is in the CLI's row,
+# and nothing else names a provider (adding a CLI: docs/code-map.md; its facts: docs/agent-clis.md). Screen
+# words are matched squeezed: whitespace and escape sequences removed.
+@dataclass(frozen=True)
+class Trap:
+    """A set-up trap of a CLI's that --check looks for (section 16): what must be found where, and what to tell on
+    ✓ and on ✗ ({file}, {project} and {tmux} name the file looked at, the project folder, the agents' tmux)."""
+
+    found: str                        # told on ✓
+    fix: str                          # told on ✗
+    env: str = ""                     # a variable that must be set in the agents' environment
+    env_value: str = ""               # ... to this value, which a CAO server the run starts itself sets
+    root_only: bool = False           # a trap only where the agents run as root
+    file: str = ""                    # else a file under the agents' home ...
+    folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set
+    pattern: str = ""                 # a regex (multi-line) the file must match; a group `project` must name the
+    #                                   project folder (git's top, else WD) or one above it
+    json_key: str = ""                # or a key its JSON object must have set ...
+    json_holds: str = ""              # ... to a list that holds this
+
+
+@dataclass(frozen=True)
+class TokenRecords:
+    """How the loop reads what a CLI recorded of a turn's tokens (section 5). A CLI that keeps running totals
+    only has `totals_now`: they are noted as each turn is first sent, and `read_turn` is given them."""
+
+    name: str                                                  # what they are, for people
+    read_turn: Callable[[str, float, float, RunningTotals | None], TokenReading | None]  # (the turn's marker,
+    #                                       its window as time.time() values, the totals at its first send)
+    totals_now: Callable[[str], RunningTotals | None] | None = None   # (the marker) -> the totals now
+
+    def __str__(self) -> str:
+        return self.name
+
+
 @dataclass(frozen=True)
 class AgentCli:
     """One agent CLI, as the loop knows it: a provider without a row is refused by the settings."""
 
-    label: str                                  # its name as people (and CAO's messages) call it
+    label: str                                  # its name as people call it
     ready_status_trusted: bool = True           # CAO's idle/completed means the turn has ended
     still_screen_ends_turn: float | None = None  # seconds of still screen that confirm a settled reply file
     #                                             (None: QUIET_SCREEN_SECONDS)
@@ -290,9 +317,13 @@ class AgentCli:
     context_low: str = ""                       # squeezed regex: its context nearly full, nothing will compact
     menus: tuple[tuple[str, str], ...] = ()     # (what the loop calls a menu it opens, the choice that keeps
     #                                             what the user chose)
-    records: str = ""                           # the format of its turn records, read in section 5 ('': none)
-    compaction_settings: str = ""               # the settings that say where it compacts (section 5; '': none)
+    records: str | TokenRecords = ""            # its turn records: a format in RECORD_FORMATS (section 5), or
+    #                                             their reader itself ('': none)
+    compaction_settings: str | Callable[[], int | None] = ""  # where it compacts: settings in COMPACTION_READERS
+    #                                             (section 5), or their reader itself ('': none)
     start_hint: str = ""                        # for a user whose CLI did not start under CAO
+    cao_name: str = ""                          # what CAO's error messages call it ('': its label)
+    start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
     #                                             and `rest`: the words after it, where RESET_AT finds the reset)
@@ -301,10 +332,8 @@ class AgentCli:
     run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
     #                                             (9 turns), in round 2 (14); measured by bench/bench_run_tokens.py
     program: str = ""                           # the program CAO starts ('': the one CAO names)
-    traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
+    traps: tuple[Trap, ...] = ()                # its set-up traps, looked for by --check (section 16)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
-    server_env: tuple[tuple[str, str, str], ...] = ()  # (variable, value, 'always' or 'root'): what its agents need
-    #                                             in the environment of a CAO server the run starts itself
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
 
     def status_word(self, status: str) -> str:
@@ -313,75 +342,87 @@ class AgentCli:
 
 
 STILL_SCREEN_SECONDS = 2.0      # a busy bar or spinner redraws several times a second: 2 s still, the turn is over
-# An account's usage limit stops the agent until a reset time its CLI names; Codex and Claude Code say it alike:
-#   Codex        "You've hit your usage limit. Try again at 3:05 PM."  (another day: "Jan 5th, 2026 3:05 PM";
-#                no time known: "Try again later.")
-#   Claude Code  "You've hit your session limit · resets 3pm (Europe/Berlin)"  (5-hour limit; also "weekly
-#                limit", "usage limit"; more than a day ahead: "resets Jan 5, 3pm (UTC)")
+# An account's usage limit, as Codex and Claude Code say it (the reset's forms: docs/agent-clis.md).
 HIT_YOUR_LIMIT = r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})"
+CODEX_CONFIG = dict(file=".codex/config.toml", folder_env="CODEX_HOME")
 
 AGENT_CLIS: dict[str, AgentCli] = {
-    # Claude Code: CAO's status holds. It asks at its usage limit what to do; a prompt sent while it compacts
-    # is drawn again below "Conversation compacted".
+    # Claude Code: CAO's status holds; it asks at its usage limit what to do.
     "claude_code": AgentCli(
         "Claude Code",
         conversation_words=(("Compactingconversation", "compacted"),    # while it summarises (also /compact)
                             ("Conversationcompacted", "compacted"),     # "✻ Conversation compacted (ctrl+o ...)"
                             ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # after /compact typed by hand
                             ("❯/clear", "cleared")),                    # /clear typed by hand (nothing else shows)
-        # auto-compact off: "Context low (2% remaining)" in its status line; "Context limit reached · /compact
-        # or /clear to continue" once full
-        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",
+        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",   # with auto-compact off
         menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
         usage_limit=HIT_YOUR_LIMIT,
-        # its model provider failing ("API Error: 529 ...", a JSON error body); with an API key it ends its own
-        # retries of a rate limit with "API Error: Request rejected (429)"
         error_lines=r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
-        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",), run_tokens=(444_750, 700_544),
-        server_env=(("IS_SANDBOX", "1", "root"),)),
-    # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a first
-    # turn; its own marks on the screen (ESC ] 7501;state=..., turn_mark) say when it works and when a turn
-    # is over, else a screen still for QUIET_SCREEN_SECONDS.
+        proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
+        traps=(Trap("Claude Code: IS_SANDBOX=1 set for root",
+                    "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses the mode CAO "
+                    "starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its tmux server with it: stop "
+                    "a running one first)", env="IS_SANDBOX", env_value="1", root_only=True),)),
+    # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
         "Codex", ready_status_trusted=False,
-        # (not its header, ">_ OpenAI Codex", which /new and /clear draw again: so do its start-up and a redraw)
         conversation_words=(("Compactingcontext", "compacted"),         # while it summarises (also /compact)
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
-        # Its "Trust this folder?" in a project it does not trust yet: the run's agents work in the working
-        # directory the user gave, so the loop trusts it (a typed prompt's Enter would pick the same; Codex
-        # saves it in ~/.codex/config.toml, and --check says how to trust the project beforehand).
+        # the agents work in the folder the user gave: the loop trusts it (--check says how beforehand)
         menus=(("Codex's offer to switch the model", "Keep current model"),
                ("Codex's question whether to trust the project", "Trust and continue")),
         usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
-        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996)),
-    # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
-    # turn); it repaints its busy bar about twenty times a second while it works.
+        run_tokens=(300_716, 457_996),
+        traps=(Trap("Codex trusts the project ({project})",
+                    "Codex does not trust {project}: it asks at each agent's start (a minute each, the first prompt "
+                    "lost); add to {file}: [projects.\"{project}\"] then trust_level = \"trusted\"",
+                    pattern=r"""^\[projects\.(["'])(?P<project>.+?)\1\]\s*\n(?:(?!\[)[^\n]*\n)*?\s*"""
+                            r"""trust_level\s*=\s*["']trusted["']""", **CODEX_CONFIG),
+               # a bare Enter takes its offer of a cheaper model at a usage limit, and CAO sends one after a prompt
+               Trap("Codex: its offer of another model at a usage limit is turned off",
+                    "Codex offers another model at a usage limit, and the second Enter CAO sends with a prompt takes "
+                    "it: the agent goes on with a model nobody chose (the run then stops); add to {file}: [notice] "
+                    "then hide_rate_limit_model_nudge = true",
+                    pattern=r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
+                            r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b",
+                    **CODEX_CONFIG))),
+    # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
         records="opencode database",
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
-        proven="1.18.33", program="opencode", traps=("model file",), run_tokens=(135_448, 216_113),
+        proven="1.18.33", program="opencode", run_tokens=(135_448, 216_113),
+        traps=(Trap("OpenCode: its model set in {file}",
+                    "OpenCode: no model in {file} (CAO starts it with that file): add a provider entry and a "
+                    "top-level \"model\": \"<provider>/<model>\" (docs/agent-clis.md)",
+                    file=".aws/opencode/opencode.json", json_key="model"),),
         profile_file=".aws/opencode/agents/{name}.md"),
-    # Copilot CLI: CAO read a ready status while it was still at work (a draft reply file was taken for the
-    # answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after it was sent); its
-    # status bar spinner (`◎ Working`) turns four times a second while it works.
-    "copilot_cli": AgentCli("GitHub Copilot CLI", ready_status_trusted=False,
-                            still_screen_ends_turn=STILL_SCREEN_SECONDS, proven="1.0.102", program="copilot",
-                            records="copilot session logs",
-                            traps=("CAO's MCP server disabled",), profile_file=".copilot/agents/{name}.agent.md",
-                            run_tokens=(338_995, 537_724)),
-    # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
-    # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
-    "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-                       records="hermes state.db", proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
-                       run_tokens=(287_911, 455_907), server_env=(("PROMPT_TOOLKIT_NO_CPR", "1", "always"),)),
+    # Copilot CLI: CAO read a ready status while it was still at work; its spinner turns four times a second.
+    "copilot_cli": AgentCli(
+        "GitHub Copilot CLI", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
+        proven="1.0.102", program="copilot", records="copilot session logs",
+        traps=(Trap("Copilot CLI: CAO's MCP server disabled",
+                    "Copilot CLI would connect to CAO's MCP server, which it rejects (CAO then reports its terminal "
+                    "in error): put {\"disabledMcpServers\": [\"cao-mcp-server\"]} in {file}",
+                    file=".copilot/settings.json", json_key="disabledMcpServers", json_holds="cao-mcp-server"),),
+        profile_file=".copilot/agents/{name}.agent.md", run_tokens=(338_995, 537_724)),
+    # Hermes Agent: the same; its status bar's timers change twice a second while it works. CAO can time out a
+    # start whose CLI came up (a late redraw hides the idle prompt): a second start seldom meets the same moment.
+    "hermes": AgentCli(
+        "Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
+        records="hermes state.db", proven="0.19.0", program="hermes", run_tokens=(287_911, 455_907),
+        cao_name="Hermes", start_tries=2,
+        traps=(Trap("Hermes: PROMPT_TOOLKIT_NO_CPR set in its agents' environment",
+                    "Hermes: PROMPT_TOOLKIT_NO_CPR is not in the agents' environment (a start-up then hangs now and "
+                    "then): `{tmux} set-environment -g PROMPT_TOOLKIT_NO_CPR 1`, or export it before starting "
+                    "cao-server", env="PROMPT_TOOLKIT_NO_CPR", env_value="1"),)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
     "kiro_cli": AgentCli("Kiro CLI"),
@@ -1754,15 +1795,15 @@ def loop_program(name: str) -> str:
 def own_server_env(own: OwnServer) -> dict[str, str]:
     """What the own tmux server, cao-server and the agents run with: the loop's environment, its Python's
     folder on PATH (mock_cli, cao; after the user's own), a private tmux folder, CAO's address for CAO's own tools, and what
-    each CLI in use needs (its row's `server_env`)."""
+    each CLI in use needs (its row's traps' `env_value`)."""
     env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
     path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
     env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
                CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
     for provider in providers_in_use():
-        for name, value, when in agent_cli(provider).server_env:
-            if when == "always" or (when == "root" and os.geteuid() == 0):
-                env.setdefault(name, value)
+        for trap in agent_cli(provider).traps:
+            if trap.env_value and (not trap.root_only or os.geteuid() == 0):
+                env.setdefault(trap.env, trap.env_value)
     return env
 
 
@@ -2007,7 +2048,7 @@ class InFlight:
     limit_line: str = ""              # the agent stopped at its usage limit: what its screen said ("" if not)
     limit_until: float | None = None  # time.time() when it is told to continue (None: no reset time given)
     reply_file: str = ""              # answered: the reply's name in the run's folder, its outcome not saved yet
-    tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (CLIs that keep
+    tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (CLIs that keep
     #                                            only those: Hermes); None for the others
     terminal: str = ""                # the terminal it was (last) sent to ("" in a state file from before)
 
@@ -2223,7 +2264,7 @@ class TurnRecord:
     tokens_final: bool = False        # read up to the role's next send (or the run's end): they stay as they are
     terminal: str = ""                # the terminal that answered ("" in a state file written before it was kept)
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
-    tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (InFlight's)
+    tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (InFlight's)
     model: str = ""                   # the model its last response named, as its CLI recorded it ("": unknown)
 
     def to_json(self) -> dict:
@@ -3943,21 +3984,16 @@ def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker
     return responses.reading(pending)
 
 
-# Hermes keeps no tokens per response: its state.db holds, per session and model, running totals
-# (session_model_usage, a row per model and task: the agent's own calls have task '') and the session's
-# messages, each assistant message with the reason its response finished. A turn's tokens are the totals
-# now less those when the turn was first sent, which the loop notes then (InFlight.tokens_before, saved with
-# the state); the turn is over once an assistant message that did not stop for tool calls was written after
-# its last response was counted. Its side calls (a session's title) are left out, as the other CLIs leave
-# them out of their records.
-HermesTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
+# A CLI that keeps running totals only (its records' `totals_now`): a turn's tokens are the totals now less
+# those noted when it was first sent (InFlight.tokens_before, saved with the state).
+RunningTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
 
 
 @dataclass(frozen=True)
 class HermesRecord:
     """What Hermes's state.db says of the sessions that name a turn's marker."""
 
-    totals: HermesTotals
+    totals: RunningTotals
     last_call: float | None        # when the last of their calls since the turn began was counted
     last_answer: float | None      # when the last assistant message since then that ended a turn was written
     last_model: str = ""           # the model of the calls counted last since the turn began
@@ -3981,7 +4017,7 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
                 (named_since, marker, named_since, marker, since)).fetchall()
     except (sqlite3.Error, ValueError):
         return None
-    totals: HermesTotals = {}
+    totals: RunningTotals = {}
     last_call, last_model = None, ""
     for session, model, fresh, written, read, output, seen in usage:
         counts = [_token_count(value) for value in (fresh, written, read, output)]
@@ -3996,7 +4032,7 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
                         last_model)
 
 
-def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | None:
+def hermes_usage(record: HermesRecord, before: RunningTotals) -> TokenReading | None:
     """A Hermes turn: the sessions' totals less those at the turn's first send (a session begun since counts
     whole); None when nothing was counted since and no answer was written."""
     used: dict[str, TokenUse] = {}
@@ -4014,12 +4050,12 @@ def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | N
     return TokenReading(used, over, ended_at=record.last_answer if over else None, model=model)
 
 
-def tokens_before_json(before: HermesTotals | None) -> dict | None:
+def tokens_before_json(before: RunningTotals | None) -> dict | None:
     """The running totals noted at a turn's send, as the state file keeps them."""
     return None if before is None else {session: tokens_json(models) for session, models in before.items()}
 
 
-def tokens_before_from_json(raw: object) -> HermesTotals | None:
+def tokens_before_from_json(raw: object) -> RunningTotals | None:
     """tokens_before_json() read back; None for anything else (the turn's tokens are then unknown)."""
     if not isinstance(raw, dict):
         return None
@@ -4199,7 +4235,7 @@ def hermes_database() -> Path:
     return _cli_folder("HERMES_HOME", ".hermes") / "state.db"
 
 
-def hermes_totals_now(marker: str) -> HermesTotals | None:
+def hermes_totals_now(marker: str) -> RunningTotals | None:
     """The running totals of the Hermes sessions that name the marker ({} before its first turn: no session
     names it yet, or Hermes has not made its database); None when the database cannot be read."""
     if not hermes_database().is_file():
@@ -4208,7 +4244,7 @@ def hermes_totals_now(marker: str) -> HermesTotals | None:
     return None if record is None else record.totals
 
 
-def read_hermes_turn(marker: str, since: float, until: float, before: HermesTotals | None) -> TokenReading | None:
+def read_hermes_turn(marker: str, since: float, until: float, before: RunningTotals | None) -> TokenReading | None:
     """A Hermes turn, from the totals of its sessions less those noted when it was first sent (unknown
     without them: a turn sent by a loop that did not note them)."""
     if before is None or not hermes_database().is_file():
@@ -4222,25 +4258,23 @@ def _window(since: float, until: float) -> tuple[datetime, datetime]:
     return datetime.fromtimestamp(since, timezone.utc), datetime.fromtimestamp(until, timezone.utc)
 
 
-# the format of a CLI's records (its row's `records`) -> its reader: (the turn's marker, window start,
-# window end, as time.time(), and what its running totals were at the turn's first send) -> its tokens
-RecordReader = Callable[[str, float, float, "HermesTotals | None"], "TokenReading | None"]
-RECORD_READERS: dict[str, RecordReader] = {
-    "claude transcripts": read_claude_turn, "codex rollouts": read_codex_turn,
-    "opencode database": read_opencode_turn, "copilot session logs": read_copilot_turn,
-    "hermes state.db": read_hermes_turn}
-# the formats that keep running totals only: the loop notes them as each turn is sent (turn_tokens_before)
-RUNNING_TOTALS: dict[str, Callable[[str], "HermesTotals | None"]] = {"hermes state.db": hermes_totals_now}
+# The formats of the CLIs' records that rows name (AgentCli.records): the one place their readers are bound.
+RECORD_FORMATS: dict[str, TokenRecords] = {records.name: records for records in (
+    TokenRecords("claude transcripts", read_claude_turn), TokenRecords("codex rollouts", read_codex_turn),
+    TokenRecords("opencode database", read_opencode_turn), TokenRecords("copilot session logs", read_copilot_turn),
+    TokenRecords("hermes state.db", read_hermes_turn, totals_now=hermes_totals_now))}
 
 
-def record_reader(provider: str) -> RecordReader | None:
-    """The reader of the provider's CLI's turn records (None: the loop reads none of its records)."""
-    return RECORD_READERS.get(agent_cli(provider).records)
+def cli_records(provider: str) -> TokenRecords | None:
+    """How the loop reads the provider's CLI's turn records: its row's reader, or the format it names (None:
+    the loop reads none of its records)."""
+    records = agent_cli(provider).records
+    return RECORD_FORMATS.get(records) if isinstance(records, str) else records
 
 
 def tokens_readable(role: str) -> bool:
     """Whether the loop can read what the role's CLI records: one it knows, its records on this machine."""
-    return record_reader(provider_for(role)) is not None and token_records_readable()
+    return cli_records(provider_for(role)) is not None and token_records_readable()
 
 
 def record_marker(role: str) -> str:
@@ -4248,27 +4282,26 @@ def record_marker(role: str) -> str:
     return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
 
 
-def turn_tokens(role: str, since: float, until: float, before: HermesTotals | None = None) -> TokenReading | None:
+def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None) -> TokenReading | None:
     """What the role's CLI recorded between the two times (time.time() values), in the sessions that name
     the role's response file; None when its records cannot be read here or hold nothing of it yet.
     `before`: for a CLI that keeps running totals only, what they were when the turn was first sent."""
     if not tokens_readable(role):
         return None
-    reader = record_reader(provider_for(role))
     try:
-        return reader(record_marker(role), since, until, before)
+        return cli_records(provider_for(role)).read_turn(record_marker(role), since, until, before)
     except (OSError, ValueError):
         return None
 
 
-def turn_tokens_before(role: str) -> HermesTotals | None:
+def turn_tokens_before(role: str) -> RunningTotals | None:
     """As the role's turn is first sent: its CLI's running totals, where its CLI keeps only those (None
     for the others, and where they cannot be read: that turn's tokens are then unknown)."""
-    noting = RUNNING_TOTALS.get(agent_cli(provider_for(role)).records)
-    if noting is None or not token_records_readable():
+    records = cli_records(provider_for(role))
+    if records is None or records.totals_now is None or not token_records_readable():
         return None
     try:
-        return noting(record_marker(role))
+        return records.totals_now(record_marker(role))
     except (OSError, ValueError):
         return None
 
@@ -4329,7 +4362,8 @@ def compaction_point(role: str) -> int | None:
     its CLI's settings say (where they are on this machine), else None (unknown, or it never compacts)."""
     if COMPACT_AT_TOKENS:
         return COMPACT_AT_TOKENS
-    reader = COMPACTION_READERS.get(agent_cli(provider_for(role)).compaction_settings)
+    settings = agent_cli(provider_for(role)).compaction_settings
+    reader = COMPACTION_READERS.get(settings) if isinstance(settings, str) else settings
     if reader is None or not token_records_readable():
         return None
     try:
@@ -5153,7 +5187,7 @@ class Turn:
     rebuild: Callable[[], Prompt] | None = None   # builds the turn's prompt again (after a compaction: in full)
     full_prompt: Prompt | None = None         # that prompt, due to go out at once (facts.full_prompt_due)
     sent_wall: float = 0.0                    # time.time() of the turn's first send: its records begin there
-    tokens_before: HermesTotals | None = None  # its CLI's running totals then (InFlight.tokens_before)
+    tokens_before: RunningTotals | None = None  # its CLI's running totals then (InFlight.tokens_before)
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -5708,7 +5742,7 @@ def start_failure_hint(error: str) -> str:
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
             "what is missing (a CLI its agents' shells do not find, a profile, a known trap); CAO's log is in "
             "~/.aws/cli-agent-orchestrator/logs/ of the user running cao-server")
-    named = [cli.start_hint for cli in AGENT_CLIS.values() if cli.start_hint and cli.label in error]
+    named = [cli.start_hint for cli in AGENT_CLIS.values() if cli.start_hint and (cli.cao_name or cli.label) in error]
     return hint + "".join(f"; {text}" for text in named)
 
 
@@ -5877,21 +5911,17 @@ def agent_events_summary(events: list[AgentEvent]) -> str:
 
 
 def request_replacement(role: str, interrupted: list[int]) -> dict:
-    """The new agent for a lost one in the run's session; a CLI that did not start within CAO's limit
-    gets a second try (not after an interrupt).
-
-    CAO can fail a start-up whose CLI came up: it reads a Hermes terminal's status from the end of
-    the raw output, and a late redraw of one status-bar digit can leave the idle prompt out of
-    what it reads (docs/agent-clis.md). A second start seldom meets the same moment.
-    """
+    """The new agent for a lost one in the run's session; a start CAO says timed out is tried again, up to its
+    CLI's `start_tries` (not after an interrupt)."""
     replacing = terminal_ids.get(role, "")
-    try:
-        return request_agent(role, session_name, replacing=replacing)
-    except ApiError as exc:
-        if CLI_START_TIMED_OUT not in str(exc) or interrupted:
-            raise
-        log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
-    return request_agent(role, session_name, replacing=replacing)
+    tries = max(agent_cli(provider_for(role)).start_tries, 1)
+    for attempt in range(1, tries + 1):
+        try:
+            return request_agent(role, session_name, replacing=replacing)
+        except ApiError as exc:
+            if CLI_START_TIMED_OUT not in str(exc) or interrupted or attempt == tries:
+                raise
+            log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
 
 
 def new_agent_for(role: str, doing: str) -> str:
@@ -8629,8 +8659,8 @@ def report_run_summary(exit_code: int) -> None:
 # find it, their environment, their homes -- is seen from a probe: a window in
 # the agents' tmux server, started as CAO starts an agent's (cao-server's
 # environment, its working directory), that runs `command -v` and `--version`
-# for each CLI and prints its environment. A CLI's known traps are checks named
-# by its row (`AgentCli.traps`), in TRAP_CHECKS.
+# for each CLI and prints its environment. A CLI's known traps are declared in
+# its row (`AgentCli.traps`) and looked for by check_trap().
 PROBE_SECONDS = 60.0             # a CLI's first --version may unpack itself (Copilot: 235 MB)
 CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TERM")  # CAO passes these on
 
@@ -8814,101 +8844,55 @@ def check_clis(side: AgentsSide, report: dict[str, tuple[str, bool]] | None) -> 
     return lines
 
 
-def trap_root_without_sandbox(side: AgentsSide) -> CheckLine:
-    if side.uid == 0 and not side.env.get("IS_SANDBOX"):
-        return CheckLine(False, "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses "
-                                "the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
-                                "tmux server with it: stop a running one first)")
-    return CheckLine(True, "Claude Code: " + ("IS_SANDBOX=1 set for root" if side.uid == 0 else "not run as root"))
+def trap_file(trap: Trap, side: AgentsSide) -> Path:
+    """The file a trap looks at: under the agents' home, or in the folder its variable names where they set it."""
+    if trap.folder_env and side.env.get(trap.folder_env):
+        return Path(side.env[trap.folder_env]) / Path(trap.file).name
+    return side.home(trap.file)
 
 
-def _trusted_in_codex(config: Path, folder: Path) -> bool:
-    """Whether Codex's config.toml trusts the folder or one above it ([projects."<path>"] trust_level)."""
+def trap_project() -> Path:
+    """The project folder a trap may name: git's top of WD, else WD."""
+    return Path(git_top(WD) or WD).resolve()
+
+
+def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
+    """Whether the agents' side holds what the trap asks for: its variable set, or its file saying it."""
+    if trap.env:
+        return bool(side.env.get(trap.env))
+    if trap.json_key:
+        value = _json_file(trap_file(trap, side)).get(trap.json_key)
+        return isinstance(value, list) and trap.json_holds in value if trap.json_holds else bool(value)
     try:
-        text = config.read_text(encoding="utf-8")
+        text = trap_file(trap, side).read_text(encoding="utf-8") + "\n"
     except OSError:
         return False
-    trusted = {Path(match.group(2)) for match in re.finditer(
-        r"""^\[projects\.(["'])(.+?)\1\]\s*\n(?:(?!\[)[^\n]*\n)*?\s*trust_level\s*=\s*["']trusted["']""",
-        text + "\n", re.M)}
-    return any(path == folder or path in folder.parents for path in trusted)
+    found = list(re.finditer(trap.pattern, text, re.MULTILINE))
+    if "(?P<project>" not in trap.pattern:
+        return bool(found)
+    project = trap_project()
+    return any(Path(match.group("project")) in (project, *project.parents) for match in found)
 
 
-def codex_config(side: AgentsSide) -> Path:
-    """The agents' Codex config.toml: in CODEX_HOME, else ~/.codex of their home."""
-    return Path(side.env["CODEX_HOME"]) / "config.toml" if side.env.get("CODEX_HOME") else \
-        side.home(".codex", "config.toml")
-
-
-def trap_codex_untrusted(side: AgentsSide) -> CheckLine:
-    top = git_top(WD)
-    folder = Path(top or WD).resolve()
-    config = codex_config(side)
-    if _trusted_in_codex(config, folder):
-        return CheckLine(True, f"Codex trusts the project ({folder})")
-    return CheckLine(False, f"Codex does not trust {folder}: it asks at each agent's start (a minute each, the "
-                            f"first prompt lost); add to {config}: [projects.\"{folder}\"] then "
-                            'trust_level = "trusted"')
-
-
-# Codex 0.169 at a usage limit (a 429 with its rate-limit headers) offers a cheaper model; a bare Enter takes it,
-# and CAO sends one 0.5 s after the prompt's. The offer's "never show again" writes this to config.toml.
-CODEX_NUDGE_HIDDEN = re.compile(r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
-                                r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b", re.M)
-
-
-def trap_codex_model_offer(side: AgentsSide) -> CheckLine:
-    config = codex_config(side)
-    try:
-        text = config.read_text(encoding="utf-8")
-    except OSError:
-        text = ""
-    if CODEX_NUDGE_HIDDEN.search(text + "\n"):
-        return CheckLine(True, "Codex: its offer of another model at a usage limit is turned off")
-    return CheckLine(False, "Codex offers another model at a usage limit, and the second Enter CAO sends with a "
-                            "prompt takes it: the agent goes on with a model nobody chose (the run then stops); "
-                            f"add to {config}: [notice] then hide_rate_limit_model_nudge = true")
-
-
-def trap_copilot_mcp(side: AgentsSide) -> CheckLine:
-    settings = side.home(".copilot", "settings.json")
-    disabled = _json_file(settings).get("disabledMcpServers")
-    if isinstance(disabled, list) and "cao-mcp-server" in disabled:
-        return CheckLine(True, "Copilot CLI: CAO's MCP server disabled")
-    return CheckLine(False, f"Copilot CLI would connect to CAO's MCP server, which it rejects (CAO then reports "
-                            f"its terminal in error): put {{\"disabledMcpServers\": [\"cao-mcp-server\"]}} in "
-                            f"{settings}")
-
-
-def trap_hermes_cpr(side: AgentsSide) -> CheckLine:
-    if side.env.get("PROMPT_TOOLKIT_NO_CPR"):
-        return CheckLine(True, "Hermes: PROMPT_TOOLKIT_NO_CPR set in its agents' environment")
-    return CheckLine(False, "Hermes: PROMPT_TOOLKIT_NO_CPR is not in the agents' environment (a start-up then "
-                            f"hangs now and then): `{tmux_hint('set-environment -g PROMPT_TOOLKIT_NO_CPR 1')}`, "
-                            "or export it before starting cao-server")
-
-
-def trap_opencode_model(side: AgentsSide) -> CheckLine:
-    config = side.home(".aws", "opencode", "opencode.json")
-    if _json_file(config).get("model"):
-        return CheckLine(True, f"OpenCode: its model set in {config}")
-    return CheckLine(False, f"OpenCode: no model in {config} (CAO starts it with that file): add a provider entry "
-                            'and a top-level "model": "<provider>/<model>" (docs/agent-clis.md)')
-
-
-TRAP_CHECKS: dict[str, Callable[[AgentsSide], CheckLine]] = {
-    "root needs IS_SANDBOX": trap_root_without_sandbox,
-    "project trusted": trap_codex_untrusted,
-    "model offer hidden": trap_codex_model_offer,
-    "CAO's MCP server disabled": trap_copilot_mcp,
-    "PROMPT_TOOLKIT_NO_CPR": trap_hermes_cpr,
-    "model file": trap_opencode_model,
-}
+def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
+    """One trap of a CLI's row: ✓ with what was found, else ✗ with its fix."""
+    if trap.root_only and side.uid != 0:
+        return CheckLine(True, f"{cli.label}: not run as root")
+    ok = trap_avoided(trap, side)
+    text = trap.found if ok else trap.fix
+    if "{project}" in text:
+        text = text.replace("{project}", str(trap_project()))
+    if "{file}" in text:
+        text = text.replace("{file}", str(trap_file(trap, side)))
+    if "{tmux}" in text:
+        text = text.replace("{tmux}", tmux_hint("").rstrip())
+    return CheckLine(ok, text)
 
 
 def check_traps(side: AgentsSide) -> list[CheckLine]:
-    """Each CLI's known traps, as its row names them."""
-    return [TRAP_CHECKS[trap](side) for provider in providers_in_use() for trap in agent_cli(provider).traps]
+    """Each CLI's known traps, as its row declares them."""
+    return [check_trap(agent_cli(provider), trap, side) for provider in providers_in_use()
+            for trap in agent_cli(provider).traps]
 
 
 def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[CheckLine], AgentsSide | None]:

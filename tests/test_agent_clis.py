@@ -32,7 +32,7 @@ def made_up_row(m):
 def test_every_row_names_records_and_settings_the_loop_can_read(orch):
     for provider, cli in orch.AGENT_CLIS.items():
         assert cli.label and re.fullmatch(r"[a-z_]+", provider)
-        assert not cli.records or cli.records in orch.RECORD_READERS, provider
+        assert not cli.records or cli.records in orch.RECORD_FORMATS, provider
         assert not cli.compaction_settings or cli.compaction_settings in orch.COMPACTION_READERS, provider
         assert all(what in ("compacted", "cleared") for _, what in cli.conversation_words), provider
 
