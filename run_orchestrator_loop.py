@@ -4032,17 +4032,23 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
                         last_model)
 
 
-def hermes_usage(record: HermesRecord, before: RunningTotals) -> TokenReading | None:
-    """A Hermes turn: the sessions' totals less those at the turn's first send (a session begun since counts
-    whole); None when nothing was counted since and no answer was written."""
+def totals_grown(now: RunningTotals, before: RunningTotals) -> dict[str, TokenUse]:
+    """What running totals grew by since `before`, by model (a session begun since counts whole)."""
     used: dict[str, TokenUse] = {}
-    for session, models in record.totals.items():
-        for model, now in models.items():
+    for session, models in now.items():
+        for model, total in models.items():
             then = before.get(session, {}).get(model, TokenUse())
-            grown = TokenUse(max(now.input - then.input, 0), max(now.cached_input - then.cached_input, 0),
-                             max(now.output - then.output, 0))
+            grown = TokenUse(max(total.input - then.input, 0), max(total.cached_input - then.cached_input, 0),
+                             max(total.output - then.output, 0))
             if grown.total:
                 used[model] = used.get(model, TokenUse()) + grown
+    return used
+
+
+def hermes_usage(record: HermesRecord, before: RunningTotals) -> TokenReading | None:
+    """A Hermes turn: the sessions' totals less those at the turn's first send; None when nothing was counted
+    since and no answer was written."""
+    used = totals_grown(record.totals, before)
     if not used and record.last_answer is None:
         return None
     over = record.last_answer is not None and record.last_answer >= (record.last_call or 0.0)

@@ -23,10 +23,35 @@ MADE_UP_MENU = """\
 """
 
 
+MADE_UP_MODEL_USE = {"input": 1000, "cached_input": 0, "output": 100}   # what each prompt costs the made-up CLI
+
+
 def made_up_row(m):
+    """The made-up CLI, all of it in its row: its screen's words and menu, a set-up trap, records that keep
+    running totals only (read by its own reader), and a second try for a start CAO says timed out."""
+    prompts: dict[str, int] = {}                  # the prompts it has taken, by the turn's marker
+
+    def totals(marker):
+        taken = prompts.get(marker, 0)
+        return {f"session of {marker}": {"made-up-model": m.TokenUse(
+            MADE_UP_MODEL_USE["input"] * taken, 0, MADE_UP_MODEL_USE["output"] * taken)}}
+
+    def totals_now(marker):                       # noted as a turn is first sent; the CLI then takes it
+        before = totals(marker)
+        prompts[marker] = prompts.get(marker, 0) + 1
+        return before
+
+    def read_turn(marker, since, until, before):
+        return None if before is None else m.TokenReading(m.totals_grown(totals(marker), before), over=False)
+
     return m.AgentCli("Made-up CLI", ready_status_trusted=False, still_screen_ends_turn=0.3,
                       conversation_words=(("Memorywiped", "cleared"),),
-                      menus=(("Made-up CLI's upsell", "Not now"),))
+                      menus=(("Made-up CLI's upsell", "Not now"),),
+                      records=m.TokenRecords("made-up running totals", read_turn, totals_now),
+                      program="madeup", start_tries=2,
+                      traps=(m.Trap("Made-up CLI: its key set in {file}",
+                                    'Made-up CLI: no key in {file}: add {"apiKey": "<key>"} to it',
+                                    file=".made-up/settings.json", json_key="apiKey"),))
 
 
 def test_every_row_names_records_and_settings_the_loop_can_read(orch):
@@ -76,6 +101,65 @@ def test_a_made_up_cli_added_as_a_row_runs_the_loop(load_orch, fake_cao, prompt_
     assert "Made-up CLI's upsell on terminal" in out and 'choosing 2. "Not now"' in out
     tester_ends = re.findall(r"tester: reply received.*turn end seen by ([^,]+),", out)
     assert tester_ends[0] == m.TURN_ENDED_BY_STILL_SCREEN, out
+
+
+MADE_UP_TIMEOUT = "Failed to create terminal: Made-up CLI initialization timed out after 120 seconds"
+
+
+def kill_cli_and_time_out_its_next_start(fake, terminal) -> None:
+    """The made-up CLI dies; CAO says the new agent's first start timed out, and its second starts."""
+    fake.fail_create[terminal.profile] = (500, MADE_UP_TIMEOUT)
+
+    def on_create(created: str) -> None:
+        if created == terminal.profile:
+            fake.create_hook = lambda created: fake.fail_create.pop(created, None)
+    fake.create_hook = on_create
+    fake.kill_cli(terminal.role)
+
+
+def test_a_made_up_cli_s_records_and_start_tries_come_from_its_row(load_orch, fake_cao, prompt_file, tmp_path,
+                                                                   monkeypatch, capsys):
+    """The same row, FAIL -> PASS: each turn's tokens are what its reader made of the totals noted at the
+    turn's first send and those read after; the tester's CLI dies in round 2 and CAO says its replacement's
+    start timed out: the row's second try starts it, and the turn goes to it."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli", IGNORE_MISSING_CLI="1",
+                  REPLACE_LOST_AGENTS="1", AGENT_HOME=str(tmp_path), **PROGRAMMER_ON)   # its records read here
+    monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", made_up_row(m))
+    monkeypatch.setattr(m, "TOKENS_SETTLE_SECONDS", 0.0)    # its records never say a turn is over
+    monkeypatch.setattr(m, "LIVENESS_CHECK_SECONDS", 0.05)
+    fake_cao.script["tester"] = [FAIL_REPLY, {"action": "call", "call": kill_cli_and_time_out_its_next_start},
+                                 PASS_REPLY]
+    assert run_main(m) == 0
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "PASS" and state["current_round"] == 2
+    assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500, 201]
+    assert "tester: the new agent's CLI did not start within CAO's time limit" in capsys.readouterr().out
+    turns = state["turn_records"]
+    assert len(turns) == 6 and all(turn["tokens_final"] for turn in turns)
+    assert [turn["tokens"] for turn in turns] == [{**MADE_UP_MODEL_USE, "by_model": {"made-up-model":
+                                                                                     MADE_UP_MODEL_USE}}] * 6
+
+
+def test_check_reports_a_made_up_cli_s_trap_from_its_row(load_orch, fake_cao, prompt_file, tmp_path, monkeypatch,
+                                                         capsys):
+    """--check looks for the trap the row declares, on what the probe saw of the agents' side: ✗ with its fix,
+    then ✓ once the agents' home holds what it asks for."""
+    home = tmp_path / "agents-home"
+    home.mkdir()
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli")
+    monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", made_up_row(m))
+    fake_cao.providers_status = 404                 # a server that does not list its providers
+    side = m.AgentsSide({"HOME": str(home)}, 1000, {"madeup": ("/usr/local/bin/madeup", "madeup 1.0.0")})
+    monkeypatch.setattr(m, "local_server", lambda: m.LocalServer(0, 1000, {}))
+    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs: side if programs == ["madeup"] else "?")
+    settings = home / ".made-up" / "settings.json"
+    assert run_main(m, "--check") == 1
+    out = capsys.readouterr().out
+    assert f'✗ Made-up CLI: no key in {settings}: add {{"apiKey": "<key>"}} to it' in out.splitlines(), out
+    settings.parent.mkdir()
+    settings.write_text('{"apiKey": "k"}', encoding="utf-8")
+    assert run_main(m, "--check") == 0
+    assert f"✓ Made-up CLI: its key set in {settings}" in capsys.readouterr().out.splitlines()
 
 
 def test_no_provider_is_named_outside_the_table(orch):
