@@ -6,6 +6,7 @@ be trusted, does not end its turns."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -165,12 +166,80 @@ def test_check_reports_a_made_up_cli_s_trap_from_its_row(load_orch, fake_cao, pr
 def test_no_provider_is_named_outside_the_table(orch):
     """What docs/code-map.md's awk command checks: outside the table, no line of the script quotes a provider."""
     lines = Path(orch.__file__).read_text(encoding="utf-8").splitlines()
-    start = lines.index(next(line for line in lines if line.startswith("# -- The agent CLIs")))
-    end = lines.index(next(line for line in lines if line.startswith("DEFAULT_PROVIDER = ")))
+    start, end = _table_lines(lines)
     quoted = re.compile("|".join(f'"{re.escape(provider)}"' for provider in orch.AGENT_CLIS))
     outside = [f"{number}: {line}" for number, line in enumerate(lines, 1)
-               if not start < number <= end + 1 and quoted.search(line)]
+               if not start < number <= end and quoted.search(line)]
     assert outside == []
+
+
+def _table_lines(lines: list[str]) -> tuple[int, int]:
+    """The lines of the table of agent CLIs: from its heading to DEFAULT_PROVIDER's line."""
+    start = lines.index(next(line for line in lines if line.startswith("# -- The agent CLIs")))
+    return start, lines.index(next(line for line in lines if line.startswith("DEFAULT_PROVIDER = "))) + 1
+
+
+# Texts for people that name a CLI as an example, and the old state file's name: none changes what the loop does.
+FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5", "(Claude Code: autoCompactWindow, Codex: model_auto_compact_token_limit)",
+              "codex-3agents-loop-state.json", "(CAO reads Codex busy)")
+
+
+def _formats_code(lines: list[str], top: dict) -> set[str]:
+    """The definitions of section 5 the rows reach by the names of their formats: the readers RECORD_FORMATS
+    and COMPACTION_READERS bind, and all of section 5 they use."""
+    first = lines.index("# 5. Tokens used: the CLIs' own records")
+    last = next(number for number, line in enumerate(lines) if number > first and re.match(r"# 6\. ", line))
+    reached, todo = set(), ["RECORD_FORMATS", "COMPACTION_READERS"]
+    while todo:
+        name = todo.pop()
+        if name in top and name not in reached and first < top[name].lineno <= last:
+            reached.add(name)
+            todo += [node.id for node in ast.walk(top[name]) if isinstance(node, ast.Name)]
+    return reached
+
+
+def _naming(orch) -> re.Pattern:
+    """A CLI named in code: its provider id, program or label (or what CAO calls it) as a word."""
+    names = {name for provider, cli in orch.AGENT_CLIS.items() if provider != orch.SCRIPTED_PROVIDER
+             for name in (provider, cli.program, cli.label, cli.cao_name) if name}
+    return re.compile(r"(?<![A-Za-z])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+                      + r")(?![A-Za-z])", re.IGNORECASE)
+
+
+def test_a_cli_s_behaviour_lives_in_its_row(orch):
+    """Outside the table, no code (its comments and docstrings aside) names a CLI -- by its provider, program or
+    label, in a string or a name -- but the readers of the record and settings formats the rows name; and
+    each row's formats are bound there, each bound format named by a row."""
+    source = Path(orch.__file__).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    top = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", node)]
+        top.update({getattr(target, "id", getattr(target, "name", "")): node for target in targets})
+    allowed, naming = _formats_code(source.splitlines(), top), _naming(orch)
+    start, end = _table_lines(source.splitlines())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for statement in tree.body:
+        if start < statement.lineno <= end or any(top.get(name) is statement for name in allowed):
+            continue
+        for node in ast.walk(statement):
+            text = (node.value if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docstrings else
+                    node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else
+                    getattr(node, "name", None) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None)
+            for example in FOR_PEOPLE:
+                text = text.replace(example, "") if isinstance(text, str) else text
+            if isinstance(text, str) and naming.search(text.replace("_", " ")):
+                found.append(f"{node.lineno}: {text[:80]!r}")
+    assert found == []
+    named = {cli.records for cli in orch.AGENT_CLIS.values() if isinstance(cli.records, str) and cli.records}
+    assert named == set(orch.RECORD_FORMATS) and all(records.name == name
+                                                     for name, records in orch.RECORD_FORMATS.items())
+    settings = {cli.compaction_settings for cli in orch.AGENT_CLIS.values() if isinstance(cli.compaction_settings, str)}
+    assert settings - {""} == set(orch.COMPACTION_READERS)
 
 
 def test_the_versions_a_row_says_are_proven_are_those_the_end_to_end_suite_runs(orch):
