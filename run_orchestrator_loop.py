@@ -3695,34 +3695,17 @@ def write_report(exit_code: int | None = None) -> None:
 # ==========================================================================
 # 5. Tokens used: the CLIs' own records
 # ==========================================================================
-# Each CLI writes what its model responses cost into a record of its own:
-# Claude Code, Codex and Copilot CLI into a JSONL file per session, OpenCode
-# into one SQLite database per home, Hermes into one that keeps running totals
-# only (docs/agent-clis.md names the versions). The
-# loop reads them where it runs beside its agents (CAO on this machine, or
-# AGENT_HOME set); it only reads, and what it cannot read is unknown --
-# never reported as 0.
-#
-# A turn's records are those of the sessions that name the turn's response
-# file (its prompt does, and so does the agent's write), timed from the
-# turn's first send up to the role's next send: an agent is idle between its
-# turns, and its CLI may record the turn's last response after the loop has
-# taken the reply. A session's record can span files (Claude's /clear,
-# Codex's /new or a fork), and Codex can copy a record into a later file:
-# each response is counted once by its own id, so neither the order of the
-# files nor a copy changes the sum.
-#
-# A long session's records are read from a little before its turn began, not
-# whole: RECORD_LOOKBACK_SECONDS before the turn's first send (the readers'
-# windows then pick the turn's records; one written out of order is caught).
-RECORD_LOOKBACK_SECONDS = 120.0
+# Each CLI records what its responses cost in its own format (its row's `records`; each format's facts are in
+# docs/agent-clis.md). The loop only reads them, where they are on this machine; what it cannot read is unknown,
+# never 0. A turn's records are those of the sessions that name its response file, from its first send up to the
+# role's next send, each response once by its id (a session's records can span files, and be copied).
+RECORD_LOOKBACK_SECONDS = 120.0   # a long session is read from this long before the turn's first send
 
 
 @dataclass(frozen=True)
 class TokenReading:
-    """What a CLI's records say of one turn: each model's tokens, whether the CLI has recorded the end
-    of its turn (until then a response may still be on its way), and how full the agent's context was at
-    its last response (all that response's tokens: what its CLI weighs against its compaction point)."""
+    """What a CLI's records say of one turn: each model's tokens, whether the CLI has recorded the end of its
+    turn, and how full the agent's context was at its last response (what its CLI weighs to compact)."""
 
     by_model: dict[str, TokenUse]
     over: bool = True
@@ -3770,9 +3753,8 @@ def _token_count(value: object) -> int | None:
 
 
 class ParsedLines:
-    """JSONL record lines, each parsed once into a JSON object (None for a line that is not one): the wait
-    reads a long session's records every half second, and only their new lines are new. Up to `limit`
-    characters of lines are kept; then the memory starts over."""
+    """JSONL record lines, each parsed once (None for a line that is not a JSON object): the wait reads a long
+    session's records every half second. Up to `limit` characters are kept, then the memory starts over."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.chars, self.records = limit, 0, {}
@@ -3830,29 +3812,32 @@ def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | No
     return (message_id, request_id), model if isinstance(model, str) else "", TokenUse(fresh + written, read, output)
 
 
-def claude_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
-    """Tokens of the Claude Code responses whose lines in session transcripts (~/.claude/projects/<slug>/
-    <session>.jsonl) are timed within the window. Claude writes a line per content block, all with the same
-    message.id (and requestId), and the usage on an early line may still be the stream's first figure
-    (output_tokens 1): each response counts once, with its largest output_tokens. A turn ends with a
-    system line of subtype turn_duration."""
+def _jsonl_usage(records: Iterable[dict], since: datetime, until: datetime,
+                 response: Callable[[dict], tuple | None], turn_ends: Callable[[dict], bool]) -> TokenReading | None:
+    """The responses (id, model, tokens) of JSONL records timed within the window, and the turn's end."""
     responses = _Responses()
-    for record in _json_records(lines):
+    for record in records:
         moment = _record_time(record)
         if not _within(moment, since, until):
             continue
-        if record.get("type") == "system" and record.get("subtype") == "turn_duration":
+        if turn_ends(record):
             responses.end_of_turn(moment)
-        found = _claude_response(record)
+        found = response(record)
         if found is not None:
             responses.add(*found, moment)
     return responses.reading()
 
 
+def claude_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
+    """Tokens of the Claude Code responses whose transcript lines are timed within the window, each response
+    once with its largest output; a turn ends with a turn_duration line."""
+    return _jsonl_usage(_json_records(lines), since, until, _claude_response,
+                        lambda record: record.get("type") == "system" and record.get("subtype") == "turn_duration")
+
+
 def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
-    """The response id, turn id and tokens of a Codex token_usage_record line (None for other lines). Only
-    these lines count: token_count events repeat the same responses, and the cumulative turn and thread
-    figures would count them again."""
+    """The response id, turn id and tokens of a Codex token_usage_record line (None for other lines): only
+    these count, the other lines repeat them."""
     payload = record.get("payload")
     if record.get("type") != "token_usage_record" or not isinstance(payload, dict):
         return None
@@ -3866,29 +3851,26 @@ def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
     return response_id, _text(payload.get("turn_id")), TokenUse(prompt - cached, cached, output)
 
 
+def _payload(record: dict) -> dict:
+    """A Codex line's payload ({} when it has none)."""
+    return record["payload"] if isinstance(record.get("payload"), dict) else {}
+
+
 def codex_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
-    """Tokens of the Codex responses whose token_usage_record lines in rollouts
-    (~/.codex/sessions/YYYY/MM/DD/rollout-*.jsonl) are timed within the window, each response_id once. The
-    model is the one the turn's turn_context line names; a turn ends with a task_complete event."""
+    """Tokens of the Codex responses in rollout lines timed within the window, each response_id once, with
+    the model its turn_context line names; a turn ends with a task_complete event."""
     records = list(_json_records(lines))
     models = {}
     for record in records:
-        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
+        payload = _payload(record)
         if record.get("type") == "turn_context" and isinstance(payload.get("model"), str):
             models[_text(payload.get("turn_id"))] = payload["model"]
-    responses = _Responses()
-    for record in records:
-        moment = _record_time(record)
-        if not _within(moment, since, until):
-            continue
-        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
-        if record.get("type") == "event_msg" and payload.get("type") in ("task_complete", "turn_aborted"):
-            responses.end_of_turn(moment)
+
+    def response(record: dict) -> tuple[str, str, TokenUse] | None:
         found = _codex_response(record)
-        if found is not None:
-            response_id, turn_id, use = found
-            responses.add(response_id, models.get(turn_id, ""), use, moment)
-    return responses.reading()
+        return None if found is None else (found[0], models.get(found[1], ""), found[2])
+    return _jsonl_usage(records, since, until, response, lambda record: record.get("type") == "event_msg"
+                        and _payload(record).get("type") in ("task_complete", "turn_aborted"))
 
 
 def _copilot_response(record: dict) -> tuple[str, str, TokenUse] | None:
@@ -3906,27 +3888,15 @@ def _copilot_response(record: dict) -> tuple[str, str, TokenUse] | None:
 
 
 def copilot_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
-    """Tokens of the Copilot CLI responses whose session.usage_record events in its session logs
-    (~/.copilot/session-state/<session>/events.jsonl) are timed within the window, each event once. CAO
-    starts Copilot in autopilot, where a task ends with a session.task_complete event (its assistant.turn_end
-    events end each model step, not the task)."""
-    responses = _Responses()
-    for record in _json_records(lines):
-        moment = _record_time(record)
-        if not _within(moment, since, until):
-            continue
-        if record.get("type") == "session.task_complete":
-            responses.end_of_turn(moment)
-        found = _copilot_response(record)
-        if found is not None:
-            responses.add(*found, moment)
-    return responses.reading()
+    """Tokens of the Copilot CLI responses whose session.usage_record events are timed within the window,
+    each event once; a task ends with session.task_complete (CAO starts it in autopilot)."""
+    return _jsonl_usage(_json_records(lines), since, until, _copilot_response,
+                        lambda record: record.get("type") == "session.task_complete")
 
 
 def _opencode_message(data: object, since: datetime, until: datetime) -> tuple[str, TokenUse | None, bool]:
     """An OpenCode message row's data: (model, its tokens if it is an assistant message completed within
-    the window, whether it is one still in progress that began in it). A message in progress has no
-    time.completed yet, and zero tokens so far."""
+    the window, whether it is one still in progress, without time.completed, that began in it)."""
     if not isinstance(data, dict) or data.get("role") != "assistant" or not isinstance(data.get("time"), dict):
         return "", None, False
     times, tokens, model = data["time"], data.get("tokens"), _text(data.get("modelID"))
@@ -3947,16 +3917,11 @@ def _opencode_message(data: object, since: datetime, until: datetime) -> tuple[s
 
 def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker: str, since: datetime,
                    until: datetime) -> TokenReading | None:
-    """Tokens of the assistant messages completed within the window in the OpenCode sessions of the
-    directory whose parts name the marker (the turn's response file), read from its database
-    (~/.local/share/opencode/opencode.db). It is opened read-only through SQLite, so rows still in the -wal
-    file are seen and a writer is never in the way; a database that cannot be opened or read gives None.
-    Compaction messages count: they belong to the session. Its turn is over when no message is in progress
-    and the last one did not stop for tool calls."""
+    """Tokens of the assistant messages completed within the window in the directory's OpenCode sessions
+    that name the marker, read-only from its database (None when it cannot be read)."""
     uri = Path(db_path).absolute().as_uri() + "?mode=ro"
     folders = sorted({directories} if isinstance(directories, str) else set(directories))
-    # Only the rows made from a little before the turn on (the turn's prompt names the marker): a long
-    # session's earlier rows are neither read nor searched.
+    # only the rows from a little before the turn on: a long session's earlier rows are neither read nor searched
     begin_ms = int((since.timestamp() - RECORD_LOOKBACK_SECONDS) * 1000)
     try:
         with closing(sqlite3.connect(uri, uri=True, timeout=2.0)) as connection:
@@ -3984,8 +3949,8 @@ def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker
     return responses.reading(pending)
 
 
-# A CLI that keeps running totals only (its records' `totals_now`): a turn's tokens are the totals now less
-# those noted when it was first sent (InFlight.tokens_before, saved with the state).
+# A CLI that keeps running totals only (its records' `totals_now`): a turn's tokens are the totals less those
+# noted at its first send (InFlight.tokens_before).
 RunningTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
 
 
@@ -4069,10 +4034,7 @@ def tokens_before_from_json(raw: object) -> RunningTotals | None:
     return None if None in found.values() else found
 
 
-# -- Where the records are -------------------------------------------------------
-# In the agents' home: AGENT_HOME, else this process's home, where the CLIs'
-# own variables (CLAUDE_CONFIG_DIR, CODEX_HOME, XDG_DATA_HOME) move them, as
-# they move them for the CLIs CAO starts from the same environment.
+# -- Where the records are: in the agents' home (AGENT_HOME, else this process's, where a CLI's own variable moves them)
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 RECORD_SLACK_SECONDS = 2.0      # a file's modification time may be coarse; only files touched since count
 
@@ -4100,9 +4062,8 @@ def _cli_folder(variable: str, *default: str) -> Path:
 
 
 def claude_project_folder(cwd: str) -> str:
-    """The folder name Claude Code keeps a working directory's transcripts in (~/.claude/projects/<it>):
-    every character but a letter or digit becomes '-'; a name over 200 characters is cut there and ends
-    with a hash of the whole path (Java's string hash, in base 36)."""
+    """The folder name Claude Code keeps a working directory's transcripts in (~/.claude/projects/<it>; its
+    rule is in docs/agent-clis.md)."""
     name = re.sub(r"[^a-zA-Z0-9]", "-", cwd)
     if len(name) <= 200:
         return name
@@ -4135,10 +4096,8 @@ def _lines_naming(paths: Iterable[Path], marker: str, since: float) -> list[str]
     return [line for text in texts for line in text.splitlines()] if texts else None
 
 
-# A long session's file grows by every turn; a turn's lines are at its end. Each file is read from the first
-# line timed a little before the turn began (RECORD_LOOKBACK_SECONDS, section 5's start), found by a binary
-# search on the lines' times, once per file and turn: a read then costs what the turn wrote, not what the
-# session holds.
+# A long session's file is read from its first line timed RECORD_LOOKBACK_SECONDS before the turn began, found
+# once per file and turn by a binary search on the lines' times: a read costs what the turn wrote.
 LINE_TIME = re.compile(rb'"timestamp"\s*:\s*"([^"]{10,40})"')
 TURN_OFFSETS: dict[tuple[str, int, int, float], int] = {}     # a cache: (file, device, inode, since) -> offset
 
@@ -4289,9 +4248,8 @@ def record_marker(role: str) -> str:
 
 
 def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None) -> TokenReading | None:
-    """What the role's CLI recorded between the two times (time.time() values), in the sessions that name
-    the role's response file; None when its records cannot be read here or hold nothing of it yet.
-    `before`: for a CLI that keeps running totals only, what they were when the turn was first sent."""
+    """What the role's CLI recorded between the two times (time.time() values); None when its records cannot
+    be read here or hold nothing of it yet. `before`: running totals noted at the turn's first send."""
     if not tokens_readable(role):
         return None
     try:
@@ -4312,15 +4270,8 @@ def turn_tokens_before(role: str) -> RunningTotals | None:
         return None
 
 
-# -- Where a CLI compacts its conversation ----------------------------------------
-# Claude Code compacts once its context (the last response's tokens, all of them)
-# passes its window less 33,000 (20,000 kept for output, 13,000 of margin): a
-# window of 200,000 unless autoCompactWindow (or the env variable
-# CLAUDE_CODE_AUTO_COMPACT_WINDOW in its settings) sets another; never with
-# autoCompactEnabled false or DISABLE_AUTO_COMPACT. Codex compacts at
-# model_auto_compact_token_limit, else at 90% of model_context_window (272,000
-# for its default models). Both read their settings when they start.
-CLAUDE_COMPACT_RESERVE = 33_000
+# -- Where a CLI compacts its conversation (each CLI's rule: docs/state-and-resume.md) ---------------------
+CLAUDE_COMPACT_RESERVE = 33_000     # 20,000 kept for output, 13,000 of margin
 CLAUDE_DEFAULT_WINDOW = 200_000
 CODEX_DEFAULT_WINDOW = 272_000
 
