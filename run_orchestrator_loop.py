@@ -5573,24 +5573,15 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
 # ==========================================================================
 # 7. The agents' terminals: created, ended, replaced
 # ==========================================================================
-# A run's five agents live in one CAO session. They are created all at once;
-# a lost one is replaced in that session (or, when the session itself is
-# gone, all five in a new one); ended agents leave no empty session behind.
-
-# Terminals known ready for their first prompt: seen ready twice in a row, or
-# created by this process (CAO answers a creation once the agent CLI is ready).
+# A run's five agents live in one CAO session, created all at once; a lost one is replaced there (all five in a
+# new session when it is gone). Terminals known ready for their first prompt: seen ready twice, or made here.
 settled_terminals: set[str] = set()
 
 
 @contextmanager
 def signals_held(what: str) -> Iterator[list[int]]:
-    """Hold Ctrl-C and SIGTERM while `what` finishes, then act on them.
-
-    Creating terminals cannot be cut short safely: a creation the server is
-    still carrying out would leave an agent nobody knows about. The list
-    yielded holds the signals that arrived; on leaving, the first one is
-    raised as usual (KeyboardInterrupt or Terminated).
-    """
+    """Hold Ctrl-C and SIGTERM while `what` finishes (a creation cut short would leave an agent nobody knows
+    about), then raise the first that arrived; the list yielded holds them."""
     received: list[int] = []
 
     def hold(signum, frame) -> None:
@@ -5614,18 +5605,14 @@ def signals_held(what: str) -> Iterator[list[int]]:
 
 
 def new_session_name() -> str:
-    """A name for a new run's CAO session: recognizably this loop's, and unique by its random part.
-
-    It starts with `cao-` because CAO stores any other name with that prefix
-    added, and the terminals are added to the session under the name asked for.
-    """
+    """A name for a new run's CAO session, unique by its random part; `cao-` first, or CAO would add it and
+    the terminals added under the name asked for would miss the session."""
     return f"cao-loop-{secrets.token_hex(4)}"
 
 
 def agent_key(role: str, session: str, replacing: str = "") -> str:
-    """The idempotency key of a request for the role's agent: the same for the same agent asked again (its
-    answer lost, or the loop stopped before it saved the answer), another for each new agent. A new agent
-    takes the place of the terminal the state names (`replacing`), so the state alone gives the key again."""
+    """The idempotency key of a request for the role's agent: the same for the same agent asked again, another
+    for each new one (named by the terminal it replaces, so the state alone gives the key again)."""
     return f"{session}:{role}:" + (f"after-{replacing}" if replacing else "first")
 
 
@@ -5652,16 +5639,9 @@ def model_refused(error: str) -> bool:
 
 
 def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
-    """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
-
-    The session request gets a head start of a few hundredths of a second.
-    An add that still reaches CAO before the session exists is answered 404
-    "Session '<name>' not found": it is tried again after a growing pause
-    while the session request is under way, and once more after it succeeded,
-    then under the name the server answered (a server may answer another).
-    It gives up, having created nothing (None), when the session request
-    failed or the start-up was interrupted.
-    """
+    """Add the role's terminal to the session being created under `name` (CAO's answer): an add that comes
+    before the session (404) is tried again while the session request is under way and once after, under the
+    name the server answered; None, nothing created, when that request failed or the start was interrupted."""
     pause = 0.05
     while True:
         wait_for_futures([session], timeout=pause)
@@ -5683,11 +5663,7 @@ CLI_START_TIMED_OUT = "initialization timed out"
 
 
 def start_failure_hint(error: str) -> str:
-    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
-
-    CAO gives up waiting for an agent CLI to start without saying why, and
-    refuses a session name that is taken without saying that it was picked here.
-    """
+    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid."""
     if re.search(r"Session '[^']*' already exists", error):
         return "; another CAO session has the name this run picked at random: run it again to pick another"
     if "HTTP 429" in error:
@@ -5716,11 +5692,8 @@ def exit_terminals(ids: list[str]) -> None:
 
 
 def end_agents(ids: list[str], session: str) -> None:
-    """Exit the agents, then remove their CAO session: ended agents leave no session of idle shells behind.
-
-    Only for a session that holds nothing but these agents (a run's own, or
-    one whose agents are all being ended); failures are logged, not raised.
-    """
+    """Exit the agents, then remove their CAO session (one that holds nothing else), so that no session of idle
+    shells stays behind; failures are logged, not raised."""
     exit_terminals(ids)
     if not session:
         return
@@ -5766,8 +5739,7 @@ def provider_unknown_line(provider: str, report: dict[str, tuple[str, bool]] | N
 
 def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid."""
-    # A failed session explains the rest: the adds failed or stopped because of it.
-    error = failures.get("analyst") or "; ".join(failures.values())
+    error = failures.get("analyst") or "; ".join(failures.values())    # a failed session explains the rest
     if "(HTTP 401," in error:        # the server refuses our token: fixed in the settings, not by a retry
         return ConfigError(error)
     unknown = re.search(r"Unknown provider type:?\s*'?([\w.-]+)", error)
@@ -5785,18 +5757,8 @@ def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
 
 
 def create_terminals() -> tuple[str, dict[str, str]]:
-    """Create the five terminals in one CAO session, all at once; what did not start in time, once more alone.
-
-    CAO waits for each agent CLI to start (seconds per terminal), so the
-    session (with the analyst's terminal) is requested under a name chosen
-    here and the other four are added to that name at the same time, without
-    waiting for the session's answer (see add_to_session). Five CLIs starting
-    together on a small machine can outlast CAO's start-up limit, so agents
-    that timed out get a second try, one at a time (start_again_one_at_a_time).
-    A failed or interrupted start-up exits every terminal it created
-    (interrupts wait for the creations under way), and a failure names the
-    role. Returns the session name CAO answered and the terminal id of each role.
-    """
+    """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
+    timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
     name = new_session_name()
     providers = providers_in_use()
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
@@ -5822,14 +5784,8 @@ def create_terminals() -> tuple[str, dict[str, str]]:
 
 def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str],
                               interrupted: list[int]) -> dict[str, str]:
-    """The second try for agents whose CLI did not start in time while five started at once.
-
-    Only the roles that are missing are created again, each alone, in role
-    order; when the session's own agent (the analyst) was among them, CAO has
-    removed that session, so the agents that came up in it are ended and all
-    five are made again in a new session. The first role that fails again
-    ends the try. Fills `answers`; returns the failures left (empty when all are up).
-    """
+    """The second try, each alone, for the agents that did not start in time among five (all five in a new
+    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -5925,15 +5881,8 @@ def check_replaceable(lost: AgentLost) -> bool:
 
 
 def turn_goes_again(roles: Iterable[str]) -> bool:
-    """Whether the prompt in flight goes again, to a new agent of `roles`.
-
-    It went to a terminal that is gone: the new agent has not got it, whatever
-    its status reads (a fresh OpenCode can read `completed`), so it is sent
-    again, not waited for -- unless its reply was taken already (kept in the
-    run's folder by a process that stopped before it saved what the reply led
-    to), or its agent left the reply complete (left_reply()): that turn is
-    over, and its reply is taken, never sent again.
-    """
+    """Whether the prompt in flight goes again, to a new agent of `roles` (whatever its status reads): not when
+    its reply was taken already, or left complete by the gone agent (left_reply())."""
     if in_flight is None or in_flight.role not in roles or taken_reply(in_flight.role) is not None:
         return False
     if left_reply(in_flight.role, response_path(in_flight.role)):
@@ -5944,15 +5893,8 @@ def turn_goes_again(roles: Iterable[str]) -> bool:
 
 
 def replace_lost_agent(lost: AgentLost) -> None:
-    """A new agent for a lost one (REPLACE_LOST_AGENTS=1, or one that died as it started), or the run stops
-    on `lost`.
-
-    A lost agent in a live session gets a new terminal there (same role,
-    profile and provider) and its old one is removed; when the session
-    itself is gone, all five agents are made again in a new session. The new
-    agent has no conversation: its next prompt carries every once-only block
-    in full (they are recorded per terminal). The state records the replacement.
-    """
+    """A new agent for a lost one (REPLACE_LOST_AGENTS=1, or one that died as it started) in its session, all
+    five in a new one when it is gone; else the run stops on `lost`. A new agent gets its whole prompt."""
     session_gone = check_replaceable(lost)
     old_ids = dict(terminal_ids)
     if session_gone:
@@ -8609,15 +8551,9 @@ def report_run_summary(exit_code: int) -> None:
 # ==========================================================================
 # 16. Before a run: --check
 # ==========================================================================
-# `--check [config.json]` looks at all a run needs, in seconds, without creating
-# an agent or spending a token: a line each, ✓ or ✗ with its fix (– for what
-# cannot be looked at from here). PREFLIGHT_CHECKS lists the checks in the order
-# a run meets what they look at. The agents' side -- each CLI as their shells
-# find it, their environment, their homes -- is seen from a probe: a window in
-# the agents' tmux server, started as CAO starts an agent's (cao-server's
-# environment, its working directory), that runs `command -v` and `--version`
-# for each CLI and prints its environment. A CLI's known traps are declared in
-# its row (`AgentCli.traps`) and looked for by check_trap().
+# `--check [config.json]` looks at all a run needs, without creating an agent: a line each, ✓, ✗ with its fix, or –
+# (not looked at from here). The agents' side is seen from a probe: a window in the agents' tmux server, started as
+# CAO starts an agent's. A CLI's known traps are declared in its row (`AgentCli.traps`), looked for by check_trap().
 PROBE_SECONDS = 60.0             # a CLI's first --version may unpack itself (Copilot: 235 MB)
 CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TERM")  # CAO passes these on
 
@@ -8903,9 +8839,8 @@ def check_ntfy() -> list[CheckLine]:
 
 
 def cost_estimate() -> list[str]:
-    """What a run sends its model at the least, from the figures measured per CLI, and what that costs at
-    MODEL_PRICES where one priced model serves every role (input at its full price: cached input costs less,
-    and output comes on top)."""
+    """What a run sends its model at the least, from the figures measured per CLI, and its cost at MODEL_PRICES
+    where one priced model serves every role (input at its full price)."""
     providers, models = providers_in_use(), {model_for(role) for role in ROLES}
     price = MODEL_PRICES.get(next(iter(models))) if len(models) == 1 else None
     lines = []
