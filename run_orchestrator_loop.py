@@ -342,7 +342,7 @@ class AgentCli:
 
 
 STILL_SCREEN_SECONDS = 2.0      # a busy bar or spinner redraws several times a second: 2 s still, the turn is over
-# An account's usage limit, as Codex and Claude Code say it (the reset's forms: docs/agent-clis.md).
+# An account's usage limit, as Codex and Claude Code say it (their words and reset forms: docs/state-and-resume.md).
 HIT_YOUR_LIMIT = r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})"
 CODEX_CONFIG = dict(file=".codex/config.toml", folder_env="CODEX_HOME")
 
