@@ -2048,8 +2048,7 @@ class InFlight:
     limit_line: str = ""              # the agent stopped at its usage limit: what its screen said ("" if not)
     limit_until: float | None = None  # time.time() when it is told to continue (None: no reset time given)
     reply_file: str = ""              # answered: the reply's name in the run's folder, its outcome not saved yet
-    tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (CLIs that keep
-    #                                            only those: Hermes); None for the others
+    tokens_before: RunningTotals | None = None  # at the first send, for a CLI that keeps running totals only
     terminal: str = ""                # the terminal it was (last) sent to ("" in a state file from before)
 
     def belongs_to(self, position: dict) -> bool:
