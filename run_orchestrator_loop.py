@@ -272,7 +272,7 @@ KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 # -- The agent CLIs: all the loop knows of each, one row a CLI ----------------------------------------
 # CAO starts each CLI under a provider of that name; what the loop knows beyond CAO's word is in the CLI's row,
 # and nothing else names a provider (adding a CLI: docs/code-map.md; its facts: docs/agent-clis.md). Screen
-# words are matched squeezed: whitespace and escape sequences removed.
+# words are matched squeezed, without whitespace and escape sequences (Claude Code draws spaces as cursor moves).
 @dataclass(frozen=True)
 class Trap:
     """A set-up trap of a CLI's that --check looks for (section 16): what must be found where, and what to tell on
@@ -8680,9 +8680,7 @@ def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLin
         since = agent_cli(provider).cao_since
         if report is None or provider in report:
             continue
-        if not since:
-            lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
-        elif version and version_tuple(version) < version_tuple(since):
+        if not since or (version and version_tuple(version) < version_tuple(since)):
             lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
         elif not version:
             lines.append(CheckLine(None, f"provider {provider}: CAO leaves it out of its list and its version "
