@@ -8752,13 +8752,14 @@ def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
         return bool(side.env.get(trap.env))
     if trap.json_key:
         value = _json_file(trap_file(trap, side)).get(trap.json_key)
-        return isinstance(value, list) and trap.json_holds in value if trap.json_holds else bool(value)
+        return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
     try:
         text = trap_file(trap, side).read_text(encoding="utf-8") + "\n"
     except OSError:
         return False
-    found = list(re.finditer(trap.pattern, text, re.MULTILINE))
-    if "(?P<project>" not in trap.pattern:
+    pattern = re.compile(trap.pattern, re.MULTILINE)
+    found = list(pattern.finditer(text))
+    if "project" not in pattern.groupindex:
         return bool(found)
     project = trap_project()
     return any(Path(match.group("project")) in (project, *project.parents) for match in found)
