@@ -269,20 +269,61 @@ READY_STATUSES = ("idle", "completed")
 BUSY_STATUSES = ("processing", "waiting_user_answer")
 KNOWN_STATUSES = READY_STATUSES + BUSY_STATUSES + ("error",)
 
+# -- When a turn is over: the constants every judge of it uses --------------------
+# With the QUIET_SCREEN_SECONDS setting; WAIT_RULES (section 6) holds the rules that use them.
+STILL_SCREEN_SECONDS = 2.0      # a busy bar or spinner redraws several times a second: 2 s still, the turn is over
+FILE_SETTLE_SECONDS = 0.1        # a reply file unchanged this long is whole (agents write it in one go)
+MTIME_SLACK_SECONDS = 1.0        # coarse file times: a file this much older than the prompt still counts as newer
+CONFIRM_READ_SECONDS = 0.5       # how often a settled reply file's turn asks whether the agent has finished
+RECORD_READ_SECONDS = 0.1        # ... and reads its CLI's own record, where the loop reads it (a local read)
+# What ended a turn, as the reply's log line says it ("turn end seen by ..."): one row of WAIT_RULES each.
+TURN_ENDED_BY_STATUS = "CAO's ready status"
+TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
+TURN_ENDED_BY_STILL_SCREEN = "a still screen"
+TURN_ENDED_BY_RECORD = "its CLI's own record"
+TURN_ENDED_BY_AGENT_GONE = "its agent gone, the reply complete"
+
 # -- The agent CLIs: all the loop knows of each, one row a CLI ----------------------------------------
-# CAO starts each CLI under a provider of that name. Beyond CAO's word, the loop knows a CLI by what it
-# shows and what it records: whether CAO's status for it can be trusted, how its screen says a turn is
-# over, its words for a compacted or cleared conversation, the menus it opens and the answer that changes
-# nothing, where it records its turns (tokens, context) and where it compacts, what to tell a user whose
-# CLI did not start. The readers of records and settings (section 5) and the wait (section 6) ask the row;
-# nothing else names a provider. Adding a CLI is a row here and its tests (docs/code-map.md); what was
-# proven with which version is in docs/agent-clis.md. Screen words are matched squeezed: whitespace and
-# escape sequences removed (Claude Code draws a line's spaces as cursor moves and colours words in pieces).
+# CAO starts each CLI under a provider of that name; what the loop knows beyond CAO's word is in the CLI's row,
+# and nothing else names a provider (adding a CLI: docs/code-map.md; its facts: docs/agent-clis.md). Screen
+# words are matched squeezed, without whitespace and escape sequences (Claude Code draws spaces as cursor moves).
+@dataclass(frozen=True)
+class Trap:
+    """A set-up trap of a CLI's that --check looks for (section 16): what must be found where, and what to tell on
+    ✓ and on ✗ ({file}, {project} and {tmux} name the file looked at, the project folder, the agents' tmux)."""
+
+    found: str                        # told on ✓
+    fix: str                          # told on ✗
+    env: str = ""                     # a variable that must be set in the agents' environment
+    env_value: str = ""               # ... to this value, which a CAO server the run starts itself sets
+    root_only: bool = False           # a trap only where the agents run as root
+    file: str = ""                    # else a file under the agents' home ...
+    folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set
+    pattern: str = ""                 # a regex (multi-line) the file must match; a group `project` must name the
+    #                                   project folder (git's top, else WD) or one above it
+    json_key: str = ""                # or a key its JSON object must have set ...
+    json_holds: str = ""              # ... to a list that holds this
+
+
+@dataclass(frozen=True)
+class TokenRecords:
+    """How the loop reads what a CLI recorded of a turn's tokens (section 5). A CLI that keeps running totals
+    only has `totals_now`: they are noted as each turn is first sent, and `read_turn` is given them."""
+
+    name: str                                                  # what they are, for people
+    read_turn: Callable[[str, float, float, RunningTotals | None], TokenReading | None]  # (the turn's marker,
+    #                                       its window as time.time() values, the totals at its first send)
+    totals_now: Callable[[str], RunningTotals | None] | None = None   # (the marker) -> the totals now
+
+    def __str__(self) -> str:
+        return self.name
+
+
 @dataclass(frozen=True)
 class AgentCli:
     """One agent CLI, as the loop knows it: a provider without a row is refused by the settings."""
 
-    label: str                                  # its name as people (and CAO's messages) call it
+    label: str                                  # its name as people call it
     ready_status_trusted: bool = True           # CAO's idle/completed means the turn has ended
     still_screen_ends_turn: float | None = None  # seconds of still screen that confirm a settled reply file
     #                                             (None: QUIET_SCREEN_SECONDS)
@@ -290,9 +331,13 @@ class AgentCli:
     context_low: str = ""                       # squeezed regex: its context nearly full, nothing will compact
     menus: tuple[tuple[str, str], ...] = ()     # (what the loop calls a menu it opens, the choice that keeps
     #                                             what the user chose)
-    records: str = ""                           # the format of its turn records, read in section 5 ('': none)
-    compaction_settings: str = ""               # the settings that say where it compacts (section 5; '': none)
+    records: str | TokenRecords = ""            # its turn records: a format in RECORD_FORMATS (section 5), or
+    #                                             their reader itself ('': none)
+    compaction_settings: str | Callable[[], int | None] = ""  # where it compacts: settings in COMPACTION_READERS
+    #                                             (section 5), or their reader itself ('': none)
     start_hint: str = ""                        # for a user whose CLI did not start under CAO
+    cao_name: str = ""                          # what CAO's error messages call it ('': its label)
+    start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
     #                                             and `rest`: the words after it, where RESET_AT finds the reset)
@@ -301,10 +346,8 @@ class AgentCli:
     run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
     #                                             (9 turns), in round 2 (14); measured by bench/bench_run_tokens.py
     program: str = ""                           # the program CAO starts ('': the one CAO names)
-    traps: tuple[str, ...] = ()                 # its set-up traps --check looks for (TRAP_CHECKS, section 16)
+    traps: tuple[Trap, ...] = ()                # its set-up traps, looked for by --check (section 16)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
-    server_env: tuple[tuple[str, str, str], ...] = ()  # (variable, value, 'always' or 'root'): what its agents need
-    #                                             in the environment of a CAO server the run starts itself
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
     #                                             done and idle): how it marks its turns on the screen (): none
@@ -314,77 +357,88 @@ class AgentCli:
         return "unknown" if status in READY_STATUSES and not self.ready_status_trusted else status
 
 
-STILL_SCREEN_SECONDS = 2.0      # a busy bar or spinner redraws several times a second: 2 s still, the turn is over
-# An account's usage limit stops the agent until a reset time its CLI names; Codex and Claude Code say it alike:
-#   Codex        "You've hit your usage limit. Try again at 3:05 PM."  (another day: "Jan 5th, 2026 3:05 PM";
-#                no time known: "Try again later.")
-#   Claude Code  "You've hit your session limit · resets 3pm (Europe/Berlin)"  (5-hour limit; also "weekly
-#                limit", "usage limit"; more than a day ahead: "resets Jan 5, 3pm (UTC)")
+# An account's usage limit, as Codex and Claude Code say it (their words and reset forms: docs/state-and-resume.md).
 HIT_YOUR_LIMIT = r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})"
+CODEX_CONFIG = dict(file=".codex/config.toml", folder_env="CODEX_HOME")
 
 AGENT_CLIS: dict[str, AgentCli] = {
-    # Claude Code: CAO's status holds. It asks at its usage limit what to do; a prompt sent while it compacts
-    # is drawn again below "Conversation compacted".
+    # Claude Code: CAO's status holds; it asks at its usage limit what to do.
     "claude_code": AgentCli(
         "Claude Code",
         conversation_words=(("Compactingconversation", "compacted"),    # while it summarises (also /compact)
                             ("Conversationcompacted", "compacted"),     # "✻ Conversation compacted (ctrl+o ...)"
                             ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # after /compact typed by hand
                             ("❯/clear", "cleared")),                    # /clear typed by hand (nothing else shows)
-        # auto-compact off: "Context low (2% remaining)" in its status line; "Context limit reached · /compact
-        # or /clear to continue" once full
-        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",
+        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",   # with auto-compact off
         menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
         usage_limit=HIT_YOUR_LIMIT,
-        # its model provider failing ("API Error: 529 ...", a JSON error body); with an API key it ends its own
-        # retries of a rate limit with "API Error: Request rejected (429)"
         error_lines=r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
-        proven="2.1.197", program="claude", traps=("root needs IS_SANDBOX",), run_tokens=(444_750, 700_544),
-        server_env=(("IS_SANDBOX", "1", "root"),)),
-    # Codex: on a loaded machine CAO answered `idle`, left over from its start-up, through the whole of a first
-    # turn; its own marks on the screen (ESC ] 7501;state=..., turn_mark) say when it works and when a turn
-    # is over, else a screen still for QUIET_SCREEN_SECONDS.
+        proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
+        traps=(Trap("Claude Code: IS_SANDBOX=1 set for root",
+                    "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses the mode CAO "
+                    "starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its tmux server with it: stop "
+                    "a running one first)", env="IS_SANDBOX", env_value="1", root_only=True),)),
+    # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
         "Codex", ready_status_trusted=False,
-        # (not its header, ">_ OpenAI Codex", which /new and /clear draw again: so do its start-up and a redraw)
         conversation_words=(("Compactingcontext", "compacted"),         # while it summarises (also /compact)
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
-        # Its "Trust this folder?" in a project it does not trust yet: the run's agents work in the working
-        # directory the user gave, so the loop trusts it (a typed prompt's Enter would pick the same; Codex
-        # saves it in ~/.codex/config.toml, and --check says how to trust the project beforehand).
+        # the agents work in the folder the user gave: the loop trusts it (--check says how beforehand)
         menus=(("Codex's offer to switch the model", "Keep current model"),
                ("Codex's question whether to trust the project", "Trust and continue")),
         usage_limit=HIT_YOUR_LIMIT,
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
-        traps=("project trusted", "model offer hidden"), run_tokens=(300_716, 457_996),
+        run_tokens=(300_716, 457_996),
+        traps=(Trap("Codex trusts the project ({project})",
+                    "Codex does not trust {project}: it asks at each agent's start (a minute each, the first prompt "
+                    "lost); add to {file}: [projects.\"{project}\"] then trust_level = \"trusted\"",
+                    pattern=r"""^\[projects\.(["'])(?P<project>.+?)\1\]\s*\n(?:(?!\[)[^\n]*\n)*?\s*"""
+                            r"""trust_level\s*=\s*["']trusted["']""", **CODEX_CONFIG),
+               # a bare Enter takes its offer of a cheaper model at a usage limit, and CAO sends one after a prompt
+               Trap("Codex: its offer of another model at a usage limit is turned off",
+                    "Codex offers another model at a usage limit, and the second Enter CAO sends with a prompt takes "
+                    "it: the agent goes on with a model nobody chose (the run then stops); add to {file}: [notice] "
+                    "then hide_rate_limit_model_nudge = true",
+                    pattern=r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
+                            r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b",
+                    **CODEX_CONFIG)),
         turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle")),
-    # OpenCode: CAO reads `idle` or `completed` while it works (in a terminal's later turns, for the whole
-    # turn); it repaints its busy bar about twenty times a second while it works.
+    # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
         records="opencode database",
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
-        proven="1.18.33", program="opencode", traps=("model file",), run_tokens=(135_448, 216_113),
+        proven="1.18.33", program="opencode", run_tokens=(135_448, 216_113),
+        traps=(Trap("OpenCode: its model set in {file}",
+                    "OpenCode: no model in {file} (CAO starts it with that file): add a provider entry and a "
+                    "top-level \"model\": \"<provider>/<model>\" (docs/agent-clis.md)",
+                    file=".aws/opencode/opencode.json", json_key="model"),),
         profile_file=".aws/opencode/agents/{name}.md"),
-    # Copilot CLI: CAO read a ready status while it was still at work (a draft reply file was taken for the
-    # answer; CAO still answered `idle`, left over from before the prompt, up to 1.8 s after it was sent); its
-    # status bar spinner (`◎ Working`) turns four times a second while it works.
-    "copilot_cli": AgentCli("GitHub Copilot CLI", ready_status_trusted=False,
-                            still_screen_ends_turn=STILL_SCREEN_SECONDS, proven="1.0.102", program="copilot",
-                            records="copilot session logs",
-                            traps=("CAO's MCP server disabled",), profile_file=".copilot/agents/{name}.agent.md",
-                            run_tokens=(338_995, 537_724)),
-    # Hermes Agent: the same (a draft taken on a loaded machine); while it works its status bar's timers and
-    # its `(¬_¬) computing...` line change about twice a second; at its idle prompt nothing moves.
-    "hermes": AgentCli("Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-                       records="hermes state.db", proven="0.19.0", program="hermes", traps=("PROMPT_TOOLKIT_NO_CPR",),
-                       run_tokens=(287_911, 455_907), server_env=(("PROMPT_TOOLKIT_NO_CPR", "1", "always"),)),
+    # Copilot CLI: CAO read a ready status while it was still at work; its spinner turns four times a second.
+    "copilot_cli": AgentCli(
+        "GitHub Copilot CLI", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
+        proven="1.0.102", program="copilot", records="copilot session logs",
+        traps=(Trap("Copilot CLI: CAO's MCP server disabled",
+                    "Copilot CLI would connect to CAO's MCP server, which it rejects (CAO then reports its terminal "
+                    "in error): put {\"disabledMcpServers\": [\"cao-mcp-server\"]} in {file}",
+                    file=".copilot/settings.json", json_key="disabledMcpServers", json_holds="cao-mcp-server"),),
+        profile_file=".copilot/agents/{name}.agent.md", run_tokens=(338_995, 537_724)),
+    # Hermes Agent: the same; its status bar's timers change twice a second while it works. CAO can time out a
+    # start whose CLI came up (a late redraw hides the idle prompt): a second start seldom meets the same moment.
+    "hermes": AgentCli(
+        "Hermes Agent", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
+        records="hermes state.db", proven="0.19.0", program="hermes", run_tokens=(287_911, 455_907),
+        cao_name="Hermes", start_tries=2,
+        traps=(Trap("Hermes: PROMPT_TOOLKIT_NO_CPR set in its agents' environment",
+                    "Hermes: PROMPT_TOOLKIT_NO_CPR is not in the agents' environment (a start-up then hangs now and "
+                    "then): `{tmux} set-environment -g PROMPT_TOOLKIT_NO_CPR 1`, or export it before starting "
+                    "cao-server", env="PROMPT_TOOLKIT_NO_CPR", env_value="1"),)),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
     "kiro_cli": AgentCli("Kiro CLI"),
@@ -1739,15 +1793,15 @@ def loop_program(name: str) -> str:
 
 def own_server_env(own: OwnServer) -> dict[str, str]:
     """The own server's environment: the loop's, its Python's folder on PATH (after the user's own), a private
-    tmux folder, CAO's address, and each CLI's row's `server_env`."""
+    tmux folder, CAO's address, and what each CLI in use needs (its row's traps' `env_value`)."""
     env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
     path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
     env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
                CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
     for provider in providers_in_use():
-        for name, value, when in agent_cli(provider).server_env:
-            if when == "always" or (when == "root" and os.geteuid() == 0):
-                env.setdefault(name, value)
+        for trap in agent_cli(provider).traps:
+            if trap.env_value and (not trap.root_only or os.geteuid() == 0):
+                env.setdefault(trap.env, trap.env_value)
     return env
 
 
@@ -1990,8 +2044,7 @@ class InFlight:
     limit_line: str = ""              # the agent stopped at its usage limit: what its screen said ("" if not)
     limit_until: float | None = None  # time.time() when it is told to continue (None: no reset time given)
     reply_file: str = ""              # answered: the reply's name in the run's folder, its outcome not saved yet
-    tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (CLIs that keep
-    #                                            only those: Hermes); None for the others
+    tokens_before: RunningTotals | None = None  # at the first send, for a CLI that keeps running totals only
     terminal: str = ""                # the terminal it was (last) sent to ("" in a state file from before)
 
     def belongs_to(self, position: dict) -> bool:
@@ -2191,7 +2244,7 @@ class TurnRecord:
     tokens_final: bool = False        # read up to the role's next send (or the run's end): they stay as they are
     terminal: str = ""                # the terminal that answered ("" in a state file written before it was kept)
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
-    tokens_before: HermesTotals | None = None  # its CLI's running totals at the first send (InFlight's)
+    tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (InFlight's)
     model: str = ""                   # the model its last response named, as its CLI recorded it ("": unknown)
 
     def to_json(self) -> dict:
@@ -3562,34 +3615,17 @@ def write_report(exit_code: int | None = None) -> None:
 # ==========================================================================
 # 5. Tokens used: the CLIs' own records
 # ==========================================================================
-# Each CLI writes what its model responses cost into a record of its own:
-# Claude Code, Codex and Copilot CLI into a JSONL file per session, OpenCode
-# into one SQLite database per home, Hermes into one that keeps running totals
-# only (docs/agent-clis.md names the versions). The
-# loop reads them where it runs beside its agents (CAO on this machine, or
-# AGENT_HOME set); it only reads, and what it cannot read is unknown --
-# never reported as 0.
-#
-# A turn's records are those of the sessions that name the turn's response
-# file (its prompt does, and so does the agent's write), timed from the
-# turn's first send up to the role's next send: an agent is idle between its
-# turns, and its CLI may record the turn's last response after the loop has
-# taken the reply. A session's record can span files (Claude's /clear,
-# Codex's /new or a fork), and Codex can copy a record into a later file:
-# each response is counted once by its own id, so neither the order of the
-# files nor a copy changes the sum.
-#
-# A long session's records are read from a little before its turn began, not
-# whole: RECORD_LOOKBACK_SECONDS before the turn's first send (the readers'
-# windows then pick the turn's records; one written out of order is caught).
-RECORD_LOOKBACK_SECONDS = 120.0
+# Each CLI records what its responses cost in its own format (its row's `records`; each format's facts are in
+# docs/agent-clis.md). The loop only reads them, where they are on this machine; what it cannot read is unknown,
+# never 0. A turn's records are those of the sessions that name its response file, from its first send up to the
+# role's next send, each response once by its id (a session's records can span files, and be copied).
+RECORD_LOOKBACK_SECONDS = 120.0   # a long session is read from this long before the turn's first send
 
 
 @dataclass(frozen=True)
 class TokenReading:
-    """What a CLI's records say of one turn: each model's tokens, whether the CLI has recorded the end
-    of its turn (until then a response may still be on its way), and how full the agent's context was at
-    its last response (all that response's tokens: what its CLI weighs against its compaction point)."""
+    """What a CLI's records say of one turn: each model's tokens, whether the CLI has recorded the end of its
+    turn, and how full the agent's context was at its last response (what its CLI weighs to compact)."""
 
     by_model: dict[str, TokenUse]
     over: bool = True
@@ -3637,9 +3673,8 @@ def _token_count(value: object) -> int | None:
 
 
 class ParsedLines:
-    """JSONL record lines, each parsed once into a JSON object (None for a line that is not one): the wait
-    reads a long session's records every half second, and only their new lines are new. Up to `limit`
-    characters of lines are kept; then the memory starts over."""
+    """JSONL record lines, each parsed once (None for a line that is not a JSON object): the wait reads a long
+    session's records every half second. Up to `limit` characters are kept, then the memory starts over."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.chars, self.records = limit, 0, {}
@@ -3697,29 +3732,32 @@ def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | No
     return (message_id, request_id), model if isinstance(model, str) else "", TokenUse(fresh + written, read, output)
 
 
-def claude_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
-    """Tokens of the Claude Code responses whose lines in session transcripts (~/.claude/projects/<slug>/
-    <session>.jsonl) are timed within the window. Claude writes a line per content block, all with the same
-    message.id (and requestId), and the usage on an early line may still be the stream's first figure
-    (output_tokens 1): each response counts once, with its largest output_tokens. A turn ends with a
-    system line of subtype turn_duration."""
+def _jsonl_usage(records: Iterable[dict], since: datetime, until: datetime,
+                 response: Callable[[dict], tuple | None], turn_ends: Callable[[dict], bool]) -> TokenReading | None:
+    """The responses (id, model, tokens) of JSONL records timed within the window, and the turn's end."""
     responses = _Responses()
-    for record in _json_records(lines):
+    for record in records:
         moment = _record_time(record)
         if not _within(moment, since, until):
             continue
-        if record.get("type") == "system" and record.get("subtype") == "turn_duration":
+        if turn_ends(record):
             responses.end_of_turn(moment)
-        found = _claude_response(record)
+        found = response(record)
         if found is not None:
             responses.add(*found, moment)
     return responses.reading()
 
 
+def claude_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
+    """Tokens of the Claude Code responses whose transcript lines are timed within the window, each response
+    once with its largest output; a turn ends with a turn_duration line."""
+    return _jsonl_usage(_json_records(lines), since, until, _claude_response,
+                        lambda record: record.get("type") == "system" and record.get("subtype") == "turn_duration")
+
+
 def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
-    """The response id, turn id and tokens of a Codex token_usage_record line (None for other lines). Only
-    these lines count: token_count events repeat the same responses, and the cumulative turn and thread
-    figures would count them again."""
+    """The response id, turn id and tokens of a Codex token_usage_record line (None for other lines): only
+    these count, the other lines repeat them."""
     payload = record.get("payload")
     if record.get("type") != "token_usage_record" or not isinstance(payload, dict):
         return None
@@ -3733,29 +3771,26 @@ def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
     return response_id, _text(payload.get("turn_id")), TokenUse(prompt - cached, cached, output)
 
 
+def _payload(record: dict) -> dict:
+    """A Codex line's payload ({} when it has none)."""
+    return record["payload"] if isinstance(record.get("payload"), dict) else {}
+
+
 def codex_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
-    """Tokens of the Codex responses whose token_usage_record lines in rollouts
-    (~/.codex/sessions/YYYY/MM/DD/rollout-*.jsonl) are timed within the window, each response_id once. The
-    model is the one the turn's turn_context line names; a turn ends with a task_complete event."""
+    """Tokens of the Codex responses in rollout lines timed within the window, each response_id once, with
+    the model its turn_context line names; a turn ends with a task_complete event."""
     records = list(_json_records(lines))
     models = {}
     for record in records:
-        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
+        payload = _payload(record)
         if record.get("type") == "turn_context" and isinstance(payload.get("model"), str):
             models[_text(payload.get("turn_id"))] = payload["model"]
-    responses = _Responses()
-    for record in records:
-        moment = _record_time(record)
-        if not _within(moment, since, until):
-            continue
-        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
-        if record.get("type") == "event_msg" and payload.get("type") in ("task_complete", "turn_aborted"):
-            responses.end_of_turn(moment)
+
+    def response(record: dict) -> tuple[str, str, TokenUse] | None:
         found = _codex_response(record)
-        if found is not None:
-            response_id, turn_id, use = found
-            responses.add(response_id, models.get(turn_id, ""), use, moment)
-    return responses.reading()
+        return None if found is None else (found[0], models.get(found[1], ""), found[2])
+    return _jsonl_usage(records, since, until, response, lambda record: record.get("type") == "event_msg"
+                        and _payload(record).get("type") in ("task_complete", "turn_aborted"))
 
 
 def _copilot_response(record: dict) -> tuple[str, str, TokenUse] | None:
@@ -3773,27 +3808,15 @@ def _copilot_response(record: dict) -> tuple[str, str, TokenUse] | None:
 
 
 def copilot_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
-    """Tokens of the Copilot CLI responses whose session.usage_record events in its session logs
-    (~/.copilot/session-state/<session>/events.jsonl) are timed within the window, each event once. CAO
-    starts Copilot in autopilot, where a task ends with a session.task_complete event (its assistant.turn_end
-    events end each model step, not the task)."""
-    responses = _Responses()
-    for record in _json_records(lines):
-        moment = _record_time(record)
-        if not _within(moment, since, until):
-            continue
-        if record.get("type") == "session.task_complete":
-            responses.end_of_turn(moment)
-        found = _copilot_response(record)
-        if found is not None:
-            responses.add(*found, moment)
-    return responses.reading()
+    """Tokens of the Copilot CLI responses whose session.usage_record events are timed within the window,
+    each event once; a task ends with session.task_complete (CAO starts it in autopilot)."""
+    return _jsonl_usage(_json_records(lines), since, until, _copilot_response,
+                        lambda record: record.get("type") == "session.task_complete")
 
 
 def _opencode_message(data: object, since: datetime, until: datetime) -> tuple[str, TokenUse | None, bool]:
     """An OpenCode message row's data: (model, its tokens if it is an assistant message completed within
-    the window, whether it is one still in progress that began in it). A message in progress has no
-    time.completed yet, and zero tokens so far."""
+    the window, whether it is one still in progress, without time.completed, that began in it)."""
     if not isinstance(data, dict) or data.get("role") != "assistant" or not isinstance(data.get("time"), dict):
         return "", None, False
     times, tokens, model = data["time"], data.get("tokens"), _text(data.get("modelID"))
@@ -3814,16 +3837,11 @@ def _opencode_message(data: object, since: datetime, until: datetime) -> tuple[s
 
 def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker: str, since: datetime,
                    until: datetime) -> TokenReading | None:
-    """Tokens of the assistant messages completed within the window in the OpenCode sessions of the
-    directory whose parts name the marker (the turn's response file), read from its database
-    (~/.local/share/opencode/opencode.db). It is opened read-only through SQLite, so rows still in the -wal
-    file are seen and a writer is never in the way; a database that cannot be opened or read gives None.
-    Compaction messages count: they belong to the session. Its turn is over when no message is in progress
-    and the last one did not stop for tool calls."""
+    """Tokens of the assistant messages completed within the window in the directory's OpenCode sessions
+    that name the marker, read-only from its database (None when it cannot be read)."""
     uri = Path(db_path).absolute().as_uri() + "?mode=ro"
     folders = sorted({directories} if isinstance(directories, str) else set(directories))
-    # Only the rows made from a little before the turn on (the turn's prompt names the marker): a long
-    # session's earlier rows are neither read nor searched.
+    # only the rows from a little before the turn on: a long session's earlier rows are neither read nor searched
     begin_ms = int((since.timestamp() - RECORD_LOOKBACK_SECONDS) * 1000)
     try:
         with closing(sqlite3.connect(uri, uri=True, timeout=2.0)) as connection:
@@ -3851,21 +3869,16 @@ def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker
     return responses.reading(pending)
 
 
-# Hermes keeps no tokens per response: its state.db holds, per session and model, running totals
-# (session_model_usage, a row per model and task: the agent's own calls have task '') and the session's
-# messages, each assistant message with the reason its response finished. A turn's tokens are the totals
-# now less those when the turn was first sent, which the loop notes then (InFlight.tokens_before, saved with
-# the state); the turn is over once an assistant message that did not stop for tool calls was written after
-# its last response was counted. Its side calls (a session's title) are left out, as the other CLIs leave
-# them out of their records.
-HermesTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
+# A CLI that keeps running totals only (its records' `totals_now`): a turn's tokens are the totals less those
+# noted at its first send (InFlight.tokens_before).
+RunningTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
 
 
 @dataclass(frozen=True)
 class HermesRecord:
     """What Hermes's state.db says of the sessions that name a turn's marker."""
 
-    totals: HermesTotals
+    totals: RunningTotals
     last_call: float | None        # when the last of their calls since the turn began was counted
     last_answer: float | None      # when the last assistant message since then that ended a turn was written
     last_model: str = ""           # the model of the calls counted last since the turn began
@@ -3889,7 +3902,7 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
                 (named_since, marker, named_since, marker, since)).fetchall()
     except (sqlite3.Error, ValueError):
         return None
-    totals: HermesTotals = {}
+    totals: RunningTotals = {}
     last_call, last_model = None, ""
     for session, model, fresh, written, read, output, seen in usage:
         counts = [_token_count(value) for value in (fresh, written, read, output)]
@@ -3904,17 +3917,23 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
                         last_model)
 
 
-def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | None:
-    """A Hermes turn: the sessions' totals less those at the turn's first send (a session begun since counts
-    whole); None when nothing was counted since and no answer was written."""
+def totals_grown(now: RunningTotals, before: RunningTotals) -> dict[str, TokenUse]:
+    """What running totals grew by since `before`, by model (a session begun since counts whole)."""
     used: dict[str, TokenUse] = {}
-    for session, models in record.totals.items():
-        for model, now in models.items():
+    for session, models in now.items():
+        for model, total in models.items():
             then = before.get(session, {}).get(model, TokenUse())
-            grown = TokenUse(max(now.input - then.input, 0), max(now.cached_input - then.cached_input, 0),
-                             max(now.output - then.output, 0))
+            grown = TokenUse(max(total.input - then.input, 0), max(total.cached_input - then.cached_input, 0),
+                             max(total.output - then.output, 0))
             if grown.total:
                 used[model] = used.get(model, TokenUse()) + grown
+    return used
+
+
+def hermes_usage(record: HermesRecord, before: RunningTotals) -> TokenReading | None:
+    """A Hermes turn: the sessions' totals less those at the turn's first send; None when nothing was counted
+    since and no answer was written."""
+    used = totals_grown(record.totals, before)
     if not used and record.last_answer is None:
         return None
     over = record.last_answer is not None and record.last_answer >= (record.last_call or 0.0)
@@ -3922,12 +3941,12 @@ def hermes_usage(record: HermesRecord, before: HermesTotals) -> TokenReading | N
     return TokenReading(used, over, ended_at=record.last_answer if over else None, model=model)
 
 
-def tokens_before_json(before: HermesTotals | None) -> dict | None:
+def tokens_before_json(before: RunningTotals | None) -> dict | None:
     """The running totals noted at a turn's send, as the state file keeps them."""
     return None if before is None else {session: tokens_json(models) for session, models in before.items()}
 
 
-def tokens_before_from_json(raw: object) -> HermesTotals | None:
+def tokens_before_from_json(raw: object) -> RunningTotals | None:
     """tokens_before_json() read back; None for anything else (the turn's tokens are then unknown)."""
     if not isinstance(raw, dict):
         return None
@@ -3935,10 +3954,7 @@ def tokens_before_from_json(raw: object) -> HermesTotals | None:
     return None if None in found.values() else found
 
 
-# -- Where the records are -------------------------------------------------------
-# In the agents' home: AGENT_HOME, else this process's home, where the CLIs'
-# own variables (CLAUDE_CONFIG_DIR, CODEX_HOME, XDG_DATA_HOME) move them, as
-# they move them for the CLIs CAO starts from the same environment.
+# -- Where the records are: in the agents' home (AGENT_HOME, else this process's, where a CLI's own variable moves them)
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 RECORD_SLACK_SECONDS = 2.0      # a file's modification time may be coarse; only files touched since count
 
@@ -3966,9 +3982,8 @@ def _cli_folder(variable: str, *default: str) -> Path:
 
 
 def claude_project_folder(cwd: str) -> str:
-    """The folder name Claude Code keeps a working directory's transcripts in (~/.claude/projects/<it>):
-    every character but a letter or digit becomes '-'; a name over 200 characters is cut there and ends
-    with a hash of the whole path (Java's string hash, in base 36)."""
+    """The folder name Claude Code keeps a working directory's transcripts in (~/.claude/projects/<it>; its
+    rule is in docs/agent-clis.md)."""
     name = re.sub(r"[^a-zA-Z0-9]", "-", cwd)
     if len(name) <= 200:
         return name
@@ -4001,10 +4016,8 @@ def _lines_naming(paths: Iterable[Path], marker: str, since: float) -> list[str]
     return [line for text in texts for line in text.splitlines()] if texts else None
 
 
-# A long session's file grows by every turn; a turn's lines are at its end. Each file is read from the first
-# line timed a little before the turn began (RECORD_LOOKBACK_SECONDS, section 5's start), found by a binary
-# search on the lines' times, once per file and turn: a read then costs what the turn wrote, not what the
-# session holds.
+# A long session's file is read from its first line timed RECORD_LOOKBACK_SECONDS before the turn began, found
+# once per file and turn by a binary search on the lines' times: a read costs what the turn wrote.
 LINE_TIME = re.compile(rb'"timestamp"\s*:\s*"([^"]{10,40})"')
 TURN_OFFSETS: dict[tuple[str, int, int, float], int] = {}     # a cache: (file, device, inode, since) -> offset
 
@@ -4107,7 +4120,7 @@ def hermes_database() -> Path:
     return _cli_folder("HERMES_HOME", ".hermes") / "state.db"
 
 
-def hermes_totals_now(marker: str) -> HermesTotals | None:
+def hermes_totals_now(marker: str) -> RunningTotals | None:
     """The running totals of the Hermes sessions that name the marker ({} before its first turn: no session
     names it yet, or Hermes has not made its database); None when the database cannot be read."""
     if not hermes_database().is_file():
@@ -4116,7 +4129,7 @@ def hermes_totals_now(marker: str) -> HermesTotals | None:
     return None if record is None else record.totals
 
 
-def read_hermes_turn(marker: str, since: float, until: float, before: HermesTotals | None) -> TokenReading | None:
+def read_hermes_turn(marker: str, since: float, until: float, before: RunningTotals | None) -> TokenReading | None:
     """A Hermes turn, from the totals of its sessions less those noted when it was first sent (unknown
     without them: a turn sent by a loop that did not note them)."""
     if before is None or not hermes_database().is_file():
@@ -4130,25 +4143,23 @@ def _window(since: float, until: float) -> tuple[datetime, datetime]:
     return datetime.fromtimestamp(since, timezone.utc), datetime.fromtimestamp(until, timezone.utc)
 
 
-# the format of a CLI's records (its row's `records`) -> its reader: (the turn's marker, window start,
-# window end, as time.time(), and what its running totals were at the turn's first send) -> its tokens
-RecordReader = Callable[[str, float, float, "HermesTotals | None"], "TokenReading | None"]
-RECORD_READERS: dict[str, RecordReader] = {
-    "claude transcripts": read_claude_turn, "codex rollouts": read_codex_turn,
-    "opencode database": read_opencode_turn, "copilot session logs": read_copilot_turn,
-    "hermes state.db": read_hermes_turn}
-# the formats that keep running totals only: the loop notes them as each turn is sent (turn_tokens_before)
-RUNNING_TOTALS: dict[str, Callable[[str], "HermesTotals | None"]] = {"hermes state.db": hermes_totals_now}
+# The formats of the CLIs' records that rows name (AgentCli.records): the one place their readers are bound.
+RECORD_FORMATS: dict[str, TokenRecords] = {records.name: records for records in (
+    TokenRecords("claude transcripts", read_claude_turn), TokenRecords("codex rollouts", read_codex_turn),
+    TokenRecords("opencode database", read_opencode_turn), TokenRecords("copilot session logs", read_copilot_turn),
+    TokenRecords("hermes state.db", read_hermes_turn, totals_now=hermes_totals_now))}
 
 
-def record_reader(provider: str) -> RecordReader | None:
-    """The reader of the provider's CLI's turn records (None: the loop reads none of its records)."""
-    return RECORD_READERS.get(agent_cli(provider).records)
+def cli_records(provider: str) -> TokenRecords | None:
+    """How the loop reads the provider's CLI's turn records: its row's reader, or the format it names (None:
+    the loop reads none of its records)."""
+    records = agent_cli(provider).records
+    return RECORD_FORMATS.get(records) if isinstance(records, str) else records
 
 
 def tokens_readable(role: str) -> bool:
     """Whether the loop can read what the role's CLI records: one it knows, its records on this machine."""
-    return record_reader(provider_for(role)) is not None and token_records_readable()
+    return cli_records(provider_for(role)) is not None and token_records_readable()
 
 
 def record_marker(role: str) -> str:
@@ -4156,40 +4167,31 @@ def record_marker(role: str) -> str:
     return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
 
 
-def turn_tokens(role: str, since: float, until: float, before: HermesTotals | None = None) -> TokenReading | None:
-    """What the role's CLI recorded between the two times (time.time() values), in the sessions that name
-    the role's response file; None when its records cannot be read here or hold nothing of it yet.
-    `before`: for a CLI that keeps running totals only, what they were when the turn was first sent."""
+def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None) -> TokenReading | None:
+    """What the role's CLI recorded between the two times (time.time() values); None when its records cannot
+    be read here or hold nothing of it yet. `before`: running totals noted at the turn's first send."""
     if not tokens_readable(role):
         return None
-    reader = record_reader(provider_for(role))
     try:
-        return reader(record_marker(role), since, until, before)
+        return cli_records(provider_for(role)).read_turn(record_marker(role), since, until, before)
     except (OSError, ValueError):
         return None
 
 
-def turn_tokens_before(role: str) -> HermesTotals | None:
+def turn_tokens_before(role: str) -> RunningTotals | None:
     """As the role's turn is first sent: its CLI's running totals, where its CLI keeps only those (None
     for the others, and where they cannot be read: that turn's tokens are then unknown)."""
-    noting = RUNNING_TOTALS.get(agent_cli(provider_for(role)).records)
-    if noting is None or not token_records_readable():
+    records = cli_records(provider_for(role))
+    if records is None or records.totals_now is None or not token_records_readable():
         return None
     try:
-        return noting(record_marker(role))
+        return records.totals_now(record_marker(role))
     except (OSError, ValueError):
         return None
 
 
-# -- Where a CLI compacts its conversation ----------------------------------------
-# Claude Code compacts once its context (the last response's tokens, all of them)
-# passes its window less 33,000 (20,000 kept for output, 13,000 of margin): a
-# window of 200,000 unless autoCompactWindow (or the env variable
-# CLAUDE_CODE_AUTO_COMPACT_WINDOW in its settings) sets another; never with
-# autoCompactEnabled false or DISABLE_AUTO_COMPACT. Codex compacts at
-# model_auto_compact_token_limit, else at 90% of model_context_window (272,000
-# for its default models). Both read their settings when they start.
-CLAUDE_COMPACT_RESERVE = 33_000
+# -- Where a CLI compacts its conversation (each CLI's rule: docs/state-and-resume.md) ---------------------
+CLAUDE_COMPACT_RESERVE = 33_000     # 20,000 kept for output, 13,000 of margin
 CLAUDE_DEFAULT_WINDOW = 200_000
 CODEX_DEFAULT_WINDOW = 272_000
 
@@ -4237,7 +4239,8 @@ def compaction_point(role: str) -> int | None:
     its CLI's settings say (where they are on this machine), else None (unknown, or it never compacts)."""
     if COMPACT_AT_TOKENS:
         return COMPACT_AT_TOKENS
-    reader = COMPACTION_READERS.get(agent_cli(provider_for(role)).compaction_settings)
+    settings = agent_cli(provider_for(role)).compaction_settings
+    reader = COMPACTION_READERS.get(settings) if isinstance(settings, str) else settings
     if reader is None or not token_records_readable():
         return None
     try:
@@ -4252,19 +4255,6 @@ def compaction_point(role: str) -> int | None:
 # CAO's status is a hint; the response file is the agent's own word and leads (docs/code-map.md, "One turn,
 # end to end"). TurnFacts holds what was observed, turn_state() names the state, WAIT_RULES decides (decide(),
 # pure), ReadSchedule says when to ask the server, wait_for_reply() does the I/O.
-
-# -- When a turn is over: the constants every judge of it uses --------------------
-# With STILL_SCREEN_SECONDS (section 1, above the table whose rows use it) and the QUIET_SCREEN_SECONDS setting.
-FILE_SETTLE_SECONDS = 0.1        # a reply file unchanged this long is whole (agents write it in one go)
-MTIME_SLACK_SECONDS = 1.0        # coarse file times: a file this much older than the prompt still counts as newer
-CONFIRM_READ_SECONDS = 0.5       # how often a settled reply file's turn asks whether the agent has finished
-RECORD_READ_SECONDS = 0.1        # ... and reads its CLI's own record, where the loop reads it (a local read)
-# What ended a turn, as the reply's log line says it ("turn end seen by ..."): one row of WAIT_RULES each.
-TURN_ENDED_BY_STATUS = "CAO's ready status"
-TURN_ENDED_BY_MARK = "the CLI's end-of-turn mark"
-TURN_ENDED_BY_STILL_SCREEN = "a still screen"
-TURN_ENDED_BY_RECORD = "its CLI's own record"
-TURN_ENDED_BY_AGENT_GONE = "its agent gone, the reply complete"
 
 PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answers on one terminal
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
@@ -4974,7 +4964,7 @@ class Turn:
     rebuild: Callable[[], Prompt] | None = None   # builds the turn's prompt again (after a compaction: in full)
     full_prompt: Prompt | None = None         # that prompt, due to go out at once (facts.full_prompt_due)
     sent_wall: float = 0.0                    # time.time() of the turn's first send: its records begin there
-    tokens_before: HermesTotals | None = None  # its CLI's running totals then (InFlight.tokens_before)
+    tokens_before: RunningTotals | None = None  # its CLI's running totals then (InFlight.tokens_before)
 
 
 def _last_output(terminal_id: str) -> str | None:
@@ -5390,24 +5380,15 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
 # ==========================================================================
 # 7. The agents' terminals: created, ended, replaced
 # ==========================================================================
-# A run's five agents live in one CAO session. They are created all at once;
-# a lost one is replaced in that session (or, when the session itself is
-# gone, all five in a new one); ended agents leave no empty session behind.
-
-# Terminals known ready for their first prompt: seen ready twice in a row, or
-# created by this process (CAO answers a creation once the agent CLI is ready).
+# A run's five agents live in one CAO session, created all at once; a lost one is replaced there (all five in a
+# new session when it is gone). Terminals known ready for their first prompt: seen ready twice, or made here.
 settled_terminals: set[str] = set()
 
 
 @contextmanager
 def signals_held(what: str) -> Iterator[list[int]]:
-    """Hold Ctrl-C and SIGTERM while `what` finishes, then act on them.
-
-    Creating terminals cannot be cut short safely: a creation the server is
-    still carrying out would leave an agent nobody knows about. The list
-    yielded holds the signals that arrived; on leaving, the first one is
-    raised as usual (KeyboardInterrupt or Terminated).
-    """
+    """Hold Ctrl-C and SIGTERM while `what` finishes (a creation cut short would leave an agent nobody knows
+    about), then raise the first that arrived; the list yielded holds them."""
     received: list[int] = []
 
     def hold(signum, frame) -> None:
@@ -5431,18 +5412,14 @@ def signals_held(what: str) -> Iterator[list[int]]:
 
 
 def new_session_name() -> str:
-    """A name for a new run's CAO session: recognizably this loop's, and unique by its random part.
-
-    It starts with `cao-` because CAO stores any other name with that prefix
-    added, and the terminals are added to the session under the name asked for.
-    """
+    """A name for a new run's CAO session, unique by its random part; `cao-` first, or CAO would add it and
+    the terminals added under the name asked for would miss the session."""
     return f"cao-loop-{secrets.token_hex(4)}"
 
 
 def agent_key(role: str, session: str, replacing: str = "") -> str:
-    """The idempotency key of a request for the role's agent: the same for the same agent asked again (its
-    answer lost, or the loop stopped before it saved the answer), another for each new agent. A new agent
-    takes the place of the terminal the state names (`replacing`), so the state alone gives the key again."""
+    """The idempotency key of a request for the role's agent: the same for the same agent asked again, another
+    for each new one (named by the terminal it replaces, so the state alone gives the key again)."""
     return f"{session}:{role}:" + (f"after-{replacing}" if replacing else "first")
 
 
@@ -5469,16 +5446,9 @@ def model_refused(error: str) -> bool:
 
 
 def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
-    """Add the terminal of `role` to the session being created under `name`; returns CAO's answer.
-
-    The session request gets a head start of a few hundredths of a second.
-    An add that still reaches CAO before the session exists is answered 404
-    "Session '<name>' not found": it is tried again after a growing pause
-    while the session request is under way, and once more after it succeeded,
-    then under the name the server answered (a server may answer another).
-    It gives up, having created nothing (None), when the session request
-    failed or the start-up was interrupted.
-    """
+    """Add the role's terminal to the session being created under `name` (CAO's answer): an add that comes
+    before the session (404) is tried again while the session request is under way and once after, under the
+    name the server answered; None, nothing created, when that request failed or the start was interrupted."""
     pause = 0.05
     while True:
         wait_for_futures([session], timeout=pause)
@@ -5500,11 +5470,7 @@ CLI_START_TIMED_OUT = "initialization timed out"
 
 
 def start_failure_hint(error: str) -> str:
-    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid.
-
-    CAO gives up waiting for an agent CLI to start without saying why, and
-    refuses a session name that is taken without saying that it was picked here.
-    """
+    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid."""
     if re.search(r"Session '[^']*' already exists", error):
         return "; another CAO session has the name this run picked at random: run it again to pick another"
     if "HTTP 429" in error:
@@ -5516,7 +5482,7 @@ def start_failure_hint(error: str) -> str:
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
             "what is missing (a CLI its agents' shells do not find, a profile, a known trap); CAO's log is in "
             "~/.aws/cli-agent-orchestrator/logs/ of the user running cao-server")
-    named = [cli.start_hint for cli in AGENT_CLIS.values() if cli.start_hint and cli.label in error]
+    named = [cli.start_hint for cli in AGENT_CLIS.values() if cli.start_hint and (cli.cao_name or cli.label) in error]
     return hint + "".join(f"; {text}" for text in named)
 
 
@@ -5533,11 +5499,8 @@ def exit_terminals(ids: list[str]) -> None:
 
 
 def end_agents(ids: list[str], session: str) -> None:
-    """Exit the agents, then remove their CAO session: ended agents leave no session of idle shells behind.
-
-    Only for a session that holds nothing but these agents (a run's own, or
-    one whose agents are all being ended); failures are logged, not raised.
-    """
+    """Exit the agents, then remove their CAO session (one that holds nothing else), so that no session of idle
+    shells stays behind; failures are logged, not raised."""
     exit_terminals(ids)
     if not session:
         return
@@ -5583,8 +5546,7 @@ def provider_unknown_line(provider: str, report: dict[str, tuple[str, bool]] | N
 
 def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid."""
-    # A failed session explains the rest: the adds failed or stopped because of it.
-    error = failures.get("analyst") or "; ".join(failures.values())
+    error = failures.get("analyst") or "; ".join(failures.values())    # a failed session explains the rest
     if "(HTTP 401," in error:        # the server refuses our token: fixed in the settings, not by a retry
         return ConfigError(error)
     unknown = re.search(r"Unknown provider type:?\s*'?([\w.-]+)", error)
@@ -5602,18 +5564,8 @@ def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
 
 
 def create_terminals() -> tuple[str, dict[str, str]]:
-    """Create the five terminals in one CAO session, all at once; what did not start in time, once more alone.
-
-    CAO waits for each agent CLI to start (seconds per terminal), so the
-    session (with the analyst's terminal) is requested under a name chosen
-    here and the other four are added to that name at the same time, without
-    waiting for the session's answer (see add_to_session). Five CLIs starting
-    together on a small machine can outlast CAO's start-up limit, so agents
-    that timed out get a second try, one at a time (start_again_one_at_a_time).
-    A failed or interrupted start-up exits every terminal it created
-    (interrupts wait for the creations under way), and a failure names the
-    role. Returns the session name CAO answered and the terminal id of each role.
-    """
+    """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
+    timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
     name = new_session_name()
     providers = providers_in_use()
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
@@ -5639,14 +5591,8 @@ def create_terminals() -> tuple[str, dict[str, str]]:
 
 def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str],
                               interrupted: list[int]) -> dict[str, str]:
-    """The second try for agents whose CLI did not start in time while five started at once.
-
-    Only the roles that are missing are created again, each alone, in role
-    order; when the session's own agent (the analyst) was among them, CAO has
-    removed that session, so the agents that came up in it are ended and all
-    five are made again in a new session. The first role that fails again
-    ends the try. Fills `answers`; returns the failures left (empty when all are up).
-    """
+    """The second try, each alone, for the agents that did not start in time among five (all five in a new
+    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -5685,21 +5631,17 @@ def agent_events_summary(events: list[AgentEvent]) -> str:
 
 
 def request_replacement(role: str, interrupted: list[int]) -> dict:
-    """The new agent for a lost one in the run's session; a CLI that did not start within CAO's limit
-    gets a second try (not after an interrupt).
-
-    CAO can fail a start-up whose CLI came up: it reads a Hermes terminal's status from the end of
-    the raw output, and a late redraw of one status-bar digit can leave the idle prompt out of
-    what it reads (docs/agent-clis.md). A second start seldom meets the same moment.
-    """
+    """The new agent for a lost one in the run's session; a start CAO says timed out is tried again, up to its
+    CLI's `start_tries` (not after an interrupt)."""
     replacing = terminal_ids.get(role, "")
-    try:
-        return request_agent(role, session_name, replacing=replacing)
-    except ApiError as exc:
-        if CLI_START_TIMED_OUT not in str(exc) or interrupted:
-            raise
-        log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
-    return request_agent(role, session_name, replacing=replacing)
+    tries = max(agent_cli(provider_for(role)).start_tries, 1)
+    for attempt in range(1, tries + 1):
+        try:
+            return request_agent(role, session_name, replacing=replacing)
+        except ApiError as exc:
+            if CLI_START_TIMED_OUT not in str(exc) or interrupted or attempt == tries:
+                raise
+            log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
 
 
 def new_agent_for(role: str, doing: str) -> str:
@@ -5746,15 +5688,8 @@ def check_replaceable(lost: AgentLost) -> bool:
 
 
 def turn_goes_again(roles: Iterable[str]) -> bool:
-    """Whether the prompt in flight goes again, to a new agent of `roles`.
-
-    It went to a terminal that is gone: the new agent has not got it, whatever
-    its status reads (a fresh OpenCode can read `completed`), so it is sent
-    again, not waited for -- unless its reply was taken already (kept in the
-    run's folder by a process that stopped before it saved what the reply led
-    to), or its agent left the reply complete (left_reply()): that turn is
-    over, and its reply is taken, never sent again.
-    """
+    """Whether the prompt in flight goes again, to a new agent of `roles` (whatever its status reads): not when
+    its reply was taken already, or left complete by the gone agent (left_reply())."""
     if in_flight is None or in_flight.role not in roles or taken_reply(in_flight.role) is not None:
         return False
     if left_reply(in_flight.role, response_path(in_flight.role)):
@@ -5765,15 +5700,8 @@ def turn_goes_again(roles: Iterable[str]) -> bool:
 
 
 def replace_lost_agent(lost: AgentLost) -> None:
-    """A new agent for a lost one (REPLACE_LOST_AGENTS=1, or one that died as it started), or the run stops
-    on `lost`.
-
-    A lost agent in a live session gets a new terminal there (same role,
-    profile and provider) and its old one is removed; when the session
-    itself is gone, all five agents are made again in a new session. The new
-    agent has no conversation: its next prompt carries every once-only block
-    in full (they are recorded per terminal). The state records the replacement.
-    """
+    """A new agent for a lost one (REPLACE_LOST_AGENTS=1, or one that died as it started) in its session, all
+    five in a new one when it is gone; else the run stops on `lost`. A new agent gets its whole prompt."""
     session_gone = check_replaceable(lost)
     old_ids = dict(terminal_ids)
     if session_gone:
@@ -8227,15 +8155,9 @@ def report_run_summary(exit_code: int) -> None:
 # ==========================================================================
 # 16. Before a run: --check
 # ==========================================================================
-# `--check [config.json]` looks at all a run needs, in seconds, without creating
-# an agent or spending a token: a line each, ✓ or ✗ with its fix (– for what
-# cannot be looked at from here). PREFLIGHT_CHECKS lists the checks in the order
-# a run meets what they look at. The agents' side -- each CLI as their shells
-# find it, their environment, their homes -- is seen from a probe: a window in
-# the agents' tmux server, started as CAO starts an agent's (cao-server's
-# environment, its working directory), that runs `command -v` and `--version`
-# for each CLI and prints its environment. A CLI's known traps are checks named
-# by its row (`AgentCli.traps`), in TRAP_CHECKS.
+# `--check [config.json]` looks at all a run needs, without creating an agent: a line each, ✓, ✗ with its fix, or –
+# (not looked at from here). The agents' side is seen from a probe: a window in the agents' tmux server, started as
+# CAO starts an agent's. A CLI's known traps are declared in its row (`AgentCli.traps`), looked for by check_trap().
 PROBE_SECONDS = 60.0             # a CLI's first --version may unpack itself (Copilot: 235 MB)
 CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TERM")  # CAO passes these on
 
@@ -8363,9 +8285,7 @@ def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLin
         since = agent_cli(provider).cao_since
         if report is None or provider in report:
             continue
-        if not since:
-            lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
-        elif version and version_tuple(version) < version_tuple(since):
+        if not since or (version and version_tuple(version) < version_tuple(since)):
             lines.append(CheckLine(False, provider_unknown_line(provider, report, version)))
         elif not version:
             lines.append(CheckLine(None, f"provider {provider}: CAO leaves it out of its list and its version "
@@ -8419,101 +8339,56 @@ def check_clis(side: AgentsSide, report: dict[str, tuple[str, bool]] | None) -> 
     return lines
 
 
-def trap_root_without_sandbox(side: AgentsSide) -> CheckLine:
-    if side.uid == 0 and not side.env.get("IS_SANDBOX"):
-        return CheckLine(False, "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses "
-                                "the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
-                                "tmux server with it: stop a running one first)")
-    return CheckLine(True, "Claude Code: " + ("IS_SANDBOX=1 set for root" if side.uid == 0 else "not run as root"))
+def trap_file(trap: Trap, side: AgentsSide) -> Path:
+    """The file a trap looks at: under the agents' home, or in the folder its variable names where they set it."""
+    if trap.folder_env and side.env.get(trap.folder_env):
+        return Path(side.env[trap.folder_env]) / Path(trap.file).name
+    return side.home(trap.file)
 
 
-def _trusted_in_codex(config: Path, folder: Path) -> bool:
-    """Whether Codex's config.toml trusts the folder or one above it ([projects."<path>"] trust_level)."""
+def trap_project() -> Path:
+    """The project folder a trap may name: git's top of WD, else WD."""
+    return Path(git_top(WD) or WD).resolve()
+
+
+def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
+    """Whether the agents' side holds what the trap asks for: its variable set, or its file saying it."""
+    if trap.env:
+        return bool(side.env.get(trap.env))
+    if trap.json_key:
+        value = _json_file(trap_file(trap, side)).get(trap.json_key)
+        return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
     try:
-        text = config.read_text(encoding="utf-8")
+        text = trap_file(trap, side).read_text(encoding="utf-8") + "\n"
     except OSError:
         return False
-    trusted = {Path(match.group(2)) for match in re.finditer(
-        r"""^\[projects\.(["'])(.+?)\1\]\s*\n(?:(?!\[)[^\n]*\n)*?\s*trust_level\s*=\s*["']trusted["']""",
-        text + "\n", re.M)}
-    return any(path == folder or path in folder.parents for path in trusted)
+    pattern = re.compile(trap.pattern, re.MULTILINE)
+    found = list(pattern.finditer(text))
+    if "project" not in pattern.groupindex:
+        return bool(found)
+    project = trap_project()
+    return any(Path(match.group("project")) in (project, *project.parents) for match in found)
 
 
-def codex_config(side: AgentsSide) -> Path:
-    """The agents' Codex config.toml: in CODEX_HOME, else ~/.codex of their home."""
-    return Path(side.env["CODEX_HOME"]) / "config.toml" if side.env.get("CODEX_HOME") else \
-        side.home(".codex", "config.toml")
-
-
-def trap_codex_untrusted(side: AgentsSide) -> CheckLine:
-    top = git_top(WD)
-    folder = Path(top or WD).resolve()
-    config = codex_config(side)
-    if _trusted_in_codex(config, folder):
-        return CheckLine(True, f"Codex trusts the project ({folder})")
-    return CheckLine(False, f"Codex does not trust {folder}: it asks at each agent's start (a minute each, the "
-                            f"first prompt lost); add to {config}: [projects.\"{folder}\"] then "
-                            'trust_level = "trusted"')
-
-
-# Codex 0.169 at a usage limit (a 429 with its rate-limit headers) offers a cheaper model; a bare Enter takes it,
-# and CAO sends one 0.5 s after the prompt's. The offer's "never show again" writes this to config.toml.
-CODEX_NUDGE_HIDDEN = re.compile(r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
-                                r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b", re.M)
-
-
-def trap_codex_model_offer(side: AgentsSide) -> CheckLine:
-    config = codex_config(side)
-    try:
-        text = config.read_text(encoding="utf-8")
-    except OSError:
-        text = ""
-    if CODEX_NUDGE_HIDDEN.search(text + "\n"):
-        return CheckLine(True, "Codex: its offer of another model at a usage limit is turned off")
-    return CheckLine(False, "Codex offers another model at a usage limit, and the second Enter CAO sends with a "
-                            "prompt takes it: the agent goes on with a model nobody chose (the run then stops); "
-                            f"add to {config}: [notice] then hide_rate_limit_model_nudge = true")
-
-
-def trap_copilot_mcp(side: AgentsSide) -> CheckLine:
-    settings = side.home(".copilot", "settings.json")
-    disabled = _json_file(settings).get("disabledMcpServers")
-    if isinstance(disabled, list) and "cao-mcp-server" in disabled:
-        return CheckLine(True, "Copilot CLI: CAO's MCP server disabled")
-    return CheckLine(False, f"Copilot CLI would connect to CAO's MCP server, which it rejects (CAO then reports "
-                            f"its terminal in error): put {{\"disabledMcpServers\": [\"cao-mcp-server\"]}} in "
-                            f"{settings}")
-
-
-def trap_hermes_cpr(side: AgentsSide) -> CheckLine:
-    if side.env.get("PROMPT_TOOLKIT_NO_CPR"):
-        return CheckLine(True, "Hermes: PROMPT_TOOLKIT_NO_CPR set in its agents' environment")
-    return CheckLine(False, "Hermes: PROMPT_TOOLKIT_NO_CPR is not in the agents' environment (a start-up then "
-                            f"hangs now and then): `{tmux_hint('set-environment -g PROMPT_TOOLKIT_NO_CPR 1')}`, "
-                            "or export it before starting cao-server")
-
-
-def trap_opencode_model(side: AgentsSide) -> CheckLine:
-    config = side.home(".aws", "opencode", "opencode.json")
-    if _json_file(config).get("model"):
-        return CheckLine(True, f"OpenCode: its model set in {config}")
-    return CheckLine(False, f"OpenCode: no model in {config} (CAO starts it with that file): add a provider entry "
-                            'and a top-level "model": "<provider>/<model>" (docs/agent-clis.md)')
-
-
-TRAP_CHECKS: dict[str, Callable[[AgentsSide], CheckLine]] = {
-    "root needs IS_SANDBOX": trap_root_without_sandbox,
-    "project trusted": trap_codex_untrusted,
-    "model offer hidden": trap_codex_model_offer,
-    "CAO's MCP server disabled": trap_copilot_mcp,
-    "PROMPT_TOOLKIT_NO_CPR": trap_hermes_cpr,
-    "model file": trap_opencode_model,
-}
+def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
+    """One trap of a CLI's row: ✓ with what was found, else ✗ with its fix."""
+    if trap.root_only and side.uid != 0:
+        return CheckLine(True, f"{cli.label}: not run as root")
+    ok = trap_avoided(trap, side)
+    text = trap.found if ok else trap.fix
+    if "{project}" in text:
+        text = text.replace("{project}", str(trap_project()))
+    if "{file}" in text:
+        text = text.replace("{file}", str(trap_file(trap, side)))
+    if "{tmux}" in text:
+        text = text.replace("{tmux}", tmux_hint("").rstrip())
+    return CheckLine(ok, text)
 
 
 def check_traps(side: AgentsSide) -> list[CheckLine]:
-    """Each CLI's known traps, as its row names them."""
-    return [TRAP_CHECKS[trap](side) for provider in providers_in_use() for trap in agent_cli(provider).traps]
+    """Each CLI's known traps, as its row declares them."""
+    return [check_trap(agent_cli(provider), trap, side) for provider in providers_in_use()
+            for trap in agent_cli(provider).traps]
 
 
 def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[CheckLine], AgentsSide | None]:
@@ -8567,9 +8442,8 @@ def check_ntfy() -> list[CheckLine]:
 
 
 def cost_estimate() -> list[str]:
-    """What a run sends its model at the least, from the figures measured per CLI, and what that costs at
-    MODEL_PRICES where one priced model serves every role (input at its full price: cached input costs less,
-    and output comes on top)."""
+    """What a run sends its model at the least, from the figures measured per CLI, and its cost at MODEL_PRICES
+    where one priced model serves every role (input at its full price)."""
     providers, models = providers_in_use(), {model_for(role) for role in ROLES}
     price = MODEL_PRICES.get(next(iter(models))) if len(models) == 1 else None
     lines = []

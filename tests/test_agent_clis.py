@@ -2,10 +2,13 @@
 row alone. A made-up CLI, added as a row and nothing else, runs a whole FAIL -> PASS loop through the fake CAO:
 its provider is what CAO is asked for, its menu gets the choice its row names, the words its row gives for a
 lost conversation make the next prompt carry the full task, and CAO's ready status, which its row says cannot
-be trusted, does not end its turns."""
+be trusted, does not end its turns; its own reader of running totals gives each turn's tokens, a replacement
+whose start timed out gets the second try its row gives, and --check looks for the trap its row declares. No
+code outside the table names a CLI."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import replace
@@ -24,16 +27,41 @@ MADE_UP_MENU = """\
 """
 
 
+MADE_UP_MODEL_USE = {"input": 1000, "cached_input": 0, "output": 100}   # what each prompt costs the made-up CLI
+
+
 def made_up_row(m):
+    """The made-up CLI, all of it in its row: its screen's words and menu, a set-up trap, records that keep
+    running totals only (read by its own reader), and a second try for a start CAO says timed out."""
+    prompts: dict[str, int] = {}                  # the prompts it has taken, by the turn's marker
+
+    def totals(marker):
+        taken = prompts.get(marker, 0)
+        return {f"session of {marker}": {"made-up-model": m.TokenUse(
+            MADE_UP_MODEL_USE["input"] * taken, 0, MADE_UP_MODEL_USE["output"] * taken)}}
+
+    def totals_now(marker):                       # noted as a turn is first sent; the CLI then takes it
+        before = totals(marker)
+        prompts[marker] = prompts.get(marker, 0) + 1
+        return before
+
+    def read_turn(marker, since, until, before):
+        return None if before is None else m.TokenReading(m.totals_grown(totals(marker), before), over=False)
+
     return m.AgentCli("Made-up CLI", ready_status_trusted=False, still_screen_ends_turn=0.3,
                       conversation_words=(("Memorywiped", "cleared"),),
-                      menus=(("Made-up CLI's upsell", "Not now"),))
+                      menus=(("Made-up CLI's upsell", "Not now"),),
+                      records=m.TokenRecords("made-up running totals", read_turn, totals_now),
+                      program="madeup", start_tries=2,
+                      traps=(m.Trap("Made-up CLI: its key set in {file}",
+                                    'Made-up CLI: no key in {file}: add {"apiKey": "<key>"} to it',
+                                    file=".made-up/settings.json", json_key="apiKey"),))
 
 
 def test_every_row_names_records_and_settings_the_loop_can_read(orch):
     for provider, cli in orch.AGENT_CLIS.items():
         assert cli.label and re.fullmatch(r"[a-z_]+", provider)
-        assert not cli.records or cli.records in orch.RECORD_READERS, provider
+        assert not cli.records or cli.records in orch.RECORD_FORMATS, provider
         assert not cli.compaction_settings or cli.compaction_settings in orch.COMPACTION_READERS, provider
         assert all(what in ("compacted", "cleared") for _, what in cli.conversation_words), provider
 
@@ -103,15 +131,142 @@ def test_a_made_up_cli_that_marks_its_turns_has_each_ended_by_its_mark(load_orch
     assert {ended_by for _, ended_by in ends} == {m.TURN_ENDED_BY_MARK}, ends
 
 
+MADE_UP_TIMEOUT = "Failed to create terminal: Made-up CLI initialization timed out after 120 seconds"
+
+
+def kill_cli_and_time_out_its_next_start(fake, terminal) -> None:
+    """The made-up CLI dies; CAO says the new agent's first start timed out, and its second starts."""
+    fake.fail_create[terminal.profile] = (500, MADE_UP_TIMEOUT)
+
+    def on_create(created: str) -> None:
+        if created == terminal.profile:
+            fake.create_hook = lambda created: fake.fail_create.pop(created, None)
+    fake.create_hook = on_create
+    fake.kill_cli(terminal.role)
+
+
+def test_a_made_up_cli_s_records_and_start_tries_come_from_its_row(load_orch, fake_cao, prompt_file, tmp_path,
+                                                                   monkeypatch, capsys):
+    """The same row, FAIL -> PASS: each turn's tokens are what its reader made of the totals noted at the
+    turn's first send and those read after; the tester's CLI dies in round 2 and CAO says its replacement's
+    start timed out: the row's second try starts it, and the turn goes to it."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli", IGNORE_MISSING_CLI="1",
+                  REPLACE_LOST_AGENTS="1", AGENT_HOME=str(tmp_path), **PROGRAMMER_ON)   # its records read here
+    monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", made_up_row(m))
+    monkeypatch.setattr(m, "TOKENS_SETTLE_SECONDS", 0.0)    # its records never say a turn is over
+    monkeypatch.setattr(m, "LIVENESS_CHECK_SECONDS", 0.05)
+    fake_cao.script["tester"] = [FAIL_REPLY, {"action": "call", "call": kill_cli_and_time_out_its_next_start},
+                                 PASS_REPLY]
+    assert run_main(m) == 0
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "PASS" and state["current_round"] == 2
+    assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500, 201]
+    assert "tester: the new agent's CLI did not start within CAO's time limit" in capsys.readouterr().out
+    turns = state["turn_records"]
+    assert len(turns) == 6 and all(turn["tokens_final"] for turn in turns)
+    assert [turn["tokens"] for turn in turns] == [{**MADE_UP_MODEL_USE, "by_model": {"made-up-model":
+                                                                                     MADE_UP_MODEL_USE}}] * 6
+
+
+def test_check_reports_a_made_up_cli_s_trap_from_its_row(load_orch, fake_cao, prompt_file, tmp_path, monkeypatch,
+                                                         capsys):
+    """--check looks for the trap the row declares, on what the probe saw of the agents' side: ✗ with its fix,
+    then ✓ once the agents' home holds what it asks for."""
+    home = tmp_path / "agents-home"
+    home.mkdir()
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli")
+    monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", made_up_row(m))
+    fake_cao.providers_status = 404                 # a server that does not list its providers
+    side = m.AgentsSide({"HOME": str(home)}, 1000, {"madeup": ("/usr/local/bin/madeup", "madeup 1.0.0")})
+    monkeypatch.setattr(m, "local_server", lambda: m.LocalServer(0, 1000, {}))
+    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs: side if programs == ["madeup"] else "?")
+    settings = home / ".made-up" / "settings.json"
+    assert run_main(m, "--check") == 1
+    out = capsys.readouterr().out
+    assert f'✗ Made-up CLI: no key in {settings}: add {{"apiKey": "<key>"}} to it' in out.splitlines(), out
+    settings.parent.mkdir()
+    settings.write_text('{"apiKey": "k"}', encoding="utf-8")
+    assert run_main(m, "--check") == 0
+    assert f"✓ Made-up CLI: its key set in {settings}" in capsys.readouterr().out.splitlines()
+
+
 def test_no_provider_is_named_outside_the_table(orch):
     """What docs/code-map.md's awk command checks: outside the table, no line of the script quotes a provider."""
     lines = Path(orch.__file__).read_text(encoding="utf-8").splitlines()
-    start = lines.index(next(line for line in lines if line.startswith("# -- The agent CLIs")))
-    end = lines.index(next(line for line in lines if line.startswith("DEFAULT_PROVIDER = ")))
+    start, end = _table_lines(lines)
     quoted = re.compile("|".join(f'"{re.escape(provider)}"' for provider in orch.AGENT_CLIS))
     outside = [f"{number}: {line}" for number, line in enumerate(lines, 1)
-               if not start < number <= end + 1 and quoted.search(line)]
+               if not start < number <= end and quoted.search(line)]
     assert outside == []
+
+
+def _table_lines(lines: list[str]) -> tuple[int, int]:
+    """The lines of the table of agent CLIs: from its heading to DEFAULT_PROVIDER's line."""
+    start = lines.index(next(line for line in lines if line.startswith("# -- The agent CLIs")))
+    return start, lines.index(next(line for line in lines if line.startswith("DEFAULT_PROVIDER = "))) + 1
+
+
+# Texts for people that name a CLI as an example, and the old state file's name: none changes what the loop does.
+FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5", "(Claude Code: autoCompactWindow, Codex: model_auto_compact_token_limit)",
+              "codex-3agents-loop-state.json", "(CAO reads Codex busy)")
+
+
+def _formats_code(lines: list[str], top: dict) -> set[str]:
+    """The definitions of section 5 the rows reach by the names of their formats: the readers RECORD_FORMATS
+    and COMPACTION_READERS bind, and all of section 5 they use."""
+    first = lines.index("# 5. Tokens used: the CLIs' own records")
+    last = next(number for number, line in enumerate(lines) if number > first and re.match(r"# 6\. ", line))
+    reached, todo = set(), ["RECORD_FORMATS", "COMPACTION_READERS"]
+    while todo:
+        name = todo.pop()
+        if name in top and name not in reached and first < top[name].lineno <= last:
+            reached.add(name)
+            todo += [node.id for node in ast.walk(top[name]) if isinstance(node, ast.Name)]
+    return reached
+
+
+def _naming(orch) -> re.Pattern:
+    """A CLI named in code: its provider id, program or label (or what CAO calls it) as a word."""
+    names = {name for provider, cli in orch.AGENT_CLIS.items() if provider != orch.SCRIPTED_PROVIDER
+             for name in (provider, cli.program, cli.label, cli.cao_name) if name}
+    return re.compile(r"(?<![A-Za-z])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+                      + r")(?![A-Za-z])", re.IGNORECASE)
+
+
+def test_a_cli_s_behaviour_lives_in_its_row(orch):
+    """Outside the table, no code (its comments and docstrings aside) names a CLI -- by its provider, program or
+    label, in a string or a name -- but the readers of the record and settings formats the rows name; and
+    each row's formats are bound there, each bound format named by a row."""
+    source = Path(orch.__file__).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    top = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", node)]
+        top.update({getattr(target, "id", getattr(target, "name", "")): node for target in targets})
+    allowed, naming = _formats_code(source.splitlines(), top), _naming(orch)
+    start, end = _table_lines(source.splitlines())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for statement in tree.body:
+        if start < statement.lineno <= end or any(top.get(name) is statement for name in allowed):
+            continue
+        for node in ast.walk(statement):
+            text = (node.value if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docstrings else
+                    node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else
+                    getattr(node, "name", None) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None)
+            for example in FOR_PEOPLE:
+                text = text.replace(example, "") if isinstance(text, str) else text
+            if isinstance(text, str) and naming.search(text.replace("_", " ")):
+                found.append(f"{node.lineno}: {text[:80]!r}")
+    assert found == []
+    named = {cli.records for cli in orch.AGENT_CLIS.values() if isinstance(cli.records, str) and cli.records}
+    assert named == set(orch.RECORD_FORMATS) and all(records.name == name
+                                                     for name, records in orch.RECORD_FORMATS.items())
+    settings = {cli.compaction_settings for cli in orch.AGENT_CLIS.values() if isinstance(cli.compaction_settings, str)}
+    assert settings - {""} == set(orch.COMPACTION_READERS)
 
 
 def test_the_versions_a_row_says_are_proven_are_those_the_end_to_end_suite_runs(orch):

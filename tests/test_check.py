@@ -89,8 +89,14 @@ def test_a_server_on_another_machine_gets_a_plain_tmux_hint_and_no_probe(load_or
 # -- each trap alone: found with its fix, passed once fixed ----------------------------
 
 
+def trap_of(orch, provider: str, index: int = 0):
+    """The check of a trap the provider's row declares, as --check runs it on what the probe saw."""
+    cli = orch.AGENT_CLIS[provider]
+    return lambda side: orch.check_trap(cli, cli.traps[index], side)
+
+
 def test_claude_code_as_root_needs_is_sandbox(orch, tmp_path):
-    trap = orch.TRAP_CHECKS["root needs IS_SANDBOX"]
+    trap = trap_of(orch, "claude_code")
     found = trap(_side(orch, tmp_path, uid=0))
     assert found.ok is False and "IS_SANDBOX=1 cao-server" in found.text
     assert trap(_side(orch, tmp_path, uid=0, IS_SANDBOX="1")).ok is True
@@ -98,7 +104,7 @@ def test_claude_code_as_root_needs_is_sandbox(orch, tmp_path):
 
 
 def test_codex_needs_the_project_trusted(orch, tmp_path, workdir):
-    trap = orch.TRAP_CHECKS["project trusted"]
+    trap = trap_of(orch, "codex")
     side = _side(orch, tmp_path)
     found = trap(side)
     assert found.ok is False and f'[projects."{workdir.resolve()}"]' in found.text and "trust_level" in found.text
@@ -117,13 +123,12 @@ def test_codex_home_moves_its_config(orch, tmp_path, workdir):
     codex_home.mkdir()
     (codex_home / "config.toml").write_text(f'[projects."{workdir.resolve()}"]\ntrust_level = "trusted"\n',
                                             encoding="utf-8")
-    assert orch.TRAP_CHECKS["project trusted"](_side(orch, tmp_path, CODEX_HOME=str(codex_home))).ok is True
+    assert trap_of(orch, "codex")(_side(orch, tmp_path, CODEX_HOME=str(codex_home))).ok is True
 
 
 def test_codex_needs_its_offer_of_another_model_at_a_usage_limit_turned_off(orch, tmp_path):
     """Else CAO's second Enter takes Codex's offer and the agent goes on with a model nobody chose."""
-    trap = orch.TRAP_CHECKS["model offer hidden"]
-    assert "model offer hidden" in orch.AGENT_CLIS["codex"].traps
+    trap = trap_of(orch, "codex", 1)
     side = _side(orch, tmp_path)
     config = Path(side.env["HOME"]) / ".codex" / "config.toml"
     found = trap(side)
@@ -145,7 +150,7 @@ def test_codex_needs_its_offer_of_another_model_at_a_usage_limit_turned_off(orch
 
 
 def test_copilot_needs_cao_s_mcp_server_disabled(orch, tmp_path):
-    trap = orch.TRAP_CHECKS["CAO's MCP server disabled"]
+    trap = trap_of(orch, "copilot_cli")
     side = _side(orch, tmp_path)
     found = trap(side)
     assert found.ok is False and '{"disabledMcpServers": ["cao-mcp-server"]}' in found.text
@@ -156,14 +161,14 @@ def test_copilot_needs_cao_s_mcp_server_disabled(orch, tmp_path):
 
 
 def test_hermes_needs_prompt_toolkit_no_cpr(orch, tmp_path):
-    trap = orch.TRAP_CHECKS["PROMPT_TOOLKIT_NO_CPR"]
+    trap = trap_of(orch, "hermes")
     found = trap(_side(orch, tmp_path))
     assert found.ok is False and "set-environment -g PROMPT_TOOLKIT_NO_CPR 1" in found.text
     assert trap(_side(orch, tmp_path, PROMPT_TOOLKIT_NO_CPR="1")).ok is True
 
 
 def test_opencode_needs_its_model_in_cao_s_config_file(orch, tmp_path):
-    trap = orch.TRAP_CHECKS["model file"]
+    trap = trap_of(orch, "opencode_cli")
     side = _side(orch, tmp_path)
     assert trap(side).ok is False
     config = Path(side.env["HOME"]) / ".aws" / "opencode" / "opencode.json"
@@ -172,9 +177,13 @@ def test_opencode_needs_its_model_in_cao_s_config_file(orch, tmp_path):
     assert trap(side).ok is True
 
 
-def test_every_trap_a_row_names_is_a_check(orch):
-    named = {trap for cli in orch.AGENT_CLIS.values() for trap in cli.traps}
-    assert named == set(orch.TRAP_CHECKS)
+def test_every_trap_a_row_declares_says_what_to_look_at_and_what_to_tell(orch):
+    traps = [trap for cli in orch.AGENT_CLIS.values() for trap in cli.traps]
+    assert len(traps) == 6
+    for trap in traps:
+        assert trap.found and trap.fix and bool(trap.env) != bool(trap.file), trap
+        assert not trap.file or bool(trap.pattern) != bool(trap.json_key), trap
+        assert not trap.env_value or trap.env, trap
 
 
 def test_a_cli_the_agents_shells_do_not_find_is_said_with_where_it_is_here(orch, tmp_path, monkeypatch):

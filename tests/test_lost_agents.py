@@ -178,9 +178,11 @@ def kill_cli_and_fail_its_next_starts(times: int):
 
 
 def test_a_replacement_whose_cli_did_not_start_in_time_is_started_once_more(run, fake_cao, capsys):
-    """CAO can fail a start-up whose CLI came up (a Hermes at its idle prompt): the new agent gets a second try."""
+    """CAO can fail a start-up whose CLI came up (a Hermes at its idle prompt): the new agent gets the second try
+    its row gives it."""
     fake_cao.script["tester"] = [{"action": "call", "call": kill_cli_and_fail_its_next_starts(1)}, PASS_REPLY]
-    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1", TESTER_PROVIDER="hermes")
+    assert m.AGENT_CLIS["hermes"].start_tries == 2
     assert run_main(m) == 0
     assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500, 201]
     out = capsys.readouterr().out
@@ -192,10 +194,19 @@ def test_a_replacement_whose_cli_did_not_start_in_time_is_started_once_more(run,
 
 def test_a_replacement_whose_cli_did_not_start_in_time_twice_stops_the_run(run, fake_cao, capsys):
     fake_cao.script["tester"] = [{"action": "call", "call": kill_cli_and_fail_its_next_starts(2)}, PASS_REPLY]
-    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1", TESTER_PROVIDER="hermes")
     assert run_main(m) == 3
     assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500, 500]
     assert "Hermes initialization timed out" in capsys.readouterr().err
+
+
+def test_a_replacement_of_a_cli_whose_row_gives_one_try_is_not_started_again(run, fake_cao, capsys):
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli_and_fail_its_next_starts(1)}, PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    assert m.agent_cli(m.provider_for("tester")).start_tries == 1
+    assert run_main(m) == 3
+    assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500]
+    assert "starting it again" not in capsys.readouterr().out
 
 
 def test_a_vanished_session_gets_five_new_agents_as_one_replacement(run, fake_cao, capsys):

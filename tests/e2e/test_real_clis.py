@@ -113,7 +113,7 @@ ANALYST_IN_TWO_WRITES = {"action": "write_twice", "draft": "DRAFT: not the answe
                          "rewrite_after_ms": 2000}
 
 
-# The CLIs whose records of tokens used the loop reads (their rows name a format in RECORD_READERS).
+# The CLIs whose records of tokens used the loop reads (their rows name a format in RECORD_FORMATS).
 TOKENS_READ = ("claude_code", "codex", "opencode_cli", "copilot_cli", "hermes")
 
 
