@@ -1288,6 +1288,9 @@ def profile_for(role: str) -> str:
 # 2. CAO API client
 # ==========================================================================
 
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")    # this machine: a server there is looked at here
+
+
 class ApiError(RuntimeError):
     """A CAO call that failed. `retryable`: the server may answer if asked again (down, slow, 5xx); `unsent`: the
     request never left this machine, so repeating it is harmless."""
@@ -1975,6 +1978,21 @@ def server_answers(url: str) -> bool:
 # ==========================================================================
 # 3. Run state: the state file and its lock
 # ==========================================================================
+
+def utc_iso(timestamp: float | None = None, precise: bool = False) -> str:
+    """'2026-11-24T15:04:05Z' (precise: '2026-11-24T15:04:05.123Z'): how the state file and the run
+    summary write a time; turns are timed to the millisecond, so short ones still show on the timeline."""
+    moment = datetime.fromtimestamp(time.time() if timestamp is None else timestamp, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S") + (f".{moment.microsecond // 1000:03d}" if precise else "") + "Z"
+
+
+def parse_utc_iso(text: str) -> datetime | None:
+    """A time as utc_iso() writes it, read back (None for anything else): the one reader of those times."""
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except (ValueError, AttributeError):
+        return None
+
 # What a run remembers is declared once, in STATE_FIELDS; each field is a module global (the specs fix several
 # names), changed only by update_run() and the doors beside it.
 
@@ -2186,6 +2204,24 @@ def tokens_from_json(raw: object) -> dict[str, TokenUse] | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("by_model"), dict):
         return None
     found = {model: TokenUse.from_json(use) for model, use in raw["by_model"].items() if isinstance(model, str)}
+    return None if None in found.values() else found
+
+
+# A CLI that keeps running totals only (its records' `totals_now`): a turn's tokens are the totals less those
+# noted at its first send (InFlight.tokens_before).
+RunningTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
+
+
+def tokens_before_json(before: RunningTotals | None) -> dict | None:
+    """The running totals noted at a turn's send, as the state file keeps them."""
+    return None if before is None else {session: tokens_json(models) for session, models in before.items()}
+
+
+def tokens_before_from_json(raw: object) -> RunningTotals | None:
+    """tokens_before_json() read back; None for anything else (the turn's tokens are then unknown)."""
+    if not isinstance(raw, dict):
+        return None
+    found = {session: tokens_from_json(models) for session, models in raw.items() if isinstance(session, str)}
     return None if None in found.values() else found
 
 
@@ -2973,21 +3009,6 @@ def read_reply_file(path: Path) -> str:
         return path.read_text(encoding="utf-8", errors="replace").strip()
     except (FileNotFoundError, IsADirectoryError):
         return ""
-
-
-def utc_iso(timestamp: float | None = None, precise: bool = False) -> str:
-    """'2026-11-24T15:04:05Z' (precise: '2026-11-24T15:04:05.123Z'): how the state file and the run
-    summary write a time; turns are timed to the millisecond, so short ones still show on the timeline."""
-    moment = datetime.fromtimestamp(time.time() if timestamp is None else timestamp, timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S") + (f".{moment.microsecond // 1000:03d}" if precise else "") + "Z"
-
-
-def parse_utc_iso(text: str) -> datetime | None:
-    """A time as utc_iso() writes it, read back (None for anything else): the one reader of those times."""
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except (ValueError, AttributeError):
-        return None
 
 
 def prompt_file_path(role: str, number: int) -> Path:
@@ -3869,11 +3890,6 @@ def opencode_usage(db_path: str | Path, directories: str | Iterable[str], marker
     return responses.reading(pending)
 
 
-# A CLI that keeps running totals only (its records' `totals_now`): a turn's tokens are the totals less those
-# noted at its first send (InFlight.tokens_before).
-RunningTotals = dict[str, dict[str, TokenUse]]     # session id -> model -> the session's running totals
-
-
 @dataclass(frozen=True)
 class HermesRecord:
     """What Hermes's state.db says of the sessions that name a turn's marker."""
@@ -3941,21 +3957,7 @@ def hermes_usage(record: HermesRecord, before: RunningTotals) -> TokenReading | 
     return TokenReading(used, over, ended_at=record.last_answer if over else None, model=model)
 
 
-def tokens_before_json(before: RunningTotals | None) -> dict | None:
-    """The running totals noted at a turn's send, as the state file keeps them."""
-    return None if before is None else {session: tokens_json(models) for session, models in before.items()}
-
-
-def tokens_before_from_json(raw: object) -> RunningTotals | None:
-    """tokens_before_json() read back; None for anything else (the turn's tokens are then unknown)."""
-    if not isinstance(raw, dict):
-        return None
-    found = {session: tokens_from_json(models) for session, models in raw.items() if isinstance(session, str)}
-    return None if None in found.values() else found
-
-
 # -- Where the records are: in the agents' home (AGENT_HOME, else this process's, where a CLI's own variable moves them)
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 RECORD_SLACK_SECONDS = 2.0      # a file's modification time may be coarse; only files touched since count
 
 

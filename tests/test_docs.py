@@ -195,11 +195,7 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(page: Path):
 # reference points upward (the module docstring says so). {name used: (the top-level users, why)}
 FORWARD_REFERENCES = {
     "token_records_readable": (("check_budget_settings",), "a token budget needs the CLIs' records (5) readable"),
-    "LOCAL_HOSTS": (("agents_tmux_socket", "cao_hint", "local_server"), "kept with the record readers (5)"),
-    "tokens_before_json": (("InFlight", "TurnRecord"), "a turn's tokens before it, as section 5 writes them"),
-    "tokens_before_from_json": (("InFlight", "TurnRecord"), "read back by section 5's own reader"),
     "record_event": (("note_turn_outcome",), "a turn's outcome goes into the run record (4)"),
-    "utc_iso": (("save_state",), "the run record's clock (4) stamps the state too"),
     "extract_test_evidence": (("_outcome",), "the run's page shows the tester's evidence (10)"),
     "tokens_not_counted": (("_tokens_figure", "_tokens_section"), "the page says why no tokens are known (15)"),
     "sent_turn_facts": (("_unanswered_turn",), "the page describes the prompt still unanswered (8)"),
