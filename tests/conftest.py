@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import signal
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -288,10 +290,58 @@ _MODULE_CODE = compile(Path(run_orchestrator_loop.__file__).read_text(encoding="
                        run_orchestrator_loop.__file__, "exec", dont_inherit=True)
 
 
+# Most of that run is dataclasses.dataclass writing and compiling each class's __init__, __eq__, __repr__ ...
+# anew. A class whose body comes out the same as in an earlier import (the same code, defaults and annotations)
+# is that earlier class: its methods read the module's globals when called, so they see this import's.
+# A body that differs (a default read from the environment, say) makes a class of its own, as before.
+_make_dataclass = dataclasses.dataclass
+_dataclasses_made: dict = {}
+
+
+def _same_value(value):
+    """What decides whether a class body's value is the same in two imports: functions by their code and
+    defaults, dataclass fields by their settings, other values by equality (or identity, when unhashable)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        return type(value), _same_value(value.__func__)
+    if isinstance(value, property):
+        return property, tuple(_same_value(f) for f in (value.fget, value.fset, value.fdel))
+    if isinstance(value, types.FunctionType):
+        return (value.__code__, _same_value(value.__defaults__), _same_value(value.__kwdefaults__),
+                value.__closure__ is None)
+    if isinstance(value, dataclasses.Field):
+        return dataclasses.Field, tuple(_same_value(getattr(value, name)) for name in dataclasses.Field.__slots__
+                                        if name not in ("name", "type", "_field_type"))
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_same_value(item) for item in value)
+    if isinstance(value, dict):
+        return dict, tuple((key, _same_value(item)) for key, item in value.items())
+    try:
+        hash(value)
+    except TypeError:
+        return id(value)
+    return type(value), value
+
+
+def _dataclass_once(cls=None, /, **options):
+    """dataclasses.dataclass, which gives back the class an earlier import made of the same body."""
+    def make(cls):
+        body = tuple((name, _same_value(value)) for name, value in vars(cls).items()
+                     if name not in ("__dict__", "__weakref__"))
+        key = (cls.__module__, cls.__qualname__, tuple(sorted(options.items())), body)
+        if key not in _dataclasses_made:
+            _dataclasses_made[key] = _make_dataclass(cls, **options)
+        return _dataclasses_made[key]
+    return make if cls is None else make(cls)
+
+
 def fresh_module():
     """The module imported afresh: its top level run again, every global back at what it reads from the
     environment now."""
-    exec(_MODULE_CODE, run_orchestrator_loop.__dict__)
+    dataclasses.dataclass = _dataclass_once
+    try:
+        exec(_MODULE_CODE, run_orchestrator_loop.__dict__)
+    finally:
+        dataclasses.dataclass = _make_dataclass
     return run_orchestrator_loop
 
 
