@@ -58,6 +58,19 @@ def pytest_addoption(parser):
                           "CLIs, npm installs on first use); without it only the fast tier runs")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """pytest rewrites the asserts of every test module it imports, in each process of the run (a few
+    seconds of CPU apiece), and keeps what it made in __pycache__ for the next run -- unless bytecode is
+    not to be written (PYTHONDONTWRITEBYTECODE): while the tests are collected, it is kept all the same."""
+    dont_write = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = dont_write
+
+
 def _fast_tier_only(config) -> bool:
     """A plain run (no --full, no -m, no paths named) is the fast tier: what needs no server or CLI."""
     return not (config.getoption("--full") or config.getoption("markexpr") or config.option.file_or_dir)
