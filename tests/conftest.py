@@ -358,6 +358,15 @@ def fresh_module():
     return run_orchestrator_loop
 
 
+@pytest.fixture(autouse=True)
+def no_waits_for_the_disk(monkeypatch):
+    """os.fsync returns at once in a test: the files are written all the same, and what it guards against --
+    a machine that loses power before its disk has the data -- no test here brings about, while each call
+    waits for the disk (the loop syncs its state and folders after every step: thousands of waits a run
+    of the suite)."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
 @pytest.fixture
 def load_orch(monkeypatch, workdir):
     """Import the module afresh under a given environment, as a new process would.
