@@ -367,6 +367,23 @@ def no_waits_for_the_disk(monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: None)
 
 
+# Each run looks for misspelt settings among the environment's names (difflib against every setting, some
+# milliseconds); a test's environment is mostly the one the tests before it had. The answer depends on those
+# names and the settings alone, so the same question is answered once per process.
+_misspelt_settings_answers: dict = {}
+
+
+def _misspelt_settings_remembered(misspelt_settings):
+    def remembered(environ):
+        module = run_orchestrator_loop
+        known = tuple(setting.env for setting in module.SETTINGS) + tuple(module.SECRET_VARIABLES)
+        question = (known, tuple(sorted(environ)))
+        if question not in _misspelt_settings_answers:
+            _misspelt_settings_answers[question] = misspelt_settings(environ)
+        return list(_misspelt_settings_answers[question])
+    return remembered
+
+
 @pytest.fixture
 def load_orch(monkeypatch, workdir):
     """Import the module afresh under a given environment, as a new process would.
@@ -386,6 +403,7 @@ def load_orch(monkeypatch, workdir):
             else:
                 monkeypatch.setenv(name, str(value))
         module = fresh_module()
+        module.misspelt_settings = _misspelt_settings_remembered(module.misspelt_settings)
         # In-process runs take many turns: a reply file settles at once here.
         # The settle rule itself is tested with the real value (test_turn_completion.py).
         module.FILE_SETTLE_SECONDS = FAST_FILE_SETTLE_SECONDS
