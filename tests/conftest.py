@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -21,6 +22,14 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+# The module's code, compiled once: the first import runs it, and so does each test's fresh import (below),
+# as importlib.reload would, without compiling the source anew (no .pyc is kept where bytecode is not written).
+_MODULE_PATH = ROOT / "run_orchestrator_loop.py"
+_MODULE_CODE = compile(_MODULE_PATH.read_text(encoding="utf-8"), str(_MODULE_PATH), "exec", dont_inherit=True)
+if "run_orchestrator_loop" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("run_orchestrator_loop", _MODULE_PATH)
+    sys.modules["run_orchestrator_loop"] = importlib.util.module_from_spec(_spec)
+    exec(_MODULE_CODE, sys.modules["run_orchestrator_loop"].__dict__)
 import run_orchestrator_loop  # noqa: E402
 
 # httpx makes a new SSL context for each client it builds, reading the system's CA certificates (~70 ms of CPU),
@@ -295,12 +304,6 @@ def workdir(tmp_path: Path) -> Path:
     wd = tmp_path / "project"
     wd.mkdir()
     return wd
-
-
-# The module's code, compiled once: a fresh import runs it again in the module's namespace, as
-# importlib.reload does, without compiling the source anew for each of several hundred tests.
-_MODULE_CODE = compile(Path(run_orchestrator_loop.__file__).read_text(encoding="utf-8"),
-                       run_orchestrator_loop.__file__, "exec", dont_inherit=True)
 
 
 # Most of that run is dataclasses.dataclass writing and compiling each class's __init__, __eq__, __repr__ ...
