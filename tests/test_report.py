@@ -60,29 +60,6 @@ CHROMIUM_OPTIONS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-ba
                     "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage")
 
 
-def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Headless Chromium with a profile of its own, nothing fetched for itself; all of its processes are
-    ended if it has not finished within `timeout` (then the test fails)."""
-    command = need_chromium()
-    with tempfile.TemporaryDirectory(prefix="report-chromium-") as profile:
-        process = subprocess.Popen(
-            [command, *CHROMIUM_OPTIONS, f"--user-data-dir={profile}", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out, err = None, None
-        finally:
-            try:                                # what is left of it: renderers, or all of it after a timeout
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if out is None:
-            process.communicate()
-            pytest.fail(f"chromium did not finish within {timeout} s", pytrace=False)
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
 class Browser:
     """One headless Chromium kept open for the tests that look at pages, driven over the DevTools protocol
     on a pipe (--remote-debugging-pipe: commands in on its fd 3, answers out on its fd 4, each a JSON
@@ -147,9 +124,9 @@ class Browser:
                 return message["result"]
             self.pending.append(message)
 
-    def event(self, method: str, session: str) -> dict:
+    def event(self, method: str, session: str, timeout: float | None = None) -> dict:
         """Wait for an event of a tab."""
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             for message in self.pending:
                 if message.get("method") == method and message.get("sessionId") == session:
@@ -177,8 +154,29 @@ class Browser:
     def dom(self, url: str, width: int = 800, height: int = 600) -> str:
         """The page's markup once it has loaded and run its scripts, as `chromium --dump-dom` prints it."""
         with self.page(url, width, height) as session:
-            return self.call("Runtime.evaluate", session, expression="document.documentElement.outerHTML",
-                             returnByValue=True)["result"]["value"]
+            return self.markup(session)
+
+    def markup(self, session: str) -> str:
+        return self.call("Runtime.evaluate", session, expression="document.documentElement.outerHTML",
+                         returnByValue=True)["result"]["value"]
+
+    def dom_after(self, url: str, milliseconds: int) -> str:
+        """The markup of the page a tab shows once `milliseconds` have passed on its clock from opening `url`
+        (virtual time, as --virtual-time-budget gives it: it runs on while nothing is being fetched, so a
+        page's timers -- a reload -- come in well under a real second)."""
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        try:
+            self.call("Emulation.setVirtualTimePolicy", session, policy="pause")
+            self.call("Page.navigate", session, url=url)
+            self.call("Emulation.setVirtualTimePolicy", session, policy="pauseIfNetworkFetchesPending",
+                      budget=milliseconds)
+            self.event("Emulation.virtualTimeBudgetExpired", session, timeout=60)   # a page that kept
+            #                                                         reloading would never let it expire
+            return self.markup(session)
+        finally:
+            self.call("Target.closeTarget", targetId=target)
+            self.pending = [m for m in self.pending if m.get("sessionId") != session]
 
     def screenshot(self, url: str, path: Path, width: int, height: int) -> None:
         """What the tab of that size shows of the loaded page, as a PNG file (scroll bars hidden)."""
@@ -728,17 +726,15 @@ class PageServer:
         self.http.server_close()
 
 
-def load_in_virtual_time(versions: list[str], seconds: int = 60) -> tuple[int, Dom]:
+def load_in_virtual_time(browser: Browser, versions: list[str], seconds: int = 60) -> tuple[int, Dom]:
     """Open the page in Chromium and let `seconds` pass on the page's clock (in well under a real second):
-    how many times it was loaded, and the page it ended on. A page that kept reloading would never let
-    Chromium finish."""
+    how many times it was loaded, and the page it ended on."""
     server = PageServer(versions)
     try:
-        dumped = chromium(f"--virtual-time-budget={seconds * 1000}", "--dump-dom", server.url, timeout=60)
-        assert dumped.returncode == 0, dumped.stderr[-2000:]
+        markup = browser.dom_after(server.url, seconds * 1000)
     finally:
         server.close()
-    return server.requests, Dom(dumped.stdout)
+    return server.requests, Dom(markup)
 
 
 READER = """
@@ -746,21 +742,21 @@ document.getElementById("turn-2").open = true;      // a reader opens a turn whi
 """
 
 
-def test_a_page_of_a_run_still_going_reloads_itself_until_the_run_has_ended(orch, mid_run):
+def test_a_page_of_a_run_still_going_reloads_itself_until_the_run_has_ended(browser, orch, mid_run):
     folder, snapshot = mid_run
     assert Dom(snapshot).one("body").attrs["data-reload-seconds"] == str(orch.REPORT_RELOAD_SECONDS)
     final = (folder / "report.html").read_text(encoding="utf-8")
     # The page as the run went on: still going, still going, then ended.
-    loads, dom = load_in_virtual_time([with_probe(snapshot, READER), snapshot, final])
+    loads, dom = load_in_virtual_time(browser, [with_probe(snapshot, READER), snapshot, final])
     assert loads == 3
     assert dom.one("p", class_="result").attrs["data-result"] == "PASS"
     assert [d.attrs["id"] for d in dom.find_all("details") if "open" in d.attrs] == ["turn-2"]   # kept open
 
 
-def test_a_finished_or_stopped_page_does_not_reload(passed_run, interrupted_run):
+def test_a_finished_or_stopped_page_does_not_reload(browser, passed_run, interrupted_run):
     for folder in (passed_run, interrupted_run):
         page = (folder / "report.html").read_text(encoding="utf-8")
-        loads, dom = load_in_virtual_time([page, page.replace("<body", "<body data-reloaded")])
+        loads, dom = load_in_virtual_time(browser, [page, page.replace("<body", "<body data-reloaded")])
         assert loads == 1, folder
         assert "data-reloaded" not in dom.one("body").attrs
 
