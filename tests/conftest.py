@@ -362,12 +362,13 @@ def fresh_module():
 
 
 @pytest.fixture(autouse=True)
-def no_waits_for_the_disk(monkeypatch):
-    """os.fsync returns at once in a test: the files are written all the same, and what it guards against --
-    a machine that loses power before its disk has the data -- no test here brings about, while each call
-    waits for the disk (the loop syncs its state and folders after every step: thousands of waits a run
-    of the suite)."""
-    monkeypatch.setattr(os, "fsync", lambda fd: None)
+def no_waits_for_the_disk(request, monkeypatch):
+    """os.fsync returns at once in a unit test: the files are written all the same, and what it guards
+    against -- a machine that loses power before its disk has the data -- no unit test brings about, while
+    each call waits for the disk (the loop syncs its state and folders after every step: thousands of
+    waits a run of the suite). The end-to-end tests keep it."""
+    if not request.node.get_closest_marker("e2e"):
+        monkeypatch.setattr(os, "fsync", lambda fd: None)
 
 
 # Each run looks for misspelt settings among the environment's names (difflib against every setting, some
