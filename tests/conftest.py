@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import importlib.util
 import json
 import os
 import signal
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,14 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+# The module's code, compiled once: the first import runs it, and so does each test's fresh import (below),
+# as importlib.reload would, without compiling the source anew (no .pyc is kept where bytecode is not written).
+_MODULE_PATH = ROOT / "run_orchestrator_loop.py"
+_MODULE_CODE = compile(_MODULE_PATH.read_text(encoding="utf-8"), str(_MODULE_PATH), "exec", dont_inherit=True)
+if "run_orchestrator_loop" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("run_orchestrator_loop", _MODULE_PATH)
+    sys.modules["run_orchestrator_loop"] = importlib.util.module_from_spec(_spec)
+    exec(_MODULE_CODE, sys.modules["run_orchestrator_loop"].__dict__)
 import run_orchestrator_loop  # noqa: E402
 
 # httpx makes a new SSL context for each client it builds, reading the system's CA certificates (~70 ms of CPU),
@@ -54,6 +65,19 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="run the whole suite: also the end-to-end tests (a real cao-server, the real agent "
                           "CLIs, npm installs on first use); without it only the fast tier runs")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """pytest rewrites the asserts of every test module it imports, in each process of the run (a few
+    seconds of CPU apiece), and keeps what it made in __pycache__ for the next run -- unless bytecode is
+    not to be written (PYTHONDONTWRITEBYTECODE): while the tests are collected, it is kept all the same."""
+    dont_write = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = dont_write
 
 
 def _fast_tier_only(config) -> bool:
@@ -282,17 +306,86 @@ def workdir(tmp_path: Path) -> Path:
     return wd
 
 
-# The module's code, compiled once: a fresh import runs it again in the module's namespace, as
-# importlib.reload does, without compiling the source anew for each of several hundred tests.
-_MODULE_CODE = compile(Path(run_orchestrator_loop.__file__).read_text(encoding="utf-8"),
-                       run_orchestrator_loop.__file__, "exec", dont_inherit=True)
+# Most of that run is dataclasses.dataclass writing and compiling each class's __init__, __eq__, __repr__ ...
+# anew. A class whose body comes out the same as in an earlier import (the same code, defaults and annotations)
+# is that earlier class: its methods read the module's globals when called, so they see this import's.
+# A body that differs (a default read from the environment, say) makes a class of its own, as before.
+_make_dataclass = dataclasses.dataclass
+_dataclasses_made: dict = {}
+
+
+def _same_value(value):
+    """What decides whether a class body's value is the same in two imports: functions by their code and
+    defaults, dataclass fields by their settings, other values by equality (or identity, when unhashable)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        return type(value), _same_value(value.__func__)
+    if isinstance(value, property):
+        return property, tuple(_same_value(f) for f in (value.fget, value.fset, value.fdel))
+    if isinstance(value, types.FunctionType):
+        return (value.__code__, _same_value(value.__defaults__), _same_value(value.__kwdefaults__),
+                value.__closure__ is None)
+    if isinstance(value, dataclasses.Field):
+        return dataclasses.Field, tuple(_same_value(getattr(value, name)) for name in dataclasses.Field.__slots__
+                                        if name not in ("name", "type", "_field_type"))
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_same_value(item) for item in value)
+    if isinstance(value, dict):
+        return dict, tuple((key, _same_value(item)) for key, item in value.items())
+    try:
+        hash(value)
+    except TypeError:
+        return id(value)
+    return type(value), value
+
+
+def _dataclass_once(cls=None, /, **options):
+    """dataclasses.dataclass, which gives back the class an earlier import made of the same body."""
+    def make(cls):
+        body = tuple((name, _same_value(value)) for name, value in vars(cls).items()
+                     if name not in ("__dict__", "__weakref__"))
+        key = (cls.__module__, cls.__qualname__, tuple(sorted(options.items())), body)
+        if key not in _dataclasses_made:
+            _dataclasses_made[key] = _make_dataclass(cls, **options)
+        return _dataclasses_made[key]
+    return make if cls is None else make(cls)
 
 
 def fresh_module():
     """The module imported afresh: its top level run again, every global back at what it reads from the
     environment now."""
-    exec(_MODULE_CODE, run_orchestrator_loop.__dict__)
+    dataclasses.dataclass = _dataclass_once
+    try:
+        exec(_MODULE_CODE, run_orchestrator_loop.__dict__)
+    finally:
+        dataclasses.dataclass = _make_dataclass
     return run_orchestrator_loop
+
+
+@pytest.fixture(autouse=True)
+def no_waits_for_the_disk(request, monkeypatch):
+    """os.fsync returns at once in a unit test: the files are written all the same, and what it guards
+    against -- a machine that loses power before its disk has the data -- no unit test brings about, while
+    each call waits for the disk (the loop syncs its state and folders after every step: thousands of
+    waits a run of the suite). The end-to-end tests keep it."""
+    if not request.node.get_closest_marker("e2e"):
+        monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
+# Each run looks for misspelt settings among the environment's names (difflib against every setting, some
+# milliseconds); a test's environment is mostly the one the tests before it had. The answer depends on those
+# names and the settings alone, so the same question is answered once per process.
+_misspelt_settings_answers: dict = {}
+
+
+def _misspelt_settings_remembered(misspelt_settings):
+    def remembered(environ):
+        module = run_orchestrator_loop
+        known = tuple(setting.env for setting in module.SETTINGS) + tuple(module.SECRET_VARIABLES)
+        question = (known, tuple(sorted(environ)))
+        if question not in _misspelt_settings_answers:
+            _misspelt_settings_answers[question] = misspelt_settings(environ)
+        return list(_misspelt_settings_answers[question])
+    return remembered
 
 
 @pytest.fixture
@@ -314,6 +407,7 @@ def load_orch(monkeypatch, workdir):
             else:
                 monkeypatch.setenv(name, str(value))
         module = fresh_module()
+        module.misspelt_settings = _misspelt_settings_remembered(module.misspelt_settings)
         # In-process runs take many turns: a reply file settles at once here.
         # The settle rule itself is tested with the real value (test_turn_completion.py).
         module.FILE_SETTLE_SECONDS = FAST_FILE_SETTLE_SECONDS

@@ -269,14 +269,15 @@ class FakeCao:
     def install(self, router: respx.MockRouter) -> "FakeCao":
         self.router = router              # a test may add routes, e.g. pass-through to a local server
         base = self.base_url
+        # The routes match apart, so their order is free: respx tries them in turn, the most asked first.
         routes = [
+            ("status", "GET", r"/terminals/[^/?]+$", self._status),
+            ("output", "GET", r"/terminals/[^/]+/output", self._output),
             ("create", "POST", r"/sessions\?", self._create_session),
             ("create", "POST", r"/sessions/[^/]+/terminals", self._create_terminal),
             ("input", "POST", r"/terminals/[^/]+/input", self._input),
             ("key", "POST", r"/terminals/[^/]+/key", self._key),
             ("exit", "POST", r"/terminals/[^/]+/exit", self._exit),
-            ("output", "GET", r"/terminals/[^/]+/output", self._output),
-            ("status", "GET", r"/terminals/[^/?]+$", self._status),
             ("delete", "DELETE", r"/terminals/[^/?]+$", self._delete_terminal),
             ("session", "GET", r"/sessions/[^/?]+$", self._session),
             ("delete", "DELETE", r"/sessions/[^/?]+$", self._delete_session),

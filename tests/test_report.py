@@ -1,8 +1,8 @@
 """report.html, the page of a run: self-contained, rewritten after every turn, and checked in a real browser.
 
 The browser checks load the page of a FAIL -> PASS run in headless Chromium (Debian
-package `chromium`, which CI installs) and look at what it rendered: the DOM it
-dumps after loading (five lanes, a bar per turn, each turn's prompt and reply, the
+package `chromium`, which CI installs; one browser for all pages, each in a tab of its
+own) and look at what it rendered: the DOM once loaded (five lanes, a bar per turn, each turn's prompt and reply, the
 heading, times, files, scenario test and last evidence), what a script finds
 visible, a screenshot (bars in the FAIL and PASS colours really painted), and the
 requests of a page served over HTTP (a page of a run still going reloads itself, a
@@ -11,10 +11,13 @@ finished one does not).
 
 from __future__ import annotations
 
+import base64
+import fcntl
 import http.server
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import struct
@@ -23,6 +26,7 @@ import tempfile
 import threading
 import time
 import zlib
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from html.parser import HTMLParser
 from pathlib import Path
@@ -42,39 +46,155 @@ def running_in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Headless Chromium with a profile of its own, nothing fetched for itself; all of its processes are
-    ended if it has not finished within `timeout` (then the test fails)."""
+def need_chromium() -> str:
+    """The browser's command; without one, the test fails where CI is set and is skipped elsewhere."""
     if CHROMIUM is None:
         if running_in_ci():
             pytest.fail("chromium is not installed; CI is set, so the browser tests fail instead of being skipped "
                         "(.ci/run installs Debian's chromium)", pytrace=False)
         pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
-    with tempfile.TemporaryDirectory(prefix="report-chromium-") as profile:
-        process = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-             f"--user-data-dir={profile}", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return CHROMIUM
+
+
+CHROMIUM_OPTIONS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage")
+
+
+class Browser:
+    """One headless Chromium kept open for the tests that look at pages, driven over the DevTools protocol
+    on a pipe (--remote-debugging-pipe: commands in on its fd 3, answers out on its fd 4, each a JSON
+    message ended by a NUL): each page is opened in a tab of its own, which is closed after."""
+
+    def __init__(self, command: str, timeout: float = 120):
+        self.timeout, self.next_id, self.pending, self.unread = timeout, 0, [], b""
+        self.profile = tempfile.TemporaryDirectory(prefix="report-chromium-", ignore_cleanup_errors=True)
+        commands_in, self.commands = os.pipe()
+        self.answers, answers_out = os.pipe()
+
+        def onto_3_and_4():              # in the child: its ends of the pipes where Chromium looks for them
+            ends = [fcntl.fcntl(end, fcntl.F_DUPFD, 5) for end in (commands_in, answers_out)]
+            os.dup2(ends[0], 3)
+            os.dup2(ends[1], 4)
+
+        self.process = subprocess.Popen(
+            [command, *CHROMIUM_OPTIONS, f"--user-data-dir={self.profile.name}", "--remote-debugging-pipe",
+             "about:blank"], preexec_fn=onto_3_and_4, pass_fds=(3, 4), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, start_new_session=True)
+        os.close(commands_in)
+        os.close(answers_out)
+
+    def close(self) -> None:
+        """Ask Chromium to end, end what is left of it, and remove its profile."""
+        with suppress(OSError):
+            os.write(self.commands, json.dumps({"id": 0, "method": "Browser.close"}).encode() + b"\0")
+        with suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        with suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.communicate()
+        os.close(self.commands)
+        os.close(self.answers)
+        shutil.rmtree(self.profile.name, ignore_errors=True)
+
+    def _message(self, deadline: float) -> dict:
+        while b"\0" not in self.unread:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.answers], [], [], left)[0]:
+                pytest.fail(f"chromium did not answer within {self.timeout} s", pytrace=False)
+            chunk = os.read(self.answers, 1 << 20)
+            if not chunk:
+                pytest.fail("chromium ended: " + self.process.stderr.read().decode(errors="replace")[-2000:],
+                            pytrace=False)
+            self.unread += chunk
+        message, self.unread = self.unread.split(b"\0", 1)
+        return json.loads(message)
+
+    def call(self, method: str, session: str | None = None, **params) -> dict:
+        """Send one command and return its result (events that arrive meanwhile are kept for `event`)."""
+        self.next_id += 1
+        command = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            command["sessionId"] = session
+        os.write(self.commands, json.dumps(command).encode() + b"\0")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            message = self._message(deadline)
+            if message.get("id") == self.next_id:
+                assert "error" not in message, (method, message["error"])
+                return message["result"]
+            self.pending.append(message)
+
+    def event(self, method: str, session: str, timeout: float | None = None) -> dict:
+        """Wait for an event of a tab."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while True:
+            for message in self.pending:
+                if message.get("method") == method and message.get("sessionId") == session:
+                    self.pending.remove(message)
+                    return message["params"]
+            self.pending.append(self._message(deadline))
+
+    @contextmanager
+    def page(self, url: str, width: int, height: int):
+        """A new tab of the given size that has loaded `url` (its load event fired); closed after."""
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out, err = None, None
+            self.call("Page.enable", session)
+            self.call("Emulation.setDeviceMetricsOverride", session, width=width, height=height,
+                      deviceScaleFactor=1, mobile=False)
+            self.call("Emulation.setScrollbarsHidden", session, hidden=True)
+            self.call("Page.navigate", session, url=url)
+            self.event("Page.loadEventFired", session)
+            yield session
         finally:
-            try:                                # what is left of it: renderers, or all of it after a timeout
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if out is None:
-            process.communicate()
-            pytest.fail(f"chromium did not finish within {timeout} s", pytrace=False)
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+            self.call("Target.closeTarget", targetId=target)
+            self.pending = [m for m in self.pending if m.get("sessionId") != session]
+
+    def dom(self, url: str, width: int = 800, height: int = 600) -> str:
+        """The page's markup once it has loaded and run its scripts, as `chromium --dump-dom` prints it."""
+        with self.page(url, width, height) as session:
+            return self.markup(session)
+
+    def markup(self, session: str) -> str:
+        return self.call("Runtime.evaluate", session, expression="document.documentElement.outerHTML",
+                         returnByValue=True)["result"]["value"]
+
+    def dom_after(self, url: str, milliseconds: int) -> str:
+        """The markup of the page a tab shows once `milliseconds` have passed on its clock from opening `url`
+        (virtual time, as --virtual-time-budget gives it: it runs on while nothing is being fetched, so a
+        page's timers -- a reload -- come in well under a real second)."""
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        try:
+            self.call("Emulation.setVirtualTimePolicy", session, policy="pause")
+            self.call("Page.navigate", session, url=url)
+            self.call("Emulation.setVirtualTimePolicy", session, policy="pauseIfNetworkFetchesPending",
+                      budget=milliseconds)
+            self.event("Emulation.virtualTimeBudgetExpired", session, timeout=60)   # a page that kept
+            #                                                         reloading would never let it expire
+            return self.markup(session)
+        finally:
+            self.call("Target.closeTarget", targetId=target)
+            self.pending = [m for m in self.pending if m.get("sessionId") != session]
+
+    def screenshot(self, url: str, path: Path, width: int, height: int) -> None:
+        """What the tab of that size shows of the loaded page, as a PNG file (scroll bars hidden)."""
+        with self.page(url, width, height) as session:
+            shot = self.call("Page.captureScreenshot", session, format="png")["data"]
+        path.write_bytes(base64.b64decode(shot))
 
 
-def dump_dom(target: str, *args: str, timeout: float = 120) -> "Dom":
-    dumped = chromium(*args, "--dump-dom", target, timeout=timeout)
-    assert dumped.returncode == 0, dumped.stderr[-2000:]
-    return Dom(dumped.stdout)
+@pytest.fixture(scope="session")
+def browser():
+    """The Chromium the page tests share (per process of the run: one start, not one per page)."""
+    shared = Browser(need_chromium())
+    yield shared
+    shared.close()
+
+
+def dump_dom(browser: Browser, target: str, width: int = 800, height: int = 600) -> "Dom":
+    return Dom(browser.dom(target, width, height))
 
 
 @pytest.fixture
@@ -182,17 +302,17 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
 TRACK = "#f1f1f1"      # the background of a lane's track in the timeline
 
 
-def count_in_timeline(path: Path, hex_colour: str) -> int:
-    """Pixels of a colour in the rows of the timeline's lanes (rows that also show a track's background),
-    so the legend below it, with the same colours, does not count."""
-    target, track = bytes.fromhex(hex_colour.lstrip("#")), bytes.fromhex(TRACK.lstrip("#"))
+def counts_in_timeline(path: Path, *hex_colours: str) -> list[int]:
+    """Pixels of each colour in the rows of the timeline's lanes (rows that also show a track's background),
+    so the legend below it, with the same colours, does not count. The picture is decoded once for all."""
+    targets, track = [bytes.fromhex(c.lstrip("#")) for c in hex_colours], bytes.fromhex(TRACK.lstrip("#"))
     width, size, rows = png_pixels(path)
-    count = 0
+    counts = [0] * len(targets)
     for row in rows:
         pixels = [row[x:x + 3] for x in range(0, width * size, size)]
         if track in pixels:
-            count += pixels.count(target)
-    return count
+            counts = [count + pixels.count(target) for count, target in zip(counts, targets)]
+    return counts
 
 
 def test_the_report_is_one_file_that_needs_nothing_from_the_network(passed_run):
@@ -217,11 +337,9 @@ def test_a_page_opened_mid_run_shows_the_turn_under_way(load_orch, fake_cao, pro
     assert page.details["turn-3"]["reply"] == ""
 
 
-def test_headless_chromium_renders_the_lanes_turns_prompts_and_replies(passed_run):
+def test_headless_chromium_renders_the_lanes_turns_prompts_and_replies(browser, passed_run):
     report = passed_run / "report.html"
-    dumped = chromium("--dump-dom", report.as_uri())
-    assert dumped.returncode == 0, dumped.stderr[-2000:]
-    page = Page(dumped.stdout)
+    page = Page(browser.dom(report.as_uri()))
     assert page.lanes == ["analyst", "peer_analyst", "programmer", "peer_programmer", "tester"]
     lanes = {bar["turn"]: bar["lane"] for bar in page.bars}
     assert [lanes[str(n)] for n in range(1, 9)] == FAIL_THEN_PASS
@@ -234,16 +352,14 @@ def test_headless_chromium_renders_the_lanes_turns_prompts_and_replies(passed_ru
     assert page.details["turn-8"]["reply"].strip() == PASS_REPLY.strip()
 
 
-def test_headless_chromium_paints_the_fail_and_pass_bars_in_their_colours(passed_run, orch):
+def test_headless_chromium_paints_the_fail_and_pass_bars_in_their_colours(browser, passed_run, orch):
     shot = passed_run / "report.png"
-    taken = chromium(f"--screenshot={shot}", "--window-size=1200,900", "--hide-scrollbars",
-                     (passed_run / "report.html").as_uri())
-    assert taken.returncode == 0 and shot.is_file(), taken.stderr[-2000:]
+    browser.screenshot((passed_run / "report.html").as_uri(), shot, 1200, 900)
     # The run's 8 turns share the timeline's width: the tester's two bars, FAIL and PASS, are wide.
-    assert count_in_timeline(shot, orch.REPORT_COLOURS["FAIL"]) > 500
-    assert count_in_timeline(shot, orch.REPORT_COLOURS["PASS"]) > 500
-    assert count_in_timeline(shot, orch.REPORT_COLOURS["APPROVED"]) > 500
-    assert count_in_timeline(shot, orch.REPORT_COLOURS["REVISE"]) == 0        # no review asked for changes
+    fail, passed, approved, revise = counts_in_timeline(shot, *(orch.REPORT_COLOURS[verdict] for verdict in
+                                                                ("FAIL", "PASS", "APPROVED", "REVISE")))
+    assert fail > 500 and passed > 500 and approved > 500
+    assert revise == 0                                  # no review asked for changes
 
 
 # -- what a page says, and what a browser makes of it -----------------------------------------------
@@ -347,11 +463,11 @@ for (const selector of %s) {
 """
 
 
-def visibility(folder: Path, markup: str, *selectors: str) -> dict[str, tuple[bool, str]]:
+def visibility(browser: Browser, folder: Path, markup: str, *selectors: str) -> dict[str, tuple[bool, str]]:
     """selector -> (whether Chromium shows that element, the text it renders there)."""
     probe = folder / "probe.html"
     probe.write_text(with_probe(markup, VISIBILITY_PROBE % json.dumps(selectors)), encoding="utf-8")
-    dom = dump_dom(probe.as_uri(), "--window-size=1200,900")
+    dom = dump_dom(browser, probe.as_uri(), 1200, 900)
     return {mark.attrs["data-selector"]: (mark.attrs["data-visible"] == "true", mark.attrs["data-text"])
             for mark in dom.find_all("i", class_="probe")}
 
@@ -431,13 +547,13 @@ def test_commit_subjects_and_notification_titles_keep_their_cut_first_line(orch)
     assert orch.task_title() == LONG_LINE[:69].rstrip() + "..."
 
 
-def test_the_page_heads_with_the_first_meaningful_line_and_shows_its_code_as_code(load_orch, fake_cao, tmp_path):
+def test_the_page_heads_with_the_first_meaningful_line_and_shows_its_code_as_code(browser, load_orch, fake_cao, tmp_path):
     task = tmp_path / "labelled-task.md"
     task.write_text(f"*** ORIGINAL EXPLORE SUMMARY ***\nBusiness goal:\n\n# Task\n{LONG_LINE}\n\nMore detail.\n"
                     f"*** SCENARIO TEST ***\n{SCENARIO}\n", encoding="utf-8")
     m = load_orch(PROMPT_FILE=str(task), **QUICK)
     assert run_main(m) == 0
-    dom = dump_dom((Path(m.run_dir) / "report.html").as_uri())
+    dom = dump_dom(browser, (Path(m.run_dir) / "report.html").as_uri())
     heading = dom.by_id("task")
     assert heading.tag == "h1"
     assert heading.text == LONG_LINE.replace("`", "")
@@ -447,10 +563,10 @@ def test_the_page_heads_with_the_first_meaningful_line_and_shows_its_code_as_cod
 
 # -- times, durations, exit code, session and the run's files ----------------------------------------
 
-def test_start_and_end_are_shown_in_local_time_with_the_zone(cet, passed):
+def test_start_and_end_are_shown_in_local_time_with_the_zone(browser, cet, passed):
     m, folder = passed
     summary = summary_of(folder)
-    shown = dump_dom((folder / "report.html").as_uri()).figures()
+    shown = dump_dom(browser, (folder / "report.html").as_uri()).figures()
     for name, key in (("started", "started_at"), ("ended", "ended_at")):
         local = datetime.fromisoformat(summary[key].replace("Z", "+00:00")).astimezone()
         assert local.tzname() in ("CET", "CEST")
@@ -460,10 +576,10 @@ def test_start_and_end_are_shown_in_local_time_with_the_zone(cet, passed):
                   wall_seconds=175.377)
     summer = dict(summary, started_at="2026-07-01T10:00:00.000Z", ended_at="2026-07-01T11:02:03.000Z",
                   wall_seconds=3723.0)
-    shown = dump_dom(render(m, folder, winter).as_uri()).figures()
+    shown = dump_dom(browser, render(m, folder, winter).as_uri()).figures()
     assert (shown["started"].text, shown["ended"].text) == ("2026-11-25 09:13:29 CET", "2026-11-25 09:16:24 CET")
     assert "last updated" not in shown
-    shown = dump_dom(render(m, folder, summer).as_uri()).figures()
+    shown = dump_dom(browser, render(m, folder, summer).as_uri()).figures()
     assert (shown["started"].text, shown["ended"].text) == ("2026-07-01 12:00:00 CEST", "2026-07-01 13:02:03 CEST")
 
 
@@ -478,14 +594,14 @@ def test_a_page_of_a_run_still_going_says_when_it_was_last_updated_and_has_no_en
 DURATION = re.compile(r"^(?:\d\.\ds|[1-5]?\ds|\d+m [1-5]?\ds|\d+h [1-5]?\dm)$")   # 4.3s, 45s, 2m 55s, 1h 2m
 
 
-def test_every_duration_on_the_page_is_written_one_way(passed):
+def test_every_duration_on_the_page_is_written_one_way(browser, passed):
     m, folder = passed
     summary = summary_of(folder)
     summary.update(wall_seconds=175.4, agent_seconds=175.0)
     summary["turn_list"][0]["seconds"] = 12.3
     summary["turn_list"][1]["seconds"] = 4.26
     summary["turn_list"][2]["seconds"] = 3725.0
-    dom = dump_dom(render(m, folder, summary).as_uri())
+    dom = dump_dom(browser, render(m, folder, summary).as_uri())
     shown = dom.figures()
     assert shown["wall time"].text == "2m 55s" and shown["agent time"].text == "2m 55s"
     labels = [details.one("summary").text for details in dom.find_all("details")]
@@ -507,14 +623,14 @@ def test_a_start_up_that_takes_a_good_part_of_the_timeline_is_labelled(passed):
     assert "; the first prompt went out 5m 0s in: before it, the agents were started" in axis, axis
 
 
-def test_the_exit_code_session_state_file_and_links_to_the_runs_files_are_shown(passed):
+def test_the_exit_code_session_state_file_and_links_to_the_runs_files_are_shown(browser, passed):
     m, folder = passed
     summary = summary_of(folder)
     markup = (folder / "report.html").read_text(encoding="utf-8")
     probe = with_probe(markup, 'document.querySelectorAll("#figures a").forEach('
                                'a => a.setAttribute("data-resolved", a.href));')
     (folder / "probe.html").write_text(probe, encoding="utf-8")
-    shown = dump_dom((folder / "probe.html").as_uri()).figures()
+    shown = dump_dom(browser, (folder / "probe.html").as_uri()).figures()
     assert shown["exit code"].text.startswith("0 (the tester reported RESULT: PASS")
     assert shown["session"].text == summary["session_name"] == state_of(m)["session_name"] != ""
     assert shown["state file"].text == m.STATE_FILE
@@ -535,9 +651,9 @@ def test_a_stopped_run_shows_its_exit_code_and_a_run_still_going_links_only_what
 
 # -- the scenario test and the final evidence ---------------------------------------------------------
 
-def test_the_scenario_test_and_the_last_evidence_are_visible_without_a_click(passed_run):
+def test_the_scenario_test_and_the_last_evidence_are_visible_without_a_click(browser, passed_run):
     markup = (passed_run / "report.html").read_text(encoding="utf-8")
-    seen = visibility(passed_run, markup, "#scenario-test", "#final-evidence", "#turn-8 pre.reply")
+    seen = visibility(browser, passed_run, markup, "#scenario-test", "#final-evidence", "#turn-8 pre.reply")
     assert seen["#scenario-test"] == (True, SCENARIO.replace("`", ""))      # its code spans shown as code
     assert seen["#final-evidence"] == (True, PASS_REPLY.strip())
     assert seen["#turn-8 pre.reply"][0] is False            # the probe tells a closed turn from an open block
@@ -546,9 +662,9 @@ def test_the_scenario_test_and_the_last_evidence_are_visible_without_a_click(pas
         assert "details" not in dom.by_id(element_id).ancestors()
 
 
-def test_a_page_before_the_first_test_result_says_the_tester_has_not_answered(mid_run):
+def test_a_page_before_the_first_test_result_says_the_tester_has_not_answered(browser, mid_run):
     folder, snapshot = mid_run
-    seen = visibility(folder, snapshot, "#scenario-test", "#final-evidence")
+    seen = visibility(browser, folder, snapshot, "#scenario-test", "#final-evidence")
     assert seen["#scenario-test"] == (True, SCENARIO.replace("`", ""))
     assert seen["#final-evidence"] == (True, "The tester has not answered yet.")
 
@@ -568,9 +684,9 @@ def test_the_evidence_shown_is_the_replys_result_and_evidence(orch, reply, shown
 
 # -- the legend ----------------------------------------------------------------------------------------
 
-def test_the_legend_lists_only_the_verdicts_that_occur(passed_run, interrupted_run):
+def test_the_legend_lists_only_the_verdicts_that_occur(browser, passed_run, interrupted_run):
     def legend(folder: Path) -> list[tuple[str, str]]:
-        dom = dump_dom((folder / "report.html").as_uri())
+        dom = dump_dom(browser, (folder / "report.html").as_uri())
         return [(span.attrs["data-verdict"], span.text) for span in dom.one("p", class_="legend").find_all("span")]
     assert legend(passed_run) == [("PASS", "PASS"), ("FAIL", "FAIL"), ("APPROVED", "APPROVED"), ("", "author turn")]
     assert legend(interrupted_run) == [("APPROVED", "APPROVED"), ("unanswered", "unanswered"), ("", "author turn")]
@@ -610,16 +726,15 @@ class PageServer:
         self.http.server_close()
 
 
-def load_in_virtual_time(versions: list[str], seconds: int = 60) -> tuple[int, Dom]:
+def load_in_virtual_time(browser: Browser, versions: list[str], seconds: int = 60) -> tuple[int, Dom]:
     """Open the page in Chromium and let `seconds` pass on the page's clock (in well under a real second):
-    how many times it was loaded, and the page it ended on. A page that kept reloading would never let
-    Chromium finish."""
+    how many times it was loaded, and the page it ended on."""
     server = PageServer(versions)
     try:
-        dom = dump_dom(server.url, f"--virtual-time-budget={seconds * 1000}", timeout=60)
+        markup = browser.dom_after(server.url, seconds * 1000)
     finally:
         server.close()
-    return server.requests, dom
+    return server.requests, Dom(markup)
 
 
 READER = """
@@ -627,21 +742,21 @@ document.getElementById("turn-2").open = true;      // a reader opens a turn whi
 """
 
 
-def test_a_page_of_a_run_still_going_reloads_itself_until_the_run_has_ended(orch, mid_run):
+def test_a_page_of_a_run_still_going_reloads_itself_until_the_run_has_ended(browser, orch, mid_run):
     folder, snapshot = mid_run
     assert Dom(snapshot).one("body").attrs["data-reload-seconds"] == str(orch.REPORT_RELOAD_SECONDS)
     final = (folder / "report.html").read_text(encoding="utf-8")
     # The page as the run went on: still going, still going, then ended.
-    loads, dom = load_in_virtual_time([with_probe(snapshot, READER), snapshot, final])
+    loads, dom = load_in_virtual_time(browser, [with_probe(snapshot, READER), snapshot, final])
     assert loads == 3
     assert dom.one("p", class_="result").attrs["data-result"] == "PASS"
     assert [d.attrs["id"] for d in dom.find_all("details") if "open" in d.attrs] == ["turn-2"]   # kept open
 
 
-def test_a_finished_or_stopped_page_does_not_reload(passed_run, interrupted_run):
+def test_a_finished_or_stopped_page_does_not_reload(browser, passed_run, interrupted_run):
     for folder in (passed_run, interrupted_run):
         page = (folder / "report.html").read_text(encoding="utf-8")
-        loads, dom = load_in_virtual_time([page, page.replace("<body", "<body data-reloaded")])
+        loads, dom = load_in_virtual_time(browser, [page, page.replace("<body", "<body data-reloaded")])
         assert loads == 1, folder
         assert "data-reloaded" not in dom.one("body").attrs
 
@@ -651,7 +766,7 @@ def test_a_finished_or_stopped_page_does_not_reload(passed_run, interrupted_run)
 EVIL = '<script>document.documentElement.setAttribute("data-injected", "yes")</script>'
 
 
-def test_every_value_on_the_page_is_escaped(passed):
+def test_every_value_on_the_page_is_escaped(browser, passed):
     m, folder = passed
     summary = summary_of(folder)
     summary.update(task_heading=f"Fix `{EVIL}` and {EVIL}", scenario_test=EVIL, session_name=EVIL, wd=EVIL,
@@ -664,7 +779,7 @@ def test_every_value_on_the_page_is_escaped(passed):
     (folder / turns[4]["reply_file"]).write_text(EVIL, encoding="utf-8")       # the tester's reply itself
     page = render(m, folder, summary)
     assert page.read_text(encoding="utf-8").count("<script") == 1                # the page's own script only
-    dom = dump_dom(page.as_uri())
+    dom = dump_dom(browser, page.as_uri())
     assert "data-injected" not in dom.one("html").attrs
     assert [len(s.children) for s in dom.find_all("script")] == [1]
     assert dom.by_id("task").text == f"Fix {EVIL} and {EVIL}"
