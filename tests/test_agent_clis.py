@@ -2,7 +2,7 @@
 row alone. A made-up CLI, added as a row and nothing else, runs a whole FAIL -> PASS loop through the fake CAO:
 its provider is what CAO is asked for, its menu gets the choice its row names, the words its row gives for a
 lost conversation make the next prompt carry the full task, and CAO's ready status, which its row says cannot
-be trusted, does not end its turns; its own reader of running totals gives each turn's tokens, a replacement
+be trusted, does not end its turns, while its own marks on its screen do; its own reader of running totals gives each turn's tokens, a replacement
 whose start timed out gets the second try its row gives, and --check looks for the trap its row declares. No
 code outside the table names a CLI."""
 
@@ -27,12 +27,16 @@ MADE_UP_MENU = """\
 """
 
 
+# The made-up CLI's own marks of its turns: another escape than Codex's, other words.
+MADE_UP_BUSY, MADE_UP_FINISHED, MADE_UP_RESTING = (f"\x1b]777;turn={word}\x07" for word in ("busy", "finished", "resting"))
+MADE_UP_MARKS = (MADE_UP_RESTING, MADE_UP_BUSY, MADE_UP_FINISHED + MADE_UP_RESTING)   # how the fake CAO draws them
 MADE_UP_MODEL_USE = {"input": 1000, "cached_input": 0, "output": 100}   # what each prompt costs the made-up CLI
 
 
 def made_up_row(m):
-    """The made-up CLI, all of it in its row: its screen's words and menu, a set-up trap, records that keep
-    running totals only (read by its own reader), and a second try for a start CAO says timed out."""
+    """The made-up CLI, all of it in its row: its screen's words and menu, its own marks of its turns, a set-up
+    trap, records that keep running totals only (read by its own reader), and a second try for a start CAO says
+    timed out."""
     prompts: dict[str, int] = {}                  # the prompts it has taken, by the turn's marker
 
     def totals(marker):
@@ -53,6 +57,7 @@ def made_up_row(m):
                       menus=(("Made-up CLI's upsell", "Not now"),),
                       records=m.TokenRecords("made-up running totals", read_turn, totals_now),
                       program="madeup", start_tries=2,
+                      turn_marks=(r"\x1b\]777;turn=(\w+)\x07", "busy", "finished", "resting"),
                       traps=(m.Trap("Made-up CLI: its key set in {file}",
                                     'Made-up CLI: no key in {file}: add {"apiKey": "<key>"} to it',
                                     file=".made-up/settings.json", json_key="apiKey"),))
@@ -107,20 +112,14 @@ def test_a_made_up_cli_added_as_a_row_runs_the_loop(load_orch, fake_cao, prompt_
     assert tester_ends[0] == m.TURN_ENDED_BY_STILL_SCREEN, out
 
 
-# The made-up CLI's own marks of its turns: another escape than Codex's, other words.
-MADE_UP_BUSY, MADE_UP_FINISHED, MADE_UP_RESTING = (f"\x1b]777;turn={word}\x07" for word in ("busy", "finished", "resting"))
-
-
 def test_a_made_up_cli_that_marks_its_turns_has_each_ended_by_its_mark(load_orch, fake_cao, prompt_file, monkeypatch,
                                                                        capsys):
     """Its row names its turn marks; CAO reads `processing` for good and no still screen is waited for (60 s):
     every turn, FAIL then PASS, ends by the made-up CLI's own end-of-turn mark."""
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli", IGNORE_MISSING_CLI="1",
                   QUIET_SCREEN_SECONDS="60", **PROGRAMMER_ON)
-    row = replace(made_up_row(m), still_screen_ends_turn=None,
-                  turn_marks=(r"\x1b\]777;turn=(\w+)\x07", "busy", "finished", "resting"))
-    monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", row)
-    fake_cao.turn_marks["made_up_cli"] = (MADE_UP_RESTING, MADE_UP_BUSY, MADE_UP_FINISHED + MADE_UP_RESTING)
+    monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", replace(made_up_row(m), still_screen_ends_turn=None))
+    fake_cao.turn_marks["made_up_cli"] = MADE_UP_MARKS
     fake_cao.reported_status = "processing"
     fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
     assert run_main(m) == 0
@@ -147,21 +146,26 @@ def kill_cli_and_time_out_its_next_start(fake, terminal) -> None:
 
 def test_a_made_up_cli_s_records_and_start_tries_come_from_its_row(load_orch, fake_cao, prompt_file, tmp_path,
                                                                    monkeypatch, capsys):
-    """The same row, FAIL -> PASS: each turn's tokens are what its reader made of the totals noted at the
-    turn's first send and those read after; the tester's CLI dies in round 2 and CAO says its replacement's
-    start timed out: the row's second try starts it, and the turn goes to it."""
+    """The same row, FAIL -> PASS, with its marks on its screen: each turn ends by its end-of-turn mark, and
+    its tokens are what its reader made of the totals noted at the turn's first send and those read after; the
+    tester's CLI dies in round 2 and CAO says its replacement's start timed out: the row's second try starts it,
+    and the turn goes to it."""
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli", IGNORE_MISSING_CLI="1",
                   REPLACE_LOST_AGENTS="1", AGENT_HOME=str(tmp_path), **PROGRAMMER_ON)   # its records read here
     monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", made_up_row(m))
     monkeypatch.setattr(m, "TOKENS_SETTLE_SECONDS", 0.0)    # its records never say a turn is over
     monkeypatch.setattr(m, "LIVENESS_CHECK_SECONDS", 0.05)
+    fake_cao.turn_marks["made_up_cli"] = MADE_UP_MARKS
     fake_cao.script["tester"] = [FAIL_REPLY, {"action": "call", "call": kill_cli_and_time_out_its_next_start},
                                  PASS_REPLY]
     assert run_main(m) == 0
     state = json.loads(Path(m.STATE_FILE).read_text())
     assert state["final_status"] == "PASS" and state["current_round"] == 2
     assert [status for profile, status in fake_cao.create_answers if profile == "tester"] == [201, 500, 201]
-    assert "tester: the new agent's CLI did not start within CAO's time limit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tester: the new agent's CLI did not start within CAO's time limit" in out
+    ends = re.findall(r"(\w+): reply received.*turn end seen by ([^,]+),", out)
+    assert len(ends) == 6 and {ended_by for _, ended_by in ends} == {m.TURN_ENDED_BY_MARK}, ends
     turns = state["turn_records"]
     assert len(turns) == 6 and all(turn["tokens_final"] for turn in turns)
     assert [turn["tokens"] for turn in turns] == [{**MADE_UP_MODEL_USE, "by_model": {"made-up-model":
