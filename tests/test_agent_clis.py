@@ -2,9 +2,9 @@
 row alone. A made-up CLI, added as a row and nothing else, runs a whole FAIL -> PASS loop through the fake CAO:
 its provider is what CAO is asked for, its menu gets the choice its row names, the words its row gives for a
 lost conversation make the next prompt carry the full task, and CAO's ready status, which its row says cannot
-be trusted, does not end its turns, while its own marks on its screen do; its own reader of running totals gives each turn's tokens, a replacement
-whose start timed out gets the second try its row gives, and --check looks for the trap its row declares. No
-code outside the table names a CLI."""
+be trusted, does not end its turns, while its own marks on its screen do; its own reader of running totals
+gives each turn's tokens, a replacement whose start timed out gets the second try its row gives, and --check
+looks for the trap its row declares. No code outside the table names a CLI."""
 
 from __future__ import annotations
 
