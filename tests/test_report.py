@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_main
+from conftest import TASK_PROMPT, run_main
 from fake_cao import FAIL_REPLY, PASS_REPLY
 from test_loop import QUICK, QUICK_ROUND, interrupt, state_of
 
@@ -197,13 +197,41 @@ def dump_dom(browser: Browser, target: str, width: int = 800, height: int = 600)
     return Dom(browser.dom(target, width, height))
 
 
+# The page tests only read the runs they look at, so each run is made once per process, in a folder of its own.
+_RUNS_MADE: dict[str, tuple[Path, object]] = {}
+
+
+def made_once(name: str, load_orch, fake_cao, tmp_path_factory, make) -> tuple:
+    """The module loaded on the run `name` and what `make(m)` gave when it made that run: the first test of
+    this process that asks for it makes it, the others load the module on its folder."""
+    name = f"{name}-{time.tzname[0]}"               # a run's page shows its times in the zone it was made in
+    if name not in _RUNS_MADE:
+        wd = tmp_path_factory.mktemp(name)
+        (wd / "task.md").write_text(TASK_PROMPT, encoding="utf-8")
+        (wd / "project").mkdir()
+        _RUNS_MADE[name] = (wd, make(load_orch(PROMPT_FILE=str(wd / "task.md"), WD=str(wd / "project"), **QUICK)))
+    wd, made = _RUNS_MADE[name]
+    m = load_orch(PROMPT_FILE=str(wd / "task.md"), WD=str(wd / "project"), **QUICK)
+    m.load_state()                                  # its globals as the run left them (its folder, ...)
+    return m, made
+
+
+def fail_then_pass(fake_cao):
+    """Make a run that fails its test in round 1 and passes in round 2, keeping its page as it was while the
+    tester worked on round 1: its folder, and that page."""
+    def make(m):
+        snapshots: list[str] = []
+        fake_cao.script["tester"] = [snapshot_then_answer(FAIL_REPLY, snapshots), PASS_REPLY]
+        assert run_main(m) == 0
+        return Path(state_of(m)["run_dir"]), snapshots[0]
+    return make
+
+
 @pytest.fixture
-def passed(load_orch, fake_cao, prompt_file):
+def passed(load_orch, fake_cao, tmp_path_factory):
     """A run that fails its test in round 1 and passes in round 2: its module and its folder."""
-    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 0
-    return m, Path(state_of(m)["run_dir"])
+    m, (folder, _) = made_once("fail-then-pass", load_orch, fake_cao, tmp_path_factory, fail_then_pass(fake_cao))
+    return m, folder
 
 
 @pytest.fixture
@@ -483,22 +511,19 @@ def snapshot_then_answer(reply: str, snapshots: list[str]) -> dict:
 
 
 @pytest.fixture
-def mid_run(load_orch, fake_cao, prompt_file):
+def mid_run(load_orch, fake_cao, tmp_path_factory):
     """A FAIL -> PASS run, and its page as it was while the tester worked on round 1 (the run still going)."""
-    snapshots: list[str] = []
-    fake_cao.script["tester"] = [snapshot_then_answer(FAIL_REPLY, snapshots), PASS_REPLY]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 0
-    return Path(state_of(m)["run_dir"]), snapshots[0]
+    return made_once("fail-then-pass", load_orch, fake_cao, tmp_path_factory, fail_then_pass(fake_cao))[1]
 
 
 @pytest.fixture
-def interrupted_run(load_orch, fake_cao, prompt_file):
+def interrupted_run(load_orch, fake_cao, tmp_path_factory):
     """A run stopped by Ctrl-C while the programmer works (exit 130, still RUNNING in its state)."""
-    fake_cao.script["programmer"] = [interrupt(KeyboardInterrupt())]
-    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
-    assert run_main(m) == 130
-    return Path(state_of(m)["run_dir"])
+    def make(m):
+        fake_cao.script["programmer"] = [interrupt(KeyboardInterrupt())]
+        assert run_main(m) == 130
+        return Path(state_of(m)["run_dir"])
+    return made_once("interrupted", load_orch, fake_cao, tmp_path_factory, make)[1]
 
 
 @pytest.fixture
@@ -776,7 +801,8 @@ def test_every_value_on_the_page_is_escaped(browser, passed):
                    verifications=[{"round": EVIL, "exit_code": EVIL, "result": "failed"}], verified=False)
     turns = summary["turn_list"]
     turns[0]["role"], turns[1]["phase"], turns[2]["outcome"], turns[3]["sent_at"] = EVIL, EVIL, EVIL, EVIL
-    (folder / turns[4]["reply_file"]).write_text(EVIL, encoding="utf-8")       # the tester's reply itself
+    turns[4]["reply_file"] = "evil-reply.md"                                      # the tester's reply itself
+    (folder / "evil-reply.md").write_text(EVIL, encoding="utf-8")
     page = render(m, folder, summary)
     assert page.read_text(encoding="utf-8").count("<script") == 1                # the page's own script only
     dom = dump_dom(browser, page.as_uri())
