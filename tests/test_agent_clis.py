@@ -211,7 +211,8 @@ def _table_lines(lines: list[str]) -> tuple[int, int]:
 
 
 # Texts for people that name a CLI as an example, and the old state file's name: none changes what the loop does.
-FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5", "(Claude Code: autoCompactWindow, Codex: model_auto_compact_token_limit)",
+FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5",
+              "(Claude Code: autoCompactWindow, Codex: model_auto_compact_token_limit)",
               "codex-3agents-loop-state.json", "(CAO reads Codex busy)")
 
 
