@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 import orchestrator_scripted_agent as agent_module
-import run_orchestrator_loop as orch
 
 
 @pytest.fixture
@@ -31,8 +30,8 @@ def test_answers_every_role_without_a_home_directory(bare_agent, tmp_path):
         assert path.read_text(encoding="utf-8") == agent_module.DEFAULT_TEXTS[role]
 
 
-def test_default_replies_pass_the_loops_checks(bare_agent, tmp_path):
-    """What a first run needs: approvals that count (from cycle 2) and a PASS."""
+def test_default_replies_pass_the_loops_checks(bare_agent, orch):
+    """What a first run needs: approvals that count (from cycle 2, with the default settings) and a PASS."""
     texts = agent_module.DEFAULT_TEXTS
     assert orch.is_review_approved(texts["peer_analyst"], 2, "peer_analyst")
     assert orch.is_review_approved(texts["peer_programmer"], 2, "peer_programmer")
