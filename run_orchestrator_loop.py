@@ -306,6 +306,16 @@ class Trap:
 
 
 @dataclass(frozen=True)
+class CannotStart:
+    """Words a CLI shows when it cannot start for a lasting reason (section 7): a second start would meet them again,
+    so the run stops (exit 2) quoting them, with what they mean and the fix."""
+
+    words: str                        # regex on a screen line squeezed (no whitespace, no escape sequences)
+    why: str                          # what they mean
+    fix: str                          # what to do
+
+
+@dataclass(frozen=True)
 class TokenRecords:
     """How the loop reads what a CLI recorded of a turn's tokens (section 5). A CLI that keeps running totals
     only has `totals_now`: they are noted as each turn is first sent, and `read_turn` is given them."""
@@ -351,6 +361,8 @@ class AgentCli:
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
     #                                             done and idle): how it marks its turns on the screen (): none
+    cannot_start: tuple[CannotStart, ...] = ()  # its words on screen when it cannot start for a lasting reason
+    #                                             (a shell's "not found" for its program is read for every row)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -382,7 +394,22 @@ AGENT_CLIS: dict[str, AgentCli] = {
         traps=(Trap("Claude Code: IS_SANDBOX=1 set for root",
                     "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses the mode CAO "
                     "starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its tmux server with it: stop "
-                    "a running one first)", env="IS_SANDBOX", env_value="1", root_only=True),)),
+                    "a running one first)", env="IS_SANDBOX", env_value="1", root_only=True),),
+        # seen on 2.1.197's screen: as root without IS_SANDBOX=1; at its first start in a HOME (its onboarding asks
+        # Anthropic's servers) with no network; set up but signed in nowhere (its footer, at an idle prompt)
+        cannot_start=(
+            CannotStart(r"cannotbeusedwithroot/sudoprivileges",
+                        "it refuses --dangerously-skip-permissions as root, as IS_SANDBOX is not exactly 1 in its "
+                        "environment", "start cao-server as `IS_SANDBOX=1 cao-server` (and its tmux server with it)"),
+            CannotStart(r"UnabletoconnecttoAnthropicservices|Failedtoconnecttoapi\.anthropic\.com",
+                        "it could not reach Anthropic's servers, which it asks at its first start in a HOME until it "
+                        "is signed in and set up",
+                        "sign it in as the user running cao-server (run `claude` once by hand, or set "
+                        "ANTHROPIC_API_KEY in cao-server's environment); with no network, also mark its first start "
+                        "done in ~/.claude.json (docs/agent-clis.md)"),
+            CannotStart(r"Notloggedin·(?:Please)?[Rr]un/login",
+                        "it is not signed in", "run `claude` once by hand as the user running cao-server and sign "
+                        "in (/login), or set ANTHROPIC_API_KEY in cao-server's environment"))),
     # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
         "Codex", ready_status_trusted=False,
@@ -407,7 +434,12 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     pattern=r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
                             r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b",
                     **CODEX_CONFIG)),
-        turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle")),
+        turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle"),
+        # 0.169's first screen in a HOME with no sign-in (no auth.json, no OPENAI_API_KEY, no provider of its own)
+        cannot_start=(CannotStart(r"SigninwithChatGPT|ChoosehowyouwanttouseCodex",
+                                  "it is not signed in (it asks how to sign in)",
+                                  "sign it in as the user running cao-server (`codex login`), or set OPENAI_API_KEY "
+                                  "in cao-server's environment"),)),
     # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
@@ -1507,6 +1539,17 @@ class ApiClient:
         if not isinstance(terminals, list):
             raise ApiError(f"CAO {what} answered without its terminals: {answer!r:.200}")
         return [entry["id"] for entry in terminals if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
+
+    def session_profiles(self, session: str) -> dict[str, str]:
+        """Terminal id -> agent profile of each terminal the session lists, those still starting too (CAO records a
+        terminal before its CLI starts); {} where it cannot say. A look: never retried."""
+        try:
+            answer = self._call(f"session {session}", "GET", f"/sessions/{quote(session, safe='')}", retry=False)
+        except ApiError:
+            return {}
+        terminals = answer.get("terminals") if isinstance(answer, dict) else None
+        return {entry["id"]: str(entry.get("agent_profile") or "") for entry in terminals or ()
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
 
     def delete_terminal(self, terminal_id: str) -> None:
         """Remove a terminal (its tmux window, whatever runs there); one that is gone already is fine."""
@@ -5469,10 +5512,115 @@ def add_to_session(name: str, role: str, session: Future, interrupted: list[int]
 
 # What CAO answers when an agent CLI did not come up within its start-up limit.
 CLI_START_TIMED_OUT = "initialization timed out"
+START_WATCH_SECONDS = 1.0              # how often the screens of the terminals CAO is starting are read
+START_SCREEN_LINES = 4                 # the CLI's own lines quoted when it did not start
+START_LOG_TAIL_BYTES = 65_536          # how much of CAO's log of a terminal is read
+CAO_TERMINAL_LOGS = ".aws/cli-agent-orchestrator/logs/terminal"   # under cao-server's HOME: one {id}.log a terminal
+SHELL_LINE = re.compile(SHELL_PROMPT.pattern.replace(r"\s?[$#%>]\s*$", r"\s?[$#%>](?:\s|$)"))
+
+
+@dataclass(frozen=True)
+class StartScreen:
+    """What a terminal CAO started (or failed to) showed: its id, the CLI's last lines as people read them, and the
+    lasting reason its words name (None: none known)."""
+
+    terminal_id: str
+    lines: tuple[str, ...] = ()
+    lasting: CannotStart | None = None
+    again: bool = False               # a second start showed the same lines as the first
+
+    def quoted(self) -> str:
+        return " | ".join(self.lines)
+
+
+def readable_lines(screen: str) -> list[str]:
+    """A raw terminal stream as the lines a person reads, each once where it last showed: cursor moves forward made
+    spaces (CLIs draw spaces so), escape sequences and art gone, shell lines (a prompt, CAO's launch line) left out."""
+    text = re.sub(r"\x1b\[(\d*)C", lambda move: " " * int(move.group(1) or 1), screen)
+    lines: dict[str, None] = {}
+    for line in screen_lines(text):
+        line = re.sub(r"\s+", " ", line).strip()[:200]
+        if re.search(r"[A-Za-z]{2}", line) and not SHELL_LINE.match(line):
+            lines.pop(line, None)
+            lines[line] = None
+    return list(lines)
+
+
+def cannot_start_reasons(provider: str) -> tuple[CannotStart, ...]:
+    """The words that say the provider's CLI cannot start for good: its row's, and a shell's "not found" for its
+    program (CAO types the program's name into a shell)."""
+    cli = agent_cli(provider)
+    program = cli.program or provider
+    missing = CannotStart(rf"(?:^|:){re.escape(program)}:(?:command)?notfound",
+                          f"the agents' shells do not find its program `{program}`",
+                          f"`{command_name()} --check` says where it is missing and how to make it found")
+    return (*cli.cannot_start, missing)
+
+
+def start_screen(provider: str, terminal_id: str, screen: str) -> StartScreen:
+    """A starting terminal's screen read: from the first line of its last ones that says its CLI cannot start for
+    good (the CLI's words), else its last lines."""
+    lines = readable_lines(screen)[-20:]
+    for index, line in enumerate(lines):
+        squeezed = re.sub(r"\s+", "", line)
+        for reason in cannot_start_reasons(provider):
+            if cli_pattern(reason.words).search(squeezed):
+                return StartScreen(terminal_id, tuple(lines[index:index + START_SCREEN_LINES]), reason)
+    return StartScreen(terminal_id, tuple(lines[-START_SCREEN_LINES:]))
+
+
+def read_start_screen(role: str, terminal_id: str, server: LocalServer | None = None) -> StartScreen:
+    """The role's terminal's screen while it starts: CAO's output route; once CAO removed a terminal whose start
+    failed, its log of it (`server`: cao-server running here, whose HOME holds it)."""
+    screen = _screen(terminal_id) or ""
+    home = server.env.get("HOME", "") if server is not None and not screen.strip() else ""
+    if home:
+        with suppress(OSError), open(Path(home) / CAO_TERMINAL_LOGS / f"{terminal_id}.log", "rb") as log_file:
+            log_file.seek(max(0, log_file.seek(0, os.SEEK_END) - START_LOG_TAIL_BYTES))
+            screen = log_file.read().decode("utf-8", errors="replace")
+    return start_screen(provider_for(role), terminal_id, screen)
+
+
+def starting_roles(session: str, futures: dict[str, Future], known: set[str],
+                   seen: dict[str, StartScreen]) -> list[tuple[str, str]]:
+    """(terminal id, role) of the terminals the session lists that CAO is still starting for a creation under way
+    (by their profile; `known`: the ids of terminals already up)."""
+    found = []
+    for terminal_id, profile in api.session_profiles(session).items():
+        if terminal_id in known:
+            continue
+        role = next((role for role, future in futures.items() if not future.done() and profile_for(role) == profile
+                     and seen.get(role, StartScreen(terminal_id)).terminal_id == terminal_id), None)
+        if role:
+            found.append((terminal_id, role))
+    return found
+
+
+def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, StartScreen],
+                 interrupted: list[int], known: Iterable[str] = ()) -> None:
+    """Wait for the creations, reading every START_WATCH_SECONDS the screen of each terminal CAO still starts
+    (into `seen`): back at once when one shows that its CLI cannot start for good, not after CAO's time limit;
+    after an interrupt, once every creation is over (what they made is exited then)."""
+    while True:
+        _, pending = wait_for_futures(list(futures.values()), timeout=START_WATCH_SECONDS)
+        if not pending:
+            return
+        if interrupted:
+            wait_for_futures(list(futures.values()))
+            return
+        up = set(known) | {future.result()["id"] for future in futures.values()
+                           if future.done() and future.exception() is None and future.result()}
+        for terminal_id, role in starting_roles(session, futures, up, seen):
+            seen[role] = read_start_screen(role, terminal_id)
+            if seen[role].lasting:
+                log(f"{role}: its agent CLI cannot start ({seen[role].lasting.why}); its screen: "
+                    f"{seen[role].quoted()}")
+                return
 
 
 def start_failure_hint(error: str) -> str:
-    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid."""
+    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid; a CLI's start hint
+    only where one of its traps is found sprung."""
     if re.search(r"Session '[^']*' already exists", error):
         return "; another CAO session has the name this run picked at random: run it again to pick another"
     if "HTTP 429" in error:
@@ -5484,8 +5632,9 @@ def start_failure_hint(error: str) -> str:
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
             "what is missing (a CLI its agents' shells do not find, a profile, a known trap); CAO's log is in "
             "~/.aws/cli-agent-orchestrator/logs/ of the user running cao-server")
-    named = [cli.start_hint for cli in AGENT_CLIS.values() if cli.start_hint and (cli.cao_name or cli.label) in error]
-    return hint + "".join(f"; {text}" for text in named)
+    named = [provider for provider, cli in AGENT_CLIS.items()
+             if cli.start_hint and (cli.cao_name or cli.label) in error and sprung_traps(provider)]
+    return hint + "".join(f"; {agent_cli(provider).start_hint}" for provider in named)
 
 
 def exit_terminals(ids: list[str]) -> None:
@@ -5518,6 +5667,8 @@ def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[
     answers: dict[str, dict] = {}
     failures: dict[str, str] = {}
     for role, future in futures.items():
+        if not future.done():          # left unanswered: the watch saw another's CLI unable to start
+            continue
         try:
             answer = future.result()
         except Exception as exc:       # ApiError, or anything else: the others are still exited
@@ -5546,8 +5697,9 @@ def provider_unknown_line(provider: str, report: dict[str, tuple[str, bool]] | N
             "one of those, or upgrade CAO where cao-server runs")
 
 
-def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
-    """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid."""
+def start_up_failure(failures: dict[str, str], screens: dict[str, StartScreen] | None = None) -> OrchestratorExit:
+    """The error a failed start-up stops with, saying what to change where CAO's words leave it unsaid; a CLI that
+    showed why it cannot start is quoted (exit 2: a retry would meet it again)."""
     error = failures.get("analyst") or "; ".join(failures.values())    # a failed session explains the rest
     if "(HTTP 401," in error:        # the server refuses our token: fixed in the settings, not by a retry
         return ConfigError(error)
@@ -5562,39 +5714,95 @@ def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     if model_refused(error):
         return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
                            "accepts, or leave it empty for each CLI's own default")
-    return RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
+    return screen_failure(failures, screens or {}) or \
+        RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
+
+
+def screen_failure(failures: dict[str, str], screens: dict[str, StartScreen]) -> OrchestratorExit | None:
+    """The stop for a failed role whose screen says why (its CLI's words quoted): exit 2 where they name a lasting
+    reason or came again on a second start, else exit 3 with them; None where no failed role's screen was read."""
+    shown = [(role, screens[role]) for role in ROLES if role in failures and role in screens and screens[role].lines]
+    if not shown:
+        return None
+    role, screen = next(((role, screen) for role, screen in shown if screen.lasting), shown[0])
+    label = agent_cli(provider_for(role)).label
+    quoted = f"its screen (terminal {screen.terminal_id}): \"{screen.quoted()}\""
+    if screen.lasting:
+        return RunError(f"could not create the agent terminals: the {role}'s {label} cannot start: "
+                        f"{screen.lasting.why}; {quoted}; {screen.lasting.fix}", EXIT_USAGE)
+    error = failures[role]
+    if screen.again:
+        return RunError(f"could not create the agent terminals: the {role}'s {label} did not start, twice, showing "
+                        f"the same: {quoted} ({error}){start_failure_hint(error)}", EXIT_USAGE)
+    return RunError(f"could not create the agent terminals ({error}); {quoted}{start_failure_hint(error)}")
+
+
+def check_screens_started(answers: dict[str, dict], failures: dict[str, str],
+                          screens: dict[str, StartScreen]) -> None:
+    """A CLI CAO calls up may show on its screen that it cannot work (not signed in): such a role is failed."""
+    for role, answer in answers.items():
+        screen = read_start_screen(role, answer["id"])
+        if screen.lasting:
+            screens[role] = screen
+            failures[role] = f"{role}: its agent CLI came up but cannot work ({screen.lasting.why})"
+
+
+def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> None:
+    """Each failed role's last screen, read once its creation is over (from CAO's log, as CAO removed it)."""
+    server = None
+    for role in failures:
+        if role in screens and not screens[role].lasting:
+            server = server or local_server()
+            screens[role] = read_start_screen(role, screens[role].terminal_id, server)
 
 
 def create_terminals() -> tuple[str, dict[str, str]]:
-    """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
-    timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
+    """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start) while their
+    screens are watched; a start that timed out with no lasting reason shown goes once more alone; a failed or
+    interrupted start exits all it made. The session and the ids."""
     name = new_session_name()
     providers = providers_in_use()
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
-    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
-            signals_held("exiting the terminals being created") as interrupted:
-        session = pool.submit(request_agent, "analyst", name, True)
-        futures = {"analyst": session}
-        for role in ROLES[1:]:
-            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-        answers, failures = creation_answers(futures)
-        if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
-            failures = start_again_one_at_a_time(answers, failures, interrupted)
-        if failures or interrupted:
-            created = answers.get("analyst", {}).get("session_name", "")
-            end_agents([answer["id"] for answer in answers.values()], created)
-        if failures and not interrupted:
-            raise start_up_failure(failures)
+    pool = ThreadPoolExecutor(max_workers=len(ROLES))
+    screens: dict[str, StartScreen] = {}
+    try:
+        with signals_held("exiting the terminals being created") as interrupted:
+            session = pool.submit(request_agent, "analyst", name, True)
+            futures = {"analyst": session}
+            for role in ROLES[1:]:
+                futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
+            watch_starts(name, futures, screens, interrupted)
+            answers, failures = creation_answers(futures)
+            failures.update({role: f"{role}: its agent CLI cannot start ({screen.lasting.why})"
+                             for role, screen in screens.items() if screen.lasting and role not in answers})
+            check_screens_started(answers, failures, screens)
+            final_screens(failures, screens)
+            if failures and not interrupted and start_again_may_help(failures, screens):
+                failures = start_again_one_at_a_time(pool, answers, failures, interrupted, screens)
+            if failures or interrupted or len(answers) < len(ROLES):
+                end_agents([answer["id"] for answer in answers.values()],
+                           answers.get("analyst", {}).get("session_name", name))
+            if failures and not interrupted:
+                raise start_up_failure(failures, screens)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)    # a creation cut short is not waited for
     note_model_answers(answers)
     return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
 
 
-def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str],
-                              interrupted: list[int]) -> dict[str, str]:
-    """The second try, each alone, for the agents that did not start in time among five (all five in a new
-    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left."""
+def start_again_may_help(failures: dict[str, str], screens: dict[str, StartScreen]) -> bool:
+    """Every failure a start that timed out, none with a lasting reason on its screen."""
+    return all(CLI_START_TIMED_OUT in error and not (role in screens and screens[role].lasting)
+               for role, error in failures.items())
+
+
+def start_again_one_at_a_time(pool: ThreadPoolExecutor, answers: dict[str, dict], failures: dict[str, str],
+                              interrupted: list[int], screens: dict[str, StartScreen]) -> dict[str, str]:
+    """The second try, each alone and watched, for the agents that did not start in time among five (all five in
+    a new session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left,
+    each with its screen in `screens` (a second one the same as the first: `lasting` where it says why)."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -5604,13 +5812,22 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
     for role in missing:
         if interrupted:
             return {}
+        session = new_session_name() if role == "analyst" else answers["analyst"]["session_name"]
+        first, again = screens.get(role), {}
+        future = pool.submit(request_agent, role, session, role == "analyst")
+        watch_starts(session, {role: future}, again, interrupted, [a["id"] for a in answers.values()])
         try:
-            if role == "analyst":
-                answers[role] = request_agent(role, new_session_name(), first=True)
-            else:
-                answers[role] = request_agent(role, answers["analyst"]["session_name"])
+            if again.get(role) and again[role].lasting:
+                raise ApiError(f"its agent CLI cannot start ({again[role].lasting.why})")
+            answers[role] = future.result()
         except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
-            return {role: f"{role}: {exc} (on its second try too, started alone)"}
+            failed = {role: f"{role}: {exc} (on its second try too, started alone)"}
+            if role in again:
+                screens[role] = again[role]
+                final_screens(failed, screens)
+                if first is not None and first.lines and screens[role].lines == first.lines:
+                    screens[role] = replace(screens[role], again=True)
+            return failed
     log("all five agents are up after the second try")
     return {}
 
@@ -8391,6 +8608,17 @@ def check_traps(side: AgentsSide) -> list[CheckLine]:
     """Each CLI's known traps, as its row declares them."""
     return [check_trap(agent_cli(provider), trap, side) for provider in providers_in_use()
             for trap in agent_cli(provider).traps]
+
+
+def sprung_traps(provider: str) -> list[CheckLine]:
+    """The provider's traps found sprung on the agents' side, looked at as --check does (a failed start-up names a
+    trap only then); none where the agents' side cannot be looked into from here."""
+    traps = agent_cli(provider).traps
+    server = local_server() if traps else None
+    side = probe_agents_side(server, []) if server is not None and shutil.which("tmux") else None
+    if not isinstance(side, AgentsSide):
+        return []
+    return [line for line in (check_trap(agent_cli(provider), trap, side) for trap in traps) if line.ok is False]
 
 
 def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[CheckLine], AgentsSide | None]:

@@ -133,6 +133,8 @@ def test_the_name_cao_answers_is_the_one_saved_and_used_for_the_adds(orch, monke
         router.post("http://cao.test/sessions").mock(return_value=httpx.Response(
             201, json={"id": "00000001", "session_name": "cao-loop-asked-2", "status": "idle"}))
         router.post(url__regex=r"^http://cao\.test/sessions/[^/]+/terminals").mock(side_effect=add)
+        router.get(url__regex=r"^http://cao\.test/(terminals/[^/]+/output|sessions/[^/]+$)").mock(   # screens read
+            return_value=httpx.Response(200, json={"output": "", "terminals": []}))
         session_name, terminals = orch.create_terminals()
     assert session_name == "cao-loop-asked-2"
     assert added_to == ["cao-loop-asked-2"] * 4
