@@ -5748,12 +5748,14 @@ def check_screens_started(answers: dict[str, dict], failures: dict[str, str],
 
 
 def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> None:
-    """Each failed role's last screen, read once its creation is over (from CAO's log, as CAO removed it)."""
+    """Each failed role's last screen, read once its creation is over (from CAO's log, as CAO removed it); the one
+    seen while it started where neither can be read."""
     server = None
     for role in failures:
         if role in screens and not screens[role].lasting:
             server = server or local_server()
-            screens[role] = read_start_screen(role, screens[role].terminal_id, server)
+            last = read_start_screen(role, screens[role].terminal_id, server)
+            screens[role] = last if last.lines else screens[role]
 
 
 def create_terminals() -> tuple[str, dict[str, str]]:

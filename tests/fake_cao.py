@@ -193,6 +193,15 @@ class FakeCao:
     # provider -> (its start-up mark, the mark of a turn started, of a turn ended): a CLI that marks its turns
     turn_marks: dict[str, tuple[str, str, str]] = field(
         default_factory=lambda: {"codex": (CODEX_IDLE, CODEX_WORKING, CODEX_ENDED)})
+    # profile -> what its CLI shows while CAO starts it: as CAO 2.5.4, its terminal is listed in its session (with
+    # its profile) and its screen read from the start; it stays if the start succeeds, and goes with a failed one
+    start_screens: dict[str, str] = field(default_factory=dict)
+    # (a list: one screen a try, the last repeating)
+    # profile in fail_create -> "deleted": its failure is answered only once its session was deleted, "read": once its
+    # screen was read (or WAIT_SECONDS): CAO answers a CLI that never came up only at its time limit, minutes later
+    held_starts: dict[str, str] = field(default_factory=dict)
+    screen_reads: dict[str, int] = field(default_factory=dict)  # terminal id -> reads of its full output
+    starts_seen: dict[str, int] = field(default_factory=dict)   # profile -> creations started (a second try: 2)
     _session_thread: int | None = None   # the thread that sent the (last) session request
     _session_answered: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -411,16 +420,26 @@ class FakeCao:
         if self.creations_at_once:
             self.wait_until(f"{self.creations_at_once} creations under way at once",
                             lambda: self.creating_peak >= self.creations_at_once)
+        starting = self._starting(params, session)
+        if starting is not None and self.held_starts.get(profile) == "deleted":
+            self.wait_until(f"session {session} deleted while {profile} starts",
+                            lambda: session in self.deleted_sessions)
+        elif starting is not None and self.held_starts.get(profile) == "read":
+            self.wait_until(f"the screen of {profile}'s starting terminal read",
+                            lambda: self.screen_reads.get(starting.id, 0) > 0)
         time.sleep(self.create_delay)
         with self._changed:
             self.creating_now -= 1
             self._changed.notify_all()
             if profile in self.fail_create:
+                if starting is not None:           # CAO removes the terminal of a failed start
+                    starting.deleted = True
                 return self._answer(profile, *self._refusal(profile))
-            terminal = Terminal(id=f"{next(self._ids):08x}", session=session,
-                                role=PROFILE_ROLES.get(profile, profile), profile=profile,
-                                provider=params.get("provider", ""),
-                                working_directory=params.get("working_directory", ""))
+            terminal = starting or Terminal(id=f"{next(self._ids):08x}", session=session,
+                                            role=PROFILE_ROLES.get(profile, profile), profile=profile,
+                                            provider=params.get("provider", ""),
+                                            working_directory=params.get("working_directory", ""))
+            terminal.status = "idle"
             if self.startup_polls:
                 terminal.status, terminal.polls_left = "processing", self.startup_polls
             self.terminals[terminal.id] = terminal
@@ -431,6 +450,24 @@ class FakeCao:
             return self._answer(profile, 201, {"id": terminal.id, "session_name": session, "status": "idle",
                                                "provider": terminal.provider, "agent_profile": profile,
                                                "model": model, "model_honored": terminal.provider != "mock_cli"})
+
+    def _starting(self, params: dict[str, str], session: str) -> Terminal | None:
+        """The terminal of a creation whose CLI's start-up screen the test gave, recorded as CAO records it before
+        its CLI is up (None: the terminal comes to exist only when its creation answers)."""
+        profile = params.get("agent_profile", "")
+        with self._changed:
+            self.starts_seen[profile] = self.starts_seen.get(profile, 0) + 1
+            if profile not in self.start_screens:
+                return None
+            screens = self.start_screens[profile]
+            screen = screens if isinstance(screens, str) else screens[min(self.starts_seen[profile], len(screens)) - 1]
+            terminal = Terminal(id=f"{next(self._ids):08x}", session=session, role=PROFILE_ROLES.get(profile, profile),
+                                profile=profile, provider=params.get("provider", ""),
+                                working_directory=params.get("working_directory", ""), status="processing",
+                                echo=screen)
+            self.terminals[terminal.id] = terminal
+            self._changed.notify_all()
+        return terminal
 
     def _refusal(self, profile: str) -> tuple[int, dict]:
         status, detail = self.fail_create[profile]
@@ -457,7 +494,7 @@ class FakeCao:
         with self._lock:
             if name not in self.sessions:
                 return httpx.Response(404, json={"detail": f"Session '{name}' not found"})
-            listed = [{"id": t.id, "status": t.status} for t in self.terminals.values()
+            listed = [{"id": t.id, "status": t.status, "agent_profile": t.profile} for t in self.terminals.values()
                       if t.session == name and not t.deleted]
         return httpx.Response(200, json={"session": {"id": name, "name": name}, "terminals": listed})
 
@@ -619,6 +656,8 @@ class FakeCao:
         if terminal.window_gone:
             return httpx.Response(404, json={"detail": f"Terminal '{terminal.id}' output not found"})
         if mode == "full":              # the screen since the last input: the echoed prompt, then the reply
+            self.screen_reads[terminal.id] = self.screen_reads.get(terminal.id, 0) + 1
+            self._notify()
             screen = terminal.echo if terminal.cli_dead else terminal.echo + self._marked(terminal)
             return httpx.Response(200, json={"output": screen, "mode": "full"})
         return httpx.Response(200, json={"output": terminal.last_output, "mode": "last"})
