@@ -1373,6 +1373,7 @@ class ApiClient:
         self._transport = transport
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
+        self.abandoned = threading.Event()   # set: requests still running are left to fail, never retried
 
     @property
     def _http(self) -> httpx.Client:
@@ -1400,7 +1401,8 @@ class ApiClient:
                 # sent, and no answer came back: asking again under the same key cannot make a second agent,
                 # so it is asked again even at start-up (a server that is down is still said at once)
                 lost_answer = idempotent and exc.status_code is None and not exc.unsent
-                if not exc.retryable or (method != "GET" and not exc.unsent and not lost_answer):
+                if not exc.retryable or (method != "GET" and not exc.unsent and not lost_answer) \
+                        or self.abandoned.is_set():
                     raise
                 if lost_answer:
                     window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
@@ -5534,13 +5536,15 @@ class StartScreen:
 
 
 def readable_lines(screen: str) -> list[str]:
-    """A raw terminal stream as the lines a person reads, each once where it last showed: cursor moves forward made
-    spaces (CLIs draw spaces so), escape sequences and art gone, shell lines (a prompt, CAO's launch line) left out."""
-    text = re.sub(r"\x1b\[(\d*)C", lambda move: " " * int(move.group(1) or 1), screen)
+    """A raw terminal stream as the lines a person reads, each once where it last showed: cursor moves along the line
+    made a space (CLIs draw spaces so), tmux's passthrough, escape sequences and art gone, shell lines (a prompt,
+    CAO's launch line) left out."""
+    text = re.sub(r"\x1bP.*?\x1b\\", "", screen, flags=re.S)
+    text = re.sub(r"\x1b\[\d*[CG]", " ", text)
     lines: dict[str, None] = {}
     for line in screen_lines(text):
         line = re.sub(r"\s+", " ", line).strip()[:200]
-        if re.search(r"[A-Za-z]{2}", line) and not SHELL_LINE.match(line):
+        if re.search(r"[A-Za-z]{2}", line) and not SHELL_LINE.match(line) and "$(" not in line:
             lines.pop(line, None)
             lines[line] = None
     return list(lines)
@@ -5585,6 +5589,9 @@ def starting_roles(session: str, futures: dict[str, Future], known: set[str],
                    seen: dict[str, StartScreen]) -> list[tuple[str, str]]:
     """(terminal id, role) of the terminals the session lists that CAO is still starting for a creation under way
     (by their profile; `known`: the ids of terminals already up)."""
+    pending = [role for role, future in futures.items() if not future.done()]
+    if all(role in seen for role in pending):           # each one's terminal known: no need to ask the session
+        return [(seen[role].terminal_id, role) for role in pending]
     found = []
     for terminal_id, profile in api.session_profiles(session).items():
         if terminal_id in known:
@@ -5610,8 +5617,11 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
             return
         up = set(known) | {future.result()["id"] for future in futures.values()
                            if future.done() and future.exception() is None and future.result()}
-        for terminal_id, role in starting_roles(session, futures, up, seen):
-            seen[role] = read_start_screen(role, terminal_id)
+        starting = starting_roles(session, futures, up, seen)
+        with ThreadPoolExecutor(max_workers=len(ROLES)) as readers:    # a busy CAO answers each in a second
+            screens = list(readers.map(lambda found: read_start_screen(found[1], found[0]), starting))
+        for (_, role), screen in zip(starting, screens):
+            seen[role] = screen
             if seen[role].lasting:
                 log(f"{role}: its agent CLI cannot start ({seen[role].lasting.why}); its screen: "
                     f"{seen[role].quoted()}")
@@ -5783,9 +5793,15 @@ def create_terminals() -> tuple[str, dict[str, str]]:
             final_screens(failures, screens)
             if failures and not interrupted and start_again_may_help(failures, screens):
                 failures = start_again_one_at_a_time(pool, answers, failures, interrupted, screens)
+            if any(not future.done() for future in futures.values()):
+                api.abandoned.set()        # the creations cut short fail with the session: not asked again
             if failures or interrupted or len(answers) < len(ROLES):
-                end_agents([answer["id"] for answer in answers.values()],
-                           answers.get("analyst", {}).get("session_name", name))
+                made = ([answer["id"] for answer in answers.values()],    # a session cut short is removed too
+                        answers.get("analyst", {}).get("session_name", name if api.abandoned.is_set() else ""))
+                if not api.abandoned.is_set():
+                    end_agents(*made)
+                elif own_server is None:           # CAO removes a session slowly while it starts agents in it
+                    threading.Thread(target=end_agents, args=made, name="ending the agents").start()
             if failures and not interrupted:
                 raise start_up_failure(failures, screens)
     finally:
@@ -5820,6 +5836,7 @@ def start_again_one_at_a_time(pool: ThreadPoolExecutor, answers: dict[str, dict]
         watch_starts(session, {role: future}, again, interrupted, [a["id"] for a in answers.values()])
         try:
             if again.get(role) and again[role].lasting:
+                api.abandoned.set()        # its creation, cut short, fails with the session: not asked again
                 raise ApiError(f"its agent CLI cannot start ({again[role].lasting.why})")
             answers[role] = future.result()
         except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller

@@ -317,12 +317,14 @@ def test_failed_session_creation_writes_no_state(load_orch, fake_cao, prompt_fil
     assert "Working directory not allowed" in capsys.readouterr().err
 
 
-def test_agent_cli_start_up_timeout_says_what_to_check(load_orch, fake_cao, prompt_file, capsys):
+def test_agent_cli_start_up_timeout_says_what_to_check(load_orch, fake_cao, prompt_file, capsys, monkeypatch):
     """CAO's 'initialization timed out' hides the cause: the error line says where to look, and for
-    Claude Code under a root cao-server, which variable it needs."""
+    Claude Code under a root cao-server whose agents lack IS_SANDBOX=1 (as --check finds it), which variable
+    it needs (tests/test_start_failure.py: never where the trap is not found sprung)."""
     fake_cao.fail_create["system_analyst"] = (
         500, "Failed to create session: Claude Code initialization timed out after 60s")
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="claude_code", **QUICK)
+    monkeypatch.setattr(m, "sprung_traps", lambda provider: [m.CheckLine(False, "no IS_SANDBOX=1")])
     assert run_main(m) == 3
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
