@@ -5781,33 +5781,47 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     screens: dict[str, StartScreen] = {}
     try:
         with signals_held("exiting the terminals being created") as interrupted:
-            session = pool.submit(request_agent, "analyst", name, True)
-            futures = {"analyst": session}
-            for role in ROLES[1:]:
-                futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-            watch_starts(name, futures, screens, interrupted)
-            answers, failures = creation_answers(futures)
-            failures.update({role: f"{role}: its agent CLI cannot start ({screen.lasting.why})"
-                             for role, screen in screens.items() if screen.lasting and role not in answers})
-            check_screens_started(answers, failures, screens)
-            final_screens(failures, screens)
+            answers, failures = start_all_at_once(pool, name, screens, interrupted)
             if failures and not interrupted and start_again_may_help(failures, screens):
                 failures = start_again_one_at_a_time(pool, answers, failures, interrupted, screens)
-            if any(not future.done() for future in futures.values()):
-                api.abandoned.set()        # the creations cut short fail with the session: not asked again
             if failures or interrupted or len(answers) < len(ROLES):
-                made = ([answer["id"] for answer in answers.values()],    # a session cut short is removed too
-                        answers.get("analyst", {}).get("session_name", name if api.abandoned.is_set() else ""))
-                if not api.abandoned.is_set():
-                    end_agents(*made)
-                elif own_server is None:           # CAO removes a session slowly while it starts agents in it
-                    threading.Thread(target=end_agents, args=made, name="ending the agents").start()
+                end_started(answers, name)
             if failures and not interrupted:
                 raise start_up_failure(failures, screens)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)    # a creation cut short is not waited for
     note_model_answers(answers)
     return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
+
+
+def start_all_at_once(pool: ThreadPoolExecutor, name: str, screens: dict[str, StartScreen],
+                      interrupted: list[int]) -> tuple[dict[str, dict], dict[str, str]]:
+    """The five creations at once, the session's first, the four others added to it, their screens watched into
+    `screens`: CAO's answers, and why each failed role failed (one whose CLI cannot start cuts the wait short)."""
+    session = pool.submit(request_agent, "analyst", name, True)
+    futures = {"analyst": session}
+    for role in ROLES[1:]:
+        futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
+    watch_starts(name, futures, screens, interrupted)
+    if any(not future.done() for future in futures.values()):
+        api.abandoned.set()            # the creations cut short fail with the session: not asked again
+    answers, failures = creation_answers(futures)
+    failures.update({role: f"{role}: its agent CLI cannot start ({screen.lasting.why})"
+                     for role, screen in screens.items() if screen.lasting and role not in answers})
+    check_screens_started(answers, failures, screens)
+    final_screens(failures, screens)
+    return answers, failures
+
+
+def end_started(answers: dict[str, dict], name: str) -> None:
+    """Exit the agents that came up and remove their session (one cut short too, while its creations are under
+    way: CAO removes it slowly then, so beside the stop; a run's own server ends it all anyway)."""
+    made = ([answer["id"] for answer in answers.values()],
+            answers.get("analyst", {}).get("session_name", name if api.abandoned.is_set() else ""))
+    if not api.abandoned.is_set():
+        end_agents(*made)
+    elif own_server is None:
+        threading.Thread(target=end_agents, args=made, name="ending the agents").start()
 
 
 def start_again_may_help(failures: dict[str, str], screens: dict[str, StartScreen]) -> bool:
@@ -5820,7 +5834,7 @@ def start_again_one_at_a_time(pool: ThreadPoolExecutor, answers: dict[str, dict]
                               interrupted: list[int], screens: dict[str, StartScreen]) -> dict[str, str]:
     """The second try, each alone and watched, for the agents that did not start in time among five (all five in
     a new session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left,
-    each with its screen in `screens` (a second one the same as the first: `lasting` where it says why)."""
+    each with its screen in `screens`."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -5830,25 +5844,35 @@ def start_again_one_at_a_time(pool: ThreadPoolExecutor, answers: dict[str, dict]
     for role in missing:
         if interrupted:
             return {}
-        session = new_session_name() if role == "analyst" else answers["analyst"]["session_name"]
-        first, again = screens.get(role), {}
-        future = pool.submit(request_agent, role, session, role == "analyst")
-        watch_starts(session, {role: future}, again, interrupted, [a["id"] for a in answers.values()])
-        try:
-            if again.get(role) and again[role].lasting:
-                api.abandoned.set()        # its creation, cut short, fails with the session: not asked again
-                raise ApiError(f"its agent CLI cannot start ({again[role].lasting.why})")
-            answers[role] = future.result()
-        except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
-            failed = {role: f"{role}: {exc} (on its second try too, started alone)"}
-            if role in again:
-                screens[role] = again[role]
-                final_screens(failed, screens)
-                if first is not None and first.lines and screens[role].lines == first.lines:
-                    screens[role] = replace(screens[role], again=True)
-            return failed
+        failed = start_alone(pool, role, answers, screens, interrupted)
+        if failed:
+            return {role: failed}
     log("all five agents are up after the second try")
     return {}
+
+
+def start_alone(pool: ThreadPoolExecutor, role: str, answers: dict[str, dict], screens: dict[str, StartScreen],
+                interrupted: list[int]) -> str:
+    """The role's second start, alone and watched, into `answers`; '' or why it failed, its screen in `screens`
+    (`again` where it showed what the first did, `lasting` where it says why)."""
+    session = new_session_name() if role == "analyst" else answers["analyst"]["session_name"]
+    first, again = screens.get(role), {}
+    future = pool.submit(request_agent, role, session, role == "analyst")
+    watch_starts(session, {role: future}, again, interrupted, [answer["id"] for answer in answers.values()])
+    try:
+        if again.get(role) and again[role].lasting:
+            api.abandoned.set()                # its creation, cut short, fails with the session: not asked again
+            raise ApiError(f"its agent CLI cannot start ({again[role].lasting.why})")
+        answers[role] = future.result()
+        return ""
+    except Exception as exc:               # ApiError, or anything else: what came up is exited by the caller
+        failed = {role: f"{role}: {exc} (on its second try too, started alone)"}
+        if role in again:
+            screens[role] = again[role]
+            final_screens(failed, screens)
+            if first is not None and first.lines and screens[role].lines == first.lines:
+                screens[role] = replace(screens[role], again=True)
+        return failed[role]
 
 
 def replacements_used() -> int:
