@@ -5728,7 +5728,8 @@ def start_up_failure(failures: dict[str, str], screens: dict[str, StartScreen] |
         RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
 
 
-def screen_failure(failures: dict[str, str], screens: dict[str, StartScreen]) -> OrchestratorExit | None:
+def screen_failure(failures: dict[str, str], screens: dict[str, StartScreen],
+                   doing: str = "create the agent terminals") -> OrchestratorExit | None:
     """The stop for a failed role whose screen says why (its CLI's words quoted): exit 2 where they name a lasting
     reason or came again on a second start, else exit 3 with them; None where no failed role's screen was read."""
     shown = [(role, screens[role]) for role in ROLES if role in failures and role in screens and screens[role].lines]
@@ -5738,13 +5739,13 @@ def screen_failure(failures: dict[str, str], screens: dict[str, StartScreen]) ->
     label = agent_cli(provider_for(role)).label
     quoted = f"its screen (terminal {screen.terminal_id}): \"{screen.quoted()}\""
     if screen.lasting:
-        return RunError(f"could not create the agent terminals: the {role}'s {label} cannot start: "
+        return RunError(f"could not {doing}: the {role}'s {label} cannot start: "
                         f"{screen.lasting.why}; {quoted}; {screen.lasting.fix}", EXIT_USAGE)
     error = failures[role]
     if screen.again:
-        return RunError(f"could not create the agent terminals: the {role}'s {label} did not start, twice, showing "
+        return RunError(f"could not {doing}: the {role}'s {label} did not start, twice, showing "
                         f"the same: {quoted} ({error}){start_failure_hint(error)}", EXIT_USAGE)
-    return RunError(f"could not create the agent terminals ({error}); {quoted}{start_failure_hint(error)}")
+    return RunError(f"could not {doing} ({error}); {quoted}{start_failure_hint(error)}")
 
 
 def check_screens_started(answers: dict[str, dict], failures: dict[str, str],
@@ -5893,17 +5894,50 @@ def agent_events_summary(events: list[AgentEvent]) -> str:
 
 
 def request_replacement(role: str, interrupted: list[int]) -> dict:
-    """The new agent for a lost one in the run's session; a start CAO says timed out is tried again, up to its
-    CLI's `start_tries` (not after an interrupt)."""
+    """The new agent for a lost one in the run's session, its screen watched while it starts; a start CAO says timed
+    out is tried again, up to its CLI's `start_tries` (not after an interrupt). Its screen saying why its CLI cannot
+    start for good, or showing on a second start what it did on the first, stops the run (exit 2)."""
     replacing = terminal_ids.get(role, "")
     tries = max(agent_cli(provider_for(role)).start_tries, 1)
-    for attempt in range(1, tries + 1):
-        try:
-            return request_agent(role, session_name, replacing=replacing)
-        except ApiError as exc:
-            if CLI_START_TIMED_OUT not in str(exc) or interrupted or attempt == tries:
-                raise
-            log(f"{role}: the new agent's CLI did not start within CAO's time limit ({exc}); starting it again")
+    pool, first = ThreadPoolExecutor(max_workers=1), None
+    try:
+        for attempt in range(1, tries + 1):
+            screen, answer, error = start_replacement(pool, role, replacing, interrupted)
+            again = bool(screen and first and first.lines and screen.lines == first.lines)
+            if screen is not None and (screen.lasting or again):
+                raise screen_failure({role: f"{role}: {error or 'its agent CLI cannot start'}"},
+                                     {role: replace(screen, again=again)}, "start a new agent") or error
+            if answer is not None:
+                return answer
+            if CLI_START_TIMED_OUT not in str(error) or interrupted or attempt == tries:
+                raise error
+            first = screen
+            log(f"{role}: the new agent's CLI did not start within CAO's time limit ({error}); starting it again")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)    # a start cut short is not waited for
+
+
+def start_replacement(pool: ThreadPoolExecutor, role: str, replacing: str, interrupted: list[int]) \
+        -> tuple[StartScreen | None, dict | None, ApiError | None]:
+    """One start of the role's new agent, watched: its screen (None: never read, or nothing wrong on it), CAO's
+    answer, or its error. A CLI that shows why it cannot start is not waited for; one that came up so is exited."""
+    seen: dict[str, StartScreen] = {}
+    future = pool.submit(request_agent, role, session_name, False, replacing)
+    watch_starts(session_name, {role: future}, seen, interrupted, terminal_ids.values())
+    if seen.get(role) and seen[role].lasting:
+        api.abandoned.set()                # its creation, cut short, is not asked again
+        return seen[role], None, None
+    try:
+        answer = future.result()
+    except ApiError as exc:
+        final_screens({role: str(exc)}, seen)
+        return seen.get(role), None, exc
+    failures: dict[str, str] = {}
+    check_screens_started({role: answer}, failures, seen)
+    if failures:
+        exit_terminals([answer["id"]])
+        return seen[role], None, None
+    return None, answer, None
 
 
 def new_agent_for(role: str, doing: str) -> str:

@@ -186,3 +186,22 @@ def test_a_failed_terminal_s_screen_is_read_from_cao_s_log_once_cao_removed_it(o
 def test_each_row_s_words_name_its_cli_s_lasting_screens(orch, provider, screen, lasting):
     """Read by one generic reader from the rows' `cannot_start` (and a shell's "not found" for the row's program)."""
     assert (orch.start_screen(provider, "t", screen).lasting is not None) == lasting
+
+
+def test_a_replacement_whose_cli_shows_why_it_cannot_start_stops_the_run_with_exit_2(load_orch, fake_cao,
+                                                                                   prompt_file, capsys):
+    """REPLACE_LOST_AGENTS=1: the tester's CLI dies, its new agent's CLI refuses to start as root: the run stops
+    on its words (exit 2), not after CAO's limit, and no second start is made though the row would give one."""
+    def kill_and_refuse(fake, terminal) -> None:
+        fake.start_screens[terminal.profile] = ROOT_REFUSAL
+        fake.fail_create[terminal.profile] = TIMED_OUT
+        fake.held_starts[terminal.profile] = "read"
+        fake.kill_cli(terminal.role)
+
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_and_refuse}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), REPLACE_LOST_AGENTS="1", **QUICK)
+    assert run_main(m) == m.EXIT_USAGE
+    line = stop_line(capsys)
+    assert "could not start a new agent: the tester's Claude Code cannot start" in line, line
+    assert "cannot be used with root/sudo privileges" in line and "IS_SANDBOX=1 cao-server" in line, line
+    assert fake_cao.starts_seen["tester"] == 2 and fake_cao.gave_up == []      # its first start, one replacement
