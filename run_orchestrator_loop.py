@@ -1768,24 +1768,80 @@ def note_own_server(own: OwnServer) -> None:
     os.replace(temporary, note)
 
 
-def end_left_own_server() -> None:
-    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+def read_own_server_note() -> OwnServer | None:
+    """The own server noted beside the state file (None: no note); a ValueError says why a note cannot be read."""
     note = own_server_note()
     try:
         raw = json.loads(note.read_text(encoding="utf-8"))
-        left = OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
+        return OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
                          {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()})
     except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{note} cannot be read ({exc})") from None
+
+
+def child_processes(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc): a tmux server's are its panes, one an agent."""
+    children = []
+    with suppress(OSError):
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                with suppress(OSError, IndexError, ValueError):
+                    stat = (proc / "stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()
+                    if int(stat[1]) == pid and stat[0] != "Z":
+                        children.append(int(proc.name))
+    return children
+
+
+@dataclass
+class StageAlive:
+    """What of a run's own server still runs, as /proc tells it (a pid with another start time is another's)."""
+
+    cao_server: int | None
+    tmux: int | None
+    agents: int                          # the tmux server's panes: one for each agent
+    processes: list[int]                 # every process the own server started, those two included
+
+    def text(self) -> str:
+        """'cao-server pid 12, tmux pid 34, 5 agents (22 processes in all)'."""
+        parts = [f"{name} pid {pid}" for name, pid in (("cao-server", self.cao_server), ("tmux", self.tmux)) if pid]
+        parts += [counted(self.agents, "agent")] if self.tmux else []
+        every = f"{len(self.processes)} process{'es' if len(self.processes) != 1 else ''}"
+        return f"{', '.join(parts)} ({every} in all)" if parts else f"{every} it started"
+
+    def end_command(self) -> str:
+        """A command that ends them without the run: cao-server's process group and the tmux server (whose
+        panes end with it), or the processes left when both are gone."""
+        leaders = [f"-{self.cao_server}"] * bool(self.cao_server) + [str(self.tmux)] * bool(self.tmux)
+        return "kill -- " + " ".join(leaders) if leaders else "kill " + " ".join(map(str, self.processes))
+
+
+def stage_alive(own: OwnServer) -> StageAlive | None:
+    """What of the noted own server still runs (None: nothing, it ended)."""
+    alive = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    processes = sorted(set(marked_processes(own.tmux_dir)) | set(alive.values()))
+    if not processes:
+        return None
+    tmux = alive.get("tmux")
+    return StageAlive(alive.get("cao-server"), tmux, len(child_processes(tmux)) if tmux else 0, processes)
+
+
+def end_left_own_server() -> None:
+    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+    try:
+        left = read_own_server_note()
+    except ValueError as exc:
+        log(f"note: {exc}; removed")
+        own_server_note().unlink(missing_ok=True)
         return
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        log(f"note: {note} cannot be read ({exc}); removed")
-        note.unlink(missing_ok=True)
+    if left is None:
         return
     alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
     log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
         + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
     end_own_processes(left)
-    note.unlink(missing_ok=True)
+    own_server_note().unlink(missing_ok=True)
 
 
 def loop_program(name: str) -> str:
@@ -2827,6 +2883,90 @@ def release_run_lock() -> None:
         with suppress(OSError):          # kept when the run wrote anything there
             run_lock_made_folder.rmdir()
         run_lock_made_folder = None
+
+
+def killed_invocation() -> str:
+    """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
+    (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
+    try:
+        handle = open(STATE_FILE + ".lock", encoding="utf-8")
+    except OSError:
+        return ""
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return ""                    # held: that invocation lives
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return handle.read().strip()
+
+
+# From the lock on until the state file has the run, a note beside it says that a run is starting, since when,
+# how far it got and each agent's start ('starting', 'up', or 'failed' and why): --status reads it. It goes
+# once the state file holds the run or the stop's line has said why not; an invocation killed in start-up
+# leaves it (written whole or not at all, like the own server's note).
+START_UP_AGENT_STATES = ("starting", "up", "failed")
+start_up_facts: dict = {}                # this invocation's note while its run starts ({} at any other time)
+start_up_guard = threading.Lock()        # the agents start in threads of their own
+
+
+def start_up_note() -> Path:
+    """Where a starting run is noted: beside the state file."""
+    state = Path(STATE_FILE)
+    return state.with_name(state.stem + ".start-up.json")
+
+
+def write_start_up_note() -> None:
+    """The note as it stands now, replaced whole; a note that cannot be written costs the run nothing."""
+    note = start_up_note()
+    temporary = note.with_name(f"{note.name}.{threading.get_ident()}.tmp")
+    with suppress(OSError):
+        temporary.write_text(json.dumps(start_up_facts), encoding="utf-8")
+        os.replace(temporary, note)
+
+
+def begin_start_up(resuming: bool) -> None:
+    """Note that this invocation starts a run (a new one, or the saved one resumed), under the run's lock."""
+    with start_up_guard:
+        start_up_facts.clear()
+        start_up_facts.update(pid=os.getpid(), since=utc_iso(), resuming=resuming, step="starting", agents={})
+        write_start_up_note()
+
+
+def note_start_up_step(step: str) -> None:
+    """What the start-up does now ('starting the run's own CAO server', 'creating the five agents', ...)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["step"] = step
+            write_start_up_note()
+
+
+def note_agent_start(role: str, state: str, reason: str = "", terminal: str = "") -> None:
+    """One agent's start in the start-up note: 'starting', 'up' (its terminal), or 'failed' with why in the
+    CLI's or CAO's words (the last word on a role wins). Nothing outside a start-up (a replacement mid-run)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["agents"][role] = {"state": state, "reason": reason, "terminal": terminal}
+            write_start_up_note()
+
+
+def end_start_up() -> None:
+    """The start-up is over: the state file holds the run, or the stop's line has said why it did not start."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_note().unlink(missing_ok=True)
+            start_up_facts.clear()
+
+
+def read_start_up_note() -> dict | None:
+    """The start-up note beside the state file, as --status reads it (None: none, or one that cannot be read)."""
+    try:
+        note = json.loads(start_up_note().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("pid"), int) or not isinstance(note.get("agents"), dict):
+        return None
+    return note
 
 
 # ==========================================================================
@@ -5429,9 +5569,15 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`.
     The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
     key = agent_key(role, session, replacing)
-    if first:
-        return api.create_session(profile_for(role), provider_for(role), session, model_for(role), key)
-    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key)
+    note_agent_start(role, "starting")
+    try:
+        answer = (api.create_session(profile_for(role), provider_for(role), session, model_for(role), key) if first
+                  else api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key))
+    except Exception as exc:
+        note_agent_start(role, "failed", str(exc))
+        raise
+    note_agent_start(role, "up", terminal=str(answer.get("id", "")) if isinstance(answer, dict) else "")
+    return answer
 
 
 def note_model_answers(answers: dict[str, dict]) -> None:
@@ -5570,6 +5716,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
     name = new_session_name()
     providers = providers_in_use()
+    note_start_up_step(f"creating the five agents on {API}")
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
@@ -8689,24 +8836,110 @@ def next_step(saved: SavedState) -> str:
             f"{saved.current_phase} phase")
 
 
-def own_server_ended(saved: SavedState) -> bool:
-    """The run was on a CAO server of its own and no process drives it: that server ended with it."""
-    return saved.on_own_server and not lock_holder()
+@dataclass
+class StageSeen:
+    """What --status reads of the stage besides the state file: the run's lock, the notes beside it, /proc."""
+
+    holder: str                          # 'pid N since ...' of the invocation that drives the run ('': none)
+    killed: str                          # the same of an invocation killed holding the lock ('': none)
+    own: OwnServer | None                # the run's own server, as noted beside the state file
+    alive: StageAlive | None             # what of it still runs (None: nothing)
+    starting: dict | None                # the start-up note of the invocation that holds the lock: it starts
+    start_left: dict | None              # the start-up note of an invocation killed while it started
 
 
-def _status_progress(saved: SavedState) -> list[str]:
+def see_stage() -> StageSeen:
+    """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
+    holder = lock_holder()
+    try:
+        own = read_own_server_note()
+    except ValueError:
+        own = None
+    note = read_start_up_note()
+    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
+    live = note is not None and driven is not None and note["pid"] == int(driven[1])
+    return StageSeen(holder, killed_invocation(), own, stage_alive(own) if own else None,
+                     note if live else None, note if note is not None and not holder else None)
+
+
+def own_server_ended(saved: SavedState, stage: StageSeen) -> bool:
+    """The run was on a CAO server of its own, no process drives it, and nothing of that server runs."""
+    return saved.on_own_server and not stage.holder and stage.alive is None
+
+
+def since_text(iso: str) -> str:
+    """'2026-11-24 15:00:00 UTC, 2m 5s ago': a time the state or a note wrote, and how long ago it was."""
+    moment = parse_utc_iso(iso)
+    shown = iso.replace("T", " ").replace("Z", " UTC")
+    return shown if moment is None else f"{shown}, {duration_text(time.time() - moment.timestamp())} ago"
+
+
+def _status_server(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """The CAO server as the stage shows it: the run's own (with the run, left running, or ended), else API's."""
+    own, alive = stage.own, stage.alive
+    if own is not None and stage.holder:
+        return [f"CAO server: the run's own, {own.url} ({alive.text() if alive else 'starting'}); it ends with the run"]
+    if own is not None and alive is not None:
+        return [f"CAO server: the run's own ({own.url}), still running: {alive.text()} -- the same command ends them, "
+                f"or `{alive.end_command()}`"]
+    if stage.starting:
+        return []                        # chosen as the run starts: its step says where
+    if not stage.holder and (own is not None or (saved is not None and saved.on_own_server)):
+        return [f"CAO server: the run's own, ended (it was at {own.url if own else API}); a rerun starts another"]
+    return [f"CAO server: {API}"]
+
+
+def _status_progress(saved: SavedState, stage: StageSeen) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
-    server = (f"CAO server: the run's own, ended with its last invocation (it was at {API}); a rerun starts "
-              "another" if own_server_ended(saved) else f"CAO server: {API}")
+    server = _status_server(saved, stage)
     if saved.finished:
-        return [server, f"turns: {len(saved.turn_records)} answered"]
-    working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with a new "
-               "agent at the rerun" if own_server_ended(saved) and saved.in_flight and not saved.in_flight.reply_file
-               else working_now(saved))
-    return [server, f"next: {next_step(saved)}", f"working now: {working}",
+        return [*server, f"turns: {len(saved.turn_records)} answered"]
+    working = working_now(saved)
+    if saved.on_own_server and not stage.holder and saved.in_flight and not saved.in_flight.reply_file:
+        working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with "
+                   "a new agent at the rerun" if stage.alive is None else
+                   f"{working}; no process drives it: the rerun ends its agent, and takes its reply if complete, "
+                   "else sends the turn to a new agent")
+    return [*server, f"next: {next_step(saved)}", f"working now: {working}",
             f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
             f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
             + (", story attempts not counted)" if STORY_MODE else ")")]
+
+
+def start_up_agents_text(note: dict) -> str:
+    """'analyst up (terminal 1a2b3c4d), peer_analyst starting, tester failed: <why>': each agent's start."""
+    parts = []
+    for role in ROLES:
+        agent = note["agents"].get(role)
+        if not isinstance(agent, dict):
+            continue
+        state = agent.get("state")
+        parts.append(f"{role} up" + (f" (terminal {agent['terminal']})" if agent.get("terminal") else "")
+                     if state == "up" else f"{role} failed: {agent.get('reason') or 'no reason given'}"
+                     if state == "failed" else f"{role} starting")
+    return ", ".join(parts) or "none asked for yet"
+
+
+def _status_starting(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """--status while a new run starts: that run (since when, how far, its agents), not the one before it."""
+    note = stage.starting
+    lines = [f"state file: {STATE_FILE}", f"run: a new run is starting, since {since_text(str(note.get('since')))}: "
+             f"{note.get('step')}", *_status_server(None, stage), f"agents: {start_up_agents_text(note)}",
+             f"driven by: {stage.holder}"]
+    if saved is not None:
+        lines.append(f"before it: {describe_state(saved)}; that state file is kept as a backup once the new run's "
+                     "agents are up")
+    return lines
+
+
+def _status_start_left(stage: StageSeen) -> list[str]:
+    """An invocation killed while it started its run: how far it got."""
+    note = stage.start_left
+    if note is None:
+        return []
+    what = "resuming the run" if note.get("resuming") else "starting a new run"
+    return [f"last start-up: pid {note['pid']}, {what} since {note.get('since')}, was killed at "
+            f"\"{note.get('step')}\" (agents: {start_up_agents_text(note)})"]
 
 
 def _status_tokens(saved: SavedState) -> list[str]:
@@ -8724,11 +8957,26 @@ def _status_tokens(saved: SavedState) -> list[str]:
             + (f"; budget {', '.join(budgets)}" if budgets else "")]
 
 
-def _status_agents(saved: SavedState) -> list[str]:
+def agents_line(saved: SavedState, stage: StageSeen) -> str:
+    """Where the run's agents are: exited, ended or still running with the run's own server, or as the server
+    at API tells it."""
+    alive = stage.alive
+    if saved.terminals_exited:
+        return "agents: exited (CLEANUP_ON_EXIT=1)"
+    if own_server_ended(saved, stage):
+        return "agents: ended with the run's own CAO server"
+    if saved.on_own_server and stage.starting:
+        return f"agents: five new ones on the run's own CAO server: {start_up_agents_text(stage.starting)}"
+    if saved.on_own_server and not stage.holder and alive is not None:
+        return (f"agents: still running on the run's own CAO server ({counted(alive.agents, 'agent terminal')}"
+                f"{'' if alive.tmux else ': its tmux server is gone, what it started is not'}), driven by no process "
+                "(the same command ends them)")
+    return f"agents: {agents_left_note(saved)}"
+
+
+def _status_agents(saved: SavedState, stage: StageSeen) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
-    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
-             "agents: ended with the run's own CAO server" if own_server_ended(saved) else
-             f"agents: {agents_left_note(saved)}"]
+    lines = [agents_line(saved, stage)]
     if any(saved.agent_models.values()):
         lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
                                                       for role in ROLES))
@@ -8765,8 +9013,12 @@ def last_exit_code(saved: SavedState) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def _status_last_stop(saved: SavedState) -> list[str]:
-    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1)."""
+def _status_last_stop(saved: SavedState, stage: StageSeen) -> list[str]:
+    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1); one
+    killed holding the lock kept no exit code (the one summary.json holds is an earlier invocation's)."""
+    if stage.killed:
+        return [f"last stop: killed, no exit code ({stage.killed}; SIGKILL, or the machine stopped); a scheduler: "
+                "retry: the same command first ends what it left running"]
     code = last_exit_code(saved) if saved.run_dir else None
     if code is None:
         return []
@@ -8802,12 +9054,30 @@ def working_facts(saved: SavedState) -> dict | None:
             "text": working_now(saved)}
 
 
-def status_facts(saved: SavedState) -> dict:
+def invocation_facts(text: str) -> dict | None:
+    """{"pid", "since"} of 'pid N since ...' as the lock holds it (None: no such invocation)."""
+    named = re.fullmatch(r"pid (\d+) since (.+)", text)
+    return {"pid": int(named[1]), "since": named[2]} if named else {"pid": None, "since": None} if text else None
+
+
+def stage_facts(stage: StageSeen) -> dict:
+    """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
+    processes still running."""
+    alive = stage.alive
+    return {
+        "starting": stage.starting, "killed": invocation_facts(stage.killed), "killed_start_up": stage.start_left,
+        "own_server_running": None if alive is None or stage.own is None else {
+            "url": stage.own.url, "cao_server_pid": alive.cao_server, "tmux_pid": alive.tmux,
+            "agents": alive.agents, "pids": alive.processes, "driven": bool(stage.holder),
+            "end_command": alive.end_command()},
+    }
+
+
+def status_facts(saved: SavedState, stage: StageSeen) -> dict:
     """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
-    file, its lock and its record only, without asking the server."""
-    holder = lock_holder()
-    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
-    code = None if holder or not saved.run_dir else last_exit_code(saved)
+    file, its lock, the notes beside it and its record only, without asking the server."""
+    holder = stage.holder
+    code = None if holder or stage.killed or not saved.run_dir else last_exit_code(saved)
     total, unknown = turns_tokens(saved.turn_records)
     return {
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
@@ -8815,8 +9085,7 @@ def status_facts(saved: SavedState) -> dict:
         "working_now": working_facts(saved), "turns": len(saved.turn_records),
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
-        "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
-                                                                                 if holder else None),
+        "driven_by": invocation_facts(holder),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
         "traceback": traceback_path(saved) if code == EXIT_BUG else None,
@@ -8827,6 +9096,7 @@ def status_facts(saved: SavedState) -> dict:
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
         if saved.final_status == "FAIL" and not saved.terminals_exited else None,
+        **stage_facts(stage),
     }
 
 
@@ -8843,23 +9113,29 @@ def saved_run_or_why() -> tuple[SavedState | None, str]:
 
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
+    if stage.starting and (saved is None or not stage.starting.get("resuming")):
+        return EXIT_PASS, "\n".join(_status_starting(saved, stage))
     if saved is None:
-        return EXIT_FAIL, why
+        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(_status_server(None, stage) if stage.alive
+                                                                       else [])])
     restore_saved_settings(saved)
     connect_api()
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved),
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved, stage),
              *_status_tokens(saved)]
-    holder = lock_holder()
-    lines.append(f"driven by: {holder}" if holder else
+    if stage.starting:
+        lines.append(f"starting: the run is being resumed, since {since_text(str(stage.starting.get('since')))}: "
+                     f"{stage.starting.get('step')}")
+    lines.append(f"driven by: {stage.holder}" if stage.holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
-    if not holder:
-        lines += _status_last_stop(saved)
+    if not stage.holder:
+        lines += _status_last_stop(saved, stage) + _status_start_left(stage)
     if saved.no_progress_stop:
         lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.finished and status_next(saved):
         lines.append(f"next: {status_next(saved)}")
-    lines += _status_agents(saved) + _status_after_run(saved)
+    lines += _status_agents(saved, stage) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
 
@@ -9011,12 +9287,17 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
 
 
 def status_json_report() -> tuple[int, str]:
-    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status."""
+    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status,
+    unless a run is starting or a killed one's start-up left something: then what the stage shows."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
     if saved is None:
-        return EXIT_FAIL, why
+        if not (stage.starting or stage.start_left or stage.alive):
+            return EXIT_FAIL, why
+        return EXIT_PASS, json.dumps({"state_file": STATE_FILE, "result": None, "driven_by": invocation_facts(
+            stage.holder), "cao_server": None, "own_server": stage.own is not None, **stage_facts(stage)})
     restore_saved_settings(saved)
-    return EXIT_PASS, json.dumps(status_facts(saved))
+    return EXIT_PASS, json.dumps(status_facts(saved, stage))
 
 
 FOLLOW_POLL_SECONDS = 0.5           # --status --follow: how often the events file is looked at
@@ -9135,12 +9416,15 @@ def run_command_line(args: list[str]) -> int:
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
         _install_sigterm(_raise_terminated)   # a SIGTERM from here on still ends what the run started
+        begin_start_up(plan.resume)
         end_left_own_server()
         if own_server_wanted(plan):
+            note_start_up_step("starting the run's own CAO server")
             start_own_server()
         connect_api()
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
+        end_start_up()
         say_tokens_not_counted()
         end_old_run(plan)
         if isinstance(api, ApiClient):
@@ -9148,9 +9432,11 @@ def run_command_line(args: list[str]) -> int:
         code = run_loop()
     except AlreadyFinished as exc:
         code = exc.code
+        end_start_up()
         log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
         code, line = stop_line(exc, started)
+        end_start_up()
         say_error(line)
     finally:
         _install_sigterm(previous_sigterm)
