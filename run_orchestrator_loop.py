@@ -1781,17 +1781,14 @@ def read_own_server_note() -> OwnServer | None:
         raise ValueError(f"{note} cannot be read ({exc})") from None
 
 
-def child_processes(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc): a tmux server's are its panes, one an agent."""
-    children = []
-    with suppress(OSError):
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit():
-                with suppress(OSError, IndexError, ValueError):
-                    stat = (proc / "stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()
-                    if int(stat[1]) == pid and stat[0] != "Z":
-                        children.append(int(proc.name))
-    return children
+def agent_panes(own: OwnServer) -> int:
+    """How many panes the own tmux server holds: one for each agent (0 when it does not answer)."""
+    try:
+        listed = subprocess.run(["tmux", "-S", own.tmux_socket, "list-panes", "-a", "-F", "#{pane_pid}"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return len(listed.stdout.split()) if listed.returncode == 0 else 0
 
 
 @dataclass
@@ -1824,7 +1821,7 @@ def stage_alive(own: OwnServer) -> StageAlive | None:
     if not processes:
         return None
     tmux = alive.get("tmux")
-    return StageAlive(alive.get("cao-server"), tmux, len(child_processes(tmux)) if tmux else 0, processes)
+    return StageAlive(alive.get("cao-server"), tmux, agent_panes(own) if tmux else 0, processes)
 
 
 def end_left_own_server() -> None:

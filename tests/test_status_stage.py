@@ -8,8 +8,6 @@ import json
 import signal
 from pathlib import Path
 
-import pytest
-
 from conftest import FAST, run_main
 from fake_cao import MainThreadSignals
 from test_own_server import own_server_stand_in
@@ -40,7 +38,7 @@ def fake_proc(m, monkeypatch, started: dict[int, int], marked: list[int]) -> Non
     """What /proc says: each pid's start time, the processes the own server marked, the tmux server's panes."""
     monkeypatch.setattr(m, "process_started_at", lambda pid: started.get(pid))
     monkeypatch.setattr(m, "marked_processes", lambda mark: list(marked))
-    monkeypatch.setattr(m, "child_processes", lambda pid: PANES if pid == TMUX and TMUX in started else [])
+    monkeypatch.setattr(m, "agent_panes", lambda own: len(PANES))
 
 
 def test_status_after_a_sigkill_names_what_of_the_own_server_still_runs_and_ends_only_when_it_is_gone(
@@ -185,14 +183,3 @@ def test_the_start_up_note_is_only_written_while_a_run_starts(orch):
     orch.note_agent_start("analyst", "up", terminal="1a2b3c4d")   # a replacement mid-run: no note
     orch.note_start_up_step("anything")
     assert not orch.start_up_note().exists()
-
-
-@pytest.mark.parametrize("stat, parent", [("1 (bash) S 4343 1 1", 4343), ("1 (a) b) S 77 1 1", 77)])
-def test_a_process_parent_is_read_past_a_name_with_brackets(orch, tmp_path, monkeypatch, stat, parent):
-    proc = tmp_path / "proc"
-    (proc / "5001").mkdir(parents=True)
-    (proc / "5001" / "stat").write_text(stat)
-    (proc / "self").mkdir()
-    real_path = orch.Path
-    monkeypatch.setattr(orch, "Path", lambda p, *a: proc if p == "/proc" else real_path(p, *a))
-    assert orch.child_processes(parent) == [5001] and orch.child_processes(parent + 1) == []
