@@ -8968,6 +8968,9 @@ def agents_line(saved: SavedState, stage: StageSeen) -> str:
         return (f"agents: still running on the run's own CAO server ({counted(alive.agents, 'agent terminal')}"
                 f"{'' if alive.tmux else ': its tmux server is gone, what it started is not'}), driven by no process "
                 "(the same command ends them)")
+    if saved.on_own_server and stage.holder and not (alive and alive.cao_server):
+        return ("agents: the run's own cao-server is not running, so none can be asked; the process that drives the "
+                "run ends what is left of it when it stops")
     return f"agents: {agents_left_note(saved)}"
 
 
@@ -9237,6 +9240,7 @@ def start_run(task: str) -> StartPlan:
     if plan.resume:
         load_state()
         connect_api()
+        note_start_up_step(f"resuming the run: its agents on {API}")
         if not PROMPT and task:
             set_task(task)
         elif task and task != PROMPT:

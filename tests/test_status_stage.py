@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import FAST, run_main
+from conftest import FAST, ROOT, run_main
 from fake_cao import MainThreadSignals
 from test_own_server import own_server_stand_in
 
@@ -183,3 +185,50 @@ def test_the_start_up_note_is_only_written_while_a_run_starts(orch):
     orch.note_agent_start("analyst", "up", terminal="1a2b3c4d")   # a replacement mid-run: no note
     orch.note_start_up_step("anything")
     assert not orch.start_up_note().exists()
+
+
+def test_a_driven_run_whose_own_cao_server_is_gone_is_never_told_to_start_one(load_orch, fake_cao, prompt_file,
+                                                                               monkeypatch, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
+    stopped_own_server_run(m, fake_cao, monkeypatch)
+    note_killed_own_server(m)
+    Path(m.STATE_FILE + ".lock").unlink()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import run_orchestrator_loop as loop; "
+        f"loop.STATE_FILE = {m.STATE_FILE!r}; loop.acquire_run_lock(); print('HOLDING', flush=True); "
+        "time.sleep(30)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING"
+        fake_proc(m, monkeypatch, {TMUX: TMUX_START}, [TMUX, *PANES])
+        capsys.readouterr()
+        assert run_main(m, "--status") == 0
+        out = capsys.readouterr().out
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ("CAO server: the run's own, http://127.0.0.1:45678 (tmux pid 4343, 5 agents (6 processes in all)); it "
+            "ends with the run") in out
+    assert "agents: the run's own cao-server is not running, so none can be asked" in out
+    assert "start it with" not in out and f"driven by: pid {holder.pid} since " in out and "last stop" not in out
+
+
+def test_status_while_a_run_on_its_own_server_is_resumed_says_so_with_its_new_agents(
+        load_orch, fake_cao, prompt_file, monkeypatch):
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
+    stopped_own_server_run(m, fake_cao, monkeypatch)
+    fake_cao.script.pop("programmer")
+    seen = {}
+    answers = m.note_model_answers
+
+    def look(found):
+        seen["text"] = m.status_report()
+        return answers(found)
+
+    monkeypatch.setattr(m, "note_model_answers", look)
+    assert run_main(m) == 0
+    code, text = seen["text"]
+    assert code == 0 and "run: an unfinished run (round 1, programmer phase)" in text
+    assert "starting: the run is being resumed, since " in text and " ago: creating the five agents on " in text
+    assert "agents: five new ones on the run's own CAO server: analyst up (terminal " in text
+    assert "last stop" not in text and "start it with" not in text
+    assert not m.start_up_note().exists()
