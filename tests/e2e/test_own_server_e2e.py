@@ -144,8 +144,9 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
     """SIGKILL mid-turn leaves the own server running (nothing can end it); the same command again ends
     them first, starts new ones, and goes on to PASS without sending an answered turn again."""
     run = own_run(OWN_SERVER="1")
+    # The programmer's first turn outlasts the looks at --status below: it is still at work when the rerun comes.
     run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
-                                                                        "think_ms": 4000}, PROGRAMMER_REPLY]})
+                                                                        "think_ms": 60000}, PROGRAMMER_REPLY]})
     loop = run.start()
     run.wait_for_prompt(loop, "programmer")
     os.killpg(loop.pid, signal.SIGKILL)
