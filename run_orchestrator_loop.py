@@ -2902,7 +2902,6 @@ def killed_invocation() -> str:
 # how far it got and each agent's start ('starting', 'up', or 'failed' and why): --status reads it. It goes
 # once the state file holds the run or the stop's line has said why not; an invocation killed in start-up
 # leaves it (written whole or not at all, like the own server's note).
-START_UP_AGENT_STATES = ("starting", "up", "failed")
 start_up_facts: dict = {}                # this invocation's note while its run starts ({} at any other time)
 start_up_guard = threading.Lock()        # the agents start in threads of their own
 
