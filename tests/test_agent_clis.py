@@ -216,17 +216,23 @@ FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5",
               "codex-3agents-loop-state.json", "(CAO reads Codex busy)")
 
 
+# The tables that bind the readers of the formats the rows name, each with the section it and its readers are in.
+FORMAT_TABLES = {"RECORD_FORMATS": "# 5. ", "COMPACTION_READERS": "# 5. ", "SIGN_IN_READERS": "# 16. "}
+
+
 def _formats_code(lines: list[str], top: dict) -> set[str]:
-    """The definitions of section 5 the rows reach by the names of their formats: the readers RECORD_FORMATS
-    and COMPACTION_READERS bind, and all of section 5 they use."""
-    first = lines.index("# 5. Tokens used: the CLIs' own records")
-    last = next(number for number, line in enumerate(lines) if number > first and re.match(r"# 6\. ", line))
-    reached, todo = set(), ["RECORD_FORMATS", "COMPACTION_READERS"]
-    while todo:
-        name = todo.pop()
-        if name in top and name not in reached and first < top[name].lineno <= last:
-            reached.add(name)
-            todo += [node.id for node in ast.walk(top[name]) if isinstance(node, ast.Name)]
+    """The definitions the rows reach by the names of their formats: the readers RECORD_FORMATS and
+    COMPACTION_READERS (section 5) and SIGN_IN_READERS (section 16) bind, and all of their section they use."""
+    reached = set()
+    for table, heading in FORMAT_TABLES.items():
+        first = next(number for number, line in enumerate(lines) if line.startswith(heading))
+        last = next(number for number, line in enumerate(lines) if number > first and re.match(r"# \d+\. ", line))
+        todo = [table]
+        while todo:
+            name = todo.pop()
+            if name in top and name not in reached and first < top[name].lineno <= last:
+                reached.add(name)
+                todo += [node.id for node in ast.walk(top[name]) if isinstance(node, ast.Name)]
     return reached
 
 
@@ -272,6 +278,8 @@ def test_a_cli_s_behaviour_lives_in_its_row(orch):
                                                      for name, records in orch.RECORD_FORMATS.items())
     settings = {cli.compaction_settings for cli in orch.AGENT_CLIS.values() if isinstance(cli.compaction_settings, str)}
     assert settings - {""} == set(orch.COMPACTION_READERS)
+    sign_ins = {form.reader for cli in orch.AGENT_CLIS.values() if cli.sign_in for form in cli.sign_in.forms}
+    assert sign_ins - {""} == set(orch.SIGN_IN_READERS)
 
 
 def test_the_versions_a_row_says_are_proven_are_those_the_end_to_end_suite_runs(orch):
