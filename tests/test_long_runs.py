@@ -88,8 +88,10 @@ def test_an_idle_agent_is_told_to_continue_once_the_wait_is_over(m):
 
 
 def test_codex_read_busy_by_cao_at_its_limit_is_waited_out_once_its_screen_is_still(m):
-    """CAO reads Codex `processing` through a usage limit and the wait: a still screen tells instead."""
+    """CAO reads Codex `processing` through a usage limit and the wait (its row's usage_limit_read_busy): a still
+    screen tells instead."""
     facts = idle_since_two(m)
+    facts.cli = m.agent_cli("codex")
     facts.note_status("processing", 3.0)
     facts.note_screen("■ You’ve hit your usage limit. Try again at 8:20 AM.", 3.0)
     facts.note_usage_limit(a_limit(m))
@@ -97,6 +99,18 @@ def test_codex_read_busy_by_cao_at_its_limit_is_waited_out_once_its_screen_is_st
     assert decide(m, facts, 3.0 + 5.0) == ("WORKING", "WAIT_OUT_LIMIT")
     facts.limit_wait_until = 100.0
     assert decide(m, facts, 100.0) == ("WORKING", "CONTINUE_AFTER_LIMIT")
+
+
+def test_a_cli_whose_busy_status_holds_at_its_limit_is_not_waited_out_while_busy(m):
+    """Claude Code's row trusts CAO's `processing` at a usage limit: busy, it is working, not waiting."""
+    facts = idle_since_two(m)
+    facts.cli = m.agent_cli("claude_code")
+    facts.note_status("processing", 3.0)
+    facts.note_screen("You've hit your session limit · resets 3pm", 3.0)
+    facts.note_usage_limit(a_limit(m))
+    assert decide(m, facts, 3.0 + 5.0) == ("WORKING", "WAIT")
+    facts.note_status("idle", 9.0)
+    assert decide(m, facts, 9.0) == ("IDLE_WITHOUT_FILE", "WAIT_OUT_LIMIT")
 
 
 def test_an_agent_that_works_again_after_the_wait_is_not_told_to_continue(m):
@@ -223,8 +237,8 @@ def test_what_the_screen_says_of_the_conversation(m, screen, change):
 
 
 def test_context_low_names_what_is_left(m):
-    assert m.conversation_change("\x1b[31mContext low (8% remaining)\x1b[0m") == \
-        ("context low", "Context low (8% remaining)")
+    assert m.conversation_change("\x1b[31mContext low (8% remaining)\x1b[0m") == ("context low", "8% left")
+    assert m.conversation_change("Context limit reached · /compact or /clear") == ("context low", "none left")
 
 
 def test_a_compaction_drawn_before_the_prompts_echo_counts(m):
@@ -312,7 +326,7 @@ def test_context_low_starts_a_new_agent_for_the_next_turn(load_orch, fake_cao, p
     first, second = prompts_of_tester(fake_cao)
     assert EXPLORE_TEXT in second and m.EXPLORE_BACK_REFERENCE not in second
     out = capsys.readouterr().out
-    assert "its context is nearly full (Context low (7% remaining))" in out
+    assert "its context is nearly full (7% left)" in out
     state = json.loads(Path(m.STATE_FILE).read_text())
     assert state["terminals"]["tester"] == new.id and state["fresh_agents_due"] == {}
     assert [e["what"] for e in state["agent_events"]] == ["context low", "new conversation"]
