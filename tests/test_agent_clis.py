@@ -250,7 +250,7 @@ def _table_lines(lines: list[str]) -> tuple[int, int]:
 # Texts for people that name a CLI as an example, and the old state file's name: none changes what the loop does.
 FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5",
               "(Claude Code: autoCompactWindow, Codex: model_auto_compact_token_limit)",
-              "codex-3agents-loop-state.json", "(CAO reads Codex busy)")
+              "codex-3agents-loop-state.json")
 
 
 def _formats_code(lines: list[str], top: dict) -> set[str]:
@@ -267,9 +267,11 @@ def _formats_code(lines: list[str], top: dict) -> set[str]:
     return reached
 
 
-def _naming(orch) -> re.Pattern:
-    """A CLI named in code: its provider id, program or label (or what CAO calls it) as a word."""
-    names = {name for provider, cli in orch.AGENT_CLIS.items() if provider != orch.SCRIPTED_PROVIDER
+def _naming(orch, providers=None) -> re.Pattern:
+    """A CLI named in code (of `providers`; None: every one but the scripted agent): its provider id, program or
+    label (or what CAO calls it) as a word, in a text whose underscores are spaces."""
+    names = {name for provider, cli in orch.AGENT_CLIS.items()
+             if (provider != orch.SCRIPTED_PROVIDER if providers is None else provider in providers)
              for name in (provider, cli.program, cli.label, cli.cao_name) if name}
     return re.compile(r"(?<![A-Za-z])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
                       + r")(?![A-Za-z])", re.IGNORECASE)
@@ -318,3 +320,27 @@ def test_the_versions_a_row_says_are_proven_are_those_the_end_to_end_suite_runs(
     assert {provider: cli.proven for provider, cli in orch.AGENT_CLIS.items() if cli.proven} == {
         "claude_code": pinned.CLAUDE_CODE_VERSION, "codex": pinned.CODEX_VERSION, "opencode_cli": pinned.OPENCODE_VERSION,
         "copilot_cli": pinned.COPILOT_VERSION, "hermes": pinned.HERMES_VERSION}
+
+
+def test_the_places_a_new_cli_touches_are_listed(orch):
+    """docs/code-map.md's list of the places a new CLI touches holds to the tree: each file it names exists, and
+    every file that names each CLI proven end to end (a place that has one for each) is among them."""
+    root = Path(orch.__file__).parent
+    text = (root / "docs" / "code-map.md").read_text(encoding="utf-8")
+    section = text.split("A new CLI touches exactly these places", 1)[1].split("\n| field |", 1)[0]
+    listed = set(re.findall(r"`([\w/.-]+\.(?:py|md))`", section))
+    assert {"run_orchestrator_loop.py", "tests/fake_cao.py", "README.md"} <= listed
+    assert [place for place in sorted(listed) if not (root / place).is_file()] == []
+    each = [_naming(orch, {provider}) for provider, cli in orch.AGENT_CLIS.items() if cli.proven]
+    naming_each = set()
+    for path in root.rglob("*"):
+        place = path.relative_to(root).as_posix()
+        if not path.is_file() or re.search(r"(^|/)(\.|__pycache__/)|\.egg-info/", place):
+            continue
+        try:
+            words = path.read_text(encoding="utf-8").replace("_", " ")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if all(naming.search(words) for naming in each):
+            naming_each.add(place)
+    assert len(each) >= 5 and naming_each - listed - {"docs/code-map.md"} == set()
