@@ -4414,27 +4414,23 @@ def cli_pattern(text: str) -> re.Pattern:
 
 
 def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
-    """What a field holds for a CLI: its row's; for a CLI not known, or whose row has none, every CLI's (once each)."""
+    """What a field holds for a CLI (its words, a regex): its row's; for a CLI not known, or whose row has none,
+    every CLI's (each once)."""
     rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
     return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
-def row_patterns(cli: AgentCli | None, field_name: str) -> list[re.Pattern]:
-    """The regexes a field holds for a CLI (row_words)."""
-    return [cli_pattern(text) for text in row_words(cli, field_name)]
-
-
 def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
     """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, row_patterns(cli, "usage_limit")
+    found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
     for line in screen_lines(screen or "")[-30:]:
         for pattern in patterns:
             found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
     # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
-    reset = next(filter(None, (pattern.search(found["rest"]) for pattern in row_patterns(cli, "usage_limit_resets"))),
-                 None)
+    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
+                               for words in row_words(cli, "usage_limit_resets"))), None)
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
     return UsageLimit(line, reset_time(reset, now) if reset else None)
@@ -5063,13 +5059,13 @@ def resend_prompt(turn: Turn) -> None:
 
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
-    patterns = row_patterns(cli, "error_lines")
+    patterns = [*map(cli_pattern, row_words(cli, "error_lines"))]
     return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
 
 
 def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     """Whether a provider's error line says the account is rate limited (it passes with time)."""
-    return any(pattern.search(error_line) for pattern in row_patterns(cli, "rate_limit_lines"))
+    return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
 
 
 def idle_without_file(turn: Turn) -> str | None:

@@ -205,15 +205,6 @@ def test_a_limit_above_the_last_thirty_lines_of_the_screen_is_an_old_one(m):
     assert m.usage_limit_on(screen, time.time()) is None
 
 
-def test_the_menu_choice_that_waits_is_found(m):
-    screen = ("\x1b[1mWhat do you want to do?\x1b[0m\n❯ 1. Stop and wait for limit to reset\n"
-              "  2. Upgrade your plan\n")
-    claude = m.agent_cli("claude_code")
-    assert m.safe_menu_choice(m.open_menu(screen), claude) == ("Claude Code's usage-limit menu", 1)
-    assert m.safe_menu_choice(m.open_menu("❯ 1. Yes\n  2. No\n"), claude) is None
-    assert m.safe_menu_choice(m.open_menu(screen), m.agent_cli("codex")) is None    # not a menu Codex opens
-
-
 @pytest.mark.parametrize("screen, change", [
     ("\x1b[2K✻ Conversation compacted (ctrl+o for history)\n", "compacted"),
     ("✻ Conversation\x1b[1Ccompacted", "compacted"),                  # the cursor moved between the words
