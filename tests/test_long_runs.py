@@ -87,30 +87,23 @@ def test_an_idle_agent_is_told_to_continue_once_the_wait_is_over(m):
     assert decide(m, facts, 100.0) == ("IDLE_WITHOUT_FILE", "CONTINUE_AFTER_LIMIT")
 
 
-def test_codex_read_busy_by_cao_at_its_limit_is_waited_out_once_its_screen_is_still(m):
+@pytest.mark.parametrize("provider, while_busy", [("codex", ("WAIT_OUT_LIMIT", "CONTINUE_AFTER_LIMIT")),
+                                                  ("claude_code", ("WAIT", "WAIT"))])
+def test_a_cli_read_busy_at_its_limit_is_waited_out_once_its_screen_is_still_where_its_row_says_so(
+        m, provider, while_busy):
     """CAO reads Codex `processing` through a usage limit and the wait (its row's usage_limit_read_busy): a still
-    screen tells instead."""
+    screen tells instead. Claude Code's row trusts CAO's `processing` there: busy, it is working."""
     facts = idle_since_two(m)
-    facts.cli = m.agent_cli("codex")
+    facts.cli = m.agent_cli(provider)
     facts.note_status("processing", 3.0)
     facts.note_screen("■ You’ve hit your usage limit. Try again at 8:20 AM.", 3.0)
     facts.note_usage_limit(a_limit(m))
     assert decide(m, facts, 4.0) == ("WORKING", "WAIT")                # the screen may still move
-    assert decide(m, facts, 3.0 + 5.0) == ("WORKING", "WAIT_OUT_LIMIT")
+    assert decide(m, facts, 3.0 + 5.0) == ("WORKING", while_busy[0])
     facts.limit_wait_until = 100.0
-    assert decide(m, facts, 100.0) == ("WORKING", "CONTINUE_AFTER_LIMIT")
-
-
-def test_a_cli_whose_busy_status_holds_at_its_limit_is_not_waited_out_while_busy(m):
-    """Claude Code's row trusts CAO's `processing` at a usage limit: busy, it is working, not waiting."""
-    facts = idle_since_two(m)
-    facts.cli = m.agent_cli("claude_code")
-    facts.note_status("processing", 3.0)
-    facts.note_screen("You've hit your session limit · resets 3pm", 3.0)
-    facts.note_usage_limit(a_limit(m))
-    assert decide(m, facts, 3.0 + 5.0) == ("WORKING", "WAIT")
-    facts.note_status("idle", 9.0)
-    assert decide(m, facts, 9.0) == ("IDLE_WITHOUT_FILE", "WAIT_OUT_LIMIT")
+    assert decide(m, facts, 100.0) == ("WORKING", while_busy[1])
+    facts.note_status("idle", 101.0)
+    assert decide(m, facts, 101.0) == ("IDLE_WITHOUT_FILE", "CONTINUE_AFTER_LIMIT")
 
 
 def test_an_agent_that_works_again_after_the_wait_is_not_told_to_continue(m):
