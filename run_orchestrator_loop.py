@@ -492,7 +492,12 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "Claude Code as root: its agents' environment has {seen}, and Claude Code takes only IS_SANDBOX=1, "
                     "so it refuses the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
                     "tmux server with it: stop a running one first)", env="IS_SANDBOX", env_value="1",
-                    root_only=True),),
+                    root_only=True),
+               # its first start in a home asks for a theme and a login, and offline stops on the network probe
+               Trap("Claude Code: its first-run set-up done ({file})",
+                    "Claude Code was never set up in the agents' home: its first start asks for a theme and a "
+                    "login, which no agent answers; start `claude` once by hand as that user, or add to {file}: "
+                    "\"hasCompletedOnboarding\": true", file=".claude.json", json_key="hasCompletedOnboarding")),
         sign_in=CLAUDE_SIGN_IN),
     # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
