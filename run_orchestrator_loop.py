@@ -363,8 +363,10 @@ class AgentCli:
     #                                             (None: QUIET_SCREEN_SECONDS)
     conversation_words: tuple[tuple[str, str], ...] = ()  # (squeezed screen words, 'compacted' or 'cleared')
     context_low: str = ""                       # squeezed regex: its context nearly full, nothing will compact
+    #                                             (group `left`: the percent left; without it: full)
     menus: tuple[tuple[str, str], ...] = ()     # (what the loop calls a menu it opens, the choice that keeps
     #                                             what the user chose)
+    menu_cursor: str = ""                       # the glyphs that mark its menus' highlighted choice
     records: str | TokenRecords = ""            # its turn records: a format in RECORD_FORMATS (section 5), or
     #                                             their reader itself ('': none)
     compaction_settings: str | Callable[[], int | None] = ""  # where it compacts: settings in COMPACTION_READERS
@@ -374,7 +376,10 @@ class AgentCli:
     start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
-    #                                             and `rest`: the words after it, where RESET_AT finds the reset)
+    #                                             and `rest`: the words after it, where usage_limit_resets looks)
+    usage_limit_resets: str = ""                # regex: the reset in them (groups `hour`, and where it names
+    #                                             them `minute`, `half` (am/pm), `month`, `day`, `year`, `zone`)
+    usage_limit_read_busy: bool = False         # CAO reads it busy as it waits at its limit: a still screen tells
     error_lines: str = ""                       # regex: a line of its output that says its model provider failed
     rate_limit_lines: str = ""                  # regex: of those, one that says it is rate limited (429)
     run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
@@ -471,9 +476,11 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Conversationcompacted", "compacted"),     # "✻ Conversation compacted (ctrl+o ...)"
                             ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # after /compact typed by hand
                             ("❯/clear", "cleared")),                    # /clear typed by hand (nothing else shows)
-        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",   # with auto-compact off
-        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
-        usage_limit=HIT_YOUR_LIMIT,
+        context_low=r"Contextlow\((?P<left>\d+)%remaining\)|Contextlimitreached",   # with auto-compact off
+        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),), menu_cursor="❯",
+        usage_limit=HIT_YOUR_LIMIT,      # "· resets 3pm (Europe/Berlin)", "· resets Dec 5, 3:30pm"
+        usage_limit_resets=r"resets (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2}),? )?(?P<hour>\d{1,2})"
+                           r"(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?(?: \((?P<zone>[\w/+-]+)\))?",
         error_lines=r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
@@ -499,8 +506,11 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
         # the agents work in the folder the user gave: the loop trusts it (--check says how beforehand)
         menus=(("Codex's offer to switch the model", "Keep current model"),
-               ("Codex's question whether to trust the project", "Trust and continue")),
-        usage_limit=HIT_YOUR_LIMIT,
+               ("Codex's question whether to trust the project", "Trust and continue")), menu_cursor="›",
+        usage_limit=HIT_YOUR_LIMIT,      # ". Try again at 3:05 PM.", "... at Jan 5th, 2026 3:05 PM."
+        usage_limit_resets=r"[Tt]ry again at (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
+                           r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AP]M)?\.?",
+        usage_limit_read_busy=True,      # CAO reads `processing` through its usage limit and the wait
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
         run_tokens=(300_716, 457_996),
         traps=(Trap("Codex trusts the project ({project})",
@@ -4603,24 +4613,21 @@ def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) 
 
 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
-    """('compacted' or 'cleared', ''), ('context low', 'Context low (8% remaining)') or ('', ''): the whole screen,
-    in its CLI's words (None: every CLI's); Claude Code draws a prompt again below "Conversation compacted"."""
+    """('compacted' or 'cleared', ''), ('context low', '8% left') or ('', ''): the whole screen, in its CLI's
+    words (None: every CLI's); a CLI may draw its prompt again below its words for a compaction."""
     rows = cli_rows(cli)
     text = _squeezed(screen or "")
     for words, what in (pair for row in rows for pair in row.conversation_words):
         if words in text:
             return what, ""
-    low = [found for row in rows if row.context_low for found in re.findall(row.context_low, text)]
+    low = [found for row in rows if row.context_low for found in cli_pattern(row.context_low).finditer(text)]
     if not low:
         return "", ""
-    left, full = low[-1]
-    return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
+    left = low[-1].groupdict().get("left")
+    return "context low", f"{left}% left" if left else "none left"
 
 
-# An account's usage limit (its row's `usage_limit`) lasts until the reset RESET_AT reads in the words after it.
-RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
-RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
-                        r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
+# An account's usage limit (its row's `usage_limit`) lasts until the reset its row's `usage_limit_resets` reads.
 MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
@@ -4632,14 +4639,13 @@ class UsageLimit:
     resets_at: float | None           # time.time() of the reset; None when the CLI names no time
 
 
-def reset_time(when: str, zone: str | None, now: float) -> float | None:
-    """The reset a CLI names ('3:05 PM', 'Jan 5th, 2026 3:05 PM') as time.time(), or None: a time of day is the
-    next such (today's within minutes back), in the zone named, else this machine's."""
-    match = RESET_WHEN.match(when.strip())
-    if not match:
-        return None
+def reset_time(found: re.Match, now: float) -> float | None:
+    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
+    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
+    this machine's."""
+    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
     try:
-        tz = ZoneInfo(zone) if zone else None
+        tz = ZoneInfo(match["zone"]) if match["zone"] else None
     except (ZoneInfoNotFoundError, ValueError):
         tz = None
     local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
@@ -4670,25 +4676,27 @@ def cli_pattern(text: str) -> re.Pattern:
     return re.compile(text)
 
 
-def row_patterns(cli: AgentCli | None, field_name: str) -> list[re.Pattern]:
-    """The regexes a field holds for a CLI: its row's; for a CLI not known, or whose row has none, every CLI's."""
+def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
+    """What a field holds for a CLI (its words, a regex): its row's; for a CLI not known, or whose row has none,
+    every CLI's (each once)."""
     rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
-    return [cli_pattern(text) for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
+    return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
 def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
     """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, row_patterns(cli, "usage_limit")
+    found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
     for line in screen_lines(screen or "")[-30:]:
         for pattern in patterns:
             found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
     # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
-    reset = RESET_AT.search(found["rest"])
+    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
+                               for words in row_words(cli, "usage_limit_resets"))), None)
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
-    return UsageLimit(line, reset_time(reset["when"], reset["zone"], now) if reset else None)
+    return UsageLimit(line, reset_time(reset, now) if reset else None)
 
 
 def clock_text(when: float) -> str:
@@ -4759,7 +4767,7 @@ def check_alive(role: str, terminal_id: str) -> None:
     close a menu its CLI opened (typed text and Enter would pick the menu's highlighted choice)."""
     screen = _screen(terminal_id)
     check_gone(role, terminal_id, screen)
-    menu = open_menu(screen)
+    menu = open_menu(screen, agent_cli(provider_for(role)))
     if menu is not None:
         answer_menu(role, terminal_id, menu)
 
@@ -4767,7 +4775,8 @@ def check_alive(role: str, terminal_id: str) -> None:
 # -- Menus an agent CLI opens by itself ------------------------------------------
 # Typed text's Enter would pick the highlighted choice: the loop picks the one its row names, which keeps what
 # the user chose (its row's `menus`); a menu it does not know stops the turn, naming it. Every answer is logged.
-MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
+# A choice's line; {cursors}: the glyphs that mark the highlighted one (its row's `menu_cursor`).
+MENU_OPTION = r"^\s*(?P<cursor>[{cursors}]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$"
 MENU_LINES = 14                        # a menu is among the screen's last lines
 MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
 
@@ -4784,22 +4793,24 @@ class Menu:
         return f"{self.question} " + " ".join(f"{number}. {text}" for number, text in self.choices)
 
 
-def open_menu(screen: str | None) -> Menu | None:
+def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
     """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
-    highlighted (a numbered list in an answer has no such mark)."""
+    highlighted by its CLI's glyph (row_words; a numbered list in an answer has no such mark)."""
+    cursors = "".join(row_words(cli, "menu_cursor"))
+    menu_option = cli_pattern(MENU_OPTION.replace("{cursors}", re.escape(cursors)))
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
-        first = MENU_OPTION.match(line)
+        first = menu_option.match(line)
         if not first or first["number"] != "1":
             continue
         choices, highlighted = [(1, first["text"])], [1] if first["cursor"] else []
         for later in lines[start + 1:]:
-            option = MENU_OPTION.match(later)
+            option = menu_option.match(later)
             if option and int(option["number"]) == len(choices) + 1:
                 choices.append((len(choices) + 1, option["text"]))
                 highlighted += [len(choices)] if option["cursor"] else []
         if len(choices) >= 2 and len(highlighted) == 1:
-            question = lines[start - 1].strip(" ›❯│") if start else ""
+            question = lines[start - 1].strip(" │" + cursors) if start else ""
             return Menu(tuple(choices), highlighted[0], question)
     return None
 
@@ -4832,7 +4843,8 @@ def pick_menu_choice(role: str, terminal_id: str, menu: Menu, known: tuple[str, 
 def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     """Pick the choice of a known menu that keeps what the user chose; a menu the loop does not know stops
     the turn (nothing typed), naming it."""
-    known = safe_menu_choice(menu, agent_cli(provider_for(role)))
+    cli = agent_cli(provider_for(role))
+    known = safe_menu_choice(menu, cli)
     if known is None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
@@ -4840,7 +4852,7 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     pick_menu_choice(role, terminal_id, menu, known)
     name, choice = known
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
-    while open_menu(_screen(terminal_id)) == menu:
+    while open_menu(_screen(terminal_id), cli) == menu:
         if time.monotonic() >= deadline:
             raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
                                                   f"\"{dict(menu.choices)[choice]}\"; answer it yourself", EXIT_USAGE)
@@ -5014,6 +5026,11 @@ class TurnFacts:
         """Idle, or -- whatever the status says -- a screen still since the last prompt or reminder."""
         return self.is_idle(now) or self.screen_still_since(self.guard_since, now)
 
+    def quiet_at_limit(self, now: float) -> bool:
+        """Idle; or read busy, by a CLI CAO reads busy at its usage limit (its row's usage_limit_read_busy), with
+        a screen still since the last prompt or reminder."""
+        return self.is_idle(now) or (self.cli.usage_limit_read_busy and self.screen_still_since(self.guard_since, now))
+
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
         if self.status in READY_STATUSES and self.ready_since is not None:
@@ -5082,10 +5099,10 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
     WaitRule(OPEN_STATES, "a usage-limit wait is under way",
              lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet (CAO reads Codex busy)",
-             lambda f, now: f.limit_wait_until is not None and f.is_quiet(now), Verdict.CONTINUE_AFTER_LIMIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet",
-             lambda f, now: f.usage_limit is not None and f.is_quiet(now), Verdict.WAIT_OUT_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet at its limit",
+             lambda f, now: f.limit_wait_until is not None and f.quiet_at_limit(now), Verdict.CONTINUE_AFTER_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet at it",
+             lambda f, now: f.usage_limit is not None and f.quiet_at_limit(now), Verdict.WAIT_OUT_LIMIT),
     WaitRule(IDLE_STATES | BUSY_STATES | {TurnState.PROMPT_NOT_SHOWN},
              "compacted during the turn, whose prompt referred back to what the summary may have dropped",
              lambda f, now: f.full_prompt_due, Verdict.RESEND_IN_FULL),
@@ -5305,13 +5322,13 @@ def resend_prompt(turn: Turn) -> None:
 
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
-    patterns = row_patterns(cli, "error_lines")
+    patterns = [*map(cli_pattern, row_words(cli, "error_lines"))]
     return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
 
 
 def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     """Whether a provider's error line says the account is rate limited (it passes with time)."""
-    return any(pattern.search(error_line) for pattern in row_patterns(cli, "rate_limit_lines"))
+    return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
 
 
 def idle_without_file(turn: Turn) -> str | None:
@@ -5581,7 +5598,7 @@ def observe_terminal(turn: Turn) -> None:
             if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
     note_gone(turn, screen, liveness, unreadable=screen_read and screen is None and status not in KNOWN_STATUSES)
-    menu = open_menu(screen)
+    menu = open_menu(screen, turn.facts.cli)
     known = safe_menu_choice(menu, turn.facts.cli) if menu is not None and not turn.facts.lost else None
     if known:
         answer_menu_in_turn(turn, menu, known)     # e.g. what to do at a usage limit: wait for it
