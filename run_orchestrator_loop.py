@@ -101,6 +101,11 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import httpx
 
+try:
+    import tomllib                      # Python 3.11+: Codex's config.toml read whole (--check's sign-in)
+except ModuleNotFoundError:             # Python 3.10: what needs it says it cannot tell
+    tomllib = None
+
 
 # --------------------------------------------------------------------------
 # Exits and logging. A deliberate stop carries its exit code and one line; it derives from SystemExit, so
@@ -293,9 +298,9 @@ class Trap:
     ✓ and on ✗ ({file}, {project} and {tmux} name the file looked at, the project folder, the agents' tmux)."""
 
     found: str                        # told on ✓
-    fix: str                          # told on ✗
-    env: str = ""                     # a variable that must be set in the agents' environment
-    env_value: str = ""               # ... to this value, which a CAO server the run starts itself sets
+    fix: str                          # told on ✗ ({seen}: the variable as the agents have it, or that they lack it)
+    env: str = ""                     # a variable that must be set in the agents' environment ...
+    env_value: str = ""               # ... to exactly this value, which a CAO server the run starts itself sets
     root_only: bool = False           # a trap only where the agents run as root
     file: str = ""                    # else a file under the agents' home ...
     folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set
@@ -313,6 +318,35 @@ class CannotStart:
     words: str                        # regex on a screen line squeezed (no whitespace, no escape sequences)
     why: str                          # what they mean
     fix: str                          # what to do
+
+
+@dataclass(frozen=True)
+class Credential:
+    """One way a CLI can be signed in, as its row's `SignIn` lists them: looked for by sign_in_lines() (section
+    16) in the agents' environment and home, without a token spent. Its name is told on ✓ ({file}: the file
+    looked at, {variable}: the variable found; never a secret's value)."""
+
+    name: str
+    env: tuple[str, ...] = ()         # one of these variables set (not empty) in the agents' environment, or in
+    #                                   the "env" of one of the CLI's settings files (`SignIn.settings_env`) ...
+    settings_only: bool = False       # ... only there (CAO clears it from the agents' environment at start)
+    file: str = ""                    # else a file under the agents' home ({project}/...: under the project) ...
+    folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set,
+    json_key: str = ""                # whose JSON object has this key set (a.b: key b of key a) ...
+    pattern: str = ""                 # ... or whose text matches this regex (multi-line)
+    reader: str = ""                  # else a reader in SIGN_IN_READERS (section 16): what needs more than a look
+    unsure: bool = False              # found, yet whether it works cannot be told from here: a "cannot say" line
+    not_enough: str = ""              # found, yet it signs nothing in by itself: why, and what to do (told on ✗)
+
+
+@dataclass(frozen=True)
+class SignIn:
+    """How a CLI is signed in: the forms it accepts (the first found is named), and the fix when none is."""
+
+    login: str                        # its own login command
+    instead: str                      # the variable that also works, as the fix's second half ("or ...")
+    forms: tuple[Credential, ...]
+    settings_env: tuple[str, ...] = ()  # its settings files whose "env" object sets variables for it
 
 
 @dataclass(frozen=True)
@@ -339,24 +373,30 @@ class AgentCli:
     #                                             (None: QUIET_SCREEN_SECONDS)
     conversation_words: tuple[tuple[str, str], ...] = ()  # (squeezed screen words, 'compacted' or 'cleared')
     context_low: str = ""                       # squeezed regex: its context nearly full, nothing will compact
+    #                                             (group `left`: the percent left; without it: full)
     menus: tuple[tuple[str, str], ...] = ()     # (what the loop calls a menu it opens, the choice that keeps
     #                                             what the user chose)
+    menu_cursor: str = ""                       # the glyphs that mark its menus' highlighted choice
     records: str | TokenRecords = ""            # its turn records: a format in RECORD_FORMATS (section 5), or
     #                                             their reader itself ('': none)
     compaction_settings: str | Callable[[], int | None] = ""  # where it compacts: settings in COMPACTION_READERS
     #                                             (section 5), or their reader itself ('': none)
-    start_hint: str = ""                        # for a user whose CLI did not start under CAO
+    start_hint: str = ""                        # for a user whose CLI did not start under CAO (its traps: only
+    #                                             where found sprung)
     cao_name: str = ""                          # what CAO's error messages call it ('': its label)
     start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
-    #                                             and `rest`: the words after it, where RESET_AT finds the reset)
+    #                                             and `rest`: the words after it, where usage_limit_resets looks)
+    usage_limit_resets: str = ""                # regex: the reset in them (groups `hour`, and where it names
+    #                                             them `minute`, `half` (am/pm), `month`, `day`, `year`, `zone`)
     error_lines: str = ""                       # regex: a line of its output that says its model provider failed
     rate_limit_lines: str = ""                  # regex: of those, one that says it is rate limited (429)
     run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
     #                                             (9 turns), in round 2 (14); measured by bench/bench_run_tokens.py
     program: str = ""                           # the program CAO starts ('': the one CAO names)
     traps: tuple[Trap, ...] = ()                # its set-up traps, looked for by --check (section 16)
+    sign_in: SignIn | None = None               # how it is signed in, looked for by --check (None: not known)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
@@ -373,6 +413,73 @@ class AgentCli:
 HIT_YOUR_LIMIT = r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})"
 CODEX_CONFIG = dict(file=".codex/config.toml", folder_env="CODEX_HOME")
 
+# -- How each CLI is signed in: the forms its own code accepts (docs/agent-clis.md#signed-in) -----------------
+# Claude Code 2.1: CAO's launch line clears every CLAUDE* variable but the CLAUDE_CODE_USE_* switches, so a
+# CLAUDE_CODE_OAUTH_TOKEN (or CLAUDE_CONFIG_DIR) of the agents' environment never reaches it; its settings'
+# "env" does. A key in ANTHROPIC_API_KEY is used only once approved: until then it asks at each start.
+CLAUDE_SETTINGS = (".claude/settings.json", "{project}/.claude/settings.json", "{project}/.claude/settings.local.json")
+CLAUDE_SIGN_IN = SignIn(
+    "`claude`, then /login (or `claude setup-token`)", "or set ANTHROPIC_API_KEY for the agents",
+    (Credential("ANTHROPIC_AUTH_TOKEN", env=("ANTHROPIC_AUTH_TOKEN",)),
+     Credential("ANTHROPIC_API_KEY", env=("ANTHROPIC_API_KEY",), reader="claude api key"),
+     Credential("CLAUDE_CODE_OAUTH_TOKEN in its settings", env=("CLAUDE_CODE_OAUTH_TOKEN",), settings_only=True),
+     *(Credential("apiKeyHelper in {file}", file=name, json_key="apiKeyHelper") for name in CLAUDE_SETTINGS),
+     Credential("its login, {file}", file=".claude/.credentials.json", json_key="claudeAiOauth.accessToken"),
+     Credential("the API key of its login, {file}", file=".claude.json", json_key="primaryApiKey"),
+     *(Credential(f"{switch} set: it signs in with {cloud}'s credentials, which --check does not look into",
+                  env=(switch,), unsure=True)
+       for switch, cloud in (("CLAUDE_CODE_USE_BEDROCK", "Amazon Bedrock"),
+                             ("CLAUDE_CODE_USE_VERTEX", "Google Vertex AI"),
+                             ("CLAUDE_CODE_USE_FOUNDRY", "Microsoft Foundry"))),
+     Credential("CLAUDE_CODE_OAUTH_TOKEN", env=("CLAUDE_CODE_OAUTH_TOKEN",),
+                not_enough="CAO clears CLAUDE_CODE_OAUTH_TOKEN before it starts Claude Code: put it under \"env\" "
+                           "in ~/.claude/settings.json instead")),
+    settings_env=CLAUDE_SETTINGS)
+# Codex 0.169: its login (auth.json) or a model provider of its config; OPENAI_API_KEY alone shows its login screen.
+CODEX_SIGN_IN = SignIn(
+    "`codex login`", "or give it an API key: `printenv OPENAI_API_KEY | codex login --with-api-key`",
+    (Credential("its model provider", reader="codex model provider", **CODEX_CONFIG),
+     Credential("its login, {file}", file=".codex/auth.json", folder_env="CODEX_HOME",
+                pattern=r'"OPENAI_API_KEY"\s*:\s*"[^"\s]|"tokens"\s*:\s*\{'),
+     Credential("OPENAI_API_KEY", env=("OPENAI_API_KEY",),
+                not_enough="Codex does not sign in with OPENAI_API_KEY alone (it shows its login screen): "
+                           "`printenv OPENAI_API_KEY | codex login --with-api-key` saves it")))
+# OpenCode: a key in its config (CAO's, ~/.aws/opencode/opencode.json) or its login for the model's provider; a
+# provider's own variable is named in its catalogue (models.dev), which the loop does not hold.
+OPENCODE_SIGN_IN = SignIn(
+    "`opencode auth login`", "or set the provider's own key variable (e.g. ANTHROPIC_API_KEY) for the agents",
+    (Credential("the key of its model's provider", reader="opencode provider", file=".aws/opencode/opencode.json"),))
+# Copilot CLI: its own model provider (BYOK) needs no GitHub sign-in; else a token variable, its /login (the
+# token in the system keychain, or in config.json), or GitHub CLI's login as the last resort.
+COPILOT_SIGN_IN = SignIn(
+    "`copilot`, then /login", "or set COPILOT_GITHUB_TOKEN (a token with Copilot access) for the agents",
+    (Credential("its own model provider, COPILOT_PROVIDER_BASE_URL (no GitHub sign-in needed)",
+                env=("COPILOT_PROVIDER_BASE_URL",)),
+     Credential("{variable}", env=("COPILOT_GITHUB_TOKEN", "GH_TOKEN", "GITHUB_TOKEN")),
+     *(Credential("its /login, {file}", file=".copilot/config.json", json_key=key)
+       for key in ("logged_in_users", "loggedInUsers")),
+     Credential("it would fall back to GitHub CLI's login ({file}), which --check does not look into",
+                file=".config/gh/hosts.yml", folder_env="GH_CONFIG_DIR", pattern=r"\S", unsure=True)))
+# Hermes Agent 0.19: a provider's key in the environment or its .env, a provider in config.yaml, or its login.
+HERMES_KEY_VARIABLES = (
+    "OPENROUTER_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "ANTHROPIC_TOKEN", "OPENAI_BASE_URL",
+    "ALIBABA_CODING_PLAN_API_KEY", "ARCEEAI_API_KEY", "AZURE_FOUNDRY_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN",
+    "COPILOT_GITHUB_TOKEN", "DASHSCOPE_API_KEY", "DEEPINFRA_API_KEY", "DEEPSEEK_API_KEY", "FIREWORKS_API_KEY",
+    "GEMINI_API_KEY", "GH_TOKEN", "GITHUB_TOKEN", "GLM_API_KEY", "GMI_API_KEY", "GOOGLE_API_KEY", "HF_TOKEN",
+    "KILOCODE_API_KEY", "KIMI_API_KEY", "KIMI_CN_API_KEY", "KIMI_CODING_API_KEY", "LM_API_KEY", "MINIMAX_API_KEY",
+    "MINIMAX_CN_API_KEY", "NOVITA_API_KEY", "NVIDIA_API_KEY", "OLLAMA_API_KEY", "OPENCODE_GO_API_KEY",
+    "OPENCODE_ZEN_API_KEY", "STEPFUN_API_KEY", "TOKENHUB_API_KEY", "UPSTAGE_API_KEY", "XAI_API_KEY",
+    "XIAOMI_API_KEY", "ZAI_API_KEY", "Z_AI_API_KEY")
+HERMES_SIGN_IN = SignIn(
+    "`hermes setup`", "or set OPENROUTER_API_KEY (or another provider's key) for the agents",
+    (Credential("{variable}", env=HERMES_KEY_VARIABLES),
+     Credential("a provider's key in {file}", file=".hermes/.env", folder_env="HERMES_HOME",
+                pattern=rf"^[ \t]*(?:export[ \t]+)?(?:{'|'.join(HERMES_KEY_VARIABLES)})[ \t]*=[ \t]*['\"]?[^\s'\"#]"),
+     Credential("its model provider in {file}", file=".hermes/config.yaml", folder_env="HERMES_HOME",
+                pattern=r"^model:[ \t]*\n(?:[ \t]+[^\n]*\n)*?[ \t]+(?:provider|base_url|api_key):[ \t]*['\"]?[^\s'\"#]"
+                        r'|"model"\s*:\s*\{[^}]*"(?:provider|base_url|api_key)"\s*:\s*"[^"]'),
+     Credential("its login, {file}", file=".hermes/auth.json", folder_env="HERMES_HOME", json_key="active_provider")))
+
 AGENT_CLIS: dict[str, AgentCli] = {
     # Claude Code: CAO's status holds; it asks at its usage limit what to do.
     "claude_code": AgentCli(
@@ -381,20 +488,27 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Conversationcompacted", "compacted"),     # "✻ Conversation compacted (ctrl+o ...)"
                             ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # after /compact typed by hand
                             ("❯/clear", "cleared")),                    # /clear typed by hand (nothing else shows)
-        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",   # with auto-compact off
-        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
-        usage_limit=HIT_YOUR_LIMIT,
+        context_low=r"Contextlow\((?P<left>\d+)%remaining\)|Contextlimitreached",   # with auto-compact off
+        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),), menu_cursor="❯",
+        usage_limit=HIT_YOUR_LIMIT,      # "· resets 3pm (Europe/Berlin)", "· resets Dec 5, 3:30pm"
+        usage_limit_resets=r"resets (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2}),? )?(?P<hour>\d{1,2})"
+                           r"(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?(?: \((?P<zone>[\w/+-]+)\))?",
         error_lines=r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
-        start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
-                   "otherwise refuses --dangerously-skip-permissions)",
         proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
         traps=(Trap("Claude Code: IS_SANDBOX=1 set for root",
-                    "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses the mode CAO "
-                    "starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its tmux server with it: stop "
-                    "a running one first)", env="IS_SANDBOX", env_value="1", root_only=True),),
+                    "Claude Code as root: its agents' environment has {seen}, and Claude Code takes only IS_SANDBOX=1, "
+                    "so it refuses the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
+                    "tmux server with it: stop a running one first)", env="IS_SANDBOX", env_value="1",
+                    root_only=True),
+               # its first start in a home asks for a theme and a login, and offline stops on the network probe
+               Trap("Claude Code: its first-run set-up done ({file})",
+                    "Claude Code was never set up in the agents' home: its first start asks for a theme and a "
+                    "login, which no agent answers; start `claude` once by hand as that user, or add to {file}: "
+                    "\"hasCompletedOnboarding\": true", file=".claude.json", json_key="hasCompletedOnboarding")),
+        sign_in=CLAUDE_SIGN_IN,
         # seen on 2.1.197's screen: as root without IS_SANDBOX=1; at its first start in a HOME (its onboarding asks
         # Anthropic's servers) with no network; set up but signed in nowhere (its footer, at an idle prompt)
         cannot_start=(
@@ -417,8 +531,10 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
         # the agents work in the folder the user gave: the loop trusts it (--check says how beforehand)
         menus=(("Codex's offer to switch the model", "Keep current model"),
-               ("Codex's question whether to trust the project", "Trust and continue")),
-        usage_limit=HIT_YOUR_LIMIT,
+               ("Codex's question whether to trust the project", "Trust and continue")), menu_cursor="›",
+        usage_limit=HIT_YOUR_LIMIT,      # ". Try again at 3:05 PM.", "... at Jan 5th, 2026 3:05 PM."
+        usage_limit_resets=r"[Tt]ry again at (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
+                           r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AP]M)?\.?",
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
         run_tokens=(300_716, 457_996),
         traps=(Trap("Codex trusts the project ({project})",
@@ -434,6 +550,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     pattern=r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
                             r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b",
                     **CODEX_CONFIG)),
+        sign_in=CODEX_SIGN_IN,
         turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle"),
         # 0.169's first screen in a HOME with no sign-in (no auth.json, no OPENAI_API_KEY, no provider of its own)
         cannot_start=(CannotStart(r"SigninwithChatGPT|ChoosehowyouwanttouseCodex",
@@ -451,7 +568,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "OpenCode: no model in {file} (CAO starts it with that file): add a provider entry and a "
                     "top-level \"model\": \"<provider>/<model>\" (docs/agent-clis.md)",
                     file=".aws/opencode/opencode.json", json_key="model"),),
-        profile_file=".aws/opencode/agents/{name}.md"),
+        sign_in=OPENCODE_SIGN_IN, profile_file=".aws/opencode/agents/{name}.md"),
     # Copilot CLI: CAO read a ready status while it was still at work; its spinner turns four times a second.
     "copilot_cli": AgentCli(
         "GitHub Copilot CLI", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
@@ -460,7 +577,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "Copilot CLI would connect to CAO's MCP server, which it rejects (CAO then reports its terminal "
                     "in error): put {\"disabledMcpServers\": [\"cao-mcp-server\"]} in {file}",
                     file=".copilot/settings.json", json_key="disabledMcpServers", json_holds="cao-mcp-server"),),
-        profile_file=".copilot/agents/{name}.agent.md", run_tokens=(338_995, 537_724)),
+        profile_file=".copilot/agents/{name}.agent.md", run_tokens=(338_995, 537_724), sign_in=COPILOT_SIGN_IN),
     # Hermes Agent: the same; its status bar's timers change twice a second while it works. CAO can time out a
     # start whose CLI came up (a late redraw hides the idle prompt): a second start seldom meets the same moment.
     "hermes": AgentCli(
@@ -468,9 +585,10 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="hermes state.db", proven="0.19.0", program="hermes", run_tokens=(287_911, 455_907),
         cao_name="Hermes", start_tries=2,
         traps=(Trap("Hermes: PROMPT_TOOLKIT_NO_CPR set in its agents' environment",
-                    "Hermes: PROMPT_TOOLKIT_NO_CPR is not in the agents' environment (a start-up then hangs now and "
-                    "then): `{tmux} set-environment -g PROMPT_TOOLKIT_NO_CPR 1`, or export it before starting "
-                    "cao-server", env="PROMPT_TOOLKIT_NO_CPR", env_value="1"),)),
+                    "Hermes: the agents' environment has {seen}, and its screen library takes only "
+                    "PROMPT_TOOLKIT_NO_CPR=1 (a start-up then hangs now and then): `{tmux} set-environment -g "
+                    "PROMPT_TOOLKIT_NO_CPR 1`, or export it before starting cao-server", env="PROMPT_TOOLKIT_NO_CPR",
+                    env_value="1"),), sign_in=HERMES_SIGN_IN),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
     "kiro_cli": AgentCli("Kiro CLI"),
@@ -1813,24 +1931,77 @@ def note_own_server(own: OwnServer) -> None:
     os.replace(temporary, note)
 
 
-def end_left_own_server() -> None:
-    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+def read_own_server_note() -> OwnServer | None:
+    """The own server noted beside the state file (None: no note); a ValueError says why a note cannot be read."""
     note = own_server_note()
     try:
         raw = json.loads(note.read_text(encoding="utf-8"))
-        left = OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
+        return OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
                          {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()})
     except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{note} cannot be read ({exc})") from None
+
+
+def agent_panes(own: OwnServer) -> int:
+    """How many panes the own tmux server holds: one for each agent (0 when it does not answer)."""
+    try:
+        listed = subprocess.run(["tmux", "-S", own.tmux_socket, "list-panes", "-a", "-F", "#{pane_pid}"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return len(listed.stdout.split()) if listed.returncode == 0 else 0
+
+
+@dataclass
+class StageAlive:
+    """What of a run's own server still runs, as /proc tells it (a pid with another start time is another's)."""
+
+    cao_server: int | None
+    tmux: int | None
+    agents: int                          # the tmux server's panes: one for each agent
+    processes: list[int]                 # every process the own server started, those two included
+
+    def text(self) -> str:
+        """'cao-server pid 12, tmux pid 34, 5 agents (22 processes in all)'."""
+        parts = [f"{name} pid {pid}" for name, pid in (("cao-server", self.cao_server), ("tmux", self.tmux)) if pid]
+        parts += [counted(self.agents, "agent")] if self.tmux else []
+        every = f"{len(self.processes)} process{'es' if len(self.processes) != 1 else ''}"
+        return f"{', '.join(parts)} ({every} in all)" if parts else f"{every} it started"
+
+    def end_command(self) -> str:
+        """A command that ends them without the run: cao-server's process group and the tmux server (whose
+        panes end with it), or the processes left when both are gone."""
+        leaders = [f"-{self.cao_server}"] * bool(self.cao_server) + [str(self.tmux)] * bool(self.tmux)
+        return "kill -- " + " ".join(leaders) if leaders else "kill " + " ".join(map(str, self.processes))
+
+
+def stage_alive(own: OwnServer) -> StageAlive | None:
+    """What of the noted own server still runs (None: nothing, it ended)."""
+    alive = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    processes = sorted(set(marked_processes(own.tmux_dir)) | set(alive.values()))
+    if not processes:
+        return None
+    tmux = alive.get("tmux")
+    return StageAlive(alive.get("cao-server"), tmux, agent_panes(own) if tmux else 0, processes)
+
+
+def end_left_own_server() -> None:
+    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+    try:
+        left = read_own_server_note()
+    except ValueError as exc:
+        log(f"note: {exc}; removed")
+        own_server_note().unlink(missing_ok=True)
         return
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        log(f"note: {note} cannot be read ({exc}); removed")
-        note.unlink(missing_ok=True)
+    if left is None:
         return
     alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
     log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
         + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
     end_own_processes(left)
-    note.unlink(missing_ok=True)
+    own_server_note().unlink(missing_ok=True)
 
 
 def loop_program(name: str) -> str:
@@ -1846,11 +2017,23 @@ def own_server_env(own: OwnServer) -> dict[str, str]:
     path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
     env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
                CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
-    for provider in providers_in_use():
-        for trap in agent_cli(provider).traps:
-            if trap.env_value and (not trap.root_only or os.geteuid() == 0):
-                env.setdefault(trap.env, trap.env_value)
+    env.update(own_server_needs())
     return env
+
+
+def own_server_needs() -> dict[str, str]:
+    """The variables the CLIs in use need, at the values their rows' traps declare (`env_value`): set for the
+    own server's agents whatever this environment holds (a CLI takes only its value: IS_SANDBOX=1, not yes)."""
+    return {trap.env: trap.env_value for provider in providers_in_use() for trap in agent_cli(provider).traps
+            if trap.env_value and (not trap.root_only or os.geteuid() == 0)}
+
+
+def own_server_overrides() -> str:
+    """What the own server sets in place of another value of this environment, said in one line ('': nothing)."""
+    replaced = [f"{name}={value} in place of {name}={os.environ[name]}" for name, value in own_server_needs().items()
+                if os.environ.get(name) not in (None, value)]
+    return ("the agents get " + ", ".join(replaced) + " from this environment: the CLIs take only those values"
+            if replaced else "")
 
 
 def own_server_missing() -> str:
@@ -1997,6 +2180,8 @@ def start_own_server() -> None:
     connect_api()
     log(f"CAO server: the run's own, {own_server.url} (cao-server's log: {own_server.log_file}); its agents run in "
         f"a tmux server of their own ({own_server.tmux_socket}); both end with the run")
+    if own_server_overrides():
+        log(own_server_overrides())
     install_own_profiles(own_server)
 
 
@@ -2872,6 +3057,89 @@ def release_run_lock() -> None:
         with suppress(OSError):          # kept when the run wrote anything there
             run_lock_made_folder.rmdir()
         run_lock_made_folder = None
+
+
+def killed_invocation() -> str:
+    """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
+    (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
+    try:
+        handle = open(STATE_FILE + ".lock", encoding="utf-8")
+    except OSError:
+        return ""
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return ""                    # held: that invocation lives
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return handle.read().strip()
+
+
+# From the lock on until the state file has the run, a note beside it says that a run is starting, since when,
+# how far it got and each agent's start ('starting', 'up', or 'failed' and why): --status reads it. It goes
+# once the state file holds the run or the stop's line has said why not; an invocation killed in start-up
+# leaves it (written whole or not at all, like the own server's note).
+start_up_facts: dict = {}                # this invocation's note while its run starts ({} at any other time)
+start_up_guard = threading.Lock()        # the agents start in threads of their own
+
+
+def start_up_note() -> Path:
+    """Where a starting run is noted: beside the state file."""
+    state = Path(STATE_FILE)
+    return state.with_name(state.stem + ".start-up.json")
+
+
+def write_start_up_note() -> None:
+    """The note as it stands now, replaced whole; a note that cannot be written costs the run nothing."""
+    note = start_up_note()
+    temporary = note.with_name(f"{note.name}.{threading.get_ident()}.tmp")
+    with suppress(OSError):
+        temporary.write_text(json.dumps(start_up_facts), encoding="utf-8")
+        os.replace(temporary, note)
+
+
+def begin_start_up(resuming: bool) -> None:
+    """Note that this invocation starts a run (a new one, or the saved one resumed), under the run's lock."""
+    with start_up_guard:
+        start_up_facts.clear()
+        start_up_facts.update(pid=os.getpid(), since=utc_iso(), resuming=resuming, step="starting", agents={})
+        write_start_up_note()
+
+
+def note_start_up_step(step: str) -> None:
+    """What the start-up does now ('starting the run's own CAO server', 'creating the five agents', ...)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["step"] = step
+            write_start_up_note()
+
+
+def note_agent_start(role: str, state: str, reason: str = "", terminal: str = "") -> None:
+    """One agent's start in the start-up note: 'starting', 'up' (its terminal), or 'failed' with why in the
+    CLI's or CAO's words (the last word on a role wins). Nothing outside a start-up (a replacement mid-run)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["agents"][role] = {"state": state, "reason": reason, "terminal": terminal}
+            write_start_up_note()
+
+
+def end_start_up() -> None:
+    """The start-up is over: the state file holds the run, or the stop's line has said why it did not start."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_note().unlink(missing_ok=True)
+            start_up_facts.clear()
+
+
+def read_start_up_note() -> dict | None:
+    """The start-up note beside the state file, as --status reads it (None: none, or one that cannot be read)."""
+    try:
+        note = json.loads(start_up_note().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("pid"), int) or not isinstance(note.get("agents"), dict):
+        return None
+    return note
 
 
 # ==========================================================================
@@ -4244,9 +4512,11 @@ CODEX_DEFAULT_WINDOW = 272_000
 
 
 def _json_file(path: Path) -> dict:
-    """A settings file's JSON object ({} when it is missing or not an object)."""
+    """A settings file's JSON object ({} when it is missing or not an object); whole-line // comments, which
+    some CLIs write (Copilot's config.json), are passed over."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(re.sub(r"(?m)^[ \t]*//.*$", "", text) if "//" in text else text)
     except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -4385,24 +4655,21 @@ def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) 
 
 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
-    """('compacted' or 'cleared', ''), ('context low', 'Context low (8% remaining)') or ('', ''): the whole screen,
-    in its CLI's words (None: every CLI's); Claude Code draws a prompt again below "Conversation compacted"."""
+    """('compacted' or 'cleared', ''), ('context low', '8% left') or ('', ''): the whole screen, in its CLI's
+    words (None: every CLI's); a CLI may draw its prompt again below its words for a compaction."""
     rows = cli_rows(cli)
     text = _squeezed(screen or "")
     for words, what in (pair for row in rows for pair in row.conversation_words):
         if words in text:
             return what, ""
-    low = [found for row in rows if row.context_low for found in re.findall(row.context_low, text)]
+    low = [found for row in rows if row.context_low for found in cli_pattern(row.context_low).finditer(text)]
     if not low:
         return "", ""
-    left, full = low[-1]
-    return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
+    left = low[-1].groupdict().get("left")
+    return "context low", f"{left}% left" if left else "none left"
 
 
-# An account's usage limit (its row's `usage_limit`) lasts until the reset RESET_AT reads in the words after it.
-RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
-RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
-                        r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
+# An account's usage limit (its row's `usage_limit`) lasts until the reset its row's `usage_limit_resets` reads.
 MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
@@ -4414,14 +4681,13 @@ class UsageLimit:
     resets_at: float | None           # time.time() of the reset; None when the CLI names no time
 
 
-def reset_time(when: str, zone: str | None, now: float) -> float | None:
-    """The reset a CLI names ('3:05 PM', 'Jan 5th, 2026 3:05 PM') as time.time(), or None: a time of day is the
-    next such (today's within minutes back), in the zone named, else this machine's."""
-    match = RESET_WHEN.match(when.strip())
-    if not match:
-        return None
+def reset_time(found: re.Match, now: float) -> float | None:
+    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
+    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
+    this machine's."""
+    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
     try:
-        tz = ZoneInfo(zone) if zone else None
+        tz = ZoneInfo(match["zone"]) if match["zone"] else None
     except (ZoneInfoNotFoundError, ValueError):
         tz = None
     local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
@@ -4452,25 +4718,27 @@ def cli_pattern(text: str) -> re.Pattern:
     return re.compile(text)
 
 
-def row_patterns(cli: AgentCli | None, field_name: str) -> list[re.Pattern]:
-    """The regexes a field holds for a CLI: its row's; for a CLI not known, or whose row has none, every CLI's."""
+def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
+    """What a field holds for a CLI (its words, a regex): its row's; for a CLI not known, or whose row has none,
+    every CLI's (each once)."""
     rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
-    return [cli_pattern(text) for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
+    return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
 def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
     """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, row_patterns(cli, "usage_limit")
+    found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
     for line in screen_lines(screen or "")[-30:]:
         for pattern in patterns:
             found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
     # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
-    reset = RESET_AT.search(found["rest"])
+    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
+                               for words in row_words(cli, "usage_limit_resets"))), None)
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
-    return UsageLimit(line, reset_time(reset["when"], reset["zone"], now) if reset else None)
+    return UsageLimit(line, reset_time(reset, now) if reset else None)
 
 
 def clock_text(when: float) -> str:
@@ -4541,7 +4809,7 @@ def check_alive(role: str, terminal_id: str) -> None:
     close a menu its CLI opened (typed text and Enter would pick the menu's highlighted choice)."""
     screen = _screen(terminal_id)
     check_gone(role, terminal_id, screen)
-    menu = open_menu(screen)
+    menu = open_menu(screen, agent_cli(provider_for(role)))
     if menu is not None:
         answer_menu(role, terminal_id, menu)
 
@@ -4549,7 +4817,8 @@ def check_alive(role: str, terminal_id: str) -> None:
 # -- Menus an agent CLI opens by itself ------------------------------------------
 # Typed text's Enter would pick the highlighted choice: the loop picks the one its row names, which keeps what
 # the user chose (its row's `menus`); a menu it does not know stops the turn, naming it. Every answer is logged.
-MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
+# A choice's line; {cursors}: the glyphs that mark the highlighted one (its row's `menu_cursor`).
+MENU_OPTION = r"^\s*(?P<cursor>[{cursors}]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$"
 MENU_LINES = 14                        # a menu is among the screen's last lines
 MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
 
@@ -4566,22 +4835,24 @@ class Menu:
         return f"{self.question} " + " ".join(f"{number}. {text}" for number, text in self.choices)
 
 
-def open_menu(screen: str | None) -> Menu | None:
+def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
     """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
-    highlighted (a numbered list in an answer has no such mark)."""
+    highlighted by its CLI's glyph (row_words; a numbered list in an answer has no such mark)."""
+    cursors = "".join(row_words(cli, "menu_cursor"))
+    menu_option = cli_pattern(MENU_OPTION.replace("{cursors}", re.escape(cursors)))
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
-        first = MENU_OPTION.match(line)
+        first = menu_option.match(line)
         if not first or first["number"] != "1":
             continue
         choices, highlighted = [(1, first["text"])], [1] if first["cursor"] else []
         for later in lines[start + 1:]:
-            option = MENU_OPTION.match(later)
+            option = menu_option.match(later)
             if option and int(option["number"]) == len(choices) + 1:
                 choices.append((len(choices) + 1, option["text"]))
                 highlighted += [len(choices)] if option["cursor"] else []
         if len(choices) >= 2 and len(highlighted) == 1:
-            question = lines[start - 1].strip(" ›❯│") if start else ""
+            question = lines[start - 1].strip(" │" + cursors) if start else ""
             return Menu(tuple(choices), highlighted[0], question)
     return None
 
@@ -4614,7 +4885,8 @@ def pick_menu_choice(role: str, terminal_id: str, menu: Menu, known: tuple[str, 
 def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     """Pick the choice of a known menu that keeps what the user chose; a menu the loop does not know stops
     the turn (nothing typed), naming it."""
-    known = safe_menu_choice(menu, agent_cli(provider_for(role)))
+    cli = agent_cli(provider_for(role))
+    known = safe_menu_choice(menu, cli)
     if known is None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
@@ -4622,7 +4894,7 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     pick_menu_choice(role, terminal_id, menu, known)
     name, choice = known
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
-    while open_menu(_screen(terminal_id)) == menu:
+    while open_menu(_screen(terminal_id), cli) == menu:
         if time.monotonic() >= deadline:
             raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
                                                   f"\"{dict(menu.choices)[choice]}\"; answer it yourself", EXIT_USAGE)
@@ -4796,6 +5068,12 @@ class TurnFacts:
         """Idle, or -- whatever the status says -- a screen still since the last prompt or reminder."""
         return self.is_idle(now) or self.screen_still_since(self.guard_since, now)
 
+    def quiet_at_limit(self, now: float) -> bool:
+        """Idle; or, for a CLI whose ready word CAO cannot be trusted on (Codex reads `processing` through its
+        limit), a screen still since the last prompt or reminder."""
+        return self.is_idle(now) or (not self.cli.ready_status_trusted
+                                     and self.screen_still_since(self.guard_since, now))
+
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
         if self.status in READY_STATUSES and self.ready_since is not None:
@@ -4864,10 +5142,10 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
     WaitRule(OPEN_STATES, "a usage-limit wait is under way",
              lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet (CAO reads Codex busy)",
-             lambda f, now: f.limit_wait_until is not None and f.is_quiet(now), Verdict.CONTINUE_AFTER_LIMIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet",
-             lambda f, now: f.usage_limit is not None and f.is_quiet(now), Verdict.WAIT_OUT_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet at its limit",
+             lambda f, now: f.limit_wait_until is not None and f.quiet_at_limit(now), Verdict.CONTINUE_AFTER_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet at it",
+             lambda f, now: f.usage_limit is not None and f.quiet_at_limit(now), Verdict.WAIT_OUT_LIMIT),
     WaitRule(IDLE_STATES | BUSY_STATES | {TurnState.PROMPT_NOT_SHOWN},
              "compacted during the turn, whose prompt referred back to what the summary may have dropped",
              lambda f, now: f.full_prompt_due, Verdict.RESEND_IN_FULL),
@@ -5087,13 +5365,13 @@ def resend_prompt(turn: Turn) -> None:
 
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
-    patterns = row_patterns(cli, "error_lines")
+    patterns = [*map(cli_pattern, row_words(cli, "error_lines"))]
     return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
 
 
 def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     """Whether a provider's error line says the account is rate limited (it passes with time)."""
-    return any(pattern.search(error_line) for pattern in row_patterns(cli, "rate_limit_lines"))
+    return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
 
 
 def idle_without_file(turn: Turn) -> str | None:
@@ -5363,7 +5641,7 @@ def observe_terminal(turn: Turn) -> None:
             if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
     note_gone(turn, screen, liveness, unreadable=screen_read and screen is None and status not in KNOWN_STATUSES)
-    menu = open_menu(screen)
+    menu = open_menu(screen, turn.facts.cli)
     known = safe_menu_choice(menu, turn.facts.cli) if menu is not None and not turn.facts.lost else None
     if known:
         answer_menu_in_turn(turn, menu, known)     # e.g. what to do at a usage limit: wait for it
@@ -5474,9 +5752,15 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`.
     The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
     key = agent_key(role, session, replacing)
-    if first:
-        return api.create_session(profile_for(role), provider_for(role), session, model_for(role), key)
-    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key)
+    note_agent_start(role, "starting")
+    try:
+        answer = (api.create_session(profile_for(role), provider_for(role), session, model_for(role), key) if first
+                  else api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key))
+    except Exception as exc:
+        note_agent_start(role, "failed", str(exc))
+        raise
+    note_agent_start(role, "up", terminal=str(answer.get("id", "")) if isinstance(answer, dict) else "")
+    return answer
 
 
 def note_model_answers(answers: dict[str, dict]) -> None:
@@ -5629,8 +5913,8 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
 
 
 def start_failure_hint(error: str) -> str:
-    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid; a CLI's start hint
-    only where one of its traps is found sprung."""
+    """What to do about a failed start-up whose cause CAO's own message hides or leaves unsaid: a CLI's trap named
+    only where --check's look finds it sprung (its own ✗ line), then the CLI's start hint."""
     if re.search(r"Session '[^']*' already exists", error):
         return "; another CAO session has the name this run picked at random: run it again to pick another"
     if "HTTP 429" in error:
@@ -5642,9 +5926,10 @@ def start_failure_hint(error: str) -> str:
     hint = (f"; the agent CLI did not come up on the cao-server's machine: `{command_name()} --check` finds "
             "what is missing (a CLI its agents' shells do not find, a profile, a known trap); CAO's log is in "
             "~/.aws/cli-agent-orchestrator/logs/ of the user running cao-server")
-    named = [provider for provider, cli in AGENT_CLIS.items()
-             if cli.start_hint and (cli.cao_name or cli.label) in error and sprung_traps(provider)]
-    return hint + "".join(f"; {agent_cli(provider).start_hint}" for provider in named)
+    named = [provider for provider, cli in AGENT_CLIS.items() if (cli.cao_name or cli.label) in error]
+    sprung = [line.text for provider in named for line in sprung_traps(provider)]   # each one's own cause and fix
+    return hint + "".join(f"; {text}" for text in sprung + [AGENT_CLIS[p].start_hint for p in named
+                                                              if AGENT_CLIS[p].start_hint])
 
 
 def exit_terminals(ids: list[str]) -> None:
@@ -5775,6 +6060,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     interrupted start exits all it made. The session and the ids."""
     name = new_session_name()
     providers = providers_in_use()
+    note_start_up_step(f"creating the five agents on {API}")
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
@@ -8648,9 +8934,10 @@ def trap_project() -> Path:
 
 
 def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
-    """Whether the agents' side holds what the trap asks for: its variable set, or its file saying it."""
+    """Whether the agents' side holds what the trap asks for: its variable at its value (set, where the trap
+    names none), or its file saying it."""
     if trap.env:
-        return bool(side.env.get(trap.env))
+        return side.env.get(trap.env) == trap.env_value if trap.env_value else bool(side.env.get(trap.env))
     if trap.json_key:
         value = _json_file(trap_file(trap, side)).get(trap.json_key)
         return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
@@ -8678,6 +8965,9 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
         text = text.replace("{file}", str(trap_file(trap, side)))
     if "{tmux}" in text:
         text = text.replace("{tmux}", tmux_hint("").rstrip())
+    if "{seen}" in text:
+        seen = side.env.get(trap.env)
+        text = text.replace("{seen}", f"{trap.env}={seen}" if seen else f"no {trap.env}")
     return CheckLine(ok, text)
 
 
@@ -8698,6 +8988,175 @@ def sprung_traps(provider: str) -> list[CheckLine]:
     return [line for line in (check_trap(agent_cli(provider), trap, side) for trap in traps) if line.ok is False]
 
 
+# -- Signed in: each CLI's forms of credential (its row's `SignIn`), looked for without a token spent ----------
+
+
+def credential_file(form: Credential, side: AgentsSide) -> Path:
+    """The file a form of sign-in is in: under the project, under the agents' home, or in its variable's folder."""
+    if form.file.startswith("{project}/"):
+        return trap_project() / form.file.removeprefix("{project}/")
+    if form.folder_env and side.env.get(form.folder_env):
+        return Path(side.env[form.folder_env]) / Path(form.file).name
+    return side.home(form.file)
+
+
+def sign_in_env(cli: AgentCli, side: AgentsSide) -> tuple[dict[str, str], dict[str, str]]:
+    """The variables the CLI will have: the agents' environment's, and those its settings files set ("env")."""
+    settings: dict[str, str] = {}
+    for name in cli.sign_in.settings_env if cli.sign_in else ():
+        values = _json_file(credential_file(Credential("", file=name), side)).get("env")
+        settings.update({str(k): str(v) for k, v in values.items() if v} if isinstance(values, dict) else {})
+    return {k: v for k, v in side.env.items() if v}, settings
+
+
+def _json_path(data: object, dotted: str) -> object:
+    for key in dotted.split("."):
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple[bool, str]:
+    """Whether a form of sign-in is there, and what it is called ({file} and {variable} filled in)."""
+    agents, settings = sign_in_env(cli, side)
+    where = settings if form.settings_only else {**agents, **settings}
+    variable = next((name for name in form.env if where.get(name)), "")
+    if form.env:
+        return bool(variable), form.name.replace("{variable}", variable or " or ".join(form.env[:3]))
+    path = credential_file(form, side)
+    named = form.name.replace("{file}", str(path))
+    if form.json_key:
+        return bool(_json_path(_json_file(path), form.json_key)), named
+    try:
+        return bool(re.search(form.pattern, path.read_text(encoding="utf-8", errors="replace"), re.MULTILINE)), named
+    except OSError:
+        return False, named
+
+
+def claude_api_key(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
+    """ANTHROPIC_API_KEY: Claude Code uses it once approved in ~/.claude.json (its last 20 characters); a key it
+    has not been asked about it asks about at each start, a question CAO does not answer (its default: No)."""
+    agents, settings = sign_in_env(cli, side)
+    key = {**agents, **settings}.get("ANTHROPIC_API_KEY", "")
+    if not key:
+        return None
+    config = side.home(".claude.json")
+    answers = _json_file(config).get("customApiKeyResponses")
+    answers = answers if isinstance(answers, dict) else {}
+    if key[-20:] in (answers.get("approved") or []):
+        return CheckLine(True, f"{cli.label}: signed in (ANTHROPIC_API_KEY, approved in {config})")
+    if key[-20:] in (answers.get("rejected") or []):
+        return CheckLine(False, f"{cli.label}: ANTHROPIC_API_KEY is set, but it was told not to use that key "
+                                f"(customApiKeyResponses.rejected in {config}): start `claude` once as the user the "
+                                "agents run as and turn \"Use custom API key\" on in /config")
+    return CheckLine(False, f"{cli.label}: ANTHROPIC_API_KEY is set, but Claude Code asks at each start whether to "
+                            "use it (its default answer is No, and CAO does not answer it): start `claude` once as the "
+                            "user the agents run as and answer Yes (or add the key's last 20 characters to "
+                            f"customApiKeyResponses.approved in {config})")
+
+
+CODEX_LOCAL_PROVIDERS = ("ollama", "lmstudio")     # its built-in providers that need no sign-in
+
+
+def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
+    """A model provider Codex's config.toml chooses: signed in by its env_key's variable (None: its login decides,
+    as for OpenAI's own)."""
+    path = credential_file(form, side)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    if tomllib is None:
+        return CheckLine(None, f"{cli.label}: cannot say whether its model provider in {path} is signed in (Python "
+                               "3.11 or newer reads it)") if re.search(r"(?m)^\s*model_provider\s*=", text) else None
+    try:
+        config = tomllib.loads(text)
+    except ValueError as exc:
+        return CheckLine(None, f"{cli.label}: cannot say whether it is signed in: {path} is not TOML ({exc})")
+    name = config.get("model_provider")
+    providers = config.get("model_providers") if isinstance(config.get("model_providers"), dict) else {}
+    provider = providers.get(name)
+    if not isinstance(name, str) or name == "openai" or (isinstance(provider, dict)
+                                                          and provider.get("requires_openai_auth")):
+        return None                                # its login decides
+    if not isinstance(provider, dict):
+        return (CheckLine(True, f"{cli.label}: signed in (its model provider {name}, a local one)")
+                if name in CODEX_LOCAL_PROVIDERS else
+                CheckLine(None, f"{cli.label}: cannot say whether its model provider {name} is signed in (it is "
+                                f"not defined in {path})"))
+    key = provider.get("env_key")
+    if not key:
+        return CheckLine(None, f"{cli.label}: cannot say whether its model provider {name} needs a key ({path} "
+                               "names no env_key)")
+    if side.env.get(str(key)):
+        return CheckLine(True, f"{cli.label}: signed in (its model provider {name}, its key in {key})")
+    return CheckLine(False, f"{cli.label}: its model provider {name} ({path}) reads its key from {key}, which the "
+                            f"agents' environment lacks: set {key} where cao-server starts (for the run's own server, "
+                            "in the loop's environment)")
+
+
+def opencode_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
+    """The provider of OpenCode's model: a key in its config, or its login for that provider (auth.json in its
+    data folder); its catalogue's variables the loop does not know, so anything else is a "cannot say"."""
+    path = credential_file(form, side)
+    config = _json_file(path)
+    model = config.get("model")
+    if not isinstance(model, str) or "/" not in model:
+        return CheckLine(None, f"{cli.label}: cannot say whether it is signed in: no model in {path}")
+    provider = model.split("/", 1)[0]
+    if _json_path(config, f"provider.{provider}.options.apiKey"):
+        return CheckLine(True, f"{cli.label}: signed in (the apiKey of provider {provider} in {path})")
+    data = Path(side.env["XDG_DATA_HOME"]) if side.env.get("XDG_DATA_HOME") else side.home(".local", "share")
+    logins = data / "opencode" / "auth.json"
+    if isinstance(_json_file(logins).get(provider), dict):
+        return CheckLine(True, f"{cli.label}: signed in (its login for {provider}, {logins})")
+    return CheckLine(None, f"{cli.label}: cannot say whether provider {provider} is signed in: no login for it in "
+                           f"{logins} and no apiKey in {path}; it may take a variable of its own or need none (a local "
+                           f"endpoint); {cli.sign_in.login if cli.sign_in else 'its login'} signs it in")
+
+
+# a form of sign-in that needs more than a look (its row's Credential.reader) -> its reader
+SIGN_IN_READERS: dict[str, Callable[[AgentCli, Credential, AgentsSide], CheckLine | None]] = {
+    "claude api key": claude_api_key, "codex model provider": codex_model_provider,
+    "opencode provider": opencode_provider}
+
+
+def form_said(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | str | None:
+    """What one form of sign-in says: its line where it is there (a reader's, ✓, or – where the loop cannot tell),
+    why a form that is there does not do (a str), or None where it is not there."""
+    if form.reader:
+        return SIGN_IN_READERS[form.reader](cli, form, side)
+    found, name = credential_found(cli, form, side)
+    if not found:
+        return None
+    if form.not_enough:
+        return f"{name} is set, but {form.not_enough}"
+    return (CheckLine(None, f"{cli.label}: cannot say whether it is signed in: {name}") if form.unsure
+            else CheckLine(True, f"{cli.label}: signed in ({name})"))
+
+
+def sign_in_lines(cli: AgentCli, side: AgentsSide) -> list[CheckLine]:
+    """Whether the CLI is signed in where its agents run, as its row's SignIn declares ([] where it declares
+    none): ✗ for a form found that will not work or for none found (the CLI's login and the variable that also
+    works), else ✓ naming the first found, else – where the loop cannot tell. Callable outside --check."""
+    if cli.sign_in is None:
+        return []
+    said = [form_said(cli, form, side) for form in cli.sign_in.forms]
+    ranked = sorted((line for line in said if isinstance(line, CheckLine)),
+                    key=lambda line: (False, True, None).index(line.ok))
+    if ranked:
+        return ranked[:1]
+    looked = [credential_found(cli, form, side)[1] for form in cli.sign_in.forms
+              if (form.file or form.env) and not (form.unsure or form.not_enough)]
+    notes = "".join(f"; {note}" for note in said if isinstance(note, str))
+    return [CheckLine(False, f"{cli.label}: not signed in where its agents run (none of: {'; '.join(looked)}){notes}: "
+                             f"run {cli.sign_in.login} as the user the agents run as, {cli.sign_in.instead}")]
+
+
+def check_sign_ins(side: AgentsSide) -> list[CheckLine]:
+    """Each CLI in use signed in, as its row declares its forms of credential."""
+    return [line for provider in dict.fromkeys(providers_in_use()) for line in sign_in_lines(agent_cli(provider), side)]
+
+
 def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[CheckLine], AgentsSide | None]:
     """The CLIs and their traps, from a probe in the agents' tmux server; a note where it cannot run."""
     server = local_server()
@@ -8712,7 +9171,7 @@ def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[
     side = probe_agents_side(server, programs)
     if isinstance(side, str):
         return [CheckLine(False, f"the agents' tmux server ({server.tmux_socket}): {side}")], None
-    return check_clis(side, report) + check_traps(side), side
+    return check_clis(side, report) + check_traps(side) + check_sign_ins(side), side
 
 
 def check_working_directory() -> list[CheckLine]:
@@ -8817,7 +9276,10 @@ def check_own_server() -> list[CheckLine]:
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
                                "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
                                                                          "CAO's store where it lacks them")
-    return lines + [profiles] + check_clis(side, None) + check_traps(side)
+    overrides = [CheckLine(False, f"the run's own server: {own_server_overrides()}; set them so in this environment "
+                                  "too (any other cao-server started from it would pass the wrong ones on)")
+                 ] if own_server_overrides() else []
+    return lines + [profiles] + check_clis(side, None) + check_traps(side) + overrides + check_sign_ins(side)
 
 
 def preflight_lines() -> list[CheckLine]:
@@ -8994,24 +9456,110 @@ def next_step(saved: SavedState) -> str:
             f"{saved.current_phase} phase")
 
 
-def own_server_ended(saved: SavedState) -> bool:
-    """The run was on a CAO server of its own and no process drives it: that server ended with it."""
-    return saved.on_own_server and not lock_holder()
+@dataclass
+class StageSeen:
+    """What --status reads of the stage besides the state file: the run's lock, the notes beside it, /proc."""
+
+    holder: str                          # 'pid N since ...' of the invocation that drives the run ('': none)
+    killed: str                          # the same of an invocation killed holding the lock ('': none)
+    own: OwnServer | None                # the run's own server, as noted beside the state file
+    alive: StageAlive | None             # what of it still runs (None: nothing)
+    starting: dict | None                # the start-up note of the invocation that holds the lock: it starts
+    start_left: dict | None              # the start-up note of an invocation killed while it started
 
 
-def _status_progress(saved: SavedState) -> list[str]:
+def see_stage() -> StageSeen:
+    """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
+    holder = lock_holder()
+    try:
+        own = read_own_server_note()
+    except ValueError:
+        own = None
+    note = read_start_up_note()
+    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
+    live = note is not None and driven is not None and note["pid"] == int(driven[1])
+    return StageSeen(holder, killed_invocation(), own, stage_alive(own) if own else None,
+                     note if live else None, note if note is not None and not holder else None)
+
+
+def own_server_ended(saved: SavedState, stage: StageSeen) -> bool:
+    """The run was on a CAO server of its own, no process drives it, and nothing of that server runs."""
+    return saved.on_own_server and not stage.holder and stage.alive is None
+
+
+def since_text(iso: str) -> str:
+    """'2026-11-24 15:00:00 UTC, 2m 5s ago': a time the state or a note wrote, and how long ago it was."""
+    moment = parse_utc_iso(iso)
+    shown = iso.replace("T", " ").replace("Z", " UTC")
+    return shown if moment is None else f"{shown}, {duration_text(time.time() - moment.timestamp())} ago"
+
+
+def _status_server(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """The CAO server as the stage shows it: the run's own (with the run, left running, or ended), else API's."""
+    own, alive = stage.own, stage.alive
+    if own is not None and stage.holder:
+        return [f"CAO server: the run's own, {own.url} ({alive.text() if alive else 'starting'}); it ends with the run"]
+    if own is not None and alive is not None:
+        return [f"CAO server: the run's own ({own.url}), still running: {alive.text()} -- the same command ends them, "
+                f"or `{alive.end_command()}`"]
+    if stage.starting:
+        return []                        # chosen as the run starts: its step says where
+    if not stage.holder and (own is not None or (saved is not None and saved.on_own_server)):
+        return [f"CAO server: the run's own, ended (it was at {own.url if own else API}); a rerun starts another"]
+    return [f"CAO server: {API}"]
+
+
+def _status_progress(saved: SavedState, stage: StageSeen) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
-    server = (f"CAO server: the run's own, ended with its last invocation (it was at {API}); a rerun starts "
-              "another" if own_server_ended(saved) else f"CAO server: {API}")
+    server = _status_server(saved, stage)
     if saved.finished:
-        return [server, f"turns: {len(saved.turn_records)} answered"]
-    working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with a new "
-               "agent at the rerun" if own_server_ended(saved) and saved.in_flight and not saved.in_flight.reply_file
-               else working_now(saved))
-    return [server, f"next: {next_step(saved)}", f"working now: {working}",
+        return [*server, f"turns: {len(saved.turn_records)} answered"]
+    working = working_now(saved)
+    if saved.on_own_server and not stage.holder and saved.in_flight and not saved.in_flight.reply_file:
+        working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with "
+                   "a new agent at the rerun" if stage.alive is None else
+                   f"{working}; no process drives it: the rerun ends its agent, and takes its reply if complete, "
+                   "else sends the turn to a new agent")
+    return [*server, f"next: {next_step(saved)}", f"working now: {working}",
             f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
             f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
             + (", story attempts not counted)" if STORY_MODE else ")")]
+
+
+def start_up_agents_text(note: dict) -> str:
+    """'analyst up (terminal 1a2b3c4d), peer_analyst starting, tester failed: <why>': each agent's start."""
+    parts = []
+    for role in ROLES:
+        agent = note["agents"].get(role)
+        if not isinstance(agent, dict):
+            continue
+        state = agent.get("state")
+        parts.append(f"{role} up" + (f" (terminal {agent['terminal']})" if agent.get("terminal") else "")
+                     if state == "up" else f"{role} failed: {agent.get('reason') or 'no reason given'}"
+                     if state == "failed" else f"{role} starting")
+    return ", ".join(parts) or "none asked for yet"
+
+
+def _status_starting(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """--status while a new run starts: that run (since when, how far, its agents), not the one before it."""
+    note = stage.starting
+    lines = [f"state file: {STATE_FILE}", f"run: a new run is starting, since {since_text(str(note.get('since')))}: "
+             f"{note.get('step')}", *_status_server(None, stage), f"agents: {start_up_agents_text(note)}",
+             f"driven by: {stage.holder}"]
+    if saved is not None:
+        lines.append(f"before it: {describe_state(saved)}; that state file is kept as a backup once the new run's "
+                     "agents are up")
+    return lines
+
+
+def _status_start_left(stage: StageSeen) -> list[str]:
+    """An invocation killed while it started its run: how far it got."""
+    note = stage.start_left
+    if note is None:
+        return []
+    what = "resuming the run" if note.get("resuming") else "starting a new run"
+    return [f"last start-up: pid {note['pid']}, {what} since {note.get('since')}, was killed at "
+            f"\"{note.get('step')}\" (agents: {start_up_agents_text(note)})"]
 
 
 def _status_tokens(saved: SavedState) -> list[str]:
@@ -9029,11 +9577,29 @@ def _status_tokens(saved: SavedState) -> list[str]:
             + (f"; budget {', '.join(budgets)}" if budgets else "")]
 
 
-def _status_agents(saved: SavedState) -> list[str]:
+def agents_line(saved: SavedState, stage: StageSeen) -> str:
+    """Where the run's agents are: exited, ended or still running with the run's own server, or as the server
+    at API tells it."""
+    alive = stage.alive
+    if saved.terminals_exited:
+        return "agents: exited (CLEANUP_ON_EXIT=1)"
+    if own_server_ended(saved, stage):
+        return "agents: ended with the run's own CAO server"
+    if saved.on_own_server and stage.starting:
+        return f"agents: five new ones on the run's own CAO server: {start_up_agents_text(stage.starting)}"
+    if saved.on_own_server and not stage.holder and alive is not None:
+        return (f"agents: still running on the run's own CAO server ({counted(alive.agents, 'agent terminal')}"
+                f"{'' if alive.tmux else ': its tmux server is gone, what it started is not'}), driven by no process "
+                "(the same command ends them)")
+    if saved.on_own_server and stage.holder and not (alive and alive.cao_server):
+        return ("agents: the run's own cao-server is not running, so none can be asked; the process that drives the "
+                "run ends what is left of it when it stops")
+    return f"agents: {agents_left_note(saved)}"
+
+
+def _status_agents(saved: SavedState, stage: StageSeen) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
-    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
-             "agents: ended with the run's own CAO server" if own_server_ended(saved) else
-             f"agents: {agents_left_note(saved)}"]
+    lines = [agents_line(saved, stage)]
     if any(saved.agent_models.values()):
         lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
                                                       for role in ROLES))
@@ -9070,8 +9636,12 @@ def last_exit_code(saved: SavedState) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def _status_last_stop(saved: SavedState) -> list[str]:
-    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1)."""
+def _status_last_stop(saved: SavedState, stage: StageSeen) -> list[str]:
+    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1); one
+    killed holding the lock kept no exit code (the one summary.json holds is an earlier invocation's)."""
+    if stage.killed:
+        return [f"last stop: killed, no exit code ({stage.killed}; SIGKILL, or the machine stopped); a scheduler: "
+                "retry: the same command first ends what it left running"]
     code = last_exit_code(saved) if saved.run_dir else None
     if code is None:
         return []
@@ -9107,12 +9677,30 @@ def working_facts(saved: SavedState) -> dict | None:
             "text": working_now(saved)}
 
 
-def status_facts(saved: SavedState) -> dict:
+def invocation_facts(text: str) -> dict | None:
+    """{"pid", "since"} of 'pid N since ...' as the lock holds it (None: no such invocation)."""
+    named = re.fullmatch(r"pid (\d+) since (.+)", text)
+    return {"pid": int(named[1]), "since": named[2]} if named else {"pid": None, "since": None} if text else None
+
+
+def stage_facts(stage: StageSeen) -> dict:
+    """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
+    processes still running."""
+    alive = stage.alive
+    return {
+        "starting": stage.starting, "killed": invocation_facts(stage.killed), "killed_start_up": stage.start_left,
+        "own_server_running": None if alive is None or stage.own is None else {
+            "url": stage.own.url, "cao_server_pid": alive.cao_server, "tmux_pid": alive.tmux,
+            "agents": alive.agents, "pids": alive.processes, "driven": bool(stage.holder),
+            "end_command": alive.end_command()},
+    }
+
+
+def status_facts(saved: SavedState, stage: StageSeen) -> dict:
     """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
-    file, its lock and its record only, without asking the server."""
-    holder = lock_holder()
-    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
-    code = None if holder or not saved.run_dir else last_exit_code(saved)
+    file, its lock, the notes beside it and its record only, without asking the server."""
+    holder = stage.holder
+    code = None if holder or stage.killed or not saved.run_dir else last_exit_code(saved)
     total, unknown = turns_tokens(saved.turn_records)
     return {
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
@@ -9120,8 +9708,7 @@ def status_facts(saved: SavedState) -> dict:
         "working_now": working_facts(saved), "turns": len(saved.turn_records),
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
-        "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
-                                                                                 if holder else None),
+        "driven_by": invocation_facts(holder),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
         "traceback": traceback_path(saved) if code == EXIT_BUG else None,
@@ -9132,6 +9719,7 @@ def status_facts(saved: SavedState) -> dict:
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
         if saved.final_status == "FAIL" and not saved.terminals_exited else None,
+        **stage_facts(stage),
     }
 
 
@@ -9148,23 +9736,29 @@ def saved_run_or_why() -> tuple[SavedState | None, str]:
 
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
+    if stage.starting and (saved is None or not stage.starting.get("resuming")):
+        return EXIT_PASS, "\n".join(_status_starting(saved, stage))
     if saved is None:
-        return EXIT_FAIL, why
+        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(_status_server(None, stage) if stage.alive
+                                                                       else [])])
     restore_saved_settings(saved)
     connect_api()
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved),
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved, stage),
              *_status_tokens(saved)]
-    holder = lock_holder()
-    lines.append(f"driven by: {holder}" if holder else
+    if stage.starting:
+        lines.append(f"starting: the run is being resumed, since {since_text(str(stage.starting.get('since')))}: "
+                     f"{stage.starting.get('step')}")
+    lines.append(f"driven by: {stage.holder}" if stage.holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
-    if not holder:
-        lines += _status_last_stop(saved)
+    if not stage.holder:
+        lines += _status_last_stop(saved, stage) + _status_start_left(stage)
     if saved.no_progress_stop:
         lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.finished and status_next(saved):
         lines.append(f"next: {status_next(saved)}")
-    lines += _status_agents(saved) + _status_after_run(saved)
+    lines += _status_agents(saved, stage) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
 
@@ -9269,6 +9863,7 @@ def start_run(task: str) -> StartPlan:
     if plan.resume:
         load_state()
         connect_api()
+        note_start_up_step(f"resuming the run: its agents on {API}")
         if not PROMPT and task:
             set_task(task)
         elif task and task != PROMPT:
@@ -9316,12 +9911,17 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
 
 
 def status_json_report() -> tuple[int, str]:
-    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status."""
+    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status,
+    unless a run is starting or a killed one's start-up left something: then what the stage shows."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
     if saved is None:
-        return EXIT_FAIL, why
+        if not (stage.starting or stage.start_left or stage.alive):
+            return EXIT_FAIL, why
+        return EXIT_PASS, json.dumps({"state_file": STATE_FILE, "result": None, "driven_by": invocation_facts(
+            stage.holder), "cao_server": None, "own_server": stage.own is not None, **stage_facts(stage)})
     restore_saved_settings(saved)
-    return EXIT_PASS, json.dumps(status_facts(saved))
+    return EXIT_PASS, json.dumps(status_facts(saved, stage))
 
 
 FOLLOW_POLL_SECONDS = 0.5           # --status --follow: how often the events file is looked at
@@ -9440,12 +10040,15 @@ def run_command_line(args: list[str]) -> int:
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
         _install_sigterm(_raise_terminated)   # a SIGTERM from here on still ends what the run started
+        begin_start_up(plan.resume)
         end_left_own_server()
         if own_server_wanted(plan):
+            note_start_up_step("starting the run's own CAO server")
             start_own_server()
         connect_api()
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
+        end_start_up()
         say_tokens_not_counted()
         end_old_run(plan)
         if isinstance(api, ApiClient):
@@ -9453,9 +10056,11 @@ def run_command_line(args: list[str]) -> int:
         code = run_loop()
     except AlreadyFinished as exc:
         code = exc.code
+        end_start_up()
         log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
         code, line = stop_line(exc, started)
+        end_start_up()
         say_error(line)
     finally:
         _install_sigterm(previous_sigterm)

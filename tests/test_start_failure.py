@@ -142,7 +142,7 @@ def test_a_row_s_start_hint_is_given_only_when_its_trap_is_found_sprung(load_orc
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     asked = []
     monkeypatch.setattr(m, "sprung_traps", lambda provider: asked.append(provider) or (
-        [m.CheckLine(False, "IS_SANDBOX unset")] if sprung else []))
+        [m.CheckLine(False, "Claude Code as root: its agents' environment has no IS_SANDBOX=1")] if sprung else []))
     assert run_main(m) == m.EXIT_ERROR
     line = stop_line(capsys)
     assert asked and set(asked) == {"claude_code"}
@@ -155,10 +155,9 @@ def test_sprung_traps_reads_the_agents_side_as_check_does(orch, monkeypatch):
     monkeypatch.setattr(orch, "local_server", lambda: object())
     monkeypatch.setattr(orch, "probe_agents_side", lambda server, programs: orch.AgentsSide(seen, 0, {}))
     seen.update(IS_SANDBOX="1")
-    assert orch.sprung_traps("claude_code") == [] or all("IS_SANDBOX" not in l.text for l in
-                                                         orch.sprung_traps("claude_code"))
-    seen.clear()
-    assert [line.ok for line in orch.sprung_traps("claude_code")] == [False]
+    assert not [line for line in orch.sprung_traps("claude_code") if "IS_SANDBOX" in line.text]
+    seen.update(IS_SANDBOX="yes")
+    assert [line.ok for line in orch.sprung_traps("claude_code") if "IS_SANDBOX" in line.text] == [False]
     monkeypatch.setattr(orch, "local_server", lambda: None)
     assert orch.sprung_traps("claude_code") == []                 # cannot look: no trap named
 
