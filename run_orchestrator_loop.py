@@ -5909,6 +5909,8 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
             if seen[role].lasting:
                 log(f"{role}: its agent CLI cannot start ({seen[role].lasting.why}); its screen: "
                     f"{seen[role].quoted()}")
+                note_agent_start(role, "failed", f"{seen[role].lasting.why}: {seen[role].quoted()}",
+                                 seen[role].terminal_id)
                 return
 
 
@@ -6041,6 +6043,7 @@ def check_screens_started(answers: dict[str, dict], failures: dict[str, str],
         if screen.lasting:
             screens[role] = screen
             failures[role] = f"{role}: its agent CLI came up but cannot work ({screen.lasting.why})"
+            note_agent_start(role, "failed", f"{screen.lasting.why}: {screen.quoted()}", screen.terminal_id)
 
 
 def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> None:
@@ -6052,6 +6055,9 @@ def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> 
             server = server or local_server()
             last = read_start_screen(role, screens[role].terminal_id, server)
             screens[role] = last if last.lines else screens[role]
+            if screens[role].lines:
+                note_agent_start(role, "failed", f"{failures[role]}; its screen: {screens[role].quoted()}",
+                                 screens[role].terminal_id)
 
 
 def create_terminals() -> tuple[str, dict[str, str]]:

@@ -39,6 +39,11 @@ CODEX_SIGN_IN = ("  Welcome to Codex, OpenAI's command-line coding agent\r\n  Ch
                  "> 1. Sign in with ChatGPT\r\n     Usage included with Plus, Pro, Business, and Enterprise plans\r\n")
 
 
+# CAO's log of a real terminal: Claude Code 2.1.197's first start in a fresh HOME, as root, offline (its launch line
+# typed by CAO, spaces drawn as cursor moves, tmux's passthrough), from tests/e2e/test_start_failure_e2e.py
+REAL_LOG = Path(__file__).parent / "data" / "claude-2.1.197-offline-first-start.log"
+
+
 def every_start(fake, screen, fail: bool = True, held: str = "deleted") -> None:
     for profile in PROFILES:
         fake.start_screens[profile] = screen
@@ -163,17 +168,21 @@ def test_sprung_traps_reads_the_agents_side_as_check_does(orch, monkeypatch):
 
 
 def test_a_failed_terminal_s_screen_is_read_from_cao_s_log_once_cao_removed_it(orch, tmp_path):
-    """CAO removes the terminal of a failed start (its output route answers 404), not its log file."""
+    """CAO removes the terminal of a failed start (its output route answers 404), not its log file: its tail is read
+    (here the real one), cleaned to the CLI's own lines."""
     logs = tmp_path / ".aws" / "cli-agent-orchestrator" / "logs" / "terminal"
     logs.mkdir(parents=True)
-    (logs / "0000abcd.log").write_text("x" * 70_000 + NO_NETWORK_FIRST_START, encoding="utf-8")
+    (logs / "0000abcd.log").write_bytes(b"x" * 70_000 + REAL_LOG.read_bytes())
     server = orch.LocalServer(1, 0, {"HOME": str(tmp_path)})
     orch.PROVIDER = "claude_code"
     orch.api = type("NoScreen", (), {"get_screen": lambda self, terminal_id: (_ for _ in ()).throw(
         orch.ApiError("HTTP 404", 404))})()
     screen = orch.read_start_screen("analyst", "0000abcd", server)
-    assert screen.lasting is not None and screen.lines[0] == "Unable to connect to Anthropic services"
-    assert screen.lines[1] == "Failed to connect to api.anthropic.com: ENOTFOUND"
+    assert screen.lasting is not None and screen.lines == (
+        "Unable to connect to Anthropic services", "Failed to connect to api.anthropic.com: ENOTFOUND",
+        "Check your internet connection and network settings.",
+        "Claude Code might not be available in your country. Check supported countries at "
+        "https://anthropic.com/supported-countries")
 
 
 @pytest.mark.parametrize("provider, screen, lasting", [
@@ -204,3 +213,19 @@ def test_a_replacement_whose_cli_shows_why_it_cannot_start_stops_the_run_with_ex
     assert "could not start a new agent: the tester's Claude Code cannot start" in line, line
     assert "cannot be used with root/sudo privileges" in line and "IS_SANDBOX=1 cao-server" in line, line
     assert fake_cao.starts_seen["tester"] == 2 and fake_cao.gave_up == []      # its first start, one replacement
+
+
+def test_status_during_the_start_up_says_which_cli_cannot_start_in_its_words(load_orch, fake_cao, prompt_file,
+                                                                            monkeypatch, capsys):
+    """--status while the start-up stops: the failed agent with its CLI's words, from the start-up note."""
+    every_start(fake_cao, ROOT_REFUSAL)
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    seen, failure = {}, m.start_up_failure
+
+    def look_then_fail(failures, *screens):
+        seen["text"] = m.status_report()[1]
+        return failure(failures, *screens)
+
+    monkeypatch.setattr(m, "start_up_failure", look_then_fail)
+    assert run_main(m) == m.EXIT_USAGE
+    assert "failed" in seen["text"] and "cannot be used with root/sudo privileges" in seen["text"], seen["text"]

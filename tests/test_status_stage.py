@@ -112,9 +112,9 @@ def test_status_while_a_new_run_starts_says_so_with_each_agent_not_the_run_befor
     seen = {}
     failure = m.start_up_failure
 
-    def look_then_fail(failures):
+    def look_then_fail(failures, *screens):
         seen["text"], seen["json"] = m.status_report(), m.status_json_report()
-        return failure(failures)
+        return failure(failures, *screens)
 
     monkeypatch.setattr(m, "start_up_failure", look_then_fail)
     assert run_main(m) == 3
