@@ -4725,6 +4725,63 @@ def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
     return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
+# -- What a CLI that cannot start, or cannot work, shows (its row's `cannot_start`) ----------------
+START_SCREEN_LINES = 4                 # the CLI's own lines quoted when it cannot start or work
+SHELL_LINE = re.compile(SHELL_PROMPT.pattern.replace(r"\s?[$#%>]\s*$", r"\s?[$#%>](?:\s|$)"))
+
+
+@dataclass(frozen=True)
+class StartScreen:
+    """What a terminal CAO started (or failed to) showed: its id, the CLI's last lines as people read them, and the
+    lasting reason its words name (None: none known)."""
+
+    terminal_id: str
+    lines: tuple[str, ...] = ()
+    lasting: CannotStart | None = None
+    again: bool = False               # a second start showed the same lines as the first
+
+    def quoted(self) -> str:
+        return " | ".join(self.lines)
+
+
+def readable_lines(screen: str) -> list[str]:
+    """A raw terminal stream as the lines a person reads, each once where it last showed: cursor moves along the line
+    made a space (CLIs draw spaces so), tmux's passthrough, escape sequences and art gone, shell lines (a prompt,
+    CAO's launch line) left out."""
+    text = re.sub(r"\x1bP.*?\x1b\\", "", screen, flags=re.S)
+    text = re.sub(r"\x1b\[\d*[CG]", " ", text)
+    lines: dict[str, None] = {}
+    for line in screen_lines(text):
+        line = re.sub(r"\s+", " ", line).strip()[:200]
+        if re.search(r"[A-Za-z]{2}", line) and not SHELL_LINE.match(line) and "$(" not in line:
+            lines.pop(line, None)
+            lines[line] = None
+    return list(lines)
+
+
+def cannot_start_reasons(provider: str) -> tuple[CannotStart, ...]:
+    """The words that say the provider's CLI cannot start for good: its row's, and a shell's "not found" for its
+    program (CAO types the program's name into a shell)."""
+    cli = agent_cli(provider)
+    program = cli.program or provider
+    missing = CannotStart(rf"(?:^|:){re.escape(program)}:(?:command)?notfound",
+                          f"the agents' shells do not find its program `{program}`",
+                          f"`{command_name()} --check` says where it is missing and how to make it found")
+    return (*cli.cannot_start, missing)
+
+
+def start_screen(provider: str, terminal_id: str, screen: str) -> StartScreen:
+    """A starting terminal's screen read: from the first line of its last ones that says its CLI cannot start for
+    good (the CLI's words), else its last lines."""
+    lines = readable_lines(screen)[-20:]
+    for index, line in enumerate(lines):
+        squeezed = re.sub(r"\s+", "", line)
+        for reason in cannot_start_reasons(provider):
+            if cli_pattern(reason.words).search(squeezed):
+                return StartScreen(terminal_id, tuple(lines[index:index + START_SCREEN_LINES]), reason)
+    return StartScreen(terminal_id, tuple(lines[-START_SCREEN_LINES:]))
+
+
 def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
     """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
     found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
@@ -5374,10 +5431,21 @@ def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
 
 
+def check_can_work(role: str, terminal_id: str, output: str) -> None:
+    """Stop (exit 2) where the agent's answer is its CLI's words for a lasting reason it cannot work (not signed in):
+    a reminder, or the same command again, would meet them again."""
+    screen = start_screen(provider_for(role), terminal_id, output)
+    if screen.lasting:
+        raise RunError(f"the {role}'s {agent_cli(provider_for(role)).label} (terminal {terminal_id}) cannot work: "
+                       f"{screen.lasting.why}; it answered: \"{screen.quoted()}\"; {screen.lasting.fix}, then rerun "
+                       "to resume", EXIT_USAGE)
+
+
 def idle_without_file(turn: Turn) -> str | None:
     """The agent stopped without its file: wait out a provider error, remind it, then fail or fall back."""
     role, terminal_id, path = turn.role, turn.terminal_id, turn.path
     output = _last_output(terminal_id) or ""
+    check_can_work(role, terminal_id, output)
     error_line = provider_error_line(output, turn.facts.cli)
     if error_line:
         pause_after_provider_error(turn, error_line)
@@ -5637,6 +5705,8 @@ def observe_terminal(turn: Turn) -> None:
         screen = _screen(turn.terminal_id)
         turn.facts.note_screen(screen, time.monotonic())
         if screen is not None:
+            if status in READY_STATUSES and not turn.path.exists():    # at rest without its reply: why, if it says
+                check_can_work(turn.role, turn.terminal_id, screen)
             turn.facts.note_usage_limit(usage_limit_on(screen, time.time(), turn.facts.cli))
             if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
@@ -5799,64 +5869,8 @@ def add_to_session(name: str, role: str, session: Future, interrupted: list[int]
 # What CAO answers when an agent CLI did not come up within its start-up limit.
 CLI_START_TIMED_OUT = "initialization timed out"
 START_WATCH_SECONDS = 1.0              # how often the screens of the terminals CAO is starting are read
-START_SCREEN_LINES = 4                 # the CLI's own lines quoted when it did not start
 START_LOG_TAIL_BYTES = 65_536          # how much of CAO's log of a terminal is read
 CAO_TERMINAL_LOGS = ".aws/cli-agent-orchestrator/logs/terminal"   # under cao-server's HOME: one {id}.log a terminal
-SHELL_LINE = re.compile(SHELL_PROMPT.pattern.replace(r"\s?[$#%>]\s*$", r"\s?[$#%>](?:\s|$)"))
-
-
-@dataclass(frozen=True)
-class StartScreen:
-    """What a terminal CAO started (or failed to) showed: its id, the CLI's last lines as people read them, and the
-    lasting reason its words name (None: none known)."""
-
-    terminal_id: str
-    lines: tuple[str, ...] = ()
-    lasting: CannotStart | None = None
-    again: bool = False               # a second start showed the same lines as the first
-
-    def quoted(self) -> str:
-        return " | ".join(self.lines)
-
-
-def readable_lines(screen: str) -> list[str]:
-    """A raw terminal stream as the lines a person reads, each once where it last showed: cursor moves along the line
-    made a space (CLIs draw spaces so), tmux's passthrough, escape sequences and art gone, shell lines (a prompt,
-    CAO's launch line) left out."""
-    text = re.sub(r"\x1bP.*?\x1b\\", "", screen, flags=re.S)
-    text = re.sub(r"\x1b\[\d*[CG]", " ", text)
-    lines: dict[str, None] = {}
-    for line in screen_lines(text):
-        line = re.sub(r"\s+", " ", line).strip()[:200]
-        if re.search(r"[A-Za-z]{2}", line) and not SHELL_LINE.match(line) and "$(" not in line:
-            lines.pop(line, None)
-            lines[line] = None
-    return list(lines)
-
-
-def cannot_start_reasons(provider: str) -> tuple[CannotStart, ...]:
-    """The words that say the provider's CLI cannot start for good: its row's, and a shell's "not found" for its
-    program (CAO types the program's name into a shell)."""
-    cli = agent_cli(provider)
-    program = cli.program or provider
-    missing = CannotStart(rf"(?:^|:){re.escape(program)}:(?:command)?notfound",
-                          f"the agents' shells do not find its program `{program}`",
-                          f"`{command_name()} --check` says where it is missing and how to make it found")
-    return (*cli.cannot_start, missing)
-
-
-def start_screen(provider: str, terminal_id: str, screen: str) -> StartScreen:
-    """A starting terminal's screen read: from the first line of its last ones that says its CLI cannot start for
-    good (the CLI's words), else its last lines."""
-    lines = readable_lines(screen)[-20:]
-    for index, line in enumerate(lines):
-        squeezed = re.sub(r"\s+", "", line)
-        for reason in cannot_start_reasons(provider):
-            if cli_pattern(reason.words).search(squeezed):
-                return StartScreen(terminal_id, tuple(lines[index:index + START_SCREEN_LINES]), reason)
-    return StartScreen(terminal_id, tuple(lines[-START_SCREEN_LINES:]))
-
-
 def read_start_screen(role: str, terminal_id: str, server: LocalServer | None = None) -> StartScreen:
     """The role's terminal's screen while it starts: CAO's output route; once CAO removed a terminal whose start
     failed, its log of it (`server`: cao-server running here, whose HOME holds it)."""

@@ -229,3 +229,15 @@ def test_status_during_the_start_up_says_which_cli_cannot_start_in_its_words(loa
     monkeypatch.setattr(m, "start_up_failure", look_then_fail)
     assert run_main(m) == m.EXIT_USAGE
     assert "failed" in seen["text"] and "cannot be used with root/sudo privileges" in seen["text"], seen["text"]
+
+
+def test_an_agent_that_answers_it_is_not_signed_in_stops_the_run_with_exit_2_without_a_reminder(
+        load_orch, fake_cao, prompt_file, capsys):
+    """Claude Code set up, signed in nowhere, came up without saying so (its footer quiet): its answer to the first
+    prompt is its words. The run stops on them (exit 2), no reminder sent, instead of a retry-for-ever exit 3."""
+    fake_cao.script["tester"] = [{"text": "Not logged in · Please run /login", "action": "no_file"}]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == m.EXIT_USAGE
+    line = stop_line(capsys)
+    assert "cannot work: it is not signed in" in line and "Not logged in · Please run /login" in line, line
+    assert fake_cao.reminders == [] and len(fake_cao.prompts) == 1
