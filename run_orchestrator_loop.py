@@ -567,6 +567,10 @@ def _role_settings() -> list[Setting]:
                                 "model", f"model the {role}'s agent CLI is started with (empty: MODEL)"))
         settings.append(Setting(f"{prefix}_PROFILE", f"agents.{role}.profile",
                                 DEFAULT_PROFILES[role], "name", f"CAO agent profile for the {role}"))
+        settings.append(Setting(f"{prefix}_FALLBACK_PROVIDER", f"agents.{role}.fallback_provider", "",
+                                "role_provider", f"the {role}'s fallback CLI (empty: FALLBACK_PROVIDER)"))
+        settings.append(Setting(f"{prefix}_FALLBACK_MODEL", f"agents.{role}.fallback_model", "",
+                                "model", f"the model of the {role}'s fallback CLI (empty: FALLBACK_MODEL)"))
     return settings
 
 
@@ -647,6 +651,15 @@ SETTINGS: tuple[Setting, ...] = (
             "out in all, in pauses that double"),
     Setting("USAGE_LIMIT_MARGIN_SECONDS", "recovery.usage_limit_margin_seconds", 60.0, "seconds0",
             "how long after the reset time the agent is told to continue"),
+    Setting("FALLBACK_PROVIDER", "recovery.fallback_provider", "", "role_provider",
+            "the CAO provider that takes a role over when its agent's account usage limit resets later than "
+            "USAGE_LIMIT_MAX_WAIT allows (or names no reset time): the agent is ended, a new one on this CLI gets "
+            "the turn in full (a new conversation) and keeps the role for the rest of the run; its own limit is "
+            "waited out or stops the run as without it (<ROLE>_FALLBACK_PROVIDER for one role; empty: no fallback, "
+            "the run stops at such a limit)"),
+    Setting("FALLBACK_MODEL", "recovery.fallback_model", "", "model",
+            "the model the fallback CLI is started with (<ROLE>_FALLBACK_MODEL for one role; empty: its CLI's own "
+            "default)"),
     Setting("FRESH_CONTEXT", "context.fresh_context", "off", "fresh_context",
             "off: each agent keeps one conversation for the whole run (its CLI compacts it when it fills; the "
             "loop then sends the full task again); round: every round after the first starts each agent "
@@ -1012,6 +1025,8 @@ PROVIDER_ERROR_RETRIES: int = _initial("PROVIDER_ERROR_RETRIES")
 PROVIDER_ERROR_PAUSE_SECONDS: float = _initial("PROVIDER_ERROR_PAUSE_SECONDS")
 USAGE_LIMIT_MAX_WAIT: float = _initial("USAGE_LIMIT_MAX_WAIT")
 USAGE_LIMIT_MARGIN_SECONDS: float = _initial("USAGE_LIMIT_MARGIN_SECONDS")
+FALLBACK_PROVIDER: str = _initial("FALLBACK_PROVIDER")
+FALLBACK_MODEL: str = _initial("FALLBACK_MODEL")
 FRESH_CONTEXT: str = _initial("FRESH_CONTEXT")
 COMPACT_AT_TOKENS: int = _initial("COMPACT_AT_TOKENS")
 IGNORE_MISSING_CLI: bool = _initial("IGNORE_MISSING_CLI")
@@ -1028,18 +1043,28 @@ MAX_CROSS_PHASE_LINES: int = _initial("MAX_CROSS_PHASE_LINES")
 ANALYST_PROVIDER: str = _initial("ANALYST_PROVIDER")
 ANALYST_MODEL: str = _initial("ANALYST_MODEL")
 ANALYST_PROFILE: str = _initial("ANALYST_PROFILE")
+ANALYST_FALLBACK_PROVIDER: str = _initial("ANALYST_FALLBACK_PROVIDER")
+ANALYST_FALLBACK_MODEL: str = _initial("ANALYST_FALLBACK_MODEL")
 PEER_ANALYST_PROVIDER: str = _initial("PEER_ANALYST_PROVIDER")
 PEER_ANALYST_MODEL: str = _initial("PEER_ANALYST_MODEL")
 PEER_ANALYST_PROFILE: str = _initial("PEER_ANALYST_PROFILE")
+PEER_ANALYST_FALLBACK_PROVIDER: str = _initial("PEER_ANALYST_FALLBACK_PROVIDER")
+PEER_ANALYST_FALLBACK_MODEL: str = _initial("PEER_ANALYST_FALLBACK_MODEL")
 PROGRAMMER_PROVIDER: str = _initial("PROGRAMMER_PROVIDER")
 PROGRAMMER_MODEL: str = _initial("PROGRAMMER_MODEL")
 PROGRAMMER_PROFILE: str = _initial("PROGRAMMER_PROFILE")
+PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PROGRAMMER_FALLBACK_PROVIDER")
+PROGRAMMER_FALLBACK_MODEL: str = _initial("PROGRAMMER_FALLBACK_MODEL")
 PEER_PROGRAMMER_PROVIDER: str = _initial("PEER_PROGRAMMER_PROVIDER")
 PEER_PROGRAMMER_MODEL: str = _initial("PEER_PROGRAMMER_MODEL")
 PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
+PEER_PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PEER_PROGRAMMER_FALLBACK_PROVIDER")
+PEER_PROGRAMMER_FALLBACK_MODEL: str = _initial("PEER_PROGRAMMER_FALLBACK_MODEL")
 TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
 TESTER_MODEL: str = _initial("TESTER_MODEL")
 TESTER_PROFILE: str = _initial("TESTER_PROFILE")
+TESTER_FALLBACK_PROVIDER: str = _initial("TESTER_FALLBACK_PROVIDER")
+TESTER_FALLBACK_MODEL: str = _initial("TESTER_FALLBACK_MODEL")
 ARCHIVE_ON_PASS: bool = _initial("ARCHIVE_ON_PASS")
 OPENSPEC_COMMAND: str = _initial("OPENSPEC_COMMAND")
 ARCHIVE_TIMEOUT: float = _initial("ARCHIVE_TIMEOUT")
@@ -1264,24 +1289,65 @@ def own_settings(role: str) -> tuple[str, str, str]:
             "tester": (TESTER_PROVIDER, TESTER_MODEL, TESTER_PROFILE)}[role]
 
 
+def own_fallback(role: str) -> tuple[str, str]:
+    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply)."""
+    return {"analyst": (ANALYST_FALLBACK_PROVIDER, ANALYST_FALLBACK_MODEL),
+            "peer_analyst": (PEER_ANALYST_FALLBACK_PROVIDER, PEER_ANALYST_FALLBACK_MODEL),
+            "programmer": (PROGRAMMER_FALLBACK_PROVIDER, PROGRAMMER_FALLBACK_MODEL),
+            "peer_programmer": (PEER_PROGRAMMER_FALLBACK_PROVIDER, PEER_PROGRAMMER_FALLBACK_MODEL),
+            "tester": (TESTER_FALLBACK_PROVIDER, TESTER_FALLBACK_MODEL)}[role]
+
+
+def switched_to(role: str) -> tuple[str, str] | None:
+    """The provider and model the run moved the role to at a usage limit it would not wait out (cli_switches,
+    section 3: for the rest of the run), or None."""
+    switch = next((s for s in cli_switches if s.role == role), None)
+    return (switch.to_provider, switch.to_model) if switch is not None else None
+
+
 def provider_for(role: str) -> str:
-    """The role's own provider if one is set, else PROVIDER."""
-    return own_settings(role)[0] or PROVIDER
+    """The role's provider: its fallback once the run switched the role to it, else its own if set, else
+    PROVIDER."""
+    switched = switched_to(role)
+    return switched[0] if switched else own_settings(role)[0] or PROVIDER
 
 
 def model_for(role: str) -> str:
-    """The model the role's agent CLI is started with: its own, else MODEL; '' leaves the CLI's default."""
-    return own_settings(role)[1] or MODEL
+    """The model the role's agent CLI is started with: its fallback's once switched, else its own, else MODEL;
+    '' leaves the CLI's default."""
+    switched = switched_to(role)
+    return switched[1] if switched else own_settings(role)[1] or MODEL
+
+
+def fallback_for(role: str) -> tuple[str, str] | None:
+    """The provider and model that may take the role over at a usage limit that outlasts the wait: its own
+    fallback, else FALLBACK_PROVIDER's; None when none is set, or it is the role's own CLI and model."""
+    provider = own_fallback(role)[0] or FALLBACK_PROVIDER
+    model = own_fallback(role)[1] or FALLBACK_MODEL
+    if not provider or (provider, model) == (own_settings(role)[0] or PROVIDER, own_settings(role)[1] or MODEL):
+        return None
+    return provider, model
+
+
+def providers_of(role: str) -> list[str]:
+    """The providers the role runs on or may fall back to."""
+    fallback = fallback_for(role)
+    return list(dict.fromkeys([provider_for(role)] + ([fallback[0]] if fallback else [])))
 
 
 def providers_in_use() -> list[str]:
-    """Every provider the five roles run on, each once."""
-    return sorted({provider_for(role) for role in ROLES})
+    """Every provider the five roles run on or may fall back to, each once: what a run needs ready."""
+    return sorted({provider for role in ROLES for provider in providers_of(role)})
 
 
 def profile_for(role: str) -> str:
     """The CAO agent profile the role's terminal is created with."""
     return own_settings(role)[2]
+
+
+def profiles_in_use() -> list[tuple[str, str]]:
+    """Each (CAO profile, provider) a run's agents may be started with, a role's fallback included."""
+    return list(dict.fromkeys((profile_for(role), provider) for role in ROLES for provider in providers_of(role)))
 
 
 # ==========================================================================
@@ -1895,7 +1961,7 @@ def install_own_profiles(own: OwnServer) -> None:
     """The run's agent profiles, installed in CAO's store where it lacks them (also where the CLI keeps a
     copy of its own that is missing), from the profiles that come with the loop; all at once."""
     missing = [(profile, provider) for profile, provider in
-               dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES)
+               profiles_in_use()
                if api.profile_installed(profile) is not True
                or (agent_cli(provider).profile_file
                    and not Path.home().joinpath(agent_cli(provider).profile_file.format(name=profile)).is_file())]
@@ -2282,6 +2348,7 @@ class TurnRecord:
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
     tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (InFlight's)
     model: str = ""                   # the model its last response named, as its CLI recorded it ("": unknown)
+    provider: str = ""                # the provider (CLI) whose agent answered it ("": from before it was kept)
 
     def to_json(self) -> dict:
         data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
@@ -2289,7 +2356,7 @@ class TurnRecord:
                 "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
                 "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
                 "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final, "terminal": self.terminal,
-                "context_tokens": self.context_tokens, "model": self.model}
+                "context_tokens": self.context_tokens, "model": self.model, "provider": self.provider}
         if self.tokens_before is not None and not self.tokens_final:   # needed until its tokens stand
             data["tokens_before"] = tokens_before_json(self.tokens_before)
         return data if self.outcome is None else {**data, "outcome": self.outcome}
@@ -2305,7 +2372,8 @@ class TurnRecord:
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
                    _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
                    raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")),
-                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")))
+                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")),
+                   _text(raw.get("provider")))
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
@@ -2354,6 +2422,36 @@ class Replacement(PlainRecord):
     def read(cls, raw: dict) -> Replacement:
         return cls(*(_text(raw.get(key)) for key in ("role", "old_terminal", "new_terminal", "at", "why")),
                    _whole(raw.get("event")) or 1)
+
+
+@dataclass
+class CliSwitch(PlainRecord):
+    """A role the run moved to its fallback CLI at a usage limit it would not wait out, for the rest of the run:
+    saved before the new agent is asked for (`new_terminal` '' until it is up), so a rerun finishes the switch."""
+
+    required: ClassVar[str] = "role"
+    role: str
+    from_provider: str
+    from_model: str                   # '' : its CLI's default
+    to_provider: str
+    to_model: str
+    at: str                           # ISO time (UTC)
+    resets_at: str                    # when the limit resets (ISO, UTC; '': its CLI named no time)
+    limit: str                        # what the screen said
+    old_terminal: str
+    new_terminal: str = ""
+
+    @classmethod
+    def read(cls, raw: dict) -> CliSwitch:
+        return cls(*(_text(raw.get(key)) for key in ("role", "from_provider", "from_model", "to_provider", "to_model",
+                                                      "at", "resets_at", "limit", "old_terminal", "new_terminal")))
+
+    def text(self) -> str:
+        """'programmer codex (gpt-5) -> claude_code (its CLI's default) at ...': the switch, for people."""
+        def cli(provider: str, model: str) -> str:
+            return f"{provider} ({model or 'its CLI default'})"
+        return (f"{self.role} {cli(self.from_provider, self.from_model)} -> {cli(self.to_provider, self.to_model)} "
+                f"at {self.at}, its limit resetting {self.resets_at or 'at a time its CLI did not name'}")
 
 
 @dataclass
@@ -2493,6 +2591,9 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("rounds_without_progress", "rounds_without_progress", new=int, parse=lambda v: _whole(v) or 0),
     StateField("worktree_at_fail", "worktree_at_fail", parse=_fingerprints),
     StateField("no_progress_stop", "no_progress_stop", parse=lambda v: v if isinstance(v, dict) else None),
+    StateField("cli_switches", "cli_switches", new=list, dump=lambda switches: [w.to_json() for w in switches],
+               parse=lambda v: [w for w in map(CliSwitch.from_json, v) if w and w.role in ROLES and w.to_provider]
+               if isinstance(v, list) else []),
     StateField("fresh_agents_due", "fresh_agents_due", new=dict,
                parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
                if isinstance(v, dict) else {}),
@@ -2533,6 +2634,7 @@ after_run: AfterRun = _new_value("after_run")
 replacements: list[Replacement] = _new_value("replacements")   # lost agents replaced (REPLACE_LOST_AGENTS=1)
 agent_events: list[AgentEvent] = _new_value("agent_events")    # conversations compacted, cleared, started anew
 fresh_agents_due: dict[str, str] = _new_value("fresh_agents_due")  # role -> why its next turn needs a new agent
+cli_switches: list[CliSwitch] = _new_value("cli_switches")  # roles moved to their fallback CLI (FALLBACK_PROVIDER)
 failed_rounds: list[FailedRound] = _new_value("failed_rounds")   # each FAILed round, compared with the one before
 rounds_without_progress: int = _new_value("rounds_without_progress")  # FAILs in a row that repeat the one before
 worktree_at_fail: dict | None = _new_value("worktree_at_fail")  # the WD's fingerprints at the last FAIL
@@ -2883,12 +2985,16 @@ EVENT_KINDS = {
     "turn_sent": "a prompt went to an agent: role, round, phase, cycle, number (its files' number), "
                  "prompt_bytes, resend (true: sent again by a later invocation)",
     "reply_taken": "an agent's answer was taken: role, round, phase, cycle, seconds, reply_bytes, reply_file, "
-                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known)",
+                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known), "
+                   "provider (the CLI that answered)",
     "verdict": "what an answer decided: role, round, outcome (APPROVED, REVISE, PASS, FAIL, ...; "
                "'(not counted)' after an approval that does not count)",
     "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
                    "compacted, context low, new conversation, model changed, ...), detail",
     "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
+    "cli_switched": "a role went over to its fallback CLI at a usage limit it would not wait out, for the rest of "
+                    "the run: role, from_provider, from_model, to_provider, to_model, resets_at (null: not named), "
+                    "limit, old_terminal, new_terminal",
     "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
                       "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
                       "(null: not known)",
@@ -3193,20 +3299,33 @@ def _role_totals() -> dict[str, dict]:
     return totals
 
 
+def turn_provider(record: TurnRecord) -> str:
+    """The provider whose agent answered the turn (a record from before it was kept: the role's)."""
+    return record.provider or provider_for(record.role)
+
+
+def _cli_totals() -> dict[str, dict]:
+    """Per provider (CLI) that answered turns: how many, and the tokens they used."""
+    providers = dict.fromkeys(turn_provider(r) for r in turn_records)
+    return {provider: {"turns": len(mine), **_token_totals(mine)} for provider in providers
+            for mine in [[r for r in turn_records if turn_provider(r) == provider]]}
+
+
 def _unanswered_turn() -> dict | None:
     """The prompt in flight, as a turn of the run record with no reply (None when there is none)."""
     if in_flight is None or in_flight.reply_file:
         return None
     facts = {**sent_turn_facts(in_flight.role, time.time()), "seconds": None, "tokens_before": None}
     return {**TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
-                         **facts).to_json(), "cost": None}
+                         provider=provider_for(in_flight.role), **facts).to_json(), "cost": None}
 
 
 def run_summary(exit_code: int | None) -> dict:
     """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
     counts among the prompts sent. `exit_code` is None while the run goes on."""
     unanswered = _unanswered_turn()
-    turns = [{**r.to_json(), "cost": cost_of(r.tokens) if MODEL_PRICES else None} for r in turn_records] \
+    turns = [{**r.to_json(), "provider": turn_provider(r), "cost": cost_of(r.tokens) if MODEL_PRICES else None}
+             for r in turn_records] \
         + ([unanswered] if unanswered else [])
     ended_at = utc_iso(precise=True)
     return {
@@ -3223,9 +3342,10 @@ def run_summary(exit_code: int | None) -> dict:
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
         **_token_totals(turn_records), "model_prices": MODEL_PRICES,
-        "roles": _role_totals(), "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "roles": _role_totals(), "clis": _cli_totals(), "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
+        "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(cli_switches),
         "agent_events": [e.to_json() for e in agent_events],
         "no_progress_stop": no_progress_stop,
         "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
@@ -3355,7 +3475,9 @@ TOKENS_SECTION = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</
                           '<table id="tokens-per-turn"><tr><th>turn</th><th>role</th><th>round</th><th>input</th>'
                           '<th>cached input</th><th>output</th><th>cost</th></tr>\n$turn_rows</table>\n'
                           '<table id="tokens-per-role"><tr><th>turns</th><th>role</th><th>unknown</th><th>input</th>'
-                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table></section>')
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table>\n'
+                          '<table id="tokens-per-cli"><tr><th>turns</th><th>CLI</th><th>unknown</th><th>input</th>'
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$cli_rows</table></section>')
 TOKENS_UNCOUNTED = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p></section>')
 TOKEN_ROW = Template('<tr data-key="$key"><td>$first</td><td>$second</td><td>$third</td><td>$input</td>'
                      '<td>$cached</td><td>$output</td><td>$cost</td></tr>')
@@ -3464,6 +3586,7 @@ def _figures(summary: dict) -> ReportHtml:
                 *_tokens_figure(summary),
                 ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
+                *[("fallback CLI", CliSwitch.read(w).text()) for w in summary["cli_switches"]],
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
                 ("state file", summary["state_file"])]
     links = _run_file_links(summary["run_dir"])
@@ -3565,6 +3688,7 @@ def _turn_details(turns: list[dict], prompts: list[str], replies: list[str]) -> 
         where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
         extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
         took = report_duration(turn["seconds"]) if turn["seconds"] is not None else "no reply yet"
+        extra += f"; {turn['provider']}" if turn.get("provider") else ""
         extra += f"; model {turn['model']}" if turn.get("model") else ""
         label = f"{number:03d} {turn['role']}: {where}; {took}; {turn.get('outcome') or 'no verdict'}{extra}"
         details.append(_fill(TURN_DETAIL, number=number, label=label, prompt_bytes=f"{turn['prompt_bytes']:,}",
@@ -3597,9 +3721,13 @@ def _tokens_section(summary: dict) -> ReportHtml:
     role_rows = [_fill(TOKEN_ROW, key=f"role-{role}", first=figures["turns"], second=role,
                        third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
                  for role, figures in totals]
+    cli_rows = [_fill(TOKEN_ROW, key=f"cli-{provider}", first=figures["turns"], second=provider,
+                      third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
+                for provider, figures in summary["clis"].items()]
     prices = "cost estimated from MODEL_PRICES" if summary["model_prices"] else "no cost shown: MODEL_PRICES is not set"
     note = (f"As the agents' CLIs recorded them; input leaves out cached input; output includes reasoning; {prices}.")
-    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows))
+    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows),
+                 cli_rows=_join(cli_rows))
 
 
 def report_html(summary: dict) -> str:
@@ -4159,9 +4287,10 @@ def cli_records(provider: str) -> TokenRecords | None:
     return RECORD_FORMATS.get(records) if isinstance(records, str) else records
 
 
-def tokens_readable(role: str) -> bool:
-    """Whether the loop can read what the role's CLI records: one it knows, its records on this machine."""
-    return cli_records(provider_for(role)) is not None and token_records_readable()
+def tokens_readable(role: str, provider: str = "") -> bool:
+    """Whether the loop can read what the role's CLI (or `provider`'s) records: one it knows, its records on
+    this machine."""
+    return cli_records(provider or provider_for(role)) is not None and token_records_readable()
 
 
 def record_marker(role: str) -> str:
@@ -4169,13 +4298,15 @@ def record_marker(role: str) -> str:
     return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
 
 
-def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None) -> TokenReading | None:
-    """What the role's CLI recorded between the two times (time.time() values); None when its records cannot
-    be read here or hold nothing of it yet. `before`: running totals noted at the turn's first send."""
-    if not tokens_readable(role):
+def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None,
+                provider: str = "") -> TokenReading | None:
+    """What the role's CLI (`provider`'s: the one that answered the turn) recorded between the two times
+    (time.time() values); None when its records cannot be read here or hold nothing of it yet. `before`:
+    running totals noted at the turn's first send."""
+    if not tokens_readable(role, provider):
         return None
     try:
-        return cli_records(provider_for(role)).read_turn(record_marker(role), since, until, before)
+        return cli_records(provider or provider_for(role)).read_turn(record_marker(role), since, until, before)
     except (OSError, ValueError):
         return None
 
@@ -5138,17 +5269,45 @@ def usage_limit_stop(turn: Turn, line: str, until: float | None) -> RunError:
                     f"({line[:200]}); {when}")
 
 
+class FallbackDue(RunError):
+    """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
+    the role to it (switch_to_fallback(), 7). Its message is the stop's, should nothing take it up."""
+
+    def __init__(self, turn: Turn, line: str, until: float | None):
+        super().__init__(str(usage_limit_stop(turn, line, until)))
+        self.role, self.terminal_id, self.line, self.until = turn.role, turn.terminal_id, line, until
+
+
+def switch_pending(role: str) -> bool:
+    """Whether the run decided to move the role to its fallback CLI while its agent is still the limited one
+    (a stop came between the decision and the new agent)."""
+    return any(w.role == role and w.old_terminal == terminal_ids.get(role) for w in cli_switches)
+
+
+def fallback_due(role: str) -> bool:
+    """Whether a usage limit the loop will not wait out moves the role to its fallback CLI: one is set and the
+    role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth)."""
+    return switch_pending(role) or (switched_to(role) is None and fallback_for(role) is not None)
+
+
+def limit_outlasting(turn: Turn, line: str, until: float | None) -> RunError:
+    """What a usage limit the loop will not wait out leads to: the role's fallback CLI, else the stop."""
+    return FallbackDue(turn, line, until) if fallback_due(turn.role) else usage_limit_stop(turn, line, until)
+
+
 def begin_limit_wait(turn: Turn, limit: UsageLimit) -> None:
     """The agent stopped at its usage limit: wait until the reset and a margin (at most USAGE_LIMIT_MAX_WAIT),
-    or stop saying when to rerun. Saved first, so a rerun during the wait waits on instead of resending."""
+    else go over to the role's fallback CLI, or stop saying when to rerun. Saved first, so a rerun during the
+    wait waits on instead of resending."""
     now = time.time()
     until = None if limit.resets_at is None else max(now, limit.resets_at + USAGE_LIMIT_MARGIN_SECONDS)
     waits = until is not None and until - now <= USAGE_LIMIT_MAX_WAIT
     record_agent_event(turn.role, turn.terminal_id, "usage limit", limit.line[:200] + (
-        f"; waited until {clock_text(until)}" if waits else "; the run stopped"))
+        f"; waited until {clock_text(until)}" if waits else
+        "; the role goes over to its fallback CLI" if fallback_due(turn.role) else "; the run stopped"))
     note_limit_in_flight(turn.role, limit.line, until)
     if not waits:
-        raise usage_limit_stop(turn, limit.line, until)
+        raise limit_outlasting(turn, limit.line, until)
     turn.facts.limit_wait_until = time.monotonic() + (until - now)
     log_turn(turn.role, f"usage limit reached; waiting until {clock_text(until)} (in {duration_text(until - now)}), "
                         f"then it continues ({limit.line[:200]})")
@@ -5158,8 +5317,8 @@ def resume_limit_wait(turn: Turn) -> None:
     """A turn carried over while its agent waited out a usage limit: wait on (or stop again); never resend it."""
     line, until = in_flight.limit_line, in_flight.limit_until
     now = time.time()
-    if until is not None and until - now > USAGE_LIMIT_MAX_WAIT:
-        raise usage_limit_stop(turn, line, until)
+    if switch_pending(turn.role) or (until is not None and until - now > USAGE_LIMIT_MAX_WAIT):
+        raise limit_outlasting(turn, line, until)
     remaining = max(0.0, (until or now) - now)
     turn.facts.limit_wait_until = time.monotonic() + remaining
     log_turn(turn.role, f"its agent stopped at its usage limit before the interruption ({line[:200]}); "
@@ -5569,7 +5728,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
     timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
     name = new_session_name()
-    providers = providers_in_use()
+    providers = sorted({provider_for(role) for role in ROLES})
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
@@ -5862,7 +6021,8 @@ def send_prompt(role: str, prompt: str) -> str:
                                   first_sent_at=in_flight.first_sent_at if again else now,
                                   prompt_bytes=len(prompt.encode("utf-8")),
                                   resends=in_flight.resends if again else 0,
-                                  tokens_before=in_flight.tokens_before if again else turn_tokens_before(role),
+                                  tokens_before=in_flight.tokens_before if again and in_flight.tokens_before
+                                  else turn_tokens_before(role),
                                   terminal=terminal_id))
     save_state()
     keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
@@ -5925,14 +6085,15 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
     facts = sent_turn_facts(role, taken)
     record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(taken, precise=True),
                         reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name,
-                        terminal=terminal_ids.get(role, ""), **facts)
+                        terminal=terminal_ids.get(role, ""), provider=provider_for(role), **facts)
     add_turn_record(record)
     reading = read_turn_tokens(len(turn_records) - 1)
     if not any(e.get("event") == "reply_taken" and e.get("reply_file") == record.reply_file
                for e in read_events(Path(run_dir) / EVENTS_FILE)):   # a stop before the state saved it: said once
         record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
                      terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
-                     reply_file=record.reply_file, tokens=tokens_json(record.tokens), model=record.model or None)
+                     reply_file=record.reply_file, tokens=tokens_json(record.tokens), model=record.model or None,
+                     provider=record.provider)
     return record, reading
 
 
@@ -5953,7 +6114,8 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     stay if the records are gone since (a CLI that archived or removed them)."""
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
-    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before) \
+    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before,
+                          provider=record.provider) \
         if since is not None else None
     set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
                     reading.context if reading is not None else None, reading.model if reading is not None else "")
@@ -6135,7 +6297,7 @@ def model_is(recorded: str, asked: str) -> bool:
 def default_model_seen(provider: str) -> str:
     """The first model recorded by an agent of the provider's CLI started without a model asked for ('': none)."""
     return next((r.model for r in turn_records
-                 if r.model and provider_for(r.role) == provider and not agent_models.get(r.role)), "")
+                 if r.model and (r.provider or provider_for(r.role)) == provider and not agent_models.get(r.role)), "")
 
 
 def model_change(number: int) -> tuple[str, str] | None:
@@ -6270,14 +6432,61 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
     return reply
 
 
+def decide_fallback(due: FallbackDue) -> CliSwitch:
+    """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
+    finishes it), or the one saved by an earlier process whose agent is still the limited one."""
+    saved = next((w for w in cli_switches if w.role == due.role and w.old_terminal == due.terminal_id), None)
+    if saved is not None:
+        return saved
+    provider, model = fallback_for(due.role)
+    switch = CliSwitch(due.role, provider_for(due.role), model_for(due.role), provider, model, utc_iso(),
+                       utc_iso(due.until) if due.until is not None else "", due.line[:200], due.terminal_id)
+    update_run(cli_switches=cli_switches + [switch])
+    save_state()
+    return switch
+
+
+def switch_to_fallback(due: FallbackDue) -> None:
+    """The role's agent stopped at a usage limit the loop will not wait out: it is ended, and a new agent on
+    the role's fallback CLI takes the turn in full (a new conversation) and the role for the rest of the run.
+    The new agent is asked for under the key of the one it replaces: a rerun at any instant makes no second."""
+    role, old = due.role, due.terminal_id
+    switch = decide_fallback(due)
+    crash_point("fallback-decided")
+    new = new_agent_for(role, "creating the agent on the fallback CLI")
+    record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
+    unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
+        if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
+    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
+               agent_models={**agent_models, role: model_for(role)},
+               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
+               cli_switches=[replace(w, new_terminal=new) if w is switch else w for w in cli_switches])
+    save_state()
+    crash_point("fallback-switched")
+    settled_terminals.add(new)
+    exit_terminals([old])
+    remove_terminal(old)
+    record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
+                 to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
+                 limit=switch.limit, old_terminal=old, new_terminal=new)
+    log_turn(role, f"usage limit beyond USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s "
+                   f"(resets {local_time(switch.resets_at) if switch.resets_at else 'at a time its CLI did not name'}):"
+                   f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
+                   f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
+                   f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
+
+
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
-    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced and the
-    turn sent again (to the new agent every once-only block in full)."""
+    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced, or the role
+    goes over to its fallback CLI at a usage limit not waited out, and the turn is sent again (to the new agent
+    every once-only block in full)."""
     while True:
         try:
             return take_turn(role, build)
         except AgentLost as lost:
             replace_lost_agent(lost)
+        except FallbackDue as due:
+            switch_to_fallback(due)
 
 
 # ==========================================================================
@@ -7458,12 +7667,14 @@ def check_agent_clis() -> None:
     report = api.provider_report()
     if not report:
         return
-    missing = [(role, provider) for role in ROLES for provider in [provider_for(role)]
+    missing = [(role, provider) for role in ROLES for provider in providers_of(role)
                if provider in report and not report[provider][1]]
     if not missing:
         return
     role, provider = missing[0]
-    setting = f"{role.upper()}_PROVIDER" if own_settings(role)[0] else "PROVIDER"
+    kind, own = ("PROVIDER", own_settings(role)[0]) if provider == provider_for(role) else \
+        ("FALLBACK_PROVIDER", own_fallback(role)[0])
+    setting = f"{role.upper()}_{kind}" if own else kind
     installed = sorted(name for name, (_binary, present) in report.items() if present)
     what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
             f"({setting}={provider}), is not installed on its machine")
@@ -8121,6 +8332,8 @@ def summary_tokens(summary: dict) -> str:
     of the run, as run_summary() has them."""
     parts = [(role, totals) for role, totals in summary["roles"].items() if totals["turns"]] + [("run", summary)]
     unknown = summary["tokens_unknown_turns"]
+    if len(summary["clis"]) > 1:              # a role went over to its fallback CLI: each CLI's share too
+        parts += [(f"{provider} (CLI)", totals) for provider, totals in summary["clis"].items()]
     return "; ".join(f"{role} {tokens_text(tokens_from_json(totals['tokens']))}" for role, totals in parts) \
         + (f" ({counted(unknown, 'turn')} unknown)" if unknown and summary["tokens"] else "")
 
@@ -8143,6 +8356,8 @@ def report_run_summary(exit_code: int) -> None:
         log(f"summary: tokens used: {summary_tokens(summary)}")
     if replacements:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
+    if cli_switches:
+        log(f"summary: on a fallback CLI for the rest of the run: {'; '.join(w.text() for w in cli_switches)}")
     record_event("run_stopped", result=summary["result"], exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
                  scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=summary["turns"],
                  tokens=summary["tokens"], no_progress=no_progress_stop)
@@ -8298,7 +8513,7 @@ def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLin
 def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
     """Each role's CAO agent profile installed, for its provider where that CLI keeps its own copy."""
     lines, missing = [], []
-    for profile, provider in dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES):
+    for profile, provider in profiles_in_use():
         known = api.profile_installed(profile)
         own_copy = agent_cli(provider).profile_file.format(name=profile)
         if known is False or (known and own_copy and side is not None and not side.home(own_copy).is_file()):
@@ -8631,7 +8846,7 @@ def _shown_default(setting: Setting) -> str:
                "RESUME": "unset (automatic)"}
     if setting.env in special:
         return special[setting.env]
-    if setting.kind == "role_provider":
+    if setting.kind == "role_provider" and not setting.env.endswith("FALLBACK_PROVIDER"):
         return "PROVIDER"
     if isinstance(setting.default, bool):
         return "1" if setting.default else "0"
@@ -8734,6 +8949,8 @@ def _status_agents(saved: SavedState) -> list[str]:
                                                       for role in ROLES))
     if saved.replacements:
         lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
+    if saved.cli_switches:
+        lines.append("on a fallback CLI for the rest of the run: " + "; ".join(w.text() for w in saved.cli_switches))
     if saved.agent_events:
         lines.append(f"agents' conversations and limits: {agent_events_summary(saved.agent_events)}")
     if saved.run_dir:
@@ -8823,6 +9040,7 @@ def status_facts(saved: SavedState) -> dict:
         "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None,
         "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
+        "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(saved.cli_switches),
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))

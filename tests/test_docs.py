@@ -204,6 +204,7 @@ FORWARD_REFERENCES = {
     "note_conversation": (("observe_terminal",), "the wait notes a compacted conversation for asking (8)"),
     "send_prompt": (("resend_in_full",), "the wait resends a prompt lost on the screen (8)"),
     "PromptDraft": (("stale_round_reason",), "whether the next prompt carries the round's history (12)"),
+    "cli_switches": (("switched_to",), "a role the run moved to its fallback CLI runs on it (3)"),
 }
 
 

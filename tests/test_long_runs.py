@@ -466,7 +466,7 @@ def test_a_menu_still_on_the_screen_after_its_choice_is_answered_again_and_the_t
 
 def recorded_context(m, monkeypatch, by_role: dict[str, int]):
     """The agents' CLIs record each turn's last response as filling this many tokens of context."""
-    def reading(role, since, until, before=None):
+    def reading(role, since, until, before=None, provider=""):
         context = by_role.get(role, 2_000)
         return m.TokenReading({"gpt-5-codex": m.TokenUse(context - 20, 0, 20)}, True, context)
     monkeypatch.setattr(m, "turn_tokens", reading)
