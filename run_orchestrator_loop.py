@@ -2440,11 +2440,13 @@ class CliSwitch(PlainRecord):
     limit: str                        # what the screen said
     old_terminal: str
     new_terminal: str = ""
+    old_ended: bool = False           # the limited agent ended (a stop right after the switch leaves it to a rerun)
 
     @classmethod
     def read(cls, raw: dict) -> CliSwitch:
         return cls(*(_text(raw.get(key)) for key in ("role", "from_provider", "from_model", "to_provider", "to_model",
-                                                      "at", "resets_at", "limit", "old_terminal", "new_terminal")))
+                                                      "at", "resets_at", "limit", "old_terminal", "new_terminal")),
+                   raw.get("old_ended") is True)
 
     def text(self) -> str:
         """'programmer codex (gpt-5) -> claude_code (its CLI's default) at ...': the switch, for people."""
@@ -5893,6 +5895,21 @@ def replace_lost_agent(lost: AgentLost) -> None:
         + f" in CAO session {new_session}; a new agent gets its whole prompt")
 
 
+def end_agent_switched_from(switch: CliSwitch) -> None:
+    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
+    exit_terminals([switch.old_terminal])
+    with suppress(ApiError):             # gone already: nothing to remove
+        api.delete_terminal(switch.old_terminal)
+    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
+    save_state()
+
+
+def end_agents_switched_from() -> None:
+    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
+    for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
+        end_agent_switched_from(switch)
+
+
 # ==========================================================================
 # 8. Asking an agent
 # ==========================================================================
@@ -6447,9 +6464,10 @@ def decide_fallback(due: FallbackDue) -> CliSwitch:
 
 
 def switch_to_fallback(due: FallbackDue) -> None:
-    """The role's agent stopped at a usage limit the loop will not wait out: it is ended, and a new agent on
-    the role's fallback CLI takes the turn in full (a new conversation) and the role for the rest of the run.
-    The new agent is asked for under the key of the one it replaces: a rerun at any instant makes no second."""
+    """The role's agent stopped at a usage limit the loop will not wait out: a new agent on the role's fallback
+    CLI takes the turn in full (a new conversation) and the role for the rest of the run; the limited one is
+    ended. The new agent is asked for under the key of the one it replaces: a rerun at any instant makes none
+    twice, and sends the turn to it once."""
     role, old = due.role, due.terminal_id
     switch = decide_fallback(due)
     crash_point("fallback-decided")
@@ -6457,15 +6475,13 @@ def switch_to_fallback(due: FallbackDue) -> None:
     record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
     unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
         if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
+    switch = replace(switch, new_terminal=new)
     update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
                agent_models={**agent_models, role: model_for(role)},
                fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
-               cli_switches=[replace(w, new_terminal=new) if w is switch else w for w in cli_switches])
+               cli_switches=[switch if w.role == role else w for w in cli_switches])
     save_state()
-    crash_point("fallback-switched")
     settled_terminals.add(new)
-    exit_terminals([old])
-    remove_terminal(old)
     record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
                  to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
                  limit=switch.limit, old_terminal=old, new_terminal=new)
@@ -6474,6 +6490,8 @@ def switch_to_fallback(due: FallbackDue) -> None:
                    f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
                    f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
                    f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
+    crash_point("fallback-switched")
+    end_agent_switched_from(switch)
 
 
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
@@ -7787,6 +7805,7 @@ def verify_resume_terminals() -> None:
         if not terminal_ids.get(role, ""):
             raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
                            "start a new run with RESUME=0")
+    end_agents_switched_from()
     while True:
         lost = first_lost_agent()
         if lost is None:

@@ -250,4 +250,8 @@ def test_a_stop_around_the_switch_is_finished_by_the_rerun_with_one_new_agent(lo
     assert len(prompts) == 2 and EXPLORE_TEXT in prompts[1]
     final = state_of(m)
     assert len(final["cli_switches"]) == 1 and final["cli_switches"][0]["new_terminal"]
+    assert final["cli_switches"][0]["old_ended"] is True
+    limited_agent = terminals_of_tester(fake_cao)[0]
+    assert limited_agent.exited or limited_agent.deleted                 # ended by the rerun, if not before
     assert [t["provider"] for t in final["turn_records"]] == ["claude_code"]
+    assert [e["event"] for e in events_of(m)].count("cli_switched") == 1
