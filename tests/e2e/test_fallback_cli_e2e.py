@@ -50,3 +50,51 @@ def test_a_run_killed_right_after_the_switch_goes_on_with_the_fallback_and_repea
     with cao.http() as client:                                             # the limited agent was ended
         listed = client.get(f"/sessions/{state['session_name']}/terminals")
         assert old not in {t["id"] for t in listed.json()}, listed.text
+
+
+@pytest.fixture
+def codex_with_claude_cao():
+    """A private server whose agents run the pinned Codex, with Claude Code set up beside it as the fallback,
+    both against one ScriptedModel."""
+    from .conftest import _real_cli_server
+    yield from _real_cli_server("codex", also=("claude_code",))
+
+
+@pytest.mark.real_cli
+def test_codex_programmer_at_a_far_usage_limit_goes_over_to_claude_code_and_the_run_passes(codex_with_claude_cao):
+    """The programmer's Codex meets its plan's limit, resetting six hours later (HTTP 429 usage_limit_reached):
+    a Claude Code agent gets the programmer's prompt as a new conversation's task and answers it, the run
+    passes, the report and summary.json say which CLI did each turn, and each CLI's tokens are its model's."""
+    from .test_orchestrator_e2e import PASS_REPLY, PROGRAMMER_REPLY, SHORT_ROUND
+    from .test_real_clis import real_cli_run
+
+    cao = codex_with_claude_cao
+    run = real_cli_run(cao, START_AGENT="programmer", FALLBACK_PROVIDER="claude_code", AGENT_HOME=str(cao.home))
+    cao.model.set_script({"tester": [PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+    cao.model.usage_limit_next(1, resets_in=6 * 3600, role="programmer")
+    result = run.run(timeout=900)
+    assert result.returncode == 0, explain(result)
+    assert "going over from codex (its CLI default) to its fallback claude_code (its CLI default)" in result.stdout
+
+    state = run.state()
+    [switch] = state["cli_switches"]
+    assert (switch["from_provider"], switch["to_provider"], switch["old_ended"]) == ("codex", "claude_code", True)
+    assert switch["resets_at"], switch
+    assert run.archived() == numbered(SHORT_ROUND), explain(result)          # each turn answered and kept once
+    summary = json.loads((Path(state["run_dir"]) / "summary.json").read_text(encoding="utf-8"))
+    assert [(t["role"], t["provider"]) for t in summary["turn_list"]] == [
+        ("programmer", "claude_code"), ("peer_programmer", "codex"), ("tester", "codex")]
+    prompts = [e for e in cao.model.events() if e["kind"] == "prompt" and e["role"] == "programmer"]
+    assert len(prompts) == 2, cao.model.events()          # once to Codex (answered 429), once to Claude Code
+
+    usage = cao.model.usage_entries()
+    def reported(roles):
+        mine = [(u["input"], u["cached_input"], u["output"]) for u in usage if u["role"] in roles]
+        return tuple(map(sum, zip(*mine)))
+    tokens = {cli: summary["clis"][cli]["tokens"] for cli in ("codex", "claude_code")}
+    assert (tokens["claude_code"]["input"], tokens["claude_code"]["cached_input"],
+            tokens["claude_code"]["output"]) == reported({"programmer"}), usage
+    assert (tokens["codex"]["input"], tokens["codex"]["cached_input"],
+            tokens["codex"]["output"]) == reported({"peer_programmer", "tester"}), usage
+    page = (Path(state["run_dir"]) / "report.html").read_text(encoding="utf-8")
+    assert "programmer: round 1, programmer phase" in page and "; claude_code" in page and 'data-key="cli-codex"' in page
