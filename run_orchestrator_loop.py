@@ -2449,7 +2449,7 @@ class CliSwitch(PlainRecord):
                    raw.get("old_ended") is True)
 
     def text(self) -> str:
-        """'programmer codex (gpt-5) -> claude_code (its CLI's default) at ...': the switch, for people."""
+        """'programmer codex (gpt-5) -> claude_code (its CLI default) at ...': the switch, for people."""
         def cli(provider: str, model: str) -> str:
             return f"{provider} ({model or 'its CLI default'})"
         return (f"{self.role} {cli(self.from_provider, self.from_model)} -> {cli(self.to_provider, self.to_model)} "
@@ -3308,9 +3308,10 @@ def turn_provider(record: TurnRecord) -> str:
 
 def _cli_totals() -> dict[str, dict]:
     """Per provider (CLI) that answered turns: how many, and the tokens they used."""
-    providers = dict.fromkeys(turn_provider(r) for r in turn_records)
-    return {provider: {"turns": len(mine), **_token_totals(mine)} for provider in providers
-            for mine in [[r for r in turn_records if turn_provider(r) == provider]]}
+    by_provider: dict[str, list[TurnRecord]] = {}
+    for record in turn_records:
+        by_provider.setdefault(turn_provider(record), []).append(record)
+    return {provider: {"turns": len(mine), **_token_totals(mine)} for provider, mine in by_provider.items()}
 
 
 def _unanswered_turn() -> dict | None:
@@ -3344,7 +3345,8 @@ def run_summary(exit_code: int | None) -> dict:
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
         **_token_totals(turn_records), "model_prices": MODEL_PRICES,
-        "roles": _role_totals(), "clis": _cli_totals(), "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "roles": _role_totals(), "clis": _cli_totals(),
+        "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
         "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(cli_switches),
@@ -5273,7 +5275,7 @@ def usage_limit_stop(turn: Turn, line: str, until: float | None) -> RunError:
 
 class FallbackDue(RunError):
     """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
-    the role to it (switch_to_fallback(), 7). Its message is the stop's, should nothing take it up."""
+    the role to it (switch_to_fallback(), 8). Its message is the stop's, should nothing take it up."""
 
     def __init__(self, turn: Turn, line: str, until: float | None):
         super().__init__(str(usage_limit_stop(turn, line, until)))

@@ -97,4 +97,4 @@ def test_codex_programmer_at_a_far_usage_limit_goes_over_to_claude_code_and_the_
     assert (tokens["codex"]["input"], tokens["codex"]["cached_input"],
             tokens["codex"]["output"]) == reported({"peer_programmer", "tester"}), usage
     page = (Path(state["run_dir"]) / "report.html").read_text(encoding="utf-8")
-    assert "programmer: round 1, programmer phase" in page and "; claude_code" in page and 'data-key="cli-codex"' in page
+    assert "; claude_code" in page and 'data-key="cli-claude_code"' in page and 'data-key="cli-codex"' in page
