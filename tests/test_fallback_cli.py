@@ -88,6 +88,18 @@ def test_check_looks_for_the_fallback_cli_on_the_agents_path(load_orch, tmp_path
         trap.env for provider in m.providers_in_use() for trap in m.agent_cli(provider).traps if trap.env}
 
 
+@pytest.mark.parametrize("settings, named", [({"FALLBACK_PROVIDER": "claude_code"}, "(FALLBACK_PROVIDER=claude_code)"),
+                                              ({"TESTER_FALLBACK_PROVIDER": "claude_code"},
+                                               "(TESTER_FALLBACK_PROVIDER=claude_code)")])
+def test_a_fallback_cli_the_server_reports_missing_stops_the_start_naming_its_setting(load_orch, fake_cao,
+                                                                                      prompt_file, capsys,
+                                                                                      settings, named):
+    fake_cao.missing_clis = {"claude_code"}
+    m = load_orch(PROMPT_FILE=str(prompt_file), **settings, **TESTER_ONLY)
+    assert run_main(m) == 2
+    assert named in capsys.readouterr().err and fake_cao.terminals == {}
+
+
 def test_a_state_file_from_before_reads_as_no_switch(orch):
     assert orch.STATE_FIELDS_BY_NAME["cli_switches"].parse(None) == []
     assert orch.STATE_FIELDS_BY_NAME["cli_switches"].parse([{"role": "tester"}, "junk", {"x": 1}]) == []
