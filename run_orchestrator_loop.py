@@ -5318,7 +5318,8 @@ def begin_limit_wait(turn: Turn, limit: UsageLimit) -> None:
 
 
 def resume_limit_wait(turn: Turn) -> None:
-    """A turn carried over while its agent waited out a usage limit: wait on (or stop again); never resend it."""
+    """A turn carried over while its agent waited out a usage limit: wait on, or -- the reset still too far, or
+    the switch to the role's fallback CLI decided -- go over to it (or stop again); never resend it here."""
     line, until = in_flight.limit_line, in_flight.limit_until
     now = time.time()
     if switch_pending(turn.role) or (until is not None and until - now > USAGE_LIMIT_MAX_WAIT):
