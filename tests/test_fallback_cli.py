@@ -100,6 +100,13 @@ def test_a_fallback_cli_the_server_reports_missing_stops_the_start_naming_its_se
     assert named in capsys.readouterr().err and fake_cao.terminals == {}
 
 
+def test_check_asks_whether_the_fallback_cli_is_signed_in(load_orch, tmp_path):
+    m = load_orch(PROVIDER="codex", FALLBACK_PROVIDER="claude_code")
+    side = m.AgentsSide({"HOME": str(tmp_path)}, 1000, {})
+    lines = m.check_sign_ins(side)
+    assert any(line.text.startswith("Claude Code: not signed in") and line.ok is False for line in lines), lines
+
+
 def test_a_state_file_from_before_reads_as_no_switch(orch):
     assert orch.STATE_FIELDS_BY_NAME["cli_switches"].parse(None) == []
     assert orch.STATE_FIELDS_BY_NAME["cli_switches"].parse([{"role": "tester"}, "junk", {"x": 1}]) == []
