@@ -35,7 +35,12 @@ def limited(line: str, then_text: str = PASS_REPLY) -> dict:
     return {"action": "write_on_reminder", "text": then_text, "output": line}
 
 
+def claude_limit_line(when: datetime) -> str:
+    return f"You've hit your session limit · resets {when.strftime('%I:%M%p').lstrip('0').lower()}"
+
+
 FAR_LIMIT = codex_limit_line(datetime.now() + timedelta(hours=2))
+CLAUDE_FAR_LIMIT = claude_limit_line(datetime.now() + timedelta(hours=2))   # the fallback's own, in its words
 NO_RESET = "■ You've hit your usage limit. Try again later."
 
 
@@ -209,13 +214,14 @@ def test_later_turns_of_the_role_stay_on_the_fallback(load_orch, fake_cao, promp
 def test_the_fallbacks_own_limit_stops_the_run_and_never_switches_back(load_orch, fake_cao, prompt_file, capsys):
     """The fallback's agent meets its own far limit: the run stops (exit 3, resumable) as without a fallback;
     a rerun stops again sending nothing and making no agent; after the reset it continues on the fallback."""
-    fake_cao.script["tester"] = [limited(FAR_LIMIT), limited(FAR_LIMIT)]
+    fake_cao.script["tester"] = [limited(FAR_LIMIT), limited(CLAUDE_FAR_LIMIT)]
     m = load_orch(PROMPT_FILE=str(prompt_file), USAGE_LIMIT_MAX_WAIT="3600", **FALLBACK, **TESTER_ONLY)
     assert run_main(m) == 3
     assert "stopped at its account's usage limit" in capsys.readouterr().err
     assert [t.provider for t in terminals_of_tester(fake_cao)] == ["codex", "claude_code"]
     state = state_of(m)
-    assert len(state["cli_switches"]) == 1 and state["in_flight"]["limit_line"]
+    assert len(state["cli_switches"]) == 1 and state["in_flight"]["limit_line"].startswith("You've hit your session")
+    assert state["in_flight"]["limit_until"] > time.time() + 3600
 
     m = load_orch(PROMPT_FILE=str(prompt_file), USAGE_LIMIT_MAX_WAIT="3600", **FALLBACK, **TESTER_ONLY)
     assert run_main(m) == 3
