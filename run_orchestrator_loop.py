@@ -4598,6 +4598,7 @@ class TurnState(Enum):
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
     FILE_SETTLED = "file settled"                       # its turn-ending rows say whether the turn is over
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
+    BETWEEN_TURNS = "no reply awaited"                  # a terminal about to be prompted: is its last turn over?
 
 
 class Verdict(Enum):
@@ -4649,6 +4650,7 @@ class TurnFacts:
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
     full_prompt_due: bool = False     # compacted during the turn, its prompt referring back to what that summarised
     answered_before: bool = False     # the agent has answered a turn of this run (its marks: turn_mark())
+    awaiting: bool = True             # a reply is awaited (False: a terminal about to be prompted)
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -4659,11 +4661,15 @@ class TurnFacts:
 
     def note_status(self, status: str, now: float) -> None:
         self.cao_status, status = status, self.cli.status_word(status)   # a misread ready: the screen decides
+        if not self.awaiting and self.mark == "idle" and self.cao_status in READY_STATUSES:
+            status = self.cao_status     # before a prompt, its own idle mark bears CAO's ready word out
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
         if ready and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_STATUS
+        elif not (ready or self.awaiting) and self.finished_by == TURN_ENDED_BY_STATUS:
+            self.finished_by = ""        # before a prompt only the latest status counts
         if status in BUSY_STATUSES:
             self.seen_working = True
 
@@ -4773,6 +4779,8 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
         return TurnState.LOST
     if facts.status == "error":
         return TurnState.FAILED
+    if not facts.awaiting:
+        return TurnState.BETWEEN_TURNS
     if facts.file_version is not None:
         return TurnState.FILE_SETTLED if facts.file_settled(now) else TurnState.FILE_SETTLING
     if facts.markers and not facts.prompt_seen:
@@ -4798,8 +4806,8 @@ def _since_prompt(facts: TurnFacts, now: float) -> float:
     return now - facts.guard_since
 
 
-OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST}
-SETTLED = frozenset({TurnState.FILE_SETTLED})
+OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST, TurnState.BETWEEN_TURNS}
+SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # the rows a reply file waits for
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
@@ -4813,7 +4821,7 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
     WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
              lambda f, now: f.said_finished(TURN_ENDED_BY_MARK), Verdict.TAKE_REPLY, TURN_ENDED_BY_MARK),
-    WaitRule(SETTLED, "its CLI's own record of the turn's end, read since the file's last change",
+    WaitRule(frozenset({TurnState.FILE_SETTLED}), "its CLI's own record of the turn's end, read since the file's last change",
              lambda f, now: f.said_finished(TURN_ENDED_BY_RECORD), Verdict.TAKE_REPLY, TURN_ENDED_BY_RECORD),
     WaitRule(SETTLED, "the screen still since then for its row's still_screen_ends_turn, else QUIET_SCREEN_SECONDS",
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
@@ -4849,19 +4857,14 @@ WAIT_RULES: tuple[WaitRule, ...] = (
 )
 
 
-def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
-    """The turn's state and the verdict of the first rule that applies to it (WAIT if none). Pure."""
+NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", lambda f, now: True, Verdict.WAIT)
+
+
+def decide(facts: TurnFacts, now: float) -> tuple[TurnState, WaitRule]:
+    """The turn's state and the first rule that applies to it (NO_RULE: wait). Pure; the one judge of a turn's
+    end (the rule's `ended_by`), asked by the wait, a carried-over turn and the settle check alike."""
     state = turn_state(facts, now)
-    for rule in WAIT_RULES:
-        if state in rule.states and rule.applies(facts, now):
-            return state, rule.verdict
-    return state, Verdict.WAIT
-
-
-def turn_ended_by(facts: TurnFacts, now: float) -> str:
-    """What says the turn is over: the first turn-ending row of WAIT_RULES that holds ('' : none). Pure; the
-    one judge, asked by the wait, a carried-over turn (at_work) and the settle check (wait_until_settled)."""
-    return next((rule.ended_by for rule in WAIT_RULES if rule.ended_by and rule.applies(facts, now)), "")
+    return state, next((rule for rule in WAIT_RULES if state in rule.states and rule.applies(facts, now)), NO_RULE)
 
 
 @dataclass
@@ -4876,7 +4879,8 @@ class ReadSchedule:
 
     def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
         """When a settled file's turn is next asked whether it has finished (None: no such file)."""
-        if turn_state(facts, now) is not TurnState.FILE_SETTLED or turn_ended_by(facts, now):
+        state, rule = decide(facts, now)
+        if state is not TurnState.FILE_SETTLED or rule.ended_by:
             return None
         settled_at = facts.file_seen_at + FILE_SETTLE_SECONDS
         if facts.status_at < settled_at:
@@ -5368,10 +5372,10 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
         elif turn.reads.record_due(turn.facts, now):
             read_turn_record(turn)
         decided_at = time.monotonic()
-        state, verdict = decide(turn.facts, decided_at)
-        reply = act_on(turn, state, verdict)
+        state, rule = decide(turn.facts, decided_at)
+        reply = act_on(turn, state, rule.verdict)
         if reply is not None:
-            return reply, turn_ended_by(turn.facts, decided_at)
+            return reply, rule.ended_by
         if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
             log_turn(role, progress_text(turn.facts, began, time.monotonic()))
             next_progress_at += PROGRESS_SECONDS
@@ -5754,26 +5758,24 @@ class Prompt(str):
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
     """Before the first prompt to a terminal this process did not create (a resumed run's): at rest twice in a
-    row (some CLIs show their prompt before they take input) -- CAO's status not busy, or turn_ended_by()."""
+    row (some CLIs show their prompt before they take input) -- its last turn over, as decide() judges it."""
     if terminal_id in settled_terminals:
         return
     started = time.monotonic()
-    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)),
+    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)), awaiting=False,
                       answered_before=any(record.terminal == terminal_id for record in turn_records))
     at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
     while at_rest_in_a_row < 2:
+        facts.note_screen(_screen(terminal_id), time.monotonic())
         status = api.get_status(terminal_id)
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        if status == "error":
+        facts.note_status(status, time.monotonic())
+        state, rule = decide(facts, time.monotonic())
+        if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
-        if status in BUSY_STATUSES:
-            now = time.monotonic()
-            facts.note_status(status, now)
-            facts.note_screen(_screen(terminal_id), now)
-        at_rest = status not in BUSY_STATUSES or bool(turn_ended_by(facts, time.monotonic()))
-        at_rest_in_a_row = at_rest_in_a_row + 1 if at_rest else 0
+        at_rest_in_a_row = at_rest_in_a_row + 1 if rule.ended_by else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
             raise never_ready(role, terminal_id, status, facts)
         if at_rest_in_a_row < 2:
@@ -5836,15 +5838,14 @@ def carried_over_turn(role: str, path: Path) -> str:
 
 
 def at_work(role: str) -> bool:
-    """Whether the role's agent may be at work on a prompt: not when it failed, turn_ended_by() says its turn is
-    over (the status a CLI's row trusts, its marks), or its marks say it is idle."""
+    """Whether the role's agent may be at work on the prompt sent before an interruption: decide() finds it
+    busy with the facts a carried-over wait begins with (not failed, not idle by the status its row trusts
+    or by its marks)."""
     terminal_id, now = terminal_ids[role], time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
     facts.note_status(api.get_status(terminal_id), now)
-    if facts.status == "error" or turn_ended_by(facts, now):
-        return False
     facts.note_screen(_screen(terminal_id), now)
-    return not (turn_ended_by(facts, now) or facts.mark == "idle")
+    return decide(facts, now)[0] in BUSY_STATES
 
 
 def send_prompt(role: str, prompt: str) -> str:
@@ -6222,7 +6223,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE
+        reply, ended_by = read_reply_file(path), left_turn_ended_by(role)
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
@@ -6236,10 +6237,19 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     crash_point("report-written")
     tokens = f"; tokens: {tokens_text(record.tokens)}" if agent_cli(provider_for(role)).records else ""
     tokens += f"; model: {record.model}" if record.model else ""
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
+    seen = f"turn end seen by {ended_by}" if ended_by else "no turn end seen: its terminal's output taken"
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, {seen}, kept as "
                    f"{archived}{tokens}{recorded})")
     note_model_change(len(turn_records) - 1)
     return reply
+
+
+def left_turn_ended_by(role: str) -> str:
+    """What ended a turn whose agent was replaced after it left its reply complete, as decide() names it."""
+    now = time.monotonic()
+    facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
+    facts.note_lost(f"its terminal {in_flight.terminal} was replaced", left_reply=True)
+    return decide(facts, now)[1].ended_by
 
 
 def begin_turn(role: str, prompt: Prompt, carried: str) -> str | None:
