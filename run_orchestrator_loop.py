@@ -351,6 +351,8 @@ class AgentCli:
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
     #                                             done and idle): how it marks its turns on the screen (): none
+    model_names: tuple[str, ...] = ()           # regexes over "<asked>\n<recorded>": other names it records for
+    #                                             the model asked for (else only that id is it)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -376,6 +378,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
+        model_names=(r"(?P<id>.+)\n(?P=id)-\d{8}",                          # the asked id, dated
+                     r"(?P<alias>sonnet|opus|haiku)\nclaude-(?P=alias)-\d+(?:-\d{1,2})?(?:-\d{8})?"),  # its family
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
         proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
@@ -411,7 +415,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-        records="opencode database",
+        records="opencode database", model_names=(r"[^/\n]+/(?P<id>.+)\n(?P=id)",),   # provider/model, recorded: model
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
         proven="1.18.33", program="opencode", run_tokens=(135_448, 216_113),
@@ -4807,7 +4811,7 @@ def _since_prompt(facts: TurnFacts, now: float) -> float:
 
 
 OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST, TurnState.BETWEEN_TURNS}
-SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # the rows a reply file waits for
+SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # a whole reply file, or none awaited
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
@@ -4821,7 +4825,7 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
     WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
              lambda f, now: f.said_finished(TURN_ENDED_BY_MARK), Verdict.TAKE_REPLY, TURN_ENDED_BY_MARK),
-    WaitRule(frozenset({TurnState.FILE_SETTLED}), "its CLI's own record of the turn's end, read since the file's last change",
+    WaitRule(frozenset({TurnState.FILE_SETTLED}), "its CLI's own record of the turn's end, read since then",
              lambda f, now: f.said_finished(TURN_ENDED_BY_RECORD), Verdict.TAKE_REPLY, TURN_ENDED_BY_RECORD),
     WaitRule(SETTLED, "the screen still since then for its row's still_screen_ends_turn, else QUIET_SCREEN_SECONDS",
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
@@ -6126,11 +6130,11 @@ class ModelChanged(RunError):
         super().__init__(message, EXIT_USAGE)
 
 
-def model_is(recorded: str, asked: str) -> bool:
-    """Whether a recorded model is the one asked for: a CLI may record a longer name (a dated id for an alias,
-    the model without the provider OpenCode's setting names)."""
-    wanted = asked.rpartition("/")[2].lower()
-    return bool(wanted) and wanted in recorded.lower()
+def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
+    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
+    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
+    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
+                                                     for form in cli.model_names))
 
 
 def default_model_seen(provider: str) -> str:
@@ -6147,7 +6151,8 @@ def model_change(number: int) -> tuple[str, str] | None:
         return None
     started = agent_models.get(record.role, "")
     if started:
-        return None if model_is(record.model, started) else (started, record.model)
+        return None if model_is(record.model, started, agent_cli(provider_for(record.role))) \
+            else (started, record.model)
     first_seen = default_model_seen(provider_for(record.role))
     return None if record.model == first_seen else (f"{first_seen} (its CLI's default)", record.model)
 

@@ -1074,12 +1074,6 @@ def test_without_a_model_chosen_a_switch_in_an_agent_s_first_turn_shows_against_
         ["programmer", "peer_programmer", "tester", "programmer", "peer_programmer"]
 
 
-def test_a_recorded_model_is_the_one_asked_for_under_a_longer_name():
-    m = run_orchestrator_loop
-    assert m.model_is("claude-sonnet-4-5-20250929", "sonnet") and m.model_is("scripted", "scripted/scripted")
-    assert not m.model_is("gpt-6-luna", "gpt-5.5") and not m.model_is("anything", "")
-
-
 def test_only_the_model_of_the_agent_s_own_last_response_counts_as_its_model(monkeypatch):
     """A sub-agent it ran (Claude Code's Task tool) may use another model: its tokens count, it is no change."""
     m = run_orchestrator_loop
