@@ -5520,20 +5520,17 @@ def end_agents(ids: list[str], session: str) -> None:
         log(f"could not remove CAO session {session}: {exc}")
 
 
-def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[str, str]]:
-    """CAO's answer for each role, and why each failed one failed: every creation is waited for, so that
-    what came up can be exited when another did not."""
-    answers: dict[str, dict] = {}
-    failures: dict[str, str] = {}
-    for role, future in futures.items():
-        try:
-            answer = future.result()
-        except Exception as exc:       # ApiError, or anything else: the others are still exited
-            failures[role] = f"{role}: {exc}"
-            continue
-        if answer is not None:
-            answers[role] = answer
-    return answers, failures
+def creation_answers(futures: dict[str, Future], answers: dict[str, dict]) -> dict[str, str]:
+    """CAO's answer for each role (into `answers`), and why each failed one failed (CAO's word): every creation
+    is waited for, so that what came up can be exited when another did not; a fault of the loop's own is raised
+    then."""
+    errors = {role: future.exception() for role, future in futures.items()}
+    answers.update((role, future.result()) for role, future in futures.items()
+                   if errors[role] is None and future.result() is not None)
+    fault = next((error for error in errors.values() if error is not None and not isinstance(error, ApiError)), None)
+    if fault is not None:
+        raise fault
+    return {role: f"{role}: {error}" for role, error in errors.items() if error is not None}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -5587,12 +5584,16 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         futures = {"analyst": session}
         for role in ROLES[1:]:
             futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-        answers, failures = creation_answers(futures)
-        if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
-            failures = start_again_one_at_a_time(answers, failures, interrupted)
-        if failures or interrupted:
-            created = answers.get("analyst", {}).get("session_name", "")
-            end_agents([answer["id"] for answer in answers.values()], created)
+        answers: dict[str, dict] = {}
+        failures: dict[str, str] | None = None             # None: a fault of the loop's own (raised)
+        try:
+            failures = creation_answers(futures, answers)
+            if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
+                failures = start_again_one_at_a_time(answers, failures, interrupted)
+        finally:
+            if failures is None or failures or interrupted:
+                end_agents([answer["id"] for answer in answers.values()],
+                           answers.get("analyst", {}).get("session_name", ""))
         if failures and not interrupted:
             raise start_up_failure(failures)
     note_model_answers(answers)
@@ -5617,7 +5618,7 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
                 answers[role] = request_agent(role, new_session_name(), first=True)
             else:
                 answers[role] = request_agent(role, answers["analyst"]["session_name"])
-        except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
+        except ApiError as exc:            # what came up is exited by the caller
             return {role: f"{role}: {exc} (on its second try too, started alone)"}
     log("all five agents are up after the second try")
     return {}
@@ -7276,10 +7277,10 @@ def notify(event: str, message: str) -> bool:
     if NTFY_TOKEN:
         headers["Authorization"] = f"Bearer {NTFY_TOKEN}"
     url = f"{NTFY_SERVER.rstrip('/')}/{quote(NTFY_TOPIC, safe='')}"
-    try:
+    try:                                 # down, hanging, refused, a bad proxy: never the run's problem
         response = httpx.post(url, content=message.encode("utf-8"), headers=headers,
                               timeout=NOTIFY_TIMEOUT_SECONDS)
-    except Exception as exc:             # down, hanging, refused, a bad proxy: never the run's problem
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
         log(f"notify: could not send the {event} notification to {url} ({exc.__class__.__name__}: "
             f"{exc or 'no answer'}); check NTFY_SERVER and the network")
         return False
@@ -7301,10 +7302,11 @@ def notify_stopped(error: BaseException) -> None:
 # -- the steps, once ----------------------------------------------------------------
 
 def guarded_step(name: str, step, *args) -> dict:
-    """Run an after-run step so that nothing it runs into (a full disk, a fault here) undoes the PASS."""
+    """Run an after-run step so that what it runs into (a full disk, a tool that breaks off) does not undo the
+    PASS; a fault of the loop's own is exit 70 with its traceback, and a rerun does the step again."""
     try:
         return step(*args)
-    except Exception as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         why = f"unexpected {exc.__class__.__name__}: {exc}"
         log(f"{name}: failed, {why}")
         return {"result": "failed", "reason": why}
