@@ -3052,9 +3052,12 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
         save_state()
     crash_point("reply-file-named")
     if read_reply_file(response_file):
-        os.replace(response_file, target)
-    else:                               # the reply came from the terminal, not the file
-        target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        os.replace(response_file, target)          # at once: the reply is still there, or kept
+    data = (text if text.endswith("\n") else text + "\n").encode("utf-8")    # the text acted on, byte for byte
+    if not target.is_file() or target.read_bytes() != data:     # the terminal's, or rewritten since it was read
+        staged = target.with_name(f".{target.name}.tmp")
+        staged.write_bytes(data)
+        os.replace(staged, target)
     sync_directory(directory)
     crash_point("reply-archived")
     return target
