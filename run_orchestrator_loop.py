@@ -1146,9 +1146,11 @@ def validate_settings() -> None:
 def check_budget_settings() -> None:
     """A budget the loop could not keep is refused: it counts only what the agents' CLIs record."""
     budget = "MAX_RUN_TOKENS" if MAX_RUN_TOKENS else "MAX_RUN_COST" if MAX_RUN_COST else ""
-    if MAX_RUN_COST and not MODEL_PRICES:
+    unpriced = sorted({model_for(role) for role in ROLES} - set(MODEL_PRICES) - {""}) if MAX_RUN_COST else []
+    if (MAX_RUN_COST and not MODEL_PRICES) or unpriced:
         raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
-                          "use (see --help-settings), or unset MAX_RUN_COST")
+                          "use (see --help-settings)" + (f"; it has none for {', '.join(unpriced)}" if unpriced else "")
+                          + ", or unset MAX_RUN_COST")
     if not budget:
         return
     unread = sorted({provider for provider in providers_in_use() if not agent_cli(provider).records})
@@ -6017,7 +6019,7 @@ def check_budget(role: str) -> None:
     unpriced = sorted(model for model in used if model not in MODEL_PRICES)
     if unpriced:
         raise BudgetReached(f"MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for {', '.join(unpriced)} "
-                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn")
+                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn", EXIT_USAGE)
     cost = cost_of(used) or 0.0
     if cost >= MAX_RUN_COST:
         raise BudgetReached(f"the run has cost about {cost:.4f} ({tokens_text(used)}), its budget is "
