@@ -2772,17 +2772,23 @@ def go_on_command(round_played: int, without_progress: bool) -> str:
 
 # One process per run: an exclusive lock beside the state file, which the system drops when the process dies
 # (a killed run never blocks the next); a lock on a file removed meanwhile is taken again on the new one.
-run_lock = None
-run_lock_made_folder: Path | None = None     # the folder the lock file needed, made by this process
+@dataclass
+class RunLock:
+    """The run's lock while this process holds it."""
+
+    handle: object = None                    # the open lock file (None: not held)
+    made_folder: Path | None = None          # the folder the lock file needed, made by this process
+
+
+run_lock = RunLock()
 
 
 def acquire_run_lock() -> None:
     """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
-    global run_lock, run_lock_made_folder
     path = Path(STATE_FILE + ".lock")
     if not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        run_lock_made_folder = path.parent
+        run_lock.made_folder = path.parent
     while True:
         handle = open(path, "a+", encoding="utf-8")
         try:
@@ -2804,7 +2810,7 @@ def acquire_run_lock() -> None:
     handle.truncate()
     handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
-    run_lock = handle
+    run_lock.handle = handle
 
 
 def lock_holder() -> str:
@@ -2824,15 +2830,14 @@ def lock_holder() -> str:
 
 def release_run_lock() -> None:
     """Give the lock back and remove its file (while still holding it, so no other process loses its lock)."""
-    global run_lock, run_lock_made_folder
-    if run_lock is not None:
-        Path(run_lock.name).unlink(missing_ok=True)
-        run_lock.close()
-        run_lock = None
-    if run_lock_made_folder is not None:
+    if run_lock.handle is not None:
+        Path(run_lock.handle.name).unlink(missing_ok=True)
+        run_lock.handle.close()
+        run_lock.handle = None
+    if run_lock.made_folder is not None:
         with suppress(OSError):          # kept when the run wrote anything there
-            run_lock_made_folder.rmdir()
-        run_lock_made_folder = None
+            run_lock.made_folder.rmdir()
+        run_lock.made_folder = None
 
 
 # ==========================================================================
