@@ -1146,11 +1146,8 @@ def validate_settings() -> None:
 def check_budget_settings() -> None:
     """A budget the loop could not keep is refused: it counts only what the agents' CLIs record."""
     budget = "MAX_RUN_TOKENS" if MAX_RUN_TOKENS else "MAX_RUN_COST" if MAX_RUN_COST else ""
-    unpriced = sorted({model_for(role) for role in ROLES} - set(MODEL_PRICES) - {""}) if MAX_RUN_COST else []
-    if (MAX_RUN_COST and not MODEL_PRICES) or unpriced:
-        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
-                          "use (see --help-settings)" + (f"; it has none for {', '.join(unpriced)}" if unpriced else "")
-                          + ", or unset MAX_RUN_COST")
+    if MAX_RUN_COST:
+        check_model_prices()
     if not budget:
         return
     unread = sorted({provider for provider in providers_in_use() if not agent_cli(provider).records})
@@ -1162,6 +1159,15 @@ def check_budget_settings() -> None:
         raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, which are on the machine of the "
                           f"CAO server at {API}, not this one: set AGENT_HOME to where the agents' home folder can "
                           f"be read from here, or unset {budget}")
+
+
+def check_model_prices() -> None:
+    """A cost budget needs a price for each model asked for (the CLIs' defaults are priced once recorded)."""
+    unpriced = sorted({model_for(role) for role in ROLES} - set(MODEL_PRICES) - {""})
+    if unpriced or not MODEL_PRICES:
+        none_for = f"; it has none for {', '.join(unpriced)}" if unpriced else ""
+        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
+                          f"use (see --help-settings){none_for}, or unset MAX_RUN_COST")
 
 
 def cao_cli_address(environ: Mapping[str, str]) -> str:
@@ -2772,15 +2778,7 @@ def go_on_command(round_played: int, without_progress: bool) -> str:
 
 # One process per run: an exclusive lock beside the state file, which the system drops when the process dies
 # (a killed run never blocks the next); a lock on a file removed meanwhile is taken again on the new one.
-@dataclass
-class RunLock:
-    """The run's lock while this process holds it."""
-
-    handle: object = None                    # the open lock file (None: not held)
-    made_folder: Path | None = None          # the folder the lock file needed, made by this process
-
-
-run_lock = RunLock()
+run_lock = SimpleNamespace(handle=None, made_folder=None)   # while held: the open lock file; a folder it made
 
 
 def acquire_run_lock() -> None:
@@ -3059,12 +3057,10 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
         save_state()
     crash_point("reply-file-named")
     if read_reply_file(response_file):
-        os.replace(response_file, target)          # at once: the reply is still there, or kept
-    data = (text if text.endswith("\n") else text + "\n").encode("utf-8")    # the text acted on, byte for byte
-    if not target.is_file() or target.read_bytes() != data:     # the terminal's, or rewritten since it was read
-        staged = target.with_name(f".{target.name}.tmp")
-        staged.write_bytes(data)
-        os.replace(staged, target)
+        os.replace(response_file, target)          # at once: the reply is still there, or kept ...
+    staged = target.with_name(f".{target.name}.tmp")    # ... as the text acted on, byte for byte (its agent may
+    staged.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")   # have rewritten it since)
+    os.replace(staged, target)
     sync_directory(directory)
     crash_point("reply-archived")
     return target
@@ -5595,15 +5591,15 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         for role in ROLES[1:]:
             futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
         answers: dict[str, dict] = {}
-        failures: dict[str, str] | None = None             # None: a fault of the loop's own (raised)
+        failures = None                   # stays None on a fault of the loop's own: what came up is exited too
         try:
             failures = creation_answers(futures, answers)
             if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
                 failures = start_again_one_at_a_time(answers, failures, interrupted)
         finally:
             if failures is None or failures or interrupted:
-                end_agents([answer["id"] for answer in answers.values()],
-                           answers.get("analyst", {}).get("session_name", ""))
+                created = answers.get("analyst", {}).get("session_name", "")
+                end_agents([answer["id"] for answer in answers.values()], created)
         if failures and not interrupted:
             raise start_up_failure(failures)
     note_model_answers(answers)
@@ -5782,28 +5778,27 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
     while at_rest_in_a_row < 2:
         facts.note_screen(_screen(terminal_id), time.monotonic())
-        status = api.get_status(terminal_id)
+        facts.note_status(api.get_status(terminal_id), time.monotonic())
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        facts.note_status(status, time.monotonic())
         state, rule = decide(facts, time.monotonic())
         if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
         at_rest_in_a_row = at_rest_in_a_row + 1 if rule.ended_by else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, status, facts)
+            raise never_ready(role, terminal_id, facts)
         if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
 
 
-def never_ready(role: str, terminal_id: str, status: str, facts: TurnFacts) -> RunError:
+def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
     """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
     marks = turn_marks_on(facts.screen, facts.cli)
+    shown = f"; its marks: {', '.join(marks[-4:])}" if marks else ""
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"(status {status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks
-                                                                    else "") + ")")
+                                           f"(status {facts.cao_status!r}{shown})")
 
 
 def deliverable_message(role: str, prompt: str) -> str:
@@ -6239,7 +6234,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        reply, ended_by = read_reply_file(path), left_turn_ended_by(role)
+        reply, ended_by = read_reply_file(path), left_turn_ended_by(in_flight.terminal)
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
@@ -6260,12 +6255,11 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     return reply
 
 
-def left_turn_ended_by(role: str) -> str:
-    """What ended a turn whose agent was replaced after it left its reply complete, as decide() names it."""
-    now = time.monotonic()
-    facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
-    facts.note_lost(f"its terminal {in_flight.terminal} was replaced", left_reply=True)
-    return decide(facts, now)[1].ended_by
+def left_turn_ended_by(terminal_id: str) -> str:
+    """What ended a turn whose agent (its terminal) was replaced after it left its reply complete, as decide()
+    names it."""
+    gone = TurnFacts(started=0.0, guard_since=0.0, lost=f"terminal {terminal_id} was replaced", left_reply=True)
+    return decide(gone, 0.0)[1].ended_by
 
 
 def begin_turn(role: str, prompt: Prompt, carried: str) -> str | None:
