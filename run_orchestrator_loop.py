@@ -6283,11 +6283,10 @@ def model_change(number: int) -> tuple[str, str] | None:
     if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
         return None
     started = agent_models.get(record.role, "")
-    if started:
-        return None if model_is(record.model, started, agent_cli(provider_for(record.role))) \
-            else (started, record.model)
-    first_seen = default_model_seen(provider_for(record.role))
-    return None if record.model == first_seen else (f"{first_seen} (its CLI's default)", record.model)
+    asked = started or default_model_seen(provider_for(record.role))
+    if model_is(record.model, asked, agent_cli(provider_for(record.role))):
+        return None
+    return started or f"{asked} (its CLI's default)", record.model
 
 
 def model_changed_event(terminal_id: str) -> AgentEvent | None:
@@ -6361,7 +6360,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        reply, ended_by = read_reply_file(path), left_turn_ended_by(in_flight.terminal)
+        gone = TurnFacts(started=0.0, guard_since=0.0, lost="its terminal was replaced", left_reply=True)
+        reply, ended_by = read_reply_file(path), decide(gone, 0.0)[1].ended_by     # what ended it, as judged
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
@@ -6380,13 +6380,6 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
                    f"{archived}{tokens}{recorded})")
     note_model_change(len(turn_records) - 1)
     return reply
-
-
-def left_turn_ended_by(terminal_id: str) -> str:
-    """What ended a turn whose agent (its terminal) was replaced after it left its reply complete, as decide()
-    names it."""
-    gone = TurnFacts(started=0.0, guard_since=0.0, lost=f"terminal {terminal_id} was replaced", left_reply=True)
-    return decide(gone, 0.0)[1].ended_by
 
 
 def begin_turn(role: str, prompt: Prompt, carried: str) -> str | None:
