@@ -125,8 +125,8 @@ def test_a_recorded_model_is_the_one_asked_for_by_its_cli_s_rule_and_a_name_insi
 
 
 def claude_like(m, home: Path):
-    """A fake agent's step that records its turn as Claude Code does (a transcript naming its response file and
-    the model its response came from), then writes its reply."""
+    """A fake agent's step that records its turn as Claude Code does (a transcript naming its response file, the
+    model its response came from, the turn's end), then writes its reply."""
     def step(text: str, model: str) -> dict:
         def act(fake, terminal):
             folder = home / ".claude" / "projects" / m.claude_project_folder(m.WD)
@@ -137,7 +137,8 @@ def claude_like(m, home: Path):
                      '{"type":"assistant","timestamp":"%s","message":{"id":"msg_%s","model":"%s","role":"assistant",'
                      '"content":[{"type":"text","text":"done"}],"usage":{"input_tokens":1000,'
                      '"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":20}}}'
-                     % (stamp, len(fake.prompts), model)]
+                     % (stamp, len(fake.prompts), model),
+                     '{"type":"system","subtype":"turn_duration","timestamp":"%s"}' % stamp]
             with (folder / f"{terminal.id}.jsonl").open("a", encoding="utf-8") as file:
                 file.write("\n".join(lines) + "\n")
             Path(terminal.response_path).write_text(text, encoding="utf-8")
