@@ -379,7 +379,6 @@ class AgentCli:
     #                                             and `rest`: the words after it, where usage_limit_resets looks)
     usage_limit_resets: str = ""                # regex: the reset in them (groups `hour`, and where it names
     #                                             them `minute`, `half` (am/pm), `month`, `day`, `year`, `zone`)
-    usage_limit_read_busy: bool = False         # CAO reads it busy as it waits at its limit: a still screen tells
     error_lines: str = ""                       # regex: a line of its output that says its model provider failed
     rate_limit_lines: str = ""                  # regex: of those, one that says it is rate limited (429)
     run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
@@ -514,7 +513,6 @@ AGENT_CLIS: dict[str, AgentCli] = {
         usage_limit=HIT_YOUR_LIMIT,      # ". Try again at 3:05 PM.", "... at Jan 5th, 2026 3:05 PM."
         usage_limit_resets=r"[Tt]ry again at (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
                            r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AP]M)?\.?",
-        usage_limit_read_busy=True,      # CAO reads `processing` through its usage limit and the wait
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
         run_tokens=(300_716, 457_996),
         traps=(Trap("Codex trusts the project ({project})",
@@ -5043,9 +5041,10 @@ class TurnFacts:
         return self.is_idle(now) or self.screen_still_since(self.guard_since, now)
 
     def quiet_at_limit(self, now: float) -> bool:
-        """Idle; or read busy, by a CLI CAO reads busy at its usage limit (its row's usage_limit_read_busy), with
-        a screen still since the last prompt or reminder."""
-        return self.is_idle(now) or (self.cli.usage_limit_read_busy and self.screen_still_since(self.guard_since, now))
+        """Idle; or, for a CLI whose ready word CAO cannot be trusted on (Codex reads `processing` through its
+        limit), a screen still since the last prompt or reminder."""
+        return self.is_idle(now) or (not self.cli.ready_status_trusted
+                                     and self.screen_still_since(self.guard_since, now))
 
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""

@@ -91,8 +91,8 @@ def test_an_idle_agent_is_told_to_continue_once_the_wait_is_over(m):
                                                   ("claude_code", ("WAIT", "WAIT"))])
 def test_a_cli_read_busy_at_its_limit_is_waited_out_once_its_screen_is_still_where_its_row_says_so(
         m, provider, while_busy):
-    """CAO reads Codex `processing` through a usage limit and the wait (its row's usage_limit_read_busy): a still
-    screen tells instead. Claude Code's row trusts CAO's `processing` there: busy, it is working."""
+    """CAO reads Codex `processing` through a usage limit and the wait (its row does not trust CAO's ready word): a
+    still screen tells instead. Claude Code's row trusts CAO's `processing` there: busy, it is working."""
     facts = idle_since_two(m)
     facts.cli = m.agent_cli(provider)
     facts.note_status("processing", 3.0)
