@@ -1265,8 +1265,7 @@ def validate_settings() -> None:
 def check_budget_settings() -> None:
     """A budget the loop could not keep is refused: it counts only what the agents' CLIs record."""
     budget = "MAX_RUN_TOKENS" if MAX_RUN_TOKENS else "MAX_RUN_COST" if MAX_RUN_COST else ""
-    if MAX_RUN_COST:
-        check_model_prices()
+    check_model_prices()
     if not budget:
         return
     unread = sorted({provider for provider in providers_in_use() if not agent_cli(provider).records})
@@ -1283,7 +1282,7 @@ def check_budget_settings() -> None:
 def check_model_prices() -> None:
     """A cost budget needs a price for each model asked for (the CLIs' defaults are priced once recorded)."""
     unpriced = sorted({model_for(role) for role in ROLES} - set(MODEL_PRICES) - {""})
-    if unpriced or not MODEL_PRICES:
+    if MAX_RUN_COST and (unpriced or not MODEL_PRICES):
         none_for = f"; it has none for {', '.join(unpriced)}" if unpriced else ""
         raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
                           f"use (see --help-settings){none_for}, or unset MAX_RUN_COST")
@@ -4943,9 +4942,9 @@ class TurnFacts:
                 self.seen_working = self.prompt_seen = True
 
     def note_status(self, status: str, now: float) -> None:
-        self.cao_status, status = status, self.cli.status_word(status)   # a misread ready: the screen decides
-        if not self.awaiting and self.mark == "idle" and self.cao_status in READY_STATUSES:
-            status = self.cao_status     # before a prompt, its own idle mark bears CAO's ready word out
+        # A ready word CAO misreads: the screen decides; before a prompt, the CLI's own idle mark bears it out.
+        self.cao_status, status = status, status if not self.awaiting and self.mark == "idle" \
+            else self.cli.status_word(status)
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
@@ -5660,8 +5659,7 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
             observe_terminal(turn)
         elif turn.reads.record_due(turn.facts, now):
             read_turn_record(turn)
-        decided_at = time.monotonic()
-        state, rule = decide(turn.facts, decided_at)
+        state, rule = decide(turn.facts, time.monotonic())
         reply = act_on(turn, state, rule.verdict)
         if reply is not None:
             return reply, rule.ended_by
