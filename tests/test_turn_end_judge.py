@@ -155,3 +155,22 @@ def test_the_callers_ask_the_judge_with_the_same_facts(m, monkeypatch):
         carried.note_status(status, 0.0)
         carried.note_screen(screen, 0.0)
         assert m.at_work("tester") == (m.decide(carried, 0.0)[0] in m.BUSY_STATES), (cli, status, screen)
+
+
+def test_the_settle_check_takes_cao_s_ready_word_only_where_the_cli_s_row_trusts_it(m, monkeypatch):
+    """CAO reads `idle` while Codex works (its row does not trust that word): a resumed Codex whose marks say it
+    works is not prompted; Claude Code's `idle` is its turn's end. Codex's own idle mark bears `idle` out."""
+    monkeypatch.setattr(m, "RESPONSE_TIMEOUT", 1.0)
+    monkeypatch.setattr(m, "time", FakeClock())
+    monkeypatch.setattr(m.api, "get_status", lambda terminal_id: "idle")
+    for cli, screen, settles in (("codex", f"{WORKING} Working (3s)", False), ("claude_code", "> ", True),
+                                 ("codex", f"{IDLE} > Ask Codex", True)):
+        monkeypatch.setattr(m, "PROVIDER", cli)
+        monkeypatch.setattr(m, "_screen", lambda terminal_id, screen=screen: screen)
+        m.settled_terminals.clear()
+        if settles:
+            m.wait_until_settled("tester", "t1")
+        else:
+            with pytest.raises(m.RunError, match=r"did not become ready within RESPONSE_TIMEOUT=1s \(status 'idle'; "
+                                                 r"its marks: working\)"):
+                m.wait_until_settled("tester", "t1")
