@@ -390,6 +390,8 @@ class AgentCli:
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
     #                                             done and idle): how it marks its turns on the screen (): none
+    model_names: tuple[str, ...] = ()           # regexes over "<asked>\n<recorded>": other names it records for
+    #                                             the model asked for (else only that id is it)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -484,6 +486,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
+        model_names=(r"(?P<id>.+)\n(?P=id)-\d{8}",                          # the asked id, dated
+                     r"(?P<alias>sonnet|opus|haiku)\nclaude-(?P=alias)-\d+(?:-\d{1,2})?(?:-\d{8})?"),  # its family
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
         proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
@@ -529,7 +533,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-        records="opencode database",
+        records="opencode database", model_names=(r"[^/\n]+/(?P<id>.+)\n(?P=id)",),   # provider/model, recorded: model
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
         proven="1.18.33", program="opencode", run_tokens=(135_448, 216_113),
@@ -1286,9 +1290,7 @@ def validate_settings() -> None:
 def check_budget_settings() -> None:
     """A budget the loop could not keep is refused: it counts only what the agents' CLIs record."""
     budget = "MAX_RUN_TOKENS" if MAX_RUN_TOKENS else "MAX_RUN_COST" if MAX_RUN_COST else ""
-    if MAX_RUN_COST and not MODEL_PRICES:
-        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
-                          "use (see --help-settings), or unset MAX_RUN_COST")
+    check_model_prices()
     if not budget:
         return
     unread = sorted({provider for provider in providers_in_use() if not agent_cli(provider).records})
@@ -1300,6 +1302,15 @@ def check_budget_settings() -> None:
         raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, which are on the machine of the "
                           f"CAO server at {API}, not this one: set AGENT_HOME to where the agents' home folder can "
                           f"be read from here, or unset {budget}")
+
+
+def check_model_prices() -> None:
+    """A cost budget needs a price for each model asked for (the CLIs' defaults are priced once recorded)."""
+    unpriced = sorted({model_for(role) for role in ROLES} - set(MODEL_PRICES) - {""})
+    if MAX_RUN_COST and (unpriced or not MODEL_PRICES):
+        none_for = f"; it has none for {', '.join(unpriced)}" if unpriced else ""
+        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
+                          f"use (see --help-settings){none_for}, or unset MAX_RUN_COST")
 
 
 def cao_cli_address(environ: Mapping[str, str]) -> str:
@@ -3056,17 +3067,15 @@ def go_on_command(round_played: int, without_progress: bool) -> str:
 
 # One process per run: an exclusive lock beside the state file, which the system drops when the process dies
 # (a killed run never blocks the next); a lock on a file removed meanwhile is taken again on the new one.
-run_lock = None
-run_lock_made_folder: Path | None = None     # the folder the lock file needed, made by this process
+run_lock = SimpleNamespace(handle=None, made_folder=None)   # while held: the open lock file; a folder it made
 
 
 def acquire_run_lock() -> None:
     """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
-    global run_lock, run_lock_made_folder
     path = Path(STATE_FILE + ".lock")
     if not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        run_lock_made_folder = path.parent
+        run_lock.made_folder = path.parent
     while True:
         handle = open(path, "a+", encoding="utf-8")
         try:
@@ -3088,7 +3097,7 @@ def acquire_run_lock() -> None:
     handle.truncate()
     handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
-    run_lock = handle
+    run_lock.handle = handle
 
 
 def lock_holder() -> str:
@@ -3108,15 +3117,14 @@ def lock_holder() -> str:
 
 def release_run_lock() -> None:
     """Give the lock back and remove its file (while still holding it, so no other process loses its lock)."""
-    global run_lock, run_lock_made_folder
-    if run_lock is not None:
-        Path(run_lock.name).unlink(missing_ok=True)
-        run_lock.close()
-        run_lock = None
-    if run_lock_made_folder is not None:
+    if run_lock.handle is not None:
+        Path(run_lock.handle.name).unlink(missing_ok=True)
+        run_lock.handle.close()
+        run_lock.handle = None
+    if run_lock.made_folder is not None:
         with suppress(OSError):          # kept when the run wrote anything there
-            run_lock_made_folder.rmdir()
-        run_lock_made_folder = None
+            run_lock.made_folder.rmdir()
+        run_lock.made_folder = None
 
 
 def killed_invocation() -> str:
@@ -3425,9 +3433,10 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
         save_state()
     crash_point("reply-file-named")
     if read_reply_file(response_file):
-        os.replace(response_file, target)
-    else:                               # the reply came from the terminal, not the file
-        target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        os.replace(response_file, target)          # at once: the reply is still there, or kept ...
+    staged = target.with_name(f".{target.name}.tmp")    # ... as the text acted on, byte for byte (its agent may
+    staged.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")   # have rewritten it since)
+    os.replace(staged, target)
     sync_directory(directory)
     crash_point("reply-archived")
     return target
@@ -5006,6 +5015,7 @@ class TurnState(Enum):
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
     FILE_SETTLED = "file settled"                       # its turn-ending rows say whether the turn is over
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
+    BETWEEN_TURNS = "no reply awaited"                  # a terminal about to be prompted: is its last turn over?
 
 
 class Verdict(Enum):
@@ -5057,6 +5067,7 @@ class TurnFacts:
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
     full_prompt_due: bool = False     # compacted during the turn, its prompt referring back to what that summarised
     answered_before: bool = False     # the agent has answered a turn of this run (its marks: turn_mark())
+    awaiting: bool = True             # a reply is awaited (False: a terminal about to be prompted)
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -5066,12 +5077,16 @@ class TurnFacts:
                 self.seen_working = self.prompt_seen = True
 
     def note_status(self, status: str, now: float) -> None:
-        self.cao_status, status = status, self.cli.status_word(status)   # a misread ready: the screen decides
+        # A ready word CAO misreads: the screen decides; before a prompt, the CLI's own idle mark bears it out.
+        self.cao_status, status = status, status if not self.awaiting and self.mark == "idle" \
+            else self.cli.status_word(status)
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
         if ready and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_STATUS
+        elif not (ready or self.awaiting) and self.finished_by == TURN_ENDED_BY_STATUS:
+            self.finished_by = ""        # before a prompt only the latest status counts
         if status in BUSY_STATUSES:
             self.seen_working = True
 
@@ -5187,6 +5202,8 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
         return TurnState.LOST
     if facts.status == "error":
         return TurnState.FAILED
+    if not facts.awaiting:
+        return TurnState.BETWEEN_TURNS
     if facts.file_version is not None:
         return TurnState.FILE_SETTLED if facts.file_settled(now) else TurnState.FILE_SETTLING
     if facts.markers and not facts.prompt_seen:
@@ -5212,8 +5229,8 @@ def _since_prompt(facts: TurnFacts, now: float) -> float:
     return now - facts.guard_since
 
 
-OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST}
-SETTLED = frozenset({TurnState.FILE_SETTLED})
+OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST, TurnState.BETWEEN_TURNS}
+SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # a whole reply file, or none awaited
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
@@ -5227,7 +5244,7 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
     WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
              lambda f, now: f.said_finished(TURN_ENDED_BY_MARK), Verdict.TAKE_REPLY, TURN_ENDED_BY_MARK),
-    WaitRule(SETTLED, "its CLI's own record of the turn's end, read since the file's last change",
+    WaitRule(frozenset({TurnState.FILE_SETTLED}), "its CLI's own record of the turn's end, read since then",
              lambda f, now: f.said_finished(TURN_ENDED_BY_RECORD), Verdict.TAKE_REPLY, TURN_ENDED_BY_RECORD),
     WaitRule(SETTLED, "the screen still since then for its row's still_screen_ends_turn, else QUIET_SCREEN_SECONDS",
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
@@ -5263,19 +5280,14 @@ WAIT_RULES: tuple[WaitRule, ...] = (
 )
 
 
-def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
-    """The turn's state and the verdict of the first rule that applies to it (WAIT if none). Pure."""
+NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", lambda f, now: True, Verdict.WAIT)
+
+
+def decide(facts: TurnFacts, now: float) -> tuple[TurnState, WaitRule]:
+    """The turn's state and the first rule that applies to it (NO_RULE: wait). Pure; the one judge of a turn's
+    end (the rule's `ended_by`), asked by the wait, a carried-over turn and the settle check alike."""
     state = turn_state(facts, now)
-    for rule in WAIT_RULES:
-        if state in rule.states and rule.applies(facts, now):
-            return state, rule.verdict
-    return state, Verdict.WAIT
-
-
-def turn_ended_by(facts: TurnFacts, now: float) -> str:
-    """What says the turn is over: the first turn-ending row of WAIT_RULES that holds ('' : none). Pure; the
-    one judge, asked by the wait, a carried-over turn (at_work) and the settle check (wait_until_settled)."""
-    return next((rule.ended_by for rule in WAIT_RULES if rule.ended_by and rule.applies(facts, now)), "")
+    return state, next((rule for rule in WAIT_RULES if state in rule.states and rule.applies(facts, now)), NO_RULE)
 
 
 @dataclass
@@ -5290,7 +5302,8 @@ class ReadSchedule:
 
     def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
         """When a settled file's turn is next asked whether it has finished (None: no such file)."""
-        if turn_state(facts, now) is not TurnState.FILE_SETTLED or turn_ended_by(facts, now):
+        state, rule = decide(facts, now)
+        if state is not TurnState.FILE_SETTLED or rule.ended_by:
             return None
         settled_at = facts.file_seen_at + FILE_SETTLE_SECONDS
         if facts.status_at < settled_at:
@@ -5810,11 +5823,10 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
             observe_terminal(turn)
         elif turn.reads.record_due(turn.facts, now):
             read_turn_record(turn)
-        decided_at = time.monotonic()
-        state, verdict = decide(turn.facts, decided_at)
-        reply = act_on(turn, state, verdict)
+        state, rule = decide(turn.facts, time.monotonic())
+        reply = act_on(turn, state, rule.verdict)
         if reply is not None:
-            return reply, turn_ended_by(turn.facts, decided_at)
+            return reply, rule.ended_by
         if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
             log_turn(role, progress_text(turn.facts, began, time.monotonic()))
             next_progress_at += PROGRESS_SECONDS
@@ -5961,20 +5973,17 @@ def end_agents(ids: list[str], session: str) -> None:
         log(f"could not remove CAO session {session}: {exc}")
 
 
-def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[str, str]]:
-    """CAO's answer for each role, and why each failed one failed: every creation is waited for, so that
-    what came up can be exited when another did not."""
-    answers: dict[str, dict] = {}
-    failures: dict[str, str] = {}
-    for role, future in futures.items():
-        try:
-            answer = future.result()
-        except Exception as exc:       # ApiError, or anything else: the others are still exited
-            failures[role] = f"{role}: {exc}"
-            continue
-        if answer is not None:
-            answers[role] = answer
-    return answers, failures
+def creation_answers(futures: dict[str, Future], answers: dict[str, dict]) -> dict[str, str]:
+    """CAO's answer for each role (into `answers`), and why each failed one failed (CAO's word): every creation
+    is waited for, so that what came up can be exited when another did not; a fault of the loop's own is raised
+    then."""
+    errors = {role: future.exception() for role, future in futures.items()}
+    answers.update((role, future.result()) for role, future in futures.items()
+                   if errors[role] is None and future.result() is not None)
+    fault = next((error for error in errors.values() if error is not None and not isinstance(error, ApiError)), None)
+    if fault is not None:
+        raise fault
+    return {role: f"{role}: {error}" for role, error in errors.items() if error is not None}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -6029,12 +6038,16 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         futures = {"analyst": session}
         for role in ROLES[1:]:
             futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-        answers, failures = creation_answers(futures)
-        if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
-            failures = start_again_one_at_a_time(answers, failures, interrupted)
-        if failures or interrupted:
-            created = answers.get("analyst", {}).get("session_name", "")
-            end_agents([answer["id"] for answer in answers.values()], created)
+        answers: dict[str, dict] = {}
+        failures = None                   # stays None on a fault of the loop's own: what came up is exited too
+        try:
+            failures = creation_answers(futures, answers)
+            if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
+                failures = start_again_one_at_a_time(answers, failures, interrupted)
+        finally:
+            if failures is None or failures or interrupted:
+                created = answers.get("analyst", {}).get("session_name", "")
+                end_agents([answer["id"] for answer in answers.values()], created)
         if failures and not interrupted:
             raise start_up_failure(failures)
     note_model_answers(answers)
@@ -6059,7 +6072,7 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
                 answers[role] = request_agent(role, new_session_name(), first=True)
             else:
                 answers[role] = request_agent(role, answers["analyst"]["session_name"])
-        except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
+        except ApiError as exc:            # what came up is exited by the caller
             return {role: f"{role}: {exc} (on its second try too, started alone)"}
     log("all five agents are up after the second try")
     return {}
@@ -6219,39 +6232,36 @@ class Prompt(str):
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
     """Before the first prompt to a terminal this process did not create (a resumed run's): at rest twice in a
-    row (some CLIs show their prompt before they take input) -- CAO's status not busy, or turn_ended_by()."""
+    row (some CLIs show their prompt before they take input) -- its last turn over, as decide() judges it."""
     if terminal_id in settled_terminals:
         return
     started = time.monotonic()
-    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)),
+    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)), awaiting=False,
                       answered_before=any(record.terminal == terminal_id for record in turn_records))
     at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
     while at_rest_in_a_row < 2:
-        status = api.get_status(terminal_id)
+        facts.note_screen(_screen(terminal_id), time.monotonic())
+        facts.note_status(api.get_status(terminal_id), time.monotonic())
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        if status == "error":
+        state, rule = decide(facts, time.monotonic())
+        if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
-        if status in BUSY_STATUSES:
-            now = time.monotonic()
-            facts.note_status(status, now)
-            facts.note_screen(_screen(terminal_id), now)
-        at_rest = status not in BUSY_STATUSES or bool(turn_ended_by(facts, time.monotonic()))
-        at_rest_in_a_row = at_rest_in_a_row + 1 if at_rest else 0
+        at_rest_in_a_row = at_rest_in_a_row + 1 if rule.ended_by else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, status, facts)
+            raise never_ready(role, terminal_id, facts)
         if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
 
 
-def never_ready(role: str, terminal_id: str, status: str, facts: TurnFacts) -> RunError:
+def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
     """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
     marks = turn_marks_on(facts.screen, facts.cli)
+    shown = f"; its marks: {', '.join(marks[-4:])}" if marks else ""
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"(status {status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks
-                                                                    else "") + ")")
+                                           f"(status {facts.cao_status!r}{shown})")
 
 
 def deliverable_message(role: str, prompt: str) -> str:
@@ -6301,15 +6311,14 @@ def carried_over_turn(role: str, path: Path) -> str:
 
 
 def at_work(role: str) -> bool:
-    """Whether the role's agent may be at work on a prompt: not when it failed, turn_ended_by() says its turn is
-    over (the status a CLI's row trusts, its marks), or its marks say it is idle."""
+    """Whether the role's agent may be at work on the prompt sent before an interruption: decide() finds it
+    busy with the facts a carried-over wait begins with (not failed, not idle by the status its row trusts
+    or by its marks)."""
     terminal_id, now = terminal_ids[role], time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
     facts.note_status(api.get_status(terminal_id), now)
-    if facts.status == "error" or turn_ended_by(facts, now):
-        return False
     facts.note_screen(_screen(terminal_id), now)
-    return not (turn_ended_by(facts, now) or facts.mark == "idle")
+    return decide(facts, now)[0] in BUSY_STATES
 
 
 def send_prompt(role: str, prompt: str) -> str:
@@ -6476,7 +6485,7 @@ def check_budget(role: str) -> None:
     unpriced = sorted(model for model in used if model not in MODEL_PRICES)
     if unpriced:
         raise BudgetReached(f"MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for {', '.join(unpriced)} "
-                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn")
+                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn", EXIT_USAGE)
     cost = cost_of(used) or 0.0
     if cost >= MAX_RUN_COST:
         raise BudgetReached(f"the run has cost about {cost:.4f} ({tokens_text(used)}), its budget is "
@@ -6593,11 +6602,11 @@ class ModelChanged(RunError):
         super().__init__(message, EXIT_USAGE)
 
 
-def model_is(recorded: str, asked: str) -> bool:
-    """Whether a recorded model is the one asked for: a CLI may record a longer name (a dated id for an alias,
-    the model without the provider OpenCode's setting names)."""
-    wanted = asked.rpartition("/")[2].lower()
-    return bool(wanted) and wanted in recorded.lower()
+def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
+    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
+    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
+    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
+                                                     for form in cli.model_names))
 
 
 def default_model_seen(provider: str) -> str:
@@ -6613,10 +6622,10 @@ def model_change(number: int) -> tuple[str, str] | None:
     if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
         return None
     started = agent_models.get(record.role, "")
-    if started:
-        return None if model_is(record.model, started) else (started, record.model)
-    first_seen = default_model_seen(provider_for(record.role))
-    return None if record.model == first_seen else (f"{first_seen} (its CLI's default)", record.model)
+    asked = started or default_model_seen(provider_for(record.role))
+    if model_is(record.model, asked, agent_cli(provider_for(record.role))):
+        return None
+    return started or f"{asked} (its CLI's default)", record.model
 
 
 def model_changed_event(terminal_id: str) -> AgentEvent | None:
@@ -6690,7 +6699,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE
+        gone = TurnFacts(started=0.0, guard_since=0.0, lost="its terminal was replaced", left_reply=True)
+        reply, ended_by = read_reply_file(path), decide(gone, 0.0)[1].ended_by     # what ended it, as judged
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
@@ -6704,7 +6714,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     crash_point("report-written")
     tokens = f"; tokens: {tokens_text(record.tokens)}" if agent_cli(provider_for(role)).records else ""
     tokens += f"; model: {record.model}" if record.model else ""
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
+    seen = f"turn end seen by {ended_by}" if ended_by else "no turn end seen: its terminal's output taken"
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, {seen}, kept as "
                    f"{archived}{tokens}{recorded})")
     note_model_change(len(turn_records) - 1)
     return reply
@@ -7777,10 +7788,10 @@ def notify(event: str, message: str) -> bool:
     if NTFY_TOKEN:
         headers["Authorization"] = f"Bearer {NTFY_TOKEN}"
     url = f"{NTFY_SERVER.rstrip('/')}/{quote(NTFY_TOPIC, safe='')}"
-    try:
+    try:                                 # down, hanging, refused, a bad proxy: never the run's problem
         response = httpx.post(url, content=message.encode("utf-8"), headers=headers,
                               timeout=NOTIFY_TIMEOUT_SECONDS)
-    except Exception as exc:             # down, hanging, refused, a bad proxy: never the run's problem
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
         log(f"notify: could not send the {event} notification to {url} ({exc.__class__.__name__}: "
             f"{exc or 'no answer'}); check NTFY_SERVER and the network")
         return False
@@ -7802,10 +7813,11 @@ def notify_stopped(error: BaseException) -> None:
 # -- the steps, once ----------------------------------------------------------------
 
 def guarded_step(name: str, step, *args) -> dict:
-    """Run an after-run step so that nothing it runs into (a full disk, a fault here) undoes the PASS."""
+    """Run an after-run step so that what it runs into (a full disk, a tool that breaks off) does not undo the
+    PASS; a fault of the loop's own is exit 70 with its traceback, and a rerun does the step again."""
     try:
         return step(*args)
-    except Exception as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         why = f"unexpected {exc.__class__.__name__}: {exc}"
         log(f"{name}: failed, {why}")
         return {"result": "failed", "reason": why}
