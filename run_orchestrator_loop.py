@@ -24,7 +24,8 @@ Usage:  python run_orchestrator_loop.py [config.json]   (--demo [DIR]: a first P
 Exit codes: 0 PASS, 1 FAIL, 2 bad usage or configuration (or a stop a setting must lift),
 3 runtime error (the same command resumes), 4 budget used, 5 the same failure round after
 round (a person is needed), 70 a fault of the loop itself (its traceback in the run folder),
-75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
+75 another process drives this run, 129 its terminal closed (SIGHUP), 130 interrupted (SIGINT),
+131 quit (SIGQUIT), 143 terminated (SIGTERM).
 
 On PASS the run can archive its OpenSpec change and commit its work, and
 it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
@@ -108,7 +109,8 @@ import httpx
 # --------------------------------------------------------------------------
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS = 0, 1, 2, 3, 4, 5
-EXIT_BUG, EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 70, 75, 130, 143
+EXIT_BUG, EXIT_LOCKED = 70, 75
+EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGQUIT, EXIT_SIGTERM = 129, 130, 131, 143     # 128 + the signal's number
 TRACEBACK_FILE = "traceback.txt"     # in the run folder: the traceback of a fault of the loop itself (exit 70)
 # Each exit code: what it means, and what a job scheduler (cron, a CI job, a Kubernetes Job) should do on it.
 EXIT_CODES = (
@@ -130,7 +132,10 @@ EXIT_CODES = (
                "line names it); the state is saved", "stop and alert: a bug (report it with its traceback)"),
     (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
      "retry later, never beside it"),
+    (EXIT_SIGHUP, "stopped by SIGHUP (its terminal closed, e.g. an ssh session dropped); the state is saved",
+     "retry: the same command resumes the run"),
     (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); the state is saved", "retry: the same command resumes the run"),
+    (EXIT_SIGQUIT, "stopped by SIGQUIT (Ctrl-\\); the state is saved", "retry: the same command resumes the run"),
     (EXIT_SIGTERM, "terminated by SIGTERM; the state is saved", "retry: the same command resumes the run"),
 )
 EXIT_MEANINGS = {code: meaning for code, meaning, _ in EXIT_CODES}
@@ -184,7 +189,11 @@ class AlreadyFinished(OrchestratorExit):
 
 
 class Terminated(BaseException):
-    """Raised from the SIGTERM handler so the loop unwinds like on Ctrl-C."""
+    """Raised by a stop signal other than Ctrl-C (SIGTERM, SIGHUP, SIGQUIT) so the loop unwinds like on Ctrl-C."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 # The run's own copy of its log ($WD/.tmp/<run>/run.log), from the moment its folder is known
@@ -253,6 +262,86 @@ def open_run_log(path: Path) -> None:
     _early_log_lines.clear()
     for line in early:
         keep_in_run_log(line)
+
+
+# --------------------------------------------------------------------------
+# Stop signals. Every stop a user's terminal or system can cause ends a run the same way: SIGINT (Ctrl-C), SIGTERM,
+# SIGHUP (the terminal closed) and SIGQUIT (Ctrl-\, whose default -- a core dump -- would leave the run's own
+# server and agents running, and a core of a Python process helps no user). One handler: it raises the stop where
+# the run can stop, and holds it -- noted, said once -- while something must finish first (terminals being
+# created, the run's wind-down); a second stop while the first unwinds is held too.
+# --------------------------------------------------------------------------
+
+STOP_SIGNALS = {signal.SIGHUP: (EXIT_SIGHUP, "stopped by SIGHUP (its terminal closed)"),
+                signal.SIGINT: (EXIT_SIGINT, "interrupted (SIGINT)"),
+                signal.SIGQUIT: (EXIT_SIGQUIT, "stopped by SIGQUIT (Ctrl-\\)"),
+                signal.SIGTERM: (EXIT_SIGTERM, "terminated (SIGTERM)")}
+
+
+@dataclass
+class StopSignals:
+    """Where stop signals go now: `holders` (innermost last) note them while not empty; `stopping` once a stop
+    was raised, so that a second one does not cut short the unwinding of the first."""
+
+    holders: list[tuple[str, list[int]]] = field(default_factory=list)
+    stopping: bool = False
+
+
+stops = StopSignals()
+
+
+def stop_exception(signum: int) -> BaseException:
+    """The exception a stop signal unwinds the run with: KeyboardInterrupt for Ctrl-C, Terminated for the others."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def on_stop_signal(signum: int, frame) -> None:
+    """The one handler of STOP_SIGNALS: held (and said once) where something must finish, else raised."""
+    if stops.holders:
+        what, received = stops.holders[-1]
+        if not stop_held():
+            log(f"{STOP_SIGNALS[signum][1]}: {what} first, so that nothing is left behind")
+        received.append(signum)
+        return
+    if stops.stopping:                    # the first stop is unwinding: this one is the same stop
+        return
+    stops.stopping = True
+    raise stop_exception(signum)
+
+
+def stop_held() -> bool:
+    """Whether a stop signal waits to be raised: a long wait ends early on it."""
+    return any(held for _, held in stops.holders)
+
+
+def set_stop_handlers(handlers: Mapping[int, object]) -> dict[int, object]:
+    """Install a handler per stop signal; the ones they replace. Outside the main thread nothing changes
+    (handlers can only be set there)."""
+    previous = {}
+    try:
+        for signum, handler in handlers.items():
+            previous[signum] = signal.signal(signum, handler)
+    except (ValueError, TypeError):
+        pass
+    return previous
+
+
+@contextmanager
+def signals_held(what: str, raise_after: bool = True) -> Iterator[list[int]]:
+    """Hold every stop signal while `what` finishes (a creation cut short would leave an agent nobody knows
+    about; a wind-down cut short, the run's own server), then raise the first that arrived (`raise_after`), or
+    only say it. The list yielded holds them: a long wait in `what` looks at it to end early."""
+    received: list[int] = []
+    previous = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
+    stops.holders.append((what, received))
+    try:
+        yield received
+    finally:
+        stops.holders.pop()
+        set_stop_handlers(previous)
+    if received and raise_after:
+        stops.stopping = True
+        raise stop_exception(received[0])
 
 
 # ==========================================================================
@@ -5387,32 +5476,6 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
 settled_terminals: set[str] = set()
 
 
-@contextmanager
-def signals_held(what: str) -> Iterator[list[int]]:
-    """Hold Ctrl-C and SIGTERM while `what` finishes (a creation cut short would leave an agent nobody knows
-    about), then raise the first that arrived; the list yielded holds them."""
-    received: list[int] = []
-
-    def hold(signum, frame) -> None:
-        if not received:
-            log(f"interrupted: {what} first, so that nothing is left behind")
-        received.append(signum)
-
-    previous = {}
-    try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, hold)
-    except ValueError:                     # not the main thread: signals cannot be held here
-        pass
-    try:
-        yield received
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if received:
-        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
-
-
 def new_session_name() -> str:
     """A name for a new run's CAO session, unique by its random part; `cao-` first, or CAO would add it and
     the terminals added under the name asked for would miss the session."""
@@ -5565,20 +5628,59 @@ def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     return RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
 
 
+def in_background(call: Callable, *args) -> Future:
+    """`call(*args)` in a thread of its own whose answer nobody has to wait for: a creation a stop cut short
+    is left to end on its own (the run ends its session), and never keeps the process from exiting."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args))
+        except BaseException as exc:       # handed to whoever reads the answer
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name=f"cao-{getattr(call, '__name__', 'call')}").start()
+    return future
+
+
+def answered_unless_stopped(futures: Iterable[Future], interrupted: list[int]) -> bool:
+    """Wait for the answers (CAO answers a creation once its CLI is up: up to a minute) unless a stop signal
+    is held first; whether they all came."""
+    pending = list(futures)
+    while pending and not interrupted:
+        pending = list(wait_for_futures(pending, timeout=0.2).not_done)
+    return not pending
+
+
+def end_creation_cut_short(name: str, futures: Mapping[str, Future]) -> None:
+    """A stop came while the five were created: the agents that are up are exited and the session is removed,
+    which ends those still starting (a creation CAO has not begun finds no session); no answer is waited for."""
+    answers = {role: future.result() for role, future in futures.items()
+               if future.done() and future.exception() is None and future.result()}
+    if own_server is None and "analyst" in futures and not futures["analyst"].done() \
+            and api.session_terminals(name) is None:     # the session is not made yet: removed, it would come after
+        with suppress(Exception):
+            answers["analyst"] = futures["analyst"].result()
+            name = answers["analyst"]["session_name"]
+    end_agents([answer["id"] for answer in answers.values()], name)
+
+
 def create_terminals() -> tuple[str, dict[str, str]]:
     """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
-    timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
+    timed out once more alone; a failed start exits all it made, a stop removes the session at once."""
     name = new_session_name()
     providers = providers_in_use()
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
-    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
-            signals_held("exiting the terminals being created") as interrupted:
-        session = pool.submit(request_agent, "analyst", name, True)
+    with signals_held("ending the terminals being created") as interrupted:
+        session = in_background(request_agent, "analyst", name, True)
         futures = {"analyst": session}
         for role in ROLES[1:]:
-            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
+            futures[role] = in_background(add_to_session, name, role, session, interrupted)
+        if not answered_unless_stopped(futures.values(), interrupted):
+            end_creation_cut_short(name, futures)
+            return name, {}                # not reached: signals_held raises the stop
         answers, failures = creation_answers(futures)
         if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
             failures = start_again_one_at_a_time(answers, failures, interrupted)
@@ -5594,7 +5696,8 @@ def create_terminals() -> tuple[str, dict[str, str]]:
 def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str],
                               interrupted: list[int]) -> dict[str, str]:
     """The second try, each alone, for the agents that did not start in time among five (all five in a new
-    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left."""
+    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left.
+    A stop ends the wait at once: the caller removes the session, this the new one it was making."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -5602,13 +5705,14 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
     log(f"{', '.join(failures)}: the agent CLI did not start within CAO's time limit while {len(ROLES)} started "
         f"at once; starting {', '.join(missing)} again, one at a time")
     for role in missing:
-        if interrupted:
+        session = answers["analyst"]["session_name"] if answers else new_session_name()
+        request = in_background(request_agent, role, session, role == "analyst")
+        if not answered_unless_stopped([request], interrupted):
+            if role == "analyst":
+                end_agents([], session)
             return {}
         try:
-            if role == "analyst":
-                answers[role] = request_agent(role, new_session_name(), first=True)
-            else:
-                answers[role] = request_agent(role, answers["analyst"]["session_name"])
+            answers[role] = request.result()
         except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
             return {role: f"{role}: {exc} (on its second try too, started alone)"}
     log("all five agents are up after the second try")
@@ -5979,7 +6083,7 @@ def settle_tokens(run_ended: bool) -> None:
         roles_found = {record.role for record in turn_records if record.tokens is not None}
         to_come = [number for number, reading in readings.items()
                    if (not reading.over if reading is not None else turn_records[number].role in roles_found)]
-        if not to_come or time.monotonic() >= deadline:
+        if not to_come or time.monotonic() >= deadline or stop_held():
             return
         time.sleep(0.5)
 
@@ -8877,7 +8981,8 @@ def readme_text() -> str:
 # Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
 EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun)",
               EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress", EXIT_BUG: "a bug",
-              EXIT_LOCKED: "run locked", EXIT_SIGINT: "Ctrl-C", EXIT_SIGTERM: "SIGTERM"}
+              EXIT_LOCKED: "run locked", EXIT_SIGHUP: "SIGHUP", EXIT_SIGINT: "Ctrl-C", EXIT_SIGQUIT: "SIGQUIT",
+              EXIT_SIGTERM: "SIGTERM"}
 
 
 def help_text() -> str:
@@ -8921,18 +9026,6 @@ def settings_help_text() -> str:
     for code, meaning, action in EXIT_CODES:
         lines += textwrap.wrap(f"  {code:3}  {meaning}; a scheduler: {action}", 78, subsequent_indent=" " * 7)
     return "\n".join(lines)
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
-
-
-def _install_sigterm(handler) -> None:
-    """Handlers can only be set from the main thread; elsewhere SIGTERM keeps its default."""
-    try:
-        signal.signal(signal.SIGTERM, handler)
-    except (ValueError, TypeError):
-        pass
 
 
 def refuse_bad_start(task: str) -> StartPlan:
@@ -9067,10 +9160,9 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
         return exc.code, f"error: {message}"
     if isinstance(exc, ApiError):          # a server that refuses our token is fixed in the settings, not by a retry
         return (EXIT_USAGE if exc.status_code == 401 else EXIT_ERROR), f"error: {exc}{saved}"
-    if isinstance(exc, KeyboardInterrupt):
-        return EXIT_SIGINT, f"interrupted (SIGINT){saved}"
-    if isinstance(exc, Terminated):
-        return EXIT_SIGTERM, f"terminated (SIGTERM){saved}"
+    if isinstance(exc, (KeyboardInterrupt, Terminated)):
+        code, said = STOP_SIGNALS[getattr(exc, "signum", signal.SIGINT)]
+        return code, f"{said}{saved}"
     if isinstance(exc, OSError):           # the machine (a full disk, a folder gone): the same command may get past it
         return EXIT_ERROR, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
     kept = keep_traceback(exc)
@@ -9122,9 +9214,11 @@ def wind_down(code: int) -> int:
 
 
 def run_command_line(args: list[str]) -> int:
-    """Configure, start or resume the run, drive it; its exit code. Every stop is one line, never a traceback."""
+    """Configure, start or resume the run, drive it; its exit code. Every stop is one line, never a traceback;
+    every stop signal from the lock on ends what the run started (STOP_SIGNALS)."""
     started = False
-    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    previous_handlers: dict[int, object] = {}
+    stops.stopping = False
     code = EXIT_ERROR
     try:
         if len(args) > 1:
@@ -9134,7 +9228,7 @@ def run_command_line(args: list[str]) -> int:
         task = read_task_prompt()
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
-        _install_sigterm(_raise_terminated)   # a SIGTERM from here on still ends what the run started
+        previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
         end_left_own_server()
         if own_server_wanted(plan):
             start_own_server()
@@ -9150,15 +9244,25 @@ def run_command_line(args: list[str]) -> int:
         code = exc.code
         log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
+        stops.stopping = True
         code, line = stop_line(exc, started)
         say_error(line)
     finally:
-        _install_sigterm(previous_sigterm)
-        if started:
-            code = wind_down(code)
-        with suppress(KeyboardInterrupt, Terminated), signals_held("ending the run's own CAO server"):
-            end_own_server()
-        release_run_lock()
+        stops.stopping = True            # the run ends now: a stop from here on is this end, held till it is done
+        with signals_held("ending the run (its state saved, what it started ended)", raise_after=False):
+            code = end_run(code, started)
+        set_stop_handlers(previous_handlers)
+        stops.stopping = False
+    return code
+
+
+def end_run(code: int, started: bool) -> int:
+    """The run's end, under held stop signals: the wind-down of a started run, its own server ended, the lock
+    released. A stop held here changes nothing: the run ends as it was ending, with its own exit code."""
+    if started:
+        code = wind_down(code)
+    end_own_server()
+    release_run_lock()
     return code
 
 
