@@ -8981,8 +8981,7 @@ def readme_text() -> str:
 # Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
 EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun)",
               EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress", EXIT_BUG: "a bug",
-              EXIT_LOCKED: "run locked", EXIT_SIGHUP: "SIGHUP", EXIT_SIGINT: "Ctrl-C", EXIT_SIGQUIT: "SIGQUIT",
-              EXIT_SIGTERM: "SIGTERM"}
+              EXIT_LOCKED: "run locked"}      # the stop signals' codes: one entry, "129/130/131/143 a signal"
 
 
 def help_text() -> str:
@@ -9006,7 +9005,9 @@ def help_text() -> str:
         lines.append(f"  {env:20} {_shown_default(setting)}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
     lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
-    codes = ", ".join(f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES)
+    signal_codes = "/".join(str(code) for code, _ in sorted(STOP_SIGNALS.values()))
+    codes = ", ".join([f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES
+                       if code in EXIT_SHORT] + [f"{signal_codes}\xa0a\xa0stop\xa0signal"])
     lines += [line.replace("\xa0", " ") for line in textwrap.wrap(f"Exit codes: {codes}", 78, subsequent_indent="  ")]
     lines.append(f"Documentation: {name} --readme (README.md; the rest in docs/)")
     return "\n".join(lines)
