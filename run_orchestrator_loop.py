@@ -9095,12 +9095,12 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
         configure(args)
         connect_api()
     except OrchestratorExit as exc:
-        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        emit(f"error: {exc.message}", sys.stderr)
         return exc.code
     if follow:
         return follow_events(as_json)
     code, report = status_json_report() if as_json else status_report()
-    print(report, file=sys.stdout if code == EXIT_PASS else sys.stderr, flush=True)
+    emit(report, sys.stdout if code == EXIT_PASS else sys.stderr)    # a reader gone (`| head`) ends it quietly
     return code
 
 
