@@ -3291,6 +3291,33 @@ def _unanswered_turn() -> dict | None:
                          **facts).to_json(), "cost": None}
 
 
+def run_interruptions() -> list[dict]:
+    """Where the run was cut, from its events: each invocation that stopped with the run unfinished (its
+    exit code; null for one that was killed and said nothing) and when the next took the run up ('' not yet).
+    Only the run_* lines are read: the page is written after every turn."""
+    try:
+        lines = (Path(run_dir) / EVENTS_FILE).read_bytes().splitlines() if run_dir else []
+    except OSError:
+        lines = []
+    cuts: list[dict] = []
+    last: dict = {}
+    for line in lines:
+        with suppress(ValueError):
+            event = json.loads(line) if b'"event": "run_' in line else None
+            if not isinstance(event, dict):
+                continue
+            if event.get("event") == "run_resumed" and last:
+                stopped = last.get("event") == "run_stopped"
+                if not stopped or last.get("result") == "RUNNING":
+                    cuts.append({"stopped_at": last.get("at", "") if stopped else "",
+                                 "exit_code": last.get("exit_code") if stopped else None,
+                                 "resumed_at": event.get("at", "")})
+            last = event
+    if last.get("event") == "run_stopped" and last.get("result") == "RUNNING":
+        cuts.append({"stopped_at": last.get("at", ""), "exit_code": last.get("exit_code"), "resumed_at": ""})
+    return cuts
+
+
 def run_summary(exit_code: int | None) -> dict:
     """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
     counts among the prompts sent. `exit_code` is None while the run goes on."""
@@ -3318,6 +3345,7 @@ def run_summary(exit_code: int | None) -> dict:
         "agent_events": [e.to_json() for e in agent_events],
         "no_progress_stop": no_progress_stop,
         "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
+        "interruptions": run_interruptions(),
         "turn_list": turns,
     }
 
@@ -3351,6 +3379,8 @@ dd { margin: 0; overflow-wrap: anywhere }
 .track { position: relative; flex: 1; height: 1.6em; background: #f1f1f1 }
 .turn { position: absolute; top: 0; bottom: 0; min-width: 4px; color: #fff; font-size: 11px; text-align: center;
         overflow: hidden; text-decoration: none }
+.cut { position: absolute; top: 0; bottom: 0; min-width: 3px; border-left: 2px solid #000;
+       background: repeating-linear-gradient(45deg, #fff, #fff 3px, #555 3px, #555 6px) }
 .side-by-side { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 1em }
 h3 { font-size: 1em; margin: .6em 0 .2em }
 pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: .6em; margin: .3em 0 }
@@ -3431,8 +3461,9 @@ AGENT_EVENTS = Template('<section id="agent-events"><h2>Agents\' conversations a
 AGENT_EVENT = Template('<li data-what="$what">$at: $role (terminal $terminal): $what$detail</li>')
 LANE = Template('<div class="lane" data-role="$role"><span class="lane-label">$role</span><div class="track">'
                 '$bars</div></div>')
-BAR = Template('<a class="turn" href="#turn-$number" data-turn="$number" data-verdict="$verdict" '
-               'style="left:$left%;width:$width%;background:$colour" title="$title">$number</a>')
+BAR = Template('<a class="turn" href="#turn-$number" data-turn="$number" data-verdict="$verdict" data-cut="$cut" '
+               'style="left:$left%;width:$width%;background:$colour" title="$title">$number$cuts</a>')
+CUT_MARK = Template('<span class="cut" data-exit-code="$code" style="left:$left%;width:$width%" title="$title"></span>')
 LEGEND_ENTRY = Template('<span data-verdict="$verdict" style="background:$colour">$name</span>')
 TURN_DETAIL = Template(
     '<details id="turn-$number" class="turn-detail"><summary>$label</summary>\n'
@@ -3607,13 +3638,50 @@ def _agent_events(events: list[dict]) -> ReportHtml:
     return _fill(AGENT_EVENTS, items=_join(items))
 
 
-def _bar(number: int, turn: dict, begin: float, end: float, span: float) -> ReportHtml:
-    """A turn's bar on its role's lane: from its send to its reply (or to now), in per cent of the span."""
+def turn_cuts(turn: dict, summary: dict) -> list[dict]:
+    """The interruptions (run_interruptions()) that cut the turn: a stop (or, for a killed invocation, the
+    resume) between its first send and its reply (or the page's moment, for a turn still unanswered)."""
+    sent, taken = parse_utc_iso(turn["sent_at"]), parse_utc_iso(turn["taken_at"] or summary["ended_at"])
+    if sent is None or taken is None:
+        return []
+    return [cut for cut in summary.get("interruptions", [])
+            if (at := parse_utc_iso(cut["stopped_at"] or cut["resumed_at"])) is not None and sent <= at <= taken]
+
+
+def cut_text(cut: dict) -> str:
+    """'cut by a stop at 2026-11-25 09:13:29 CET (exit 143: terminated by SIGTERM); went on at ...'."""
+    if cut["stopped_at"]:
+        code = cut["exit_code"]
+        why = f"exit {code}: {EXIT_MEANINGS[code].split(';')[0]}" if code in EXIT_MEANINGS else f"exit {code}"
+        text = f"cut by a stop at {local_time(cut['stopped_at'])} ({why})"
+    else:
+        text = "cut: its invocation was killed (no word from it)"
+    return text + (f"; went on at {local_time(cut['resumed_at'])}" if cut["resumed_at"] else "; not taken up yet")
+
+
+def _cut_marks(cuts: list[dict], start: str, begin: float, end: float) -> ReportHtml:
+    """Each cut of a turn on its bar: hatched from the stop to where the run went on, in per cent of the bar."""
+    length = max(end - begin, 1e-9)
+    marks = []
+    for cut in cuts:
+        stop = _seconds_since(start, cut["stopped_at"] or cut["resumed_at"]) or begin
+        resume = _seconds_since(start, cut["resumed_at"]) if cut["resumed_at"] else end
+        left = min(max(0.0, (stop - begin) / length), 1.0)
+        width = min(max(0.0, ((resume or stop) - stop) / length), 1.0 - left)
+        marks.append(_fill(CUT_MARK, code="" if cut["exit_code"] is None else cut["exit_code"],
+                           left=f"{100 * left:.2f}", width=f"{100 * width:.2f}", title=cut_text(cut)))
+    return _join(marks, "")
+
+
+def _bar(number: int, turn: dict, begin: float, end: float, span: float, cuts: ReportHtml, cut: str) -> ReportHtml:
+    """A turn's bar on its role's lane: from its send to its reply (or to now), in per cent of the span; where
+    an interruption cut it, marked (`cut`: the cuts' words)."""
     verdict = _verdict_of(turn.get("outcome"))
-    return _fill(BAR, number=number, verdict=verdict, colour=REPORT_COLOURS[verdict],
+    return _fill(BAR, number=number, verdict=verdict, colour=REPORT_COLOURS[verdict], cut="1" if cut else "",
                  left=f"{100 * begin / span:.2f}", width=f"{max(0.4, 100 * (end - begin) / span):.2f}",
                  title=f"{number}: {turn['role']}, round {turn['round']}, {turn.get('outcome') or ''}"
-                       + (f", model {turn['model']}" if turn.get("model") else ""))
+                       + (f", model {turn['model']}" if turn.get("model") else "") + (f"; {cut}" if cut else ""),
+                 cuts=cuts)
 
 
 TIMELINE_GAP_SHARE = 0.1      # a start-up that takes this share of the timeline is labelled
@@ -3630,7 +3698,10 @@ def _timeline(summary: dict) -> dict[str, ReportHtml | str]:
     for number, turn in enumerate(turns, 1):
         if turn["role"] in bars:
             begin = max(0.0, _seconds_since(start, turn["sent_at"]) or 0.0)
-            bars[turn["role"]].append(_bar(number, turn, begin, ends[number - 1], span))
+            cuts = turn_cuts(turn, summary)
+            bars[turn["role"]].append(_bar(number, turn, begin, ends[number - 1], span,
+                                           _cut_marks(cuts, start, begin, ends[number - 1]),
+                                           "; ".join(map(cut_text, cuts))))
     lanes = _join(_fill(LANE, role=role, bars=_join(role_bars, "")) for role, role_bars in bars.items())
     axis = f"0 (the run's start) to {report_duration(span)}"
     first = _seconds_since(start, turns[0]["sent_at"]) if turns else None
@@ -3647,14 +3718,15 @@ def _legend(turns: list[dict]) -> ReportHtml:
                   for name, colour in REPORT_COLOURS.items() if name in seen), "")
 
 
-def _turn_details(turns: list[dict], prompts: list[str], replies: list[str]) -> ReportHtml:
-    """Every turn, collapsed: what it was, its prompt and its reply."""
+def _turn_details(summary: dict, prompts: list[str], replies: list[str]) -> ReportHtml:
+    """Every turn, collapsed: what it was (and where an interruption cut it), its prompt and its reply."""
     details = []
-    for number, turn in enumerate(turns, 1):
+    for number, turn in enumerate(summary["turn_list"], 1):
         where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
         extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
         took = report_duration(turn["seconds"]) if turn["seconds"] is not None else "no reply yet"
         extra += f"; model {turn['model']}" if turn.get("model") else ""
+        extra += "".join(f"; {cut_text(cut)}" for cut in turn_cuts(turn, summary))
         label = f"{number:03d} {turn['role']}: {where}; {took}; {turn.get('outcome') or 'no verdict'}{extra}"
         details.append(_fill(TURN_DETAIL, number=number, label=label, prompt_bytes=f"{turn['prompt_bytes']:,}",
                              sent=local_time(turn["sent_at"]), prompt=prompts[number - 1],
@@ -3703,7 +3775,7 @@ def report_html(summary: dict) -> str:
                  heading=_with_code(heading), reload_seconds=REPORT_RELOAD_SECONDS if running else 0,
                  figures=_figures(summary),
                  outcome=_outcome(summary, replies), agent_events=_agent_events(summary["agent_events"]),
-                 turns=_turn_details(turns, prompts, replies), tokens=_tokens_section(summary),
+                 turns=_turn_details(summary, prompts, replies), tokens=_tokens_section(summary),
                  **_timeline(summary))
     return str(page)
 
