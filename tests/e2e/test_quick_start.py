@@ -267,7 +267,9 @@ def test_the_readmes_next_command_after_the_quick_start_works_as_written(quick_s
                             capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert "command not found" not in output and result.returncode != 127, output[-3000:]
-    # The checks ran: Claude Code is not installed in the new HOME, so one of them is marked and --check says 1.
-    assert result.returncode == 1 and "✗" in result.stdout, output[-3000:]
+    # The checks ran, and said what a user who typed the block as written must do next: put the task into
+    # task.md (a setting to change: exit 2).
+    assert result.returncode == 2, output[-3000:]
+    assert "✗ PROMPT_FILE=task.md is the unedited template" in result.stdout, output[-3000:]
     assert result.stdout.rstrip().endswith("fix what is marked, then run --check again"), output[-3000:]
     assert (project / "task.md").is_file()
