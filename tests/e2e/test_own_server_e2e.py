@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -249,3 +250,35 @@ def test_stops_during_the_wind_down_after_pass_are_held_till_the_own_server_is_e
     status = subprocess.run([sys.executable, str(SCRIPT), "--status"], cwd=run.wd, env=run.env,
                             capture_output=True, text=True, timeout=60)
     assert "driven by: no process" in status.stdout, status.stdout + status.stderr
+
+
+def test_sigterm_while_the_agents_start_ends_the_start_at_once_and_leaves_nothing(own_run, tmp_path):
+    """SIGTERM while CAO starts the five agents (their CLI slow to come up: CAO answers a creation only once
+    it is up), on the run's own server: the loop does not wait for those answers -- it exits 143 before any
+    agent CLI has come up -- writes no state, and leaves nothing of the run running."""
+    slow = tmp_path / "slow-bin"
+    slow.mkdir()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    agent = slow / "mock_cli"
+    agent.write_text(f"#!/bin/sh\ntouch {marks}/started.$$\nsleep 12\ntouch {marks}/up.$$\n"
+                     f"exec {shutil.which('mock_cli')} \"$@\"\n", encoding="utf-8")
+    agent.chmod(0o755)
+    run = own_run(OWN_SERVER="1")
+    run.env["PATH"] = f"{slow}{os.pathsep}{run.env['PATH']}"
+    loop = run.start()
+    deadline = time.monotonic() + 120
+    while not list(marks.glob("started.*")):
+        assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+        time.sleep(0.1)
+    loop.send_signal(signal.SIGTERM)
+    out, err = loop.communicate(timeout=60)
+    came_up = list(marks.glob("up.*"))
+    assert loop.returncode == 143, out[-3000:] + err[-2000:]
+    assert came_up == [], "the loop waited for an agent CLI to come up before it stopped"
+    assert err.strip().splitlines()[-1] == "terminated (SIGTERM)", err[-2000:]
+    assert "terminated (SIGTERM): ending the terminals being created first" in out
+    assert "Traceback" not in out + err
+    assert not run.left_running(seconds=15), "the stopped start left processes running"
+    assert not run.state_file.exists()
+    assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
