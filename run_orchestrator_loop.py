@@ -5823,9 +5823,14 @@ def request_replacement(role: str, interrupted: list[int]) -> dict:
 
 
 def new_agent_for(role: str, doing: str) -> str:
-    """A new agent for the role in the run's session (a replacement, or a new conversation); its terminal id."""
+    """A new agent for the role in the run's session (a replacement, or a new conversation); its terminal id.
+    A stop does not wait for CAO's answer: the state still names the terminal replaced, so a rerun's request
+    carries the same key and gets the agent this one made."""
     with signals_held(doing) as interrupted:
-        answer = request_replacement(role, interrupted)
+        request = in_background(request_replacement, role, interrupted)
+        if not answered_unless_stopped([request], interrupted):
+            return ""          # not reached: the stop is raised; a rerun asks under the same key, never for two
+        answer = request.result()
     note_model_answers({role: answer})
     return answer["id"]
 
