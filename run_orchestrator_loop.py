@@ -5851,10 +5851,10 @@ def end_creation_cut_short(name: str, futures: Mapping[str, Future]) -> None:
     which ends those still starting (a creation CAO has not begun finds no session); no answer is waited for."""
     answers = {role: future.result() for role, future in futures.items()
                if future.done() and future.exception() is None and future.result()}
-    if own_server is None and "analyst" in futures and not futures["analyst"].done() \
-            and api.session_terminals(name) is None:     # the session is not made yet: removed, it would come after
-        with suppress(Exception):
-            answers["analyst"] = futures["analyst"].result()
+    session = futures.get("analyst")
+    with suppress(Exception):          # a server that cannot tell: the session is removed by its name all the same
+        if own_server is None and session is not None and not session.done() and api.session_terminals(name) is None:
+            answers["analyst"] = session.result()      # not made yet: removed now, it would come after
             name = answers["analyst"]["session_name"]
     end_agents([answer["id"] for answer in answers.values()], name)
 

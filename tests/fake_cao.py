@@ -643,7 +643,10 @@ _POOL_TASK = concurrent.futures.thread._WorkItem.run.__code__
 
 
 def running_pool_task(thread_id: int | None) -> bool:
-    """Whether that thread is running a task of a concurrent.futures thread pool (such as one creation)."""
+    """Whether that thread is running a creation: a thread the loop started for one (in_background(), named
+    `cao-...`), or a task of a concurrent.futures thread pool."""
+    if any(thread.ident == thread_id and thread.name.startswith("cao-") for thread in threading.enumerate()):
+        return True
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
         if frame.f_code is _POOL_TASK:
@@ -653,7 +656,7 @@ def running_pool_task(thread_id: int | None) -> bool:
 
 
 def pool_tasks_elsewhere() -> int:
-    """How many threads other than the caller's are running a thread-pool task."""
+    """How many threads other than the caller's are running a creation (running_pool_task())."""
     me = threading.get_ident()
     return sum(running_pool_task(ident) for ident in sys._current_frames() if ident != me)
 
