@@ -8988,7 +8988,9 @@ def check_own_server() -> list[CheckLine]:
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
                                "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
                                                                          "CAO's store where it lacks them")
-    overrides = [CheckLine(True, f"the run's own server: {own_server_overrides()}")] if own_server_overrides() else []
+    overrides = [CheckLine(False, f"the run's own server: {own_server_overrides()}; set them so in this environment "
+                                  "too (any other cao-server started from it would pass the wrong ones on)")
+                 ] if own_server_overrides() else []
     return lines + [profiles] + check_clis(side, None) + check_traps(side) + overrides + check_sign_ins(side)
 
 
