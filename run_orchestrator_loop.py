@@ -452,8 +452,10 @@ class AgentCli:
     #                                             (None: QUIET_SCREEN_SECONDS)
     conversation_words: tuple[tuple[str, str], ...] = ()  # (squeezed screen words, 'compacted' or 'cleared')
     context_low: str = ""                       # squeezed regex: its context nearly full, nothing will compact
+    #                                             (group `left`: the percent left; without it: full)
     menus: tuple[tuple[str, str], ...] = ()     # (what the loop calls a menu it opens, the choice that keeps
     #                                             what the user chose)
+    menu_cursor: str = ""                       # the glyphs that mark its menus' highlighted choice
     records: str | TokenRecords = ""            # its turn records: a format in RECORD_FORMATS (section 5), or
     #                                             their reader itself ('': none)
     compaction_settings: str | Callable[[], int | None] = ""  # where it compacts: settings in COMPACTION_READERS
@@ -463,7 +465,9 @@ class AgentCli:
     start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
-    #                                             and `rest`: the words after it, where RESET_AT finds the reset)
+    #                                             and `rest`: the words after it, where usage_limit_resets looks)
+    usage_limit_resets: str = ""                # regex: the reset in them (groups `hour`, and where it names
+    #                                             them `minute`, `half` (am/pm), `month`, `day`, `year`, `zone`)
     error_lines: str = ""                       # regex: a line of its output that says its model provider failed
     rate_limit_lines: str = ""                  # regex: of those, one that says it is rate limited (429)
     run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
@@ -560,9 +564,11 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Conversationcompacted", "compacted"),     # "✻ Conversation compacted (ctrl+o ...)"
                             ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # after /compact typed by hand
                             ("❯/clear", "cleared")),                    # /clear typed by hand (nothing else shows)
-        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",   # with auto-compact off
-        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
-        usage_limit=HIT_YOUR_LIMIT,
+        context_low=r"Contextlow\((?P<left>\d+)%remaining\)|Contextlimitreached",   # with auto-compact off
+        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),), menu_cursor="❯",
+        usage_limit=HIT_YOUR_LIMIT,      # "· resets 3pm (Europe/Berlin)", "· resets Dec 5, 3:30pm"
+        usage_limit_resets=r"resets (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2}),? )?(?P<hour>\d{1,2})"
+                           r"(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?(?: \((?P<zone>[\w/+-]+)\))?",
         error_lines=r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
@@ -574,7 +580,12 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "Claude Code as root: its agents' environment has {seen}, and Claude Code takes only IS_SANDBOX=1, "
                     "so it refuses the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
                     "tmux server with it: stop a running one first)", env="IS_SANDBOX", env_value="1",
-                    root_only=True),),
+                    root_only=True),
+               # its first start in a home asks for a theme and a login, and offline stops on the network probe
+               Trap("Claude Code: its first-run set-up done ({file})",
+                    "Claude Code was never set up in the agents' home: its first start asks for a theme and a "
+                    "login, which no agent answers; start `claude` once by hand as that user, or add to {file}: "
+                    "\"hasCompletedOnboarding\": true", file=".claude.json", json_key="hasCompletedOnboarding")),
         sign_in=CLAUDE_SIGN_IN),
     # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
@@ -583,8 +594,10 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
         # the agents work in the folder the user gave: the loop trusts it (--check says how beforehand)
         menus=(("Codex's offer to switch the model", "Keep current model"),
-               ("Codex's question whether to trust the project", "Trust and continue")),
-        usage_limit=HIT_YOUR_LIMIT,
+               ("Codex's question whether to trust the project", "Trust and continue")), menu_cursor="›",
+        usage_limit=HIT_YOUR_LIMIT,      # ". Try again at 3:05 PM.", "... at Jan 5th, 2026 3:05 PM."
+        usage_limit_resets=r"[Tt]ry again at (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
+                           r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AP]M)?\.?",
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
         run_tokens=(300_716, 457_996),
         traps=(Trap("Codex trusts the project ({project})",
@@ -1963,24 +1976,77 @@ def note_own_server(own: OwnServer) -> None:
     os.replace(temporary, note)
 
 
-def end_left_own_server() -> None:
-    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+def read_own_server_note() -> OwnServer | None:
+    """The own server noted beside the state file (None: no note); a ValueError says why a note cannot be read."""
     note = own_server_note()
     try:
         raw = json.loads(note.read_text(encoding="utf-8"))
-        left = OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
+        return OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
                          {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()})
     except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{note} cannot be read ({exc})") from None
+
+
+def agent_panes(own: OwnServer) -> int:
+    """How many panes the own tmux server holds: one for each agent (0 when it does not answer)."""
+    try:
+        listed = subprocess.run(["tmux", "-S", own.tmux_socket, "list-panes", "-a", "-F", "#{pane_pid}"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return len(listed.stdout.split()) if listed.returncode == 0 else 0
+
+
+@dataclass
+class StageAlive:
+    """What of a run's own server still runs, as /proc tells it (a pid with another start time is another's)."""
+
+    cao_server: int | None
+    tmux: int | None
+    agents: int                          # the tmux server's panes: one for each agent
+    processes: list[int]                 # every process the own server started, those two included
+
+    def text(self) -> str:
+        """'cao-server pid 12, tmux pid 34, 5 agents (22 processes in all)'."""
+        parts = [f"{name} pid {pid}" for name, pid in (("cao-server", self.cao_server), ("tmux", self.tmux)) if pid]
+        parts += [counted(self.agents, "agent")] if self.tmux else []
+        every = f"{len(self.processes)} process{'es' if len(self.processes) != 1 else ''}"
+        return f"{', '.join(parts)} ({every} in all)" if parts else f"{every} it started"
+
+    def end_command(self) -> str:
+        """A command that ends them without the run: cao-server's process group and the tmux server (whose
+        panes end with it), or the processes left when both are gone."""
+        leaders = [f"-{self.cao_server}"] * bool(self.cao_server) + [str(self.tmux)] * bool(self.tmux)
+        return "kill -- " + " ".join(leaders) if leaders else "kill " + " ".join(map(str, self.processes))
+
+
+def stage_alive(own: OwnServer) -> StageAlive | None:
+    """What of the noted own server still runs (None: nothing, it ended)."""
+    alive = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    processes = sorted(set(marked_processes(own.tmux_dir)) | set(alive.values()))
+    if not processes:
+        return None
+    tmux = alive.get("tmux")
+    return StageAlive(alive.get("cao-server"), tmux, agent_panes(own) if tmux else 0, processes)
+
+
+def end_left_own_server() -> None:
+    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+    try:
+        left = read_own_server_note()
+    except ValueError as exc:
+        log(f"note: {exc}; removed")
+        own_server_note().unlink(missing_ok=True)
         return
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        log(f"note: {note} cannot be read ({exc}); removed")
-        note.unlink(missing_ok=True)
+    if left is None:
         return
     alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
     log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
         + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
     end_own_processes(left)
-    note.unlink(missing_ok=True)
+    own_server_note().unlink(missing_ok=True)
 
 
 def loop_program(name: str) -> str:
@@ -3036,6 +3102,89 @@ def release_run_lock() -> None:
         with suppress(OSError):          # kept when the run wrote anything there
             run_lock_made_folder.rmdir()
         run_lock_made_folder = None
+
+
+def killed_invocation() -> str:
+    """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
+    (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
+    try:
+        handle = open(STATE_FILE + ".lock", encoding="utf-8")
+    except OSError:
+        return ""
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return ""                    # held: that invocation lives
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return handle.read().strip()
+
+
+# From the lock on until the state file has the run, a note beside it says that a run is starting, since when,
+# how far it got and each agent's start ('starting', 'up', or 'failed' and why): --status reads it. It goes
+# once the state file holds the run or the stop's line has said why not; an invocation killed in start-up
+# leaves it (written whole or not at all, like the own server's note).
+start_up_facts: dict = {}                # this invocation's note while its run starts ({} at any other time)
+start_up_guard = threading.Lock()        # the agents start in threads of their own
+
+
+def start_up_note() -> Path:
+    """Where a starting run is noted: beside the state file."""
+    state = Path(STATE_FILE)
+    return state.with_name(state.stem + ".start-up.json")
+
+
+def write_start_up_note() -> None:
+    """The note as it stands now, replaced whole; a note that cannot be written costs the run nothing."""
+    note = start_up_note()
+    temporary = note.with_name(f"{note.name}.{threading.get_ident()}.tmp")
+    with suppress(OSError):
+        temporary.write_text(json.dumps(start_up_facts), encoding="utf-8")
+        os.replace(temporary, note)
+
+
+def begin_start_up(resuming: bool) -> None:
+    """Note that this invocation starts a run (a new one, or the saved one resumed), under the run's lock."""
+    with start_up_guard:
+        start_up_facts.clear()
+        start_up_facts.update(pid=os.getpid(), since=utc_iso(), resuming=resuming, step="starting", agents={})
+        write_start_up_note()
+
+
+def note_start_up_step(step: str) -> None:
+    """What the start-up does now ('starting the run's own CAO server', 'creating the five agents', ...)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["step"] = step
+            write_start_up_note()
+
+
+def note_agent_start(role: str, state: str, reason: str = "", terminal: str = "") -> None:
+    """One agent's start in the start-up note: 'starting', 'up' (its terminal), or 'failed' with why in the
+    CLI's or CAO's words (the last word on a role wins). Nothing outside a start-up (a replacement mid-run)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["agents"][role] = {"state": state, "reason": reason, "terminal": terminal}
+            write_start_up_note()
+
+
+def end_start_up() -> None:
+    """The start-up is over: the state file holds the run, or the stop's line has said why it did not start."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_note().unlink(missing_ok=True)
+            start_up_facts.clear()
+
+
+def read_start_up_note() -> dict | None:
+    """The start-up note beside the state file, as --status reads it (None: none, or one that cannot be read)."""
+    try:
+        note = json.loads(start_up_note().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("pid"), int) or not isinstance(note.get("agents"), dict):
+        return None
+    return note
 
 
 # ==========================================================================
@@ -4623,24 +4772,21 @@ def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) 
 
 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
-    """('compacted' or 'cleared', ''), ('context low', 'Context low (8% remaining)') or ('', ''): the whole screen,
-    in its CLI's words (None: every CLI's); Claude Code draws a prompt again below "Conversation compacted"."""
+    """('compacted' or 'cleared', ''), ('context low', '8% left') or ('', ''): the whole screen, in its CLI's
+    words (None: every CLI's); a CLI may draw its prompt again below its words for a compaction."""
     rows = cli_rows(cli)
     text = _squeezed(screen or "")
     for words, what in (pair for row in rows for pair in row.conversation_words):
         if words in text:
             return what, ""
-    low = [found for row in rows if row.context_low for found in re.findall(row.context_low, text)]
+    low = [found for row in rows if row.context_low for found in cli_pattern(row.context_low).finditer(text)]
     if not low:
         return "", ""
-    left, full = low[-1]
-    return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
+    left = low[-1].groupdict().get("left")
+    return "context low", f"{left}% left" if left else "none left"
 
 
-# An account's usage limit (its row's `usage_limit`) lasts until the reset RESET_AT reads in the words after it.
-RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
-RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
-                        r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
+# An account's usage limit (its row's `usage_limit`) lasts until the reset its row's `usage_limit_resets` reads.
 MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
@@ -4652,14 +4798,13 @@ class UsageLimit:
     resets_at: float | None           # time.time() of the reset; None when the CLI names no time
 
 
-def reset_time(when: str, zone: str | None, now: float) -> float | None:
-    """The reset a CLI names ('3:05 PM', 'Jan 5th, 2026 3:05 PM') as time.time(), or None: a time of day is the
-    next such (today's within minutes back), in the zone named, else this machine's."""
-    match = RESET_WHEN.match(when.strip())
-    if not match:
-        return None
+def reset_time(found: re.Match, now: float) -> float | None:
+    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
+    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
+    this machine's."""
+    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
     try:
-        tz = ZoneInfo(zone) if zone else None
+        tz = ZoneInfo(match["zone"]) if match["zone"] else None
     except (ZoneInfoNotFoundError, ValueError):
         tz = None
     local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
@@ -4690,25 +4835,27 @@ def cli_pattern(text: str) -> re.Pattern:
     return re.compile(text)
 
 
-def row_patterns(cli: AgentCli | None, field_name: str) -> list[re.Pattern]:
-    """The regexes a field holds for a CLI: its row's; for a CLI not known, or whose row has none, every CLI's."""
+def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
+    """What a field holds for a CLI (its words, a regex): its row's; for a CLI not known, or whose row has none,
+    every CLI's (each once)."""
     rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
-    return [cli_pattern(text) for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
+    return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
 def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
     """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, row_patterns(cli, "usage_limit")
+    found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
     for line in screen_lines(screen or "")[-30:]:
         for pattern in patterns:
             found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
     # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
-    reset = RESET_AT.search(found["rest"])
+    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
+                               for words in row_words(cli, "usage_limit_resets"))), None)
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
-    return UsageLimit(line, reset_time(reset["when"], reset["zone"], now) if reset else None)
+    return UsageLimit(line, reset_time(reset, now) if reset else None)
 
 
 def clock_text(when: float) -> str:
@@ -4779,7 +4926,7 @@ def check_alive(role: str, terminal_id: str) -> None:
     close a menu its CLI opened (typed text and Enter would pick the menu's highlighted choice)."""
     screen = _screen(terminal_id)
     check_gone(role, terminal_id, screen)
-    menu = open_menu(screen)
+    menu = open_menu(screen, agent_cli(provider_for(role)))
     if menu is not None:
         answer_menu(role, terminal_id, menu)
 
@@ -4787,7 +4934,8 @@ def check_alive(role: str, terminal_id: str) -> None:
 # -- Menus an agent CLI opens by itself ------------------------------------------
 # Typed text's Enter would pick the highlighted choice: the loop picks the one its row names, which keeps what
 # the user chose (its row's `menus`); a menu it does not know stops the turn, naming it. Every answer is logged.
-MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
+# A choice's line; {cursors}: the glyphs that mark the highlighted one (its row's `menu_cursor`).
+MENU_OPTION = r"^\s*(?P<cursor>[{cursors}]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$"
 MENU_LINES = 14                        # a menu is among the screen's last lines
 MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
 
@@ -4804,22 +4952,24 @@ class Menu:
         return f"{self.question} " + " ".join(f"{number}. {text}" for number, text in self.choices)
 
 
-def open_menu(screen: str | None) -> Menu | None:
+def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
     """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
-    highlighted (a numbered list in an answer has no such mark)."""
+    highlighted by its CLI's glyph (row_words; a numbered list in an answer has no such mark)."""
+    cursors = "".join(row_words(cli, "menu_cursor"))
+    menu_option = cli_pattern(MENU_OPTION.replace("{cursors}", re.escape(cursors)))
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
-        first = MENU_OPTION.match(line)
+        first = menu_option.match(line)
         if not first or first["number"] != "1":
             continue
         choices, highlighted = [(1, first["text"])], [1] if first["cursor"] else []
         for later in lines[start + 1:]:
-            option = MENU_OPTION.match(later)
+            option = menu_option.match(later)
             if option and int(option["number"]) == len(choices) + 1:
                 choices.append((len(choices) + 1, option["text"]))
                 highlighted += [len(choices)] if option["cursor"] else []
         if len(choices) >= 2 and len(highlighted) == 1:
-            question = lines[start - 1].strip(" ›❯│") if start else ""
+            question = lines[start - 1].strip(" │" + cursors) if start else ""
             return Menu(tuple(choices), highlighted[0], question)
     return None
 
@@ -4852,7 +5002,8 @@ def pick_menu_choice(role: str, terminal_id: str, menu: Menu, known: tuple[str, 
 def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     """Pick the choice of a known menu that keeps what the user chose; a menu the loop does not know stops
     the turn (nothing typed), naming it."""
-    known = safe_menu_choice(menu, agent_cli(provider_for(role)))
+    cli = agent_cli(provider_for(role))
+    known = safe_menu_choice(menu, cli)
     if known is None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
@@ -4860,7 +5011,7 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     pick_menu_choice(role, terminal_id, menu, known)
     name, choice = known
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
-    while open_menu(_screen(terminal_id)) == menu:
+    while open_menu(_screen(terminal_id), cli) == menu:
         if time.monotonic() >= deadline:
             raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
                                                   f"\"{dict(menu.choices)[choice]}\"; answer it yourself", EXIT_USAGE)
@@ -5034,6 +5185,12 @@ class TurnFacts:
         """Idle, or -- whatever the status says -- a screen still since the last prompt or reminder."""
         return self.is_idle(now) or self.screen_still_since(self.guard_since, now)
 
+    def quiet_at_limit(self, now: float) -> bool:
+        """Idle; or, for a CLI whose ready word CAO cannot be trusted on (Codex reads `processing` through its
+        limit), a screen still since the last prompt or reminder."""
+        return self.is_idle(now) or (not self.cli.ready_status_trusted
+                                     and self.screen_still_since(self.guard_since, now))
+
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
         if self.status in READY_STATUSES and self.ready_since is not None:
@@ -5102,10 +5259,10 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
     WaitRule(OPEN_STATES, "a usage-limit wait is under way",
              lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet (CAO reads Codex busy)",
-             lambda f, now: f.limit_wait_until is not None and f.is_quiet(now), Verdict.CONTINUE_AFTER_LIMIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet",
-             lambda f, now: f.usage_limit is not None and f.is_quiet(now), Verdict.WAIT_OUT_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet at its limit",
+             lambda f, now: f.limit_wait_until is not None and f.quiet_at_limit(now), Verdict.CONTINUE_AFTER_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet at it",
+             lambda f, now: f.usage_limit is not None and f.quiet_at_limit(now), Verdict.WAIT_OUT_LIMIT),
     WaitRule(IDLE_STATES | BUSY_STATES | {TurnState.PROMPT_NOT_SHOWN},
              "compacted during the turn, whose prompt referred back to what the summary may have dropped",
              lambda f, now: f.full_prompt_due, Verdict.RESEND_IN_FULL),
@@ -5325,13 +5482,13 @@ def resend_prompt(turn: Turn) -> None:
 
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
-    patterns = row_patterns(cli, "error_lines")
+    patterns = [*map(cli_pattern, row_words(cli, "error_lines"))]
     return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
 
 
 def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     """Whether a provider's error line says the account is rate limited (it passes with time)."""
-    return any(pattern.search(error_line) for pattern in row_patterns(cli, "rate_limit_lines"))
+    return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
 
 
 def idle_without_file(turn: Turn) -> str | None:
@@ -5601,7 +5758,7 @@ def observe_terminal(turn: Turn) -> None:
             if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
     note_gone(turn, screen, liveness, unreadable=screen_read and screen is None and status not in KNOWN_STATUSES)
-    menu = open_menu(screen)
+    menu = open_menu(screen, turn.facts.cli)
     known = safe_menu_choice(menu, turn.facts.cli) if menu is not None and not turn.facts.lost else None
     if known:
         answer_menu_in_turn(turn, menu, known)     # e.g. what to do at a usage limit: wait for it
@@ -5686,9 +5843,15 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`.
     The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
     key = agent_key(role, session, replacing)
-    if first:
-        return api.create_session(profile_for(role), provider_for(role), session, model_for(role), key)
-    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key)
+    note_agent_start(role, "starting")
+    try:
+        answer = (api.create_session(profile_for(role), provider_for(role), session, model_for(role), key) if first
+                  else api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key))
+    except Exception as exc:
+        note_agent_start(role, "failed", str(exc))
+        raise
+    note_agent_start(role, "up", terminal=str(answer.get("id", "")) if isinstance(answer, dict) else "")
+    return answer
 
 
 def note_model_answers(answers: dict[str, dict]) -> None:
@@ -5864,6 +6027,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     timed out once more alone; a failed start exits all it made, a stop removes the session at once."""
     name = new_session_name()
     providers = providers_in_use()
+    note_start_up_step(f"creating the five agents on {API}")
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
@@ -9168,24 +9332,110 @@ def next_step(saved: SavedState) -> str:
             f"{saved.current_phase} phase")
 
 
-def own_server_ended(saved: SavedState) -> bool:
-    """The run was on a CAO server of its own and no process drives it: that server ended with it."""
-    return saved.on_own_server and not lock_holder()
+@dataclass
+class StageSeen:
+    """What --status reads of the stage besides the state file: the run's lock, the notes beside it, /proc."""
+
+    holder: str                          # 'pid N since ...' of the invocation that drives the run ('': none)
+    killed: str                          # the same of an invocation killed holding the lock ('': none)
+    own: OwnServer | None                # the run's own server, as noted beside the state file
+    alive: StageAlive | None             # what of it still runs (None: nothing)
+    starting: dict | None                # the start-up note of the invocation that holds the lock: it starts
+    start_left: dict | None              # the start-up note of an invocation killed while it started
 
 
-def _status_progress(saved: SavedState) -> list[str]:
+def see_stage() -> StageSeen:
+    """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
+    holder = lock_holder()
+    try:
+        own = read_own_server_note()
+    except ValueError:
+        own = None
+    note = read_start_up_note()
+    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
+    live = note is not None and driven is not None and note["pid"] == int(driven[1])
+    return StageSeen(holder, killed_invocation(), own, stage_alive(own) if own else None,
+                     note if live else None, note if note is not None and not holder else None)
+
+
+def own_server_ended(saved: SavedState, stage: StageSeen) -> bool:
+    """The run was on a CAO server of its own, no process drives it, and nothing of that server runs."""
+    return saved.on_own_server and not stage.holder and stage.alive is None
+
+
+def since_text(iso: str) -> str:
+    """'2026-11-24 15:00:00 UTC, 2m 5s ago': a time the state or a note wrote, and how long ago it was."""
+    moment = parse_utc_iso(iso)
+    shown = iso.replace("T", " ").replace("Z", " UTC")
+    return shown if moment is None else f"{shown}, {duration_text(time.time() - moment.timestamp())} ago"
+
+
+def _status_server(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """The CAO server as the stage shows it: the run's own (with the run, left running, or ended), else API's."""
+    own, alive = stage.own, stage.alive
+    if own is not None and stage.holder:
+        return [f"CAO server: the run's own, {own.url} ({alive.text() if alive else 'starting'}); it ends with the run"]
+    if own is not None and alive is not None:
+        return [f"CAO server: the run's own ({own.url}), still running: {alive.text()} -- the same command ends them, "
+                f"or `{alive.end_command()}`"]
+    if stage.starting:
+        return []                        # chosen as the run starts: its step says where
+    if not stage.holder and (own is not None or (saved is not None and saved.on_own_server)):
+        return [f"CAO server: the run's own, ended (it was at {own.url if own else API}); a rerun starts another"]
+    return [f"CAO server: {API}"]
+
+
+def _status_progress(saved: SavedState, stage: StageSeen) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
-    server = (f"CAO server: the run's own, ended with its last invocation (it was at {API}); a rerun starts "
-              "another" if own_server_ended(saved) else f"CAO server: {API}")
+    server = _status_server(saved, stage)
     if saved.finished:
-        return [server, f"turns: {len(saved.turn_records)} answered"]
-    working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with a new "
-               "agent at the rerun" if own_server_ended(saved) and saved.in_flight and not saved.in_flight.reply_file
-               else working_now(saved))
-    return [server, f"next: {next_step(saved)}", f"working now: {working}",
+        return [*server, f"turns: {len(saved.turn_records)} answered"]
+    working = working_now(saved)
+    if saved.on_own_server and not stage.holder and saved.in_flight and not saved.in_flight.reply_file:
+        working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with "
+                   "a new agent at the rerun" if stage.alive is None else
+                   f"{working}; no process drives it: the rerun ends its agent, and takes its reply if complete, "
+                   "else sends the turn to a new agent")
+    return [*server, f"next: {next_step(saved)}", f"working now: {working}",
             f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
             f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
             + (", story attempts not counted)" if STORY_MODE else ")")]
+
+
+def start_up_agents_text(note: dict) -> str:
+    """'analyst up (terminal 1a2b3c4d), peer_analyst starting, tester failed: <why>': each agent's start."""
+    parts = []
+    for role in ROLES:
+        agent = note["agents"].get(role)
+        if not isinstance(agent, dict):
+            continue
+        state = agent.get("state")
+        parts.append(f"{role} up" + (f" (terminal {agent['terminal']})" if agent.get("terminal") else "")
+                     if state == "up" else f"{role} failed: {agent.get('reason') or 'no reason given'}"
+                     if state == "failed" else f"{role} starting")
+    return ", ".join(parts) or "none asked for yet"
+
+
+def _status_starting(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """--status while a new run starts: that run (since when, how far, its agents), not the one before it."""
+    note = stage.starting
+    lines = [f"state file: {STATE_FILE}", f"run: a new run is starting, since {since_text(str(note.get('since')))}: "
+             f"{note.get('step')}", *_status_server(None, stage), f"agents: {start_up_agents_text(note)}",
+             f"driven by: {stage.holder}"]
+    if saved is not None:
+        lines.append(f"before it: {describe_state(saved)}; that state file is kept as a backup once the new run's "
+                     "agents are up")
+    return lines
+
+
+def _status_start_left(stage: StageSeen) -> list[str]:
+    """An invocation killed while it started its run: how far it got."""
+    note = stage.start_left
+    if note is None:
+        return []
+    what = "resuming the run" if note.get("resuming") else "starting a new run"
+    return [f"last start-up: pid {note['pid']}, {what} since {note.get('since')}, was killed at "
+            f"\"{note.get('step')}\" (agents: {start_up_agents_text(note)})"]
 
 
 def _status_tokens(saved: SavedState) -> list[str]:
@@ -9203,11 +9453,29 @@ def _status_tokens(saved: SavedState) -> list[str]:
             + (f"; budget {', '.join(budgets)}" if budgets else "")]
 
 
-def _status_agents(saved: SavedState) -> list[str]:
+def agents_line(saved: SavedState, stage: StageSeen) -> str:
+    """Where the run's agents are: exited, ended or still running with the run's own server, or as the server
+    at API tells it."""
+    alive = stage.alive
+    if saved.terminals_exited:
+        return "agents: exited (CLEANUP_ON_EXIT=1)"
+    if own_server_ended(saved, stage):
+        return "agents: ended with the run's own CAO server"
+    if saved.on_own_server and stage.starting:
+        return f"agents: five new ones on the run's own CAO server: {start_up_agents_text(stage.starting)}"
+    if saved.on_own_server and not stage.holder and alive is not None:
+        return (f"agents: still running on the run's own CAO server ({counted(alive.agents, 'agent terminal')}"
+                f"{'' if alive.tmux else ': its tmux server is gone, what it started is not'}), driven by no process "
+                "(the same command ends them)")
+    if saved.on_own_server and stage.holder and not (alive and alive.cao_server):
+        return ("agents: the run's own cao-server is not running, so none can be asked; the process that drives the "
+                "run ends what is left of it when it stops")
+    return f"agents: {agents_left_note(saved)}"
+
+
+def _status_agents(saved: SavedState, stage: StageSeen) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
-    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
-             "agents: ended with the run's own CAO server" if own_server_ended(saved) else
-             f"agents: {agents_left_note(saved)}"]
+    lines = [agents_line(saved, stage)]
     if any(saved.agent_models.values()):
         lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
                                                       for role in ROLES))
@@ -9244,8 +9512,12 @@ def last_exit_code(saved: SavedState) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def _status_last_stop(saved: SavedState) -> list[str]:
-    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1)."""
+def _status_last_stop(saved: SavedState, stage: StageSeen) -> list[str]:
+    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1); one
+    killed holding the lock kept no exit code (the one summary.json holds is an earlier invocation's)."""
+    if stage.killed:
+        return [f"last stop: killed, no exit code ({stage.killed}; SIGKILL, or the machine stopped); a scheduler: "
+                "retry: the same command first ends what it left running"]
     code = last_exit_code(saved) if saved.run_dir else None
     if code is None:
         return []
@@ -9281,12 +9553,30 @@ def working_facts(saved: SavedState) -> dict | None:
             "text": working_now(saved)}
 
 
-def status_facts(saved: SavedState) -> dict:
+def invocation_facts(text: str) -> dict | None:
+    """{"pid", "since"} of 'pid N since ...' as the lock holds it (None: no such invocation)."""
+    named = re.fullmatch(r"pid (\d+) since (.+)", text)
+    return {"pid": int(named[1]), "since": named[2]} if named else {"pid": None, "since": None} if text else None
+
+
+def stage_facts(stage: StageSeen) -> dict:
+    """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
+    processes still running."""
+    alive = stage.alive
+    return {
+        "starting": stage.starting, "killed": invocation_facts(stage.killed), "killed_start_up": stage.start_left,
+        "own_server_running": None if alive is None or stage.own is None else {
+            "url": stage.own.url, "cao_server_pid": alive.cao_server, "tmux_pid": alive.tmux,
+            "agents": alive.agents, "pids": alive.processes, "driven": bool(stage.holder),
+            "end_command": alive.end_command()},
+    }
+
+
+def status_facts(saved: SavedState, stage: StageSeen) -> dict:
     """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
-    file, its lock and its record only, without asking the server."""
-    holder = lock_holder()
-    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
-    code = None if holder or not saved.run_dir else last_exit_code(saved)
+    file, its lock, the notes beside it and its record only, without asking the server."""
+    holder = stage.holder
+    code = None if holder or stage.killed or not saved.run_dir else last_exit_code(saved)
     total, unknown = turns_tokens(saved.turn_records)
     return {
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
@@ -9294,8 +9584,7 @@ def status_facts(saved: SavedState) -> dict:
         "working_now": working_facts(saved), "turns": len(saved.turn_records),
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
-        "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
-                                                                                 if holder else None),
+        "driven_by": invocation_facts(holder),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
         "traceback": traceback_path(saved) if code == EXIT_BUG else None,
@@ -9306,6 +9595,7 @@ def status_facts(saved: SavedState) -> dict:
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
         if saved.final_status == "FAIL" and not saved.terminals_exited else None,
+        **stage_facts(stage),
     }
 
 
@@ -9322,23 +9612,29 @@ def saved_run_or_why() -> tuple[SavedState | None, str]:
 
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
+    if stage.starting and (saved is None or not stage.starting.get("resuming")):
+        return EXIT_PASS, "\n".join(_status_starting(saved, stage))
     if saved is None:
-        return EXIT_FAIL, why
+        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(_status_server(None, stage) if stage.alive
+                                                                       else [])])
     restore_saved_settings(saved)
     connect_api()
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved),
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved, stage),
              *_status_tokens(saved)]
-    holder = lock_holder()
-    lines.append(f"driven by: {holder}" if holder else
+    if stage.starting:
+        lines.append(f"starting: the run is being resumed, since {since_text(str(stage.starting.get('since')))}: "
+                     f"{stage.starting.get('step')}")
+    lines.append(f"driven by: {stage.holder}" if stage.holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
-    if not holder:
-        lines += _status_last_stop(saved)
+    if not stage.holder:
+        lines += _status_last_stop(saved, stage) + _status_start_left(stage)
     if saved.no_progress_stop:
         lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.finished and status_next(saved):
         lines.append(f"next: {status_next(saved)}")
-    lines += _status_agents(saved) + _status_after_run(saved)
+    lines += _status_agents(saved, stage) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
 
@@ -9433,6 +9729,7 @@ def start_run(task: str) -> StartPlan:
     if plan.resume:
         load_state()
         connect_api()
+        note_start_up_step(f"resuming the run: its agents on {API}")
         if not PROMPT and task:
             set_task(task)
         elif task and task != PROMPT:
@@ -9480,12 +9777,17 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
 
 
 def status_json_report() -> tuple[int, str]:
-    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status."""
+    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status,
+    unless a run is starting or a killed one's start-up left something: then what the stage shows."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
     if saved is None:
-        return EXIT_FAIL, why
+        if not (stage.starting or stage.start_left or stage.alive):
+            return EXIT_FAIL, why
+        return EXIT_PASS, json.dumps({"state_file": STATE_FILE, "result": None, "driven_by": invocation_facts(
+            stage.holder), "cao_server": None, "own_server": stage.own is not None, **stage_facts(stage)})
     restore_saved_settings(saved)
-    return EXIT_PASS, json.dumps(status_facts(saved))
+    return EXIT_PASS, json.dumps(status_facts(saved, stage))
 
 
 FOLLOW_POLL_SECONDS = 0.5           # --status --follow: how often the events file is looked at
@@ -9605,12 +9907,15 @@ def run_command_line(args: list[str]) -> int:
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
         previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
+        begin_start_up(plan.resume)
         end_left_own_server()
         if own_server_wanted(plan):
+            note_start_up_step("starting the run's own CAO server")
             start_own_server()
         connect_api()
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
+        end_start_up()
         say_tokens_not_counted()
         end_old_run(plan)
         if isinstance(api, ApiClient):
@@ -9618,10 +9923,12 @@ def run_command_line(args: list[str]) -> int:
         code = run_loop()
     except AlreadyFinished as exc:
         code = exc.code
+        end_start_up()
         log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
         stops.stopping = True
         code, line = stop_line(exc, started)
+        end_start_up()
         say_error(line)
     finally:
         stops.stopping = True            # the run ends now: a stop from here on is this end, held till it is done

@@ -272,7 +272,8 @@ def test_check_on_the_own_server_as_root_names_the_value_it_sets_and_the_sign_in
     assert "✗ Claude Code: not signed in where its agents run" in out and "ANTHROPIC_API_KEY" in out
     monkeypatch.setenv("ANTHROPIC_API_KEY", SECRET)
     monkeypatch.setenv("IS_SANDBOX", "1")
-    _write(home / ".claude.json", json.dumps({"customApiKeyResponses": {"approved": [SECRET[-20:]]}}))
+    _write(home / ".claude.json", json.dumps({"customApiKeyResponses": {"approved": [SECRET[-20:]]},
+                                              "hasCompletedOnboarding": True}))
     assert run_main(m, "--check") == 0
     out = capsys.readouterr().out
     assert "✓ Claude Code: signed in (ANTHROPIC_API_KEY, approved in" in out and out.rstrip().endswith("a run can start")
