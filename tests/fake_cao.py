@@ -417,6 +417,8 @@ class FakeCao:
             self._changed.notify_all()
             if profile in self.fail_create:
                 return self._answer(profile, *self._refusal(profile))
+            if session in self.deleted_sessions:   # DELETE /sessions while the agent started: its window went too
+                return self._answer(profile, 500, {"detail": f"Session '{session}' not found"})
             terminal = Terminal(id=f"{next(self._ids):08x}", session=session,
                                 role=PROFILE_ROLES.get(profile, profile), profile=profile,
                                 provider=params.get("provider", ""),
