@@ -479,6 +479,8 @@ class AgentCli:
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
     #                                             done and idle): how it marks its turns on the screen (): none
+    model_names: tuple[str, ...] = ()           # regexes over "<asked>\n<recorded>": other names it records for
+    #                                             the model asked for (else only that id is it)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -573,6 +575,8 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
+        model_names=(r"(?P<id>.+)\n(?P=id)-\d{8}",                          # the asked id, dated
+                     r"(?P<alias>sonnet|opus|haiku)\nclaude-(?P=alias)-\d+(?:-\d{1,2})?(?:-\d{8})?"),  # its family
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
         proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
@@ -618,7 +622,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-        records="opencode database",
+        records="opencode database", model_names=(r"[^/\n]+/(?P<id>.+)\n(?P=id)",),   # provider/model, recorded: model
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
         proven="1.18.33", program="opencode", run_tokens=(135_448, 216_113),
@@ -775,6 +779,10 @@ def _role_settings() -> list[Setting]:
                                 "model", f"model the {role}'s agent CLI is started with (empty: MODEL)"))
         settings.append(Setting(f"{prefix}_PROFILE", f"agents.{role}.profile",
                                 DEFAULT_PROFILES[role], "name", f"CAO agent profile for the {role}"))
+        settings.append(Setting(f"{prefix}_FALLBACK_PROVIDER", f"agents.{role}.fallback_provider", "",
+                                "role_provider", f"the {role}'s fallback CLI (empty: FALLBACK_PROVIDER)"))
+        settings.append(Setting(f"{prefix}_FALLBACK_MODEL", f"agents.{role}.fallback_model", "",
+                                "model", f"the model of the {role}'s fallback CLI (empty: FALLBACK_MODEL)"))
     return settings
 
 
@@ -855,6 +863,15 @@ SETTINGS: tuple[Setting, ...] = (
             "out in all, in pauses that double"),
     Setting("USAGE_LIMIT_MARGIN_SECONDS", "recovery.usage_limit_margin_seconds", 60.0, "seconds0",
             "how long after the reset time the agent is told to continue"),
+    Setting("FALLBACK_PROVIDER", "recovery.fallback_provider", "", "role_provider",
+            "the CAO provider that takes a role over when its agent's account usage limit resets later than "
+            "USAGE_LIMIT_MAX_WAIT allows (or names no reset time): the agent is ended, a new one on this CLI gets "
+            "the turn in full (a new conversation) and keeps the role for the rest of the run; its own limit is "
+            "waited out or stops the run as without it (<ROLE>_FALLBACK_PROVIDER for one role; empty: no fallback, "
+            "the run stops at such a limit)"),
+    Setting("FALLBACK_MODEL", "recovery.fallback_model", "", "model",
+            "the model the fallback CLI is started with (<ROLE>_FALLBACK_MODEL for one role; empty: its CLI's own "
+            "default)"),
     Setting("FRESH_CONTEXT", "context.fresh_context", "off", "fresh_context",
             "off: each agent keeps one conversation for the whole run (its CLI compacts it when it fills; the "
             "loop then sends the full task again); round: every round after the first starts each agent "
@@ -1220,6 +1237,8 @@ PROVIDER_ERROR_RETRIES: int = _initial("PROVIDER_ERROR_RETRIES")
 PROVIDER_ERROR_PAUSE_SECONDS: float = _initial("PROVIDER_ERROR_PAUSE_SECONDS")
 USAGE_LIMIT_MAX_WAIT: float = _initial("USAGE_LIMIT_MAX_WAIT")
 USAGE_LIMIT_MARGIN_SECONDS: float = _initial("USAGE_LIMIT_MARGIN_SECONDS")
+FALLBACK_PROVIDER: str = _initial("FALLBACK_PROVIDER")
+FALLBACK_MODEL: str = _initial("FALLBACK_MODEL")
 FRESH_CONTEXT: str = _initial("FRESH_CONTEXT")
 COMPACT_AT_TOKENS: int = _initial("COMPACT_AT_TOKENS")
 IGNORE_MISSING_CLI: bool = _initial("IGNORE_MISSING_CLI")
@@ -1236,18 +1255,28 @@ MAX_CROSS_PHASE_LINES: int = _initial("MAX_CROSS_PHASE_LINES")
 ANALYST_PROVIDER: str = _initial("ANALYST_PROVIDER")
 ANALYST_MODEL: str = _initial("ANALYST_MODEL")
 ANALYST_PROFILE: str = _initial("ANALYST_PROFILE")
+ANALYST_FALLBACK_PROVIDER: str = _initial("ANALYST_FALLBACK_PROVIDER")
+ANALYST_FALLBACK_MODEL: str = _initial("ANALYST_FALLBACK_MODEL")
 PEER_ANALYST_PROVIDER: str = _initial("PEER_ANALYST_PROVIDER")
 PEER_ANALYST_MODEL: str = _initial("PEER_ANALYST_MODEL")
 PEER_ANALYST_PROFILE: str = _initial("PEER_ANALYST_PROFILE")
+PEER_ANALYST_FALLBACK_PROVIDER: str = _initial("PEER_ANALYST_FALLBACK_PROVIDER")
+PEER_ANALYST_FALLBACK_MODEL: str = _initial("PEER_ANALYST_FALLBACK_MODEL")
 PROGRAMMER_PROVIDER: str = _initial("PROGRAMMER_PROVIDER")
 PROGRAMMER_MODEL: str = _initial("PROGRAMMER_MODEL")
 PROGRAMMER_PROFILE: str = _initial("PROGRAMMER_PROFILE")
+PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PROGRAMMER_FALLBACK_PROVIDER")
+PROGRAMMER_FALLBACK_MODEL: str = _initial("PROGRAMMER_FALLBACK_MODEL")
 PEER_PROGRAMMER_PROVIDER: str = _initial("PEER_PROGRAMMER_PROVIDER")
 PEER_PROGRAMMER_MODEL: str = _initial("PEER_PROGRAMMER_MODEL")
 PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
+PEER_PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PEER_PROGRAMMER_FALLBACK_PROVIDER")
+PEER_PROGRAMMER_FALLBACK_MODEL: str = _initial("PEER_PROGRAMMER_FALLBACK_MODEL")
 TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
 TESTER_MODEL: str = _initial("TESTER_MODEL")
 TESTER_PROFILE: str = _initial("TESTER_PROFILE")
+TESTER_FALLBACK_PROVIDER: str = _initial("TESTER_FALLBACK_PROVIDER")
+TESTER_FALLBACK_MODEL: str = _initial("TESTER_FALLBACK_MODEL")
 ARCHIVE_ON_PASS: bool = _initial("ARCHIVE_ON_PASS")
 OPENSPEC_COMMAND: str = _initial("OPENSPEC_COMMAND")
 ARCHIVE_TIMEOUT: float = _initial("ARCHIVE_TIMEOUT")
@@ -1350,9 +1379,7 @@ def validate_settings() -> None:
 def check_budget_settings() -> None:
     """A budget the loop could not keep is refused: it counts only what the agents' CLIs record."""
     budget = "MAX_RUN_TOKENS" if MAX_RUN_TOKENS else "MAX_RUN_COST" if MAX_RUN_COST else ""
-    if MAX_RUN_COST and not MODEL_PRICES:
-        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
-                          "use (see --help-settings), or unset MAX_RUN_COST")
+    check_model_prices()
     if not budget:
         return
     unread = sorted({provider for provider in providers_in_use() if not agent_cli(provider).records})
@@ -1364,6 +1391,15 @@ def check_budget_settings() -> None:
         raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, which are on the machine of the "
                           f"CAO server at {API}, not this one: set AGENT_HOME to where the agents' home folder can "
                           f"be read from here, or unset {budget}")
+
+
+def check_model_prices() -> None:
+    """A cost budget needs a price for each model asked for (the CLIs' defaults are priced once recorded)."""
+    unpriced = sorted({model_for(role) for role in ROLES} - set(MODEL_PRICES) - {""})
+    if MAX_RUN_COST and (unpriced or not MODEL_PRICES):
+        none_for = f"; it has none for {', '.join(unpriced)}" if unpriced else ""
+        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
+                          f"use (see --help-settings){none_for}, or unset MAX_RUN_COST")
 
 
 def cao_cli_address(environ: Mapping[str, str]) -> str:
@@ -1472,24 +1508,65 @@ def own_settings(role: str) -> tuple[str, str, str]:
             "tester": (TESTER_PROVIDER, TESTER_MODEL, TESTER_PROFILE)}[role]
 
 
+def own_fallback(role: str) -> tuple[str, str]:
+    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply)."""
+    return {"analyst": (ANALYST_FALLBACK_PROVIDER, ANALYST_FALLBACK_MODEL),
+            "peer_analyst": (PEER_ANALYST_FALLBACK_PROVIDER, PEER_ANALYST_FALLBACK_MODEL),
+            "programmer": (PROGRAMMER_FALLBACK_PROVIDER, PROGRAMMER_FALLBACK_MODEL),
+            "peer_programmer": (PEER_PROGRAMMER_FALLBACK_PROVIDER, PEER_PROGRAMMER_FALLBACK_MODEL),
+            "tester": (TESTER_FALLBACK_PROVIDER, TESTER_FALLBACK_MODEL)}[role]
+
+
+def switched_to(role: str) -> tuple[str, str] | None:
+    """The provider and model the run moved the role to at a usage limit it would not wait out (cli_switches,
+    section 3: for the rest of the run), or None."""
+    switch = next((s for s in cli_switches if s.role == role), None)
+    return (switch.to_provider, switch.to_model) if switch is not None else None
+
+
 def provider_for(role: str) -> str:
-    """The role's own provider if one is set, else PROVIDER."""
-    return own_settings(role)[0] or PROVIDER
+    """The role's provider: its fallback once the run switched the role to it, else its own if set, else
+    PROVIDER."""
+    switched = switched_to(role)
+    return switched[0] if switched else own_settings(role)[0] or PROVIDER
 
 
 def model_for(role: str) -> str:
-    """The model the role's agent CLI is started with: its own, else MODEL; '' leaves the CLI's default."""
-    return own_settings(role)[1] or MODEL
+    """The model the role's agent CLI is started with: its fallback's once switched, else its own, else MODEL;
+    '' leaves the CLI's default."""
+    switched = switched_to(role)
+    return switched[1] if switched else own_settings(role)[1] or MODEL
+
+
+def fallback_for(role: str) -> tuple[str, str] | None:
+    """The provider and model that may take the role over at a usage limit that outlasts the wait: its own
+    fallback, else FALLBACK_PROVIDER's; None when none is set, or it is the role's own CLI and model."""
+    provider = own_fallback(role)[0] or FALLBACK_PROVIDER
+    model = own_fallback(role)[1] or FALLBACK_MODEL
+    if not provider or (provider, model) == (own_settings(role)[0] or PROVIDER, own_settings(role)[1] or MODEL):
+        return None
+    return provider, model
+
+
+def providers_of(role: str) -> list[str]:
+    """The providers the role runs on or may fall back to."""
+    fallback = fallback_for(role)
+    return list(dict.fromkeys([provider_for(role)] + ([fallback[0]] if fallback else [])))
 
 
 def providers_in_use() -> list[str]:
-    """Every provider the five roles run on, each once."""
-    return sorted({provider_for(role) for role in ROLES})
+    """Every provider the five roles run on or may fall back to, each once: what a run needs ready."""
+    return sorted({provider for role in ROLES for provider in providers_of(role)})
 
 
 def profile_for(role: str) -> str:
     """The CAO agent profile the role's terminal is created with."""
     return own_settings(role)[2]
+
+
+def profiles_in_use() -> list[tuple[str, str]]:
+    """Each (CAO profile, provider) a run's agents may be started with, a role's fallback included."""
+    return list(dict.fromkeys((profile_for(role), provider) for role in ROLES for provider in providers_of(role)))
 
 
 # ==========================================================================
@@ -2168,7 +2245,7 @@ def install_own_profiles(own: OwnServer) -> None:
     """The run's agent profiles, installed in CAO's store where it lacks them (also where the CLI keeps a
     copy of its own that is missing), from the profiles that come with the loop; all at once."""
     missing = [(profile, provider) for profile, provider in
-               dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES)
+               profiles_in_use()
                if api.profile_installed(profile) is not True
                or (agent_cli(provider).profile_file
                    and not Path.home().joinpath(agent_cli(provider).profile_file.format(name=profile)).is_file())]
@@ -2557,6 +2634,7 @@ class TurnRecord:
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
     tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (InFlight's)
     model: str = ""                   # the model its last response named, as its CLI recorded it ("": unknown)
+    provider: str = ""                # the provider (CLI) whose agent answered it ("": from before it was kept)
 
     def to_json(self) -> dict:
         data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
@@ -2564,7 +2642,7 @@ class TurnRecord:
                 "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
                 "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
                 "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final, "terminal": self.terminal,
-                "context_tokens": self.context_tokens, "model": self.model}
+                "context_tokens": self.context_tokens, "model": self.model, "provider": self.provider}
         if self.tokens_before is not None and not self.tokens_final:   # needed until its tokens stand
             data["tokens_before"] = tokens_before_json(self.tokens_before)
         return data if self.outcome is None else {**data, "outcome": self.outcome}
@@ -2580,7 +2658,8 @@ class TurnRecord:
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
                    _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
                    raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")),
-                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")))
+                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")),
+                   _text(raw.get("provider")))
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
@@ -2629,6 +2708,38 @@ class Replacement(PlainRecord):
     def read(cls, raw: dict) -> Replacement:
         return cls(*(_text(raw.get(key)) for key in ("role", "old_terminal", "new_terminal", "at", "why")),
                    _whole(raw.get("event")) or 1)
+
+
+@dataclass
+class CliSwitch(PlainRecord):
+    """A role the run moved to its fallback CLI at a usage limit it would not wait out, for the rest of the run:
+    saved before the new agent is asked for (`new_terminal` '' until it is up), so a rerun finishes the switch."""
+
+    required: ClassVar[str] = "role"
+    role: str
+    from_provider: str
+    from_model: str                   # '' : its CLI's default
+    to_provider: str
+    to_model: str
+    at: str                           # ISO time (UTC)
+    resets_at: str                    # when the limit resets (ISO, UTC; '': its CLI named no time)
+    limit: str                        # what the screen said
+    old_terminal: str
+    new_terminal: str = ""
+    old_ended: bool = False           # the limited agent ended (a stop right after the switch leaves it to a rerun)
+
+    @classmethod
+    def read(cls, raw: dict) -> CliSwitch:
+        return cls(*(_text(raw.get(key)) for key in ("role", "from_provider", "from_model", "to_provider", "to_model",
+                                                      "at", "resets_at", "limit", "old_terminal", "new_terminal")),
+                   raw.get("old_ended") is True)
+
+    def text(self) -> str:
+        """'programmer codex (gpt-5) -> claude_code (its CLI default) at ...': the switch, for people."""
+        def cli(provider: str, model: str) -> str:
+            return f"{provider} ({model or 'its CLI default'})"
+        return (f"{self.role} {cli(self.from_provider, self.from_model)} -> {cli(self.to_provider, self.to_model)} "
+                f"at {self.at}, its limit resetting {self.resets_at or 'at a time its CLI did not name'}")
 
 
 @dataclass
@@ -2768,6 +2879,9 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("rounds_without_progress", "rounds_without_progress", new=int, parse=lambda v: _whole(v) or 0),
     StateField("worktree_at_fail", "worktree_at_fail", parse=_fingerprints),
     StateField("no_progress_stop", "no_progress_stop", parse=lambda v: v if isinstance(v, dict) else None),
+    StateField("cli_switches", "cli_switches", new=list, dump=lambda switches: [w.to_json() for w in switches],
+               parse=lambda v: [w for w in map(CliSwitch.from_json, v) if w and w.role in ROLES and w.to_provider]
+               if isinstance(v, list) else []),
     StateField("fresh_agents_due", "fresh_agents_due", new=dict,
                parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
                if isinstance(v, dict) else {}),
@@ -2808,6 +2922,7 @@ after_run: AfterRun = _new_value("after_run")
 replacements: list[Replacement] = _new_value("replacements")   # lost agents replaced (REPLACE_LOST_AGENTS=1)
 agent_events: list[AgentEvent] = _new_value("agent_events")    # conversations compacted, cleared, started anew
 fresh_agents_due: dict[str, str] = _new_value("fresh_agents_due")  # role -> why its next turn needs a new agent
+cli_switches: list[CliSwitch] = _new_value("cli_switches")  # roles moved to their fallback CLI (FALLBACK_PROVIDER)
 failed_rounds: list[FailedRound] = _new_value("failed_rounds")   # each FAILed round, compared with the one before
 rounds_without_progress: int = _new_value("rounds_without_progress")  # FAILs in a row that repeat the one before
 worktree_at_fail: dict | None = _new_value("worktree_at_fail")  # the WD's fingerprints at the last FAIL
@@ -3041,17 +3156,15 @@ def go_on_command(round_played: int, without_progress: bool) -> str:
 
 # One process per run: an exclusive lock beside the state file, which the system drops when the process dies
 # (a killed run never blocks the next); a lock on a file removed meanwhile is taken again on the new one.
-run_lock = None
-run_lock_made_folder: Path | None = None     # the folder the lock file needed, made by this process
+run_lock = SimpleNamespace(handle=None, made_folder=None)   # while held: the open lock file; a folder it made
 
 
 def acquire_run_lock() -> None:
     """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
-    global run_lock, run_lock_made_folder
     path = Path(STATE_FILE + ".lock")
     if not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        run_lock_made_folder = path.parent
+        run_lock.made_folder = path.parent
     while True:
         handle = open(path, "a+", encoding="utf-8")
         try:
@@ -3073,7 +3186,7 @@ def acquire_run_lock() -> None:
     handle.truncate()
     handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
-    run_lock = handle
+    run_lock.handle = handle
 
 
 def lock_holder() -> str:
@@ -3093,15 +3206,14 @@ def lock_holder() -> str:
 
 def release_run_lock() -> None:
     """Give the lock back and remove its file (while still holding it, so no other process loses its lock)."""
-    global run_lock, run_lock_made_folder
-    if run_lock is not None:
-        Path(run_lock.name).unlink(missing_ok=True)
-        run_lock.close()
-        run_lock = None
-    if run_lock_made_folder is not None:
+    if run_lock.handle is not None:
+        Path(run_lock.handle.name).unlink(missing_ok=True)
+        run_lock.handle.close()
+        run_lock.handle = None
+    if run_lock.made_folder is not None:
         with suppress(OSError):          # kept when the run wrote anything there
-            run_lock_made_folder.rmdir()
-        run_lock_made_folder = None
+            run_lock.made_folder.rmdir()
+        run_lock.made_folder = None
 
 
 def killed_invocation() -> str:
@@ -3241,12 +3353,16 @@ EVENT_KINDS = {
     "turn_sent": "a prompt went to an agent: role, round, phase, cycle, number (its files' number), "
                  "prompt_bytes, resend (true: sent again by a later invocation)",
     "reply_taken": "an agent's answer was taken: role, round, phase, cycle, seconds, reply_bytes, reply_file, "
-                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known)",
+                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known), "
+                   "provider (the CLI that answered)",
     "verdict": "what an answer decided: role, round, outcome (APPROVED, REVISE, PASS, FAIL, ...; "
                "'(not counted)' after an approval that does not count)",
     "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
                    "compacted, context low, new conversation, model changed, ...), detail",
     "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
+    "cli_switched": "a role went over to its fallback CLI at a usage limit it would not wait out, for the rest of "
+                    "the run: role, from_provider, from_model, to_provider, to_model, resets_at (null: not named), "
+                    "limit, old_terminal, new_terminal",
     "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
                       "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
                       "(null: not known)",
@@ -3406,9 +3522,10 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
         save_state()
     crash_point("reply-file-named")
     if read_reply_file(response_file):
-        os.replace(response_file, target)
-    else:                               # the reply came from the terminal, not the file
-        target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        os.replace(response_file, target)          # at once: the reply is still there, or kept ...
+    staged = target.with_name(f".{target.name}.tmp")    # ... as the text acted on, byte for byte (its agent may
+    staged.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")   # have rewritten it since)
+    os.replace(staged, target)
     sync_directory(directory)
     crash_point("reply-archived")
     return target
@@ -3551,13 +3668,26 @@ def _role_totals() -> dict[str, dict]:
     return totals
 
 
+def turn_provider(record: TurnRecord) -> str:
+    """The provider whose agent answered the turn (a record from before it was kept: the role's)."""
+    return record.provider or provider_for(record.role)
+
+
+def _cli_totals() -> dict[str, dict]:
+    """Per provider (CLI) that answered turns: how many, and the tokens they used."""
+    by_provider: dict[str, list[TurnRecord]] = {}
+    for record in turn_records:
+        by_provider.setdefault(turn_provider(record), []).append(record)
+    return {provider: {"turns": len(mine), **_token_totals(mine)} for provider, mine in by_provider.items()}
+
+
 def _unanswered_turn() -> dict | None:
     """The prompt in flight, as a turn of the run record with no reply (None when there is none)."""
     if in_flight is None or in_flight.reply_file:
         return None
     facts = {**sent_turn_facts(in_flight.role, time.time()), "seconds": None, "tokens_before": None}
     return {**TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
-                         **facts).to_json(), "cost": None}
+                         provider=provider_for(in_flight.role), **facts).to_json(), "cost": None}
 
 
 def run_interruptions() -> list[dict]:
@@ -3591,7 +3721,8 @@ def run_summary(exit_code: int | None) -> dict:
     """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
     counts among the prompts sent. `exit_code` is None while the run goes on."""
     unanswered = _unanswered_turn()
-    turns = [{**r.to_json(), "cost": cost_of(r.tokens) if MODEL_PRICES else None} for r in turn_records] \
+    turns = [{**r.to_json(), "provider": turn_provider(r), "cost": cost_of(r.tokens) if MODEL_PRICES else None}
+             for r in turn_records] \
         + ([unanswered] if unanswered else [])
     ended_at = utc_iso(precise=True)
     return {
@@ -3608,9 +3739,11 @@ def run_summary(exit_code: int | None) -> dict:
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
         **_token_totals(turn_records), "model_prices": MODEL_PRICES,
-        "roles": _role_totals(), "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "roles": _role_totals(), "clis": _cli_totals(),
+        "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
+        "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(cli_switches),
         "agent_events": [e.to_json() for e in agent_events],
         "no_progress_stop": no_progress_stop,
         "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
@@ -3744,7 +3877,9 @@ TOKENS_SECTION = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</
                           '<table id="tokens-per-turn"><tr><th>turn</th><th>role</th><th>round</th><th>input</th>'
                           '<th>cached input</th><th>output</th><th>cost</th></tr>\n$turn_rows</table>\n'
                           '<table id="tokens-per-role"><tr><th>turns</th><th>role</th><th>unknown</th><th>input</th>'
-                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table></section>')
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table>\n'
+                          '<table id="tokens-per-cli"><tr><th>turns</th><th>CLI</th><th>unknown</th><th>input</th>'
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$cli_rows</table></section>')
 TOKENS_UNCOUNTED = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p></section>')
 TOKEN_ROW = Template('<tr data-key="$key"><td>$first</td><td>$second</td><td>$third</td><td>$input</td>'
                      '<td>$cached</td><td>$output</td><td>$cost</td></tr>')
@@ -3853,6 +3988,7 @@ def _figures(summary: dict) -> ReportHtml:
                 *_tokens_figure(summary),
                 ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
+                *[("fallback CLI", CliSwitch.read(w).text()) for w in summary["cli_switches"]],
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
                 ("state file", summary["state_file"])]
     links = _run_file_links(summary["run_dir"])
@@ -3994,6 +4130,7 @@ def _turn_details(summary: dict, prompts: list[str], replies: list[str]) -> Repo
         where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
         extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
         took = report_duration(turn["seconds"]) if turn["seconds"] is not None else "no reply yet"
+        extra += f"; {turn['provider']}" if turn.get("provider") else ""
         extra += f"; model {turn['model']}" if turn.get("model") else ""
         extra += "".join(f"; {cut_text(cut)}" for cut in turn_cuts(turn, summary))
         label = f"{number:03d} {turn['role']}: {where}; {took}; {turn.get('outcome') or 'no verdict'}{extra}"
@@ -4027,9 +4164,13 @@ def _tokens_section(summary: dict) -> ReportHtml:
     role_rows = [_fill(TOKEN_ROW, key=f"role-{role}", first=figures["turns"], second=role,
                        third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
                  for role, figures in totals]
+    cli_rows = [_fill(TOKEN_ROW, key=f"cli-{provider}", first=figures["turns"], second=provider,
+                      third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
+                for provider, figures in summary["clis"].items()]
     prices = "cost estimated from MODEL_PRICES" if summary["model_prices"] else "no cost shown: MODEL_PRICES is not set"
     note = (f"As the agents' CLIs recorded them; input leaves out cached input; output includes reasoning; {prices}.")
-    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows))
+    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows),
+                 cli_rows=_join(cli_rows))
 
 
 def report_html(summary: dict) -> str:
@@ -4589,9 +4730,10 @@ def cli_records(provider: str) -> TokenRecords | None:
     return RECORD_FORMATS.get(records) if isinstance(records, str) else records
 
 
-def tokens_readable(role: str) -> bool:
-    """Whether the loop can read what the role's CLI records: one it knows, its records on this machine."""
-    return cli_records(provider_for(role)) is not None and token_records_readable()
+def tokens_readable(role: str, provider: str = "") -> bool:
+    """Whether the loop can read what the role's CLI (or `provider`'s) records: one it knows, its records on
+    this machine."""
+    return cli_records(provider or provider_for(role)) is not None and token_records_readable()
 
 
 def record_marker(role: str) -> str:
@@ -4599,13 +4741,15 @@ def record_marker(role: str) -> str:
     return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
 
 
-def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None) -> TokenReading | None:
-    """What the role's CLI recorded between the two times (time.time() values); None when its records cannot
-    be read here or hold nothing of it yet. `before`: running totals noted at the turn's first send."""
-    if not tokens_readable(role):
+def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None,
+                provider: str = "") -> TokenReading | None:
+    """What the role's CLI (`provider`'s: the one that answered the turn) recorded between the two times
+    (time.time() values); None when its records cannot be read here or hold nothing of it yet. `before`:
+    running totals noted at the turn's first send."""
+    if not tokens_readable(role, provider):
         return None
     try:
-        return cli_records(provider_for(role)).read_turn(record_marker(role), since, until, before)
+        return cli_records(provider or provider_for(role)).read_turn(record_marker(role), since, until, before)
     except (OSError, ValueError):
         return None
 
@@ -5032,6 +5176,7 @@ class TurnState(Enum):
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
     FILE_SETTLED = "file settled"                       # its turn-ending rows say whether the turn is over
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
+    BETWEEN_TURNS = "no reply awaited"                  # a terminal about to be prompted: is its last turn over?
 
 
 class Verdict(Enum):
@@ -5083,6 +5228,7 @@ class TurnFacts:
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
     full_prompt_due: bool = False     # compacted during the turn, its prompt referring back to what that summarised
     answered_before: bool = False     # the agent has answered a turn of this run (its marks: turn_mark())
+    awaiting: bool = True             # a reply is awaited (False: a terminal about to be prompted)
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -5092,12 +5238,16 @@ class TurnFacts:
                 self.seen_working = self.prompt_seen = True
 
     def note_status(self, status: str, now: float) -> None:
-        self.cao_status, status = status, self.cli.status_word(status)   # a misread ready: the screen decides
+        # A ready word CAO misreads: the screen decides; before a prompt, the CLI's own idle mark bears it out.
+        self.cao_status, status = status, status if not self.awaiting and self.mark == "idle" \
+            else self.cli.status_word(status)
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
         if ready and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_STATUS
+        elif not (ready or self.awaiting) and self.finished_by == TURN_ENDED_BY_STATUS:
+            self.finished_by = ""        # before a prompt only the latest status counts
         if status in BUSY_STATUSES:
             self.seen_working = True
 
@@ -5213,6 +5363,8 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
         return TurnState.LOST
     if facts.status == "error":
         return TurnState.FAILED
+    if not facts.awaiting:
+        return TurnState.BETWEEN_TURNS
     if facts.file_version is not None:
         return TurnState.FILE_SETTLED if facts.file_settled(now) else TurnState.FILE_SETTLING
     if facts.markers and not facts.prompt_seen:
@@ -5238,8 +5390,8 @@ def _since_prompt(facts: TurnFacts, now: float) -> float:
     return now - facts.guard_since
 
 
-OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST}
-SETTLED = frozenset({TurnState.FILE_SETTLED})
+OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST, TurnState.BETWEEN_TURNS}
+SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # a whole reply file, or none awaited
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
@@ -5253,7 +5405,7 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
     WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
              lambda f, now: f.said_finished(TURN_ENDED_BY_MARK), Verdict.TAKE_REPLY, TURN_ENDED_BY_MARK),
-    WaitRule(SETTLED, "its CLI's own record of the turn's end, read since the file's last change",
+    WaitRule(frozenset({TurnState.FILE_SETTLED}), "its CLI's own record of the turn's end, read since then",
              lambda f, now: f.said_finished(TURN_ENDED_BY_RECORD), Verdict.TAKE_REPLY, TURN_ENDED_BY_RECORD),
     WaitRule(SETTLED, "the screen still since then for its row's still_screen_ends_turn, else QUIET_SCREEN_SECONDS",
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
@@ -5289,19 +5441,14 @@ WAIT_RULES: tuple[WaitRule, ...] = (
 )
 
 
-def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
-    """The turn's state and the verdict of the first rule that applies to it (WAIT if none). Pure."""
+NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", lambda f, now: True, Verdict.WAIT)
+
+
+def decide(facts: TurnFacts, now: float) -> tuple[TurnState, WaitRule]:
+    """The turn's state and the first rule that applies to it (NO_RULE: wait). Pure; the one judge of a turn's
+    end (the rule's `ended_by`), asked by the wait, a carried-over turn and the settle check alike."""
     state = turn_state(facts, now)
-    for rule in WAIT_RULES:
-        if state in rule.states and rule.applies(facts, now):
-            return state, rule.verdict
-    return state, Verdict.WAIT
-
-
-def turn_ended_by(facts: TurnFacts, now: float) -> str:
-    """What says the turn is over: the first turn-ending row of WAIT_RULES that holds ('' : none). Pure; the
-    one judge, asked by the wait, a carried-over turn (at_work) and the settle check (wait_until_settled)."""
-    return next((rule.ended_by for rule in WAIT_RULES if rule.ended_by and rule.applies(facts, now)), "")
+    return state, next((rule for rule in WAIT_RULES if state in rule.states and rule.applies(facts, now)), NO_RULE)
 
 
 @dataclass
@@ -5316,7 +5463,8 @@ class ReadSchedule:
 
     def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
         """When a settled file's turn is next asked whether it has finished (None: no such file)."""
-        if turn_state(facts, now) is not TurnState.FILE_SETTLED or turn_ended_by(facts, now):
+        state, rule = decide(facts, now)
+        if state is not TurnState.FILE_SETTLED or rule.ended_by:
             return None
         settled_at = facts.file_seen_at + FILE_SETTLE_SECONDS
         if facts.status_at < settled_at:
@@ -5578,28 +5726,57 @@ def usage_limit_stop(turn: Turn, line: str, until: float | None) -> RunError:
                     f"({line[:200]}); {when}")
 
 
+class FallbackDue(RunError):
+    """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
+    the role to it (switch_to_fallback(), 8). Its message is the stop's, should nothing take it up."""
+
+    def __init__(self, turn: Turn, line: str, until: float | None):
+        super().__init__(str(usage_limit_stop(turn, line, until)))
+        self.role, self.terminal_id, self.line, self.until = turn.role, turn.terminal_id, line, until
+
+
+def switch_pending(role: str) -> bool:
+    """Whether the run decided to move the role to its fallback CLI while its agent is still the limited one
+    (a stop came between the decision and the new agent)."""
+    return any(w.role == role and w.old_terminal == terminal_ids.get(role) for w in cli_switches)
+
+
+def fallback_due(role: str) -> bool:
+    """Whether a usage limit the loop will not wait out moves the role to its fallback CLI: one is set and the
+    role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth)."""
+    return switch_pending(role) or (switched_to(role) is None and fallback_for(role) is not None)
+
+
+def limit_outlasting(turn: Turn, line: str, until: float | None) -> RunError:
+    """What a usage limit the loop will not wait out leads to: the role's fallback CLI, else the stop."""
+    return FallbackDue(turn, line, until) if fallback_due(turn.role) else usage_limit_stop(turn, line, until)
+
+
 def begin_limit_wait(turn: Turn, limit: UsageLimit) -> None:
     """The agent stopped at its usage limit: wait until the reset and a margin (at most USAGE_LIMIT_MAX_WAIT),
-    or stop saying when to rerun. Saved first, so a rerun during the wait waits on instead of resending."""
+    else go over to the role's fallback CLI, or stop saying when to rerun. Saved first, so a rerun during the
+    wait waits on instead of resending."""
     now = time.time()
     until = None if limit.resets_at is None else max(now, limit.resets_at + USAGE_LIMIT_MARGIN_SECONDS)
     waits = until is not None and until - now <= USAGE_LIMIT_MAX_WAIT
     record_agent_event(turn.role, turn.terminal_id, "usage limit", limit.line[:200] + (
-        f"; waited until {clock_text(until)}" if waits else "; the run stopped"))
+        f"; waited until {clock_text(until)}" if waits else
+        "; the role goes over to its fallback CLI" if fallback_due(turn.role) else "; the run stopped"))
     note_limit_in_flight(turn.role, limit.line, until)
     if not waits:
-        raise usage_limit_stop(turn, limit.line, until)
+        raise limit_outlasting(turn, limit.line, until)
     turn.facts.limit_wait_until = time.monotonic() + (until - now)
     log_turn(turn.role, f"usage limit reached; waiting until {clock_text(until)} (in {duration_text(until - now)}), "
                         f"then it continues ({limit.line[:200]})")
 
 
 def resume_limit_wait(turn: Turn) -> None:
-    """A turn carried over while its agent waited out a usage limit: wait on (or stop again); never resend it."""
+    """A turn carried over while its agent waited out a usage limit: wait on, or -- the reset still too far, or
+    the switch to the role's fallback CLI decided -- go over to it (or stop again); never resend it here."""
     line, until = in_flight.limit_line, in_flight.limit_until
     now = time.time()
-    if until is not None and until - now > USAGE_LIMIT_MAX_WAIT:
-        raise usage_limit_stop(turn, line, until)
+    if switch_pending(turn.role) or (until is not None and until - now > USAGE_LIMIT_MAX_WAIT):
+        raise limit_outlasting(turn, line, until)
     remaining = max(0.0, (until or now) - now)
     turn.facts.limit_wait_until = time.monotonic() + remaining
     log_turn(turn.role, f"its agent stopped at its usage limit before the interruption ({line[:200]}); "
@@ -5807,11 +5984,10 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
             observe_terminal(turn)
         elif turn.reads.record_due(turn.facts, now):
             read_turn_record(turn)
-        decided_at = time.monotonic()
-        state, verdict = decide(turn.facts, decided_at)
-        reply = act_on(turn, state, verdict)
+        state, rule = decide(turn.facts, time.monotonic())
+        reply = act_on(turn, state, rule.verdict)
         if reply is not None:
-            return reply, turn_ended_by(turn.facts, decided_at)
+            return reply, rule.ended_by
         if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
             log_turn(role, progress_text(turn.facts, began, time.monotonic()))
             next_progress_at += PROGRESS_SECONDS
@@ -5932,20 +6108,17 @@ def end_agents(ids: list[str], session: str) -> None:
         log(f"could not remove CAO session {session}: {exc}")
 
 
-def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[str, str]]:
-    """CAO's answer for each role, and why each failed one failed: every creation is waited for, so that
-    what came up can be exited when another did not."""
-    answers: dict[str, dict] = {}
-    failures: dict[str, str] = {}
-    for role, future in futures.items():
-        try:
-            answer = future.result()
-        except Exception as exc:       # ApiError, or anything else: the others are still exited
-            failures[role] = f"{role}: {exc}"
-            continue
-        if answer is not None:
-            answers[role] = answer
-    return answers, failures
+def creation_answers(futures: dict[str, Future], answers: dict[str, dict]) -> dict[str, str]:
+    """CAO's answer for each role (into `answers`), and why each failed one failed (CAO's word): every creation
+    is waited for, so that what came up can be exited when another did not; a fault of the loop's own is raised
+    then."""
+    errors = {role: future.exception() for role, future in futures.items()}
+    answers.update((role, future.result()) for role, future in futures.items()
+                   if errors[role] is None and future.result() is not None)
+    fault = next((error for error in errors.values() if error is not None and not isinstance(error, ApiError)), None)
+    if fault is not None:
+        raise fault
+    return {role: f"{role}: {error}" for role, error in errors.items() if error is not None}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -6026,7 +6199,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
     timed out once more alone; a failed start exits all it made, a stop removes the session at once."""
     name = new_session_name()
-    providers = providers_in_use()
+    providers = sorted({provider_for(role) for role in ROLES})
     note_start_up_step(f"creating the five agents on {API}")
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
@@ -6039,12 +6212,16 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         if not answered_unless_stopped(futures.values(), interrupted):
             end_creation_cut_short(name, futures)
             return name, {}                # not reached: signals_held raises the stop
-        answers, failures = creation_answers(futures)
-        if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
-            failures = start_again_one_at_a_time(answers, failures, interrupted)
-        if failures or interrupted:
-            created = answers.get("analyst", {}).get("session_name", "")
-            end_agents([answer["id"] for answer in answers.values()], created)
+        answers: dict[str, dict] = {}
+        failures = None                   # stays None on a fault of the loop's own: what came up is exited too
+        try:
+            failures = creation_answers(futures, answers)
+            if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
+                failures = start_again_one_at_a_time(answers, failures, interrupted)
+        finally:
+            if failures is None or failures or interrupted:
+                created = answers.get("analyst", {}).get("session_name", "")
+                end_agents([answer["id"] for answer in answers.values()], created)
         if failures and not interrupted:
             raise start_up_failure(failures)
     note_model_answers(answers)
@@ -6071,7 +6248,7 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
             return {}
         try:
             answers[role] = request.result()
-        except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
+        except ApiError as exc:            # what came up is exited by the caller
             return {role: f"{role}: {exc} (on its second try too, started alone)"}
     log("all five agents are up after the second try")
     return {}
@@ -6201,6 +6378,21 @@ def replace_lost_agent(lost: AgentLost) -> None:
         + f" in CAO session {new_session}; a new agent gets its whole prompt")
 
 
+def end_agent_switched_from(switch: CliSwitch) -> None:
+    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
+    exit_terminals([switch.old_terminal])
+    with suppress(ApiError):             # gone already: nothing to remove
+        api.delete_terminal(switch.old_terminal)
+    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
+    save_state()
+
+
+def end_agents_switched_from() -> None:
+    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
+    for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
+        end_agent_switched_from(switch)
+
+
 # ==========================================================================
 # 8. Asking an agent
 # ==========================================================================
@@ -6221,39 +6413,36 @@ class Prompt(str):
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
     """Before the first prompt to a terminal this process did not create (a resumed run's): at rest twice in a
-    row (some CLIs show their prompt before they take input) -- CAO's status not busy, or turn_ended_by()."""
+    row (some CLIs show their prompt before they take input) -- its last turn over, as decide() judges it."""
     if terminal_id in settled_terminals:
         return
     started = time.monotonic()
-    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)),
+    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)), awaiting=False,
                       answered_before=any(record.terminal == terminal_id for record in turn_records))
     at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
     while at_rest_in_a_row < 2:
-        status = api.get_status(terminal_id)
+        facts.note_screen(_screen(terminal_id), time.monotonic())
+        facts.note_status(api.get_status(terminal_id), time.monotonic())
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        if status == "error":
+        state, rule = decide(facts, time.monotonic())
+        if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
-        if status in BUSY_STATUSES:
-            now = time.monotonic()
-            facts.note_status(status, now)
-            facts.note_screen(_screen(terminal_id), now)
-        at_rest = status not in BUSY_STATUSES or bool(turn_ended_by(facts, time.monotonic()))
-        at_rest_in_a_row = at_rest_in_a_row + 1 if at_rest else 0
+        at_rest_in_a_row = at_rest_in_a_row + 1 if rule.ended_by else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, status, facts)
+            raise never_ready(role, terminal_id, facts)
         if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
 
 
-def never_ready(role: str, terminal_id: str, status: str, facts: TurnFacts) -> RunError:
+def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
     """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
     marks = turn_marks_on(facts.screen, facts.cli)
+    shown = f"; its marks: {', '.join(marks[-4:])}" if marks else ""
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"(status {status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks
-                                                                    else "") + ")")
+                                           f"(status {facts.cao_status!r}{shown})")
 
 
 def deliverable_message(role: str, prompt: str) -> str:
@@ -6303,15 +6492,14 @@ def carried_over_turn(role: str, path: Path) -> str:
 
 
 def at_work(role: str) -> bool:
-    """Whether the role's agent may be at work on a prompt: not when it failed, turn_ended_by() says its turn is
-    over (the status a CLI's row trusts, its marks), or its marks say it is idle."""
+    """Whether the role's agent may be at work on the prompt sent before an interruption: decide() finds it
+    busy with the facts a carried-over wait begins with (not failed, not idle by the status its row trusts
+    or by its marks)."""
     terminal_id, now = terminal_ids[role], time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
     facts.note_status(api.get_status(terminal_id), now)
-    if facts.status == "error" or turn_ended_by(facts, now):
-        return False
     facts.note_screen(_screen(terminal_id), now)
-    return not (turn_ended_by(facts, now) or facts.mark == "idle")
+    return decide(facts, now)[0] in BUSY_STATES
 
 
 def send_prompt(role: str, prompt: str) -> str:
@@ -6329,7 +6517,8 @@ def send_prompt(role: str, prompt: str) -> str:
                                   first_sent_at=in_flight.first_sent_at if again else now,
                                   prompt_bytes=len(prompt.encode("utf-8")),
                                   resends=in_flight.resends if again else 0,
-                                  tokens_before=in_flight.tokens_before if again else turn_tokens_before(role),
+                                  tokens_before=in_flight.tokens_before if again and in_flight.tokens_before
+                                  else turn_tokens_before(role),
                                   terminal=terminal_id))
     save_state()
     keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
@@ -6392,14 +6581,15 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
     facts = sent_turn_facts(role, taken)
     record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(taken, precise=True),
                         reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name,
-                        terminal=terminal_ids.get(role, ""), **facts)
+                        terminal=terminal_ids.get(role, ""), provider=provider_for(role), **facts)
     add_turn_record(record)
     reading = read_turn_tokens(len(turn_records) - 1)
     if not any(e.get("event") == "reply_taken" and e.get("reply_file") == record.reply_file
                for e in read_events(Path(run_dir) / EVENTS_FILE)):   # a stop before the state saved it: said once
         record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
                      terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
-                     reply_file=record.reply_file, tokens=tokens_json(record.tokens), model=record.model or None)
+                     reply_file=record.reply_file, tokens=tokens_json(record.tokens), model=record.model or None,
+                     provider=record.provider)
     return record, reading
 
 
@@ -6420,7 +6610,8 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     stay if the records are gone since (a CLI that archived or removed them)."""
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
-    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before) \
+    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before,
+                          provider=record.provider) \
         if since is not None else None
     set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
                     reading.context if reading is not None else None, reading.model if reading is not None else "")
@@ -6475,7 +6666,7 @@ def check_budget(role: str) -> None:
     unpriced = sorted(model for model in used if model not in MODEL_PRICES)
     if unpriced:
         raise BudgetReached(f"MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for {', '.join(unpriced)} "
-                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn")
+                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn", EXIT_USAGE)
     cost = cost_of(used) or 0.0
     if cost >= MAX_RUN_COST:
         raise BudgetReached(f"the run has cost about {cost:.4f} ({tokens_text(used)}), its budget is "
@@ -6592,17 +6783,17 @@ class ModelChanged(RunError):
         super().__init__(message, EXIT_USAGE)
 
 
-def model_is(recorded: str, asked: str) -> bool:
-    """Whether a recorded model is the one asked for: a CLI may record a longer name (a dated id for an alias,
-    the model without the provider OpenCode's setting names)."""
-    wanted = asked.rpartition("/")[2].lower()
-    return bool(wanted) and wanted in recorded.lower()
+def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
+    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
+    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
+    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
+                                                     for form in cli.model_names))
 
 
 def default_model_seen(provider: str) -> str:
     """The first model recorded by an agent of the provider's CLI started without a model asked for ('': none)."""
     return next((r.model for r in turn_records
-                 if r.model and provider_for(r.role) == provider and not agent_models.get(r.role)), "")
+                 if r.model and (r.provider or provider_for(r.role)) == provider and not agent_models.get(r.role)), "")
 
 
 def model_change(number: int) -> tuple[str, str] | None:
@@ -6612,10 +6803,10 @@ def model_change(number: int) -> tuple[str, str] | None:
     if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
         return None
     started = agent_models.get(record.role, "")
-    if started:
-        return None if model_is(record.model, started) else (started, record.model)
-    first_seen = default_model_seen(provider_for(record.role))
-    return None if record.model == first_seen else (f"{first_seen} (its CLI's default)", record.model)
+    asked = started or default_model_seen(provider_for(record.role))
+    if model_is(record.model, asked, agent_cli(provider_for(record.role))):
+        return None
+    return started or f"{asked} (its CLI's default)", record.model
 
 
 def model_changed_event(terminal_id: str) -> AgentEvent | None:
@@ -6689,7 +6880,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE
+        gone = TurnFacts(started=0.0, guard_since=0.0, lost="its terminal was replaced", left_reply=True)
+        reply, ended_by = read_reply_file(path), decide(gone, 0.0)[1].ended_by     # what ended it, as judged
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
@@ -6703,7 +6895,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     crash_point("report-written")
     tokens = f"; tokens: {tokens_text(record.tokens)}" if agent_cli(provider_for(role)).records else ""
     tokens += f"; model: {record.model}" if record.model else ""
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
+    seen = f"turn end seen by {ended_by}" if ended_by else "no turn end seen: its terminal's output taken"
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, {seen}, kept as "
                    f"{archived}{tokens}{recorded})")
     note_model_change(len(turn_records) - 1)
     return reply
@@ -6737,14 +6930,62 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
     return reply
 
 
+def decide_fallback(due: FallbackDue) -> CliSwitch:
+    """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
+    finishes it), or the one saved by an earlier process whose agent is still the limited one."""
+    saved = next((w for w in cli_switches if w.role == due.role and w.old_terminal == due.terminal_id), None)
+    if saved is not None:
+        return saved
+    provider, model = fallback_for(due.role)
+    switch = CliSwitch(due.role, provider_for(due.role), model_for(due.role), provider, model, utc_iso(),
+                       utc_iso(due.until) if due.until is not None else "", due.line[:200], due.terminal_id)
+    update_run(cli_switches=cli_switches + [switch])
+    save_state()
+    return switch
+
+
+def switch_to_fallback(due: FallbackDue) -> None:
+    """The role's agent stopped at a usage limit the loop will not wait out: a new agent on the role's fallback
+    CLI takes the turn in full (a new conversation) and the role for the rest of the run; the limited one is
+    ended. The new agent is asked for under the key of the one it replaces: a rerun at any instant makes none
+    twice, and sends the turn to it once."""
+    role, old = due.role, due.terminal_id
+    switch = decide_fallback(due)
+    crash_point("fallback-decided")
+    new = new_agent_for(role, "creating the agent on the fallback CLI")
+    record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
+    unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
+        if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
+    switch = replace(switch, new_terminal=new)
+    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
+               agent_models={**agent_models, role: model_for(role)},
+               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
+               cli_switches=[switch if w.role == role else w for w in cli_switches])
+    save_state()
+    settled_terminals.add(new)
+    record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
+                 to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
+                 limit=switch.limit, old_terminal=old, new_terminal=new)
+    log_turn(role, f"usage limit beyond USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s "
+                   f"(resets {local_time(switch.resets_at) if switch.resets_at else 'at a time its CLI did not name'}):"
+                   f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
+                   f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
+                   f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
+    crash_point("fallback-switched")
+    end_agent_switched_from(switch)
+
+
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
-    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced and the
-    turn sent again (to the new agent every once-only block in full)."""
+    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced, or the role
+    goes over to its fallback CLI at a usage limit not waited out, and the turn is sent again (to the new agent
+    every once-only block in full)."""
     while True:
         try:
             return take_turn(role, build)
         except AgentLost as lost:
             replace_lost_agent(lost)
+        except FallbackDue as due:
+            switch_to_fallback(due)
 
 
 # ==========================================================================
@@ -7728,10 +7969,10 @@ def notify(event: str, message: str) -> bool:
     if NTFY_TOKEN:
         headers["Authorization"] = f"Bearer {NTFY_TOKEN}"
     url = f"{NTFY_SERVER.rstrip('/')}/{quote(NTFY_TOPIC, safe='')}"
-    try:
+    try:                                 # down, hanging, refused, a bad proxy: never the run's problem
         response = httpx.post(url, content=message.encode("utf-8"), headers=headers,
                               timeout=NOTIFY_TIMEOUT_SECONDS)
-    except Exception as exc:             # down, hanging, refused, a bad proxy: never the run's problem
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
         log(f"notify: could not send the {event} notification to {url} ({exc.__class__.__name__}: "
             f"{exc or 'no answer'}); check NTFY_SERVER and the network")
         return False
@@ -7753,10 +7994,11 @@ def notify_stopped(error: BaseException) -> None:
 # -- the steps, once ----------------------------------------------------------------
 
 def guarded_step(name: str, step, *args) -> dict:
-    """Run an after-run step so that nothing it runs into (a full disk, a fault here) undoes the PASS."""
+    """Run an after-run step so that what it runs into (a full disk, a tool that breaks off) does not undo the
+    PASS; a fault of the loop's own is exit 70 with its traceback, and a rerun does the step again."""
     try:
         return step(*args)
-    except Exception as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         why = f"unexpected {exc.__class__.__name__}: {exc}"
         log(f"{name}: failed, {why}")
         return {"result": "failed", "reason": why}
@@ -7925,12 +8167,14 @@ def check_agent_clis() -> None:
     report = api.provider_report()
     if not report:
         return
-    missing = [(role, provider) for role in ROLES for provider in [provider_for(role)]
+    missing = [(role, provider) for role in ROLES for provider in providers_of(role)
                if provider in report and not report[provider][1]]
     if not missing:
         return
     role, provider = missing[0]
-    setting = f"{role.upper()}_PROVIDER" if own_settings(role)[0] else "PROVIDER"
+    kind, own = ("PROVIDER", own_settings(role)[0]) if provider == provider_for(role) else \
+        ("FALLBACK_PROVIDER", own_fallback(role)[0])
+    setting = f"{role.upper()}_{kind}" if own else kind
     installed = sorted(name for name, (_binary, present) in report.items() if present)
     what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
             f"({setting}={provider}), is not installed on its machine")
@@ -8043,6 +8287,7 @@ def verify_resume_terminals() -> None:
         if not terminal_ids.get(role, ""):
             raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
                            "start a new run with RESUME=0")
+    end_agents_switched_from()
     while True:
         lost = first_lost_agent()
         if lost is None:
@@ -8588,6 +8833,8 @@ def summary_tokens(summary: dict) -> str:
     of the run, as run_summary() has them."""
     parts = [(role, totals) for role, totals in summary["roles"].items() if totals["turns"]] + [("run", summary)]
     unknown = summary["tokens_unknown_turns"]
+    if len(summary["clis"]) > 1:              # a role went over to its fallback CLI: each CLI's share too
+        parts += [(f"{provider} (CLI)", totals) for provider, totals in summary["clis"].items()]
     return "; ".join(f"{role} {tokens_text(tokens_from_json(totals['tokens']))}" for role, totals in parts) \
         + (f" ({counted(unknown, 'turn')} unknown)" if unknown and summary["tokens"] else "")
 
@@ -8610,6 +8857,8 @@ def report_run_summary(exit_code: int) -> None:
         log(f"summary: tokens used: {summary_tokens(summary)}")
     if replacements:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
+    if cli_switches:
+        log(f"summary: on a fallback CLI for the rest of the run: {'; '.join(w.text() for w in cli_switches)}")
     record_event("run_stopped", result=summary["result"], exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
                  scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=summary["turns"],
                  tokens=summary["tokens"], no_progress=no_progress_stop)
@@ -8765,7 +9014,7 @@ def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLin
 def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
     """Each role's CAO agent profile installed, for its provider where that CLI keeps its own copy."""
     lines, missing = [], []
-    for profile, provider in dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES):
+    for profile, provider in profiles_in_use():
         known = api.profile_installed(profile)
         own_copy = agent_cli(provider).profile_file.format(name=profile)
         if known is False or (known and own_copy and side is not None and not side.home(own_copy).is_file()):
@@ -9274,7 +9523,7 @@ def _shown_default(setting: Setting) -> str:
                "RESUME": "unset (automatic)"}
     if setting.env in special:
         return special[setting.env]
-    if setting.kind == "role_provider":
+    if setting.kind == "role_provider" and not setting.env.endswith("FALLBACK_PROVIDER"):
         return "PROVIDER"
     if isinstance(setting.default, bool):
         return "1" if setting.default else "0"
@@ -9481,6 +9730,8 @@ def _status_agents(saved: SavedState, stage: StageSeen) -> list[str]:
                                                       for role in ROLES))
     if saved.replacements:
         lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
+    if saved.cli_switches:
+        lines.append("on a fallback CLI for the rest of the run: " + "; ".join(w.text() for w in saved.cli_switches))
     if saved.agent_events:
         lines.append(f"agents' conversations and limits: {agent_events_summary(saved.agent_events)}")
     if saved.run_dir:
@@ -9591,6 +9842,7 @@ def status_facts(saved: SavedState, stage: StageSeen) -> dict:
         "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None,
         "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
+        "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(saved.cli_switches),
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))

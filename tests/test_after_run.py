@@ -580,15 +580,25 @@ def test_wd_below_the_repository_top_commits_only_its_own_files(load_orch, tmp_p
     assert last_commit_files(top) == ["svc/main.py"]
 
 
-def test_an_unexpected_fault_in_a_step_does_not_undo_the_pass(load_orch, workdir, monkeypatch, capsys):
+def test_what_a_step_runs_into_does_not_undo_the_pass_and_a_fault_of_the_loop_is_not_hidden(load_orch, workdir,
+                                                                                             monkeypatch, capsys):
+    """A full disk in a step: said, recorded as failed, the PASS stands. A fault of the loop's own in it is
+    raised (exit 70 with its traceback), nothing recorded: a rerun does the step again."""
     m = load_orch(COMMIT_ON_PASS="1")
     passed_run(m)
 
     def broken(archive):
         raise ValueError("something odd")
     monkeypatch.setattr(m, "commit_run", broken)
+    with pytest.raises(ValueError, match="something odd"):
+        m.finish_run(0)
+    assert m.after_run.commit is None
+
+    def disk_full(archive):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(m, "commit_run", disk_full)
     assert m.finish_run(0) == 0
-    assert "commit: failed, unexpected ValueError: something odd" in capsys.readouterr().out
+    assert "commit: failed, unexpected OSError: [Errno 28] No space left on device" in capsys.readouterr().out
     assert m.after_run.commit["result"] == "failed"
 
 

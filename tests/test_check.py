@@ -262,6 +262,16 @@ def test_check_with_bad_settings_exits_2_with_the_setting_s_line(load_orch, caps
     assert code == 2 and lines[0].startswith("✗ MAX_ROUNDS") and len(lines) == 2
 
 
+def test_check_refuses_a_cost_budget_with_a_model_it_cannot_price(load_orch, capsys, tmp_path):
+    """MAX_RUN_COST with a model asked for that MODEL_PRICES leaves out: exit 2 before the run, naming it."""
+    orch = load_orch(PROVIDER="codex", AGENT_HOME=str(tmp_path), MAX_RUN_COST="5", MODEL="gpt-5.1-codex",
+                     PEER_PROGRAMMER_MODEL="gpt-5.1-codex-mini",
+                     MODEL_PRICES='{"gpt-5.1-codex": {"input": 1.25, "output": 10}}')
+    code, lines = run_check(orch, capsys)
+    assert code == 2 and lines[0].startswith("✗ MAX_RUN_COST needs MODEL_PRICES") and \
+        "it has none for gpt-5.1-codex-mini" in lines[0]
+
+
 def test_check_and_status_together_are_a_usage_error(orch, capsys):
     assert run_main(orch, "--check", "--status") == 2
     assert "--check and --status" in capsys.readouterr().err

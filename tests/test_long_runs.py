@@ -46,8 +46,8 @@ def idle_since_two(m, limit=None):
 
 
 def decide(m, facts, now):
-    state, verdict = m.decide(facts, now)
-    return state.name, verdict.name
+    state, rule = m.decide(facts, now)
+    return state.name, rule.verdict.name
 
 
 LIMIT = None
@@ -127,7 +127,7 @@ def test_a_reply_file_outranks_a_usage_limit_on_the_screen(m):
     assert facts.usage_limit is None
     facts.note_status("completed", 4.0)
     assert decide(m, facts, 4.0) == ("FILE_SETTLED", "TAKE_REPLY")
-    assert m.turn_ended_by(facts, 4.0) == m.TURN_ENDED_BY_STATUS
+    assert m.decide(facts, 4.0)[1].ended_by == m.TURN_ENDED_BY_STATUS
 
 
 def test_a_message_sent_ends_the_limit_and_its_wait(m):
@@ -464,7 +464,7 @@ def test_a_menu_still_on_the_screen_after_its_choice_is_answered_again_and_the_t
 
 def recorded_context(m, monkeypatch, by_role: dict[str, int]):
     """The agents' CLIs record each turn's last response as filling this many tokens of context."""
-    def reading(role, since, until, before=None):
+    def reading(role, since, until, before=None, provider=""):
         context = by_role.get(role, 2_000)
         return m.TokenReading({"gpt-5-codex": m.TokenUse(context - 20, 0, 20)}, True, context)
     monkeypatch.setattr(m, "turn_tokens", reading)
