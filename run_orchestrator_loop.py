@@ -1674,6 +1674,7 @@ OWN_SERVER_HOST = "127.0.0.1"
 OWN_SERVER_START_SECONDS = 60.0          # cao-server imports a lot: seconds, more on a loaded machine
 OWN_SERVER_MARK = "CAO_LOOP_OWN_SERVER"  # in the environment of all it starts: how what is left is found
 OWN_SERVER_GRACE_SECONDS = 3.0           # from SIGTERM to SIGKILL for what the own server started
+OWN_SESSION_REMOVE_SECONDS = 30.0        # CAO's removal of a session: its agents ended, their screens logged
 
 
 @dataclass
@@ -1684,6 +1685,7 @@ class OwnServer:
     tmux_dir: str
     log_file: str
     processes: dict[str, list[int]] = field(default_factory=dict)    # 'cao-server' / 'tmux' -> [pid, start]
+    sessions: list[str] = field(default_factory=list)   # its CAO sessions, each noted before it was asked for
 
     @property
     def url(self) -> str:
@@ -1695,6 +1697,7 @@ class OwnServer:
 
 
 own_server: OwnServer | None = None      # set by start_own_server(), cleared by end_own_server()
+sessions_left_in_store: list[str] = []   # sessions of a killed run whose server died with it: removed through the next
 
 
 def own_server_note() -> Path:
@@ -1745,10 +1748,28 @@ def end_processes(pids: Iterable[int], group: bool = False) -> None:
                 os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
 
 
-def end_own_processes(own: OwnServer) -> None:
-    """cao-server first (it could start a tmux server again), then the tmux server with the agents, then
-    whatever they started that outlived them; the tmux folder goes last."""
+def remove_own_sessions(url: str, sessions: list[str]) -> list[str]:
+    """Remove the run's CAO sessions through the server at `url`: CAO ends their agents and takes their FIFOs,
+    locks and database rows out of its store in HOME, which an ended server would leave. Those it could not remove."""
+    headers = {"Authorization": f"Bearer {CAO_AUTH_LOCAL_TOKEN}"} if CAO_AUTH_LOCAL_TOKEN else {}
+    left = []
+    with httpx.Client(base_url=url, headers=headers, timeout=OWN_SESSION_REMOVE_SECONDS) as client:
+        for name in sessions:
+            try:
+                removed = client.delete(f"/sessions/{quote(name, safe='')}").status_code in (200, 404)
+            except httpx.HTTPError:
+                removed = False
+            if not removed:
+                left.append(name)
+    return left
+
+
+def end_own_processes(own: OwnServer) -> list[str]:
+    """The run's CAO sessions removed through its cao-server while it lives, then cao-server (it could start a
+    tmux server again), the tmux server with the agents, and whatever they started that outlived them; the tmux
+    folder goes last. The sessions left in CAO's store (their server was gone, or did not remove them)."""
     started = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    left = remove_own_sessions(own.url, own.sessions) if "cao-server" in started else list(own.sessions)
     if "cao-server" in started:
         end_processes([started["cao-server"]], group=True)
     with suppress(OSError, subprocess.SubprocessError):
@@ -1757,6 +1778,7 @@ def end_own_processes(own: OwnServer) -> None:
         end_processes([started["tmux"]])
     end_processes(marked_processes(own.tmux_dir))
     shutil.rmtree(own.tmux_dir, ignore_errors=True)
+    return left
 
 
 def note_own_server(own: OwnServer) -> None:
@@ -1764,8 +1786,16 @@ def note_own_server(own: OwnServer) -> None:
     note = own_server_note()
     temporary = note.with_name(note.name + ".tmp")
     temporary.write_text(json.dumps({"port": own.port, "tmux_dir": own.tmux_dir, "log_file": own.log_file,
-                                     "processes": own.processes}), encoding="utf-8")
+                                     "processes": own.processes, "sessions": own.sessions}), encoding="utf-8")
     os.replace(temporary, note)
+
+
+def note_own_session(name: str) -> None:
+    """A CAO session about to be asked of the run's own server, noted first: however the run ends, it is removed
+    through CAO (remove_own_sessions), not left in CAO's store."""
+    if own_server is not None and name not in own_server.sessions:
+        own_server.sessions.append(name)
+        note_own_server(own_server)
 
 
 def end_left_own_server() -> None:
@@ -1774,7 +1804,8 @@ def end_left_own_server() -> None:
     try:
         raw = json.loads(note.read_text(encoding="utf-8"))
         left = OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
-                         {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()})
+                         {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()},
+                         [str(name) for name in raw.get("sessions", [])])
     except FileNotFoundError:
         return
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -1784,7 +1815,7 @@ def end_left_own_server() -> None:
     alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
     log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
         + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
-    end_own_processes(left)
+    sessions_left_in_store.extend(end_own_processes(left))
     note.unlink(missing_ok=True)
 
 
@@ -1953,17 +1984,34 @@ def start_own_server() -> None:
     log(f"CAO server: the run's own, {own_server.url} (cao-server's log: {own_server.log_file}); its agents run in "
         f"a tmux server of their own ({own_server.tmux_socket}); both end with the run")
     install_own_profiles(own_server)
+    remove_sessions_left_in_store(own_server.url)
+
+
+def remove_sessions_left_in_store(url: str) -> None:
+    """The sessions a killed run's server left in CAO's store when it died with the run (a reboot, a killed
+    process group), removed through the run's new server on the same HOME; said where they stay."""
+    if not sessions_left_in_store:
+        return
+    left = remove_own_sessions(url, sessions_left_in_store) if url else list(sessions_left_in_store)
+    removed = [name for name in sessions_left_in_store if name not in left]
+    if removed:
+        log(f"removed from CAO's store what the killed run's sessions left there: {', '.join(removed)}")
+    if left:
+        log(f"CAO sessions {', '.join(left)} of the killed run are still in CAO's store "
+            f"({Path.home() / '.aws' / 'cli-agent-orchestrator'}: their database rows and FIFOs); `cao shutdown "
+            "--session <name>` removes them where a cao-server runs on this HOME")
+    sessions_left_in_store.clear()
 
 
 def end_own_server() -> None:
     """End the run's own server, its tmux server and all they started: nothing of the run is left running."""
     global own_server
     own = own_server
-    if own is None:
-        return
-    end_own_processes(own)
-    own_server_note().unlink(missing_ok=True)
-    own_server = None
+    if own is not None:
+        sessions_left_in_store.extend(end_own_processes(own))
+        own_server_note().unlink(missing_ok=True)
+        own_server = None
+    remove_sessions_left_in_store("")          # what no server removed is said
 
 
 def server_answers(url: str) -> bool:
@@ -5430,6 +5478,7 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
     key = agent_key(role, session, replacing)
     if first:
+        note_own_session(session)
         return api.create_session(profile_for(role), provider_for(role), session, model_for(role), key)
     return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key)
 

@@ -313,3 +313,49 @@ def test_the_demo_is_the_same_whatever_the_callers_settings(load_orch, monkeypat
     assert json.loads((folder / ".tmp" / "demo-agents" / "script.json").read_text())["tester"][0].startswith(
         "RESULT: FAIL")
     assert "demo: PASS." in capsys.readouterr().out
+
+
+def test_a_session_asked_of_the_own_server_is_noted_before_it_is_asked_for(orch):
+    """Whatever ends the run (a SIGKILL while CAO makes the session), the note names the session to remove."""
+    orch.own_server = orch.OwnServer(1, "/nonexistent", "")
+    Path(orch.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+    seen = {}
+
+    def create_session(*args, **kwargs):
+        seen["noted"] = json.loads(orch.own_server_note().read_text(encoding="utf-8"))["sessions"]
+        return {"id": "t1", "session_name": "cao-loop-1"}
+    orch.api.create_session = create_session
+    orch.request_agent("analyst", "cao-loop-1", first=True)
+    orch.request_agent("analyst", "cao-loop-1", first=True)          # asked again: noted once
+    assert seen["noted"] == ["cao-loop-1"] and orch.own_server.sessions == ["cao-loop-1"]
+
+
+def test_the_own_servers_sessions_are_removed_through_cao_and_those_it_could_not_are_said(orch, capsys):
+    import respx
+    with respx.mock() as router:
+        gone = router.delete("http://127.0.0.1:4321/sessions/cao-loop-1").mock(return_value=httpx.Response(200))
+        router.delete("http://127.0.0.1:4321/sessions/cao-loop-2").mock(return_value=httpx.Response(404))
+        router.delete("http://127.0.0.1:4321/sessions/cao-loop-3").mock(return_value=httpx.Response(500))
+        left = orch.remove_own_sessions("http://127.0.0.1:4321", ["cao-loop-1", "cao-loop-2", "cao-loop-3"])
+    assert gone.called and left == ["cao-loop-3"]                  # a session CAO no longer has is gone too
+    orch.sessions_left_in_store.extend(left)
+    orch.end_own_server()                                          # no server of its own now: said, once
+    out = capsys.readouterr().out
+    assert "CAO sessions cao-loop-3 of the killed run are still in CAO's store" in out
+    assert "`cao shutdown --session <name>` removes them" in out and orch.sessions_left_in_store == []
+
+
+def test_a_killed_runs_sessions_whose_server_died_are_removed_through_the_next_own_server(orch, tmp_path, capsys):
+    note = orch.own_server_note()
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text(json.dumps({"port": 1, "tmux_dir": str(tmp_path / "gone"), "log_file": "", "processes": {},
+                                "sessions": ["cao-loop-old"]}), encoding="utf-8")
+    orch.end_left_own_server()                                     # its cao-server is dead: nothing to ask
+    assert orch.sessions_left_in_store == ["cao-loop-old"] and not note.exists()
+    import respx
+    with respx.mock() as router:
+        removed = router.delete("http://127.0.0.1:5555/sessions/cao-loop-old").mock(
+            return_value=httpx.Response(200, json={"success": True}))
+        orch.remove_sessions_left_in_store("http://127.0.0.1:5555")
+    assert removed.called and orch.sessions_left_in_store == []
+    assert "removed from CAO's store what the killed run's sessions left there: cao-loop-old" in capsys.readouterr().out
