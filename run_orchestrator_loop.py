@@ -575,7 +575,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("OWN_SERVER", "own_server", "auto", "auto_bool",
             "auto: the CAO server at API when API (or CAO_API_PORT) is set or a server answers there, else the "
             "run's own, started for the run and ended with it; 1: always the run's own; 0: never (a CAO server "
-            "must answer at API)"),
+            "must answer at API); the run's first line says which, why, and how to choose the other"),
     Setting("OWN_SERVER_PORT", "own_server_port", 0, "port0",
             "the port of the run's own CAO server on 127.0.0.1 (0: a free one); one another process holds is an "
             "error, never a server found"),
@@ -7654,17 +7654,57 @@ def new_agents_on_own_server() -> None:
         + "; every answered turn is kept, and a new agent gets its whole prompt")
 
 
-def own_server_wanted(plan: StartPlan) -> bool:
-    """OWN_SERVER=1; or with auto, no server named (API, CAO_API_PORT) and either a resumed run that was on its
-    own server or a new run where no server answers at API."""
-    if OWN_SERVER != "auto":
-        return bool(OWN_SERVER)
-    if "API" in explicit_settings:
-        return False
-    if plan.resume:
-        saved = read_state_file()
-        return saved is not None and saved.on_own_server
-    return not server_answers(API)
+@dataclass(frozen=True)
+class ServerChoice:
+    """The CAO server a run uses: the run's own or the one at API, and the line that says which, why, and how to
+    choose the other (the run's first line, and --check's)."""
+
+    own: bool
+    line: str
+
+
+OWN_INSTEAD = "OWN_SERVER=1 runs it on a CAO server of its own instead"
+
+
+def choose_server(setting: str | bool, api_url: str, named_by: str, saved_on_own: bool | None,
+                  answers: Callable[[], bool]) -> ServerChoice:
+    """The server a run uses, from OWN_SERVER (`setting`), the setting that names a server (`named_by`, '' for
+    none), the resumed run's server (`saved_on_own`, None for a new run) and whether one answers at API (asked
+    only where it decides): the specs' default API, http://localhost:9889, is used where a server answers, said."""
+    own = "the run's own CAO server, started for it and ended with it"
+    if setting is True:
+        return ServerChoice(True, f"using {own} (OWN_SERVER=1); OWN_SERVER=auto uses a CAO server you run at API")
+    if setting is False:
+        return ServerChoice(False, f"using the CAO server at {api_url} (OWN_SERVER=0: a server you run); {OWN_INSTEAD}")
+    if named_by:
+        return ServerChoice(False, f"using the CAO server at {api_url}: {named_by} names it; {OWN_INSTEAD}")
+    if saved_on_own is not None:
+        return ServerChoice(saved_on_own, (f"using {own}: the run resumed was on one" if saved_on_own else
+                                           f"using the CAO server at {api_url}: the run resumed has its agents "
+                                           "there") + "; RESUME=0 starts a new run on the server you choose")
+    if answers():
+        return ServerChoice(False, f"using the CAO server at {api_url}, a server you run: one answers there, the "
+                                   f"default address (OWN_SERVER=auto); {OWN_INSTEAD}")
+    return ServerChoice(True, f"using {own}: none answers at {api_url} and neither API nor CAO_API_PORT names one "
+                              "(OWN_SERVER=auto); to use a CAO server you run, set API to its address")
+
+
+def server_named_by() -> str:
+    """The setting that names the CAO server ('' for none): API, the config file's `api`, or CAO's own variables."""
+    if "API" not in explicit_settings:
+        return ""
+    if os.environ.get("API", "").strip():
+        return "API"
+    if config_argument and "API" in read_config_file(config_argument):
+        return f"`api` in {config_argument}"
+    return "CAO_API_PORT"
+
+
+def server_choice(plan: StartPlan) -> ServerChoice:
+    """choose_server() for this run: its settings, the saved run it resumes, a look at API where it decides."""
+    saved = read_state_file() if plan.resume and OWN_SERVER == "auto" else None
+    return choose_server(OWN_SERVER, API, server_named_by(), None if saved is None else saved.on_own_server,
+                         lambda: server_answers(API))
 
 
 def resume_required(saved: SavedState) -> StartPlan:
@@ -8239,14 +8279,15 @@ def cli_program(provider: str, report: dict[str, tuple[str, bool]] | None) -> st
     return agent_cli(provider).program or (report or {}).get(provider, (provider, True))[0]
 
 
-def _probe_script(folder: Path, programs: list[str]) -> Path:
-    """A POSIX sh script that writes what the agent's shell sees to folder/out, then folder/done."""
+def _probe_script(folder: Path, programs: list[str], versions: bool = True) -> Path:
+    """A POSIX sh script that writes what the agent's shell sees to folder/out, then folder/done (each program's
+    version too with `versions`: a CLI's first --version may take a minute)."""
     lines = ["{", 'echo "@@uid $(id -u)"']
     for program in programs:
         quoted = shlex.quote(program)
-        lines += [f'found=$(command -v {quoted} 2>/dev/null)', f'echo "@@program {program} $found"',
-                  f'[ -n "$found" ] && "$found" --version </dev/null 2>/dev/null | head -n 3 '
-                  f'| sed "s/^/@@version {program} /"']
+        lines += [f'found=$(command -v {quoted} 2>/dev/null)', f'echo "@@program {program} $found"']
+        lines += [f'[ -n "$found" ] && "$found" --version </dev/null 2>/dev/null | head -n 3 '
+                  f'| sed "s/^/@@version {program} /"'] if versions else []
     lines += ['echo "@@env"', "env", f"}} > {shlex.quote(str(folder / 'out'))} 2>&1",
               f"touch {shlex.quote(str(folder / 'done'))}"]
     script = folder / "probe.sh"
@@ -8276,7 +8317,7 @@ def _read_probe(text: str) -> AgentsSide:
     return AgentsSide(env, uid, programs)
 
 
-def probe_agents_side(server: LocalServer, programs: list[str]) -> AgentsSide | str:
+def probe_agents_side(server: LocalServer, programs: list[str], versions: bool = True) -> AgentsSide | str:
     """Look from a new window of the agents' tmux server, made as CAO makes an agent's; a str says why not."""
     tmux = ["tmux"]                   # run in cao-server's environment, it finds (or starts) the same server
     name = f"cao-loop-check-{secrets.token_hex(4)}"
@@ -8284,7 +8325,7 @@ def probe_agents_side(server: LocalServer, programs: list[str]) -> AgentsSide | 
                  if key in CAO_PANE_KEYS or key.startswith(("CAO_", "AWS_")) for arg in ("-e", f"{key}={value}")]
     with tempfile.TemporaryDirectory(prefix="cao-loop-check-") as scratch:
         folder = Path(scratch)
-        script = _probe_script(folder, programs)
+        script = _probe_script(folder, programs, versions)
         try:
             made = subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", "220", "-y", "50", "-c", WD,
                                    *passed_on], env=server.env, capture_output=True, text=True, timeout=30)
@@ -8568,7 +8609,9 @@ def preflight_lines() -> list[CheckLine]:
     """Every check after the settings, in the order a run meets what they look at."""
     lines = check_run_state() + check_working_directory()
     with suppress(ConfigError, StateFileError):
-        if own_server_wanted(choose_start()):
+        choice = server_choice(choose_start())
+        lines.append(CheckLine(True, choice.line))
+        if choice.own:
             return lines + check_own_server() + check_token_budget() + check_ntfy()
     lines += check_server()
     if lines[-1].ok is False:
@@ -8579,6 +8622,22 @@ def preflight_lines() -> list[CheckLine]:
         return lines + unknown
     agents, side = check_agents_side(report)
     return lines + unknown + check_profiles(side) + agents + check_token_budget() + check_ntfy()
+
+
+def refuse_what_check_refuses() -> None:
+    """A new run on a CAO server it did not start stops, before a terminal is made, where --check marks that
+    server ✗: the agent profiles not installed, or a CLI its agents' shells do not find (ConfigError, exit 2)."""
+    report = api.provider_report()
+    server = local_server()
+    side = None
+    if server is not None and shutil.which("tmux") is not None:
+        programs = sorted({cli_program(provider, report) for provider in providers_in_use()})
+        probed = probe_agents_side(server, programs, versions=False)
+        side = probed if isinstance(probed, AgentsSide) else None
+    clis = check_clis(side, report) if side is not None and not IGNORE_MISSING_CLI else []
+    refused = [line for line in check_profiles(side) + clis if line.ok is False]
+    if refused:
+        raise ConfigError(f"{refused[0].text} (the CAO server at {API}, as --check says; nothing was started)")
 
 
 def check_mark(ok: bool | None) -> str:
@@ -8639,7 +8698,7 @@ def check_command(args: list[str]) -> int:
 # ==========================================================================
 
 # The settings most runs set; the short --help lists them, --help-settings all of them.
-COMMON_SETTINGS = ("API", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
+COMMON_SETTINGS = ("API", "OWN_SERVER", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
 
 
@@ -8942,8 +9001,7 @@ def help_text() -> str:
         "  --check          all a run needs, checked: no agent started, no token spent",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
-        "  --readme         print the README (the rest of the documentation is in docs/)",
-        "  --version        print the version", "",
+        "  --readme         print the README (the rest of the documentation is in docs/)", "",
         "Settings most runs set (environment variable, default):"]
     for env in COMMON_SETTINGS:
         setting = SETTINGS_BY_ENV[env]
@@ -9184,10 +9242,14 @@ def run_command_line(args: list[str]) -> int:
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
         _install_sigterm(_raise_terminated)   # a SIGTERM from here on still ends what the run started
+        choice = server_choice(plan)
+        log(choice.line)
         end_left_own_server()
-        if own_server_wanted(plan):
+        if choice.own:
             start_own_server()
         connect_api()
+        if not choice.own and not plan.resume:
+            refuse_what_check_refuses()  # before a terminal is made on a server the run did not start
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
         say_tokens_not_counted()

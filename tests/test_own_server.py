@@ -45,25 +45,57 @@ def test_caos_own_port_variable_names_the_server_where_api_is_unset(load_orch, m
         m.configure([])
 
 
-def test_when_the_run_starts_a_server_of_its_own(load_orch, monkeypatch):
+def never_asked() -> bool:
+    raise AssertionError("the server at API was looked at where the settings decide")
+
+
+@pytest.mark.parametrize("setting, named_by, saved_on_own, answers, own, says", [
+    (True, "", None, never_asked, True, "the run's own CAO server, started for it and ended with it (OWN_SERVER=1); "
+                                        "OWN_SERVER=auto uses a CAO server you run at API"),
+    (True, "API", False, never_asked, True, "(OWN_SERVER=1)"),
+    (False, "", None, never_asked, False, "the CAO server at http://localhost:9889 (OWN_SERVER=0: a server you run); "
+                                          "OWN_SERVER=1 runs it on a CAO server of its own instead"),
+    ("auto", "API", None, never_asked, False, "the CAO server at http://localhost:9889: API names it; OWN_SERVER=1 "),
+    ("auto", "CAO_API_PORT", True, never_asked, False, ": CAO_API_PORT names it"),
+    ("auto", "", True, never_asked, True, "the run's own CAO server, started for it and ended with it: the run "
+                                          "resumed was on one; RESUME=0 starts a new run on the server you choose"),
+    ("auto", "", False, never_asked, False, "the CAO server at http://localhost:9889: the run resumed has its "
+                                            "agents there"),
+    ("auto", "", None, lambda: True, False, "the CAO server at http://localhost:9889, a server you run: one answers "
+                                            "there, the default address (OWN_SERVER=auto); OWN_SERVER=1 runs it on "
+                                            "a CAO server of its own instead"),
+    ("auto", "", None, lambda: False, True, "the run's own CAO server, started for it and ended with it: none "
+                                            "answers at http://localhost:9889 and neither API nor CAO_API_PORT names "
+                                            "one (OWN_SERVER=auto); to use a CAO server you run, set API to its "
+                                            "address"),
+])
+def test_which_server_a_run_uses_and_the_line_that_says_why(orch, setting, named_by, saved_on_own, answers, own,
+                                                            says):
+    """The decision alone, as a table: nothing of the machine is looked at (what answers on 9889 is an input)."""
+    choice = orch.choose_server(setting, "http://localhost:9889", named_by, saved_on_own, answers)
+    assert choice.own is own and choice.line.startswith("using ") and says in choice.line
+
+
+def test_the_run_names_what_names_its_server_and_looks_at_api_only_where_nothing_does(load_orch, monkeypatch,
+                                                                                     tmp_path):
     m = load_orch(API=None)
-    new_run, resumed = m.StartPlan(False), m.StartPlan(True)
-    monkeypatch.setattr(m, "server_answers", lambda url: False)
-    assert m.own_server_wanted(new_run)                           # nothing named, nothing answering
-    monkeypatch.setattr(m, "server_answers", lambda url: True)
-    assert not m.own_server_wanted(new_run)                       # a server answers at API: the user's
-    monkeypatch.setattr(m, "read_state_file", lambda: m.SavedState(on_own_server=True))
-    assert m.own_server_wanted(resumed)                           # a run that was on its own goes on on one
+    m.configure([])
+    looked = []
+    monkeypatch.setattr(m, "server_answers", lambda url: looked.append(url) or False)
+    assert m.server_choice(m.StartPlan(False)).own and looked == ["http://localhost:9889"]
     monkeypatch.setattr(m, "read_state_file", lambda: m.SavedState(on_own_server=False))
-    assert not m.own_server_wanted(resumed)
-    m.explicit_settings.add("API")
-    assert not m.own_server_wanted(new_run)
-    m.OWN_SERVER = True
-    assert m.own_server_wanted(new_run)
-    m.OWN_SERVER = False
-    monkeypatch.setattr(m, "server_answers", lambda url: False)
-    m.explicit_settings.discard("API")
-    assert not m.own_server_wanted(new_run)
+    assert not m.server_choice(m.StartPlan(True)).own and len(looked) == 1     # the resumed run's kind
+    monkeypatch.setenv("CAO_API_PORT", "9890")
+    m.configure([])
+    assert ": CAO_API_PORT names it" in m.server_choice(m.StartPlan(False)).line
+    config = tmp_path / "config.json"
+    config.write_text('{"api": "http://cao.test"}', encoding="utf-8")
+    monkeypatch.delenv("CAO_API_PORT")
+    m.configure([str(config)])
+    assert f": `api` in {config} names it" in m.server_choice(m.StartPlan(False)).line
+    monkeypatch.setenv("API", "http://cao.test")
+    m.configure([])
+    assert ": API names it" in m.server_choice(m.StartPlan(False)).line and len(looked) == 1
 
 
 def test_a_refused_connection_is_no_server_and_any_answer_is_one(orch):
@@ -359,3 +391,35 @@ def test_a_killed_runs_sessions_whose_server_died_are_removed_through_the_next_o
         orch.remove_sessions_left_in_store("http://127.0.0.1:5555")
     assert removed.called and orch.sessions_left_in_store == []
     assert "removed from CAO's store what the killed run's sessions left there: cao-loop-old" in capsys.readouterr().out
+
+
+def test_a_new_run_stops_before_a_terminal_where_check_marks_the_server_s_profiles_missing(
+        load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli")           # API names the fake CAO
+    fake_cao.missing_profiles = {"tester"}
+    assert run_main(m) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].endswith("using the CAO server at http://cao.test: API names it; OWN_SERVER=1 runs it "
+                                        "on a CAO server of its own instead")
+    assert err.strip().splitlines()[-1] == (
+        "error: agent profiles not installed for their provider: tester (mock_cli); install them from a checkout of "
+        "this project: cao install profiles/tester.md --provider mock_cli (the CAO server at http://cao.test, as "
+        "--check says; nothing was started)")
+    assert fake_cao.terminals == {} and not Path(m.STATE_FILE).exists()
+
+
+def test_a_new_run_stops_before_a_terminal_where_the_agents_shells_do_not_find_its_cli(
+        load_orch, fake_cao, prompt_file, monkeypatch, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli", **FAST)
+    probed = []
+    monkeypatch.setattr(m, "local_server", lambda: m.LocalServer(1, os.getuid(), {}))
+    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs, versions=True: probed.append(versions) or
+                        m.AgentsSide({"HOME": "/nonexistent"}, os.getuid(), {"mock_cli": ("", "")}))
+    assert run_main(m) == 2
+    assert "error: mock_cli (" in capsys.readouterr().err and fake_cao.terminals == {}
+    assert probed == [False]                                      # found or not: no CLI's --version in a run
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli", IGNORE_MISSING_CLI="1", RESUME="0", **FAST)
+    monkeypatch.setattr(m, "local_server", lambda: m.LocalServer(1, os.getuid(), {}))
+    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs, versions=True:
+                        m.AgentsSide({"HOME": "/nonexistent"}, os.getuid(), {"mock_cli": ("", "")}))
+    assert run_main(m) == 0 and len(fake_cao.terminals) == 5    # the user says its agents' shells have it
