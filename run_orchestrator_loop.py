@@ -8627,10 +8627,11 @@ def preflight_lines() -> list[CheckLine]:
 def refuse_what_check_refuses() -> None:
     """A new run on a CAO server it did not start stops, before a terminal is made, where --check marks that
     server ✗: the agent profiles not installed, or a CLI its agents' shells do not find (ConfigError, exit 2)."""
-    report = api.provider_report()
+    api.check_health()                   # a server that is not there stops the run at its first request
     server = local_server()
-    side = None
+    side, report = None, None
     if server is not None and shutil.which("tmux") is not None:
+        report = api.provider_report()
         programs = sorted({cli_program(provider, report) for provider in providers_in_use()})
         probed = probe_agents_side(server, programs, versions=False)
         side = probed if isinstance(probed, AgentsSide) else None

@@ -14,13 +14,16 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from .cao_env import ensure_cao
@@ -260,3 +263,50 @@ def test_a_killed_run_whose_server_died_with_it_has_its_session_removed_through_
     store = run.store()
     assert store["fifos"] == [] and "rows of terminals" not in store, store
     assert not run.left_running()
+
+
+def test_a_run_on_a_server_of_the_users_that_cannot_work_there_stops_before_a_terminal_as_check_says(tmp_path):
+    """A cao-server of another HOME, named by API: first without the agent profiles, then with them but without
+    mock_cli where its agents' login shells look. Each time the run says which server it uses and why, stops
+    before it creates a terminal with --check's line and exit 2, and the server gets no POST /sessions."""
+    from .test_check_e2e import NewcomersMachine
+
+    root = Path(tempfile.mkdtemp(prefix="usr-", dir="/tmp"))      # short: the tmux socket path has a limit
+    machine = NewcomersMachine(root)
+    server_log = root / "cao-server.log"
+    try:
+        with open(server_log, "wb") as output:
+            machine.server = subprocess.Popen([str(machine.cao_bin / "cao-server"), "--host", "127.0.0.1", "--port",
+                                               str(machine.port)], env=machine.env(), cwd=root, stdout=output,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while b"Uvicorn running" not in server_log.read_bytes():
+            assert machine.server.poll() is None and time.monotonic() < deadline, server_log.read_text()
+            time.sleep(0.3)
+        env = {k: v for k, v in os.environ.items() if k not in LOOP_SETTINGS and not k.startswith(("CAO_", "TMUX"))}
+        env.update(API=machine.api, PROVIDER="mock_cli", PROMPT_FILE="task.md", WD=str(machine.work),
+                   HOME=str(machine.home))
+        said = []
+        for fix in ("cao install profiles/", "is not on the PATH of the agents' shells"):
+            result = subprocess.run([sys.executable, str(SCRIPT)], cwd=machine.work, env=env, capture_output=True,
+                                    text=True, timeout=180)
+            check = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=machine.work, env=env,
+                                   capture_output=True, text=True, timeout=180)
+            assert result.returncode == 2 and check.returncode == 1, explain(result) + check.stdout
+            assert result.stdout.splitlines()[0].endswith(
+                f"using the CAO server at {machine.api}: API names it; OWN_SERVER=1 runs it on a CAO server of its "
+                "own instead"), explain(result)
+            last = result.stderr.strip().splitlines()[-1]
+            assert fix in last and last.endswith(f"(the CAO server at {machine.api}, as --check says; nothing was "
+                                                 "started)"), explain(result)
+            refused = last[len("error: "):last.index(" (the CAO server at")]
+            assert f"✗ {refused}" in check.stdout, check.stdout             # --check and the run agree
+            said.append(last)
+            machine.install_profiles("mock_cli")                            # the first fix; mock_cli stays off
+        assert "mock_cli" in said[1] and not (machine.work / ".tmp" / "orchestrator-loop-state.json").exists()
+        logged = server_log.read_text(encoding="utf-8", errors="replace")
+        assert "GET /agents/profiles/" in logged and "POST /sessions" not in logged       # its requests are logged
+        assert httpx.get(f"{machine.api}/sessions", timeout=10).json() == []
+    finally:
+        machine.stop_server()
+        shutil.rmtree(root, ignore_errors=True)
