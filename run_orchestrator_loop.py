@@ -101,6 +101,11 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import httpx
 
+try:
+    import tomllib                      # Python 3.11+: Codex's config.toml read whole (--check's sign-in)
+except ModuleNotFoundError:             # Python 3.10: what needs it says it cannot tell
+    tomllib = None
+
 
 # --------------------------------------------------------------------------
 # Exits and logging. A deliberate stop carries its exit code and one line; it derives from SystemExit, so
@@ -293,9 +298,9 @@ class Trap:
     ✓ and on ✗ ({file}, {project} and {tmux} name the file looked at, the project folder, the agents' tmux)."""
 
     found: str                        # told on ✓
-    fix: str                          # told on ✗
-    env: str = ""                     # a variable that must be set in the agents' environment
-    env_value: str = ""               # ... to this value, which a CAO server the run starts itself sets
+    fix: str                          # told on ✗ ({seen}: the variable as the agents have it, or that they lack it)
+    env: str = ""                     # a variable that must be set in the agents' environment ...
+    env_value: str = ""               # ... to exactly this value, which a CAO server the run starts itself sets
     root_only: bool = False           # a trap only where the agents run as root
     file: str = ""                    # else a file under the agents' home ...
     folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set
@@ -303,6 +308,35 @@ class Trap:
     #                                   project folder (git's top, else WD) or one above it
     json_key: str = ""                # or a key its JSON object must have set ...
     json_holds: str = ""              # ... to a list that holds this
+
+
+@dataclass(frozen=True)
+class Credential:
+    """One way a CLI can be signed in, as its row's `SignIn` lists them: looked for by sign_in_lines() (section
+    16) in the agents' environment and home, without a token spent. Its name is told on ✓ ({file}: the file
+    looked at, {variable}: the variable found; never a secret's value)."""
+
+    name: str
+    env: tuple[str, ...] = ()         # one of these variables set (not empty) in the agents' environment, or in
+    #                                   the "env" of one of the CLI's settings files (`SignIn.settings_env`) ...
+    settings_only: bool = False       # ... only there (CAO clears it from the agents' environment at start)
+    file: str = ""                    # else a file under the agents' home ({project}/...: under the project) ...
+    folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set,
+    json_key: str = ""                # whose JSON object has this key set (a.b: key b of key a) ...
+    pattern: str = ""                 # ... or whose text matches this regex (multi-line)
+    reader: str = ""                  # else a reader in SIGN_IN_READERS (section 16): what needs more than a look
+    unsure: bool = False              # found, yet whether it works cannot be told from here: a "cannot say" line
+    not_enough: str = ""              # found, yet it signs nothing in by itself: why, and what to do (told on ✗)
+
+
+@dataclass(frozen=True)
+class SignIn:
+    """How a CLI is signed in: the forms it accepts (the first found is named), and the fix when none is."""
+
+    login: str                        # its own login command
+    instead: str                      # the variable that also works, as the fix's second half ("or ...")
+    forms: tuple[Credential, ...]
+    settings_env: tuple[str, ...] = ()  # its settings files whose "env" object sets variables for it
 
 
 @dataclass(frozen=True)
@@ -347,6 +381,7 @@ class AgentCli:
     #                                             (9 turns), in round 2 (14); measured by bench/bench_run_tokens.py
     program: str = ""                           # the program CAO starts ('': the one CAO names)
     traps: tuple[Trap, ...] = ()                # its set-up traps, looked for by --check (section 16)
+    sign_in: SignIn | None = None               # how it is signed in, looked for by --check (None: not known)
     profile_file: str = ""                      # its own copy of an installed profile, under the agents' home
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
@@ -360,6 +395,73 @@ class AgentCli:
 # An account's usage limit, as Codex and Claude Code say it (their words and reset forms: docs/state-and-resume.md).
 HIT_YOUR_LIMIT = r"You(?:'|’|\u2019)ve hit your (?P<what>[\w -]{0,40}?limit)\b(?P<rest>.{0,200})"
 CODEX_CONFIG = dict(file=".codex/config.toml", folder_env="CODEX_HOME")
+
+# -- How each CLI is signed in: the forms its own code accepts (docs/agent-clis.md#signed-in) -----------------
+# Claude Code 2.1: CAO's launch line clears every CLAUDE* variable but the CLAUDE_CODE_USE_* switches, so a
+# CLAUDE_CODE_OAUTH_TOKEN (or CLAUDE_CONFIG_DIR) of the agents' environment never reaches it; its settings'
+# "env" does. A key in ANTHROPIC_API_KEY is used only once approved: until then it asks at each start.
+CLAUDE_SETTINGS = (".claude/settings.json", "{project}/.claude/settings.json", "{project}/.claude/settings.local.json")
+CLAUDE_SIGN_IN = SignIn(
+    "`claude`, then /login (or `claude setup-token`)", "or set ANTHROPIC_API_KEY for the agents",
+    (Credential("ANTHROPIC_AUTH_TOKEN", env=("ANTHROPIC_AUTH_TOKEN",)),
+     Credential("ANTHROPIC_API_KEY", env=("ANTHROPIC_API_KEY",), reader="claude api key"),
+     Credential("CLAUDE_CODE_OAUTH_TOKEN in its settings", env=("CLAUDE_CODE_OAUTH_TOKEN",), settings_only=True),
+     *(Credential("apiKeyHelper in {file}", file=name, json_key="apiKeyHelper") for name in CLAUDE_SETTINGS),
+     Credential("its login, {file}", file=".claude/.credentials.json", json_key="claudeAiOauth.accessToken"),
+     Credential("the API key of its login, {file}", file=".claude.json", json_key="primaryApiKey"),
+     *(Credential(f"{switch} set: it signs in with {cloud}'s credentials, which --check does not look into",
+                  env=(switch,), unsure=True)
+       for switch, cloud in (("CLAUDE_CODE_USE_BEDROCK", "Amazon Bedrock"),
+                             ("CLAUDE_CODE_USE_VERTEX", "Google Vertex AI"),
+                             ("CLAUDE_CODE_USE_FOUNDRY", "Microsoft Foundry"))),
+     Credential("CLAUDE_CODE_OAUTH_TOKEN", env=("CLAUDE_CODE_OAUTH_TOKEN",),
+                not_enough="CAO clears CLAUDE_CODE_OAUTH_TOKEN before it starts Claude Code: put it under \"env\" "
+                           "in ~/.claude/settings.json instead")),
+    settings_env=CLAUDE_SETTINGS)
+# Codex 0.169: its login (auth.json) or a model provider of its config; OPENAI_API_KEY alone shows its login screen.
+CODEX_SIGN_IN = SignIn(
+    "`codex login`", "or give it an API key: `printenv OPENAI_API_KEY | codex login --with-api-key`",
+    (Credential("its model provider", reader="codex model provider", **CODEX_CONFIG),
+     Credential("its login, {file}", file=".codex/auth.json", folder_env="CODEX_HOME",
+                pattern=r'"OPENAI_API_KEY"\s*:\s*"[^"\s]|"tokens"\s*:\s*\{'),
+     Credential("OPENAI_API_KEY", env=("OPENAI_API_KEY",),
+                not_enough="Codex does not sign in with OPENAI_API_KEY alone (it shows its login screen): "
+                           "`printenv OPENAI_API_KEY | codex login --with-api-key` saves it")))
+# OpenCode: a key in its config (CAO's, ~/.aws/opencode/opencode.json) or its login for the model's provider; a
+# provider's own variable is named in its catalogue (models.dev), which the loop does not hold.
+OPENCODE_SIGN_IN = SignIn(
+    "`opencode auth login`", "or set the provider's own key variable (e.g. ANTHROPIC_API_KEY) for the agents",
+    (Credential("the key of its model's provider", reader="opencode provider", file=".aws/opencode/opencode.json"),))
+# Copilot CLI: its own model provider (BYOK) needs no GitHub sign-in; else a token variable, its /login (the
+# token in the system keychain, or in config.json), or GitHub CLI's login as the last resort.
+COPILOT_SIGN_IN = SignIn(
+    "`copilot`, then /login", "or set COPILOT_GITHUB_TOKEN (a token with Copilot access) for the agents",
+    (Credential("its own model provider, COPILOT_PROVIDER_BASE_URL (no GitHub sign-in needed)",
+                env=("COPILOT_PROVIDER_BASE_URL",)),
+     Credential("{variable}", env=("COPILOT_GITHUB_TOKEN", "GH_TOKEN", "GITHUB_TOKEN")),
+     *(Credential("its /login, {file}", file=".copilot/config.json", json_key=key)
+       for key in ("logged_in_users", "loggedInUsers")),
+     Credential("it would fall back to GitHub CLI's login ({file}), which --check does not look into",
+                file=".config/gh/hosts.yml", folder_env="GH_CONFIG_DIR", pattern=r"\S", unsure=True)))
+# Hermes Agent 0.19: a provider's key in the environment or its .env, a provider in config.yaml, or its login.
+HERMES_KEY_VARIABLES = (
+    "OPENROUTER_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "ANTHROPIC_TOKEN", "OPENAI_BASE_URL",
+    "ALIBABA_CODING_PLAN_API_KEY", "ARCEEAI_API_KEY", "AZURE_FOUNDRY_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN",
+    "COPILOT_GITHUB_TOKEN", "DASHSCOPE_API_KEY", "DEEPINFRA_API_KEY", "DEEPSEEK_API_KEY", "FIREWORKS_API_KEY",
+    "GEMINI_API_KEY", "GH_TOKEN", "GITHUB_TOKEN", "GLM_API_KEY", "GMI_API_KEY", "GOOGLE_API_KEY", "HF_TOKEN",
+    "KILOCODE_API_KEY", "KIMI_API_KEY", "KIMI_CN_API_KEY", "KIMI_CODING_API_KEY", "LM_API_KEY", "MINIMAX_API_KEY",
+    "MINIMAX_CN_API_KEY", "NOVITA_API_KEY", "NVIDIA_API_KEY", "OLLAMA_API_KEY", "OPENCODE_GO_API_KEY",
+    "OPENCODE_ZEN_API_KEY", "STEPFUN_API_KEY", "TOKENHUB_API_KEY", "UPSTAGE_API_KEY", "XAI_API_KEY",
+    "XIAOMI_API_KEY", "ZAI_API_KEY", "Z_AI_API_KEY")
+HERMES_SIGN_IN = SignIn(
+    "`hermes setup`", "or set OPENROUTER_API_KEY (or another provider's key) for the agents",
+    (Credential("{variable}", env=HERMES_KEY_VARIABLES),
+     Credential("a provider's key in {file}", file=".hermes/.env", folder_env="HERMES_HOME",
+                pattern=rf"^[ \t]*(?:export[ \t]+)?(?:{'|'.join(HERMES_KEY_VARIABLES)})[ \t]*=[ \t]*['\"]?[^\s'\"#]"),
+     Credential("its model provider in {file}", file=".hermes/config.yaml", folder_env="HERMES_HOME",
+                pattern=r"^model:[ \t]*\n(?:[ \t]+[^\n]*\n)*?[ \t]+(?:provider|base_url|api_key):[ \t]*['\"]?[^\s'\"#]"
+                        r'|"model"\s*:\s*\{[^}]*"(?:provider|base_url|api_key)"\s*:\s*"[^"]'),
+     Credential("its login, {file}", file=".hermes/auth.json", folder_env="HERMES_HOME", json_key="active_provider")))
 
 AGENT_CLIS: dict[str, AgentCli] = {
     # Claude Code: CAO's status holds; it asks at its usage limit what to do.
@@ -380,9 +482,11 @@ AGENT_CLIS: dict[str, AgentCli] = {
                    "otherwise refuses --dangerously-skip-permissions)",
         proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
         traps=(Trap("Claude Code: IS_SANDBOX=1 set for root",
-                    "Claude Code as root: its agents' environment has no IS_SANDBOX=1, so it refuses the mode CAO "
-                    "starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its tmux server with it: stop "
-                    "a running one first)", env="IS_SANDBOX", env_value="1", root_only=True),)),
+                    "Claude Code as root: its agents' environment has {seen}, and Claude Code takes only IS_SANDBOX=1, "
+                    "so it refuses the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
+                    "tmux server with it: stop a running one first)", env="IS_SANDBOX", env_value="1",
+                    root_only=True),),
+        sign_in=CLAUDE_SIGN_IN),
     # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
         "Codex", ready_status_trusted=False,
@@ -407,6 +511,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     pattern=r"^\[notice\][ \t]*\n(?:(?!\s*\[)[^\n]*\n)*?[ \t]*hide_rate_limit_model_nudge[ \t]*="
                             r"[ \t]*true\b|^[ \t]*notice\.hide_rate_limit_model_nudge[ \t]*=[ \t]*true\b",
                     **CODEX_CONFIG)),
+        sign_in=CODEX_SIGN_IN,
         turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle")),
     # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
@@ -419,7 +524,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "OpenCode: no model in {file} (CAO starts it with that file): add a provider entry and a "
                     "top-level \"model\": \"<provider>/<model>\" (docs/agent-clis.md)",
                     file=".aws/opencode/opencode.json", json_key="model"),),
-        profile_file=".aws/opencode/agents/{name}.md"),
+        sign_in=OPENCODE_SIGN_IN, profile_file=".aws/opencode/agents/{name}.md"),
     # Copilot CLI: CAO read a ready status while it was still at work; its spinner turns four times a second.
     "copilot_cli": AgentCli(
         "GitHub Copilot CLI", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
@@ -428,7 +533,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "Copilot CLI would connect to CAO's MCP server, which it rejects (CAO then reports its terminal "
                     "in error): put {\"disabledMcpServers\": [\"cao-mcp-server\"]} in {file}",
                     file=".copilot/settings.json", json_key="disabledMcpServers", json_holds="cao-mcp-server"),),
-        profile_file=".copilot/agents/{name}.agent.md", run_tokens=(338_995, 537_724)),
+        profile_file=".copilot/agents/{name}.agent.md", run_tokens=(338_995, 537_724), sign_in=COPILOT_SIGN_IN),
     # Hermes Agent: the same; its status bar's timers change twice a second while it works. CAO can time out a
     # start whose CLI came up (a late redraw hides the idle prompt): a second start seldom meets the same moment.
     "hermes": AgentCli(
@@ -436,9 +541,10 @@ AGENT_CLIS: dict[str, AgentCli] = {
         records="hermes state.db", proven="0.19.0", program="hermes", run_tokens=(287_911, 455_907),
         cao_name="Hermes", start_tries=2,
         traps=(Trap("Hermes: PROMPT_TOOLKIT_NO_CPR set in its agents' environment",
-                    "Hermes: PROMPT_TOOLKIT_NO_CPR is not in the agents' environment (a start-up then hangs now and "
-                    "then): `{tmux} set-environment -g PROMPT_TOOLKIT_NO_CPR 1`, or export it before starting "
-                    "cao-server", env="PROMPT_TOOLKIT_NO_CPR", env_value="1"),)),
+                    "Hermes: the agents' environment has {seen}, and its screen library takes only "
+                    "PROMPT_TOOLKIT_NO_CPR=1 (a start-up then hangs now and then): `{tmux} set-environment -g "
+                    "PROMPT_TOOLKIT_NO_CPR 1`, or export it before starting cao-server", env="PROMPT_TOOLKIT_NO_CPR",
+                    env_value="1"),), sign_in=HERMES_SIGN_IN),
     # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
     "kiro_cli": AgentCli("Kiro CLI"),
@@ -1832,11 +1938,23 @@ def own_server_env(own: OwnServer) -> dict[str, str]:
     path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
     env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
                CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
-    for provider in providers_in_use():
-        for trap in agent_cli(provider).traps:
-            if trap.env_value and (not trap.root_only or os.geteuid() == 0):
-                env.setdefault(trap.env, trap.env_value)
+    env.update(own_server_needs())
     return env
+
+
+def own_server_needs() -> dict[str, str]:
+    """The variables the CLIs in use need, at the values their rows' traps declare (`env_value`): set for the
+    own server's agents whatever this environment holds (a CLI takes only its value: IS_SANDBOX=1, not yes)."""
+    return {trap.env: trap.env_value for provider in providers_in_use() for trap in agent_cli(provider).traps
+            if trap.env_value and (not trap.root_only or os.geteuid() == 0)}
+
+
+def own_server_overrides() -> str:
+    """What the own server sets in place of another value of this environment, said in one line ('': nothing)."""
+    replaced = [f"{name}={value} in place of {name}={os.environ[name]}" for name, value in own_server_needs().items()
+                if os.environ.get(name) not in (None, value)]
+    return ("the agents get " + ", ".join(replaced) + " from this environment: the CLIs take only those values"
+            if replaced else "")
 
 
 def own_server_missing() -> str:
@@ -1983,6 +2101,8 @@ def start_own_server() -> None:
     connect_api()
     log(f"CAO server: the run's own, {own_server.url} (cao-server's log: {own_server.log_file}); its agents run in "
         f"a tmux server of their own ({own_server.tmux_socket}); both end with the run")
+    if own_server_overrides():
+        log(own_server_overrides())
     install_own_profiles(own_server)
     remove_sessions_left_in_store(own_server.url)
 
@@ -4247,9 +4367,11 @@ CODEX_DEFAULT_WINDOW = 272_000
 
 
 def _json_file(path: Path) -> dict:
-    """A settings file's JSON object ({} when it is missing or not an object)."""
+    """A settings file's JSON object ({} when it is missing or not an object); whole-line // comments, which
+    some CLIs write (Copilot's config.json), are passed over."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(re.sub(r"(?m)^[ \t]*//.*$", "", text) if "//" in text else text)
     except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -8444,9 +8566,10 @@ def trap_project() -> Path:
 
 
 def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
-    """Whether the agents' side holds what the trap asks for: its variable set, or its file saying it."""
+    """Whether the agents' side holds what the trap asks for: its variable at its value (set, where the trap
+    names none), or its file saying it."""
     if trap.env:
-        return bool(side.env.get(trap.env))
+        return side.env.get(trap.env) == trap.env_value if trap.env_value else bool(side.env.get(trap.env))
     if trap.json_key:
         value = _json_file(trap_file(trap, side)).get(trap.json_key)
         return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
@@ -8474,6 +8597,9 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
         text = text.replace("{file}", str(trap_file(trap, side)))
     if "{tmux}" in text:
         text = text.replace("{tmux}", tmux_hint("").rstrip())
+    if "{seen}" in text:
+        seen = side.env.get(trap.env)
+        text = text.replace("{seen}", f"{trap.env}={seen}" if seen else f"no {trap.env}")
     return CheckLine(ok, text)
 
 
@@ -8481,6 +8607,175 @@ def check_traps(side: AgentsSide) -> list[CheckLine]:
     """Each CLI's known traps, as its row declares them."""
     return [check_trap(agent_cli(provider), trap, side) for provider in providers_in_use()
             for trap in agent_cli(provider).traps]
+
+
+# -- Signed in: each CLI's forms of credential (its row's `SignIn`), looked for without a token spent ----------
+
+
+def credential_file(form: Credential, side: AgentsSide) -> Path:
+    """The file a form of sign-in is in: under the project, under the agents' home, or in its variable's folder."""
+    if form.file.startswith("{project}/"):
+        return trap_project() / form.file.removeprefix("{project}/")
+    if form.folder_env and side.env.get(form.folder_env):
+        return Path(side.env[form.folder_env]) / Path(form.file).name
+    return side.home(form.file)
+
+
+def sign_in_env(cli: AgentCli, side: AgentsSide) -> tuple[dict[str, str], dict[str, str]]:
+    """The variables the CLI will have: the agents' environment's, and those its settings files set ("env")."""
+    settings: dict[str, str] = {}
+    for name in cli.sign_in.settings_env if cli.sign_in else ():
+        values = _json_file(credential_file(Credential("", file=name), side)).get("env")
+        settings.update({str(k): str(v) for k, v in values.items() if v} if isinstance(values, dict) else {})
+    return {k: v for k, v in side.env.items() if v}, settings
+
+
+def _json_path(data: object, dotted: str) -> object:
+    for key in dotted.split("."):
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple[bool, str]:
+    """Whether a form of sign-in is there, and what it is called ({file} and {variable} filled in)."""
+    agents, settings = sign_in_env(cli, side)
+    where = settings if form.settings_only else {**agents, **settings}
+    variable = next((name for name in form.env if where.get(name)), "")
+    if form.env:
+        return bool(variable), form.name.replace("{variable}", variable or " or ".join(form.env[:3]))
+    path = credential_file(form, side)
+    named = form.name.replace("{file}", str(path))
+    if form.json_key:
+        return bool(_json_path(_json_file(path), form.json_key)), named
+    try:
+        return bool(re.search(form.pattern, path.read_text(encoding="utf-8", errors="replace"), re.MULTILINE)), named
+    except OSError:
+        return False, named
+
+
+def claude_api_key(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
+    """ANTHROPIC_API_KEY: Claude Code uses it once approved in ~/.claude.json (its last 20 characters); a key it
+    has not been asked about it asks about at each start, a question CAO does not answer (its default: No)."""
+    agents, settings = sign_in_env(cli, side)
+    key = {**agents, **settings}.get("ANTHROPIC_API_KEY", "")
+    if not key:
+        return None
+    config = side.home(".claude.json")
+    answers = _json_file(config).get("customApiKeyResponses")
+    answers = answers if isinstance(answers, dict) else {}
+    if key[-20:] in (answers.get("approved") or []):
+        return CheckLine(True, f"{cli.label}: signed in (ANTHROPIC_API_KEY, approved in {config})")
+    if key[-20:] in (answers.get("rejected") or []):
+        return CheckLine(False, f"{cli.label}: ANTHROPIC_API_KEY is set, but it was told not to use that key "
+                                f"(customApiKeyResponses.rejected in {config}): start `claude` once as the user the "
+                                "agents run as and turn \"Use custom API key\" on in /config")
+    return CheckLine(False, f"{cli.label}: ANTHROPIC_API_KEY is set, but Claude Code asks at each start whether to "
+                            "use it (its default answer is No, and CAO does not answer it): start `claude` once as the "
+                            "user the agents run as and answer Yes (or add the key's last 20 characters to "
+                            f"customApiKeyResponses.approved in {config})")
+
+
+CODEX_LOCAL_PROVIDERS = ("ollama", "lmstudio")     # its built-in providers that need no sign-in
+
+
+def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
+    """A model provider Codex's config.toml chooses: signed in by its env_key's variable (None: its login decides,
+    as for OpenAI's own)."""
+    path = credential_file(form, side)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    if tomllib is None:
+        return CheckLine(None, f"{cli.label}: cannot say whether its model provider in {path} is signed in (Python "
+                               "3.11 or newer reads it)") if re.search(r"(?m)^\s*model_provider\s*=", text) else None
+    try:
+        config = tomllib.loads(text)
+    except ValueError as exc:
+        return CheckLine(None, f"{cli.label}: cannot say whether it is signed in: {path} is not TOML ({exc})")
+    name = config.get("model_provider")
+    providers = config.get("model_providers") if isinstance(config.get("model_providers"), dict) else {}
+    provider = providers.get(name)
+    if not isinstance(name, str) or name == "openai" or (isinstance(provider, dict)
+                                                          and provider.get("requires_openai_auth")):
+        return None                                # its login decides
+    if not isinstance(provider, dict):
+        return (CheckLine(True, f"{cli.label}: signed in (its model provider {name}, a local one)")
+                if name in CODEX_LOCAL_PROVIDERS else
+                CheckLine(None, f"{cli.label}: cannot say whether its model provider {name} is signed in (it is "
+                                f"not defined in {path})"))
+    key = provider.get("env_key")
+    if not key:
+        return CheckLine(None, f"{cli.label}: cannot say whether its model provider {name} needs a key ({path} "
+                               "names no env_key)")
+    if side.env.get(str(key)):
+        return CheckLine(True, f"{cli.label}: signed in (its model provider {name}, its key in {key})")
+    return CheckLine(False, f"{cli.label}: its model provider {name} ({path}) reads its key from {key}, which the "
+                            f"agents' environment lacks: set {key} where cao-server starts (for the run's own server, "
+                            "in the loop's environment)")
+
+
+def opencode_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
+    """The provider of OpenCode's model: a key in its config, or its login for that provider (auth.json in its
+    data folder); its catalogue's variables the loop does not know, so anything else is a "cannot say"."""
+    path = credential_file(form, side)
+    config = _json_file(path)
+    model = config.get("model")
+    if not isinstance(model, str) or "/" not in model:
+        return CheckLine(None, f"{cli.label}: cannot say whether it is signed in: no model in {path}")
+    provider = model.split("/", 1)[0]
+    if _json_path(config, f"provider.{provider}.options.apiKey"):
+        return CheckLine(True, f"{cli.label}: signed in (the apiKey of provider {provider} in {path})")
+    data = Path(side.env["XDG_DATA_HOME"]) if side.env.get("XDG_DATA_HOME") else side.home(".local", "share")
+    logins = data / "opencode" / "auth.json"
+    if isinstance(_json_file(logins).get(provider), dict):
+        return CheckLine(True, f"{cli.label}: signed in (its login for {provider}, {logins})")
+    return CheckLine(None, f"{cli.label}: cannot say whether provider {provider} is signed in: no login for it in "
+                           f"{logins} and no apiKey in {path}; it may take a variable of its own or need none (a local "
+                           f"endpoint); {cli.sign_in.login if cli.sign_in else 'its login'} signs it in")
+
+
+# a form of sign-in that needs more than a look (its row's Credential.reader) -> its reader
+SIGN_IN_READERS: dict[str, Callable[[AgentCli, Credential, AgentsSide], CheckLine | None]] = {
+    "claude api key": claude_api_key, "codex model provider": codex_model_provider,
+    "opencode provider": opencode_provider}
+
+
+def form_said(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | str | None:
+    """What one form of sign-in says: its line where it is there (a reader's, ✓, or – where the loop cannot tell),
+    why a form that is there does not do (a str), or None where it is not there."""
+    if form.reader:
+        return SIGN_IN_READERS[form.reader](cli, form, side)
+    found, name = credential_found(cli, form, side)
+    if not found:
+        return None
+    if form.not_enough:
+        return f"{name} is set, but {form.not_enough}"
+    return (CheckLine(None, f"{cli.label}: cannot say whether it is signed in: {name}") if form.unsure
+            else CheckLine(True, f"{cli.label}: signed in ({name})"))
+
+
+def sign_in_lines(cli: AgentCli, side: AgentsSide) -> list[CheckLine]:
+    """Whether the CLI is signed in where its agents run, as its row's SignIn declares ([] where it declares
+    none): ✗ for a form found that will not work or for none found (the CLI's login and the variable that also
+    works), else ✓ naming the first found, else – where the loop cannot tell. Callable outside --check."""
+    if cli.sign_in is None:
+        return []
+    said = [form_said(cli, form, side) for form in cli.sign_in.forms]
+    ranked = sorted((line for line in said if isinstance(line, CheckLine)),
+                    key=lambda line: (False, True, None).index(line.ok))
+    if ranked:
+        return ranked[:1]
+    looked = [credential_found(cli, form, side)[1] for form in cli.sign_in.forms
+              if (form.file or form.env) and not (form.unsure or form.not_enough)]
+    notes = "".join(f"; {note}" for note in said if isinstance(note, str))
+    return [CheckLine(False, f"{cli.label}: not signed in where its agents run (none of: {'; '.join(looked)}){notes}: "
+                             f"run {cli.sign_in.login} as the user the agents run as, {cli.sign_in.instead}")]
+
+
+def check_sign_ins(side: AgentsSide) -> list[CheckLine]:
+    """Each CLI in use signed in, as its row declares its forms of credential."""
+    return [line for provider in dict.fromkeys(providers_in_use()) for line in sign_in_lines(agent_cli(provider), side)]
 
 
 def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[CheckLine], AgentsSide | None]:
@@ -8497,7 +8792,7 @@ def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[
     side = probe_agents_side(server, programs)
     if isinstance(side, str):
         return [CheckLine(False, f"the agents' tmux server ({server.tmux_socket}): {side}")], None
-    return check_clis(side, report) + check_traps(side), side
+    return check_clis(side, report) + check_traps(side) + check_sign_ins(side), side
 
 
 def check_working_directory() -> list[CheckLine]:
@@ -8602,7 +8897,8 @@ def check_own_server() -> list[CheckLine]:
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
                                "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
                                                                          "CAO's store where it lacks them")
-    return lines + [profiles] + check_clis(side, None) + check_traps(side)
+    overrides = [CheckLine(True, f"the run's own server: {own_server_overrides()}")] if own_server_overrides() else []
+    return lines + [profiles] + check_clis(side, None) + check_traps(side) + overrides + check_sign_ins(side)
 
 
 def preflight_lines() -> list[CheckLine]:

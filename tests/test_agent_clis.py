@@ -35,8 +35,8 @@ MADE_UP_MODEL_USE = {"input": 1000, "cached_input": 0, "output": 100}   # what e
 
 def made_up_row(m):
     """The made-up CLI, all of it in its row: its screen's words and menu, its own marks of its turns, a set-up
-    trap, records that keep running totals only (read by its own reader), and a second try for a start CAO says
-    timed out."""
+    trap, how it is signed in, records that keep running totals only (read by its own reader), and a second try
+    for a start CAO says timed out."""
     prompts: dict[str, int] = {}                  # the prompts it has taken, by the turn's marker
 
     def totals(marker):
@@ -60,7 +60,10 @@ def made_up_row(m):
                       turn_marks=(r"\x1b\]777;turn=(\w+)\x07", "busy", "finished", "resting"),
                       traps=(m.Trap("Made-up CLI: its key set in {file}",
                                     'Made-up CLI: no key in {file}: add {"apiKey": "<key>"} to it',
-                                    file=".made-up/settings.json", json_key="apiKey"),))
+                                    file=".made-up/settings.json", json_key="apiKey"),),
+                      sign_in=m.SignIn("`madeup login`", "or set MADEUP_KEY for the agents",
+                                       (m.Credential("{variable}", env=("MADEUP_KEY",)),
+                                        m.Credential("its login, {file}", file=".made-up/auth.json", json_key="token"))))
 
 
 def test_every_row_names_records_and_settings_the_loop_can_read(orch):
@@ -174,8 +177,8 @@ def test_a_made_up_cli_s_records_and_start_tries_come_from_its_row(load_orch, fa
 
 def test_check_reports_a_made_up_cli_s_trap_from_its_row(load_orch, fake_cao, prompt_file, tmp_path, monkeypatch,
                                                          capsys):
-    """--check looks for the trap the row declares, on what the probe saw of the agents' side: ✗ with its fix,
-    then ✓ once the agents' home holds what it asks for."""
+    """--check looks for the trap and the sign-in the row declares, on what the probe saw of the agents' side: ✗
+    with its fix, then ✓ once the agents' home and environment hold what they ask for."""
     home = tmp_path / "agents-home"
     home.mkdir()
     m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli")
@@ -188,10 +191,17 @@ def test_check_reports_a_made_up_cli_s_trap_from_its_row(load_orch, fake_cao, pr
     assert run_main(m, "--check") == 1
     out = capsys.readouterr().out
     assert f'✗ Made-up CLI: no key in {settings}: add {{"apiKey": "<key>"}} to it' in out.splitlines(), out
+    [signed_out] = [line for line in out.splitlines() if line.startswith("✗ Made-up CLI: not signed in")]
+    assert signed_out.endswith("run `madeup login` as the user the agents run as, or set MADEUP_KEY for the agents")
     settings.parent.mkdir()
     settings.write_text('{"apiKey": "k"}', encoding="utf-8")
+    (home / ".made-up" / "auth.json").write_text('{"token": "t"}', encoding="utf-8")
     assert run_main(m, "--check") == 0
-    assert f"✓ Made-up CLI: its key set in {settings}" in capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.splitlines()
+    assert f"✓ Made-up CLI: its key set in {settings}" in out
+    assert f"✓ Made-up CLI: signed in (its login, {home / '.made-up' / 'auth.json'})" in out
+    side.env["MADEUP_KEY"] = "k"
+    assert run_main(m, "--check") == 0 and "✓ Made-up CLI: signed in (MADEUP_KEY)" in capsys.readouterr().out
 
 
 def test_no_provider_is_named_outside_the_table(orch):
@@ -216,17 +226,23 @@ FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5",
               "codex-3agents-loop-state.json", "(CAO reads Codex busy)")
 
 
+# The tables that bind the readers of the formats the rows name, each with the section it and its readers are in.
+FORMAT_TABLES = {"RECORD_FORMATS": "# 5. ", "COMPACTION_READERS": "# 5. ", "SIGN_IN_READERS": "# 16. "}
+
+
 def _formats_code(lines: list[str], top: dict) -> set[str]:
-    """The definitions of section 5 the rows reach by the names of their formats: the readers RECORD_FORMATS
-    and COMPACTION_READERS bind, and all of section 5 they use."""
-    first = lines.index("# 5. Tokens used: the CLIs' own records")
-    last = next(number for number, line in enumerate(lines) if number > first and re.match(r"# 6\. ", line))
-    reached, todo = set(), ["RECORD_FORMATS", "COMPACTION_READERS"]
-    while todo:
-        name = todo.pop()
-        if name in top and name not in reached and first < top[name].lineno <= last:
-            reached.add(name)
-            todo += [node.id for node in ast.walk(top[name]) if isinstance(node, ast.Name)]
+    """The definitions the rows reach by the names of their formats: the readers RECORD_FORMATS and
+    COMPACTION_READERS (section 5) and SIGN_IN_READERS (section 16) bind, and all of their section they use."""
+    reached = set()
+    for table, heading in FORMAT_TABLES.items():
+        first = next(number for number, line in enumerate(lines) if line.startswith(heading))
+        last = next(number for number, line in enumerate(lines) if number > first and re.match(r"# \d+\. ", line))
+        todo = [table]
+        while todo:
+            name = todo.pop()
+            if name in top and name not in reached and first < top[name].lineno <= last:
+                reached.add(name)
+                todo += [node.id for node in ast.walk(top[name]) if isinstance(node, ast.Name)]
     return reached
 
 
@@ -272,6 +288,8 @@ def test_a_cli_s_behaviour_lives_in_its_row(orch):
                                                      for name, records in orch.RECORD_FORMATS.items())
     settings = {cli.compaction_settings for cli in orch.AGENT_CLIS.values() if isinstance(cli.compaction_settings, str)}
     assert settings - {""} == set(orch.COMPACTION_READERS)
+    sign_ins = {form.reader for cli in orch.AGENT_CLIS.values() if cli.sign_in for form in cli.sign_in.forms}
+    assert sign_ins - {""} == set(orch.SIGN_IN_READERS)
 
 
 def test_the_versions_a_row_says_are_proven_are_those_the_end_to_end_suite_runs(orch):

@@ -3,7 +3,8 @@ at a time is found with its fix, and once it is fixed the check passes.
 
 The server here is started the way the README starts it (no tmux server of the test's own): CAO's tmux
 server then runs the agents in login shells, whose PATH is the system's, not cao-server's. The real
-Codex and Claude Code CLIs are only asked for their version.
+Codex and Claude Code CLIs are only asked for their version; whether they are signed in is read from the
+agents' environment and home.
 """
 
 from __future__ import annotations
@@ -150,25 +151,39 @@ def test_check_finds_each_trap_planted_alone_with_its_fix_and_passes_once_fixed(
     machine.login_path(machine.bin, clis)
     code, output = machine.check("codex")
     config = machine.home / ".codex" / "config.toml"
-    untrusted, offer = failed_lines(output)
+    untrusted, offer, signed_out = failed_lines(output)
     assert code == 1 and untrusted.startswith(f"✗ Codex does not trust {machine.work.resolve()}")
     assert offer.startswith("✗ Codex offers another model at a usage limit") and \
         offer.endswith(f"add to {config}: [notice] then hide_rate_limit_model_nudge = true")
+    assert signed_out.startswith("✗ Codex: not signed in where its agents run") and "`codex login`" in signed_out
     assert f"✓ codex found by the agents' shells: {clis / 'codex'}, {agent_clis.CODEX_VERSION}" in output, output
     config.parent.mkdir()                                     # what the fixes say, as a user writes them
     config.write_text(f'[projects."{machine.work.resolve()}"]\ntrust_level = "trusted"\n\n'
                       '[notice]\nhide_rate_limit_model_nudge = true\n', encoding="utf-8")
+    (config.parent / "auth.json").write_text('{"auth_mode": "apikey", "OPENAI_API_KEY": "sk-e2e-0123"}\n',
+                                             encoding="utf-8")   # what `codex login --with-api-key` writes
     code, output = machine.check("codex")
     assert code == 0 and "✓ Codex trusts the project" in output, output
     assert "✓ Codex: its offer of another model at a usage limit is turned off" in output, output
+    assert f"✓ Codex: signed in (its login, {config.parent / 'auth.json'})" in output, output
 
-    # Claude Code as root, cao-server started without IS_SANDBOX
+    # Claude Code as root: cao-server started without IS_SANDBOX, then with a value Claude Code does not take;
+    # signed in by a key in cao-server's environment that Claude Code was told to use
     code, output = machine.check("claude_code")
+    assert code == 1 and failed_lines(output)[-1].startswith("✗ Claude Code: not signed in where its agents run")
+    key = {"ANTHROPIC_API_KEY": agent_clis.API_KEY}
     if os.getuid() == 0:
-        [line] = failed_lines(output)
-        assert code == 1 and "IS_SANDBOX=1 cao-server" in line
+        assert "IS_SANDBOX=1 cao-server" in failed_lines(output)[0]
         machine.stop_server()
-        machine.start_server(IS_SANDBOX="1")
+        machine.start_server(IS_SANDBOX="yes", **key)
         code, output = machine.check("claude_code")
-        assert "✓ Claude Code: IS_SANDBOX=1 set for root" in output
+        [line, _] = failed_lines(output)
+        assert code == 1 and "has IS_SANDBOX=yes, and Claude Code takes only IS_SANDBOX=1" in line, output
+        key["IS_SANDBOX"] = "1"
+    machine.stop_server()
+    machine.start_server(**key)
+    agent_clis.write_claude_home(machine.home, workdirs=[machine.work])       # onboarding done, the key approved
+    code, output = machine.check("claude_code")
+    assert "✓ Claude Code: IS_SANDBOX=1 set for root" in output or os.getuid() != 0
+    assert "✓ Claude Code: signed in (ANTHROPIC_API_KEY, approved in" in output, output
     assert code == 0 and output.splitlines()[-1] == "a run can start", output

@@ -260,12 +260,13 @@ def test_a_claude_code_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_wi
             for folder in dirs.values():
                 folder.mkdir()
             agent_clis.write_claude_home(dirs["home"], workdirs=[run.wd])     # the image's settings, the secret's key
-            # What the image and the Secret give, less IS_SANDBOX: Claude Code as root needs it, and the loop's own
-            # server sets it for its agents (the README's "two commands" promise, with a real CLI).
-            needs = {k: v for k, v in agent_clis.claude_tmux_env(model.url).items() if k != "IS_SANDBOX"}
+            # What the image and the Secret give, with IS_SANDBOX=yes as some images export it: Claude Code as root
+            # takes only IS_SANDBOX=1, and the loop's own server sets that for its agents over the image's value
+            # (the README's "two commands" promise, with a real CLI).
+            needs = {**agent_clis.claude_tmux_env(model.url), "IS_SANDBOX": "yes"}
             env = _server_env({**dirs, "mock": root}, ensure_cao().parent, think_ms=None,
                               cli_bin=agent_clis.cli_bin_for("claude_code"), extra=needs)
-            env.pop("IS_SANDBOX", None)
+            env["IS_SANDBOX"] = "yes"
             settings = {k: v for k, v in run.env.items() if k not in env and k not in ("API", "AGENT_HOME", "IS_SANDBOX")}
             env.update(settings, PROVIDER="claude_code", PYTHON=sys.executable, AGENT_HOME=str(dirs["home"]))
             result = subprocess.run(["bash", str(ENTRYPOINT)], cwd=root, env=env, capture_output=True, text=True,
@@ -273,6 +274,9 @@ def test_a_claude_code_run_whose_machine_is_killed_goes_on_on_a_fresh_machine_wi
             assert result.returncode == 0, explain(result) + server_log(run)
             assert "five new agents on the run's own CAO server" in result.stdout, explain(result)
             assert re.search(r"CAO server: the run's own, http://127\.0\.0\.1:\d+", result.stdout), explain(result)
+            if os.geteuid() == 0:                             # said once; the agents got 1, or none would have started
+                assert result.stdout.count("the agents get IS_SANDBOX=1 in place of IS_SANDBOX=yes from this "
+                                           "environment") == 1, explain(result)
             state = run.state()
             assert state["final_status"] == "PASS" and run.archived() == numbered(FAIL_THEN_PASS)
             expected = {role: FAIL_THEN_PASS.count(role) for role in set(FAIL_THEN_PASS)}
