@@ -236,8 +236,8 @@ def test_three_runs_on_their_own_server_leave_in_caos_store_only_what_the_readme
     assert {key: value for key, value in last.items() if key.startswith("rows of ")} == {
         "rows of session_incarnations": 3, "rows of idempotency_keys": 15}, last
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    assert ("and for each run CAO's logs (its server's, and each agent's log and last screen under `logs/`) and "
-            "a database row per agent and per session") in " ".join(readme.split())
+    assert ("what CAO sets up once (database, skills, the agent profiles) and per run CAO's logs (`logs/`) and a "
+            "database row per agent and session recording their creation") in " ".join(readme.split())
     assert not run.left_running()
 
 
