@@ -1878,8 +1878,10 @@ def end_own_processes(own: OwnServer) -> list[str]:
     left = remove_own_sessions(own.url, own.sessions) if "cao-server" in started else list(own.sessions)
     if "cao-server" in started:
         end_processes([started["cao-server"]], group=True)
-    with suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(["tmux", "kill-server"], env=own_server_env(own), capture_output=True, timeout=10)
+    if os.path.exists(own.tmux_socket):  # named: with its folder gone, tmux would fall back to the user's socket
+        with suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["tmux", "-S", own.tmux_socket, "kill-server"], env=own_server_env(own),
+                           capture_output=True, timeout=10)
     if "tmux" in started:
         end_processes([started["tmux"]])
     end_processes(marked_processes(own.tmux_dir))

@@ -423,3 +423,18 @@ def test_a_new_run_stops_before_a_terminal_where_the_agents_shells_do_not_find_i
     monkeypatch.setattr(m, "probe_agents_side", lambda server, programs, versions=True:
                         m.AgentsSide({"HOME": "/nonexistent"}, os.getuid(), {"mock_cli": ("", "")}))
     assert run_main(m) == 0 and len(fake_cao.terminals) == 5    # the user says its agents' shells have it
+
+
+def test_ending_an_own_server_whose_tmux_folder_is_gone_never_reaches_the_users_tmux_server(orch, tmp_path,
+                                                                                           monkeypatch):
+    """tmux falls back to the default socket where TMUX_TMPDIR names a folder that is gone (after a reboot
+    cleared /tmp): the own tmux server is ended by its socket's path, and only where that socket exists."""
+    calls = []
+    monkeypatch.setattr(orch.subprocess, "run", lambda args, **kwargs: calls.append(args))
+    orch.end_own_processes(orch.OwnServer(1, str(tmp_path / "gone"), ""))
+    assert calls == []
+    own = orch.OwnServer(1, str(tmp_path), "")
+    Path(own.tmux_socket).parent.mkdir()
+    Path(own.tmux_socket).touch()
+    orch.end_own_processes(own)
+    assert calls == [["tmux", "-S", own.tmux_socket, "kill-server"]]
