@@ -8930,6 +8930,8 @@ def refuse_what_check_refuses() -> None:
     side, report = None, None
     if server is not None and shutil.which("tmux") is not None:
         report = api.provider_report()
+        if any(line.ok is False for line in check_providers(report)):
+            return                       # a provider it does not know: the run's own stop says so, as --check
         programs = sorted({cli_program(provider, report) for provider in providers_in_use()})
         probed = probe_agents_side(server, programs, versions=False)
         side = probed if isinstance(probed, AgentsSide) else None
