@@ -53,7 +53,9 @@ first line and the response-file line, each after ``›``.
 script.json: ``{"<role>": [step, ...]}``. Turn N uses step N, the last step
 repeats. A step is a string (the answer text) or
 ``{"text": str, "think_ms": int, "silent": bool, "action": "write" | "no_file" |
-"error" | "write_on_reminder", "files": {path: content or null}, "hold_ms": int}``;
+"error" | "write_on_reminder", "files": {path: content or null}, "hold_ms": int,
+"say": str}``; ``say`` is a line it prints as its turn ends (e.g. an agent CLI's
+usage-limit words: "You've hit your usage limit. Try again later.");
 while it thinks the agent repaints a timer every second, as a working CLI does,
 unless ``silent`` (a hung CLI); ``hold_ms`` keeps it at work that long after it
 wrote its answer (a CLI still busy with its turn once the file is there, which a
@@ -413,8 +415,10 @@ def normalise_step(step, role: str, default_think_ms: int) -> dict:
         hold_ms = int(step.get("hold_ms", 0))
     except (TypeError, ValueError):
         hold_ms = 0
+    say_line = step.get("say")
     return {"text": text, "action": action, "think_ms": max(0, think_ms), "files": files,
-            "silent": step.get("silent") is True, "hold_ms": max(0, hold_ms)}
+            "silent": step.get("silent") is True, "hold_ms": max(0, hold_ms),
+            "say": say_line if isinstance(say_line, str) else ""}
 
 
 def pick_step(script: dict, role: str, turn: int, default_think_ms: int) -> dict:
@@ -550,6 +554,9 @@ class Agent:
         self.home.set_pending(role, None)
         self.think(step["think_ms"], step["silent"])
         self.change_files(step["files"])
+        if step["say"]:
+            new_line()
+            say(step["say"] + "\n")
         action = step["action"]
         if action == "error":
             new_line()

@@ -363,8 +363,10 @@ class AgentCli:
     #                                             (None: QUIET_SCREEN_SECONDS)
     conversation_words: tuple[tuple[str, str], ...] = ()  # (squeezed screen words, 'compacted' or 'cleared')
     context_low: str = ""                       # squeezed regex: its context nearly full, nothing will compact
+    #                                             (group `left`: the percent left; without it: full)
     menus: tuple[tuple[str, str], ...] = ()     # (what the loop calls a menu it opens, the choice that keeps
     #                                             what the user chose)
+    menu_cursor: str = ""                       # the glyphs that mark its menus' highlighted choice
     records: str | TokenRecords = ""            # its turn records: a format in RECORD_FORMATS (section 5), or
     #                                             their reader itself ('': none)
     compaction_settings: str | Callable[[], int | None] = ""  # where it compacts: settings in COMPACTION_READERS
@@ -374,7 +376,9 @@ class AgentCli:
     start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
-    #                                             and `rest`: the words after it, where RESET_AT finds the reset)
+    #                                             and `rest`: the words after it, where usage_limit_resets looks)
+    usage_limit_resets: str = ""                # regex: the reset in them (groups `hour`, and where it names
+    #                                             them `minute`, `half` (am/pm), `month`, `day`, `year`, `zone`)
     error_lines: str = ""                       # regex: a line of its output that says its model provider failed
     rate_limit_lines: str = ""                  # regex: of those, one that says it is rate limited (429)
     run_tokens: tuple[int, ...] = ()            # the least input tokens a run sends its model: passing in round 1
@@ -386,6 +390,8 @@ class AgentCli:
     cao_since: str = ""                         # the first CAO release that knows its provider ('': any)
     turn_marks: tuple[str, ...] = ()            # (regex whose group 1 is a mark's word, its words for working,
     #                                             done and idle): how it marks its turns on the screen (): none
+    model_names: tuple[str, ...] = ()           # regexes over "<asked>\n<recorded>": other names it records for
+    #                                             the model asked for (else only that id is it)
 
     def status_word(self, status: str) -> str:
         """The status as the loop goes by it: a ready word CAO misreads for this CLI becomes one that cannot tell."""
@@ -471,13 +477,17 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Conversationcompacted", "compacted"),     # "✻ Conversation compacted (ctrl+o ...)"
                             ("Compacted(ctrl+otoseefullsummary)", "compacted"),  # after /compact typed by hand
                             ("❯/clear", "cleared")),                    # /clear typed by hand (nothing else shows)
-        context_low=r"Contextlow\((\d+)%remaining\)|(Contextlimitreached)",   # with auto-compact off
-        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),),
-        usage_limit=HIT_YOUR_LIMIT,
+        context_low=r"Contextlow\((?P<left>\d+)%remaining\)|Contextlimitreached",   # with auto-compact off
+        menus=(("Claude Code's usage-limit menu", "Stop and wait for limit to reset"),), menu_cursor="❯",
+        usage_limit=HIT_YOUR_LIMIT,      # "· resets 3pm (Europe/Berlin)", "· resets Dec 5, 3:30pm"
+        usage_limit_resets=r"resets (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2}),? )?(?P<hour>\d{1,2})"
+                           r"(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?(?: \((?P<zone>[\w/+-]+)\))?",
         error_lines=r"API Error: *[45]\d\d|API Error: .{0,60}\([45]\d\d\)"
                     r"|\"type\": *\"(?:api_error|overloaded_error|rate_limit_error)\"",
         rate_limit_lines=r"API Error: *429\b|API Error: .{0,60}\(429\)|\"type\": *\"rate_limit_error\"",
         records="claude transcripts", compaction_settings="claude settings.json",
+        model_names=(r"(?P<id>.+)\n(?P=id)-\d{8}",                          # the asked id, dated
+                     r"(?P<alias>sonnet|opus|haiku)\nclaude-(?P=alias)-\d+(?:-\d{1,2})?(?:-\d{8})?"),  # its family
         start_hint="a cao-server running as root needs IS_SANDBOX=1 in its environment for Claude Code (which "
                    "otherwise refuses --dangerously-skip-permissions)",
         proven="2.1.197", program="claude", run_tokens=(444_750, 700_544),
@@ -485,7 +495,12 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "Claude Code as root: its agents' environment has {seen}, and Claude Code takes only IS_SANDBOX=1, "
                     "so it refuses the mode CAO starts it in; start cao-server as `IS_SANDBOX=1 cao-server` (and its "
                     "tmux server with it: stop a running one first)", env="IS_SANDBOX", env_value="1",
-                    root_only=True),),
+                    root_only=True),
+               # its first start in a home asks for a theme and a login, and offline stops on the network probe
+               Trap("Claude Code: its first-run set-up done ({file})",
+                    "Claude Code was never set up in the agents' home: its first start asks for a theme and a "
+                    "login, which no agent answers; start `claude` once by hand as that user, or add to {file}: "
+                    "\"hasCompletedOnboarding\": true", file=".claude.json", json_key="hasCompletedOnboarding")),
         sign_in=CLAUDE_SIGN_IN),
     # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
@@ -494,8 +509,10 @@ AGENT_CLIS: dict[str, AgentCli] = {
                             ("Contextcompacted", "compacted")),         # "• Context compacted · 0s"
         # the agents work in the folder the user gave: the loop trusts it (--check says how beforehand)
         menus=(("Codex's offer to switch the model", "Keep current model"),
-               ("Codex's question whether to trust the project", "Trust and continue")),
-        usage_limit=HIT_YOUR_LIMIT,
+               ("Codex's question whether to trust the project", "Trust and continue")), menu_cursor="›",
+        usage_limit=HIT_YOUR_LIMIT,      # ". Try again at 3:05 PM.", "... at Jan 5th, 2026 3:05 PM."
+        usage_limit_resets=r"[Tt]ry again at (?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
+                           r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AP]M)?\.?",
         records="codex rollouts", compaction_settings="codex config.toml", proven="0.169.0", program="codex",
         run_tokens=(300_716, 457_996),
         traps=(Trap("Codex trusts the project ({project})",
@@ -516,7 +533,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
-        records="opencode database",
+        records="opencode database", model_names=(r"[^/\n]+/(?P<id>.+)\n(?P=id)",),   # provider/model, recorded: model
         start_hint="for OpenCode, start `opencode` once by hand as that user (its first start in a new HOME sets "
                    "itself up) and check the model provider in ~/.aws/opencode/opencode.json",
         proven="1.18.33", program="opencode", run_tokens=(135_448, 216_113),
@@ -673,6 +690,10 @@ def _role_settings() -> list[Setting]:
                                 "model", f"model the {role}'s agent CLI is started with (empty: MODEL)"))
         settings.append(Setting(f"{prefix}_PROFILE", f"agents.{role}.profile",
                                 DEFAULT_PROFILES[role], "name", f"CAO agent profile for the {role}"))
+        settings.append(Setting(f"{prefix}_FALLBACK_PROVIDER", f"agents.{role}.fallback_provider", "",
+                                "role_provider", f"the {role}'s fallback CLI (empty: FALLBACK_PROVIDER)"))
+        settings.append(Setting(f"{prefix}_FALLBACK_MODEL", f"agents.{role}.fallback_model", "",
+                                "model", f"the model of the {role}'s fallback CLI (empty: FALLBACK_MODEL)"))
     return settings
 
 
@@ -753,6 +774,15 @@ SETTINGS: tuple[Setting, ...] = (
             "out in all, in pauses that double"),
     Setting("USAGE_LIMIT_MARGIN_SECONDS", "recovery.usage_limit_margin_seconds", 60.0, "seconds0",
             "how long after the reset time the agent is told to continue"),
+    Setting("FALLBACK_PROVIDER", "recovery.fallback_provider", "", "role_provider",
+            "the CAO provider that takes a role over when its agent's account usage limit resets later than "
+            "USAGE_LIMIT_MAX_WAIT allows (or names no reset time): the agent is ended, a new one on this CLI gets "
+            "the turn in full (a new conversation) and keeps the role for the rest of the run; its own limit is "
+            "waited out or stops the run as without it (<ROLE>_FALLBACK_PROVIDER for one role; empty: no fallback, "
+            "the run stops at such a limit)"),
+    Setting("FALLBACK_MODEL", "recovery.fallback_model", "", "model",
+            "the model the fallback CLI is started with (<ROLE>_FALLBACK_MODEL for one role; empty: its CLI's own "
+            "default)"),
     Setting("FRESH_CONTEXT", "context.fresh_context", "off", "fresh_context",
             "off: each agent keeps one conversation for the whole run (its CLI compacts it when it fills; the "
             "loop then sends the full task again); round: every round after the first starts each agent "
@@ -1118,6 +1148,8 @@ PROVIDER_ERROR_RETRIES: int = _initial("PROVIDER_ERROR_RETRIES")
 PROVIDER_ERROR_PAUSE_SECONDS: float = _initial("PROVIDER_ERROR_PAUSE_SECONDS")
 USAGE_LIMIT_MAX_WAIT: float = _initial("USAGE_LIMIT_MAX_WAIT")
 USAGE_LIMIT_MARGIN_SECONDS: float = _initial("USAGE_LIMIT_MARGIN_SECONDS")
+FALLBACK_PROVIDER: str = _initial("FALLBACK_PROVIDER")
+FALLBACK_MODEL: str = _initial("FALLBACK_MODEL")
 FRESH_CONTEXT: str = _initial("FRESH_CONTEXT")
 COMPACT_AT_TOKENS: int = _initial("COMPACT_AT_TOKENS")
 IGNORE_MISSING_CLI: bool = _initial("IGNORE_MISSING_CLI")
@@ -1134,18 +1166,28 @@ MAX_CROSS_PHASE_LINES: int = _initial("MAX_CROSS_PHASE_LINES")
 ANALYST_PROVIDER: str = _initial("ANALYST_PROVIDER")
 ANALYST_MODEL: str = _initial("ANALYST_MODEL")
 ANALYST_PROFILE: str = _initial("ANALYST_PROFILE")
+ANALYST_FALLBACK_PROVIDER: str = _initial("ANALYST_FALLBACK_PROVIDER")
+ANALYST_FALLBACK_MODEL: str = _initial("ANALYST_FALLBACK_MODEL")
 PEER_ANALYST_PROVIDER: str = _initial("PEER_ANALYST_PROVIDER")
 PEER_ANALYST_MODEL: str = _initial("PEER_ANALYST_MODEL")
 PEER_ANALYST_PROFILE: str = _initial("PEER_ANALYST_PROFILE")
+PEER_ANALYST_FALLBACK_PROVIDER: str = _initial("PEER_ANALYST_FALLBACK_PROVIDER")
+PEER_ANALYST_FALLBACK_MODEL: str = _initial("PEER_ANALYST_FALLBACK_MODEL")
 PROGRAMMER_PROVIDER: str = _initial("PROGRAMMER_PROVIDER")
 PROGRAMMER_MODEL: str = _initial("PROGRAMMER_MODEL")
 PROGRAMMER_PROFILE: str = _initial("PROGRAMMER_PROFILE")
+PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PROGRAMMER_FALLBACK_PROVIDER")
+PROGRAMMER_FALLBACK_MODEL: str = _initial("PROGRAMMER_FALLBACK_MODEL")
 PEER_PROGRAMMER_PROVIDER: str = _initial("PEER_PROGRAMMER_PROVIDER")
 PEER_PROGRAMMER_MODEL: str = _initial("PEER_PROGRAMMER_MODEL")
 PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
+PEER_PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PEER_PROGRAMMER_FALLBACK_PROVIDER")
+PEER_PROGRAMMER_FALLBACK_MODEL: str = _initial("PEER_PROGRAMMER_FALLBACK_MODEL")
 TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
 TESTER_MODEL: str = _initial("TESTER_MODEL")
 TESTER_PROFILE: str = _initial("TESTER_PROFILE")
+TESTER_FALLBACK_PROVIDER: str = _initial("TESTER_FALLBACK_PROVIDER")
+TESTER_FALLBACK_MODEL: str = _initial("TESTER_FALLBACK_MODEL")
 ARCHIVE_ON_PASS: bool = _initial("ARCHIVE_ON_PASS")
 OPENSPEC_COMMAND: str = _initial("OPENSPEC_COMMAND")
 ARCHIVE_TIMEOUT: float = _initial("ARCHIVE_TIMEOUT")
@@ -1248,9 +1290,7 @@ def validate_settings() -> None:
 def check_budget_settings() -> None:
     """A budget the loop could not keep is refused: it counts only what the agents' CLIs record."""
     budget = "MAX_RUN_TOKENS" if MAX_RUN_TOKENS else "MAX_RUN_COST" if MAX_RUN_COST else ""
-    if MAX_RUN_COST and not MODEL_PRICES:
-        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
-                          "use (see --help-settings), or unset MAX_RUN_COST")
+    check_model_prices()
     if not budget:
         return
     unread = sorted({provider for provider in providers_in_use() if not agent_cli(provider).records})
@@ -1262,6 +1302,15 @@ def check_budget_settings() -> None:
         raise ConfigError(f"{budget} counts the tokens recorded by the agents' CLIs, which are on the machine of the "
                           f"CAO server at {API}, not this one: set AGENT_HOME to where the agents' home folder can "
                           f"be read from here, or unset {budget}")
+
+
+def check_model_prices() -> None:
+    """A cost budget needs a price for each model asked for (the CLIs' defaults are priced once recorded)."""
+    unpriced = sorted({model_for(role) for role in ROLES} - set(MODEL_PRICES) - {""})
+    if MAX_RUN_COST and (unpriced or not MODEL_PRICES):
+        none_for = f"; it has none for {', '.join(unpriced)}" if unpriced else ""
+        raise ConfigError("MAX_RUN_COST needs MODEL_PRICES, the price per million tokens of each model the agents "
+                          f"use (see --help-settings){none_for}, or unset MAX_RUN_COST")
 
 
 def cao_cli_address(environ: Mapping[str, str]) -> str:
@@ -1370,24 +1419,65 @@ def own_settings(role: str) -> tuple[str, str, str]:
             "tester": (TESTER_PROVIDER, TESTER_MODEL, TESTER_PROFILE)}[role]
 
 
+def own_fallback(role: str) -> tuple[str, str]:
+    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply)."""
+    return {"analyst": (ANALYST_FALLBACK_PROVIDER, ANALYST_FALLBACK_MODEL),
+            "peer_analyst": (PEER_ANALYST_FALLBACK_PROVIDER, PEER_ANALYST_FALLBACK_MODEL),
+            "programmer": (PROGRAMMER_FALLBACK_PROVIDER, PROGRAMMER_FALLBACK_MODEL),
+            "peer_programmer": (PEER_PROGRAMMER_FALLBACK_PROVIDER, PEER_PROGRAMMER_FALLBACK_MODEL),
+            "tester": (TESTER_FALLBACK_PROVIDER, TESTER_FALLBACK_MODEL)}[role]
+
+
+def switched_to(role: str) -> tuple[str, str] | None:
+    """The provider and model the run moved the role to at a usage limit it would not wait out (cli_switches,
+    section 3: for the rest of the run), or None."""
+    switch = next((s for s in cli_switches if s.role == role), None)
+    return (switch.to_provider, switch.to_model) if switch is not None else None
+
+
 def provider_for(role: str) -> str:
-    """The role's own provider if one is set, else PROVIDER."""
-    return own_settings(role)[0] or PROVIDER
+    """The role's provider: its fallback once the run switched the role to it, else its own if set, else
+    PROVIDER."""
+    switched = switched_to(role)
+    return switched[0] if switched else own_settings(role)[0] or PROVIDER
 
 
 def model_for(role: str) -> str:
-    """The model the role's agent CLI is started with: its own, else MODEL; '' leaves the CLI's default."""
-    return own_settings(role)[1] or MODEL
+    """The model the role's agent CLI is started with: its fallback's once switched, else its own, else MODEL;
+    '' leaves the CLI's default."""
+    switched = switched_to(role)
+    return switched[1] if switched else own_settings(role)[1] or MODEL
+
+
+def fallback_for(role: str) -> tuple[str, str] | None:
+    """The provider and model that may take the role over at a usage limit that outlasts the wait: its own
+    fallback, else FALLBACK_PROVIDER's; None when none is set, or it is the role's own CLI and model."""
+    provider = own_fallback(role)[0] or FALLBACK_PROVIDER
+    model = own_fallback(role)[1] or FALLBACK_MODEL
+    if not provider or (provider, model) == (own_settings(role)[0] or PROVIDER, own_settings(role)[1] or MODEL):
+        return None
+    return provider, model
+
+
+def providers_of(role: str) -> list[str]:
+    """The providers the role runs on or may fall back to."""
+    fallback = fallback_for(role)
+    return list(dict.fromkeys([provider_for(role)] + ([fallback[0]] if fallback else [])))
 
 
 def providers_in_use() -> list[str]:
-    """Every provider the five roles run on, each once."""
-    return sorted({provider_for(role) for role in ROLES})
+    """Every provider the five roles run on or may fall back to, each once: what a run needs ready."""
+    return sorted({provider for role in ROLES for provider in providers_of(role)})
 
 
 def profile_for(role: str) -> str:
     """The CAO agent profile the role's terminal is created with."""
     return own_settings(role)[2]
+
+
+def profiles_in_use() -> list[tuple[str, str]]:
+    """Each (CAO profile, provider) a run's agents may be started with, a role's fallback included."""
+    return list(dict.fromkeys((profile_for(role), provider) for role in ROLES for provider in providers_of(role)))
 
 
 # ==========================================================================
@@ -1906,25 +1996,78 @@ def note_own_session(name: str) -> None:
         note_own_server(own_server)
 
 
-def end_left_own_server() -> None:
-    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+def read_own_server_note() -> OwnServer | None:
+    """The own server noted beside the state file (None: no note); a ValueError says why a note cannot be read."""
     note = own_server_note()
     try:
         raw = json.loads(note.read_text(encoding="utf-8"))
-        left = OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
+        return OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
                          {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()},
                          [str(name) for name in raw.get("sessions", [])])
     except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{note} cannot be read ({exc})") from None
+
+
+def agent_panes(own: OwnServer) -> int:
+    """How many panes the own tmux server holds: one for each agent (0 when it does not answer)."""
+    try:
+        listed = subprocess.run(["tmux", "-S", own.tmux_socket, "list-panes", "-a", "-F", "#{pane_pid}"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return len(listed.stdout.split()) if listed.returncode == 0 else 0
+
+
+@dataclass
+class StageAlive:
+    """What of a run's own server still runs, as /proc tells it (a pid with another start time is another's)."""
+
+    cao_server: int | None
+    tmux: int | None
+    agents: int                          # the tmux server's panes: one for each agent
+    processes: list[int]                 # every process the own server started, those two included
+
+    def text(self) -> str:
+        """'cao-server pid 12, tmux pid 34, 5 agents (22 processes in all)'."""
+        parts = [f"{name} pid {pid}" for name, pid in (("cao-server", self.cao_server), ("tmux", self.tmux)) if pid]
+        parts += [counted(self.agents, "agent")] if self.tmux else []
+        every = f"{len(self.processes)} process{'es' if len(self.processes) != 1 else ''}"
+        return f"{', '.join(parts)} ({every} in all)" if parts else f"{every} it started"
+
+    def end_command(self) -> str:
+        """A command that ends them without the run: cao-server's process group and the tmux server (whose
+        panes end with it), or the processes left when both are gone."""
+        leaders = [f"-{self.cao_server}"] * bool(self.cao_server) + [str(self.tmux)] * bool(self.tmux)
+        return "kill -- " + " ".join(leaders) if leaders else "kill " + " ".join(map(str, self.processes))
+
+
+def stage_alive(own: OwnServer) -> StageAlive | None:
+    """What of the noted own server still runs (None: nothing, it ended)."""
+    alive = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    processes = sorted(set(marked_processes(own.tmux_dir)) | set(alive.values()))
+    if not processes:
+        return None
+    tmux = alive.get("tmux")
+    return StageAlive(alive.get("cao-server"), tmux, agent_panes(own) if tmux else 0, processes)
+
+
+def end_left_own_server() -> None:
+    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
+    try:
+        left = read_own_server_note()
+    except ValueError as exc:
+        log(f"note: {exc}; removed")
+        own_server_note().unlink(missing_ok=True)
         return
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        log(f"note: {note} cannot be read ({exc}); removed")
-        note.unlink(missing_ok=True)
+    if left is None:
         return
     alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
     log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
         + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
     sessions_left_in_store.extend(end_own_processes(left))
-    note.unlink(missing_ok=True)
+    own_server_note().unlink(missing_ok=True)
 
 
 def loop_program(name: str) -> str:
@@ -2046,7 +2189,7 @@ def install_own_profiles(own: OwnServer) -> None:
     """The run's agent profiles, installed in CAO's store where it lacks them (also where the CLI keeps a
     copy of its own that is missing), from the profiles that come with the loop; all at once."""
     missing = [(profile, provider) for profile, provider in
-               dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES)
+               profiles_in_use()
                if api.profile_installed(profile) is not True
                or (agent_cli(provider).profile_file
                    and not Path.home().joinpath(agent_cli(provider).profile_file.format(name=profile)).is_file())]
@@ -2452,6 +2595,7 @@ class TurnRecord:
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
     tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (InFlight's)
     model: str = ""                   # the model its last response named, as its CLI recorded it ("": unknown)
+    provider: str = ""                # the provider (CLI) whose agent answered it ("": from before it was kept)
 
     def to_json(self) -> dict:
         data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
@@ -2459,7 +2603,7 @@ class TurnRecord:
                 "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
                 "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
                 "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final, "terminal": self.terminal,
-                "context_tokens": self.context_tokens, "model": self.model}
+                "context_tokens": self.context_tokens, "model": self.model, "provider": self.provider}
         if self.tokens_before is not None and not self.tokens_final:   # needed until its tokens stand
             data["tokens_before"] = tokens_before_json(self.tokens_before)
         return data if self.outcome is None else {**data, "outcome": self.outcome}
@@ -2475,7 +2619,8 @@ class TurnRecord:
                    _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
                    _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
                    raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")),
-                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")))
+                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")),
+                   _text(raw.get("provider")))
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
@@ -2524,6 +2669,38 @@ class Replacement(PlainRecord):
     def read(cls, raw: dict) -> Replacement:
         return cls(*(_text(raw.get(key)) for key in ("role", "old_terminal", "new_terminal", "at", "why")),
                    _whole(raw.get("event")) or 1)
+
+
+@dataclass
+class CliSwitch(PlainRecord):
+    """A role the run moved to its fallback CLI at a usage limit it would not wait out, for the rest of the run:
+    saved before the new agent is asked for (`new_terminal` '' until it is up), so a rerun finishes the switch."""
+
+    required: ClassVar[str] = "role"
+    role: str
+    from_provider: str
+    from_model: str                   # '' : its CLI's default
+    to_provider: str
+    to_model: str
+    at: str                           # ISO time (UTC)
+    resets_at: str                    # when the limit resets (ISO, UTC; '': its CLI named no time)
+    limit: str                        # what the screen said
+    old_terminal: str
+    new_terminal: str = ""
+    old_ended: bool = False           # the limited agent ended (a stop right after the switch leaves it to a rerun)
+
+    @classmethod
+    def read(cls, raw: dict) -> CliSwitch:
+        return cls(*(_text(raw.get(key)) for key in ("role", "from_provider", "from_model", "to_provider", "to_model",
+                                                      "at", "resets_at", "limit", "old_terminal", "new_terminal")),
+                   raw.get("old_ended") is True)
+
+    def text(self) -> str:
+        """'programmer codex (gpt-5) -> claude_code (its CLI default) at ...': the switch, for people."""
+        def cli(provider: str, model: str) -> str:
+            return f"{provider} ({model or 'its CLI default'})"
+        return (f"{self.role} {cli(self.from_provider, self.from_model)} -> {cli(self.to_provider, self.to_model)} "
+                f"at {self.at}, its limit resetting {self.resets_at or 'at a time its CLI did not name'}")
 
 
 @dataclass
@@ -2663,6 +2840,9 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("rounds_without_progress", "rounds_without_progress", new=int, parse=lambda v: _whole(v) or 0),
     StateField("worktree_at_fail", "worktree_at_fail", parse=_fingerprints),
     StateField("no_progress_stop", "no_progress_stop", parse=lambda v: v if isinstance(v, dict) else None),
+    StateField("cli_switches", "cli_switches", new=list, dump=lambda switches: [w.to_json() for w in switches],
+               parse=lambda v: [w for w in map(CliSwitch.from_json, v) if w and w.role in ROLES and w.to_provider]
+               if isinstance(v, list) else []),
     StateField("fresh_agents_due", "fresh_agents_due", new=dict,
                parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
                if isinstance(v, dict) else {}),
@@ -2703,6 +2883,7 @@ after_run: AfterRun = _new_value("after_run")
 replacements: list[Replacement] = _new_value("replacements")   # lost agents replaced (REPLACE_LOST_AGENTS=1)
 agent_events: list[AgentEvent] = _new_value("agent_events")    # conversations compacted, cleared, started anew
 fresh_agents_due: dict[str, str] = _new_value("fresh_agents_due")  # role -> why its next turn needs a new agent
+cli_switches: list[CliSwitch] = _new_value("cli_switches")  # roles moved to their fallback CLI (FALLBACK_PROVIDER)
 failed_rounds: list[FailedRound] = _new_value("failed_rounds")   # each FAILed round, compared with the one before
 rounds_without_progress: int = _new_value("rounds_without_progress")  # FAILs in a row that repeat the one before
 worktree_at_fail: dict | None = _new_value("worktree_at_fail")  # the WD's fingerprints at the last FAIL
@@ -2936,17 +3117,15 @@ def go_on_command(round_played: int, without_progress: bool) -> str:
 
 # One process per run: an exclusive lock beside the state file, which the system drops when the process dies
 # (a killed run never blocks the next); a lock on a file removed meanwhile is taken again on the new one.
-run_lock = None
-run_lock_made_folder: Path | None = None     # the folder the lock file needed, made by this process
+run_lock = SimpleNamespace(handle=None, made_folder=None)   # while held: the open lock file; a folder it made
 
 
 def acquire_run_lock() -> None:
     """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
-    global run_lock, run_lock_made_folder
     path = Path(STATE_FILE + ".lock")
     if not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        run_lock_made_folder = path.parent
+        run_lock.made_folder = path.parent
     while True:
         handle = open(path, "a+", encoding="utf-8")
         try:
@@ -2968,7 +3147,7 @@ def acquire_run_lock() -> None:
     handle.truncate()
     handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
-    run_lock = handle
+    run_lock.handle = handle
 
 
 def lock_holder() -> str:
@@ -2988,15 +3167,97 @@ def lock_holder() -> str:
 
 def release_run_lock() -> None:
     """Give the lock back and remove its file (while still holding it, so no other process loses its lock)."""
-    global run_lock, run_lock_made_folder
-    if run_lock is not None:
-        Path(run_lock.name).unlink(missing_ok=True)
-        run_lock.close()
-        run_lock = None
-    if run_lock_made_folder is not None:
+    if run_lock.handle is not None:
+        Path(run_lock.handle.name).unlink(missing_ok=True)
+        run_lock.handle.close()
+        run_lock.handle = None
+    if run_lock.made_folder is not None:
         with suppress(OSError):          # kept when the run wrote anything there
-            run_lock_made_folder.rmdir()
-        run_lock_made_folder = None
+            run_lock.made_folder.rmdir()
+        run_lock.made_folder = None
+
+
+def killed_invocation() -> str:
+    """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
+    (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
+    try:
+        handle = open(STATE_FILE + ".lock", encoding="utf-8")
+    except OSError:
+        return ""
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return ""                    # held: that invocation lives
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return handle.read().strip()
+
+
+# From the lock on until the state file has the run, a note beside it says that a run is starting, since when,
+# how far it got and each agent's start ('starting', 'up', or 'failed' and why): --status reads it. It goes
+# once the state file holds the run or the stop's line has said why not; an invocation killed in start-up
+# leaves it (written whole or not at all, like the own server's note).
+start_up_facts: dict = {}                # this invocation's note while its run starts ({} at any other time)
+start_up_guard = threading.Lock()        # the agents start in threads of their own
+
+
+def start_up_note() -> Path:
+    """Where a starting run is noted: beside the state file."""
+    state = Path(STATE_FILE)
+    return state.with_name(state.stem + ".start-up.json")
+
+
+def write_start_up_note() -> None:
+    """The note as it stands now, replaced whole; a note that cannot be written costs the run nothing."""
+    note = start_up_note()
+    temporary = note.with_name(f"{note.name}.{threading.get_ident()}.tmp")
+    with suppress(OSError):
+        temporary.write_text(json.dumps(start_up_facts), encoding="utf-8")
+        os.replace(temporary, note)
+
+
+def begin_start_up(resuming: bool) -> None:
+    """Note that this invocation starts a run (a new one, or the saved one resumed), under the run's lock."""
+    with start_up_guard:
+        start_up_facts.clear()
+        start_up_facts.update(pid=os.getpid(), since=utc_iso(), resuming=resuming, step="starting", agents={})
+        write_start_up_note()
+
+
+def note_start_up_step(step: str) -> None:
+    """What the start-up does now ('starting the run's own CAO server', 'creating the five agents', ...)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["step"] = step
+            write_start_up_note()
+
+
+def note_agent_start(role: str, state: str, reason: str = "", terminal: str = "") -> None:
+    """One agent's start in the start-up note: 'starting', 'up' (its terminal), or 'failed' with why in the
+    CLI's or CAO's words (the last word on a role wins). Nothing outside a start-up (a replacement mid-run)."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_facts["agents"][role] = {"state": state, "reason": reason, "terminal": terminal}
+            write_start_up_note()
+
+
+def end_start_up() -> None:
+    """The start-up is over: the state file holds the run, or the stop's line has said why it did not start."""
+    with start_up_guard:
+        if start_up_facts:
+            start_up_note().unlink(missing_ok=True)
+            start_up_facts.clear()
+
+
+def read_start_up_note() -> dict | None:
+    """The start-up note beside the state file, as --status reads it (None: none, or one that cannot be read)."""
+    try:
+        note = json.loads(start_up_note().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("pid"), int) or not isinstance(note.get("agents"), dict):
+        return None
+    return note
 
 
 # ==========================================================================
@@ -3053,12 +3314,16 @@ EVENT_KINDS = {
     "turn_sent": "a prompt went to an agent: role, round, phase, cycle, number (its files' number), "
                  "prompt_bytes, resend (true: sent again by a later invocation)",
     "reply_taken": "an agent's answer was taken: role, round, phase, cycle, seconds, reply_bytes, reply_file, "
-                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known)",
+                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known), "
+                   "provider (the CLI that answered)",
     "verdict": "what an answer decided: role, round, outcome (APPROVED, REVISE, PASS, FAIL, ...; "
                "'(not counted)' after an approval that does not count)",
     "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
                    "compacted, context low, new conversation, model changed, ...), detail",
     "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
+    "cli_switched": "a role went over to its fallback CLI at a usage limit it would not wait out, for the rest of "
+                    "the run: role, from_provider, from_model, to_provider, to_model, resets_at (null: not named), "
+                    "limit, old_terminal, new_terminal",
     "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
                       "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
                       "(null: not known)",
@@ -3218,9 +3483,10 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
         save_state()
     crash_point("reply-file-named")
     if read_reply_file(response_file):
-        os.replace(response_file, target)
-    else:                               # the reply came from the terminal, not the file
-        target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        os.replace(response_file, target)          # at once: the reply is still there, or kept ...
+    staged = target.with_name(f".{target.name}.tmp")    # ... as the text acted on, byte for byte (its agent may
+    staged.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")   # have rewritten it since)
+    os.replace(staged, target)
     sync_directory(directory)
     crash_point("reply-archived")
     return target
@@ -3363,20 +3629,34 @@ def _role_totals() -> dict[str, dict]:
     return totals
 
 
+def turn_provider(record: TurnRecord) -> str:
+    """The provider whose agent answered the turn (a record from before it was kept: the role's)."""
+    return record.provider or provider_for(record.role)
+
+
+def _cli_totals() -> dict[str, dict]:
+    """Per provider (CLI) that answered turns: how many, and the tokens they used."""
+    by_provider: dict[str, list[TurnRecord]] = {}
+    for record in turn_records:
+        by_provider.setdefault(turn_provider(record), []).append(record)
+    return {provider: {"turns": len(mine), **_token_totals(mine)} for provider, mine in by_provider.items()}
+
+
 def _unanswered_turn() -> dict | None:
     """The prompt in flight, as a turn of the run record with no reply (None when there is none)."""
     if in_flight is None or in_flight.reply_file:
         return None
     facts = {**sent_turn_facts(in_flight.role, time.time()), "seconds": None, "tokens_before": None}
     return {**TurnRecord(in_flight.role, in_flight.round, prompt_bytes=in_flight.prompt_bytes, outcome="unanswered",
-                         **facts).to_json(), "cost": None}
+                         provider=provider_for(in_flight.role), **facts).to_json(), "cost": None}
 
 
 def run_summary(exit_code: int | None) -> dict:
     """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
     counts among the prompts sent. `exit_code` is None while the run goes on."""
     unanswered = _unanswered_turn()
-    turns = [{**r.to_json(), "cost": cost_of(r.tokens) if MODEL_PRICES else None} for r in turn_records] \
+    turns = [{**r.to_json(), "provider": turn_provider(r), "cost": cost_of(r.tokens) if MODEL_PRICES else None}
+             for r in turn_records] \
         + ([unanswered] if unanswered else [])
     ended_at = utc_iso(precise=True)
     return {
@@ -3393,9 +3673,11 @@ def run_summary(exit_code: int | None) -> dict:
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
         **_token_totals(turn_records), "model_prices": MODEL_PRICES,
-        "roles": _role_totals(), "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
+        "roles": _role_totals(), "clis": _cli_totals(),
+        "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
+        "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(cli_switches),
         "agent_events": [e.to_json() for e in agent_events],
         "no_progress_stop": no_progress_stop,
         "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
@@ -3525,7 +3807,9 @@ TOKENS_SECTION = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</
                           '<table id="tokens-per-turn"><tr><th>turn</th><th>role</th><th>round</th><th>input</th>'
                           '<th>cached input</th><th>output</th><th>cost</th></tr>\n$turn_rows</table>\n'
                           '<table id="tokens-per-role"><tr><th>turns</th><th>role</th><th>unknown</th><th>input</th>'
-                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table></section>')
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table>\n'
+                          '<table id="tokens-per-cli"><tr><th>turns</th><th>CLI</th><th>unknown</th><th>input</th>'
+                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$cli_rows</table></section>')
 TOKENS_UNCOUNTED = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p></section>')
 TOKEN_ROW = Template('<tr data-key="$key"><td>$first</td><td>$second</td><td>$third</td><td>$input</td>'
                      '<td>$cached</td><td>$output</td><td>$cost</td></tr>')
@@ -3634,6 +3918,7 @@ def _figures(summary: dict) -> ReportHtml:
                 *_tokens_figure(summary),
                 ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
+                *[("fallback CLI", CliSwitch.read(w).text()) for w in summary["cli_switches"]],
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
                 ("state file", summary["state_file"])]
     links = _run_file_links(summary["run_dir"])
@@ -3735,6 +4020,7 @@ def _turn_details(turns: list[dict], prompts: list[str], replies: list[str]) -> 
         where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
         extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
         took = report_duration(turn["seconds"]) if turn["seconds"] is not None else "no reply yet"
+        extra += f"; {turn['provider']}" if turn.get("provider") else ""
         extra += f"; model {turn['model']}" if turn.get("model") else ""
         label = f"{number:03d} {turn['role']}: {where}; {took}; {turn.get('outcome') or 'no verdict'}{extra}"
         details.append(_fill(TURN_DETAIL, number=number, label=label, prompt_bytes=f"{turn['prompt_bytes']:,}",
@@ -3767,9 +4053,13 @@ def _tokens_section(summary: dict) -> ReportHtml:
     role_rows = [_fill(TOKEN_ROW, key=f"role-{role}", first=figures["turns"], second=role,
                        third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
                  for role, figures in totals]
+    cli_rows = [_fill(TOKEN_ROW, key=f"cli-{provider}", first=figures["turns"], second=provider,
+                      third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
+                for provider, figures in summary["clis"].items()]
     prices = "cost estimated from MODEL_PRICES" if summary["model_prices"] else "no cost shown: MODEL_PRICES is not set"
     note = (f"As the agents' CLIs recorded them; input leaves out cached input; output includes reasoning; {prices}.")
-    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows))
+    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows),
+                 cli_rows=_join(cli_rows))
 
 
 def report_html(summary: dict) -> str:
@@ -4329,9 +4619,10 @@ def cli_records(provider: str) -> TokenRecords | None:
     return RECORD_FORMATS.get(records) if isinstance(records, str) else records
 
 
-def tokens_readable(role: str) -> bool:
-    """Whether the loop can read what the role's CLI records: one it knows, its records on this machine."""
-    return cli_records(provider_for(role)) is not None and token_records_readable()
+def tokens_readable(role: str, provider: str = "") -> bool:
+    """Whether the loop can read what the role's CLI (or `provider`'s) records: one it knows, its records on
+    this machine."""
+    return cli_records(provider or provider_for(role)) is not None and token_records_readable()
 
 
 def record_marker(role: str) -> str:
@@ -4339,13 +4630,15 @@ def record_marker(role: str) -> str:
     return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
 
 
-def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None) -> TokenReading | None:
-    """What the role's CLI recorded between the two times (time.time() values); None when its records cannot
-    be read here or hold nothing of it yet. `before`: running totals noted at the turn's first send."""
-    if not tokens_readable(role):
+def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None,
+                provider: str = "") -> TokenReading | None:
+    """What the role's CLI (`provider`'s: the one that answered the turn) recorded between the two times
+    (time.time() values); None when its records cannot be read here or hold nothing of it yet. `before`:
+    running totals noted at the turn's first send."""
+    if not tokens_readable(role, provider):
         return None
     try:
-        return cli_records(provider_for(role)).read_turn(record_marker(role), since, until, before)
+        return cli_records(provider or provider_for(role)).read_turn(record_marker(role), since, until, before)
     except (OSError, ValueError):
         return None
 
@@ -4512,24 +4805,21 @@ def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) 
 
 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
-    """('compacted' or 'cleared', ''), ('context low', 'Context low (8% remaining)') or ('', ''): the whole screen,
-    in its CLI's words (None: every CLI's); Claude Code draws a prompt again below "Conversation compacted"."""
+    """('compacted' or 'cleared', ''), ('context low', '8% left') or ('', ''): the whole screen, in its CLI's
+    words (None: every CLI's); a CLI may draw its prompt again below its words for a compaction."""
     rows = cli_rows(cli)
     text = _squeezed(screen or "")
     for words, what in (pair for row in rows for pair in row.conversation_words):
         if words in text:
             return what, ""
-    low = [found for row in rows if row.context_low for found in re.findall(row.context_low, text)]
+    low = [found for row in rows if row.context_low for found in cli_pattern(row.context_low).finditer(text)]
     if not low:
         return "", ""
-    left, full = low[-1]
-    return "context low", "Context limit reached" if full else f"Context low ({left}% remaining)"
+    left = low[-1].groupdict().get("left")
+    return "context low", f"{left}% left" if left else "none left"
 
 
-# An account's usage limit (its row's `usage_limit`) lasts until the reset RESET_AT reads in the words after it.
-RESET_AT = re.compile(r"(?:[Tt]ry again at|resets)\s+(?P<when>[^.·()]+?)(?:\s*\((?P<zone>[\w/+-]+)\)|\s*[.·]|$)")
-RESET_WHEN = re.compile(r"^(?:(?P<month>[A-Z][a-z]{2})[a-z]*\.? (?P<day>\d{1,2})(?:st|nd|rd|th)?,? "
-                        r"(?:(?P<year>\d{4}),? )?)?(?P<hour>\d{1,2})(?::(?P<minute>\d{2}))? ?(?P<half>[AaPp]\.?[Mm]\.?)?$")
+# An account's usage limit (its row's `usage_limit`) lasts until the reset its row's `usage_limit_resets` reads.
 MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
@@ -4541,14 +4831,13 @@ class UsageLimit:
     resets_at: float | None           # time.time() of the reset; None when the CLI names no time
 
 
-def reset_time(when: str, zone: str | None, now: float) -> float | None:
-    """The reset a CLI names ('3:05 PM', 'Jan 5th, 2026 3:05 PM') as time.time(), or None: a time of day is the
-    next such (today's within minutes back), in the zone named, else this machine's."""
-    match = RESET_WHEN.match(when.strip())
-    if not match:
-        return None
+def reset_time(found: re.Match, now: float) -> float | None:
+    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
+    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
+    this machine's."""
+    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
     try:
-        tz = ZoneInfo(zone) if zone else None
+        tz = ZoneInfo(match["zone"]) if match["zone"] else None
     except (ZoneInfoNotFoundError, ValueError):
         tz = None
     local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
@@ -4579,25 +4868,27 @@ def cli_pattern(text: str) -> re.Pattern:
     return re.compile(text)
 
 
-def row_patterns(cli: AgentCli | None, field_name: str) -> list[re.Pattern]:
-    """The regexes a field holds for a CLI: its row's; for a CLI not known, or whose row has none, every CLI's."""
+def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
+    """What a field holds for a CLI (its words, a regex): its row's; for a CLI not known, or whose row has none,
+    every CLI's (each once)."""
     rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
-    return [cli_pattern(text) for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
+    return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
 def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
     """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, row_patterns(cli, "usage_limit")
+    found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
     for line in screen_lines(screen or "")[-30:]:
         for pattern in patterns:
             found = pattern.search(line) or found     # the newest report counts
     if found is None:
         return None
     # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
-    reset = RESET_AT.search(found["rest"])
+    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
+                               for words in row_words(cli, "usage_limit_resets"))), None)
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
-    return UsageLimit(line, reset_time(reset["when"], reset["zone"], now) if reset else None)
+    return UsageLimit(line, reset_time(reset, now) if reset else None)
 
 
 def clock_text(when: float) -> str:
@@ -4668,7 +4959,7 @@ def check_alive(role: str, terminal_id: str) -> None:
     close a menu its CLI opened (typed text and Enter would pick the menu's highlighted choice)."""
     screen = _screen(terminal_id)
     check_gone(role, terminal_id, screen)
-    menu = open_menu(screen)
+    menu = open_menu(screen, agent_cli(provider_for(role)))
     if menu is not None:
         answer_menu(role, terminal_id, menu)
 
@@ -4676,7 +4967,8 @@ def check_alive(role: str, terminal_id: str) -> None:
 # -- Menus an agent CLI opens by itself ------------------------------------------
 # Typed text's Enter would pick the highlighted choice: the loop picks the one its row names, which keeps what
 # the user chose (its row's `menus`); a menu it does not know stops the turn, naming it. Every answer is logged.
-MENU_OPTION = re.compile(r"^\s*(?P<cursor>[›❯▶]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$")
+# A choice's line; {cursors}: the glyphs that mark the highlighted one (its row's `menu_cursor`).
+MENU_OPTION = r"^\s*(?P<cursor>[{cursors}]\s*)?(?P<number>[1-9])[.)]\s+(?P<text>\S.*?)\s*$"
 MENU_LINES = 14                        # a menu is among the screen's last lines
 MENU_CLOSE_SECONDS = 5.0               # how long a CLI may take to close a menu once its choice is picked
 
@@ -4693,22 +4985,24 @@ class Menu:
         return f"{self.question} " + " ".join(f"{number}. {text}" for number, text in self.choices)
 
 
-def open_menu(screen: str | None) -> Menu | None:
+def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
     """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
-    highlighted (a numbered list in an answer has no such mark)."""
+    highlighted by its CLI's glyph (row_words; a numbered list in an answer has no such mark)."""
+    cursors = "".join(row_words(cli, "menu_cursor"))
+    menu_option = cli_pattern(MENU_OPTION.replace("{cursors}", re.escape(cursors)))
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
-        first = MENU_OPTION.match(line)
+        first = menu_option.match(line)
         if not first or first["number"] != "1":
             continue
         choices, highlighted = [(1, first["text"])], [1] if first["cursor"] else []
         for later in lines[start + 1:]:
-            option = MENU_OPTION.match(later)
+            option = menu_option.match(later)
             if option and int(option["number"]) == len(choices) + 1:
                 choices.append((len(choices) + 1, option["text"]))
                 highlighted += [len(choices)] if option["cursor"] else []
         if len(choices) >= 2 and len(highlighted) == 1:
-            question = lines[start - 1].strip(" ›❯│") if start else ""
+            question = lines[start - 1].strip(" │" + cursors) if start else ""
             return Menu(tuple(choices), highlighted[0], question)
     return None
 
@@ -4741,7 +5035,8 @@ def pick_menu_choice(role: str, terminal_id: str, menu: Menu, known: tuple[str, 
 def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     """Pick the choice of a known menu that keeps what the user chose; a menu the loop does not know stops
     the turn (nothing typed), naming it."""
-    known = safe_menu_choice(menu, agent_cli(provider_for(role)))
+    cli = agent_cli(provider_for(role))
+    known = safe_menu_choice(menu, cli)
     if known is None:
         log_turn(role, f"terminal {terminal_id} shows a menu the loop does not answer: {menu.text()[:300]}")
         raise agent_failed(role, terminal_id, f"shows a menu the loop does not answer ({menu.text()[:200]}); "
@@ -4749,7 +5044,7 @@ def answer_menu(role: str, terminal_id: str, menu: Menu) -> None:
     pick_menu_choice(role, terminal_id, menu, known)
     name, choice = known
     deadline = time.monotonic() + MENU_CLOSE_SECONDS
-    while open_menu(_screen(terminal_id)) == menu:
+    while open_menu(_screen(terminal_id), cli) == menu:
         if time.monotonic() >= deadline:
             raise agent_failed(role, terminal_id, f"still shows {name} after the loop chose "
                                                   f"\"{dict(menu.choices)[choice]}\"; answer it yourself", EXIT_USAGE)
@@ -4770,6 +5065,7 @@ class TurnState(Enum):
     FILE_SETTLING = "file settling"                     # a reply file changed less than FILE_SETTLE_SECONDS ago
     FILE_SETTLED = "file settled"                       # its turn-ending rows say whether the turn is over
     FAILED = "failed"                                   # CAO reports the terminal's status as `error`
+    BETWEEN_TURNS = "no reply awaited"                  # a terminal about to be prompted: is its last turn over?
 
 
 class Verdict(Enum):
@@ -4821,6 +5117,7 @@ class TurnFacts:
     limit_wait_until: float | None = None  # a usage-limit wait is under way until then
     full_prompt_due: bool = False     # compacted during the turn, its prompt referring back to what that summarised
     answered_before: bool = False     # the agent has answered a turn of this run (its marks: turn_mark())
+    awaiting: bool = True             # a reply is awaited (False: a terminal about to be prompted)
 
     # -- observations ----------------------------------------------------------
     def note_file(self, version: tuple[int, int] | None, now: float) -> None:
@@ -4830,12 +5127,16 @@ class TurnFacts:
                 self.seen_working = self.prompt_seen = True
 
     def note_status(self, status: str, now: float) -> None:
-        self.cao_status, status = status, self.cli.status_word(status)   # a misread ready: the screen decides
+        # A ready word CAO misreads: the screen decides; before a prompt, the CLI's own idle mark bears it out.
+        self.cao_status, status = status, status if not self.awaiting and self.mark == "idle" \
+            else self.cli.status_word(status)
         ready = status in READY_STATUSES
         self.ready_since = (self.ready_since if self.status in READY_STATUSES else now) if ready else None
         self.status, self.status_at = status, now
         if ready and not self.finished_by:
             self.finished_by = TURN_ENDED_BY_STATUS
+        elif not (ready or self.awaiting) and self.finished_by == TURN_ENDED_BY_STATUS:
+            self.finished_by = ""        # before a prompt only the latest status counts
         if status in BUSY_STATUSES:
             self.seen_working = True
 
@@ -4923,6 +5224,12 @@ class TurnFacts:
         """Idle, or -- whatever the status says -- a screen still since the last prompt or reminder."""
         return self.is_idle(now) or self.screen_still_since(self.guard_since, now)
 
+    def quiet_at_limit(self, now: float) -> bool:
+        """Idle; or, for a CLI whose ready word CAO cannot be trusted on (Codex reads `processing` through its
+        limit), a screen still since the last prompt or reminder."""
+        return self.is_idle(now) or (not self.cli.ready_status_trusted
+                                     and self.screen_still_since(self.guard_since, now))
+
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
         if self.status in READY_STATUSES and self.ready_since is not None:
@@ -4945,6 +5252,8 @@ def turn_state(facts: TurnFacts, now: float) -> TurnState:
         return TurnState.LOST
     if facts.status == "error":
         return TurnState.FAILED
+    if not facts.awaiting:
+        return TurnState.BETWEEN_TURNS
     if facts.file_version is not None:
         return TurnState.FILE_SETTLED if facts.file_settled(now) else TurnState.FILE_SETTLING
     if facts.markers and not facts.prompt_seen:
@@ -4970,8 +5279,8 @@ def _since_prompt(facts: TurnFacts, now: float) -> float:
     return now - facts.guard_since
 
 
-OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST}
-SETTLED = frozenset({TurnState.FILE_SETTLED})
+OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST, TurnState.BETWEEN_TURNS}
+SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # a whole reply file, or none awaited
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
 BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
@@ -4985,16 +5294,16 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
     WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
              lambda f, now: f.said_finished(TURN_ENDED_BY_MARK), Verdict.TAKE_REPLY, TURN_ENDED_BY_MARK),
-    WaitRule(SETTLED, "its CLI's own record of the turn's end, read since the file's last change",
+    WaitRule(frozenset({TurnState.FILE_SETTLED}), "its CLI's own record of the turn's end, read since then",
              lambda f, now: f.said_finished(TURN_ENDED_BY_RECORD), Verdict.TAKE_REPLY, TURN_ENDED_BY_RECORD),
     WaitRule(SETTLED, "the screen still since then for its row's still_screen_ends_turn, else QUIET_SCREEN_SECONDS",
              lambda f, now: f.still_screen_ends(now), Verdict.TAKE_REPLY, TURN_ENDED_BY_STILL_SCREEN),
     WaitRule(OPEN_STATES, "a usage-limit wait is under way",
              lambda f, now: f.limit_wait_until is not None and now < f.limit_wait_until, Verdict.WAIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet (CAO reads Codex busy)",
-             lambda f, now: f.limit_wait_until is not None and f.is_quiet(now), Verdict.CONTINUE_AFTER_LIMIT),
-    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet",
-             lambda f, now: f.usage_limit is not None and f.is_quiet(now), Verdict.WAIT_OUT_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "a usage-limit wait is over, the agent quiet at its limit",
+             lambda f, now: f.limit_wait_until is not None and f.quiet_at_limit(now), Verdict.CONTINUE_AFTER_LIMIT),
+    WaitRule(IDLE_STATES | BUSY_STATES, "its screen says its account's usage limit is reached, the agent quiet at it",
+             lambda f, now: f.usage_limit is not None and f.quiet_at_limit(now), Verdict.WAIT_OUT_LIMIT),
     WaitRule(IDLE_STATES | BUSY_STATES | {TurnState.PROMPT_NOT_SHOWN},
              "compacted during the turn, whose prompt referred back to what the summary may have dropped",
              lambda f, now: f.full_prompt_due, Verdict.RESEND_IN_FULL),
@@ -5021,19 +5330,14 @@ WAIT_RULES: tuple[WaitRule, ...] = (
 )
 
 
-def decide(facts: TurnFacts, now: float) -> tuple[TurnState, Verdict]:
-    """The turn's state and the verdict of the first rule that applies to it (WAIT if none). Pure."""
+NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", lambda f, now: True, Verdict.WAIT)
+
+
+def decide(facts: TurnFacts, now: float) -> tuple[TurnState, WaitRule]:
+    """The turn's state and the first rule that applies to it (NO_RULE: wait). Pure; the one judge of a turn's
+    end (the rule's `ended_by`), asked by the wait, a carried-over turn and the settle check alike."""
     state = turn_state(facts, now)
-    for rule in WAIT_RULES:
-        if state in rule.states and rule.applies(facts, now):
-            return state, rule.verdict
-    return state, Verdict.WAIT
-
-
-def turn_ended_by(facts: TurnFacts, now: float) -> str:
-    """What says the turn is over: the first turn-ending row of WAIT_RULES that holds ('' : none). Pure; the
-    one judge, asked by the wait, a carried-over turn (at_work) and the settle check (wait_until_settled)."""
-    return next((rule.ended_by for rule in WAIT_RULES if rule.ended_by and rule.applies(facts, now)), "")
+    return state, next((rule for rule in WAIT_RULES if state in rule.states and rule.applies(facts, now)), NO_RULE)
 
 
 @dataclass
@@ -5048,7 +5352,8 @@ class ReadSchedule:
 
     def confirm_read_at(self, facts: TurnFacts, now: float) -> float | None:
         """When a settled file's turn is next asked whether it has finished (None: no such file)."""
-        if turn_state(facts, now) is not TurnState.FILE_SETTLED or turn_ended_by(facts, now):
+        state, rule = decide(facts, now)
+        if state is not TurnState.FILE_SETTLED or rule.ended_by:
             return None
         settled_at = facts.file_seen_at + FILE_SETTLE_SECONDS
         if facts.status_at < settled_at:
@@ -5214,13 +5519,13 @@ def resend_prompt(turn: Turn) -> None:
 
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
-    patterns = row_patterns(cli, "error_lines")
+    patterns = [*map(cli_pattern, row_words(cli, "error_lines"))]
     return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
 
 
 def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     """Whether a provider's error line says the account is rate limited (it passes with time)."""
-    return any(pattern.search(error_line) for pattern in row_patterns(cli, "rate_limit_lines"))
+    return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
 
 
 def idle_without_file(turn: Turn) -> str | None:
@@ -5310,28 +5615,57 @@ def usage_limit_stop(turn: Turn, line: str, until: float | None) -> RunError:
                     f"({line[:200]}); {when}")
 
 
+class FallbackDue(RunError):
+    """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
+    the role to it (switch_to_fallback(), 8). Its message is the stop's, should nothing take it up."""
+
+    def __init__(self, turn: Turn, line: str, until: float | None):
+        super().__init__(str(usage_limit_stop(turn, line, until)))
+        self.role, self.terminal_id, self.line, self.until = turn.role, turn.terminal_id, line, until
+
+
+def switch_pending(role: str) -> bool:
+    """Whether the run decided to move the role to its fallback CLI while its agent is still the limited one
+    (a stop came between the decision and the new agent)."""
+    return any(w.role == role and w.old_terminal == terminal_ids.get(role) for w in cli_switches)
+
+
+def fallback_due(role: str) -> bool:
+    """Whether a usage limit the loop will not wait out moves the role to its fallback CLI: one is set and the
+    role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth)."""
+    return switch_pending(role) or (switched_to(role) is None and fallback_for(role) is not None)
+
+
+def limit_outlasting(turn: Turn, line: str, until: float | None) -> RunError:
+    """What a usage limit the loop will not wait out leads to: the role's fallback CLI, else the stop."""
+    return FallbackDue(turn, line, until) if fallback_due(turn.role) else usage_limit_stop(turn, line, until)
+
+
 def begin_limit_wait(turn: Turn, limit: UsageLimit) -> None:
     """The agent stopped at its usage limit: wait until the reset and a margin (at most USAGE_LIMIT_MAX_WAIT),
-    or stop saying when to rerun. Saved first, so a rerun during the wait waits on instead of resending."""
+    else go over to the role's fallback CLI, or stop saying when to rerun. Saved first, so a rerun during the
+    wait waits on instead of resending."""
     now = time.time()
     until = None if limit.resets_at is None else max(now, limit.resets_at + USAGE_LIMIT_MARGIN_SECONDS)
     waits = until is not None and until - now <= USAGE_LIMIT_MAX_WAIT
     record_agent_event(turn.role, turn.terminal_id, "usage limit", limit.line[:200] + (
-        f"; waited until {clock_text(until)}" if waits else "; the run stopped"))
+        f"; waited until {clock_text(until)}" if waits else
+        "; the role goes over to its fallback CLI" if fallback_due(turn.role) else "; the run stopped"))
     note_limit_in_flight(turn.role, limit.line, until)
     if not waits:
-        raise usage_limit_stop(turn, limit.line, until)
+        raise limit_outlasting(turn, limit.line, until)
     turn.facts.limit_wait_until = time.monotonic() + (until - now)
     log_turn(turn.role, f"usage limit reached; waiting until {clock_text(until)} (in {duration_text(until - now)}), "
                         f"then it continues ({limit.line[:200]})")
 
 
 def resume_limit_wait(turn: Turn) -> None:
-    """A turn carried over while its agent waited out a usage limit: wait on (or stop again); never resend it."""
+    """A turn carried over while its agent waited out a usage limit: wait on, or -- the reset still too far, or
+    the switch to the role's fallback CLI decided -- go over to it (or stop again); never resend it here."""
     line, until = in_flight.limit_line, in_flight.limit_until
     now = time.time()
-    if until is not None and until - now > USAGE_LIMIT_MAX_WAIT:
-        raise usage_limit_stop(turn, line, until)
+    if switch_pending(turn.role) or (until is not None and until - now > USAGE_LIMIT_MAX_WAIT):
+        raise limit_outlasting(turn, line, until)
     remaining = max(0.0, (until or now) - now)
     turn.facts.limit_wait_until = time.monotonic() + remaining
     log_turn(turn.role, f"its agent stopped at its usage limit before the interruption ({line[:200]}); "
@@ -5490,7 +5824,7 @@ def observe_terminal(turn: Turn) -> None:
             if note_conversation(turn.role, turn.terminal_id, screen):
                 note_compaction(turn)
     note_gone(turn, screen, liveness, unreadable=screen_read and screen is None and status not in KNOWN_STATUSES)
-    menu = open_menu(screen)
+    menu = open_menu(screen, turn.facts.cli)
     known = safe_menu_choice(menu, turn.facts.cli) if menu is not None and not turn.facts.lost else None
     if known:
         answer_menu_in_turn(turn, menu, known)     # e.g. what to do at a usage limit: wait for it
@@ -5539,11 +5873,10 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
             observe_terminal(turn)
         elif turn.reads.record_due(turn.facts, now):
             read_turn_record(turn)
-        decided_at = time.monotonic()
-        state, verdict = decide(turn.facts, decided_at)
-        reply = act_on(turn, state, verdict)
+        state, rule = decide(turn.facts, time.monotonic())
+        reply = act_on(turn, state, rule.verdict)
         if reply is not None:
-            return reply, turn_ended_by(turn.facts, decided_at)
+            return reply, rule.ended_by
         if PROGRESS_SECONDS and time.monotonic() >= next_progress_at:
             log_turn(role, progress_text(turn.facts, began, time.monotonic()))
             next_progress_at += PROGRESS_SECONDS
@@ -5601,10 +5934,17 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`.
     The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
     key = agent_key(role, session, replacing)
+    note_agent_start(role, "starting")
     if first:
         note_own_session(session)
-        return api.create_session(profile_for(role), provider_for(role), session, model_for(role), key)
-    return api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key)
+    try:
+        answer = (api.create_session(profile_for(role), provider_for(role), session, model_for(role), key) if first
+                  else api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key))
+    except Exception as exc:
+        note_agent_start(role, "failed", str(exc))
+        raise
+    note_agent_start(role, "up", terminal=str(answer.get("id", "")) if isinstance(answer, dict) else "")
+    return answer
 
 
 def note_model_answers(answers: dict[str, dict]) -> None:
@@ -5685,20 +6025,17 @@ def end_agents(ids: list[str], session: str) -> None:
         log(f"could not remove CAO session {session}: {exc}")
 
 
-def creation_answers(futures: dict[str, Future]) -> tuple[dict[str, dict], dict[str, str]]:
-    """CAO's answer for each role, and why each failed one failed: every creation is waited for, so that
-    what came up can be exited when another did not."""
-    answers: dict[str, dict] = {}
-    failures: dict[str, str] = {}
-    for role, future in futures.items():
-        try:
-            answer = future.result()
-        except Exception as exc:       # ApiError, or anything else: the others are still exited
-            failures[role] = f"{role}: {exc}"
-            continue
-        if answer is not None:
-            answers[role] = answer
-    return answers, failures
+def creation_answers(futures: dict[str, Future], answers: dict[str, dict]) -> dict[str, str]:
+    """CAO's answer for each role (into `answers`), and why each failed one failed (CAO's word): every creation
+    is waited for, so that what came up can be exited when another did not; a fault of the loop's own is raised
+    then."""
+    errors = {role: future.exception() for role, future in futures.items()}
+    answers.update((role, future.result()) for role, future in futures.items()
+                   if errors[role] is None and future.result() is not None)
+    fault = next((error for error in errors.values() if error is not None and not isinstance(error, ApiError)), None)
+    if fault is not None:
+        raise fault
+    return {role: f"{role}: {error}" for role, error in errors.items() if error is not None}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -5742,7 +6079,8 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
     timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
     name = new_session_name()
-    providers = providers_in_use()
+    providers = sorted({provider_for(role) for role in ROLES})
+    note_start_up_step(f"creating the five agents on {API}")
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
@@ -5752,12 +6090,16 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         futures = {"analyst": session}
         for role in ROLES[1:]:
             futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
-        answers, failures = creation_answers(futures)
-        if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
-            failures = start_again_one_at_a_time(answers, failures, interrupted)
-        if failures or interrupted:
-            created = answers.get("analyst", {}).get("session_name", "")
-            end_agents([answer["id"] for answer in answers.values()], created)
+        answers: dict[str, dict] = {}
+        failures = None                   # stays None on a fault of the loop's own: what came up is exited too
+        try:
+            failures = creation_answers(futures, answers)
+            if failures and not interrupted and all(CLI_START_TIMED_OUT in error for error in failures.values()):
+                failures = start_again_one_at_a_time(answers, failures, interrupted)
+        finally:
+            if failures is None or failures or interrupted:
+                created = answers.get("analyst", {}).get("session_name", "")
+                end_agents([answer["id"] for answer in answers.values()], created)
         if failures and not interrupted:
             raise start_up_failure(failures)
     note_model_answers(answers)
@@ -5782,7 +6124,7 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
                 answers[role] = request_agent(role, new_session_name(), first=True)
             else:
                 answers[role] = request_agent(role, answers["analyst"]["session_name"])
-        except Exception as exc:           # ApiError, or anything else: what came up is exited by the caller
+        except ApiError as exc:            # what came up is exited by the caller
             return {role: f"{role}: {exc} (on its second try too, started alone)"}
     log("all five agents are up after the second try")
     return {}
@@ -5907,6 +6249,21 @@ def replace_lost_agent(lost: AgentLost) -> None:
         + f" in CAO session {new_session}; a new agent gets its whole prompt")
 
 
+def end_agent_switched_from(switch: CliSwitch) -> None:
+    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
+    exit_terminals([switch.old_terminal])
+    with suppress(ApiError):             # gone already: nothing to remove
+        api.delete_terminal(switch.old_terminal)
+    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
+    save_state()
+
+
+def end_agents_switched_from() -> None:
+    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
+    for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
+        end_agent_switched_from(switch)
+
+
 # ==========================================================================
 # 8. Asking an agent
 # ==========================================================================
@@ -5927,39 +6284,36 @@ class Prompt(str):
 
 def wait_until_settled(role: str, terminal_id: str) -> None:
     """Before the first prompt to a terminal this process did not create (a resumed run's): at rest twice in a
-    row (some CLIs show their prompt before they take input) -- CAO's status not busy, or turn_ended_by()."""
+    row (some CLIs show their prompt before they take input) -- its last turn over, as decide() judges it."""
     if terminal_id in settled_terminals:
         return
     started = time.monotonic()
-    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)),
+    facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)), awaiting=False,
                       answered_before=any(record.terminal == terminal_id for record in turn_records))
     at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
     while at_rest_in_a_row < 2:
-        status = api.get_status(terminal_id)
+        facts.note_screen(_screen(terminal_id), time.monotonic())
+        facts.note_status(api.get_status(terminal_id), time.monotonic())
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        if status == "error":
+        state, rule = decide(facts, time.monotonic())
+        if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
-        if status in BUSY_STATUSES:
-            now = time.monotonic()
-            facts.note_status(status, now)
-            facts.note_screen(_screen(terminal_id), now)
-        at_rest = status not in BUSY_STATUSES or bool(turn_ended_by(facts, time.monotonic()))
-        at_rest_in_a_row = at_rest_in_a_row + 1 if at_rest else 0
+        at_rest_in_a_row = at_rest_in_a_row + 1 if rule.ended_by else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, status, facts)
+            raise never_ready(role, terminal_id, facts)
         if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
 
 
-def never_ready(role: str, terminal_id: str, status: str, facts: TurnFacts) -> RunError:
+def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
     """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
     marks = turn_marks_on(facts.screen, facts.cli)
+    shown = f"; its marks: {', '.join(marks[-4:])}" if marks else ""
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"(status {status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks
-                                                                    else "") + ")")
+                                           f"(status {facts.cao_status!r}{shown})")
 
 
 def deliverable_message(role: str, prompt: str) -> str:
@@ -6009,15 +6363,14 @@ def carried_over_turn(role: str, path: Path) -> str:
 
 
 def at_work(role: str) -> bool:
-    """Whether the role's agent may be at work on a prompt: not when it failed, turn_ended_by() says its turn is
-    over (the status a CLI's row trusts, its marks), or its marks say it is idle."""
+    """Whether the role's agent may be at work on the prompt sent before an interruption: decide() finds it
+    busy with the facts a carried-over wait begins with (not failed, not idle by the status its row trusts
+    or by its marks)."""
     terminal_id, now = terminal_ids[role], time.monotonic()
     facts = TurnFacts(started=now, guard_since=now, cli=agent_cli(provider_for(role)))
     facts.note_status(api.get_status(terminal_id), now)
-    if facts.status == "error" or turn_ended_by(facts, now):
-        return False
     facts.note_screen(_screen(terminal_id), now)
-    return not (turn_ended_by(facts, now) or facts.mark == "idle")
+    return decide(facts, now)[0] in BUSY_STATES
 
 
 def send_prompt(role: str, prompt: str) -> str:
@@ -6035,7 +6388,8 @@ def send_prompt(role: str, prompt: str) -> str:
                                   first_sent_at=in_flight.first_sent_at if again else now,
                                   prompt_bytes=len(prompt.encode("utf-8")),
                                   resends=in_flight.resends if again else 0,
-                                  tokens_before=in_flight.tokens_before if again else turn_tokens_before(role),
+                                  tokens_before=in_flight.tokens_before if again and in_flight.tokens_before
+                                  else turn_tokens_before(role),
                                   terminal=terminal_id))
     save_state()
     keep_sent(role, "resend" if again else "prompt", prompt)   # sent again by a new process: kept below the first
@@ -6098,14 +6452,15 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
     facts = sent_turn_facts(role, taken)
     record = TurnRecord(role, current_round, prompt_bytes=prompt_bytes, taken_at=utc_iso(taken, precise=True),
                         reply_bytes=len(reply.encode("utf-8")), reply_file=archived.name,
-                        terminal=terminal_ids.get(role, ""), **facts)
+                        terminal=terminal_ids.get(role, ""), provider=provider_for(role), **facts)
     add_turn_record(record)
     reading = read_turn_tokens(len(turn_records) - 1)
     if not any(e.get("event") == "reply_taken" and e.get("reply_file") == record.reply_file
                for e in read_events(Path(run_dir) / EVENTS_FILE)):   # a stop before the state saved it: said once
         record_event("reply_taken", role=role, round=record.round, phase=record.phase, cycle=record.cycle,
                      terminal=record.terminal, seconds=record.seconds, reply_bytes=record.reply_bytes,
-                     reply_file=record.reply_file, tokens=tokens_json(record.tokens), model=record.model or None)
+                     reply_file=record.reply_file, tokens=tokens_json(record.tokens), model=record.model or None,
+                     provider=record.provider)
     return record, reading
 
 
@@ -6126,7 +6481,8 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     stay if the records are gone since (a CLI that archived or removed them)."""
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
-    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before) \
+    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before,
+                          provider=record.provider) \
         if since is not None else None
     set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
                     reading.context if reading is not None else None, reading.model if reading is not None else "")
@@ -6181,7 +6537,7 @@ def check_budget(role: str) -> None:
     unpriced = sorted(model for model in used if model not in MODEL_PRICES)
     if unpriced:
         raise BudgetReached(f"MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for {', '.join(unpriced)} "
-                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn")
+                            f"(the agents' model); add it, then rerun to go on with the {role}'s turn", EXIT_USAGE)
     cost = cost_of(used) or 0.0
     if cost >= MAX_RUN_COST:
         raise BudgetReached(f"the run has cost about {cost:.4f} ({tokens_text(used)}), its budget is "
@@ -6298,17 +6654,17 @@ class ModelChanged(RunError):
         super().__init__(message, EXIT_USAGE)
 
 
-def model_is(recorded: str, asked: str) -> bool:
-    """Whether a recorded model is the one asked for: a CLI may record a longer name (a dated id for an alias,
-    the model without the provider OpenCode's setting names)."""
-    wanted = asked.rpartition("/")[2].lower()
-    return bool(wanted) and wanted in recorded.lower()
+def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
+    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
+    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
+    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
+                                                     for form in cli.model_names))
 
 
 def default_model_seen(provider: str) -> str:
     """The first model recorded by an agent of the provider's CLI started without a model asked for ('': none)."""
     return next((r.model for r in turn_records
-                 if r.model and provider_for(r.role) == provider and not agent_models.get(r.role)), "")
+                 if r.model and (r.provider or provider_for(r.role)) == provider and not agent_models.get(r.role)), "")
 
 
 def model_change(number: int) -> tuple[str, str] | None:
@@ -6318,10 +6674,10 @@ def model_change(number: int) -> tuple[str, str] | None:
     if not record.model or not record.terminal or record.terminal != terminal_ids.get(record.role):
         return None
     started = agent_models.get(record.role, "")
-    if started:
-        return None if model_is(record.model, started) else (started, record.model)
-    first_seen = default_model_seen(provider_for(record.role))
-    return None if record.model == first_seen else (f"{first_seen} (its CLI's default)", record.model)
+    asked = started or default_model_seen(provider_for(record.role))
+    if model_is(record.model, asked, agent_cli(provider_for(record.role))):
+        return None
+    return started or f"{asked} (its CLI's default)", record.model
 
 
 def model_changed_event(terminal_id: str) -> AgentEvent | None:
@@ -6395,7 +6751,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE
+        gone = TurnFacts(started=0.0, guard_since=0.0, lost="its terminal was replaced", left_reply=True)
+        reply, ended_by = read_reply_file(path), decide(gone, 0.0)[1].ended_by     # what ended it, as judged
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
@@ -6409,7 +6766,8 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     crash_point("report-written")
     tokens = f"; tokens: {tokens_text(record.tokens)}" if agent_cli(provider_for(role)).records else ""
     tokens += f"; model: {record.model}" if record.model else ""
-    log_turn(role, f"reply received{timing} ({len(reply)} chars, turn end seen by {ended_by}, kept as "
+    seen = f"turn end seen by {ended_by}" if ended_by else "no turn end seen: its terminal's output taken"
+    log_turn(role, f"reply received{timing} ({len(reply)} chars, {seen}, kept as "
                    f"{archived}{tokens}{recorded})")
     note_model_change(len(turn_records) - 1)
     return reply
@@ -6443,14 +6801,62 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
     return reply
 
 
+def decide_fallback(due: FallbackDue) -> CliSwitch:
+    """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
+    finishes it), or the one saved by an earlier process whose agent is still the limited one."""
+    saved = next((w for w in cli_switches if w.role == due.role and w.old_terminal == due.terminal_id), None)
+    if saved is not None:
+        return saved
+    provider, model = fallback_for(due.role)
+    switch = CliSwitch(due.role, provider_for(due.role), model_for(due.role), provider, model, utc_iso(),
+                       utc_iso(due.until) if due.until is not None else "", due.line[:200], due.terminal_id)
+    update_run(cli_switches=cli_switches + [switch])
+    save_state()
+    return switch
+
+
+def switch_to_fallback(due: FallbackDue) -> None:
+    """The role's agent stopped at a usage limit the loop will not wait out: a new agent on the role's fallback
+    CLI takes the turn in full (a new conversation) and the role for the rest of the run; the limited one is
+    ended. The new agent is asked for under the key of the one it replaces: a rerun at any instant makes none
+    twice, and sends the turn to it once."""
+    role, old = due.role, due.terminal_id
+    switch = decide_fallback(due)
+    crash_point("fallback-decided")
+    new = new_agent_for(role, "creating the agent on the fallback CLI")
+    record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
+    unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
+        if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
+    switch = replace(switch, new_terminal=new)
+    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
+               agent_models={**agent_models, role: model_for(role)},
+               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
+               cli_switches=[switch if w.role == role else w for w in cli_switches])
+    save_state()
+    settled_terminals.add(new)
+    record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
+                 to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
+                 limit=switch.limit, old_terminal=old, new_terminal=new)
+    log_turn(role, f"usage limit beyond USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s "
+                   f"(resets {local_time(switch.resets_at) if switch.resets_at else 'at a time its CLI did not name'}):"
+                   f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
+                   f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
+                   f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
+    crash_point("fallback-switched")
+    end_agent_switched_from(switch)
+
+
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
-    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced and the
-    turn sent again (to the new agent every once-only block in full)."""
+    """The role's answer to the prompt `build()` writes for its terminal; a lost agent is replaced, or the role
+    goes over to its fallback CLI at a usage limit not waited out, and the turn is sent again (to the new agent
+    every once-only block in full)."""
     while True:
         try:
             return take_turn(role, build)
         except AgentLost as lost:
             replace_lost_agent(lost)
+        except FallbackDue as due:
+            switch_to_fallback(due)
 
 
 # ==========================================================================
@@ -7434,10 +7840,10 @@ def notify(event: str, message: str) -> bool:
     if NTFY_TOKEN:
         headers["Authorization"] = f"Bearer {NTFY_TOKEN}"
     url = f"{NTFY_SERVER.rstrip('/')}/{quote(NTFY_TOPIC, safe='')}"
-    try:
+    try:                                 # down, hanging, refused, a bad proxy: never the run's problem
         response = httpx.post(url, content=message.encode("utf-8"), headers=headers,
                               timeout=NOTIFY_TIMEOUT_SECONDS)
-    except Exception as exc:             # down, hanging, refused, a bad proxy: never the run's problem
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
         log(f"notify: could not send the {event} notification to {url} ({exc.__class__.__name__}: "
             f"{exc or 'no answer'}); check NTFY_SERVER and the network")
         return False
@@ -7459,10 +7865,11 @@ def notify_stopped(error: BaseException) -> None:
 # -- the steps, once ----------------------------------------------------------------
 
 def guarded_step(name: str, step, *args) -> dict:
-    """Run an after-run step so that nothing it runs into (a full disk, a fault here) undoes the PASS."""
+    """Run an after-run step so that what it runs into (a full disk, a tool that breaks off) does not undo the
+    PASS; a fault of the loop's own is exit 70 with its traceback, and a rerun does the step again."""
     try:
         return step(*args)
-    except Exception as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         why = f"unexpected {exc.__class__.__name__}: {exc}"
         log(f"{name}: failed, {why}")
         return {"result": "failed", "reason": why}
@@ -7631,12 +8038,14 @@ def check_agent_clis() -> None:
     report = api.provider_report()
     if not report:
         return
-    missing = [(role, provider) for role in ROLES for provider in [provider_for(role)]
+    missing = [(role, provider) for role in ROLES for provider in providers_of(role)
                if provider in report and not report[provider][1]]
     if not missing:
         return
     role, provider = missing[0]
-    setting = f"{role.upper()}_PROVIDER" if own_settings(role)[0] else "PROVIDER"
+    kind, own = ("PROVIDER", own_settings(role)[0]) if provider == provider_for(role) else \
+        ("FALLBACK_PROVIDER", own_fallback(role)[0])
+    setting = f"{role.upper()}_{kind}" if own else kind
     installed = sorted(name for name, (_binary, present) in report.items() if present)
     what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
             f"({setting}={provider}), is not installed on its machine")
@@ -7749,6 +8158,7 @@ def verify_resume_terminals() -> None:
         if not terminal_ids.get(role, ""):
             raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
                            "start a new run with RESUME=0")
+    end_agents_switched_from()
     while True:
         lost = first_lost_agent()
         if lost is None:
@@ -8334,6 +8744,8 @@ def summary_tokens(summary: dict) -> str:
     of the run, as run_summary() has them."""
     parts = [(role, totals) for role, totals in summary["roles"].items() if totals["turns"]] + [("run", summary)]
     unknown = summary["tokens_unknown_turns"]
+    if len(summary["clis"]) > 1:              # a role went over to its fallback CLI: each CLI's share too
+        parts += [(f"{provider} (CLI)", totals) for provider, totals in summary["clis"].items()]
     return "; ".join(f"{role} {tokens_text(tokens_from_json(totals['tokens']))}" for role, totals in parts) \
         + (f" ({counted(unknown, 'turn')} unknown)" if unknown and summary["tokens"] else "")
 
@@ -8356,6 +8768,8 @@ def report_run_summary(exit_code: int) -> None:
         log(f"summary: tokens used: {summary_tokens(summary)}")
     if replacements:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
+    if cli_switches:
+        log(f"summary: on a fallback CLI for the rest of the run: {'; '.join(w.text() for w in cli_switches)}")
     record_event("run_stopped", result=summary["result"], exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
                  scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=summary["turns"],
                  tokens=summary["tokens"], no_progress=no_progress_stop)
@@ -8512,7 +8926,7 @@ def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLin
 def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
     """Each role's CAO agent profile installed, for its provider where that CLI keeps its own copy."""
     lines, missing = [], []
-    for profile, provider in dict.fromkeys((profile_for(role), provider_for(role)) for role in ROLES):
+    for profile, provider in profiles_in_use():
         known = api.profile_installed(profile)
         own_copy = agent_cli(provider).profile_file.format(name=profile)
         if known is False or (known and own_copy and side is not None and not side.home(own_copy).is_file()):
@@ -8899,7 +9313,9 @@ def check_own_server() -> list[CheckLine]:
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
                                "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
                                                                          "CAO's store where it lacks them")
-    overrides = [CheckLine(True, f"the run's own server: {own_server_overrides()}")] if own_server_overrides() else []
+    overrides = [CheckLine(False, f"the run's own server: {own_server_overrides()}; set them so in this environment "
+                                  "too (any other cao-server started from it would pass the wrong ones on)")
+                 ] if own_server_overrides() else []
     return lines + [profiles] + check_clis(side, None) + check_traps(side) + overrides + check_sign_ins(side)
 
 
@@ -9040,7 +9456,7 @@ def _shown_default(setting: Setting) -> str:
                "RESUME": "unset (automatic)"}
     if setting.env in special:
         return special[setting.env]
-    if setting.kind == "role_provider":
+    if setting.kind == "role_provider" and not setting.env.endswith("FALLBACK_PROVIDER"):
         return "PROVIDER"
     if isinstance(setting.default, bool):
         return "1" if setting.default else "0"
@@ -9098,24 +9514,110 @@ def next_step(saved: SavedState) -> str:
             f"{saved.current_phase} phase")
 
 
-def own_server_ended(saved: SavedState) -> bool:
-    """The run was on a CAO server of its own and no process drives it: that server ended with it."""
-    return saved.on_own_server and not lock_holder()
+@dataclass
+class StageSeen:
+    """What --status reads of the stage besides the state file: the run's lock, the notes beside it, /proc."""
+
+    holder: str                          # 'pid N since ...' of the invocation that drives the run ('': none)
+    killed: str                          # the same of an invocation killed holding the lock ('': none)
+    own: OwnServer | None                # the run's own server, as noted beside the state file
+    alive: StageAlive | None             # what of it still runs (None: nothing)
+    starting: dict | None                # the start-up note of the invocation that holds the lock: it starts
+    start_left: dict | None              # the start-up note of an invocation killed while it started
 
 
-def _status_progress(saved: SavedState) -> list[str]:
+def see_stage() -> StageSeen:
+    """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
+    holder = lock_holder()
+    try:
+        own = read_own_server_note()
+    except ValueError:
+        own = None
+    note = read_start_up_note()
+    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
+    live = note is not None and driven is not None and note["pid"] == int(driven[1])
+    return StageSeen(holder, killed_invocation(), own, stage_alive(own) if own else None,
+                     note if live else None, note if note is not None and not holder else None)
+
+
+def own_server_ended(saved: SavedState, stage: StageSeen) -> bool:
+    """The run was on a CAO server of its own, no process drives it, and nothing of that server runs."""
+    return saved.on_own_server and not stage.holder and stage.alive is None
+
+
+def since_text(iso: str) -> str:
+    """'2026-11-24 15:00:00 UTC, 2m 5s ago': a time the state or a note wrote, and how long ago it was."""
+    moment = parse_utc_iso(iso)
+    shown = iso.replace("T", " ").replace("Z", " UTC")
+    return shown if moment is None else f"{shown}, {duration_text(time.time() - moment.timestamp())} ago"
+
+
+def _status_server(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """The CAO server as the stage shows it: the run's own (with the run, left running, or ended), else API's."""
+    own, alive = stage.own, stage.alive
+    if own is not None and stage.holder:
+        return [f"CAO server: the run's own, {own.url} ({alive.text() if alive else 'starting'}); it ends with the run"]
+    if own is not None and alive is not None:
+        return [f"CAO server: the run's own ({own.url}), still running: {alive.text()} -- the same command ends them, "
+                f"or `{alive.end_command()}`"]
+    if stage.starting:
+        return []                        # chosen as the run starts: its step says where
+    if not stage.holder and (own is not None or (saved is not None and saved.on_own_server)):
+        return [f"CAO server: the run's own, ended (it was at {own.url if own else API}); a rerun starts another"]
+    return [f"CAO server: {API}"]
+
+
+def _status_progress(saved: SavedState, stage: StageSeen) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
-    server = (f"CAO server: the run's own, ended with its last invocation (it was at {API}); a rerun starts "
-              "another" if own_server_ended(saved) else f"CAO server: {API}")
+    server = _status_server(saved, stage)
     if saved.finished:
-        return [server, f"turns: {len(saved.turn_records)} answered"]
-    working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with a new "
-               "agent at the rerun" if own_server_ended(saved) and saved.in_flight and not saved.in_flight.reply_file
-               else working_now(saved))
-    return [server, f"next: {next_step(saved)}", f"working now: {working}",
+        return [*server, f"turns: {len(saved.turn_records)} answered"]
+    working = working_now(saved)
+    if saved.on_own_server and not stage.holder and saved.in_flight and not saved.in_flight.reply_file:
+        working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with "
+                   "a new agent at the rerun" if stage.alive is None else
+                   f"{working}; no process drives it: the rerun ends its agent, and takes its reply if complete, "
+                   "else sends the turn to a new agent")
+    return [*server, f"next: {next_step(saved)}", f"working now: {working}",
             f"turns: {len(saved.turn_records)} answered, at most {turns_left_at_most(saved)} left "
             f"(MAX_ROUNDS={MAX_ROUNDS}, MAX_REVIEW_CYCLES={MAX_REVIEW_CYCLES}"
             + (", story attempts not counted)" if STORY_MODE else ")")]
+
+
+def start_up_agents_text(note: dict) -> str:
+    """'analyst up (terminal 1a2b3c4d), peer_analyst starting, tester failed: <why>': each agent's start."""
+    parts = []
+    for role in ROLES:
+        agent = note["agents"].get(role)
+        if not isinstance(agent, dict):
+            continue
+        state = agent.get("state")
+        parts.append(f"{role} up" + (f" (terminal {agent['terminal']})" if agent.get("terminal") else "")
+                     if state == "up" else f"{role} failed: {agent.get('reason') or 'no reason given'}"
+                     if state == "failed" else f"{role} starting")
+    return ", ".join(parts) or "none asked for yet"
+
+
+def _status_starting(saved: SavedState | None, stage: StageSeen) -> list[str]:
+    """--status while a new run starts: that run (since when, how far, its agents), not the one before it."""
+    note = stage.starting
+    lines = [f"state file: {STATE_FILE}", f"run: a new run is starting, since {since_text(str(note.get('since')))}: "
+             f"{note.get('step')}", *_status_server(None, stage), f"agents: {start_up_agents_text(note)}",
+             f"driven by: {stage.holder}"]
+    if saved is not None:
+        lines.append(f"before it: {describe_state(saved)}; that state file is kept as a backup once the new run's "
+                     "agents are up")
+    return lines
+
+
+def _status_start_left(stage: StageSeen) -> list[str]:
+    """An invocation killed while it started its run: how far it got."""
+    note = stage.start_left
+    if note is None:
+        return []
+    what = "resuming the run" if note.get("resuming") else "starting a new run"
+    return [f"last start-up: pid {note['pid']}, {what} since {note.get('since')}, was killed at "
+            f"\"{note.get('step')}\" (agents: {start_up_agents_text(note)})"]
 
 
 def _status_tokens(saved: SavedState) -> list[str]:
@@ -9133,16 +9635,36 @@ def _status_tokens(saved: SavedState) -> list[str]:
             + (f"; budget {', '.join(budgets)}" if budgets else "")]
 
 
-def _status_agents(saved: SavedState) -> list[str]:
+def agents_line(saved: SavedState, stage: StageSeen) -> str:
+    """Where the run's agents are: exited, ended or still running with the run's own server, or as the server
+    at API tells it."""
+    alive = stage.alive
+    if saved.terminals_exited:
+        return "agents: exited (CLEANUP_ON_EXIT=1)"
+    if own_server_ended(saved, stage):
+        return "agents: ended with the run's own CAO server"
+    if saved.on_own_server and stage.starting:
+        return f"agents: five new ones on the run's own CAO server: {start_up_agents_text(stage.starting)}"
+    if saved.on_own_server and not stage.holder and alive is not None:
+        return (f"agents: still running on the run's own CAO server ({counted(alive.agents, 'agent terminal')}"
+                f"{'' if alive.tmux else ': its tmux server is gone, what it started is not'}), driven by no process "
+                "(the same command ends them)")
+    if saved.on_own_server and stage.holder and not (alive and alive.cao_server):
+        return ("agents: the run's own cao-server is not running, so none can be asked; the process that drives the "
+                "run ends what is left of it when it stops")
+    return f"agents: {agents_left_note(saved)}"
+
+
+def _status_agents(saved: SavedState, stage: StageSeen) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
-    lines = ["agents: exited (CLEANUP_ON_EXIT=1)" if saved.terminals_exited else
-             "agents: ended with the run's own CAO server" if own_server_ended(saved) else
-             f"agents: {agents_left_note(saved)}"]
+    lines = [agents_line(saved, stage)]
     if any(saved.agent_models.values()):
         lines.append("models asked for: " + ", ".join(f"{role} {saved.agent_models.get(role) or 'its CLI default'}"
                                                       for role in ROLES))
     if saved.replacements:
         lines.append(f"replaced agents: {replacement_summary(saved.replacements)}")
+    if saved.cli_switches:
+        lines.append("on a fallback CLI for the rest of the run: " + "; ".join(w.text() for w in saved.cli_switches))
     if saved.agent_events:
         lines.append(f"agents' conversations and limits: {agent_events_summary(saved.agent_events)}")
     if saved.run_dir:
@@ -9174,8 +9696,12 @@ def last_exit_code(saved: SavedState) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def _status_last_stop(saved: SavedState) -> list[str]:
-    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1)."""
+def _status_last_stop(saved: SavedState, stage: StageSeen) -> list[str]:
+    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1); one
+    killed holding the lock kept no exit code (the one summary.json holds is an earlier invocation's)."""
+    if stage.killed:
+        return [f"last stop: killed, no exit code ({stage.killed}; SIGKILL, or the machine stopped); a scheduler: "
+                "retry: the same command first ends what it left running"]
     code = last_exit_code(saved) if saved.run_dir else None
     if code is None:
         return []
@@ -9211,12 +9737,30 @@ def working_facts(saved: SavedState) -> dict | None:
             "text": working_now(saved)}
 
 
-def status_facts(saved: SavedState) -> dict:
+def invocation_facts(text: str) -> dict | None:
+    """{"pid", "since"} of 'pid N since ...' as the lock holds it (None: no such invocation)."""
+    named = re.fullmatch(r"pid (\d+) since (.+)", text)
+    return {"pid": int(named[1]), "since": named[2]} if named else {"pid": None, "since": None} if text else None
+
+
+def stage_facts(stage: StageSeen) -> dict:
+    """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
+    processes still running."""
+    alive = stage.alive
+    return {
+        "starting": stage.starting, "killed": invocation_facts(stage.killed), "killed_start_up": stage.start_left,
+        "own_server_running": None if alive is None or stage.own is None else {
+            "url": stage.own.url, "cao_server_pid": alive.cao_server, "tmux_pid": alive.tmux,
+            "agents": alive.agents, "pids": alive.processes, "driven": bool(stage.holder),
+            "end_command": alive.end_command()},
+    }
+
+
+def status_facts(saved: SavedState, stage: StageSeen) -> dict:
     """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
-    file, its lock and its record only, without asking the server."""
-    holder = lock_holder()
-    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
-    code = None if holder or not saved.run_dir else last_exit_code(saved)
+    file, its lock, the notes beside it and its record only, without asking the server."""
+    holder = stage.holder
+    code = None if holder or stage.killed or not saved.run_dir else last_exit_code(saved)
     total, unknown = turns_tokens(saved.turn_records)
     return {
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
@@ -9224,18 +9768,19 @@ def status_facts(saved: SavedState) -> dict:
         "working_now": working_facts(saved), "turns": len(saved.turn_records),
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
-        "driven_by": {"pid": int(driven[1]), "since": driven[2]} if driven else ({"pid": None, "since": None}
-                                                                                 if holder else None),
+        "driven_by": invocation_facts(holder),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
         "traceback": traceback_path(saved) if code == EXIT_BUG else None,
         "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None,
         "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
+        "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(saved.cli_switches),
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
         if saved.final_status == "FAIL" and not saved.terminals_exited else None,
+        **stage_facts(stage),
     }
 
 
@@ -9252,23 +9797,29 @@ def saved_run_or_why() -> tuple[SavedState | None, str]:
 
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
+    if stage.starting and (saved is None or not stage.starting.get("resuming")):
+        return EXIT_PASS, "\n".join(_status_starting(saved, stage))
     if saved is None:
-        return EXIT_FAIL, why
+        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(_status_server(None, stage) if stage.alive
+                                                                       else [])])
     restore_saved_settings(saved)
     connect_api()
-    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved),
+    lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved, stage),
              *_status_tokens(saved)]
-    holder = lock_holder()
-    lines.append(f"driven by: {holder}" if holder else
+    if stage.starting:
+        lines.append(f"starting: the run is being resumed, since {since_text(str(stage.starting.get('since')))}: "
+                     f"{stage.starting.get('step')}")
+    lines.append(f"driven by: {stage.holder}" if stage.holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
-    if not holder:
-        lines += _status_last_stop(saved)
+    if not stage.holder:
+        lines += _status_last_stop(saved, stage) + _status_start_left(stage)
     if saved.no_progress_stop:
         lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.finished and status_next(saved):
         lines.append(f"next: {status_next(saved)}")
-    lines += _status_agents(saved) + _status_after_run(saved)
+    lines += _status_agents(saved, stage) + _status_after_run(saved)
     return EXIT_PASS, "\n".join(lines)
 
 
@@ -9372,6 +9923,7 @@ def start_run(task: str) -> StartPlan:
     if plan.resume:
         load_state()
         connect_api()
+        note_start_up_step(f"resuming the run: its agents on {API}")
         if not PROMPT and task:
             set_task(task)
         elif task and task != PROMPT:
@@ -9419,12 +9971,17 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
 
 
 def status_json_report() -> tuple[int, str]:
-    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status."""
+    """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status,
+    unless a run is starting or a killed one's start-up left something: then what the stage shows."""
+    stage = see_stage()
     saved, why = saved_run_or_why()
     if saved is None:
-        return EXIT_FAIL, why
+        if not (stage.starting or stage.start_left or stage.alive):
+            return EXIT_FAIL, why
+        return EXIT_PASS, json.dumps({"state_file": STATE_FILE, "result": None, "driven_by": invocation_facts(
+            stage.holder), "cao_server": None, "own_server": stage.own is not None, **stage_facts(stage)})
     restore_saved_settings(saved)
-    return EXIT_PASS, json.dumps(status_facts(saved))
+    return EXIT_PASS, json.dumps(status_facts(saved, stage))
 
 
 FOLLOW_POLL_SECONDS = 0.5           # --status --follow: how often the events file is looked at
@@ -9543,16 +10100,19 @@ def run_command_line(args: list[str]) -> int:
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
         _install_sigterm(_raise_terminated)   # a SIGTERM from here on still ends what the run started
+        begin_start_up(plan.resume)
         choice = server_choice(plan)
         log(choice.line)
         end_left_own_server()
         if choice.own:
+            note_start_up_step("starting the run's own CAO server")
             start_own_server()
         connect_api()
         if not choice.own and not plan.resume:
             refuse_what_check_refuses()  # before a terminal is made on a server the run did not start
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
+        end_start_up()
         say_tokens_not_counted()
         end_old_run(plan)
         if isinstance(api, ApiClient):
@@ -9560,9 +10120,11 @@ def run_command_line(args: list[str]) -> int:
         code = run_loop()
     except AlreadyFinished as exc:
         code = exc.code
+        end_start_up()
         log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
         code, line = stop_line(exc, started)
+        end_start_up()
         say_error(line)
     finally:
         _install_sigterm(previous_sigterm)

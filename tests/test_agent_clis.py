@@ -1,8 +1,9 @@
 """The table of agent CLIs (AGENT_CLIS): a CLI is one row, and the loop takes what it knows of a CLI from that
 row alone. A made-up CLI, added as a row and nothing else, runs a whole FAIL -> PASS loop through the fake CAO:
-its provider is what CAO is asked for, its menu gets the choice its row names, the words its row gives for a
-lost conversation make the next prompt carry the full task, and CAO's ready status, which its row says cannot
-be trusted, does not end its turns, while its own marks on its screen do; its own reader of running totals
+its provider is what CAO is asked for, its menu (its own glyph on the highlighted choice) gets the choice its row
+names, the words its row gives for a compaction make the next prompt carry the full task, its usage limit is
+waited out until the reset its row reads, and CAO's ready status, which its row says cannot be trusted, does
+not end its turns, while its own marks on its screen do; its own reader of running totals
 gives each turn's tokens, a replacement whose start timed out gets the second try its row gives, and --check
 looks for the trap its row declares. No code outside the table names a CLI."""
 
@@ -12,6 +13,7 @@ import ast
 import json
 import re
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 from conftest import FAST, run_main
@@ -22,9 +24,15 @@ EXPLORE_TEXT = "Build a greeting CLI: `greet NAME` prints `Hello, NAME!`."
 
 MADE_UP_MENU = """\
   Upgrade to Made-up Pro for faster answers?
-› 1. Upgrade now
+➤ 1. Upgrade now
   2. Not now
 """
+MADE_UP_COMPACTION = "✂ History squashed to fit."
+
+
+def made_up_limit_line(reset: datetime) -> str:
+    """The made-up CLI's words for its usage limit, its reset on a 24-hour clock."""
+    return f"⚠ Your quota is used up; back at {reset:%Hh%M}. Upgrade for more."
 
 
 # The made-up CLI's own marks of its turns: another escape than Codex's, other words.
@@ -34,9 +42,10 @@ MADE_UP_MODEL_USE = {"input": 1000, "cached_input": 0, "output": 100}   # what e
 
 
 def made_up_row(m):
-    """The made-up CLI, all of it in its row: its screen's words and menu, its own marks of its turns, a set-up
-    trap, how it is signed in, records that keep running totals only (read by its own reader), and a second try
-    for a start CAO says timed out."""
+    """The made-up CLI, all of it in its row: its screen's words (a compaction, a cleared conversation, a nearly
+    full context, its usage limit and reset), its menu and the glyph it highlights a choice with, its own marks
+    of its turns, a set-up trap, how it is signed in, records that keep running totals only (read by its own
+    reader), and a second try for a start CAO says timed out."""
     prompts: dict[str, int] = {}                  # the prompts it has taken, by the turn's marker
 
     def totals(marker):
@@ -53,8 +62,11 @@ def made_up_row(m):
         return None if before is None else m.TokenReading(m.totals_grown(totals(marker), before), over=False)
 
     return m.AgentCli("Made-up CLI", ready_status_trusted=False, still_screen_ends_turn=0.3,
-                      conversation_words=(("Memorywiped", "cleared"),),
-                      menus=(("Made-up CLI's upsell", "Not now"),),
+                      conversation_words=(("Historysquashed", "compacted"), ("Memorywiped", "cleared")),
+                      context_low=r"Roomleft:(?P<left>\d+)%",
+                      menus=(("Made-up CLI's upsell", "Not now"),), menu_cursor="➤",
+                      usage_limit=r"Your (?P<what>quota) is used up(?P<rest>.*)",
+                      usage_limit_resets=r"back at (?P<hour>\d{2})h(?P<minute>\d{2})",
                       records=m.TokenRecords("made-up running totals", read_turn, totals_now),
                       program="madeup", start_tries=2,
                       turn_marks=(r"\x1b\]777;turn=(\w+)\x07", "busy", "finished", "resting"),
@@ -79,14 +91,34 @@ def test_a_provider_without_a_row_gets_cao_s_word(orch):
     assert cli.ready_status_trusted and not cli.records and not cli.menus and not cli.conversation_words
 
 
+def test_a_made_up_cli_s_screen_is_read_by_its_row_alone(orch):
+    """Its words for a compaction, a cleared conversation, a nearly full context and its usage limit with its
+    reset, and its menu highlighted by its own glyph, are read with its row -- and with no other CLI's."""
+    row, codex = made_up_row(orch), orch.agent_cli("codex")
+    for screen, change in ((MADE_UP_COMPACTION, ("compacted", "")), ("Memory wiped.", ("cleared", "")),
+                           ("Room left: 12%", ("context low", "12% left"))):
+        assert orch.conversation_change(screen, row) == change and orch.conversation_change(screen) == ("", "")
+    now = datetime(2026, 11, 25, 14, 0).timestamp()
+    limit = orch.usage_limit_on(f"working...\n{made_up_limit_line(datetime(2026, 11, 25, 15, 5))}\n", now, row)
+    assert limit == orch.UsageLimit("Your quota is used up; back at 15h05", datetime(2026, 11, 25, 15, 5).timestamp())
+    assert orch.usage_limit_on(made_up_limit_line(datetime.now()), now, codex) is None
+    menu = orch.open_menu(MADE_UP_MENU, row)
+    assert menu.highlighted == 1 and menu.question == "Upgrade to Made-up Pro for faster answers?"
+    assert orch.safe_menu_choice(menu, row) == ("Made-up CLI's upsell", 2)
+    assert orch.open_menu(MADE_UP_MENU, codex) is None and orch.open_menu(MADE_UP_MENU) is None
+
+
 def test_a_made_up_cli_added_as_a_row_runs_the_loop(load_orch, fake_cao, prompt_file, monkeypatch, capsys):
-    """Round 1: the tester's made-up CLI opens its upsell menu with its answer held back; the loop moves to
-    "Not now" and picks it, and the CLI writes its answer (FAIL) and says "Memory wiped". CAO reads
-    `completed` at once, but the row says that cannot be trusted: a still screen ends the turn. Round 2's
-    tester prompt carries the task in full; PASS."""
-    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli", IGNORE_MISSING_CLI="1", **PROGRAMMER_ON)
+    """Round 1: the tester's made-up CLI opens its upsell menu, its own glyph on the highlighted choice, with
+    its answer held back; the loop moves to "Not now" and picks it, and the CLI compacts its conversation and
+    writes its answer (FAIL). CAO reads `completed` at once, but the row says that cannot be trusted: a still
+    screen ends the turn. Round 2's tester prompt carries the task in full; the CLI stops at its usage limit,
+    which resets this minute: the loop waits it out and tells it to continue -- no reminder, the prompt not
+    sent again; PASS."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="made_up_cli", IGNORE_MISSING_CLI="1",
+                  USAGE_LIMIT_MARGIN_SECONDS="0.2", QUIET_SCREEN_SECONDS="0.3", **PROGRAMMER_ON)
     monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", made_up_row(m))
-    highlighted_not_now = MADE_UP_MENU.replace("› 1.", "  1.").replace("  2.", "› 2.")
+    highlighted_not_now = MADE_UP_MENU.replace("➤ 1.", "  1.").replace("  2.", "➤ 2.")
 
     def upsell(fake, terminal):
         terminal.printed = terminal.last_output = MADE_UP_MENU
@@ -97,20 +129,25 @@ def test_a_made_up_cli_added_as_a_row_runs_the_loop(load_orch, fake_cao, prompt_
             terminal.printed = highlighted_not_now
         elif key == "Enter" and terminal.printed == highlighted_not_now:
             Path(terminal.response_path).write_text(FAIL_REPLY, encoding="utf-8")
-            terminal.printed, terminal.status = "Memory wiped.\n" + FAIL_REPLY, "completed"
+            terminal.printed, terminal.status = f"{MADE_UP_COMPACTION}\n{FAIL_REPLY}", "completed"
 
-    fake_cao.script["tester"] = [{"action": "call", "call": upsell}, PASS_REPLY]
+    limited = {"action": "write_on_reminder", "text": PASS_REPLY, "output": made_up_limit_line(datetime.now())}
+    fake_cao.script["tester"] = [{"action": "call", "call": upsell}, limited]
     fake_cao.key_hook = keys
     assert run_main(m) == 0
     assert {terminal.provider for terminal in fake_cao.terminals.values()} == {"made_up_cli"}
     assert fake_cao.keys == [("tester", "Down"), ("tester", "Enter")]
     state = json.loads(Path(m.STATE_FILE).read_text())
     assert state["final_status"] == "PASS" and state["current_round"] == 2
-    second = fake_cao.prompts_for("tester")[1]
-    assert EXPLORE_TEXT in second and m.EXPLORE_BACK_REFERENCE not in second
-    assert [(e["role"], e["what"]) for e in state["agent_events"]] == [("tester", "cleared")]
+    tester_prompts = fake_cao.prompts_for("tester")
+    assert len(tester_prompts) == 2 and EXPLORE_TEXT in tester_prompts[1]
+    assert m.EXPLORE_BACK_REFERENCE not in tester_prompts[1]
+    assert [message.split(".")[0] for _, message in fake_cao.reminders] == ["Your usage limit has reset"]
+    assert [(e["role"], e["what"]) for e in state["agent_events"]] == [("tester", "compacted"),
+                                                                      ("tester", "usage limit")]
     out = capsys.readouterr().out
     assert "Made-up CLI's upsell on terminal" in out and 'choosing 2. "Not now"' in out
+    assert "tester: usage limit reached; waiting until" in out and "(Your quota is used up; back at" in out
     tester_ends = re.findall(r"tester: reply received.*turn end seen by ([^,]+),", out)
     assert tester_ends[0] == m.TURN_ENDED_BY_STILL_SCREEN, out
 
@@ -223,7 +260,7 @@ def _table_lines(lines: list[str]) -> tuple[int, int]:
 # Texts for people that name a CLI as an example, and the old state file's name: none changes what the loop does.
 FOR_PEOPLE = ("PROVIDER=claude_code", "claude-haiku-4-5", "claude-sonnet-4-5",
               "(Claude Code: autoCompactWindow, Codex: model_auto_compact_token_limit)",
-              "codex-3agents-loop-state.json", "(CAO reads Codex busy)")
+              "codex-3agents-loop-state.json")
 
 
 # The tables that bind the readers of the formats the rows name, each with the section it and its readers are in.
@@ -246,9 +283,11 @@ def _formats_code(lines: list[str], top: dict) -> set[str]:
     return reached
 
 
-def _naming(orch) -> re.Pattern:
-    """A CLI named in code: its provider id, program or label (or what CAO calls it) as a word."""
-    names = {name for provider, cli in orch.AGENT_CLIS.items() if provider != orch.SCRIPTED_PROVIDER
+def _naming(orch, providers=None) -> re.Pattern:
+    """A CLI named in code (of `providers`; None: every one but the scripted agent): its provider id, program or
+    label (or what CAO calls it) as a word, in a text whose underscores are spaces."""
+    names = {name for provider, cli in orch.AGENT_CLIS.items()
+             if (provider != orch.SCRIPTED_PROVIDER if providers is None else provider in providers)
              for name in (provider, cli.program, cli.label, cli.cao_name) if name}
     return re.compile(r"(?<![A-Za-z])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
                       + r")(?![A-Za-z])", re.IGNORECASE)
@@ -299,3 +338,27 @@ def test_the_versions_a_row_says_are_proven_are_those_the_end_to_end_suite_runs(
     assert {provider: cli.proven for provider, cli in orch.AGENT_CLIS.items() if cli.proven} == {
         "claude_code": pinned.CLAUDE_CODE_VERSION, "codex": pinned.CODEX_VERSION, "opencode_cli": pinned.OPENCODE_VERSION,
         "copilot_cli": pinned.COPILOT_VERSION, "hermes": pinned.HERMES_VERSION}
+
+
+def test_the_places_a_new_cli_touches_are_listed(orch):
+    """docs/code-map.md's list of the places a new CLI touches holds to the tree: each file it names exists, and
+    every file that names each CLI proven end to end (a place that has one for each) is among them."""
+    root = Path(orch.__file__).parent
+    text = (root / "docs" / "code-map.md").read_text(encoding="utf-8")
+    section = text.split("A new CLI touches exactly these places", 1)[1].split("\n| field |", 1)[0]
+    listed = set(re.findall(r"`([\w/.-]+\.(?:py|md))`", section))
+    assert {"run_orchestrator_loop.py", "tests/fake_cao.py", "README.md"} <= listed
+    assert [place for place in sorted(listed) if not (root / place).is_file()] == []
+    each = [_naming(orch, {provider}) for provider, cli in orch.AGENT_CLIS.items() if cli.proven]
+    naming_each = set()
+    for path in root.rglob("*"):
+        place = path.relative_to(root).as_posix()
+        if not path.is_file() or re.search(r"(^|/)(\.|__pycache__/)|\.egg-info/", place):
+            continue
+        try:
+            words = path.read_text(encoding="utf-8").replace("_", " ")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if all(naming.search(words) for naming in each):
+            naming_each.add(place)
+    assert len(each) >= 5 and naming_each - listed - {"docs/code-map.md"} == set()

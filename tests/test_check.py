@@ -103,6 +103,17 @@ def test_claude_code_as_root_needs_is_sandbox(orch, tmp_path):
     assert trap(_side(orch, tmp_path, uid=1000)).ok is True
 
 
+def test_claude_code_needs_its_first_run_set_up_done(orch, tmp_path):
+    trap = trap_of(orch, "claude_code", 1)
+    side = _side(orch, tmp_path)
+    found = trap(side)
+    assert found.ok is False and "start `claude` once by hand" in found.text and "hasCompletedOnboarding" in found.text
+    (tmp_path / "agents-home" / ".claude.json").write_text('{"hasCompletedOnboarding": false}', encoding="utf-8")
+    assert trap(side).ok is False
+    (tmp_path / "agents-home" / ".claude.json").write_text('{"hasCompletedOnboarding": true}', encoding="utf-8")
+    assert trap(side).ok is True and str(tmp_path / "agents-home" / ".claude.json") in trap(side).text
+
+
 def test_codex_needs_the_project_trusted(orch, tmp_path, workdir):
     trap = trap_of(orch, "codex")
     side = _side(orch, tmp_path)
@@ -179,7 +190,7 @@ def test_opencode_needs_its_model_in_cao_s_config_file(orch, tmp_path):
 
 def test_every_trap_a_row_declares_says_what_to_look_at_and_what_to_tell(orch):
     traps = [trap for cli in orch.AGENT_CLIS.values() for trap in cli.traps]
-    assert len(traps) == 6
+    assert len(traps) == 7
     for trap in traps:
         assert trap.found and trap.fix and bool(trap.env) != bool(trap.file), trap
         assert not trap.file or bool(trap.pattern) != bool(trap.json_key), trap
@@ -249,6 +260,16 @@ def test_check_with_bad_settings_exits_2_with_the_setting_s_line(load_orch, caps
     orch = load_orch(MAX_ROUNDS="many")
     code, lines = run_check(orch, capsys)
     assert code == 2 and lines[0].startswith("✗ MAX_ROUNDS") and len(lines) == 2
+
+
+def test_check_refuses_a_cost_budget_with_a_model_it_cannot_price(load_orch, capsys, tmp_path):
+    """MAX_RUN_COST with a model asked for that MODEL_PRICES leaves out: exit 2 before the run, naming it."""
+    orch = load_orch(PROVIDER="codex", AGENT_HOME=str(tmp_path), MAX_RUN_COST="5", MODEL="gpt-5.1-codex",
+                     PEER_PROGRAMMER_MODEL="gpt-5.1-codex-mini",
+                     MODEL_PRICES='{"gpt-5.1-codex": {"input": 1.25, "output": 10}}')
+    code, lines = run_check(orch, capsys)
+    assert code == 2 and lines[0].startswith("✗ MAX_RUN_COST needs MODEL_PRICES") and \
+        "it has none for gpt-5.1-codex-mini" in lines[0]
 
 
 def test_check_and_status_together_are_a_usage_error(orch, capsys):

@@ -134,3 +134,23 @@ def test_a_reply_taken_before_a_kill_is_not_sent_again_to_the_new_agents_of_a_ma
     events = Path(state_of(m)["run_dir"], "events.jsonl").read_text(encoding="utf-8").splitlines()
     taken = [json.loads(line)["role"] for line in events if json.loads(line)["event"] == "reply_taken"]
     assert taken == WHOLE_RUN                                # each turn's reply_taken said once, the kill or not
+
+
+def test_the_kept_reply_is_the_text_acted_on_though_the_agent_rewrote_its_file_after_it_was_read(
+        load_orch, fake_cao, prompt_file, monkeypatch):
+    """The tester's FAIL is read; before it is kept, its agent writes a PASS over the file: the run acts on the
+    FAIL, and the run's folder keeps the FAIL, byte for byte."""
+    fake_cao.script["tester"] = [FAIL_REPLY, PASS_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    real_crash_point, seen = m.crash_point, []
+
+    def rewritten_after_read(name: str) -> None:
+        real_crash_point(name)
+        if name == "reply-settled":
+            seen.append(name)
+            if len(seen) == TURNS["tester FAIL"]:
+                m.response_path("tester").write_text("RESULT: PASS\nEVIDENCE: written after the FAIL was read\n")
+    monkeypatch.setattr(m, "crash_point", rewritten_after_read)
+    assert run_main(m) == 0
+    assert Path(m.run_dir, "005-tester.md").read_bytes() == FAIL_REPLY.encode("utf-8")
+    assert fake_cao.roles_prompted() == WHOLE_RUN                        # the FAIL acted on: a second round

@@ -204,6 +204,12 @@ FORWARD_REFERENCES = {
     "note_conversation": (("observe_terminal",), "the wait notes a compacted conversation for asking (8)"),
     "send_prompt": (("resend_in_full",), "the wait resends a prompt lost on the screen (8)"),
     "PromptDraft": (("stale_round_reason",), "whether the next prompt carries the round's history (12)"),
+    "cli_switches": (("switched_to",), "a role the run moved to its fallback CLI runs on it (3)"),
+    "RECORD_FORMATS": (("AGENT_CLIS",), "a row names the format of its records, whose reader is bound in (5)"),
+    "COMPACTION_READERS": (("AGENT_CLIS",), "a row names its compaction settings, whose reader is bound in (5)"),
+    "TokenReading": (("TokenRecords",), "a row's own reader returns what the records say of a turn (5)"),
+    "RunningTotals": (("TokenRecords",), "... and is given a CLI's running totals (5)"),
+    "Prompt": (("Turn", "wait_for_reply"), "the wait rebuilds a turn's prompt after a compaction (8)"),
 }
 
 
@@ -241,8 +247,50 @@ def forward_references(source: str) -> set[tuple[str, str]]:
             name = symbol.get_name()
             outer = symbol.is_global() or (table.get_type() == "class" and not symbol.is_assigned())
             if symbol.is_referenced() and outer and defined.get(name, 0) > section(user.lineno):
-                found.add((getattr(user, "name", f"line {user.lineno}"), name))
+                found.add((user_name(user), name))
+    for user in tree.body:                      # annotations (never run) name what they mention
+        found |= {(user_name(user), name) for name in annotation_names(user)
+                  if defined.get(name, 0) > section(user.lineno)}
+    links = {node: string_links(node) for node in tree.body}
+    links = {node: strings for node, strings in links.items() if strings}
+    for table in tree.body:                     # a row's string names a later table's entry (its format's reader)
+        if isinstance(table, (ast.Assign, ast.AnnAssign)) and isinstance(table.value, (ast.Dict, ast.DictComp)):
+            named = {part.value for part in ast.walk(table) if isinstance(part, ast.Constant)
+                     and isinstance(part.value, str)}
+            found |= {(user_name(user), user_name(table)) for user, strings in links.items() if strings & named
+                      and section(table.lineno) > section(user.lineno)}
     return found
+
+
+def user_name(node: ast.stmt) -> str:
+    """A top-level statement as the check names it: its function's or class's name, the name it assigns, or its line."""
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        if isinstance(target, ast.Name):
+            return target.id
+    return getattr(node, "name", f"line {node.lineno}")
+
+
+def annotation_names(node: ast.AST) -> set[str]:
+    """The names an annotation under `node` mentions, written as code or as a string."""
+    annotations = [n.annotation for n in ast.walk(node) if isinstance(n, (ast.arg, ast.AnnAssign)) and n.annotation]
+    annotations += [n.returns for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.returns]
+    names = set()
+    for annotation in annotations:
+        for part in ast.walk(annotation):
+            if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                names |= annotation_names(ast.parse(f"x: {part.value}"))
+            elif isinstance(part, ast.Name):
+                names.add(part.id)
+    return names
+
+
+def string_links(node: ast.AST) -> set[str]:
+    """The strings the rows under `node` give their fields directly (e.g. records="claude transcripts")."""
+    return {keyword.value.value for call in ast.walk(node) if isinstance(call, ast.Call)
+            and getattr(call.func, "id", "") == "AgentCli" for keyword in call.keywords
+            if isinstance(keyword.value, ast.Constant) and isinstance(keyword.value.value, str) and keyword.value.value}
 
 
 def test_forward_references_are_found_through_scopes():
@@ -261,6 +309,26 @@ def test_forward_references_are_found_through_scopes():
         LATER = 4
         """)
     assert forward_references(source) == {("early", "later"), ("Early", "LATER")}
+
+
+def test_forward_references_are_found_in_annotations_and_in_the_rows_string_links():
+    source = textwrap.dedent("""\
+        from __future__ import annotations
+        # 0. First
+        def early(x: Later, y: "list[Quoted]") -> int | Returned:
+            return 1
+        class Early:
+            field: dict[str, Held] = None
+        ROWS = {"one": AgentCli("One", records="one's records")}
+        # 1. Next
+        class Later: pass
+        class Quoted: pass
+        class Returned: pass
+        class Held: pass
+        FORMATS = {name: name for name in ("one's records", "two's records")}
+        """)
+    assert forward_references(source) == {("early", "Later"), ("early", "Quoted"), ("early", "Returned"),
+                                          ("Early", "Held"), ("ROWS", "FORMATS")}
 
 
 def test_each_section_uses_only_what_stands_above_it_but_the_listed_references():

@@ -46,8 +46,8 @@ def idle_since_two(m, limit=None):
 
 
 def decide(m, facts, now):
-    state, verdict = m.decide(facts, now)
-    return state.name, verdict.name
+    state, rule = m.decide(facts, now)
+    return state.name, rule.verdict.name
 
 
 LIMIT = None
@@ -87,16 +87,23 @@ def test_an_idle_agent_is_told_to_continue_once_the_wait_is_over(m):
     assert decide(m, facts, 100.0) == ("IDLE_WITHOUT_FILE", "CONTINUE_AFTER_LIMIT")
 
 
-def test_codex_read_busy_by_cao_at_its_limit_is_waited_out_once_its_screen_is_still(m):
-    """CAO reads Codex `processing` through a usage limit and the wait: a still screen tells instead."""
+@pytest.mark.parametrize("provider, while_busy", [("codex", ("WAIT_OUT_LIMIT", "CONTINUE_AFTER_LIMIT")),
+                                                  ("claude_code", ("WAIT", "WAIT"))])
+def test_a_cli_read_busy_at_its_limit_is_waited_out_once_its_screen_is_still_where_its_row_says_so(
+        m, provider, while_busy):
+    """CAO reads Codex `processing` through a usage limit and the wait (its row does not trust CAO's ready word): a
+    still screen tells instead. Claude Code's row trusts CAO's `processing` there: busy, it is working."""
     facts = idle_since_two(m)
+    facts.cli = m.agent_cli(provider)
     facts.note_status("processing", 3.0)
     facts.note_screen("■ You’ve hit your usage limit. Try again at 8:20 AM.", 3.0)
     facts.note_usage_limit(a_limit(m))
     assert decide(m, facts, 4.0) == ("WORKING", "WAIT")                # the screen may still move
-    assert decide(m, facts, 3.0 + 5.0) == ("WORKING", "WAIT_OUT_LIMIT")
+    assert decide(m, facts, 3.0 + 5.0) == ("WORKING", while_busy[0])
     facts.limit_wait_until = 100.0
-    assert decide(m, facts, 100.0) == ("WORKING", "CONTINUE_AFTER_LIMIT")
+    assert decide(m, facts, 100.0) == ("WORKING", while_busy[1])
+    facts.note_status("idle", 101.0)
+    assert decide(m, facts, 101.0) == ("IDLE_WITHOUT_FILE", "CONTINUE_AFTER_LIMIT")
 
 
 def test_an_agent_that_works_again_after_the_wait_is_not_told_to_continue(m):
@@ -120,7 +127,7 @@ def test_a_reply_file_outranks_a_usage_limit_on_the_screen(m):
     assert facts.usage_limit is None
     facts.note_status("completed", 4.0)
     assert decide(m, facts, 4.0) == ("FILE_SETTLED", "TAKE_REPLY")
-    assert m.turn_ended_by(facts, 4.0) == m.TURN_ENDED_BY_STATUS
+    assert m.decide(facts, 4.0)[1].ended_by == m.TURN_ENDED_BY_STATUS
 
 
 def test_a_message_sent_ends_the_limit_and_its_wait(m):
@@ -191,15 +198,6 @@ def test_a_limit_above_the_last_thirty_lines_of_the_screen_is_an_old_one(m):
     assert m.usage_limit_on(screen, time.time()) is None
 
 
-def test_the_menu_choice_that_waits_is_found(m):
-    screen = ("\x1b[1mWhat do you want to do?\x1b[0m\n❯ 1. Stop and wait for limit to reset\n"
-              "  2. Upgrade your plan\n")
-    claude = m.agent_cli("claude_code")
-    assert m.safe_menu_choice(m.open_menu(screen), claude) == ("Claude Code's usage-limit menu", 1)
-    assert m.safe_menu_choice(m.open_menu("❯ 1. Yes\n  2. No\n"), claude) is None
-    assert m.safe_menu_choice(m.open_menu(screen), m.agent_cli("codex")) is None    # not a menu Codex opens
-
-
 @pytest.mark.parametrize("screen, change", [
     ("\x1b[2K✻ Conversation compacted (ctrl+o for history)\n", "compacted"),
     ("✻ Conversation\x1b[1Ccompacted", "compacted"),                  # the cursor moved between the words
@@ -223,8 +221,8 @@ def test_what_the_screen_says_of_the_conversation(m, screen, change):
 
 
 def test_context_low_names_what_is_left(m):
-    assert m.conversation_change("\x1b[31mContext low (8% remaining)\x1b[0m") == \
-        ("context low", "Context low (8% remaining)")
+    assert m.conversation_change("\x1b[31mContext low (8% remaining)\x1b[0m") == ("context low", "8% left")
+    assert m.conversation_change("Context limit reached · /compact or /clear") == ("context low", "none left")
 
 
 def test_a_compaction_drawn_before_the_prompts_echo_counts(m):
@@ -312,7 +310,7 @@ def test_context_low_starts_a_new_agent_for_the_next_turn(load_orch, fake_cao, p
     first, second = prompts_of_tester(fake_cao)
     assert EXPLORE_TEXT in second and m.EXPLORE_BACK_REFERENCE not in second
     out = capsys.readouterr().out
-    assert "its context is nearly full (Context low (7% remaining))" in out
+    assert "its context is nearly full (7% left)" in out
     state = json.loads(Path(m.STATE_FILE).read_text())
     assert state["terminals"]["tester"] == new.id and state["fresh_agents_due"] == {}
     assert [e["what"] for e in state["agent_events"]] == ["context low", "new conversation"]
@@ -466,7 +464,7 @@ def test_a_menu_still_on_the_screen_after_its_choice_is_answered_again_and_the_t
 
 def recorded_context(m, monkeypatch, by_role: dict[str, int]):
     """The agents' CLIs record each turn's last response as filling this many tokens of context."""
-    def reading(role, since, until, before=None):
+    def reading(role, since, until, before=None, provider=""):
         context = by_role.get(role, 2_000)
         return m.TokenReading({"gpt-5-codex": m.TokenUse(context - 20, 0, 20)}, True, context)
     monkeypatch.setattr(m, "turn_tokens", reading)

@@ -373,7 +373,7 @@ def test_a_lock_file_removed_as_it_was_opened_is_locked_again_where_it_now_is(or
     orch.acquire_run_lock()
     try:
         assert len(calls) == 2
-        assert orch.os.fstat(orch.run_lock.fileno()).st_ino == path.stat().st_ino
+        assert orch.os.fstat(orch.run_lock.handle.fileno()).st_ino == path.stat().st_ino
     finally:
         monkeypatch.undo()
         orch.release_run_lock()

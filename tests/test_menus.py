@@ -58,9 +58,13 @@ def test_codexs_model_switch_menu_is_read_with_its_question_and_highlight(orch):
 
 
 def test_claudes_usage_limit_menu_gets_stop_and_wait(orch):
-    menu = orch.open_menu(CLAUDE_LIMIT_MENU)
-    assert orch.safe_menu_choice(menu) == ("Claude Code's usage-limit menu", 1)
+    claude, codex = orch.agent_cli("claude_code"), orch.agent_cli("codex")
+    menu = orch.open_menu(CLAUDE_LIMIT_MENU, claude)
+    assert menu == orch.open_menu(CLAUDE_LIMIT_MENU) and menu.question == "What do you want to do?"
+    assert orch.safe_menu_choice(menu) == orch.safe_menu_choice(menu, claude) == ("Claude Code's usage-limit menu", 1)
     assert orch.menu_keys(menu, 1) == ["Enter"]
+    assert orch.safe_menu_choice(orch.open_menu("❯ 1. Yes\n  2. No\n", claude), claude) is None
+    assert orch.open_menu(CLAUDE_LIMIT_MENU, codex) is None      # not Codex's glyph: not a menu Codex opened
 
 
 def test_codexs_trust_dialog_trusts_the_working_directory_the_run_was_given(orch):

@@ -255,7 +255,7 @@ def test_status_of_a_run_on_its_own_server_says_it_ended_with_it(load_orch, fake
     out = capsys.readouterr().out
     assert "agents: ended with the run's own CAO server" in out
     assert "working now: no agent: they ended with the run's own CAO server; programmer's turn goes on" in out
-    assert "CAO server: the run's own, ended with its last invocation" in out
+    assert "CAO server: the run's own, ended (it was at " in out and "start it with" not in out
     assert run_main(m, "--status", "--json") == 0
     assert json.loads(capsys.readouterr().out)["own_server"] is True
 

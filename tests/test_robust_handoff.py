@@ -48,13 +48,16 @@ def test_reminder_then_strict_failure(load_orch, fake_cao, prompt_file, capsys):
     assert state_of(m)["final_status"] == "RUNNING"
 
 
-def test_reminder_then_fallback_to_terminal_output(load_orch, fake_cao, prompt_file):
-    """After the reminders, STRICT_FILE_HANDOFF=0 takes the terminal's last output."""
+def test_reminder_then_fallback_to_terminal_output(load_orch, fake_cao, prompt_file, capsys):
+    """After the reminders, STRICT_FILE_HANDOFF=0 takes the terminal's last output; its line names no turn's
+    end, for none was seen."""
     fake_cao.script["tester"] = [{"action": "no_file", "text": PASS_REPLY}]
     m = load_orch(PROMPT_FILE=str(prompt_file), STRICT_FILE_HANDOFF="0", **TESTER_ONLY)
     assert run_main(m) == 0
     assert len(fake_cao.reminders) == 1
     assert Path(m.run_dir, "001-tester.md").read_text() == PASS_REPLY
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "reply received" in line]
+    assert "no turn end seen: its terminal's output taken" in line and "turn end seen by" not in line
 
 
 def test_more_reminders_when_configured(load_orch, fake_cao, prompt_file):

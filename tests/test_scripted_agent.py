@@ -88,3 +88,17 @@ def test_version_is_answered_without_starting_the_agent():
 def test_installed_as_the_command_cao_starts():
     scripts = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
     assert scripts.get("mock_cli") == "orchestrator_scripted_agent:main"
+
+
+def test_a_step_can_end_with_a_cli_s_words_such_as_a_usage_limit(tmp_path, orch, capsys):
+    """`say`: the line a step prints as its turn ends, read by the loop as the CLI's screen would be."""
+    home = tmp_path / "home"
+    home.mkdir()
+    limit = "You've hit your usage limit. Try again later."
+    (home / "script.json").write_text('{"tester": [{"action": "write_on_reminder", "say": "%s"}]}' % limit)
+    agent = agent_module.Agent(agent_module.Home(str(home)), default_think_ms=0)
+    agent.handle(prompt_for(tmp_path / "test_result.md"))
+    screen = capsys.readouterr().out
+    assert f"\n{limit}\n" in screen and not (tmp_path / "test_result.md").exists()
+    found = orch.usage_limit_on(screen, 0.0, orch.agent_cli("mock_cli"))
+    assert found.line == "You've hit your usage limit." and found.resets_at is None

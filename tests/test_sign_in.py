@@ -268,10 +268,12 @@ def test_check_on_the_own_server_as_root_names_the_value_it_sets_and_the_sign_in
     assert run_main(m, "--check") == 1
     out = capsys.readouterr().out
     assert "✓ Claude Code: IS_SANDBOX=1 set for root" in out
-    assert "✓ the run's own server: the agents get IS_SANDBOX=1 in place of IS_SANDBOX=yes" in out
+    assert "✗ the run's own server: the agents get IS_SANDBOX=1 in place of IS_SANDBOX=yes" in out
     assert "✗ Claude Code: not signed in where its agents run" in out and "ANTHROPIC_API_KEY" in out
     monkeypatch.setenv("ANTHROPIC_API_KEY", SECRET)
-    _write(home / ".claude.json", json.dumps({"customApiKeyResponses": {"approved": [SECRET[-20:]]}}))
+    monkeypatch.setenv("IS_SANDBOX", "1")
+    _write(home / ".claude.json", json.dumps({"customApiKeyResponses": {"approved": [SECRET[-20:]]},
+                                              "hasCompletedOnboarding": True}))
     assert run_main(m, "--check") == 0
     out = capsys.readouterr().out
     assert "✓ Claude Code: signed in (ANTHROPIC_API_KEY, approved in" in out and out.rstrip().endswith("a run can start")

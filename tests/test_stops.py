@@ -171,3 +171,24 @@ def test_check_holds_an_older_cao_to_the_release_that_knows_the_scripted_agent(l
     assert "✗ this CAO does not know mock_cli: CAO >= 2.5.4 (cao-server at http://cao.test " \
            "(cli-agent-orchestrator 2.4.0)); install it where cao-server runs" in out
     assert "a run can start" not in out
+
+
+def test_a_fault_of_the_loop_while_the_agents_are_created_exits_70_and_leaves_none_running(load_orch, fake_cao,
+                                                                                           prompt_file, capsys,
+                                                                                           monkeypatch):
+    """A TypeError of the loop's own in one of the five creations is no "could not create the agent terminals":
+    exit 70 with its traceback kept, once every creation is over and the agents that came up are exited."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    original = m.request_agent
+
+    def faulty(role, session, first=False, replacing=""):
+        if role == "tester":
+            return len(None)
+        return original(role, session, first, replacing)
+    monkeypatch.setattr(m, "request_agent", faulty)
+    assert run_main(m) == 70
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: a fault of the loop itself (TypeError: ") and "could not create" not in err
+    kept = re.search(r"its traceback is in (\S+);", err)
+    assert kept and "in faulty" in Path(kept[1]).read_text()
+    assert len(fake_cao.terminals) == 4 and sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)

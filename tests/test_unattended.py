@@ -116,7 +116,7 @@ def test_lock_is_released_when_a_run_ends(load_orch, fake_cao, prompt_file):
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
     assert run_main(m) == 0
     assert run_main(m) == 0
-    assert m.run_lock is None
+    assert m.run_lock.handle is None
 
 
 def test_processes_starting_in_the_same_instant_get_one_lock(tmp_path):

@@ -45,10 +45,10 @@ def marking(m):
 
 def decide(m, facts, now):
     """The state and verdict by name; a reply taken is named by what ended its turn (a TURN_ENDED_BY_* row)."""
-    state, verdict = m.decide(facts, now)
-    if verdict is m.Verdict.TAKE_REPLY:
-        return state.name, m.turn_ended_by(facts, now)
-    return state.name, verdict.name
+    state, rule = m.decide(facts, now)
+    if rule.verdict is m.Verdict.TAKE_REPLY:
+        return state.name, rule.ended_by
+    return state.name, rule.verdict.name
 
 
 def test_nothing_seen_yet_is_awaiting_a_sign_of_life(m):
@@ -516,10 +516,11 @@ def test_a_terminal_at_rest_after_a_turn_is_over_by_its_marks_without_a_file(m):
                                           (f"{WORKING_MARK}{IDLE_MARK}", True, m.TURN_ENDED_BY_MARK),
                                           (f"{WORKING_MARK}{IDLE_MARK}", False, ""),
                                           (f"{DONE_MARK}{WORKING_MARK} Working", True, "")):
-        facts = m.TurnFacts(started=0.0, guard_since=0.0, cli=codex(m), answered_before=answered_before)
+        facts = m.TurnFacts(started=0.0, guard_since=0.0, cli=codex(m), answered_before=answered_before,
+                            awaiting=False)
         facts.note_status("processing", 1.0)
         facts.note_screen(screen, 1.0)
-        assert m.turn_ended_by(facts, 1.0) == over, screen
+        assert m.decide(facts, 1.0)[1].ended_by == over, screen
 
 
 def test_only_a_done_after_the_newest_working_mark_ends_a_turn(m):

@@ -98,24 +98,25 @@ def _start_private_cao(stack: contextlib.ExitStack, **options) -> CaoServer:
         _missing(exc)
 
 
-def _start_real_cli_cao(stack: contextlib.ExitStack, provider: str) -> CaoServer:
-    """A private server for ``provider`` whose CLI talks to its own ScriptedModel (``.model``)."""
+def _start_real_cli_cao(stack: contextlib.ExitStack, provider: str, **options) -> CaoServer:
+    """A private server for ``provider`` (``also``: and other CLIs) whose CLIs talk to its own ScriptedModel
+    (``.model``)."""
     try:
         from .scripted_model import ScriptedModel
     except ImportError as exc:
         _missing(MissingPrerequisite(f"the scripted model endpoint cannot be imported ({exc})"))
     # A quick model: the CLIs' own work (and the loop's handoff) is what these tests time.
     model = stack.enter_context(ScriptedModel(think_seconds=REAL_CLI_THINK_SECONDS))
-    server = _start_private_cao(stack, provider=provider, model_url=model.url)
+    server = _start_private_cao(stack, provider=provider, model_url=model.url, **options)
     server.model = model
     return server
 
 
-def _real_cli_server(provider: str, warm=None):
+def _real_cli_server(provider: str, warm=None, **options):
     """The body of a real-CLI server fixture: the server for its module (its HOME first made ready by
     ``warm(server)`` where given), its agents ended at the close."""
     with contextlib.ExitStack() as stack:
-        server = _start_real_cli_cao(stack, provider)
+        server = _start_real_cli_cao(stack, provider, **options)
         if warm is not None:
             warm(server)
         yield server

@@ -195,6 +195,7 @@ class CaoServer:
     model_url: str = ""  # the scripted model endpoint the real CLIs talk to ("" for mock_cli)
     cli_bin: Path | None = None  # directory holding the pinned CLI the provider launches
     tmux_env: dict = field(default_factory=dict)  # set in the tmux server's global environment
+    also: tuple = ()  # other real CLIs set up in the same HOME, profiles installed for them too (a fallback)
     model: object = None  # the scripted model endpoint, when a caller attached one
     _workdirs: int = 0
 
@@ -333,12 +334,13 @@ class CaoServer:
         under work/ (trusted as a whole at start) are not written again.
         """
         path = Path(path).resolve()
-        if self.provider == "codex":
-            agent_clis.trust_codex_workdir(self.home, path)
-        elif self.provider == "copilot_cli" and not path.is_relative_to(self.root / "work"):
-            agent_clis.trust_copilot_workdir(self.home, path)
-        elif self.provider == "claude_code" and not path.is_relative_to(self.root / "work"):
-            agent_clis.trust_claude_workdir(self.home, path)
+        for provider in (self.provider, *self.also):
+            if provider == "codex":
+                agent_clis.trust_codex_workdir(self.home, path)
+            elif provider == "copilot_cli" and not path.is_relative_to(self.root / "work"):
+                agent_clis.trust_copilot_workdir(self.home, path)
+            elif provider == "claude_code" and not path.is_relative_to(self.root / "work"):
+                agent_clis.trust_claude_workdir(self.home, path)
 
     # -- agents dying ---------------------------------------------------------
     def agent_cli_pids(self, terminal_id: str) -> list[int]:
@@ -529,13 +531,13 @@ def _install_profiles(cao: CaoServer) -> dict[str, Path]:
     installed = {}
     fallback_dir = cao.root / "profiles"
     fallback_dir.mkdir(exist_ok=True)
-    for name in AGENT_PROFILES:
+    for name, provider in ((name, provider) for provider in (cao.provider, *cao.also) for name in AGENT_PROFILES):
         source = REPO_ROOT / "profiles" / f"{name}.md"
         if not source.is_file():
             source = fallback_dir / f"{name}.md"
             source.write_text(_minimal_profile(name))
         proc = subprocess.run(
-            [str(cao.cao_bin / "cao"), "install", str(source), "--provider", cao.provider],
+            [str(cao.cao_bin / "cao"), "install", str(source), "--provider", provider],
             env=cao.server_env,
             cwd=cao.root,
             stdout=subprocess.PIPE,
@@ -547,7 +549,7 @@ def _install_profiles(cao: CaoServer) -> dict[str, Path]:
         # and the stored copy are the only reliable signal.
         stored = cao.home / ".aws" / "cli-agent-orchestrator" / "agent-store" / f"{name}.md"
         if proc.returncode != 0 or "installed successfully" not in proc.stdout or not stored.is_file():
-            raise RuntimeError(f"`cao install {source} --provider {cao.provider}` failed:\n{proc.stdout}")
+            raise RuntimeError(f"`cao install {source} --provider {provider}` failed:\n{proc.stdout}")
         installed[name] = source
     return installed
 
@@ -658,6 +660,28 @@ def _server_env(
     return env
 
 
+def _prepare_cli_home(provider: str, dirs: dict[str, Path], model_url: str | None) -> dict[str, str]:
+    """Write the real CLI's settings into the private HOME; the variables its tmux server needs ({} for
+    mock_cli). work/ itself is trusted up front: both CLIs extend that to plain subdirectories. Codex keys
+    trust by git repository root, so new_workdir() adds an entry per directory too (see trust_workdir)."""
+    if provider == "claude_code":
+        agent_clis.write_claude_home(dirs["home"], workdirs=[dirs["work"]])
+        return agent_clis.claude_tmux_env(model_url)
+    if provider == "codex":
+        agent_clis.write_codex_home(dirs["home"], model_url, workdirs=[dirs["work"]])
+        return agent_clis.codex_tmux_env()
+    if provider == "opencode_cli":
+        agent_clis.write_opencode_home(dirs["home"], model_url)
+        return agent_clis.opencode_tmux_env()
+    if provider == "copilot_cli":
+        agent_clis.write_copilot_home(dirs["home"], workdirs=[dirs["work"]])
+        return agent_clis.copilot_tmux_env(model_url)
+    if provider == "hermes":
+        agent_clis.write_hermes_home(dirs["home"], model_url)
+        return agent_clis.hermes_tmux_env()
+    return {}
+
+
 @contextlib.contextmanager
 def private_cao(
     think_ms: int | None = None,
@@ -665,6 +689,7 @@ def private_cao(
     token: str = "",
     provider: str = "mock_cli",
     model_url: str | None = None,
+    also: tuple[str, ...] = (),
 ) -> Iterator[CaoServer]:
     """Run a private cao-server with the five profiles installed; yield it as a ``CaoServer``.
 
@@ -683,7 +708,8 @@ def private_cao(
     ``hermes`` (the pinned real CLIs, installed with npm, or for Hermes pip, on first use; no npm, or no
     Python 3.11+ for Hermes, is a ``MissingPrerequisite``). The real CLIs talk to ``model_url`` (a scripted
     model endpoint, e.g. ``ScriptedModel.url``); without it they still start,
-    but any turn fails.
+    but any turn fails. ``also``: other real CLIs set up in the same HOME and on the same PATH, with the
+    profiles installed for them too (a role's fallback CLI); only CLIs of the same npm install as ``provider``.
     """
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; expected one of {', '.join(PROVIDERS)}")
@@ -698,6 +724,8 @@ def private_cao(
     if real_cli:
         try:
             cli_bin = agent_clis.cli_bin_for(provider)
+            if any(agent_clis.cli_bin_for(other) != cli_bin for other in also):
+                raise ValueError(f"{', '.join(also)}: not of the npm install {provider} is")
         except agent_clis.NpmMissing as exc:
             raise MissingPrerequisite(str(exc)) from None
         model_url = (model_url or NO_MODEL_URL).rstrip("/")
@@ -716,24 +744,8 @@ def private_cao(
             d.mkdir()
         _write_mock_cli(dirs["bin"])
         tmux_env: dict[str, str] = {}
-        # work/ itself is trusted up front: both CLIs extend that to plain
-        # subdirectories. Codex keys trust by git repository root, so
-        # new_workdir() adds an entry per directory too (see trust_workdir).
-        if provider == "claude_code":
-            agent_clis.write_claude_home(dirs["home"], workdirs=[dirs["work"]])
-            tmux_env = agent_clis.claude_tmux_env(model_url)
-        elif provider == "codex":
-            agent_clis.write_codex_home(dirs["home"], model_url, workdirs=[dirs["work"]])
-            tmux_env = agent_clis.codex_tmux_env()
-        elif provider == "opencode_cli":
-            agent_clis.write_opencode_home(dirs["home"], model_url)
-            tmux_env = agent_clis.opencode_tmux_env()
-        elif provider == "copilot_cli":
-            agent_clis.write_copilot_home(dirs["home"], workdirs=[dirs["work"]])
-            tmux_env = agent_clis.copilot_tmux_env(model_url)
-        elif provider == "hermes":
-            agent_clis.write_hermes_home(dirs["home"], model_url)
-            tmux_env = agent_clis.hermes_tmux_env()
+        for name in (provider, *also):
+            tmux_env.update(_prepare_cli_home(name, dirs, model_url))
         cao = CaoServer(
             root=root,
             home=dirs["home"],
@@ -747,6 +759,7 @@ def private_cao(
             model_url=model_url or "",
             cli_bin=cli_bin,
             tmux_env=tmux_env,
+            also=tuple(also),
         )
         cao.set_script({})
         _start_tmux(cao)

@@ -177,7 +177,8 @@ def test_check_finds_each_trap_planted_alone_with_its_fix_and_passes_once_fixed(
         machine.stop_server()
         machine.start_server(IS_SANDBOX="yes", **key)
         code, output = machine.check("claude_code")
-        [line, _] = failed_lines(output)
+        [line, onboarding, _] = failed_lines(output)
+        assert onboarding.startswith("✗ Claude Code was never set up in the agents' home"), output
         assert code == 1 and "has IS_SANDBOX=yes, and Claude Code takes only IS_SANDBOX=1" in line, output
         key["IS_SANDBOX"] = "1"
     machine.stop_server()

@@ -108,6 +108,12 @@ class OwnRun:
             except ProcessLookupError:
                 pass
 
+    def status(self, *options: str) -> str:
+        """What `--status` says of the run (stdout and stderr)."""
+        said = subprocess.run([sys.executable, str(SCRIPT), "--status", *options], cwd=self.wd, env=self.env,
+                              capture_output=True, text=True, timeout=60)
+        return said.stdout + said.stderr
+
     def wait_for_prompt(self, loop: subprocess.Popen, role: str, count: int = 1) -> None:
         deadline = time.monotonic() + 120
         while self.prompts().count(role) < count:
@@ -156,9 +162,10 @@ def test_the_port_asked_for_held_by_another_cao_server_gets_nothing(own_run):
 def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_again(own_run):
     """SIGKILL mid-turn leaves the own server running (nothing can end it); the same command again ends
     them first, starts new ones, and goes on to PASS without sending an answered turn again."""
-    run = own_run()
+    run = own_run(OWN_SERVER="1")
+    # The programmer's first turn outlasts the looks at --status below: it is still at work when the rerun comes.
     run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
-                                                                        "think_ms": 4000}, PROGRAMMER_REPLY]})
+                                                                        "think_ms": 60000}, PROGRAMMER_REPLY]})
     loop = run.start()
     run.wait_for_prompt(loop, "programmer")
     os.killpg(loop.pid, signal.SIGKILL)
@@ -167,6 +174,15 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
     loop.wait(timeout=30)
     note = json.loads(run.state_file.with_name("orchestrator-loop-state.own-server.json").read_text())
     assert run.left_running(seconds=0), "SIGKILL ends the loop alone"
+    # --status says what still runs, by its pids, and that the invocation was killed (no exit code of its own).
+    (cao, _), (tmux, _) = note["processes"]["cao-server"], note["processes"]["tmux"]
+    status = run.status()
+    assert (f"still running: cao-server pid {cao}, tmux pid {tmux}, 5 agents (" in status and
+            f"the same command ends them, or `kill -- -{cao} {tmux}`" in status), status
+    assert f"last stop: killed, no exit code (pid {loop.pid} since " in status and "ended" not in status, status
+    assert "agents: still running on the run's own CAO server (5 agent terminals)" in status, status
+    facts = json.loads(run.status("--json"))
+    assert facts["own_server_running"]["cao_server_pid"] == cao and facts["killed"]["pid"] == loop.pid
     result = run.run()
     assert result.returncode == 0, explain(result)
     line = own_server_line(result.stdout)
@@ -186,9 +202,45 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
     assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
     store = run.store()                       # the killed run's session too was removed through its server
     assert store["fifos"] == [] and "rows of terminals" not in store, store
-    status = subprocess.run([sys.executable, str(SCRIPT), "--status"], cwd=run.wd, env=run.env,
-                            capture_output=True, text=True, timeout=60)
-    assert "agents: ended with the run's own CAO server" in status.stdout, status.stdout + status.stderr
+    status = run.status()
+    assert "agents: ended with the run's own CAO server" in status, status
+    assert "CAO server: the run's own, ended (it was at " in status and "killed" not in status, status
+    assert json.loads(run.status("--json"))["own_server_running"] is None
+
+
+def test_status_says_a_run_is_starting_and_one_killed_in_start_up_is_killed_not_its_last_runs_pass(own_run):
+    """A new run starts where the last one passed: --status tells the new run's start-up (its pid, since when,
+    each agent), not the PASS before it; killed right then, the invocation shows as killed with what still
+    runs, and only the rerun that ends them leaves "ended"."""
+    run = own_run(OWN_SERVER="1", START_AGENT="tester")
+    run.set_script({"tester": [PASS_REPLY]})
+    assert run.run().returncode == 0
+    loop = run.start()
+    note = run.state_file.with_name("orchestrator-loop-state.start-up.json")
+    deadline = time.monotonic() + 120
+    while not (note.exists() and '"step": "creating the five agents' in note.read_text()):
+        assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+        time.sleep(0.02)
+    loop.send_signal(signal.SIGSTOP)                # held in its start-up, its lock held
+    status = run.status()
+    assert "run: a new run is starting, since " in status and " ago: creating the five agents on " in status, status
+    assert f"driven by: pid {loop.pid} since " in status and "before it: finished with PASS" in status, status
+    assert re.search(r"CAO server: the run's own, http://127\.0\.0\.1:\d+ \(cao-server pid \d+, tmux pid", status)
+    assert "last stop" not in status and "start it with" not in status and "no run has started" not in status
+    starting = json.loads(run.status("--json"))["starting"]
+    assert starting["pid"] == loop.pid and starting["resuming"] is False
+    os.killpg(loop.pid, signal.SIGKILL)
+    loop.communicate(timeout=30)
+    status = run.status()
+    assert f"last stop: killed, no exit code (pid {loop.pid} since " in status and "exit 0" not in status, status
+    assert f"last start-up: pid {loop.pid}, starting a new run since " in status, status
+    assert "CAO server: the run's own (http://127.0.0.1:" in status and "), still running: cao-server pid " in status
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert "ending what the last invocation's own CAO server left running (" in result.stdout
+    assert not run.left_running()
+    status = run.status()
+    assert "CAO server: the run's own, ended" in status and "killed" not in status and "starting" not in status
 
 
 @pytest.mark.parametrize("signum, code, rerun", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
@@ -236,8 +288,8 @@ def test_three_runs_on_their_own_server_leave_in_caos_store_only_what_the_readme
     assert {key: value for key, value in last.items() if key.startswith("rows of ")} == {
         "rows of session_incarnations": 3, "rows of idempotency_keys": 15}, last
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    assert ("what CAO sets up once (database, skills, the agent profiles) and per run CAO's logs (`logs/`) and a "
-            "database row per agent and session recording their creation") in " ".join(readme.split())
+    assert ("what CAO sets up once (database, skills, profiles), and per run logs (`logs/`) and a database row per "
+            "agent and session.") in " ".join(readme.split())
     assert not run.left_running()
 
 
