@@ -24,7 +24,8 @@ Usage:  python run_orchestrator_loop.py [config.json]   (--demo [DIR]: a first P
 Exit codes: 0 PASS, 1 FAIL, 2 bad usage or configuration (or a stop a setting must lift),
 3 runtime error (the same command resumes), 4 budget used, 5 the same failure round after
 round (a person is needed), 70 a fault of the loop itself (its traceback in the run folder),
-75 another process drives this run, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
+75 another process drives this run, 129 its terminal closed (SIGHUP), 130 interrupted (SIGINT),
+131 quit (SIGQUIT), 143 terminated (SIGTERM).
 
 On PASS the run can archive its OpenSpec change and commit its work, and
 it can tell the user of its end through ntfy (ARCHIVE_ON_PASS, COMMIT_ON_PASS,
@@ -113,7 +114,8 @@ except ModuleNotFoundError:             # Python 3.10: what needs it says it can
 # --------------------------------------------------------------------------
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS = 0, 1, 2, 3, 4, 5
-EXIT_BUG, EXIT_LOCKED, EXIT_SIGINT, EXIT_SIGTERM = 70, 75, 130, 143
+EXIT_BUG, EXIT_LOCKED = 70, 75
+EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGQUIT, EXIT_SIGTERM = 129, 130, 131, 143     # 128 + the signal's number
 TRACEBACK_FILE = "traceback.txt"     # in the run folder: the traceback of a fault of the loop itself (exit 70)
 # Each exit code: what it means, and what a job scheduler (cron, a CI job, a Kubernetes Job) should do on it.
 EXIT_CODES = (
@@ -135,7 +137,10 @@ EXIT_CODES = (
                "line names it); the state is saved", "stop and alert: a bug (report it with its traceback)"),
     (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
      "retry later, never beside it"),
+    (EXIT_SIGHUP, "stopped by SIGHUP (its terminal closed, e.g. an ssh session dropped); the state is saved",
+     "retry: the same command resumes the run"),
     (EXIT_SIGINT, "interrupted by SIGINT (Ctrl-C); the state is saved", "retry: the same command resumes the run"),
+    (EXIT_SIGQUIT, "stopped by SIGQUIT (Ctrl-\\); the state is saved", "retry: the same command resumes the run"),
     (EXIT_SIGTERM, "terminated by SIGTERM; the state is saved", "retry: the same command resumes the run"),
 )
 EXIT_MEANINGS = {code: meaning for code, meaning, _ in EXIT_CODES}
@@ -189,7 +194,11 @@ class AlreadyFinished(OrchestratorExit):
 
 
 class Terminated(BaseException):
-    """Raised from the SIGTERM handler so the loop unwinds like on Ctrl-C."""
+    """Raised by a stop signal other than Ctrl-C (SIGTERM, SIGHUP, SIGQUIT) so the loop unwinds like on Ctrl-C."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 # The run's own copy of its log ($WD/.tmp/<run>/run.log), from the moment its folder is known
@@ -258,6 +267,86 @@ def open_run_log(path: Path) -> None:
     _early_log_lines.clear()
     for line in early:
         keep_in_run_log(line)
+
+
+# --------------------------------------------------------------------------
+# Stop signals. Every stop a user's terminal or system can cause ends a run the same way: SIGINT (Ctrl-C), SIGTERM,
+# SIGHUP (the terminal closed) and SIGQUIT (Ctrl-\, whose default -- a core dump -- would leave the run's own
+# server and agents running, and a core of a Python process helps no user). One handler: it raises the stop where
+# the run can stop, and holds it -- noted, said once -- while something must finish first (terminals being
+# created, the run's wind-down); a second stop while the first unwinds is held too.
+# --------------------------------------------------------------------------
+
+STOP_SIGNALS = {signal.SIGHUP: (EXIT_SIGHUP, "stopped by SIGHUP (its terminal closed)"),
+                signal.SIGINT: (EXIT_SIGINT, "interrupted (SIGINT)"),
+                signal.SIGQUIT: (EXIT_SIGQUIT, "stopped by SIGQUIT (Ctrl-\\)"),
+                signal.SIGTERM: (EXIT_SIGTERM, "terminated (SIGTERM)")}
+
+
+@dataclass
+class StopSignals:
+    """Where stop signals go now: `holders` (innermost last) note them while not empty; `stopping` once a stop
+    was raised, so that a second one does not cut short the unwinding of the first."""
+
+    holders: list[tuple[str, list[int]]] = field(default_factory=list)
+    stopping: bool = False
+
+
+stops = StopSignals()
+
+
+def stop_exception(signum: int) -> BaseException:
+    """The exception a stop signal unwinds the run with: KeyboardInterrupt for Ctrl-C, Terminated for the others."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def on_stop_signal(signum: int, frame) -> None:
+    """The one handler of STOP_SIGNALS: held (and said once) where something must finish, else raised."""
+    if stops.holders:
+        what, received = stops.holders[-1]
+        if not stop_held():
+            log(f"{STOP_SIGNALS[signum][1]}: {what} first, so that nothing is left behind")
+        received.append(signum)
+        return
+    if stops.stopping:                    # the first stop is unwinding: this one is the same stop
+        return
+    stops.stopping = True
+    raise stop_exception(signum)
+
+
+def stop_held() -> bool:
+    """Whether a stop signal waits to be raised: a long wait ends early on it."""
+    return any(held for _, held in stops.holders)
+
+
+def set_stop_handlers(handlers: Mapping[int, object]) -> dict[int, object]:
+    """Install a handler per stop signal; the ones they replace. Outside the main thread nothing changes
+    (handlers can only be set there)."""
+    previous = {}
+    try:
+        for signum, handler in handlers.items():
+            previous[signum] = signal.signal(signum, handler)
+    except (ValueError, TypeError):
+        pass
+    return previous
+
+
+@contextmanager
+def signals_held(what: str, raise_after: bool = True) -> Iterator[list[int]]:
+    """Hold every stop signal while `what` finishes (a creation cut short would leave an agent nobody knows
+    about; a wind-down cut short, the run's own server), then raise the first that arrived (`raise_after`), or
+    only say it. The list yielded holds them: a long wait in `what` looks at it to end early."""
+    received: list[int] = []
+    previous = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
+    stops.holders.append((what, received))
+    try:
+        yield received
+    finally:
+        stops.holders.pop()
+        set_stop_handlers(previous)
+    if received and raise_after:
+        stops.stopping = True
+        raise stop_exception(received[0])
 
 
 # ==========================================================================
@@ -3651,6 +3740,33 @@ def _unanswered_turn() -> dict | None:
                          provider=provider_for(in_flight.role), **facts).to_json(), "cost": None}
 
 
+def run_interruptions() -> list[dict]:
+    """Where the run was cut, from its events: each invocation that stopped with the run unfinished (its
+    exit code; null for one that was killed and said nothing) and when the next took the run up ('' not yet).
+    Only the run_* lines are read: the page is written after every turn."""
+    try:
+        lines = (Path(run_dir) / EVENTS_FILE).read_bytes().splitlines() if run_dir else []
+    except OSError:
+        lines = []
+    cuts: list[dict] = []
+    last: dict = {}
+    for line in lines:
+        with suppress(ValueError):
+            event = json.loads(line) if b'"event": "run_' in line else None
+            if not isinstance(event, dict):
+                continue
+            if event.get("event") == "run_resumed" and last:
+                stopped = last.get("event") == "run_stopped"
+                if not stopped or last.get("result") == "RUNNING":
+                    cuts.append({"stopped_at": last.get("at", "") if stopped else "",
+                                 "exit_code": last.get("exit_code") if stopped else None,
+                                 "resumed_at": event.get("at", "")})
+            last = event
+    if last.get("event") == "run_stopped" and last.get("result") == "RUNNING":
+        cuts.append({"stopped_at": last.get("at", ""), "exit_code": last.get("exit_code"), "resumed_at": ""})
+    return cuts
+
+
 def run_summary(exit_code: int | None) -> dict:
     """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
     counts among the prompts sent. `exit_code` is None while the run goes on."""
@@ -3681,6 +3797,7 @@ def run_summary(exit_code: int | None) -> dict:
         "agent_events": [e.to_json() for e in agent_events],
         "no_progress_stop": no_progress_stop,
         "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
+        "interruptions": run_interruptions(),
         "turn_list": turns,
     }
 
@@ -3714,6 +3831,8 @@ dd { margin: 0; overflow-wrap: anywhere }
 .track { position: relative; flex: 1; height: 1.6em; background: #f1f1f1 }
 .turn { position: absolute; top: 0; bottom: 0; min-width: 4px; color: #fff; font-size: 11px; text-align: center;
         overflow: hidden; text-decoration: none }
+.cut { position: absolute; top: 0; bottom: 0; min-width: 3px; border-left: 2px solid #000;
+       background: repeating-linear-gradient(45deg, #fff, #fff 3px, #555 3px, #555 6px) }
 .side-by-side { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 1em }
 h3 { font-size: 1em; margin: .6em 0 .2em }
 pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: .6em; margin: .3em 0 }
@@ -3794,8 +3913,9 @@ AGENT_EVENTS = Template('<section id="agent-events"><h2>Agents\' conversations a
 AGENT_EVENT = Template('<li data-what="$what">$at: $role (terminal $terminal): $what$detail</li>')
 LANE = Template('<div class="lane" data-role="$role"><span class="lane-label">$role</span><div class="track">'
                 '$bars</div></div>')
-BAR = Template('<a class="turn" href="#turn-$number" data-turn="$number" data-verdict="$verdict" '
-               'style="left:$left%;width:$width%;background:$colour" title="$title">$number</a>')
+BAR = Template('<a class="turn" href="#turn-$number" data-turn="$number" data-verdict="$verdict" data-cut="$cut" '
+               'style="left:$left%;width:$width%;background:$colour" title="$title">$number$cuts</a>')
+CUT_MARK = Template('<span class="cut" data-exit-code="$code" style="left:$left%;width:$width%" title="$title"></span>')
 LEGEND_ENTRY = Template('<span data-verdict="$verdict" style="background:$colour">$name</span>')
 TURN_DETAIL = Template(
     '<details id="turn-$number" class="turn-detail"><summary>$label</summary>\n'
@@ -3973,13 +4093,50 @@ def _agent_events(events: list[dict]) -> ReportHtml:
     return _fill(AGENT_EVENTS, items=_join(items))
 
 
-def _bar(number: int, turn: dict, begin: float, end: float, span: float) -> ReportHtml:
-    """A turn's bar on its role's lane: from its send to its reply (or to now), in per cent of the span."""
+def turn_cuts(turn: dict, summary: dict) -> list[dict]:
+    """The interruptions (run_interruptions()) that cut the turn: a stop (or, for a killed invocation, the
+    resume) between its first send and its reply (or the page's moment, for a turn still unanswered)."""
+    sent, taken = parse_utc_iso(turn["sent_at"]), parse_utc_iso(turn["taken_at"] or summary["ended_at"])
+    if sent is None or taken is None:
+        return []
+    return [cut for cut in summary.get("interruptions", [])
+            if (at := parse_utc_iso(cut["stopped_at"] or cut["resumed_at"])) is not None and sent <= at <= taken]
+
+
+def cut_text(cut: dict) -> str:
+    """'cut by a stop at 2026-11-25 09:13:29 CET (exit 143: terminated by SIGTERM); went on at ...'."""
+    if cut["stopped_at"]:
+        code = cut["exit_code"]
+        why = f"exit {code}: {EXIT_MEANINGS[code].split(';')[0]}" if code in EXIT_MEANINGS else f"exit {code}"
+        text = f"cut by a stop at {local_time(cut['stopped_at'])} ({why})"
+    else:
+        text = "cut: its invocation was killed (no word from it)"
+    return text + (f"; went on at {local_time(cut['resumed_at'])}" if cut["resumed_at"] else "; not taken up yet")
+
+
+def _cut_marks(cuts: list[dict], start: str, begin: float, end: float) -> ReportHtml:
+    """Each cut of a turn on its bar: hatched from the stop to where the run went on, in per cent of the bar."""
+    length = max(end - begin, 1e-9)
+    marks = []
+    for cut in cuts:
+        stop = _seconds_since(start, cut["stopped_at"] or cut["resumed_at"]) or begin
+        resume = _seconds_since(start, cut["resumed_at"]) if cut["resumed_at"] else end
+        left = min(max(0.0, (stop - begin) / length), 1.0)
+        width = min(max(0.0, ((resume or stop) - stop) / length), 1.0 - left)
+        marks.append(_fill(CUT_MARK, code="" if cut["exit_code"] is None else cut["exit_code"],
+                           left=f"{100 * left:.2f}", width=f"{100 * width:.2f}", title=cut_text(cut)))
+    return _join(marks, "")
+
+
+def _bar(number: int, turn: dict, begin: float, end: float, span: float, cuts: ReportHtml, cut: str) -> ReportHtml:
+    """A turn's bar on its role's lane: from its send to its reply (or to now), in per cent of the span; where
+    an interruption cut it, marked (`cut`: the cuts' words)."""
     verdict = _verdict_of(turn.get("outcome"))
-    return _fill(BAR, number=number, verdict=verdict, colour=REPORT_COLOURS[verdict],
+    return _fill(BAR, number=number, verdict=verdict, colour=REPORT_COLOURS[verdict], cut="1" if cut else "",
                  left=f"{100 * begin / span:.2f}", width=f"{max(0.4, 100 * (end - begin) / span):.2f}",
                  title=f"{number}: {turn['role']}, round {turn['round']}, {turn.get('outcome') or ''}"
-                       + (f", model {turn['model']}" if turn.get("model") else ""))
+                       + (f", model {turn['model']}" if turn.get("model") else "") + (f"; {cut}" if cut else ""),
+                 cuts=cuts)
 
 
 TIMELINE_GAP_SHARE = 0.1      # a start-up that takes this share of the timeline is labelled
@@ -3996,7 +4153,10 @@ def _timeline(summary: dict) -> dict[str, ReportHtml | str]:
     for number, turn in enumerate(turns, 1):
         if turn["role"] in bars:
             begin = max(0.0, _seconds_since(start, turn["sent_at"]) or 0.0)
-            bars[turn["role"]].append(_bar(number, turn, begin, ends[number - 1], span))
+            cuts = turn_cuts(turn, summary)
+            bars[turn["role"]].append(_bar(number, turn, begin, ends[number - 1], span,
+                                           _cut_marks(cuts, start, begin, ends[number - 1]),
+                                           "; ".join(map(cut_text, cuts))))
     lanes = _join(_fill(LANE, role=role, bars=_join(role_bars, "")) for role, role_bars in bars.items())
     axis = f"0 (the run's start) to {report_duration(span)}"
     first = _seconds_since(start, turns[0]["sent_at"]) if turns else None
@@ -4013,15 +4173,16 @@ def _legend(turns: list[dict]) -> ReportHtml:
                   for name, colour in REPORT_COLOURS.items() if name in seen), "")
 
 
-def _turn_details(turns: list[dict], prompts: list[str], replies: list[str]) -> ReportHtml:
-    """Every turn, collapsed: what it was, its prompt and its reply."""
+def _turn_details(summary: dict, prompts: list[str], replies: list[str]) -> ReportHtml:
+    """Every turn, collapsed: what it was (and where an interruption cut it), its prompt and its reply."""
     details = []
-    for number, turn in enumerate(turns, 1):
+    for number, turn in enumerate(summary["turn_list"], 1):
         where = f"round {turn['round']}, {turn['phase']} phase" + (f", cycle {turn['cycle']}" if turn["cycle"] else "")
         extra = "".join(f", {turn[key]} {key}" for key in ("reminders", "resends") if turn[key])
         took = report_duration(turn["seconds"]) if turn["seconds"] is not None else "no reply yet"
         extra += f"; {turn['provider']}" if turn.get("provider") else ""
         extra += f"; model {turn['model']}" if turn.get("model") else ""
+        extra += "".join(f"; {cut_text(cut)}" for cut in turn_cuts(turn, summary))
         label = f"{number:03d} {turn['role']}: {where}; {took}; {turn.get('outcome') or 'no verdict'}{extra}"
         details.append(_fill(TURN_DETAIL, number=number, label=label, prompt_bytes=f"{turn['prompt_bytes']:,}",
                              sent=local_time(turn["sent_at"]), prompt=prompts[number - 1],
@@ -4074,7 +4235,7 @@ def report_html(summary: dict) -> str:
                  heading=_with_code(heading), reload_seconds=REPORT_RELOAD_SECONDS if running else 0,
                  figures=_figures(summary),
                  outcome=_outcome(summary, replies), agent_events=_agent_events(summary["agent_events"]),
-                 turns=_turn_details(turns, prompts, replies), tokens=_tokens_section(summary),
+                 turns=_turn_details(summary, prompts, replies), tokens=_tokens_section(summary),
                  **_timeline(summary))
     return str(page)
 
@@ -5892,32 +6053,6 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
 settled_terminals: set[str] = set()
 
 
-@contextmanager
-def signals_held(what: str) -> Iterator[list[int]]:
-    """Hold Ctrl-C and SIGTERM while `what` finishes (a creation cut short would leave an agent nobody knows
-    about), then raise the first that arrived; the list yielded holds them."""
-    received: list[int] = []
-
-    def hold(signum, frame) -> None:
-        if not received:
-            log(f"interrupted: {what} first, so that nothing is left behind")
-        received.append(signum)
-
-    previous = {}
-    try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, hold)
-    except ValueError:                     # not the main thread: signals cannot be held here
-        pass
-    try:
-        yield received
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if received:
-        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated()
-
-
 def new_session_name() -> str:
     """A name for a new run's CAO session, unique by its random part; `cao-` first, or CAO would add it and
     the terminals added under the name asked for would miss the session."""
@@ -6075,21 +6210,60 @@ def start_up_failure(failures: dict[str, str]) -> OrchestratorExit:
     return RunError(f"could not create the agent terminals ({error}){start_failure_hint(error)}")
 
 
+def in_background(call: Callable, *args) -> Future:
+    """`call(*args)` in a thread of its own whose answer nobody has to wait for: a creation a stop cut short
+    is left to end on its own (the run ends its session), and never keeps the process from exiting."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args))
+        except BaseException as exc:       # handed to whoever reads the answer
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name=f"cao-{getattr(call, '__name__', 'call')}").start()
+    return future
+
+
+def answered_unless_stopped(futures: Iterable[Future], interrupted: list[int]) -> bool:
+    """Wait for the answers (CAO answers a creation once its CLI is up: up to a minute) unless a stop signal
+    is held first; whether they all came."""
+    pending = list(futures)
+    while pending and not interrupted:
+        pending = list(wait_for_futures(pending, timeout=0.2).not_done)
+    return not pending
+
+
+def end_creation_cut_short(name: str, futures: Mapping[str, Future]) -> None:
+    """A stop came while the five were created: the agents that are up are exited and the session is removed,
+    which ends those still starting (a creation CAO has not begun finds no session); no answer is waited for."""
+    answers = {role: future.result() for role, future in futures.items()
+               if future.done() and future.exception() is None and future.result()}
+    session = futures.get("analyst")
+    with suppress(Exception):          # a server that cannot tell: the session is removed by its name all the same
+        if own_server is None and session is not None and not session.done() and api.session_terminals(name) is None:
+            answers["analyst"] = session.result()      # not made yet: removed now, it would come after
+            name = answers["analyst"]["session_name"]
+    end_agents([answer["id"] for answer in answers.values()], name)
+
+
 def create_terminals() -> tuple[str, dict[str, str]]:
     """Create the five terminals in one CAO session, all at once (CAO waits for each CLI to start), those that
-    timed out once more alone; a failed or interrupted start exits all it made. The session and the ids."""
+    timed out once more alone; a failed start exits all it made, a stop removes the session at once."""
     name = new_session_name()
     providers = sorted({provider_for(role) for role in ROLES})
     note_start_up_step(f"creating the five agents on {API}")
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
-    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool, \
-            signals_held("exiting the terminals being created") as interrupted:
-        session = pool.submit(request_agent, "analyst", name, True)
+    with signals_held("ending the terminals being created") as interrupted:
+        session = in_background(request_agent, "analyst", name, True)
         futures = {"analyst": session}
         for role in ROLES[1:]:
-            futures[role] = pool.submit(add_to_session, name, role, session, interrupted)
+            futures[role] = in_background(add_to_session, name, role, session, interrupted)
+        if not answered_unless_stopped(futures.values(), interrupted):
+            end_creation_cut_short(name, futures)
+            return name, {}                # not reached: signals_held raises the stop
         answers: dict[str, dict] = {}
         failures = None                   # stays None on a fault of the loop's own: what came up is exited too
         try:
@@ -6109,7 +6283,8 @@ def create_terminals() -> tuple[str, dict[str, str]]:
 def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str],
                               interrupted: list[int]) -> dict[str, str]:
     """The second try, each alone, for the agents that did not start in time among five (all five in a new
-    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left."""
+    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left.
+    A stop ends the wait at once: the caller removes the session, this the new one it was making."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -6117,13 +6292,14 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
     log(f"{', '.join(failures)}: the agent CLI did not start within CAO's time limit while {len(ROLES)} started "
         f"at once; starting {', '.join(missing)} again, one at a time")
     for role in missing:
-        if interrupted:
+        session = answers["analyst"]["session_name"] if answers else new_session_name()
+        request = in_background(request_agent, role, session, role == "analyst")
+        if not answered_unless_stopped([request], interrupted):
+            if role == "analyst":
+                end_agents([], session)
             return {}
         try:
-            if role == "analyst":
-                answers[role] = request_agent(role, new_session_name(), first=True)
-            else:
-                answers[role] = request_agent(role, answers["analyst"]["session_name"])
+            answers[role] = request.result()
         except ApiError as exc:            # what came up is exited by the caller
             return {role: f"{role}: {exc} (on its second try too, started alone)"}
     log("all five agents are up after the second try")
@@ -6162,9 +6338,14 @@ def request_replacement(role: str, interrupted: list[int]) -> dict:
 
 
 def new_agent_for(role: str, doing: str) -> str:
-    """A new agent for the role in the run's session (a replacement, or a new conversation); its terminal id."""
+    """A new agent for the role in the run's session (a replacement, or a new conversation); its terminal id.
+    A stop does not wait for CAO's answer: the state still names the terminal replaced, so a rerun's request
+    carries the same key and gets the agent this one made."""
     with signals_held(doing) as interrupted:
-        answer = request_replacement(role, interrupted)
+        request = in_background(request_replacement, role, interrupted)
+        if not answered_unless_stopped([request], interrupted):
+            return ""          # not reached: the stop is raised; a rerun asks under the same key, never for two
+        answer = request.result()
     note_model_answers({role: answer})
     return answer["id"]
 
@@ -6508,7 +6689,7 @@ def settle_tokens(run_ended: bool) -> None:
         roles_found = {record.role for record in turn_records if record.tokens is not None}
         to_come = [number for number, reading in readings.items()
                    if (not reading.over if reading is not None else turn_records[number].role in roles_found)]
-        if not to_come or time.monotonic() >= deadline:
+        if not to_come or time.monotonic() >= deadline or stop_held():
             return
         time.sleep(0.5)
 
@@ -9837,7 +10018,7 @@ def readme_text() -> str:
 # Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
 EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun)",
               EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress", EXIT_BUG: "a bug",
-              EXIT_LOCKED: "run locked", EXIT_SIGINT: "Ctrl-C", EXIT_SIGTERM: "SIGTERM"}
+              EXIT_LOCKED: "run locked"}      # the stop signals' codes: one entry, "129/130/131/143 a signal"
 
 
 def help_text() -> str:
@@ -9860,7 +10041,9 @@ def help_text() -> str:
         lines.append(f"  {env:20} {_shown_default(setting)}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
     lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
-    codes = ", ".join(f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES)
+    signal_codes = "/".join(str(code) for code, _ in sorted(STOP_SIGNALS.values()))
+    codes = ", ".join([f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES
+                       if code in EXIT_SHORT] + [f"{signal_codes}\xa0a\xa0stop\xa0signal"])
     lines += [line.replace("\xa0", " ") for line in textwrap.wrap(f"Exit codes: {codes}", 78, subsequent_indent="  ")]
     lines.append(f"Documentation: {name} --readme (README.md; the rest in docs/)")
     return "\n".join(lines)
@@ -9880,18 +10063,6 @@ def settings_help_text() -> str:
     for code, meaning, action in EXIT_CODES:
         lines += textwrap.wrap(f"  {code:3}  {meaning}; a scheduler: {action}", 78, subsequent_indent=" " * 7)
     return "\n".join(lines)
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
-
-
-def _install_sigterm(handler) -> None:
-    """Handlers can only be set from the main thread; elsewhere SIGTERM keeps its default."""
-    try:
-        signal.signal(signal.SIGTERM, handler)
-    except (ValueError, TypeError):
-        pass
 
 
 def refuse_bad_start(task: str) -> StartPlan:
@@ -9961,12 +10132,12 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
         configure(args)
         connect_api()
     except OrchestratorExit as exc:
-        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        emit(f"error: {exc.message}", sys.stderr)
         return exc.code
     if follow:
         return follow_events(as_json)
     code, report = status_json_report() if as_json else status_report()
-    print(report, file=sys.stdout if code == EXIT_PASS else sys.stderr, flush=True)
+    emit(report, sys.stdout if code == EXIT_PASS else sys.stderr)    # a reader gone (`| head`) ends it quietly
     return code
 
 
@@ -10032,10 +10203,9 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
         return exc.code, f"error: {message}"
     if isinstance(exc, ApiError):          # a server that refuses our token is fixed in the settings, not by a retry
         return (EXIT_USAGE if exc.status_code == 401 else EXIT_ERROR), f"error: {exc}{saved}"
-    if isinstance(exc, KeyboardInterrupt):
-        return EXIT_SIGINT, f"interrupted (SIGINT){saved}"
-    if isinstance(exc, Terminated):
-        return EXIT_SIGTERM, f"terminated (SIGTERM){saved}"
+    if isinstance(exc, (KeyboardInterrupt, Terminated)):
+        code, said = STOP_SIGNALS[getattr(exc, "signum", signal.SIGINT)]
+        return code, f"{said}{saved}"
     if isinstance(exc, OSError):           # the machine (a full disk, a folder gone): the same command may get past it
         return EXIT_ERROR, f"error: unexpected {exc.__class__.__name__}: {exc}{saved}"
     kept = keep_traceback(exc)
@@ -10087,9 +10257,11 @@ def wind_down(code: int) -> int:
 
 
 def run_command_line(args: list[str]) -> int:
-    """Configure, start or resume the run, drive it; its exit code. Every stop is one line, never a traceback."""
+    """Configure, start or resume the run, drive it; its exit code. Every stop is one line, never a traceback;
+    every stop signal from the lock on ends what the run started (STOP_SIGNALS)."""
     started = False
-    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    previous_handlers: dict[int, object] = {}
+    stops.stopping = False
     code = EXIT_ERROR
     try:
         if len(args) > 1:
@@ -10099,7 +10271,7 @@ def run_command_line(args: list[str]) -> int:
         task = read_task_prompt()
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         acquire_run_lock()
-        _install_sigterm(_raise_terminated)   # a SIGTERM from here on still ends what the run started
+        previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
         begin_start_up(plan.resume)
         choice = server_choice(plan)
         log(choice.line)
@@ -10123,16 +10295,26 @@ def run_command_line(args: list[str]) -> int:
         end_start_up()
         log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
+        stops.stopping = True
         code, line = stop_line(exc, started)
         end_start_up()
         say_error(line)
     finally:
-        _install_sigterm(previous_sigterm)
-        if started:
-            code = wind_down(code)
-        with suppress(KeyboardInterrupt, Terminated), signals_held("ending the run's own CAO server"):
-            end_own_server()
-        release_run_lock()
+        stops.stopping = True            # the run ends now: a stop from here on is this end, held till it is done
+        with signals_held("ending the run (its state saved, what it started ended)", raise_after=False):
+            code = end_run(code, started)
+        set_stop_handlers(previous_handlers)
+        stops.stopping = False
+    return code
+
+
+def end_run(code: int, started: bool) -> int:
+    """The run's end, under held stop signals: the wind-down of a started run, its own server ended, the lock
+    released. A stop held here changes nothing: the run ends as it was ending, with its own exit code."""
+    if started:
+        code = wind_down(code)
+    end_own_server()
+    release_run_lock()
     return code
 
 

@@ -417,6 +417,8 @@ class FakeCao:
             self._changed.notify_all()
             if profile in self.fail_create:
                 return self._answer(profile, *self._refusal(profile))
+            if session in self.deleted_sessions:   # DELETE /sessions while the agent started: its window went too
+                return self._answer(profile, 500, {"detail": f"Session '{session}' not found"})
             terminal = Terminal(id=f"{next(self._ids):08x}", session=session,
                                 role=PROFILE_ROLES.get(profile, profile), profile=profile,
                                 provider=params.get("provider", ""),
@@ -643,7 +645,10 @@ _POOL_TASK = concurrent.futures.thread._WorkItem.run.__code__
 
 
 def running_pool_task(thread_id: int | None) -> bool:
-    """Whether that thread is running a task of a concurrent.futures thread pool (such as one creation)."""
+    """Whether that thread is running a creation: a thread the loop started for one (in_background(), named
+    `cao-...`), or a task of a concurrent.futures thread pool."""
+    if any(thread.ident == thread_id and thread.name.startswith("cao-") for thread in threading.enumerate()):
+        return True
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
         if frame.f_code is _POOL_TASK:
@@ -653,7 +658,7 @@ def running_pool_task(thread_id: int | None) -> bool:
 
 
 def pool_tasks_elsewhere() -> int:
-    """How many threads other than the caller's are running a thread-pool task."""
+    """How many threads other than the caller's are running a creation (running_pool_task())."""
     me = threading.get_ident()
     return sum(running_pool_task(ident) for ident in sys._current_frames() if ident != me)
 

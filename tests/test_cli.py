@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -370,3 +371,28 @@ def test_the_most_turns_left_follow_the_documented_worst_case(orch):
     assert orch.turns_left_at_most(saved) == 62
     saved.current_phase = "tester"
     assert orch.turns_left_at_most(saved) == 1 + 7 * 7
+
+
+def written_to_a_closed_pipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The command, its output going to a pipe nobody reads any more (as `| head -6` leaves it)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, str(SCRIPT), *args], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=60, env=env)
+    finally:
+        os.close(write_end)
+
+
+def test_every_output_command_ends_quietly_when_its_reader_has_gone(load_orch, fake_cao, prompt_file, capsys):
+    """`--status | head -6` and the like: the reader gone, the command ends without a word on stderr (no
+    BrokenPipeError traceback) and with the exit code it would have had."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
+    assert run_main(m) == 0
+    env = {**os.environ, "WD": m.WD, "API": "http://127.0.0.1:9"}
+    for args in (["--status"], ["--status", "--json"], ["--status", "--follow"], ["--help"], ["--help-settings"],
+                 ["--readme"], ["--version"]):
+        result = written_to_a_closed_pipe(*args, env=env)
+        assert (result.returncode, result.stderr) == (0, ""), (args, result.stderr[-2000:])
+    check = written_to_a_closed_pipe("--check", env={**env, "PROMPT_FILE": str(prompt_file)})
+    assert check.returncode == 1 and "Traceback" not in check.stderr, check.stderr[-2000:]   # no server at API

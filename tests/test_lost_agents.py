@@ -13,12 +13,14 @@ in e2e/test_lost_agents_e2e.py.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from pathlib import Path
 
 import pytest
 
 from conftest import FAST, TASK_PROMPT, run_main
-from fake_cao import FAIL_REPLY, PASS_REPLY
+from fake_cao import FAIL_REPLY, PASS_REPLY, MainThreadSignals
 
 TESTER_ONLY = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
 QUICK = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1"}
@@ -452,3 +454,33 @@ def test_a_replaced_agent_asks_for_the_roles_model_again(run, fake_cao):
                         if r.method == "POST" and r.url.path.startswith("/sessions")
                         and dict(r.url.params).get("agent_profile") == "tester"]
     assert [c.get("model") for c in tester_creations] == ["small-model", "small-model"]
+
+
+def test_a_stop_while_a_replacement_starts_ends_at_once_and_the_rerun_gets_that_same_agent(run, fake_cao):
+    """SIGTERM while the replacement of a lost tester is still starting (CAO answers once its CLI is up): the
+    run exits 143 without waiting for that answer, its state still naming the lost terminal; the same
+    command asks again under the same key and gets the agent that start made, never a second one."""
+    let_go = threading.Event()
+    answered_before_the_exit: list[bool] = []
+
+    def hold_the_replacement(profile: str) -> None:
+        if profile == "tester" and len(fake_cao.terminals) == 5:      # the five are up: this is the replacement
+            signals.send(signal.SIGTERM)
+            let_go.wait(60)
+
+    fake_cao.script["tester"] = [{"action": "call", "call": kill_cli}, PASS_REPLY]
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    fake_cao.create_hook = hold_the_replacement
+    with MainThreadSignals() as signals:
+        assert run_main(m) == 143
+    answered_before_the_exit.append(fake_cao.create_answers[-1][0] == "tester" and len(fake_cao.terminals) == 6)
+    lost = state_of(m)["terminals"]["tester"]
+    let_go.set()
+    fake_cao.wait_until("the replacement to be made", lambda: len(fake_cao.terminals) == 6)
+    assert answered_before_the_exit == [False]
+    assert state_of(m)["replacements"] == [] and fake_cao.terminals[lost].role == "tester"
+    fake_cao.create_hook = None
+    m = run(**TESTER_ONLY, REPLACE_LOST_AGENTS="1")
+    assert run_main(m) == 0
+    assert len(fake_cao.terminals) == 6 and fake_cao.idempotent_answers == 1        # that same agent, asked again
+    assert state_of(m)["terminals"]["tester"] == [t.id for t in fake_cao.terminals.values()][-1]

@@ -438,3 +438,32 @@ def test_ending_an_own_server_whose_tmux_folder_is_gone_never_reaches_the_users_
     Path(own.tmux_socket).touch()
     orch.end_own_processes(own)
     assert calls == [["tmux", "-S", own.tmux_socket, "kill-server"]]
+
+
+@pytest.mark.parametrize("where", ["report_run_summary", "end_own_server"])
+def test_stops_during_the_wind_down_are_held_till_the_own_server_is_ended_and_the_lock_released(
+        load_orch, fake_cao, prompt_file, monkeypatch, capsys, where):
+    """Ctrl-C, then SIGHUP, while a run that passed ends (its summary written, its own server ended): both are
+    held, the first said once; the own server is ended, the lock released, and the run exits with its PASS."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
+    started: list = []
+    own_server_stand_in(m, monkeypatch, started)
+    step = getattr(m, where)
+    lock_during_the_end: list[str] = []
+
+    def stopped_twice(*args):
+        signals.send(signal.SIGINT)
+        signals.send(signal.SIGHUP)
+        lock_during_the_end.append(m.lock_holder())
+        return step(*args)
+
+    monkeypatch.setattr(m, where, stopped_twice)
+    with MainThreadSignals() as signals:
+        assert run_main(m) == 0
+    assert started == ["start", "end"] and lock_during_the_end[0].startswith("pid ")
+    assert m.lock_holder() == "" and m.own_server is None
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert out.count("first, so that nothing is left behind") == 1
+    assert "interrupted (SIGINT): ending the run (its state saved, what it started ended) first" in out
+    assert json.loads(Path(m.STATE_FILE).read_text())["final_status"] == "PASS"

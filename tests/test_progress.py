@@ -230,8 +230,12 @@ def test_the_files_a_round_changed_in_git_count_its_commits_and_untracked_files_
 def test_help_names_every_exit_code_the_no_progress_stop_among_them(orch):
     text = " ".join(orch.help_text().split())
     for code, _, _ in orch.EXIT_CODES:
-        assert f" {code} {orch.EXIT_SHORT[code]}" in text
+        if code in orch.EXIT_SHORT:
+            assert f" {code} {orch.EXIT_SHORT[code]}" in text
     assert "5 no progress" in text
+    assert " 129/130/131/143 a stop signal" in text
+    assert sorted(orch.EXIT_SHORT) + sorted(code for code, _ in orch.STOP_SIGNALS.values()) == \
+        [code for code, _, _ in orch.EXIT_CODES]
 
 
 def test_a_stop_whose_agents_are_ended_says_a_rerun_starts_a_new_run(load_orch, fake_cao, prompt_file, capsys):

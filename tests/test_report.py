@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import html
 import http.server
 import json
 import os
@@ -34,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TASK_PROMPT, run_main
-from fake_cao import FAIL_REPLY, PASS_REPLY
+from fake_cao import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY
 from test_loop import QUICK, QUICK_ROUND, interrupt, state_of
 
 FAIL_THEN_PASS = QUICK_ROUND + ["programmer", "peer_programmer", "tester"]
@@ -852,3 +853,50 @@ def test_the_report_reads_a_kept_file_again_only_when_it_has_changed(orch, tmp_p
     kept.write_text("the prompt\n\n--- sent again ---\nthe prompt", encoding="utf-8")
     assert orch._kept_text(kept.name).endswith("--- sent again ---\nthe prompt")
     assert reads == [kept.name, kept.name]
+
+
+def cut_bars(markup: str) -> dict[str, str]:
+    """turn number -> the words of its cut marks, for the bars the page marks as cut by an interruption."""
+    bars = re.findall(r'<a class="turn" [^>]*data-turn="(\d+)"[^>]*data-cut="1"[^>]*>(.*?)</a>', markup)
+    return {number: " | ".join(re.findall(r'<span class="cut" [^>]*title="([^"]*)"', inner)) for number, inner in bars}
+
+
+def turn_label(markup: str, number: int) -> str:
+    """The heading of a turn in the list of turns, as a reader sees it."""
+    return html.unescape(re.search(rf'<details id="turn-{number}" [^>]*><summary>(.*?)</summary>', markup).group(1))
+
+
+def test_a_turn_an_interruption_cut_is_marked_where_it_stopped_and_where_the_run_went_on(
+        load_orch, fake_cao, prompt_file):
+    """Ctrl-C while the programmer works, then the same command: the programmer's turn is one turn from its
+    first send to its reply, and the page marks it -- on its bar (hatched from the stop to the resume) and in
+    its heading -- as cut by that stop (its exit code) and where the run went on; no other turn is marked.
+    A killed invocation, which says nothing, is marked by the resume alone."""
+    fake_cao.script["programmer"] = [interrupt(KeyboardInterrupt()), PROGRAMMER_REPLY]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 130
+    page = Path(m.run_dir) / "report.html"
+    stopped = page.read_text(encoding="utf-8")
+    assert list(cut_bars(stopped)) == ["3"]                       # the programmer's turn, still unanswered
+    assert "(exit 130: interrupted by SIGINT (Ctrl-C)); not taken up yet" in cut_bars(stopped)["3"]
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    assert run_main(m) == 0
+    events = [e for e in m.read_events(Path(m.run_dir) / m.EVENTS_FILE) if e["event"].startswith("run_")]
+    stop, resume = (next(e for e in events if e["event"] == kind) for kind in ("run_stopped", "run_resumed"))
+    markup = page.read_text(encoding="utf-8")
+    cuts = cut_bars(markup)
+    assert list(cuts) == ["3"]
+    said = (f"cut by a stop at {m.local_time(stop['at'])} (exit 130: interrupted by SIGINT (Ctrl-C)); went on at "
+            f"{m.local_time(resume['at'])}")
+    assert cuts["3"] == said
+    assert turn_label(markup, 3).startswith("003 programmer: round 1, programmer phase") and said in turn_label(markup, 3)
+    assert all("cut" not in turn_label(markup, number) for number in (1, 2, 4, 5))
+    summary = m.run_summary(0)
+    assert summary["interruptions"] == [{"stopped_at": stop["at"], "exit_code": 130, "resumed_at": resume["at"]}]
+    # The same run, had its first invocation been killed: no run_stopped, the resume alone marks the cut.
+    path = Path(m.run_dir) / m.EVENTS_FILE
+    path.write_text("".join(line + "\n" for line in path.read_text().splitlines() if '"seq": %d,' % stop["seq"]
+                            not in line), encoding="utf-8")
+    killed = m.report_html(m.run_summary(0))
+    assert cut_bars(killed) == {"3": f"cut: its invocation was killed (no word from it); went on at "
+                                     f"{m.local_time(resume['at'])}"}

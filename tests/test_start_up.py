@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -279,9 +280,10 @@ def test_a_name_that_is_taken_is_said_so_and_the_terminals_added_to_it_are_exite
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_an_interrupt_while_the_terminals_are_created_exits_all_of_them(load_orch, fake_cao, prompt_file,
+def test_an_interrupt_while_the_terminals_are_created_ends_all_of_them(load_orch, fake_cao, prompt_file,
                                                                        signum, code):
-    """Ctrl-C or SIGTERM while the adds are under way: they finish, then all five are exited."""
+    """Ctrl-C or SIGTERM while the five creations are under way: the session is removed by its name at once
+    (the agents that are up are exited first); a creation that ends after that made nothing that lives."""
     def interrupt_while_creating(profile: str) -> None:
         if profile == "tester":                    # its agent starts once this returns, the other four's have
             fake_cao.wait_until("the other four creations to be under way", lambda: fake_cao.creating_now == 4)
@@ -293,9 +295,40 @@ def test_an_interrupt_while_the_terminals_are_created_exits_all_of_them(load_orc
     m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
     with MainThreadSignals() as signals:
         assert run_main(m) == code
+    fake_cao.wait_until("the five creations to be answered", lambda: len(fake_cao.create_answers) == 5)
     assert fake_cao.gave_up == []
-    assert len(fake_cao.terminals) == 5
+    session = creation_requests(fake_cao)[0][1]["session_name"]
+    assert fake_cao.deleted_sessions == [session]
+    assert all(t.exited or t.deleted for t in fake_cao.terminals.values())
+    assert not Path(m.STATE_FILE).exists()
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_stop_while_an_agent_is_still_starting_ends_the_start_without_waiting_for_it(load_orch, fake_cao,
+                                                                                      prompt_file, signum, code):
+    """A stop while the tester's CLI is still starting (CAO answers only once it is up): the run does not wait
+    for that answer; it exits the agents that are up, removes the session (which ends the one still
+    starting) and exits with the stop's code, nothing written."""
+    let_go = threading.Event()
+    answered_before_the_exit: list[bool] = []
+
+    def hold_the_tester(profile: str) -> None:
+        if profile == "tester":
+            fake_cao.wait_until("the other four to be up", lambda: len(fake_cao.terminals) == 4)
+            signals.send(signum)
+            let_go.wait(60)                        # CAO still starting this agent: no answer yet
+
+    fake_cao.create_hook = hold_the_tester
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    with MainThreadSignals() as signals:
+        assert run_main(m) == code
+    answered_before_the_exit.append(any(profile == "tester" for profile, _ in fake_cao.create_answers))
+    let_go.set()
+    assert answered_before_the_exit == [False]     # the exit did not wait for the tester's answer
+    session = next(t.session for t in fake_cao.terminals.values())
+    assert fake_cao.deleted_sessions == [session]
     assert sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
+    assert fake_cao.gave_up == []
     assert not Path(m.STATE_FILE).exists()
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
+import pytest
+
 from conftest import FAST, ROOT, run_main
-from fake_cao import FAIL_REPLY
+from fake_cao import FAIL_REPLY, MainThreadSignals
 
 TESTER_ONLY = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "tester"}
 
@@ -171,6 +174,37 @@ def test_check_holds_an_older_cao_to_the_release_that_knows_the_scripted_agent(l
     assert "✗ this CAO does not know mock_cli: CAO >= 2.5.4 (cao-server at http://cao.test " \
            "(cli-agent-orchestrator 2.4.0)); install it where cao-server runs" in out
     assert "a run can start" not in out
+
+
+@pytest.mark.parametrize("signum, code, said", [
+    (signal.SIGHUP, 129, "stopped by SIGHUP (its terminal closed)"),
+    (signal.SIGQUIT, 131, "stopped by SIGQUIT (Ctrl-\\)"),
+    (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_every_stop_signal_saves_the_state_and_exits_with_its_documented_code(load_orch, fake_cao, prompt_file,
+                                                                              capsys, signum, code, said):
+    """SIGHUP (a closed terminal) and SIGQUIT (Ctrl-\\) stop a run as SIGTERM does: the turn in flight kept,
+    one line, the code the exit table, --help-settings, --status --json and the run_stopped event name; the
+    handlers that were there before are there again."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM, signal.SIGINT)}
+    m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
+    with MainThreadSignals() as signals:
+        fake_cao.script["tester"] = [{"action": "call", "call": lambda fake, terminal: signals.send(signum)}]
+        assert run_main(m) == code
+    assert {s: signal.getsignal(s) for s in before} == before
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"{said}; state saved, rerun to resume"
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "RUNNING" and state["in_flight"]["role"] == "tester"
+    stopped = [e for e in m.read_events(Path(m.run_dir) / m.EVENTS_FILE) if e["event"] == "run_stopped"]
+    assert [(e["exit_code"], e["meaning"]) for e in stopped] == [(code, m.EXIT_MEANINGS[code])]
+    assert m.SCHEDULER_ACTIONS[code] == "retry: the same command resumes the run"
+    assert run_main(m, "--status", "--json") == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert (facts["last_exit_code"], facts["last_exit"]) == (code, m.EXIT_MEANINGS[code])
+    assert run_main(m, "--help-settings") == 0
+    assert re.search(rf"^  {code}  {re.escape(m.EXIT_MEANINGS[code][:40])}", capsys.readouterr().out, re.M)
+    fake_cao.script.pop("tester")
+    assert run_main(m) == 0                                   # the same command goes on
 
 
 def test_a_fault_of_the_loop_while_the_agents_are_created_exits_70_and_leaves_none_running(load_orch, fake_cao,

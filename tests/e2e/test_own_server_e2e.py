@@ -268,9 +268,9 @@ def test_ctrl_c_and_sigterm_end_the_own_server_with_the_run_and_the_rerun_passes
 def test_three_runs_on_their_own_server_leave_in_caos_store_only_what_the_readme_names(own_run):
     """Each run removes its CAO session through CAO before it ends its server: CAO takes the agents' FIFOs and
     database rows with it. What stays in CAO's store (~/.aws/cli-agent-orchestrator/) is what the README's
-    quick start names: what CAO sets up once (the profiles, their context files and locks), and per run the
-    logs of the server and of each agent (its log, last screen and snapshot) and a row per session and per
-    agent that records their creation."""
+    quick start names: what CAO sets up once (its database and skills, the profiles with their context files
+    and locks), and per run the logs of the server and of each agent (its log, last screen and snapshot) and a
+    row per session and per agent that records their creation."""
     run = own_run()
     stores, terminals = [], []
     for _ in range(3):
@@ -288,8 +288,8 @@ def test_three_runs_on_their_own_server_leave_in_caos_store_only_what_the_readme
     assert {key: value for key, value in last.items() if key.startswith("rows of ")} == {
         "rows of session_incarnations": 3, "rows of idempotency_keys": 15}, last
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    assert ("what CAO sets up once (database, skills, profiles), and per run logs (`logs/`) and a database row per "
-            "agent and session.") in " ".join(readme.split())
+    assert ("nothing is written outside `~/try-loop` but CAO's store (`~/.aws/cli-agent-orchestrator/`: profiles, "
+            "logs, a row per agent and session)") in " ".join(readme.split())
     assert not run.left_running()
 
 
@@ -362,3 +362,95 @@ def test_a_run_on_a_server_of_the_users_that_cannot_work_there_stops_before_a_te
     finally:
         machine.stop_server()
         shutil.rmtree(root, ignore_errors=True)
+
+
+
+def test_sighup_mid_turn_ends_the_own_server_and_the_same_command_goes_on_to_pass(own_run):
+    """The terminal closes (SIGHUP to the loop's process group, as a dropped ssh session sends it) while the
+    programmer works, on the run's own server (OWN_SERVER=1) in a new HOME: exit 129 with one line, nothing
+    of the run running 15 s later, and the same command goes on to PASS without sending an answered turn
+    again."""
+    run = own_run(OWN_SERVER="1")
+    run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
+                                                                        "think_ms": 4000}, PROGRAMMER_REPLY]})
+    loop = run.start()
+    run.wait_for_prompt(loop, "programmer")
+    os.killpg(loop.pid, signal.SIGHUP)
+    out, err = loop.communicate(timeout=60)
+    assert loop.returncode == 129, out[-3000:] + err[-2000:]
+    assert err.strip().splitlines()[-1] == "stopped by SIGHUP (its terminal closed); state saved, rerun to resume"
+    assert "Traceback" not in out + err
+    assert "ending the run's own CAO server" in out
+    assert not run.left_running(seconds=15), "the run left its helpers running after SIGHUP"
+    assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
+    assert run.state()["final_status"] == "RUNNING" and run.state()["in_flight"]["role"] == "programmer"
+    stopped = [json.loads(line) for line in (Path(run.state()["run_dir"]) / "events.jsonl").read_text().splitlines()
+               if '"run_stopped"' in line]
+    assert [(e["exit_code"], e["result"]) for e in stopped] == [(129, "RUNNING")]
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert "ending what the last invocation" not in result.stdout      # nothing was left to end
+    assert run.prompts() == QUICK_ROUND[:3] + FAIL_THEN_PASS[2:]
+    assert not run.left_running()
+
+
+def test_stops_during_the_wind_down_after_pass_are_held_till_the_own_server_is_ended(own_run):
+    """SIGHUP as the run that passed writes its summary, Ctrl-C as it ends its own server: both are held,
+    the first said once; the run exits with its PASS, no traceback, nothing of it left running, its note
+    and lock gone (a --status finds no process driving it)."""
+    run = own_run(OWN_SERVER="1")
+    run.set_script({"tester": [PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
+    loop = run.start()
+    out = []
+    for line in loop.stdout:
+        out.append(line)
+        if "summary: PASS after round 1/" in line:          # said inside the wind-down
+            os.killpg(loop.pid, signal.SIGHUP)
+        elif "ending the run's own CAO server" in line:
+            os.killpg(loop.pid, signal.SIGINT)
+    err = loop.stderr.read()
+    loop.wait(timeout=60)
+    output = "".join(out) + err
+    assert loop.returncode == 0, output[-4000:]
+    assert "Traceback" not in output
+    assert output.count("first, so that nothing is left behind") == 1, output[-3000:]
+    assert "stopped by SIGHUP (its terminal closed): ending the run (its state saved, what it started ended) " \
+           "first" in output
+    assert not run.left_running(seconds=15), "a stop in the wind-down left the run's helpers running"
+    assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
+    assert run.state()["final_status"] == "PASS"
+    status = subprocess.run([sys.executable, str(SCRIPT), "--status"], cwd=run.wd, env=run.env,
+                            capture_output=True, text=True, timeout=60)
+    assert "driven by: no process" in status.stdout, status.stdout + status.stderr
+
+
+def test_sigterm_while_the_agents_start_ends_the_start_at_once_and_leaves_nothing(own_run, tmp_path):
+    """SIGTERM while CAO starts the five agents (their CLI slow to come up: CAO answers a creation only once
+    it is up), on the run's own server: the loop does not wait for those answers -- it exits 143 before any
+    agent CLI has come up -- writes no state, and leaves nothing of the run running."""
+    slow = tmp_path / "slow-bin"
+    slow.mkdir()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    agent = slow / "mock_cli"
+    agent.write_text(f"#!/bin/sh\ntouch {marks}/started.$$\nsleep 12\ntouch {marks}/up.$$\n"
+                     f"exec {shutil.which('mock_cli')} \"$@\"\n", encoding="utf-8")
+    agent.chmod(0o755)
+    run = own_run(OWN_SERVER="1")
+    run.env["PATH"] = f"{slow}{os.pathsep}{run.env['PATH']}"
+    loop = run.start()
+    deadline = time.monotonic() + 120
+    while not list(marks.glob("started.*")):
+        assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+        time.sleep(0.1)
+    loop.send_signal(signal.SIGTERM)
+    out, err = loop.communicate(timeout=60)
+    came_up = list(marks.glob("up.*"))
+    assert loop.returncode == 143, out[-3000:] + err[-2000:]
+    assert came_up == [], "the loop waited for an agent CLI to come up before it stopped"
+    assert err.strip().splitlines()[-1] == "terminated (SIGTERM)", err[-2000:]
+    assert "terminated (SIGTERM): ending the terminals being created first" in out
+    assert "Traceback" not in out + err
+    assert not run.left_running(seconds=15), "the stopped start left processes running"
+    assert not run.state_file.exists()
+    assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()

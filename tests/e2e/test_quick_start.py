@@ -238,3 +238,38 @@ def test_readme_unit_test_command_runs_where_the_quick_start_installed_cao(quick
     assert re.search(rf"\b{collected.group(3)} passed", output), output[-3000:]  # and what was chosen passed
     assert "Marks cannot be applied" not in output, output[-3000:]
     assert "end-to-end tests against a real cao-server" not in output, output[-3000:]
+
+
+def next_commands(readme: str) -> list[str]:
+    """The README's commands after the quick start, as written: the first ``sh`` block of "## Running it for
+    real", up to its first `--check` (the command a new user types next)."""
+    section = readme.split("\n## Running it for real", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```sh\n(.*?)\n```", section, re.S)
+    assert match, "README.md: the section Running it for real has no ```sh block"
+    lines = match.group(1).splitlines()
+    upto = next(i for i, line in enumerate(lines) if "--check" in line)
+    return lines[:upto + 1]
+
+
+def test_the_readmes_next_command_after_the_quick_start_works_as_written(quick_start, tmp_path):
+    """The quick start done, a new user goes on with the README's next block in a new shell (the virtual
+    environment not on PATH): its `--check` runs the loop's checks, never "command not found". The block's
+    two placeholders are the only words changed: the project's folder and this checkout."""
+    assert quick_start.returncode == 0, f"the quick start failed, so there is nothing to go on from:\n" \
+                                        f"{quick_start.transcript[-3000:]}"
+    project = tmp_path / "project"
+    project.mkdir()
+    commands = "\n".join(next_commands(README.read_text(encoding="utf-8")))
+    commands = commands.replace("/path/to/your/project", str(project)).replace("/path/to/this/checkout",
+                                                                               str(quick_start.clone))
+    assert "/path/to/" not in commands, commands
+    result = subprocess.run(["bash", "-e", "-c", commands], cwd=quick_start.home, env=quick_start.env,
+                            capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert "command not found" not in output and result.returncode != 127, output[-3000:]
+    # The checks ran, and said what a user who typed the block as written must do next: put the task into
+    # task.md (a setting to change: exit 2).
+    assert result.returncode == 2, output[-3000:]
+    assert "✗ PROMPT_FILE=task.md is the unedited template" in result.stdout, output[-3000:]
+    assert result.stdout.rstrip().endswith("fix what is marked, then run --check again"), output[-3000:]
+    assert (project / "task.md").is_file()

@@ -6,11 +6,14 @@ command going on once the fault is gone); and --check refusing what the run woul
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from .harness import private_cao
 from .test_orchestrator_e2e import PASS_REPLY, REPO_ROOT, SCRIPT, Run, explain
 
 pytestmark = pytest.mark.e2e
@@ -113,3 +116,32 @@ def test_check_refuses_a_server_that_wants_a_token_and_a_wd_inside_this_checkout
     inside = check(Run(cao), WD=str(REPO_ROOT / "docs"))
     assert inside.returncode == 2, explain(inside)
     assert f"✗ WD={REPO_ROOT / 'docs'} is inside {REPO_ROOT}, this program's own directory" in inside.stdout
+
+
+def test_sigterm_while_the_agents_start_on_a_users_server_removes_them_at_once():
+    """A cao-server of the user's whose agent CLI is slow to come up (CAO answers a creation only once it is
+    up): SIGTERM while the five start ends the loop before any of them has come up, and its session is
+    removed by name -- the agents still starting end with it, and none comes up later on that server."""
+    with private_cao() as server:
+        marks = server.root / "marks"
+        marks.mkdir()
+        agent = server.bin_dir / "mock_cli"
+        starts_it = agent.read_text().split("\n", 1)[1]
+        agent.write_text(f"#!/bin/sh\ntouch {marks}/started.$$\nsleep 12\ntouch {marks}/up.$$\n{starts_it}")
+        run = Run(server)
+        loop = run.start()
+        deadline = time.monotonic() + 120
+        while not list(marks.glob("started.*")):
+            assert loop.poll() is None and time.monotonic() < deadline, loop.communicate()
+            time.sleep(0.1)
+        loop.send_signal(signal.SIGTERM)
+        out, err = loop.communicate(timeout=60)
+        assert loop.returncode == 143, out[-3000:] + err[-2000:]
+        assert list(marks.glob("up.*")) == [], "the loop waited for an agent CLI to come up before it stopped"
+        assert "Traceback" not in out + err and not run.state_file.exists()
+        session = re.search(r"in CAO session (cao-loop-[0-9a-f]+)", out)[1]
+        time.sleep(20)                   # past the slow start: an agent that survived would be up by now
+        assert list(marks.glob("up.*")) == [], "an agent of the stopped start came up after all"
+        with server.http() as client:
+            assert session not in [listed["name"] for listed in client.get("/sessions").json()]
+        assert session not in server.tmux_sessions()
