@@ -357,7 +357,7 @@ def test_ctrl_c_during_start_up_exits_every_terminal_it_created(restartable_cao,
     code = live.finish(timeout=60)
     assert code == 130, live.explain()
     assert "interrupted (SIGINT)" in live.stderr and "state saved" not in live.stderr, live.explain()
-    assert "exiting the terminals being created first" in live.stdout, live.explain()
+    assert "ending the terminals being created first" in live.stdout, live.explain()
     assert not run.state_file.exists(), live.explain()
     assert run.roles_prompted() == [], live.explain()
 
