@@ -822,7 +822,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("OWN_SERVER", "own_server", "auto", "auto_bool",
             "auto: the CAO server at API when API (or CAO_API_PORT) is set or a server answers there, else the "
             "run's own, started for the run and ended with it; 1: always the run's own; 0: never (a CAO server "
-            "must answer at API)"),
+            "must answer at API); the run's first line says which, why, and how to choose the other"),
     Setting("OWN_SERVER_PORT", "own_server_port", 0, "port0",
             "the port of the run's own CAO server on 127.0.0.1 (0: a free one); one another process holds is an "
             "error, never a server found"),
@@ -2003,6 +2003,7 @@ OWN_SERVER_HOST = "127.0.0.1"
 OWN_SERVER_START_SECONDS = 60.0          # cao-server imports a lot: seconds, more on a loaded machine
 OWN_SERVER_MARK = "CAO_LOOP_OWN_SERVER"  # in the environment of all it starts: how what is left is found
 OWN_SERVER_GRACE_SECONDS = 3.0           # from SIGTERM to SIGKILL for what the own server started
+OWN_SESSION_REMOVE_SECONDS = 30.0        # CAO's removal of a session: its agents ended, their screens logged
 
 
 @dataclass
@@ -2013,6 +2014,7 @@ class OwnServer:
     tmux_dir: str
     log_file: str
     processes: dict[str, list[int]] = field(default_factory=dict)    # 'cao-server' / 'tmux' -> [pid, start]
+    sessions: list[str] = field(default_factory=list)   # its CAO sessions, each noted before it was asked for
 
     @property
     def url(self) -> str:
@@ -2024,6 +2026,7 @@ class OwnServer:
 
 
 own_server: OwnServer | None = None      # set by start_own_server(), cleared by end_own_server()
+sessions_left_in_store: list[str] = []   # sessions of a killed run whose server died with it: removed through the next
 
 
 def own_server_note() -> Path:
@@ -2074,18 +2077,39 @@ def end_processes(pids: Iterable[int], group: bool = False) -> None:
                 os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
 
 
-def end_own_processes(own: OwnServer) -> None:
-    """cao-server first (it could start a tmux server again), then the tmux server with the agents, then
-    whatever they started that outlived them; the tmux folder goes last."""
+def remove_own_sessions(url: str, sessions: list[str]) -> list[str]:
+    """Remove the run's CAO sessions through the server at `url`: CAO ends their agents and takes their FIFOs,
+    locks and database rows out of its store in HOME, which an ended server would leave. Those it could not remove."""
+    headers = {"Authorization": f"Bearer {CAO_AUTH_LOCAL_TOKEN}"} if CAO_AUTH_LOCAL_TOKEN else {}
+    left = []
+    with httpx.Client(base_url=url, headers=headers, timeout=OWN_SESSION_REMOVE_SECONDS) as client:
+        for name in sessions:
+            try:
+                removed = client.delete(f"/sessions/{quote(name, safe='')}").status_code in (200, 404)
+            except httpx.HTTPError:
+                removed = False
+            if not removed:
+                left.append(name)
+    return left
+
+
+def end_own_processes(own: OwnServer) -> list[str]:
+    """The run's CAO sessions removed through its cao-server while it lives, then cao-server (it could start a
+    tmux server again), the tmux server with the agents, and whatever they started that outlived them; the tmux
+    folder goes last. The sessions left in CAO's store (their server was gone, or did not remove them)."""
     started = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
+    left = remove_own_sessions(own.url, own.sessions) if "cao-server" in started else list(own.sessions)
     if "cao-server" in started:
         end_processes([started["cao-server"]], group=True)
-    with suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(["tmux", "kill-server"], env=own_server_env(own), capture_output=True, timeout=10)
+    if os.path.exists(own.tmux_socket):  # named: with its folder gone, tmux would fall back to the user's socket
+        with suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["tmux", "-S", own.tmux_socket, "kill-server"], env=own_server_env(own),
+                           capture_output=True, timeout=10)
     if "tmux" in started:
         end_processes([started["tmux"]])
     end_processes(marked_processes(own.tmux_dir))
     shutil.rmtree(own.tmux_dir, ignore_errors=True)
+    return left
 
 
 def note_own_server(own: OwnServer) -> None:
@@ -2093,8 +2117,16 @@ def note_own_server(own: OwnServer) -> None:
     note = own_server_note()
     temporary = note.with_name(note.name + ".tmp")
     temporary.write_text(json.dumps({"port": own.port, "tmux_dir": own.tmux_dir, "log_file": own.log_file,
-                                     "processes": own.processes}), encoding="utf-8")
+                                     "processes": own.processes, "sessions": own.sessions}), encoding="utf-8")
     os.replace(temporary, note)
+
+
+def note_own_session(name: str) -> None:
+    """A CAO session about to be asked of the run's own server, noted first: however the run ends, it is removed
+    through CAO (remove_own_sessions), not left in CAO's store."""
+    if own_server is not None and name not in own_server.sessions:
+        own_server.sessions.append(name)
+        note_own_server(own_server)
 
 
 def read_own_server_note() -> OwnServer | None:
@@ -2103,7 +2135,8 @@ def read_own_server_note() -> OwnServer | None:
     try:
         raw = json.loads(note.read_text(encoding="utf-8"))
         return OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
-                         {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()})
+                         {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()},
+                         [str(name) for name in raw.get("sessions", [])])
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
@@ -2166,7 +2199,7 @@ def end_left_own_server() -> None:
     alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
     log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
         + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
-    end_own_processes(left)
+    sessions_left_in_store.extend(end_own_processes(left))
     own_server_note().unlink(missing_ok=True)
 
 
@@ -2349,17 +2382,34 @@ def start_own_server() -> None:
     if own_server_overrides():
         log(own_server_overrides())
     install_own_profiles(own_server)
+    remove_sessions_left_in_store(own_server.url)
+
+
+def remove_sessions_left_in_store(url: str) -> None:
+    """The sessions a killed run's server left in CAO's store when it died with the run (a reboot, a killed
+    process group), removed through the run's new server on the same HOME; said where they stay."""
+    if not sessions_left_in_store:
+        return
+    left = remove_own_sessions(url, sessions_left_in_store) if url else list(sessions_left_in_store)
+    removed = [name for name in sessions_left_in_store if name not in left]
+    if removed:
+        log(f"removed from CAO's store what the killed run's sessions left there: {', '.join(removed)}")
+    if left:
+        log(f"CAO sessions {', '.join(left)} of the killed run are still in CAO's store "
+            f"({Path.home() / '.aws' / 'cli-agent-orchestrator'}: their database rows and FIFOs); `cao shutdown "
+            "--session <name>` removes them where a cao-server runs on this HOME")
+    sessions_left_in_store.clear()
 
 
 def end_own_server() -> None:
     """End the run's own server, its tmux server and all they started: nothing of the run is left running."""
     global own_server
     own = own_server
-    if own is None:
-        return
-    end_own_processes(own)
-    own_server_note().unlink(missing_ok=True)
-    own_server = None
+    if own is not None:
+        sessions_left_in_store.extend(end_own_processes(own))
+        own_server_note().unlink(missing_ok=True)
+        own_server = None
+    remove_sessions_left_in_store("")          # what no server removed is said
 
 
 def server_answers(url: str) -> bool:
@@ -6134,6 +6184,8 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
     key = agent_key(role, session, replacing)
     note_agent_start(role, "starting")
+    if first:
+        note_own_session(session)
     try:
         answer = (api.create_session(profile_for(role), provider_for(role), session, model_for(role), key) if first
                   else api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key))
@@ -8628,17 +8680,57 @@ def new_agents_on_own_server() -> None:
         + "; every answered turn is kept, and a new agent gets its whole prompt")
 
 
-def own_server_wanted(plan: StartPlan) -> bool:
-    """OWN_SERVER=1; or with auto, no server named (API, CAO_API_PORT) and either a resumed run that was on its
-    own server or a new run where no server answers at API."""
-    if OWN_SERVER != "auto":
-        return bool(OWN_SERVER)
-    if "API" in explicit_settings:
-        return False
-    if plan.resume:
-        saved = read_state_file()
-        return saved is not None and saved.on_own_server
-    return not server_answers(API)
+@dataclass(frozen=True)
+class ServerChoice:
+    """The CAO server a run uses: the run's own or the one at API, and the line that says which, why, and how to
+    choose the other (the run's first line, and --check's)."""
+
+    own: bool
+    line: str
+
+
+OWN_INSTEAD = "OWN_SERVER=1 runs it on a CAO server of its own instead"
+
+
+def choose_server(setting: str | bool, api_url: str, named_by: str, saved_on_own: bool | None,
+                  answers: Callable[[], bool]) -> ServerChoice:
+    """The server a run uses, from OWN_SERVER (`setting`), the setting that names a server (`named_by`, '' for
+    none), the resumed run's server (`saved_on_own`, None for a new run) and whether one answers at API (asked
+    only where it decides): the specs' default API, http://localhost:9889, is used where a server answers, said."""
+    own = "the run's own CAO server, started for it and ended with it"
+    if setting is True:
+        return ServerChoice(True, f"using {own} (OWN_SERVER=1); OWN_SERVER=auto uses a CAO server you run at API")
+    if setting is False:
+        return ServerChoice(False, f"using the CAO server at {api_url} (OWN_SERVER=0: a server you run); {OWN_INSTEAD}")
+    if named_by:
+        return ServerChoice(False, f"using the CAO server at {api_url}: {named_by} names it; {OWN_INSTEAD}")
+    if saved_on_own is not None:
+        return ServerChoice(saved_on_own, (f"using {own}: the run resumed was on one" if saved_on_own else
+                                           f"using the CAO server at {api_url}: the run resumed has its agents "
+                                           "there") + "; RESUME=0 starts a new run on the server you choose")
+    if answers():
+        return ServerChoice(False, f"using the CAO server at {api_url}, a server you run: one answers there, the "
+                                   f"default address (OWN_SERVER=auto); {OWN_INSTEAD}")
+    return ServerChoice(True, f"using {own}: none answers at {api_url} and neither API nor CAO_API_PORT names one "
+                              "(OWN_SERVER=auto); to use a CAO server you run, set API to its address")
+
+
+def server_named_by() -> str:
+    """The setting that names the CAO server ('' for none): API, the config file's `api`, or CAO's own variables."""
+    if "API" not in explicit_settings:
+        return ""
+    if os.environ.get("API", "").strip():
+        return "API"
+    if config_argument and "API" in read_config_file(config_argument):
+        return f"`api` in {config_argument}"
+    return "CAO_API_PORT"
+
+
+def server_choice(plan: StartPlan) -> ServerChoice:
+    """choose_server() for this run: its settings, the saved run it resumes, a look at API where it decides."""
+    saved = read_state_file() if plan.resume and OWN_SERVER == "auto" else None
+    return choose_server(OWN_SERVER, API, server_named_by(), None if saved is None else saved.on_own_server,
+                         lambda: server_answers(API))
 
 
 def resume_required(saved: SavedState) -> StartPlan:
@@ -9217,14 +9309,15 @@ def cli_program(provider: str, report: dict[str, tuple[str, bool]] | None) -> st
     return agent_cli(provider).program or (report or {}).get(provider, (provider, True))[0]
 
 
-def _probe_script(folder: Path, programs: list[str]) -> Path:
-    """A POSIX sh script that writes what the agent's shell sees to folder/out, then folder/done."""
+def _probe_script(folder: Path, programs: list[str], versions: bool = True) -> Path:
+    """A POSIX sh script that writes what the agent's shell sees to folder/out, then folder/done (each program's
+    version too with `versions`: a CLI's first --version may take a minute)."""
     lines = ["{", 'echo "@@uid $(id -u)"']
     for program in programs:
         quoted = shlex.quote(program)
-        lines += [f'found=$(command -v {quoted} 2>/dev/null)', f'echo "@@program {program} $found"',
-                  f'[ -n "$found" ] && "$found" --version </dev/null 2>/dev/null | head -n 3 '
-                  f'| sed "s/^/@@version {program} /"']
+        lines += [f'found=$(command -v {quoted} 2>/dev/null)', f'echo "@@program {program} $found"']
+        lines += [f'[ -n "$found" ] && "$found" --version </dev/null 2>/dev/null | head -n 3 '
+                  f'| sed "s/^/@@version {program} /"'] if versions else []
     lines += ['echo "@@env"', "env", f"}} > {shlex.quote(str(folder / 'out'))} 2>&1",
               f"touch {shlex.quote(str(folder / 'done'))}"]
     script = folder / "probe.sh"
@@ -9254,7 +9347,7 @@ def _read_probe(text: str) -> AgentsSide:
     return AgentsSide(env, uid, programs)
 
 
-def probe_agents_side(server: LocalServer, programs: list[str]) -> AgentsSide | str:
+def probe_agents_side(server: LocalServer, programs: list[str], versions: bool = True) -> AgentsSide | str:
     """Look from a new window of the agents' tmux server, made as CAO makes an agent's; a str says why not."""
     tmux = ["tmux"]                   # run in cao-server's environment, it finds (or starts) the same server
     name = f"cao-loop-check-{secrets.token_hex(4)}"
@@ -9262,7 +9355,7 @@ def probe_agents_side(server: LocalServer, programs: list[str]) -> AgentsSide | 
                  if key in CAO_PANE_KEYS or key.startswith(("CAO_", "AWS_")) for arg in ("-e", f"{key}={value}")]
     with tempfile.TemporaryDirectory(prefix="cao-loop-check-") as scratch:
         folder = Path(scratch)
-        script = _probe_script(folder, programs)
+        script = _probe_script(folder, programs, versions)
         try:
             made = subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", "220", "-y", "50", "-c", WD,
                                    *passed_on], env=server.env, capture_output=True, text=True, timeout=30)
@@ -9733,7 +9826,9 @@ def preflight_lines() -> list[CheckLine]:
     """Every check after the settings, in the order a run meets what they look at."""
     lines = check_run_state() + check_working_directory()
     with suppress(ConfigError, StateFileError):
-        if own_server_wanted(choose_start()):
+        choice = server_choice(choose_start())
+        lines.append(CheckLine(True, choice.line))
+        if choice.own:
             return lines + check_own_server() + check_token_budget() + check_ntfy()
     lines += check_server()
     if lines[-1].ok is False:
@@ -9744,6 +9839,25 @@ def preflight_lines() -> list[CheckLine]:
         return lines + unknown
     agents, side = check_agents_side(report)
     return lines + unknown + check_profiles(side) + agents + check_token_budget() + check_ntfy()
+
+
+def refuse_what_check_refuses() -> None:
+    """A new run on a CAO server it did not start stops, before a terminal is made, where --check marks that
+    server ✗: the agent profiles not installed, or a CLI its agents' shells do not find (ConfigError, exit 2)."""
+    api.check_health()                   # a server that is not there stops the run at its first request
+    server = local_server()
+    side, report = None, None
+    if server is not None and shutil.which("tmux") is not None:
+        report = api.provider_report()
+        if any(line.ok is False for line in check_providers(report)):
+            return                       # a provider it does not know: the run's own stop says so, as --check
+        programs = sorted({cli_program(provider, report) for provider in providers_in_use()})
+        probed = probe_agents_side(server, programs, versions=False)
+        side = probed if isinstance(probed, AgentsSide) else None
+    clis = check_clis(side, report) if side is not None and not IGNORE_MISSING_CLI else []
+    refused = [line for line in check_profiles(side) + clis if line.ok is False]
+    if refused:
+        raise ConfigError(f"{refused[0].text} (the CAO server at {API}, as --check says; nothing was started)")
 
 
 def check_mark(ok: bool | None) -> str:
@@ -9804,7 +9918,7 @@ def check_command(args: list[str]) -> int:
 # ==========================================================================
 
 # The settings most runs set; the short --help lists them, --help-settings all of them.
-COMMON_SETTINGS = ("API", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
+COMMON_SETTINGS = ("API", "OWN_SERVER", "PROVIDER", "MODEL", "WD", "PROMPT_FILE", "PROJECT_TEST_CMD", "RESUME", "MAX_ROUNDS",
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
 
 
@@ -10242,8 +10356,7 @@ def help_text() -> str:
         "  --check          all a run needs, checked: no agent started, no token spent",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
-        "  --readme         print the README (the rest of the documentation is in docs/)",
-        "  --version        print the version", "",
+        "  --readme         print the README (the rest of the documentation is in docs/)", "",
         "Settings most runs set (environment variable, default):"]
     for env in COMMON_SETTINGS:
         setting = SETTINGS_BY_ENV[env]
@@ -10482,11 +10595,15 @@ def run_command_line(args: list[str]) -> int:
         acquire_run_lock()
         previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
         begin_start_up(plan.resume)
+        choice = server_choice(plan)
+        log(choice.line)
         end_left_own_server()
-        if own_server_wanted(plan):
+        if choice.own:
             note_start_up_step("starting the run's own CAO server")
             start_own_server()
         connect_api()
+        if not choice.own and not plan.resume:
+            refuse_what_check_refuses()  # before a terminal is made on a server the run did not start
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
         end_start_up()

@@ -45,25 +45,57 @@ def test_caos_own_port_variable_names_the_server_where_api_is_unset(load_orch, m
         m.configure([])
 
 
-def test_when_the_run_starts_a_server_of_its_own(load_orch, monkeypatch):
+def never_asked() -> bool:
+    raise AssertionError("the server at API was looked at where the settings decide")
+
+
+@pytest.mark.parametrize("setting, named_by, saved_on_own, answers, own, says", [
+    (True, "", None, never_asked, True, "the run's own CAO server, started for it and ended with it (OWN_SERVER=1); "
+                                        "OWN_SERVER=auto uses a CAO server you run at API"),
+    (True, "API", False, never_asked, True, "(OWN_SERVER=1)"),
+    (False, "", None, never_asked, False, "the CAO server at http://localhost:9889 (OWN_SERVER=0: a server you run); "
+                                          "OWN_SERVER=1 runs it on a CAO server of its own instead"),
+    ("auto", "API", None, never_asked, False, "the CAO server at http://localhost:9889: API names it; OWN_SERVER=1 "),
+    ("auto", "CAO_API_PORT", True, never_asked, False, ": CAO_API_PORT names it"),
+    ("auto", "", True, never_asked, True, "the run's own CAO server, started for it and ended with it: the run "
+                                          "resumed was on one; RESUME=0 starts a new run on the server you choose"),
+    ("auto", "", False, never_asked, False, "the CAO server at http://localhost:9889: the run resumed has its "
+                                            "agents there"),
+    ("auto", "", None, lambda: True, False, "the CAO server at http://localhost:9889, a server you run: one answers "
+                                            "there, the default address (OWN_SERVER=auto); OWN_SERVER=1 runs it on "
+                                            "a CAO server of its own instead"),
+    ("auto", "", None, lambda: False, True, "the run's own CAO server, started for it and ended with it: none "
+                                            "answers at http://localhost:9889 and neither API nor CAO_API_PORT names "
+                                            "one (OWN_SERVER=auto); to use a CAO server you run, set API to its "
+                                            "address"),
+])
+def test_which_server_a_run_uses_and_the_line_that_says_why(orch, setting, named_by, saved_on_own, answers, own,
+                                                            says):
+    """The decision alone, as a table: nothing of the machine is looked at (what answers on 9889 is an input)."""
+    choice = orch.choose_server(setting, "http://localhost:9889", named_by, saved_on_own, answers)
+    assert choice.own is own and choice.line.startswith("using ") and says in choice.line
+
+
+def test_the_run_names_what_names_its_server_and_looks_at_api_only_where_nothing_does(load_orch, monkeypatch,
+                                                                                     tmp_path):
     m = load_orch(API=None)
-    new_run, resumed = m.StartPlan(False), m.StartPlan(True)
-    monkeypatch.setattr(m, "server_answers", lambda url: False)
-    assert m.own_server_wanted(new_run)                           # nothing named, nothing answering
-    monkeypatch.setattr(m, "server_answers", lambda url: True)
-    assert not m.own_server_wanted(new_run)                       # a server answers at API: the user's
-    monkeypatch.setattr(m, "read_state_file", lambda: m.SavedState(on_own_server=True))
-    assert m.own_server_wanted(resumed)                           # a run that was on its own goes on on one
+    m.configure([])
+    looked = []
+    monkeypatch.setattr(m, "server_answers", lambda url: looked.append(url) or False)
+    assert m.server_choice(m.StartPlan(False)).own and looked == ["http://localhost:9889"]
     monkeypatch.setattr(m, "read_state_file", lambda: m.SavedState(on_own_server=False))
-    assert not m.own_server_wanted(resumed)
-    m.explicit_settings.add("API")
-    assert not m.own_server_wanted(new_run)
-    m.OWN_SERVER = True
-    assert m.own_server_wanted(new_run)
-    m.OWN_SERVER = False
-    monkeypatch.setattr(m, "server_answers", lambda url: False)
-    m.explicit_settings.discard("API")
-    assert not m.own_server_wanted(new_run)
+    assert not m.server_choice(m.StartPlan(True)).own and len(looked) == 1     # the resumed run's kind
+    monkeypatch.setenv("CAO_API_PORT", "9890")
+    m.configure([])
+    assert ": CAO_API_PORT names it" in m.server_choice(m.StartPlan(False)).line
+    config = tmp_path / "config.json"
+    config.write_text('{"api": "http://cao.test"}', encoding="utf-8")
+    monkeypatch.delenv("CAO_API_PORT")
+    m.configure([str(config)])
+    assert f": `api` in {config} names it" in m.server_choice(m.StartPlan(False)).line
+    monkeypatch.setenv("API", "http://cao.test")
+    m.configure([])
+    assert ": API names it" in m.server_choice(m.StartPlan(False)).line and len(looked) == 1
 
 
 def test_a_refused_connection_is_no_server_and_any_answer_is_one(orch):
@@ -313,6 +345,99 @@ def test_the_demo_is_the_same_whatever_the_callers_settings(load_orch, monkeypat
     assert json.loads((folder / ".tmp" / "demo-agents" / "script.json").read_text())["tester"][0].startswith(
         "RESULT: FAIL")
     assert "demo: PASS." in capsys.readouterr().out
+
+
+def test_a_session_asked_of_the_own_server_is_noted_before_it_is_asked_for(orch):
+    """Whatever ends the run (a SIGKILL while CAO makes the session), the note names the session to remove."""
+    orch.own_server = orch.OwnServer(1, "/nonexistent", "")
+    Path(orch.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+    seen = {}
+
+    def create_session(*args, **kwargs):
+        seen["noted"] = json.loads(orch.own_server_note().read_text(encoding="utf-8"))["sessions"]
+        return {"id": "t1", "session_name": "cao-loop-1"}
+    orch.api.create_session = create_session
+    orch.request_agent("analyst", "cao-loop-1", first=True)
+    orch.request_agent("analyst", "cao-loop-1", first=True)          # asked again: noted once
+    assert seen["noted"] == ["cao-loop-1"] and orch.own_server.sessions == ["cao-loop-1"]
+
+
+def test_the_own_servers_sessions_are_removed_through_cao_and_those_it_could_not_are_said(orch, capsys):
+    import respx
+    with respx.mock() as router:
+        gone = router.delete("http://127.0.0.1:4321/sessions/cao-loop-1").mock(return_value=httpx.Response(200))
+        router.delete("http://127.0.0.1:4321/sessions/cao-loop-2").mock(return_value=httpx.Response(404))
+        router.delete("http://127.0.0.1:4321/sessions/cao-loop-3").mock(return_value=httpx.Response(500))
+        left = orch.remove_own_sessions("http://127.0.0.1:4321", ["cao-loop-1", "cao-loop-2", "cao-loop-3"])
+    assert gone.called and left == ["cao-loop-3"]                  # a session CAO no longer has is gone too
+    orch.sessions_left_in_store.extend(left)
+    orch.end_own_server()                                          # no server of its own now: said, once
+    out = capsys.readouterr().out
+    assert "CAO sessions cao-loop-3 of the killed run are still in CAO's store" in out
+    assert "`cao shutdown --session <name>` removes them" in out and orch.sessions_left_in_store == []
+
+
+def test_a_killed_runs_sessions_whose_server_died_are_removed_through_the_next_own_server(orch, tmp_path, capsys):
+    note = orch.own_server_note()
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text(json.dumps({"port": 1, "tmux_dir": str(tmp_path / "gone"), "log_file": "", "processes": {},
+                                "sessions": ["cao-loop-old"]}), encoding="utf-8")
+    orch.end_left_own_server()                                     # its cao-server is dead: nothing to ask
+    assert orch.sessions_left_in_store == ["cao-loop-old"] and not note.exists()
+    import respx
+    with respx.mock() as router:
+        removed = router.delete("http://127.0.0.1:5555/sessions/cao-loop-old").mock(
+            return_value=httpx.Response(200, json={"success": True}))
+        orch.remove_sessions_left_in_store("http://127.0.0.1:5555")
+    assert removed.called and orch.sessions_left_in_store == []
+    assert "removed from CAO's store what the killed run's sessions left there: cao-loop-old" in capsys.readouterr().out
+
+
+def test_a_new_run_stops_before_a_terminal_where_check_marks_the_server_s_profiles_missing(
+        load_orch, fake_cao, prompt_file, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli")           # API names the fake CAO
+    fake_cao.missing_profiles = {"tester"}
+    assert run_main(m) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].endswith("using the CAO server at http://cao.test: API names it; OWN_SERVER=1 runs it "
+                                        "on a CAO server of its own instead")
+    assert err.strip().splitlines()[-1] == (
+        "error: agent profiles not installed for their provider: tester (mock_cli); install them from a checkout of "
+        "this project: cao install profiles/tester.md --provider mock_cli (the CAO server at http://cao.test, as "
+        "--check says; nothing was started)")
+    assert fake_cao.terminals == {} and not Path(m.STATE_FILE).exists()
+
+
+def test_a_new_run_stops_before_a_terminal_where_the_agents_shells_do_not_find_its_cli(
+        load_orch, fake_cao, prompt_file, monkeypatch, capsys):
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli", **FAST)
+    probed = []
+    monkeypatch.setattr(m, "local_server", lambda: m.LocalServer(1, os.getuid(), {}))
+    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs, versions=True: probed.append(versions) or
+                        m.AgentsSide({"HOME": "/nonexistent"}, os.getuid(), {"mock_cli": ("", "")}))
+    assert run_main(m) == 2
+    assert "error: mock_cli (" in capsys.readouterr().err and fake_cao.terminals == {}
+    assert probed == [False]                                      # found or not: no CLI's --version in a run
+    m = load_orch(PROMPT_FILE=str(prompt_file), PROVIDER="mock_cli", IGNORE_MISSING_CLI="1", RESUME="0", **FAST)
+    monkeypatch.setattr(m, "local_server", lambda: m.LocalServer(1, os.getuid(), {}))
+    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs, versions=True:
+                        m.AgentsSide({"HOME": "/nonexistent"}, os.getuid(), {"mock_cli": ("", "")}))
+    assert run_main(m) == 0 and len(fake_cao.terminals) == 5    # the user says its agents' shells have it
+
+
+def test_ending_an_own_server_whose_tmux_folder_is_gone_never_reaches_the_users_tmux_server(orch, tmp_path,
+                                                                                           monkeypatch):
+    """tmux falls back to the default socket where TMUX_TMPDIR names a folder that is gone (after a reboot
+    cleared /tmp): the own tmux server is ended by its socket's path, and only where that socket exists."""
+    calls = []
+    monkeypatch.setattr(orch.subprocess, "run", lambda args, **kwargs: calls.append(args))
+    orch.end_own_processes(orch.OwnServer(1, str(tmp_path / "gone"), ""))
+    assert calls == []
+    own = orch.OwnServer(1, str(tmp_path), "")
+    Path(own.tmux_socket).parent.mkdir()
+    Path(own.tmux_socket).touch()
+    orch.end_own_processes(own)
+    assert calls == [["tmux", "-S", own.tmux_socket, "kill-server"]]
 
 
 @pytest.mark.parametrize("where", ["report_run_summary", "end_own_server"])

@@ -38,7 +38,8 @@ def test_a_fail_then_pass_run_leaves_its_log_prompts_replies_and_summary(load_or
     log_lines = (folder / "run.log").read_text(encoding="utf-8").splitlines()
     assert log_lines == printed.splitlines()           # all that the run printed, from its first line on
     assert "    RESULT: FAIL" in log_lines                 # the test evidence under the tester's line too
-    assert "creating the five agent terminals" in log_lines[0]
+    assert "using the CAO server at http://cao.test: API names it" in log_lines[0]     # which server, and why
+    assert "creating the five agent terminals" in log_lines[1]
 
     replies = sorted(p.name for p in folder.glob("[0-9][0-9][0-9]-*.md") if not p.name.endswith(".prompt.md"))
     assert replies == [f"{n:03d}-{role}.md" for n, role in enumerate(FAIL_THEN_PASS, 1)]

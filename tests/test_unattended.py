@@ -189,11 +189,13 @@ def test_a_run_that_ends_says_how_to_stop_its_agents(load_orch, fake_cao, prompt
 # -- a finished run and cron ----------------------------------------------------------
 
 def test_new_run_after_a_finished_one_says_what_the_old_state_held_first(load_orch, fake_cao, prompt_file, capsys):
-    """The default (the spec's): a new run starts; its first line names the old result, when, and where it goes."""
+    """The default (the spec's): a new run starts; its first line after the server's names the old result, when,
+    and where it goes."""
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
     write_state(m, final_status="PASS", current_round=3)
     assert run_main(m) == 0
-    first = capsys.readouterr().out.strip().splitlines()[0]
+    server, first = capsys.readouterr().out.strip().splitlines()[:2]
+    assert "using the CAO server at http://cao.test" in server
     assert "finished with PASS in round 3, last saved 2026-11-20T03:00:00Z" in first
     assert "starting a new run" in first and ".bak" in first
     assert len(list(Path(m.STATE_FILE).parent.glob("*.bak"))) == 1

@@ -1,24 +1,29 @@
-"""The run's own CAO server, as a user meets it: no server named, none running -- the loop starts cao-server
-and a tmux server of its own, and ends them with the run, whatever ends it.
+"""The run's own CAO server, as a user meets it: the loop starts cao-server and a tmux server of its own, and
+ends them with the run, whatever ends it.
 
 Each test gives the loop a new HOME (so CAO's store, database and logs are the test's), a working directory
 and the scripted agents, and puts the pinned cao-server on PATH as `pip install '.[cao]'` would put it beside
-the loop. What the run started carries that HOME in its environment: a process with it still running after
-the run is a process left behind.
+the loop. Each says OWN_SERVER=1: with `auto`, a cao-server that answers on 9889 (one of the machine's user)
+would be used instead. What the run started carries that HOME in its environment: a process with it still
+running after the run is a process left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from .cao_env import ensure_cao
@@ -46,7 +51,7 @@ class OwnRun:
         self.env.update(HOME=str(self.home), PATH=f"{os.environ['PATH']}{os.pathsep}{ensure_cao().parent}",
                         WD=str(self.wd), PROMPT_FILE=str(root / "task.md"), PROVIDER="mock_cli",
                         MOCK_AGENT_HOME=str(self.agents), MOCK_AGENT_THINK_MS="200", POLL_SECONDS="0.2",
-                        MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", RESPONSE_TIMEOUT="120")
+                        MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", RESPONSE_TIMEOUT="120", OWN_SERVER="1")
         self.env.update(settings)
         self.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [PROGRAMMER_REPLY]})
 
@@ -82,6 +87,19 @@ class OwnRun:
             except OSError:
                 continue
         return commands
+
+    def store(self) -> dict[str, list[str] | int]:
+        """What CAO's store in this HOME holds: the files of its folders, and the rows of each table that has any."""
+        store = self.home / ".aws" / "cli-agent-orchestrator"
+        held: dict[str, list[str] | int] = {}
+        for folder in ("fifos", "locks", "logs", "logs/terminal", "agent-store", "agent-context"):
+            held[folder] = sorted(p.name for p in (store / folder).glob("*") if not p.is_dir())   # FIFOs too
+        with contextlib.closing(sqlite3.connect(store / "db" / "cli-agent-orchestrator.db")) as db:
+            for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+                rows = db.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]
+                if rows:
+                    held[f"rows of {table}"] = rows
+        return held
 
     def kill_leftovers(self) -> None:
         for pid in _pids_with_env(f"HOME={self.home}".encode()):
@@ -182,6 +200,8 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
     assert not run.left_running()
     assert not Path(note["tmux_dir"]).exists() and not Path(line[4]).exists()
     assert not run.state_file.with_name("orchestrator-loop-state.own-server.json").exists()
+    store = run.store()                       # the killed run's session too was removed through its server
+    assert store["fifos"] == [] and "rows of terminals" not in store, store
     status = run.status()
     assert "agents: ended with the run's own CAO server" in status, status
     assert "CAO server: the run's own, ended (it was at " in status and "killed" not in status, status
@@ -242,6 +262,106 @@ def test_ctrl_c_and_sigterm_end_the_own_server_with_the_run_and_the_rerun_passes
     assert "ending what the last invocation" not in result.stdout      # nothing was left to end
     assert run.prompts() == QUICK_ROUND[:3] + FAIL_THEN_PASS[2:]
     assert not run.left_running()
+
+
+
+def test_three_runs_on_their_own_server_leave_in_caos_store_only_what_the_readme_names(own_run):
+    """Each run removes its CAO session through CAO before it ends its server: CAO takes the agents' FIFOs and
+    database rows with it. What stays in CAO's store (~/.aws/cli-agent-orchestrator/) is what the README's
+    quick start names: what CAO sets up once (its database and skills, the profiles with their context files
+    and locks), and per run the logs of the server and of each agent (its log, last screen and snapshot) and a
+    row per session and per agent that records their creation."""
+    run = own_run()
+    stores, terminals = [], []
+    for _ in range(3):
+        result = run.run()
+        assert result.returncode == 0, explain(result)
+        stores.append(run.store())
+        terminals += list(run.state()["terminals"].values())
+    first, last = stores[0], stores[-1]
+    assert last["fifos"] == [] and "rows of terminals" not in last, last
+    for once in ("locks", "agent-store", "agent-context"):          # set up with the profiles, not per run
+        assert last[once] == first[once] and len(first[once]) == 5, (once, stores)
+    assert len(last["logs"]) == 3                                   # cao-server's log, one each start
+    assert last["logs/terminal"] == sorted(f"{terminal}{kind}" for terminal in terminals
+                                           for kind in (".log", ".scrollback", ".snapshot.json"))
+    assert {key: value for key, value in last.items() if key.startswith("rows of ")} == {
+        "rows of session_incarnations": 3, "rows of idempotency_keys": 15}, last
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert ("nothing is written outside `~/try-loop` but CAO's store (`~/.aws/cli-agent-orchestrator/`: profiles, "
+            "logs, a row per agent and session)") in " ".join(readme.split())
+    assert not run.left_running()
+
+
+def test_a_killed_run_whose_server_died_with_it_has_its_session_removed_through_the_next_server(own_run):
+    """The whole machine's processes killed (the loop, its cao-server and tmux server, as a reboot does): the old
+    server cannot remove the run's session, so the next invocation's new server on the same HOME does, and the
+    agents' FIFOs and rows leave CAO's store."""
+    run = own_run()
+    run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
+                                                                        "think_ms": 4000}, PROGRAMMER_REPLY]})
+    loop = run.start()
+    run.wait_for_prompt(loop, "programmer")
+    os.killpg(loop.pid, signal.SIGKILL)
+    loop.wait(timeout=30)
+    note = json.loads(run.state_file.with_name("orchestrator-loop-state.own-server.json").read_text())
+    run.kill_leftovers()
+    assert not run.left_running(), "all of the run is gone"
+    assert len(run.store()["fifos"]) == 5 and note["sessions"] == [run.state()["session_name"]]
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert (f"removed from CAO's store what the killed run's sessions left there: {note['sessions'][0]}"
+            in result.stdout), explain(result)
+    store = run.store()
+    assert store["fifos"] == [] and "rows of terminals" not in store, store
+    assert not run.left_running()
+
+
+def test_a_run_on_a_server_of_the_users_that_cannot_work_there_stops_before_a_terminal_as_check_says(tmp_path):
+    """A cao-server of another HOME, named by API: first without the agent profiles, then with them but without
+    mock_cli where its agents' login shells look. Each time the run says which server it uses and why, stops
+    before it creates a terminal with --check's line and exit 2, and the server gets no POST /sessions."""
+    from .test_check_e2e import NewcomersMachine
+
+    root = Path(tempfile.mkdtemp(prefix="usr-", dir="/tmp"))      # short: the tmux socket path has a limit
+    machine = NewcomersMachine(root)
+    server_log = root / "cao-server.log"
+    try:
+        with open(server_log, "wb") as output:
+            machine.server = subprocess.Popen([str(machine.cao_bin / "cao-server"), "--host", "127.0.0.1", "--port",
+                                               str(machine.port)], env=machine.env(), cwd=root, stdout=output,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while b"Uvicorn running" not in server_log.read_bytes():
+            assert machine.server.poll() is None and time.monotonic() < deadline, server_log.read_text()
+            time.sleep(0.3)
+        env = {k: v for k, v in os.environ.items() if k not in LOOP_SETTINGS and not k.startswith(("CAO_", "TMUX"))}
+        env.update(API=machine.api, PROVIDER="mock_cli", PROMPT_FILE="task.md", WD=str(machine.work),
+                   HOME=str(machine.home))
+        said = []
+        for fix in ("cao install profiles/", "is not on the PATH of the agents' shells"):
+            result = subprocess.run([sys.executable, str(SCRIPT)], cwd=machine.work, env=env, capture_output=True,
+                                    text=True, timeout=180)
+            check = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=machine.work, env=env,
+                                   capture_output=True, text=True, timeout=180)
+            assert result.returncode == 2 and check.returncode == 1, explain(result) + check.stdout
+            assert result.stdout.splitlines()[0].endswith(
+                f"using the CAO server at {machine.api}: API names it; OWN_SERVER=1 runs it on a CAO server of its "
+                "own instead"), explain(result)
+            last = result.stderr.strip().splitlines()[-1]
+            assert fix in last and last.endswith(f"(the CAO server at {machine.api}, as --check says; nothing was "
+                                                 "started)"), explain(result)
+            refused = last[len("error: "):last.index(" (the CAO server at")]
+            assert f"✗ {refused}" in check.stdout, check.stdout             # --check and the run agree
+            said.append(last)
+            machine.install_profiles("mock_cli")                            # the first fix; mock_cli stays off
+        assert "mock_cli" in said[1] and not (machine.work / ".tmp" / "orchestrator-loop-state.json").exists()
+        logged = server_log.read_text(encoding="utf-8", errors="replace")
+        assert "GET /agents/profiles/" in logged and "POST /sessions" not in logged       # its requests are logged
+        assert httpx.get(f"{machine.api}/sessions", timeout=10).json() == []
+    finally:
+        machine.stop_server()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 
