@@ -214,10 +214,8 @@ def emit(line: str, stream=None) -> None:
     try:
         print(line, file=stream, flush=True)
     except BrokenPipeError:
-        try:                            # no second error when Python flushes the stream at exit
+        with suppress(OSError, ValueError):     # no second error when Python flushes the stream at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-        except (OSError, ValueError):
-            pass
     except (OSError, ValueError):
         pass
 
@@ -252,11 +250,8 @@ def keep_in_run_log(line: str) -> None:
         if len(_early_log_lines) < MAX_EARLY_LOG_LINES:
             _early_log_lines.append(line)
         return
-    try:
-        with open(run_log_file, "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
-    except OSError:
-        pass
+    with suppress(OSError), open(run_log_file, "a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
 
 
 def open_run_log(path: Path) -> None:
@@ -323,11 +318,9 @@ def set_stop_handlers(handlers: Mapping[int, object]) -> dict[int, object]:
     """Install a handler per stop signal; the ones they replace. Outside the main thread nothing changes
     (handlers can only be set there)."""
     previous = {}
-    try:
+    with suppress(ValueError, TypeError):
         for signum, handler in handlers.items():
             previous[signum] = signal.signal(signum, handler)
-    except (ValueError, TypeError):
-        pass
     return previous
 
 
@@ -1728,7 +1721,12 @@ class ApiClient:
                            f"{response.status_code} with {_what_answered(response)} instead of JSON): set API "
                            f"to the address cao-server listens on") from None
 
-    def _terminal_answer(self, what: str, answer: object) -> dict:
+    def _create(self, what: str, path: str, profile: str, provider: str | None, more: dict[str, str | None]) -> dict:
+        """POST for a new terminal running `profile` (the values of `more` left empty are not sent); its id and
+        session_name, checked."""
+        params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
+        params.update((key, value) for key, value in more.items() if value)
+        answer = self._call(what, "POST", path, params, idempotent=bool(more.get("idempotency_key")))
         if not isinstance(answer, dict) or not isinstance(answer.get("id"), str) \
                 or not isinstance(answer.get("session_name"), str):
             raise ApiError(f"CAO {what} answered without a terminal id and session name: {answer!r:.200}")
@@ -1738,28 +1736,14 @@ class ApiClient:
                        model: str = "", idempotency_key: str = "") -> dict:
         """A new CAO session whose first terminal runs `profile`: its id and session_name (read it: CAO may put
         `cao-` in front of the name asked for)."""
-        params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
-        if session_name is not None:
-            params["session_name"] = session_name
-        if model:
-            params["model"] = model
-        if idempotency_key:
-            params["idempotency_key"] = idempotency_key
-        return self._terminal_answer("create session", self._call("create session", "POST", "/sessions", params,
-                                                                  idempotent=bool(idempotency_key)))
+        return self._create("create session", "/sessions", profile, provider,
+                            {"session_name": session_name, "model": model, "idempotency_key": idempotency_key})
 
     def create_terminal(self, session_name: str, profile: str, provider: str | None = None, model: str = "",
                         idempotency_key: str = "") -> dict:
         """Another terminal in an existing session; returns its id and session_name (idempotency_key: as above)."""
-        params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
-        if model:
-            params["model"] = model
-        if idempotency_key:
-            params["idempotency_key"] = idempotency_key
-        what = f"create terminal ({profile})"
-        return self._terminal_answer(
-            what, self._call(what, "POST", f"/sessions/{quote(session_name, safe='')}/terminals", params,
-                             idempotent=bool(idempotency_key)))
+        return self._create(f"create terminal ({profile})", f"/sessions/{quote(session_name, safe='')}/terminals",
+                            profile, provider, {"model": model, "idempotency_key": idempotency_key})
 
     def send_input(self, terminal_id: str, message: str) -> None:
         self._call(f"send input to terminal {terminal_id}", "POST",
@@ -3139,9 +3123,8 @@ def sync_directory(directory: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(handle)
-    except OSError:
-        pass
+        with suppress(OSError):
+            os.fsync(handle)
     finally:
         os.close(handle)
 
@@ -6906,10 +6889,8 @@ def turn_timing(path: Path) -> str:
     now = time.time()
     sent_at = in_flight.sent_at if in_flight is not None else None
     text = f" after {now - sent_at:.1f}s" if sent_at is not None else ""
-    try:
+    with suppress(OSError):
         text += f" (file written {max(0.0, now - path.stat().st_mtime):.1f}s before)"
-    except OSError:
-        pass
     return text
 
 
@@ -8049,17 +8030,13 @@ def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None
         out, err = proc.communicate(input_text, timeout=timeout)
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
-        try:
+        with suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
         out, err = proc.communicate()
         return None, out or "", err or ""
     except BaseException:              # Ctrl-C: leave nothing running behind us
-        try:
+        with suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
         proc.wait()
         raise
 
