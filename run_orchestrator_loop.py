@@ -1113,8 +1113,7 @@ def _known_children(prefix: str) -> list[str]:
     for key in list(SETTINGS_BY_KEY) + list(CONFIG_NOTE_KEYS):
         if prefix and not key.startswith(prefix + "."):
             continue
-        rest = key[len(prefix) + 1:] if prefix else key
-        names.add(rest.split(".")[0])
+        names.add((key[len(prefix) + 1:] if prefix else key).split(".")[0])
     return sorted(names)
 
 
@@ -3266,19 +3265,26 @@ def acquire_run_lock() -> None:
     run_lock.handle = handle
 
 
-def lock_holder() -> str:
-    """Who holds the run's lock ('' if nobody): looked at without taking it or writing anything."""
+def read_lock_file() -> tuple[bool, str] | None:
+    """Whether a process holds the run's lock, and the invocation its file names (None: no file); looked at
+    without taking the lock or writing anything."""
     try:
         handle = open(STATE_FILE + ".lock", encoding="utf-8")
     except OSError:
-        return ""
+        return None
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            return handle.read().strip() or "a process"
+            return True, handle.read().strip()
         fcntl.flock(handle, fcntl.LOCK_UN)
-    return ""
+        return False, handle.read().strip()
+
+
+def lock_holder() -> str:
+    """Who holds the run's lock ('' if nobody)."""
+    held, holder = read_lock_file() or (False, "")
+    return (holder or "a process") if held else ""
 
 
 def release_run_lock() -> None:
@@ -3296,17 +3302,8 @@ def release_run_lock() -> None:
 def killed_invocation() -> str:
     """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
     (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
-    try:
-        handle = open(STATE_FILE + ".lock", encoding="utf-8")
-    except OSError:
-        return ""
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return ""                    # held: that invocation lives
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return handle.read().strip()
+    held, invocation = read_lock_file() or (True, "")
+    return "" if held else invocation        # held: that invocation lives
 
 
 # From the lock on until the state file has the run, a note beside it says that a run is starting, since when,
@@ -3455,8 +3452,7 @@ def last_event_seq(path: Path) -> tuple[int, bool]:
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - EVENTS_TAIL_BYTES))
+            handle.seek(max(0, handle.tell() - EVENTS_TAIL_BYTES))
             tail = handle.read()
     except FileNotFoundError:
         return 0, False
@@ -4928,8 +4924,7 @@ SHELL_PROMPT = re.compile(r"^(?:\([^)]*\)\s*)?(?:[\w.-]+@[\w.-]+(?:[: ]\S*)?|(?:
 
 def screen_lines(screen: str) -> list[str]:
     """A terminal's raw output as the lines a person would read: escape sequences gone, blank lines dropped."""
-    text = ESCAPE_SEQUENCE.sub("", screen)
-    return [line.rstrip() for line in re.split(r"\r?\n|\r", text) if line.strip()]
+    return [line.rstrip() for line in re.split(r"\r?\n|\r", ESCAPE_SEQUENCE.sub("", screen)) if line.strip()]
 
 
 def last_screen_line(screen: str | None) -> str:
@@ -4957,8 +4952,7 @@ def prompt_markers(message: str) -> tuple[str, ...]:
 
 
 def shows_prompt(screen: str | None, markers: tuple[str, ...]) -> bool:
-    screen_text = _squeezed(screen or "")
-    return any(marker in screen_text for marker in markers)
+    return any(marker in _squeezed(screen or "") for marker in markers)
 
 
 # -- A CLI's own marks of its turns (its row's `turn_marks`) ---------------------
@@ -7030,8 +7024,7 @@ def say_tokens_not_counted() -> None:
 
 def record_agent_event(role: str, terminal_id: str, what: str, detail: str = "") -> None:
     """Keep what happened to an agent's conversation or account in the run's record (saved with the state)."""
-    at = utc_iso()
-    update_run(agent_events=agent_events + [AgentEvent(role, terminal_id, at, what, detail)])
+    update_run(agent_events=agent_events + [AgentEvent(role, terminal_id, utc_iso(), what, detail)])
     record_event("agent_event", role=role, terminal=terminal_id, what=what, detail=detail)
 
 
@@ -9684,8 +9677,7 @@ def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[
                                 "as its user")], None
     if shutil.which("tmux") is None:
         return [CheckLine(False, "tmux is not installed: CAO runs the agents in tmux (apt-get install tmux)")], None
-    programs = sorted({cli_program(provider, report) for provider in providers_in_use()})
-    side = probe_agents_side(server, programs)
+    side = probe_agents_side(server, sorted({cli_program(provider, report) for provider in providers_in_use()}))
     if isinstance(side, str):
         return [CheckLine(False, f"the agents' tmux server ({server.tmux_socket}): {side}")], None
     return check_clis(side, report) + check_traps(side) + check_sign_ins(side), side
@@ -10336,8 +10328,7 @@ def help_text() -> str:
         "  --readme         print the README (the rest of the documentation is in docs/)", "",
         "Settings most runs set (environment variable, default):"]
     for env in COMMON_SETTINGS:
-        setting = SETTINGS_BY_ENV[env]
-        lines.append(f"  {env:20} {_shown_default(setting)}")
+        lines.append(f"  {env:20} {_shown_default(SETTINGS_BY_ENV[env])}")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
     lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
     signal_codes = "/".join(str(code) for code, _ in sorted(STOP_SIGNALS.values()))
