@@ -2288,8 +2288,7 @@ def launch_cao_server(own: OwnServer) -> bool:
         while time.monotonic() < give_up and process.poll() is None:
             with suppress(httpx.HTTPError):
                 if client.get(f"{own.url}/health").status_code == 200:
-                    listener = _process_of(_listening_sockets(own.port))
-                    if listener in (None, process.pid):
+                    if _process_of(_listening_sockets(own.port)) in (None, process.pid):
                         return True
                     break
             time.sleep(0.1)
@@ -7601,8 +7600,7 @@ def parse_scenarios(specs_dir: Path) -> list[tuple[str, str, list[str]]]:
 
 def promise_signal(reply: str) -> tuple[str, str]:
     """The last <promise> tag of a reply: ("COMPLETE", ""), ("FAILED", reason) or ("", "") for none."""
-    tags = PROMISE_TAG.findall(reply or "")
-    for tag in reversed(tags):
+    for tag in reversed(PROMISE_TAG.findall(reply or "")):
         if tag.upper() == "COMPLETE":
             return "COMPLETE", ""
         failed = re.match(r"FAILED\b\s*:?\s*(.*)", tag, re.DOTALL | re.IGNORECASE)
@@ -8400,25 +8398,15 @@ def _notified(record: AfterRun, result: str) -> str:
         if record.notified == result else ""
 
 
-def _archive_step(result: str) -> None:
-    record_after_run(archive=guarded_step("archive", archive_change))
-
-
-def _commit_step(result: str) -> None:
-    record_after_run(commit=guarded_step("commit", commit_run, after_run.archive or {}))
-
-
-def _report_step(result: str) -> None:
-    log(run_end_line(result))
-
-
 # In order: name, asked for when, action, done when (no `done`: not a once-only step).
 AFTER_RUN_STEPS: tuple[AfterRunStep, ...] = (
-    AfterRunStep("archive", lambda result: result == "PASS" and ARCHIVE_ON_PASS, _archive_step,
+    AfterRunStep("archive", lambda result: result == "PASS" and ARCHIVE_ON_PASS,
+                 lambda result: record_after_run(archive=guarded_step("archive", archive_change)),
                  _outcome_recorded("archive")),
-    AfterRunStep("commit", lambda result: result == "PASS" and COMMIT_ON_PASS, _commit_step,
+    AfterRunStep("commit", lambda result: result == "PASS" and COMMIT_ON_PASS,
+                 lambda result: record_after_run(commit=guarded_step("commit", commit_run, after_run.archive or {})),
                  _outcome_recorded("commit")),
-    AfterRunStep("report", lambda result: ARCHIVE_ON_PASS or COMMIT_ON_PASS, _report_step),
+    AfterRunStep("report", lambda result: ARCHIVE_ON_PASS or COMMIT_ON_PASS, lambda result: log(run_end_line(result))),
     AfterRunStep("notify", lambda result: bool(NTFY_TOPIC), _notify_run_end, _notified),
 )
 ONCE_STEPS = tuple(step for step in AFTER_RUN_STEPS if step.done is not None)
