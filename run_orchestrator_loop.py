@@ -2014,8 +2014,7 @@ sessions_left_in_store: list[str] = []   # sessions of a killed run whose server
 
 def own_server_note() -> Path:
     """Where the run's own server is noted while it runs: beside the state file."""
-    state = Path(STATE_FILE)
-    return state.with_name(state.stem + ".own-server.json")
+    return Path(STATE_FILE).with_suffix(".own-server.json")
 
 
 def own_server_log() -> Path:
@@ -3315,8 +3314,7 @@ start_up_guard = threading.Lock()        # the agents start in threads of their 
 
 def start_up_note() -> Path:
     """Where a starting run is noted: beside the state file."""
-    state = Path(STATE_FILE)
-    return state.with_name(state.stem + ".start-up.json")
+    return Path(STATE_FILE).with_suffix(".start-up.json")
 
 
 def write_start_up_note() -> None:
