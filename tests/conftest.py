@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -462,3 +463,13 @@ def run_main(module, *args: str) -> int:
     with pytest.raises(SystemExit) as stopped:
         module.main(list(args))
     return stopped.value.code
+
+
+def lock_holder_process(state_file: str) -> subprocess.Popen:
+    """Another process holding the run's lock beside `state_file`, as a running invocation does, until killed."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import run_orchestrator_loop as loop; "
+        f"loop.STATE_FILE = {state_file!r}; loop.acquire_run_lock(); print('HOLDING', flush=True); "
+        "time.sleep(30)")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "HOLDING"
+    return holder

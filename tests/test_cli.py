@@ -15,7 +15,7 @@ import httpx
 import pytest
 import respx
 
-from conftest import FAST, ROOT, run_main
+from conftest import FAST, ROOT, lock_holder_process, run_main
 
 SCRIPT = ROOT / "run_orchestrator_loop.py"
 
@@ -208,12 +208,8 @@ def test_status_of_a_running_run_names_the_process_that_drives_it(load_orch, fak
     state = json.loads(Path(m.STATE_FILE).read_text())
     state.update(final_status="RUNNING", current_phase="tester", current_round=2)
     Path(m.STATE_FILE).write_text(json.dumps(state))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import run_orchestrator_loop as loop; "
-        f"loop.STATE_FILE = {m.STATE_FILE!r}; loop.acquire_run_lock(); print('HOLDING', flush=True); "
-        "time.sleep(30)")], stdout=subprocess.PIPE, text=True)
+    holder = lock_holder_process(m.STATE_FILE)
     try:
-        assert holder.stdout.readline().strip() == "HOLDING"
         before = Path(m.STATE_FILE).read_bytes()
         capsys.readouterr()
         assert run_main(m, "--status") == 0

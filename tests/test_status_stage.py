@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-from conftest import FAST, ROOT, run_main
+from conftest import FAST, lock_holder_process, run_main
 from fake_cao import MainThreadSignals
 from test_own_server import own_server_stand_in
 
@@ -140,8 +138,8 @@ def test_status_while_a_new_run_starts_says_so_with_each_agent_not_the_run_befor
     assert "run: finished with PASS in round 1" in out and "starting" not in out
 
 
-def test_status_while_the_first_run_starts_is_not_no_run(load_orch, fake_cao, prompt_file, monkeypatch):
-    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
+def status_seen_in_the_run(m, monkeypatch) -> tuple[int, str]:
+    """`--status` as another shell sees it during the run: the look taken at its last check of an agent's model."""
     seen = {}
     answers = m.note_model_answers
 
@@ -151,7 +149,12 @@ def test_status_while_the_first_run_starts_is_not_no_run(load_orch, fake_cao, pr
 
     monkeypatch.setattr(m, "note_model_answers", look)
     assert run_main(m) == 0
-    code, text = seen["text"]
+    return seen["text"]
+
+
+def test_status_while_the_first_run_starts_is_not_no_run(load_orch, fake_cao, prompt_file, monkeypatch):
+    m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", **FAST)
+    code, text = status_seen_in_the_run(m, monkeypatch)
     assert code == 0 and "no run has started here" not in text and "a new run is starting" in text
     assert all(f"{role} up (terminal " in text for role in m.ROLES) and "before it" not in text
     assert not m.start_up_note().exists()                         # the state file has the run
@@ -193,12 +196,8 @@ def test_a_driven_run_whose_own_cao_server_is_gone_is_never_told_to_start_one(lo
     stopped_own_server_run(m, fake_cao, monkeypatch)
     note_killed_own_server(m)
     Path(m.STATE_FILE + ".lock").unlink()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import run_orchestrator_loop as loop; "
-        f"loop.STATE_FILE = {m.STATE_FILE!r}; loop.acquire_run_lock(); print('HOLDING', flush=True); "
-        "time.sleep(30)")], stdout=subprocess.PIPE, text=True)
+    holder = lock_holder_process(m.STATE_FILE)
     try:
-        assert holder.stdout.readline().strip() == "HOLDING"
         fake_proc(m, monkeypatch, {TMUX: TMUX_START}, [TMUX, *PANES])
         capsys.readouterr()
         assert run_main(m, "--status") == 0
@@ -217,16 +216,7 @@ def test_status_while_a_run_on_its_own_server_is_resumed_says_so_with_its_new_ag
     m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
     stopped_own_server_run(m, fake_cao, monkeypatch)
     fake_cao.script.pop("programmer")
-    seen = {}
-    answers = m.note_model_answers
-
-    def look(found):
-        seen["text"] = m.status_report()
-        return answers(found)
-
-    monkeypatch.setattr(m, "note_model_answers", look)
-    assert run_main(m) == 0
-    code, text = seen["text"]
+    code, text = status_seen_in_the_run(m, monkeypatch)
     assert code == 0 and "run: an unfinished run (round 1, programmer phase)" in text
     assert "starting: the run is being resumed, since " in text and " ago: creating the five agents on " in text
     assert "agents: five new ones on the run's own CAO server: analyst up (terminal " in text
