@@ -326,7 +326,7 @@ def test_claude_code_with_its_context_nearly_full_gets_a_new_agent(claude_withou
     state = run.state()
     events = [(e["role"], e["what"]) for e in state["agent_events"]]
     assert events == [("tester", "context low"), ("tester", "new conversation")], explain(result)
-    assert re.search(r"tester: its context is nearly full \(Context low \(\d+% remaining\)\)", result.stdout)
+    assert re.search(r"tester: its context is nearly full \(\d+% left\)", result.stdout), explain(result)
     assert cao.model.compactions() == []
     low, fresh = state["agent_events"]
     assert state["terminals"]["tester"] == fresh["terminal"] != low["terminal"]
