@@ -53,11 +53,11 @@ def shown_on_a_pane(socket: str, words: str) -> bool:
                                              capture_output=True, text=True, timeout=10).stdout for pane in panes)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the issue's case runs as root")
+@pytest.mark.skipif(os.geteuid() != 0, reason="the case measured runs as root (Claude Code refuses its mode there)")
 @pytest.mark.parametrize("set_up", [False, True], ids=["first-start", "set-up"])
 def test_claude_code_with_no_credential_stops_with_exit_2_within_seconds_quoting_its_words(own_run,  # noqa: F811
                                                                                           set_up):
-    """Its first start in the HOME (the issue's case), and a HOME where it was set up (its first start done,
+    """Its first start in the HOME (as a new user's root machine meets it), and a HOME where it was set up (its first start done,
     the project trusted) but signed in nowhere: it then comes up, CAO answers it ready, and it says so only in its
     answer to the first prompt (`Not logged in · Please run /login`), read once it is idle (IDLE_GRACE_SECONDS)."""
     seen, words = SET_UP if set_up else FIRST_START
