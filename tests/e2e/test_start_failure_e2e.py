@@ -58,8 +58,9 @@ def shown_on_a_pane(socket: str, words: str) -> bool:
 def test_claude_code_with_no_credential_stops_with_exit_2_within_seconds_quoting_its_words(own_run,  # noqa: F811
                                                                                           set_up):
     """Its first start in the HOME (as a new user's root machine meets it), and a HOME where it was set up (its
-    first start done, the project trusted) but signed in nowhere: it then comes up, CAO answers it ready, and it says so only in its
-    answer to the first prompt (`Not logged in · Please run /login`), read once it is idle (IDLE_GRACE_SECONDS)."""
+    first start done, the project trusted) but signed in nowhere: it then comes up, CAO answers it ready, and it
+    says so only in its answer to the first prompt (`Not logged in · Please run /login`), read once it is idle
+    (IDLE_GRACE_SECONDS)."""
     seen, words = SET_UP if set_up else FIRST_START
     run = own_run(PROVIDER="claude_code", OWN_SERVER="1", RESUME="0")
     if set_up:
