@@ -87,7 +87,9 @@ def test_claude_code_with_no_credential_stops_with_exit_2_within_seconds_quoting
     assert shown is not None, "the CLI's words never showed on the agents' panes"
     print(f"\nClaude Code's words showed on a pane {shown - started:.1f} s after the loop started; the loop exited "
           f"{ended - shown:.1f} s later ({ended - started:.1f} s in all)\nits line: {lines[-1]}")
-    assert ended - shown < 60, f"the loop stopped {ended - shown:.1f} s after the CLI showed why"
+    # set up, its words are an answer, read once the agent has sat idle IDLE_GRACE_SECONDS (30 s) without its file
+    limit = 120 if set_up else 60
+    assert ended - shown < limit, f"the loop stopped {ended - shown:.1f} s after the CLI showed why"
     said = "cannot work" if set_up else "cannot start"    # set up, it comes up and answers its first prompt so
     assert words in lines[-1] and said in lines[-1] and "ANTHROPIC_API_KEY" in lines[-1], lines[-1]
     assert "IS_SANDBOX" not in lines[-1] and "\x1b" not in lines[-1], lines[-1]
