@@ -10546,8 +10546,8 @@ def run_command_line(args: list[str]) -> int:
         configure(args)
         task = read_task_prompt()
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
-        acquire_run_lock()
         previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
+        acquire_run_lock()
         begin_start_up(plan.resume)
         choice = server_choice(plan)
         log(choice.line)
@@ -10566,15 +10566,12 @@ def run_command_line(args: list[str]) -> int:
         if isinstance(api, ApiClient):
             api.retry_seconds = API_RETRY_SECONDS     # from now on, ride out server restarts
         code = run_loop()
-    except AlreadyFinished as exc:
-        code = exc.code
-        end_start_up()
-        log(exc.message)
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
-        stops.stopping = True
-        code, line = stop_line(exc, started)
+        stops.stopping = True            # the run ends now (a finished run reported too): a stop is this end
+        finished = isinstance(exc, AlreadyFinished)
+        code, line = (exc.code, exc.message) if finished else stop_line(exc, started)
         end_start_up()
-        say_error(line)
+        (log if finished else say_error)(line)
     finally:
         stops.stopping = True            # the run ends now: a stop from here on is this end, held till it is done
         with signals_held("ending the run (its state saved, what it started ended)", raise_after=False):

@@ -216,6 +216,28 @@ def test_report_finished_run_exits_with_its_code_and_starts_nothing(load_orch, f
     assert not list(state.parent.glob("*.bak"))
 
 
+def test_a_stop_signal_while_a_run_found_finished_under_the_lock_is_said_ends_it_with_the_runs_code(
+        load_orch, fake_cao, prompt_file, monkeypatch, capsys):
+    """Another invocation finished the run between this one's first look and its lock: the finished run is
+    reported. A SIGTERM (sent to this process) while that is said is this end: exit with the run's code, one
+    line, no traceback, the lock released."""
+    m = load_orch(PROMPT_FILE=str(prompt_file), REPORT_FINISHED_RUN="1", **TESTER_ONLY)
+    monkeypatch.setattr(m, "finish_stopped_run", lambda: write_state(m, final_status="PASS"))
+    real_log = m.log
+    with MainThreadSignals() as signals:
+        def log(message: str) -> None:
+            if "REPORT_FINISHED_RUN=1, so nothing was started" in message:
+                signals.send(signal.SIGTERM)
+                assert signals.handled.wait(10)
+            real_log(message)
+
+        monkeypatch.setattr(m, "log", log)
+        assert run_main(m) == 0
+    out, err = capsys.readouterr()
+    assert "finished with PASS in round 2" in out and "Traceback" not in out + err
+    assert m.lock_holder() == "" and not Path(m.STATE_FILE + ".lock").exists()
+
+
 def test_report_finished_run_still_continues_an_unfinished_run(load_orch, fake_cao, prompt_file):
     m = load_orch(PROMPT_FILE=str(prompt_file), REPORT_FINISHED_RUN="1", **TESTER_ONLY)
     write_state(m, final_status="RUNNING", current_phase="tester", current_round=1,
