@@ -1945,12 +1945,11 @@ def local_server() -> LocalServer | None:
     if pid is None:
         return None
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
         uid = Path(f"/proc/{pid}").stat().st_uid
     except OSError:
         return None
-    pairs = (item.decode("utf-8", "replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return LocalServer(pid, uid, {key: value for key, value in pairs})
+    env = process_env(pid)
+    return LocalServer(pid, uid, env) if env else None
 
 
 def agents_tmux_socket() -> str:
@@ -1979,47 +1978,49 @@ def cao_hint(command: str) -> str:
     return " ".join([*where, "cao", command])
 
 
+# -- Notes beside the state file ---------------------------------------------------
+# A run keeps two notes beside its state file: its own server's (while it runs) and its start-up's. Each is
+# written whole or not at all, read back checked, and removed when what it notes is over.
+
+def write_note(path: Path, facts: dict) -> None:
+    """Write a note as JSON through a temporary file, fsync and a rename: a crash leaves the old note or the new."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(facts, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def read_note(path: Path, read: Callable[[dict], object]):
+    """What `read` makes of the note's JSON object (None: no note); a ValueError says why it cannot be read."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
+        return read(raw)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{path} cannot be read ({exc})") from None
+
+
 # -- The run's own CAO server ----------------------------------------------------
 # A private tmux server and cao-server, ended with the run; noted beside the state file so that the next
-# invocation ends what a killed run left behind (docs/agent-clis.md).
+# invocation ends what a killed run left behind (docs/agent-clis.md). Every process it starts carries two marks
+# in its environment: its tmux folder (OWN_SERVER_MARK) and the run's state file (OWN_SERVER_RUN), so what is
+# left is found without the note too. tmux is always named by its socket (-S): with its folder gone, tmux
+# would fall back to the user's own server.
 OWN_SERVER_HOST = "127.0.0.1"
 OWN_SERVER_START_SECONDS = 60.0          # cao-server imports a lot: seconds, more on a loaded machine
 OWN_SERVER_MARK = "CAO_LOOP_OWN_SERVER"  # in the environment of all it starts: how what is left is found
+OWN_SERVER_RUN = "CAO_LOOP_STATE_FILE"   # likewise: the state file of the run it serves
 OWN_SERVER_GRACE_SECONDS = 3.0           # from SIGTERM to SIGKILL for what the own server started
 OWN_SESSION_REMOVE_SECONDS = 30.0        # CAO's removal of a session: its agents ended, their screens logged
-
-
-@dataclass
-class OwnServer:
-    """The run's own cao-server and tmux server; each process a pid with its start time (a pid is given out again)."""
-
-    port: int
-    tmux_dir: str
-    log_file: str
-    processes: dict[str, list[int]] = field(default_factory=dict)    # 'cao-server' / 'tmux' -> [pid, start]
-    sessions: list[str] = field(default_factory=list)   # its CAO sessions, each noted before it was asked for
-
-    @property
-    def url(self) -> str:
-        return f"http://{OWN_SERVER_HOST}:{self.port}"
-
-    @property
-    def tmux_socket(self) -> str:
-        return os.path.join(self.tmux_dir, f"tmux-{os.getuid()}", "default")
-
-
-own_server: OwnServer | None = None      # set by start_own_server(), cleared by end_own_server()
-sessions_left_in_store: list[str] = []   # sessions of a killed run whose server died with it: removed through the next
-
-
-def own_server_note() -> Path:
-    """Where the run's own server is noted while it runs: beside the state file."""
-    return Path(STATE_FILE).with_suffix(".own-server.json")
-
-
-def own_server_log() -> Path:
-    """cao-server's output, beside the state file (appended by every invocation)."""
-    return Path(STATE_FILE).with_name("cao-server.log")
 
 
 def process_started_at(pid: int) -> int | None:
@@ -2031,9 +2032,18 @@ def process_started_at(pid: int) -> int | None:
         return None
 
 
-def marked_processes(mark: str) -> list[int]:
-    """This user's processes that carry OWN_SERVER_MARK=mark in their environment: all an own server started."""
-    needle = f"{OWN_SERVER_MARK}={mark}".encode()
+def process_env(pid: int) -> dict[str, str]:
+    """A process's environment as /proc shows it ({} where this user may not look)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.decode("utf-8", "replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def marked_processes(mark: str, name: str = OWN_SERVER_MARK) -> list[int]:
+    """This user's processes that carry name=mark in their environment: all an own server started."""
+    needle = f"{name}={mark}".encode()
     found = []
     with suppress(OSError):
         for proc in Path("/proc").iterdir():
@@ -2061,78 +2071,19 @@ def end_processes(pids: Iterable[int], group: bool = False) -> None:
 
 def remove_own_sessions(url: str, sessions: list[str]) -> list[str]:
     """Remove the run's CAO sessions through the server at `url`: CAO ends their agents and takes their FIFOs,
-    locks and database rows out of its store in HOME, which an ended server would leave. Those it could not remove."""
+    locks and database rows out of its store in HOME, which an ended server would leave. Those it could not remove,
+    and those not asked for once a stop signal is held (each removal may take OWN_SESSION_REMOVE_SECONDS)."""
     headers = {"Authorization": f"Bearer {CAO_AUTH_LOCAL_TOKEN}"} if CAO_AUTH_LOCAL_TOKEN else {}
     left = []
     with httpx.Client(base_url=url, headers=headers, timeout=OWN_SESSION_REMOVE_SECONDS) as client:
         for name in sessions:
             try:
-                removed = client.delete(f"/sessions/{quote(name, safe='')}").status_code in (200, 404)
+                removed = not stop_held() and client.delete(f"/sessions/{quote(name, safe='')}").status_code in (200, 404)
             except httpx.HTTPError:
                 removed = False
             if not removed:
                 left.append(name)
     return left
-
-
-def end_own_processes(own: OwnServer) -> list[str]:
-    """The run's CAO sessions removed through its cao-server while it lives, then cao-server (it could start a
-    tmux server again), the tmux server with the agents, and whatever they started that outlived them; the tmux
-    folder goes last. The sessions left in CAO's store (their server was gone, or did not remove them)."""
-    started = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
-    left = remove_own_sessions(own.url, own.sessions) if "cao-server" in started else list(own.sessions)
-    if "cao-server" in started:
-        end_processes([started["cao-server"]], group=True)
-    if os.path.exists(own.tmux_socket):  # named: with its folder gone, tmux would fall back to the user's socket
-        with suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(["tmux", "-S", own.tmux_socket, "kill-server"], env=own_server_env(own),
-                           capture_output=True, timeout=10)
-    if "tmux" in started:
-        end_processes([started["tmux"]])
-    end_processes(marked_processes(own.tmux_dir))
-    shutil.rmtree(own.tmux_dir, ignore_errors=True)
-    return left
-
-
-def note_own_server(own: OwnServer) -> None:
-    """Note the own server beside the state file (written whole or not at all)."""
-    note = own_server_note()
-    temporary = note.with_name(note.name + ".tmp")
-    temporary.write_text(json.dumps({"port": own.port, "tmux_dir": own.tmux_dir, "log_file": own.log_file,
-                                     "processes": own.processes, "sessions": own.sessions}), encoding="utf-8")
-    os.replace(temporary, note)
-
-
-def note_own_session(name: str) -> None:
-    """A CAO session about to be asked of the run's own server, noted first: however the run ends, it is removed
-    through CAO (remove_own_sessions), not left in CAO's store."""
-    if own_server is not None and name not in own_server.sessions:
-        own_server.sessions.append(name)
-        note_own_server(own_server)
-
-
-def read_own_server_note() -> OwnServer | None:
-    """The own server noted beside the state file (None: no note); a ValueError says why a note cannot be read."""
-    note = own_server_note()
-    try:
-        raw = json.loads(note.read_text(encoding="utf-8"))
-        return OwnServer(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
-                         {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()},
-                         [str(name) for name in raw.get("sessions", [])])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise ValueError(f"{note} cannot be read ({exc})") from None
-
-
-def agent_panes(own: OwnServer) -> int:
-    """How many panes the own tmux server holds: one for each agent (0 when it does not answer)."""
-    try:
-        listed = subprocess.run(["tmux", "-S", own.tmux_socket, "list-panes", "-a", "-F", "#{pane_pid}"],
-                                capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return len(listed.stdout.split()) if listed.returncode == 0 else 0
 
 
 @dataclass
@@ -2158,48 +2109,274 @@ class StageAlive:
         return "kill -- " + " ".join(leaders) if leaders else "kill " + " ".join(map(str, self.processes))
 
 
-def stage_alive(own: OwnServer) -> StageAlive | None:
-    """What of the noted own server still runs (None: nothing, it ended)."""
-    alive = {name: pid for name, (pid, at) in own.processes.items() if process_started_at(pid) == at}
-    processes = sorted(set(marked_processes(own.tmux_dir)) | set(alive.values()))
-    if not processes:
-        return None
-    tmux = alive.get("tmux")
-    return StageAlive(alive.get("cao-server"), tmux, agent_panes(own) if tmux else 0, processes)
+@dataclass
+class OwnServer:
+    """The run's own cao-server and tmux server, as noted; each process a pid with its start time (a pid is given
+    out again)."""
+
+    port: int
+    tmux_dir: str
+    log_file: str
+    processes: dict[str, list[int]] = field(default_factory=dict)    # 'cao-server' / 'tmux' -> [pid, start]
+    sessions: list[str] = field(default_factory=list)   # its CAO sessions, each noted before it was asked for
+
+    @property
+    def url(self) -> str:
+        return f"http://{OWN_SERVER_HOST}:{self.port}"
+
+    @property
+    def tmux_socket(self) -> str:
+        return os.path.join(self.tmux_dir, f"tmux-{os.getuid()}", "default")
+
+    @classmethod
+    def from_note(cls, raw: dict) -> OwnServer:
+        return cls(int(raw["port"]), str(raw["tmux_dir"]), str(raw["log_file"]),
+                   {str(k): [int(v[0]), int(v[1])] for k, v in raw["processes"].items()},
+                   [str(name) for name in raw.get("sessions", [])])
+
+    @classmethod
+    def found(cls) -> OwnServer | None:
+        """The run's own server as its marks tell it, where no note does: its processes, their tmux folder and port."""
+        found, names = None, {"cao-server": "cao-server", "tmux: server": "tmux"}
+        for pid in marked_processes(str(Path(STATE_FILE).resolve()), OWN_SERVER_RUN):
+            env = process_env(pid)
+            found = found or (cls(int(env.get("CAO_API_PORT") or 0), env[OWN_SERVER_MARK], "")
+                              if env.get(OWN_SERVER_MARK) else None)
+            with suppress(OSError):
+                name = names.get(Path(f"/proc/{pid}/comm").read_text(encoding="utf-8").strip())
+                if found and name:
+                    found.processes[name] = [pid, process_started_at(pid) or 0]
+        return found
+
+    def env(self) -> dict[str, str]:
+        """The own server's environment: the loop's, its Python's folder on PATH (after the user's own), a private
+        tmux folder, CAO's address, its marks, and what each CLI in use needs (its row's traps' `env_value`)."""
+        env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
+        path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
+        env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=self.tmux_dir,
+                   CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(self.port),
+                   **{OWN_SERVER_MARK: self.tmux_dir, OWN_SERVER_RUN: str(Path(STATE_FILE).resolve())})
+        env.update(own_server_needs())
+        return env
+
+    def tmux(self, *args: str) -> subprocess.CompletedProcess:
+        """A tmux command to the own tmux server, named by its socket."""
+        return subprocess.run(["tmux", "-S", self.tmux_socket, *args], env=self.env(), capture_output=True,
+                              text=True, timeout=30)
+
+    def start_tmux(self) -> None:
+        """The agents' tmux server, before cao-server: shells without a login profile (it could reset PATH)."""
+        shell = "exec bash --noprofile --norc +o history" if shutil.which("bash") else "exec sh"   # no ~/.bash_history
+        os.makedirs(os.path.dirname(self.tmux_socket), mode=0o700, exist_ok=True)
+        started = self.tmux("-f", os.devnull, "start-server", ";", "set-option", "-g", "exit-empty", "off", ";",
+                            "set-option", "-g", "default-command", shell)
+        pid = self.tmux("display-message", "-p", "#{pid}").stdout.strip()
+        if started.returncode != 0 or not pid.isdigit():
+            raise RunError(f"could not start the run's own tmux server: {' '.join(started.stderr.split())[:200]}")
+        self.processes["tmux"] = [int(pid), process_started_at(int(pid)) or 0]
+
+    def launch(self, noted: Callable[[], None]) -> bool:
+        """cao-server on self.port (noted once started), waited for; False when it ended first (its port taken
+        since it was found free). What answers there must be it: a server of another process gets no agent."""
+        with open(self.log_file, "ab") as output:
+            process = subprocess.Popen([loop_program("cao-server"), "--host", OWN_SERVER_HOST, "--port", str(self.port)],
+                                       env=self.env(), cwd=self.tmux_dir, stdin=subprocess.DEVNULL,
+                                       stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes["cao-server"] = [process.pid, process_started_at(process.pid) or 0]
+        noted()
+        give_up = time.monotonic() + OWN_SERVER_START_SECONDS
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < give_up and process.poll() is None:
+                with suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        if _process_of(_listening_sockets(self.port)) in (None, process.pid):
+                            return True
+                        break
+                time.sleep(0.1)
+        if process.poll() is None and time.monotonic() >= give_up:
+            raise RunError(f"the run's own cao-server did not answer on {self.url} within "
+                           f"{OWN_SERVER_START_SECONDS:g} s; its log: {self.log_file}")
+        end_processes([process.pid], group=True)
+        process.wait()
+        return False
+
+    def install_profiles(self) -> None:
+        """The run's agent profiles, installed in CAO's store where it lacks them (also where the CLI keeps a
+        copy of its own that is missing), from the profiles that come with the loop; all at once."""
+        missing = [(profile, provider) for profile, provider in profiles_in_use()
+                   if api.profile_installed(profile) is not True
+                   or (agent_cli(provider).profile_file
+                       and not Path.home().joinpath(agent_cli(provider).profile_file.format(name=profile)).is_file())]
+        sources = {profile: bundled_profile(profile) for profile, _ in missing}
+        for profile, provider in missing:
+            if sources[profile] is None:
+                raise ConfigError(f"agent profile {profile} is not installed in CAO and does not come with the loop: "
+                                  f"`cao install` it for {provider}, or use the loop's "
+                                  f"({', '.join(DEFAULT_PROFILES.values())})")
+        with ThreadPoolExecutor(max_workers=len(ROLES)) as pool:
+            said = list(pool.map(lambda item: subprocess.run(
+                [loop_program("cao"), "install", str(sources[item[0]]), "--provider", item[1]], env=self.env(),
+                capture_output=True, text=True, timeout=120), missing))
+        for (profile, provider), done in zip(missing, said):
+            if api.profile_installed(profile) is not True:
+                raise RunError(f"`cao install {sources[profile]} --provider {provider}` did not install it: "
+                               + " ".join((done.stdout + done.stderr).split())[-300:])
+        if missing:
+            log("agent profiles installed in CAO's store: " + ", ".join(f"{profile} ({provider})"
+                                                                     for profile, provider in missing))
+
+    def started(self) -> dict[str, int]:
+        """Its noted processes that still run: name -> pid."""
+        return {name: pid for name, (pid, at) in self.processes.items() if process_started_at(pid) == at}
+
+    def alive(self) -> StageAlive | None:
+        """What of it still runs (None: nothing, it ended)."""
+        started = self.started()
+        processes = sorted(set(marked_processes(self.tmux_dir)) | set(started.values()))
+        if not processes:
+            return None
+        tmux = started.get("tmux")
+        return StageAlive(started.get("cao-server"), tmux, self.panes() if tmux else 0, processes)
+
+    def panes(self) -> int:
+        """How many panes its tmux server holds: one for each agent (0 when it does not answer)."""
+        with suppress(OSError, subprocess.SubprocessError):
+            listed = self.tmux("list-panes", "-a", "-F", "#{pane_pid}")
+            return len(listed.stdout.split()) if listed.returncode == 0 else 0
+        return 0
+
+    def end(self) -> list[str]:
+        """Its CAO sessions removed through its cao-server while it lives, then cao-server (it could start a tmux
+        server again), the tmux server with the agents, and whatever they started that outlived them; the tmux
+        folder goes last. The sessions left in CAO's store (their server was gone, or did not remove them)."""
+        started = self.started()
+        left = remove_own_sessions(self.url, self.sessions) if "cao-server" in started else list(self.sessions)
+        if "cao-server" in started:
+            end_processes([started["cao-server"]], group=True)
+        if os.path.exists(self.tmux_socket):   # only by its socket: tmux never reaches the user's own server
+            with suppress(OSError, subprocess.SubprocessError):
+                self.tmux("kill-server")
+        if "tmux" in started:
+            end_processes([started["tmux"]])
+        end_processes(marked_processes(self.tmux_dir))
+        shutil.rmtree(self.tmux_dir, ignore_errors=True)
+        return left
 
 
-def end_left_own_server() -> None:
-    """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's)."""
-    try:
-        left = read_own_server_note()
-    except ValueError as exc:
-        log(f"note: {exc}; removed")
-        own_server_note().unlink(missing_ok=True)
-        return
-    if left is None:
-        return
-    alive = [f"{name} pid {pid}" for name, (pid, at) in left.processes.items() if process_started_at(pid) == at]
-    log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
-        + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
-    sessions_left_in_store.extend(end_own_processes(left))
-    own_server_note().unlink(missing_ok=True)
+class OwnStage:
+    """The run's own server, the one home of it: started and noted by the run, ended with it (`end`), ended by
+    the next invocation where a killed run left it (`end_left`), and seen by --status (`seen`)."""
+
+    def __init__(self) -> None:
+        self.server: OwnServer | None = None     # while this invocation's own server runs
+        self.sessions_left: list[str] = []       # sessions of a killed run whose server died with it
+
+    @property
+    def note(self) -> Path:
+        """Where the run's own server is noted while it runs: beside the state file."""
+        return Path(STATE_FILE).with_suffix(".own-server.json")
+
+    def write_note(self) -> None:
+        own = self.server
+        write_note(self.note, {"port": own.port, "tmux_dir": own.tmux_dir, "log_file": own.log_file,
+                               "processes": own.processes, "sessions": own.sessions})
+
+    def note_session(self, name: str) -> None:
+        """A CAO session about to be asked of the run's own server, noted first: however the run ends, it is
+        removed through CAO (remove_own_sessions), not left in CAO's store."""
+        if self.server is not None and name not in self.server.sessions:
+            self.server.sessions.append(name)
+            self.write_note()
+
+    def seen(self) -> tuple[OwnServer | None, StageAlive | None]:
+        """The own server the note names (else the one the run's marks find, where the note cannot be read), and
+        what of it still runs."""
+        try:
+            own = read_note(self.note, OwnServer.from_note)
+        except ValueError:
+            own = OwnServer.found()
+        return own, own.alive() if own is not None else None
+
+    def start(self) -> None:
+        """Stand the run's own tmux server and cao-server up (see above); from now on API is theirs."""
+        global API
+        missing = own_server_missing()
+        if missing:
+            raise ConfigError(missing)
+        own = self.server = OwnServer(free_port(), own_tmux_folder(), str(Path(STATE_FILE).with_name("cao-server.log")))
+        self.write_note()
+        own.start_tmux()
+        for attempt in range(3):
+            if attempt:                      # another process took the port between the look and the start
+                own.port = free_port()
+                own.tmux("set-environment", "-g", "CAO_API_PORT", str(own.port))
+            if own.launch(self.write_note):
+                break
+            if OWN_SERVER_PORT:
+                raise ConfigError(f"OWN_SERVER_PORT={OWN_SERVER_PORT}: another process answers there; choose "
+                                  "another port, or 0 for a free one")
+        else:
+            raise RunError(f"the run's own cao-server could not start; its log: {own.log_file}")
+        self.write_note()
+        API = own.url
+        explicit_settings.add("API")         # the state's server of an earlier invocation is gone
+        connect_api()
+        log(f"CAO server: the run's own, {own.url} (cao-server's log: {own.log_file}); its agents run in "
+            f"a tmux server of their own ({own.tmux_socket}); both end with the run")
+        if own_server_overrides():
+            log(own_server_overrides())
+        own.install_profiles()
+        self.remove_sessions_left(own.url)
+
+    def end(self) -> None:
+        """End the run's own server, its tmux server and all they started: nothing of the run is left running."""
+        if self.server is not None:
+            self.sessions_left.extend(self.server.end())
+            self.note.unlink(missing_ok=True)
+            self.server = None
+        self.remove_sessions_left("")          # what no server removed is said
+
+    def end_left(self) -> None:
+        """End the own server a run killed with SIGKILL left running (under the run's lock: never a live run's);
+        where its note cannot be read, what the run's marks find."""
+        try:
+            left = read_note(self.note, OwnServer.from_note)
+        except ValueError as exc:
+            left = OwnServer.found()
+            log(f"note: {exc}; " + (f"ending what the run's marks find of its own server ({left.tmux_dir})" if left
+                                    else "nothing of the run's own server runs") + "; the note is removed")
+        if left is None:
+            self.note.unlink(missing_ok=True)
+            return
+        alive = [f"{name} pid {pid}" for name, pid in left.started().items()]
+        log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
+            + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
+        self.sessions_left.extend(left.end())
+        self.note.unlink(missing_ok=True)
+
+    def remove_sessions_left(self, url: str) -> None:
+        """The sessions a killed run's server left in CAO's store when it died with the run (a reboot, a killed
+        process group), removed through the run's new server on the same HOME; said where they stay."""
+        if not self.sessions_left:
+            return
+        left = remove_own_sessions(url, self.sessions_left) if url else list(self.sessions_left)
+        removed = [name for name in self.sessions_left if name not in left]
+        if removed:
+            log(f"removed from CAO's store what the killed run's sessions left there: {', '.join(removed)}")
+        if left:
+            log(f"CAO sessions {', '.join(left)} of the killed run are still in CAO's store "
+                f"({Path.home() / '.aws' / 'cli-agent-orchestrator'}: their database rows and FIFOs); `cao shutdown "
+                "--session <name>` removes them where a cao-server runs on this HOME")
+        self.sessions_left.clear()
+
+
+own_stage = OwnStage()
 
 
 def loop_program(name: str) -> str:
     """A program installed with the loop (cao-server, cao), beside its Python first, else on PATH ('' if none)."""
     beside = Path(sys.executable).parent / name
     return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name) or ""
-
-
-def own_server_env(own: OwnServer) -> dict[str, str]:
-    """The own server's environment: the loop's, its Python's folder on PATH (after the user's own), a private
-    tmux folder, CAO's address, and what each CLI in use needs (its row's traps' `env_value`)."""
-    env = {key: value for key, value in os.environ.items() if key not in ("TMUX", "TMUX_PANE")}
-    path = [*env.get("PATH", os.defpath).split(os.pathsep), str(Path(sys.executable).parent)]
-    env.update(PATH=os.pathsep.join(dict.fromkeys(part for part in path if part)), TMUX_TMPDIR=own.tmux_dir,
-               CAO_API_HOST=OWN_SERVER_HOST, CAO_API_PORT=str(own.port), **{OWN_SERVER_MARK: own.tmux_dir})
-    env.update(own_server_needs())
-    return env
 
 
 def own_server_needs() -> dict[str, str]:
@@ -2259,138 +2436,12 @@ def own_tmux_folder() -> str:
     return tempfile.mkdtemp(prefix="cao-loop-", dir=parent)
 
 
-def start_own_tmux(own: OwnServer) -> None:
-    """The agents' tmux server, before cao-server: shells without a login profile (it could reset PATH)."""
-    shell = "exec bash --noprofile --norc +o history" if shutil.which("bash") else "exec sh"   # no ~/.bash_history
-    env = own_server_env(own)
-    started = subprocess.run(["tmux", "-f", os.devnull, "start-server", ";", "set-option", "-g", "exit-empty", "off",
-                              ";", "set-option", "-g", "default-command", shell], env=env, capture_output=True,
-                             text=True, timeout=30)
-    pid = subprocess.run(["tmux", "display-message", "-p", "#{pid}"], env=env, capture_output=True, text=True,
-                         timeout=30).stdout.strip()
-    if started.returncode != 0 or not pid.isdigit():
-        raise RunError(f"could not start the run's own tmux server: {' '.join(started.stderr.split())[:200]}")
-    own.processes["tmux"] = [int(pid), process_started_at(int(pid)) or 0]
-
-
-def launch_cao_server(own: OwnServer) -> bool:
-    """cao-server on own.port, waited for; False when it ended first (its port taken since it was found free).
-    What answers there must be it: a server of another process gets no agent and no prompt."""
-    with open(own.log_file, "ab") as output:
-        process = subprocess.Popen([loop_program("cao-server"), "--host", OWN_SERVER_HOST, "--port", str(own.port)],
-                                   env=own_server_env(own), cwd=own.tmux_dir, stdin=subprocess.DEVNULL,
-                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    own.processes["cao-server"] = [process.pid, process_started_at(process.pid) or 0]
-    note_own_server(own)
-    give_up = time.monotonic() + OWN_SERVER_START_SECONDS
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < give_up and process.poll() is None:
-            with suppress(httpx.HTTPError):
-                if client.get(f"{own.url}/health").status_code == 200:
-                    if _process_of(_listening_sockets(own.port)) in (None, process.pid):
-                        return True
-                    break
-            time.sleep(0.1)
-    if process.poll() is None and time.monotonic() >= give_up:
-        raise RunError(f"the run's own cao-server did not answer on {own.url} within {OWN_SERVER_START_SECONDS:g} s; "
-                       f"its log: {own.log_file}")
-    end_processes([process.pid], group=True)
-    process.wait()
-    return False
-
-
-def install_own_profiles(own: OwnServer) -> None:
-    """The run's agent profiles, installed in CAO's store where it lacks them (also where the CLI keeps a
-    copy of its own that is missing), from the profiles that come with the loop; all at once."""
-    missing = [(profile, provider) for profile, provider in
-               profiles_in_use()
-               if api.profile_installed(profile) is not True
-               or (agent_cli(provider).profile_file
-                   and not Path.home().joinpath(agent_cli(provider).profile_file.format(name=profile)).is_file())]
-    sources = {profile: bundled_profile(profile) for profile, _ in missing}
-    for profile, provider in missing:
-        if sources[profile] is None:
-            raise ConfigError(f"agent profile {profile} is not installed in CAO and does not come with the loop: "
-                              f"`cao install` it for {provider}, or use the loop's ({', '.join(DEFAULT_PROFILES.values())})")
-    with ThreadPoolExecutor(max_workers=len(ROLES)) as pool:
-        said = list(pool.map(lambda item: subprocess.run(
-            [loop_program("cao"), "install", str(sources[item[0]]), "--provider", item[1]], env=own_server_env(own),
-            capture_output=True, text=True, timeout=120), missing))
-    for (profile, provider), done in zip(missing, said):
-        if api.profile_installed(profile) is not True:
-            raise RunError(f"`cao install {sources[profile]} --provider {provider}` did not install it: "
-                           + " ".join((done.stdout + done.stderr).split())[-300:])
-    if missing:
-        log("agent profiles installed in CAO's store: " + ", ".join(f"{profile} ({provider})"
-                                                                 for profile, provider in missing))
-
-
 def bundled_profile(name: str) -> Path | None:
     """A profile that comes with the loop: beside the script in a checkout, else where pip put them."""
     for folder in (Path(__file__).resolve().parent / "profiles", Path(sys.prefix) / "share" / PACKAGE_NAME / "profiles"):
         if (folder / f"{name}.md").is_file():
             return folder / f"{name}.md"
     return None
-
-
-def start_own_server() -> None:
-    """Stand the run's own tmux server and cao-server up (see above); from now on API is theirs."""
-    global own_server, API
-    missing = own_server_missing()
-    if missing:
-        raise ConfigError(missing)
-    own_server = OwnServer(free_port(), own_tmux_folder(), str(own_server_log()))
-    note_own_server(own_server)
-    start_own_tmux(own_server)
-    for attempt in range(3):
-        if attempt:                      # another process took the port between the look and the start
-            own_server.port = free_port()
-            subprocess.run(["tmux", "set-environment", "-g", "CAO_API_PORT", str(own_server.port)],
-                           env=own_server_env(own_server), capture_output=True, timeout=30)
-        if launch_cao_server(own_server):
-            break
-        if OWN_SERVER_PORT:
-            raise ConfigError(f"OWN_SERVER_PORT={OWN_SERVER_PORT}: another process answers there; choose another "
-                              "port, or 0 for a free one")
-    else:
-        raise RunError(f"the run's own cao-server could not start; its log: {own_server.log_file}")
-    note_own_server(own_server)
-    API = own_server.url
-    explicit_settings.add("API")         # the state's server of an earlier invocation is gone
-    connect_api()
-    log(f"CAO server: the run's own, {own_server.url} (cao-server's log: {own_server.log_file}); its agents run in "
-        f"a tmux server of their own ({own_server.tmux_socket}); both end with the run")
-    if own_server_overrides():
-        log(own_server_overrides())
-    install_own_profiles(own_server)
-    remove_sessions_left_in_store(own_server.url)
-
-
-def remove_sessions_left_in_store(url: str) -> None:
-    """The sessions a killed run's server left in CAO's store when it died with the run (a reboot, a killed
-    process group), removed through the run's new server on the same HOME; said where they stay."""
-    if not sessions_left_in_store:
-        return
-    left = remove_own_sessions(url, sessions_left_in_store) if url else list(sessions_left_in_store)
-    removed = [name for name in sessions_left_in_store if name not in left]
-    if removed:
-        log(f"removed from CAO's store what the killed run's sessions left there: {', '.join(removed)}")
-    if left:
-        log(f"CAO sessions {', '.join(left)} of the killed run are still in CAO's store "
-            f"({Path.home() / '.aws' / 'cli-agent-orchestrator'}: their database rows and FIFOs); `cao shutdown "
-            "--session <name>` removes them where a cao-server runs on this HOME")
-    sessions_left_in_store.clear()
-
-
-def end_own_server() -> None:
-    """End the run's own server, its tmux server and all they started: nothing of the run is left running."""
-    global own_server
-    own = own_server
-    if own is not None:
-        sessions_left_in_store.extend(end_own_processes(own))
-        own_server_note().unlink(missing_ok=True)
-        own_server = None
-    remove_sessions_left_in_store("")          # what no server removed is said
 
 
 def server_answers(url: str) -> bool:
@@ -3297,6 +3348,13 @@ def release_run_lock() -> None:
         run_lock.made_folder = None
 
 
+def lock_text_facts(text: str) -> dict | None:
+    """{"pid", "since"} of an invocation the lock's text names ('pid N since ...'), the one reader of that text
+    (None: no invocation; both None: a text not in that form)."""
+    named = re.fullmatch(r"pid (\d+) since (.+)", text)
+    return {"pid": int(named[1]), "since": named[2]} if named else {"pid": None, "since": None} if text else None
+
+
 def killed_invocation() -> str:
     """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
     (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
@@ -3319,11 +3377,8 @@ def start_up_note() -> Path:
 
 def write_start_up_note() -> None:
     """The note as it stands now, replaced whole; a note that cannot be written costs the run nothing."""
-    note = start_up_note()
-    temporary = note.with_name(f"{note.name}.{threading.get_ident()}.tmp")
     with suppress(OSError):
-        temporary.write_text(json.dumps(start_up_facts), encoding="utf-8")
-        os.replace(temporary, note)
+        write_note(start_up_note(), start_up_facts)
 
 
 def begin_start_up(resuming: bool) -> None:
@@ -3361,13 +3416,10 @@ def end_start_up() -> None:
 
 def read_start_up_note() -> dict | None:
     """The start-up note beside the state file, as --status reads it (None: none, or one that cannot be read)."""
-    try:
-        note = json.loads(start_up_note().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(note, dict) or not isinstance(note.get("pid"), int) or not isinstance(note.get("agents"), dict):
-        return None
-    return note
+    with suppress(ValueError):
+        return read_note(start_up_note(), lambda note: note if isinstance(note.get("pid"), int)
+                         and isinstance(note.get("agents"), dict) else None)
+    return None
 
 
 # ==========================================================================
@@ -6159,7 +6211,7 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     key = agent_key(role, session, replacing)
     note_agent_start(role, "starting")
     if first:
-        note_own_session(session)
+        own_stage.note_session(session)
     try:
         answer = (api.create_session(profile_for(role), provider_for(role), session, model_for(role), key) if first
                   else api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key))
@@ -6437,7 +6489,7 @@ def end_creation_cut_short(name: str, futures: Mapping[str, Future]) -> None:
                if future.done() and future.exception() is None and future.result()}
     session = futures.get("analyst")
     with suppress(Exception):          # a server that cannot tell: the session is removed by its name all the same
-        if own_server is None and session is not None and not session.done() and api.session_terminals(name) is None:
+        if own_stage.server is None and session is not None and not session.done() and api.session_terminals(name) is None:
             answers["analyst"] = session.result()      # not made yet: removed now, it would come after
             name = answers["analyst"]["session_name"]
     end_agents([answer["id"] for answer in answers.values()], name)
@@ -6503,7 +6555,7 @@ def end_started(answers: dict[str, dict], name: str) -> None:
             answers.get("analyst", {}).get("session_name", name if api.abandoned.is_set() else ""))
     if not api.abandoned.is_set():
         end_agents(*made)
-    elif own_server is None:
+    elif own_stage.server is None:
         threading.Thread(target=end_agents, args=made, name="ending the agents").start()
 
 
@@ -8557,7 +8609,7 @@ def init_new_run(plan: StartPlan | None = None) -> None:
         set_aside_old_state(plan)
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
-        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), on_own_server=own_server is not None,
+        update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), on_own_server=own_stage.server is not None,
                    started_at=utc_iso(precise=True), agent_models={role: model_for(role) for role in ROLES},
                    outputs={key: (_UPSTREAM_PLACEHOLDER if key in skipped else "") for key in OUTPUT_KEYS},
                    worktree_at_start=snapshot_worktree() if COMMIT_ON_PASS else None)
@@ -9757,7 +9809,7 @@ def check_own_server() -> list[CheckLine]:
     lines = [CheckLine(True, f"CAO server: the run's own, started for it on a free port of {OWN_SERVER_HOST} (e.g. "
                              f"{own.port}) and ended with it: {server}" + (f", cli-agent-orchestrator {version}" if
                                                                             version else "") + note)]
-    env = own_server_env(own)
+    env = own.env()
     programs = {}
     for program in sorted({cli_program(provider, None) for provider in providers_in_use()}):
         path = shutil.which(program, path=env["PATH"]) or ""
@@ -9973,34 +10025,68 @@ def next_step(saved: SavedState) -> str:
 
 
 @dataclass
-class StageSeen:
-    """What --status reads of the stage besides the state file: the run's lock, the notes beside it, /proc."""
+class Stage:
+    """The stage as --status, --status --json and the report see it, computed once: the run's lock, the notes
+    beside the state file, /proc. Every view reads its facts and `own_server`, never derives its own."""
 
     holder: str                          # 'pid N since ...' of the invocation that drives the run ('': none)
     killed: str                          # the same of an invocation killed holding the lock ('': none)
-    own: OwnServer | None                # the run's own server, as noted beside the state file
+    own: OwnServer | None                # the run's own server, as noted beside the state file (or its marks)
     alive: StageAlive | None             # what of it still runs (None: nothing)
     starting: dict | None                # the start-up note of the invocation that holds the lock: it starts
     start_left: dict | None              # the start-up note of an invocation killed while it started
+    on_own: bool = False                 # the run is on a CAO server of its own: noted, or its state says so
 
+    @classmethod
+    def now(cls, saved: SavedState | None = None) -> Stage:
+        """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
+        holder = lock_holder()
+        own, alive = own_stage.seen()
+        note = read_start_up_note()
+        driven = lock_text_facts(holder)
+        live = note is not None and driven is not None and note["pid"] == driven["pid"]
+        return cls(holder, killed_invocation(), own, alive, note if live else None,
+                   note if note is not None and not holder else None,
+                   own is not None or bool(saved is not None and saved.on_own_server))
 
-def see_stage() -> StageSeen:
-    """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
-    holder = lock_holder()
-    try:
-        own = read_own_server_note()
-    except ValueError:
-        own = None
-    note = read_start_up_note()
-    driven = re.fullmatch(r"pid (\d+) since (.+)", holder)
-    live = note is not None and driven is not None and note["pid"] == int(driven[1])
-    return StageSeen(holder, killed_invocation(), own, stage_alive(own) if own else None,
-                     note if live else None, note if note is not None and not holder else None)
+    @property
+    def own_server(self) -> str:
+        """The run's own server in a word: '' (the run is not on one), 'running' (with the process that drives
+        the run), 'starting' (driven, its start-up under way), 'down' (driven, its cao-server not running), 'left'
+        (no process drives the run, some of it still runs) or 'ended'."""
+        if not self.on_own:
+            return ""
+        if self.holder:
+            return "running" if self.alive and self.alive.cao_server else "starting" if self.starting else "down"
+        return "left" if self.alive else "ended"
 
+    def server_lines(self) -> list[str]:
+        """The CAO server as the stage shows it: the run's own (with the run, left running, or ended), else API's."""
+        state, own, alive = self.own_server, self.own, self.alive
+        url = own.url if own is not None else API
+        if state in ("running", "starting", "down") and own is not None:
+            now = alive.text() if alive else "starting" if state == "starting" else "not running"
+            return [f"CAO server: the run's own, {url} ({now}); it ends with the run"]
+        if state == "left":
+            return [f"CAO server: the run's own ({url}), still running: {alive.text()} -- the same command ends "
+                    f"them, or `{alive.end_command()}`"]
+        if self.starting:
+            return []                    # chosen as the run starts: its step says where
+        if state == "ended":
+            return [f"CAO server: the run's own, ended (it was at {url}); a rerun starts another"]
+        return [f"CAO server: {API}"]
 
-def own_server_ended(saved: SavedState, stage: StageSeen) -> bool:
-    """The run was on a CAO server of its own, no process drives it, and nothing of that server runs."""
-    return saved.on_own_server and not stage.holder and stage.alive is None
+    def facts(self) -> dict:
+        """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
+        processes still running."""
+        alive = self.alive
+        return {
+            "starting": self.starting, "killed": lock_text_facts(self.killed), "killed_start_up": self.start_left,
+            "own_server_running": None if alive is None or self.own is None else {
+                "url": self.own.url, "cao_server_pid": alive.cao_server, "tmux_pid": alive.tmux,
+                "agents": alive.agents, "pids": alive.processes, "driven": bool(self.holder),
+                "end_command": alive.end_command()},
+        }
 
 
 def since_text(iso: str) -> str:
@@ -10010,30 +10096,15 @@ def since_text(iso: str) -> str:
     return shown if moment is None else f"{shown}, {duration_text(time.time() - moment.timestamp())} ago"
 
 
-def _status_server(saved: SavedState | None, stage: StageSeen) -> list[str]:
-    """The CAO server as the stage shows it: the run's own (with the run, left running, or ended), else API's."""
-    own, alive = stage.own, stage.alive
-    if own is not None and stage.holder:
-        return [f"CAO server: the run's own, {own.url} ({alive.text() if alive else 'starting'}); it ends with the run"]
-    if own is not None and alive is not None:
-        return [f"CAO server: the run's own ({own.url}), still running: {alive.text()} -- the same command ends them, "
-                f"or `{alive.end_command()}`"]
-    if stage.starting:
-        return []                        # chosen as the run starts: its step says where
-    if not stage.holder and (own is not None or (saved is not None and saved.on_own_server)):
-        return [f"CAO server: the run's own, ended (it was at {own.url if own else API}); a rerun starts another"]
-    return [f"CAO server: {API}"]
-
-
-def _status_progress(saved: SavedState, stage: StageSeen) -> list[str]:
+def _status_progress(saved: SavedState, stage: Stage) -> list[str]:
     """The server, and for a run under way where it stands: what a person looks at first."""
-    server = _status_server(saved, stage)
+    server = stage.server_lines()
     if saved.finished:
         return [*server, f"turns: {len(saved.turn_records)} answered"]
     working = working_now(saved)
-    if saved.on_own_server and not stage.holder and saved.in_flight and not saved.in_flight.reply_file:
+    if stage.own_server in ("left", "ended") and saved.in_flight and not saved.in_flight.reply_file:
         working = (f"no agent: they ended with the run's own CAO server; {saved.in_flight.role}'s turn goes on with "
-                   "a new agent at the rerun" if stage.alive is None else
+                   "a new agent at the rerun" if stage.own_server == "ended" else
                    f"{working}; no process drives it: the rerun ends its agent, and takes its reply if complete, "
                    "else sends the turn to a new agent")
     return [*server, f"next: {next_step(saved)}", f"working now: {working}",
@@ -10056,11 +10127,11 @@ def start_up_agents_text(note: dict) -> str:
     return ", ".join(parts) or "none asked for yet"
 
 
-def _status_starting(saved: SavedState | None, stage: StageSeen) -> list[str]:
+def _status_starting(saved: SavedState | None, stage: Stage) -> list[str]:
     """--status while a new run starts: that run (since when, how far, its agents), not the one before it."""
     note = stage.starting
     lines = [f"state file: {STATE_FILE}", f"run: a new run is starting, since {since_text(str(note.get('since')))}: "
-             f"{note.get('step')}", *_status_server(None, stage), f"agents: {start_up_agents_text(note)}",
+             f"{note.get('step')}", *stage.server_lines(), f"agents: {start_up_agents_text(note)}",
              f"driven by: {stage.holder}"]
     if saved is not None:
         lines.append(f"before it: {describe_state(saved)}; that state file is kept as a backup once the new run's "
@@ -10068,7 +10139,7 @@ def _status_starting(saved: SavedState | None, stage: StageSeen) -> list[str]:
     return lines
 
 
-def _status_start_left(stage: StageSeen) -> list[str]:
+def _status_start_left(stage: Stage) -> list[str]:
     """An invocation killed while it started its run: how far it got."""
     note = stage.start_left
     if note is None:
@@ -10093,27 +10164,27 @@ def _status_tokens(saved: SavedState) -> list[str]:
             + (f"; budget {', '.join(budgets)}" if budgets else "")]
 
 
-def agents_line(saved: SavedState, stage: StageSeen) -> str:
+def agents_line(saved: SavedState, stage: Stage) -> str:
     """Where the run's agents are: exited, ended or still running with the run's own server, or as the server
     at API tells it."""
-    alive = stage.alive
+    alive, own = stage.alive, stage.own_server if saved.on_own_server else ""
     if saved.terminals_exited:
         return "agents: exited (CLEANUP_ON_EXIT=1)"
-    if own_server_ended(saved, stage):
+    if own == "ended":
         return "agents: ended with the run's own CAO server"
-    if saved.on_own_server and stage.starting:
+    if own and stage.starting:
         return f"agents: five new ones on the run's own CAO server: {start_up_agents_text(stage.starting)}"
-    if saved.on_own_server and not stage.holder and alive is not None:
+    if own == "left":
         return (f"agents: still running on the run's own CAO server ({counted(alive.agents, 'agent terminal')}"
                 f"{'' if alive.tmux else ': its tmux server is gone, what it started is not'}), driven by no process "
                 "(the same command ends them)")
-    if saved.on_own_server and stage.holder and not (alive and alive.cao_server):
+    if own in ("starting", "down"):
         return ("agents: the run's own cao-server is not running, so none can be asked; the process that drives the "
                 "run ends what is left of it when it stops")
     return f"agents: {agents_left_note(saved)}"
 
 
-def _status_agents(saved: SavedState, stage: StageSeen) -> list[str]:
+def _status_agents(saved: SavedState, stage: Stage) -> list[str]:
     """The run's agents and where their replies are kept: only what the run has to show."""
     lines = [agents_line(saved, stage)]
     if any(saved.agent_models.values()):
@@ -10154,7 +10225,7 @@ def last_exit_code(saved: SavedState) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def _status_last_stop(saved: SavedState, stage: StageSeen) -> list[str]:
+def _status_last_stop(saved: SavedState, stage: Stage) -> list[str]:
     """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1); one
     killed holding the lock kept no exit code (the one summary.json holds is an earlier invocation's)."""
     if stage.killed:
@@ -10195,26 +10266,7 @@ def working_facts(saved: SavedState) -> dict | None:
             "text": working_now(saved)}
 
 
-def invocation_facts(text: str) -> dict | None:
-    """{"pid", "since"} of 'pid N since ...' as the lock holds it (None: no such invocation)."""
-    named = re.fullmatch(r"pid (\d+) since (.+)", text)
-    return {"pid": int(named[1]), "since": named[2]} if named else {"pid": None, "since": None} if text else None
-
-
-def stage_facts(stage: StageSeen) -> dict:
-    """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
-    processes still running."""
-    alive = stage.alive
-    return {
-        "starting": stage.starting, "killed": invocation_facts(stage.killed), "killed_start_up": stage.start_left,
-        "own_server_running": None if alive is None or stage.own is None else {
-            "url": stage.own.url, "cao_server_pid": alive.cao_server, "tmux_pid": alive.tmux,
-            "agents": alive.agents, "pids": alive.processes, "driven": bool(stage.holder),
-            "end_command": alive.end_command()},
-    }
-
-
-def status_facts(saved: SavedState, stage: StageSeen) -> dict:
+def status_facts(saved: SavedState, stage: Stage) -> dict:
     """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
     file, its lock, the notes beside it and its record only, without asking the server."""
     holder = stage.holder
@@ -10226,7 +10278,7 @@ def status_facts(saved: SavedState, stage: StageSeen) -> dict:
         "working_now": working_facts(saved), "turns": len(saved.turn_records),
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
-        "driven_by": invocation_facts(holder),
+        "driven_by": lock_text_facts(holder),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
         "traceback": traceback_path(saved) if code == EXIT_BUG else None,
@@ -10238,7 +10290,7 @@ def status_facts(saved: SavedState, stage: StageSeen) -> dict:
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
         if saved.final_status == "FAIL" and not saved.terminals_exited else None,
-        **stage_facts(stage),
+        **stage.facts(),
     }
 
 
@@ -10255,13 +10307,12 @@ def saved_run_or_why() -> tuple[SavedState | None, str]:
 
 def status_report() -> tuple[int, str]:
     """--status: where the run in STATE_FILE stands and who drives it, read without touching anything."""
-    stage = see_stage()
     saved, why = saved_run_or_why()
+    stage = Stage.now(saved)
     if stage.starting and (saved is None or not stage.starting.get("resuming")):
         return EXIT_PASS, "\n".join(_status_starting(saved, stage))
     if saved is None:
-        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(_status_server(None, stage) if stage.alive
-                                                                       else [])])
+        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(stage.server_lines() if stage.alive else [])])
     restore_saved_settings(saved)
     connect_api()
     lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved, stage),
@@ -10375,7 +10426,7 @@ def start_run(task: str) -> StartPlan:
             set_task(task)
         elif task and task != PROMPT:
             log("note: resuming with the task saved in the state file; PROMPT/PROMPT_FILE is ignored")
-        if own_server is not None:
+        if own_stage.server is not None:
             new_agents_on_own_server()
         else:
             verify_resume_terminals()
@@ -10420,13 +10471,13 @@ def status_command(args: list[str], as_json: bool = False, follow: bool = False)
 def status_json_report() -> tuple[int, str]:
     """--status --json: status_facts() as one line of JSON; a missing or broken state file as for --status,
     unless a run is starting or a killed one's start-up left something: then what the stage shows."""
-    stage = see_stage()
     saved, why = saved_run_or_why()
+    stage = Stage.now(saved)
     if saved is None:
         if not (stage.starting or stage.start_left or stage.alive):
             return EXIT_FAIL, why
-        return EXIT_PASS, json.dumps({"state_file": STATE_FILE, "result": None, "driven_by": invocation_facts(
-            stage.holder), "cao_server": None, "own_server": stage.own is not None, **stage_facts(stage)})
+        return EXIT_PASS, json.dumps({"state_file": STATE_FILE, "result": None, "driven_by": lock_text_facts(
+            stage.holder), "cao_server": None, "own_server": stage.own is not None, **stage.facts()})
     restore_saved_settings(saved)
     return EXIT_PASS, json.dumps(status_facts(saved, stage))
 
@@ -10515,7 +10566,7 @@ def wind_down(code: int) -> int:
         settle_tokens(run_ended=final_status in ("PASS", "FAIL"))
         save_state()
         report_run_summary(code)
-        if own_server is not None:
+        if own_stage.server is not None:
             log(f"ending the run's own CAO server ({API}), its tmux server and the five agents"
                 + ("; a rerun starts new ones and goes on" if final_status == "RUNNING" else ""))
         elif CLEANUP_ON_EXIT:
@@ -10551,10 +10602,10 @@ def run_command_line(args: list[str]) -> int:
         begin_start_up(plan.resume)
         choice = server_choice(plan)
         log(choice.line)
-        end_left_own_server()
+        own_stage.end_left()
         if choice.own:
             note_start_up_step("starting the run's own CAO server")
-            start_own_server()
+            own_stage.start()
         connect_api()
         if not choice.own and not plan.resume:
             refuse_what_check_refuses()  # before a terminal is made on a server the run did not start
@@ -10586,7 +10637,7 @@ def end_run(code: int, started: bool) -> int:
     released. A stop held here changes nothing: the run ends as it was ending, with its own exit code."""
     if started:
         code = wind_down(code)
-    end_own_server()
+    own_stage.end()
     release_run_lock()
     return code
 

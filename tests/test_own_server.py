@@ -119,14 +119,14 @@ def test_the_agents_environment_is_the_loops_with_a_private_tmux_and_what_each_c
     m = load_orch(PROVIDER="claude_code", TESTER_PROVIDER="hermes")
     own = m.OwnServer(4321, "/tmp/cao-loop-x", "")
     monkeypatch.setattr(m.os, "geteuid", lambda: 0)
-    env = m.own_server_env(own)
+    env = own.env()
     assert "TMUX" not in env and env["TMUX_TMPDIR"] == "/tmp/cao-loop-x"
     assert (env["CAO_API_HOST"], env["CAO_API_PORT"]) == ("127.0.0.1", "4321")
     assert env["PATH"].split(os.pathsep) == ["/usr/bin", "/bin", str(Path(sys.executable).parent)]  # mock_cli, cao
     assert env["ANTHROPIC_API_KEY"] == "key" and env[m.OWN_SERVER_MARK] == "/tmp/cao-loop-x"
     assert env["IS_SANDBOX"] == "1" and env["PROMPT_TOOLKIT_NO_CPR"] == "1"
     monkeypatch.setattr(m.os, "geteuid", lambda: 1000)
-    assert "IS_SANDBOX" not in m.own_server_env(own)             # only root needs it
+    assert "IS_SANDBOX" not in own.env()             # only root needs it
     assert own.tmux_socket == f"/tmp/cao-loop-x/tmux-{os.getuid()}/default"
 
 
@@ -167,12 +167,12 @@ def test_what_a_killed_run_left_running_is_ended_by_the_next_invocation(orch, tm
     server, agent = marked_sleeper(str(folder)), marked_sleeper(str(folder))
     reused = subprocess.Popen(["sleep", "600"])                   # a pid noted with another start time: not ours
     try:
-        note = orch.own_server_note()
+        note = orch.own_stage.note
         note.parent.mkdir(parents=True, exist_ok=True)
         note.write_text(json.dumps({"port": 1, "tmux_dir": str(folder), "log_file": "", "processes": {
             "cao-server": [server.pid, orch.process_started_at(server.pid)],
             "tmux": [reused.pid, orch.process_started_at(reused.pid) + 1]}}), encoding="utf-8")
-        orch.end_left_own_server()
+        orch.own_stage.end_left()
         assert server.wait(timeout=10) is not None and agent.wait(timeout=10) is not None
         assert reused.poll() is None
         assert not note.exists() and not folder.exists()
@@ -183,14 +183,33 @@ def test_what_a_killed_run_left_running_is_ended_by_the_next_invocation(orch, tm
             process.wait()
 
 
-def test_an_unreadable_note_is_said_and_removed(orch, capsys):
-    note = orch.own_server_note()
-    note.parent.mkdir(parents=True, exist_ok=True)
-    note.write_text("{not json", encoding="utf-8")
-    orch.end_left_own_server()
-    assert not note.exists() and "cannot be read" in capsys.readouterr().out
-    orch.end_left_own_server()                                    # no note: nothing to do, nothing said
-    assert capsys.readouterr().out == ""
+def test_an_unreadable_note_is_said_and_what_the_runs_marks_find_is_ended_and_seen(orch, tmp_path, capsys):
+    """The note cannot be read (a disk that filled as it was written): what carries the run's marks -- its state
+    file, its tmux folder -- still runs, is seen by --status's view and ended by the next invocation; then the
+    note goes. No note and nothing marked: nothing to do, nothing said."""
+    folder = tmp_path / "cao-loop-left"
+    folder.mkdir()
+    marks = {"CAO_LOOP_OWN_SERVER": str(folder), "CAO_LOOP_STATE_FILE": str(Path(orch.STATE_FILE).resolve()),
+             "CAO_API_PORT": "45678"}
+    left = [subprocess.Popen(["sleep", "600"], env={**os.environ, **marks}, start_new_session=True) for _ in range(2)]
+    other = marked_sleeper(str(tmp_path / "another-runs"))                # another run's: never touched
+    try:
+        note = orch.own_stage.note
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text("{not json", encoding="utf-8")
+        own, alive = orch.own_stage.seen()
+        assert own.url == "http://127.0.0.1:45678" and sorted(alive.processes) == sorted(p.pid for p in left)
+        orch.own_stage.end_left()
+        assert all(process.wait(timeout=10) is not None for process in left) and other.poll() is None
+        assert not note.exists() and not folder.exists()
+        out = capsys.readouterr().out
+        assert "cannot be read" in out and f"ending what the run's marks find of its own server ({folder})" in out
+        orch.own_stage.end_left()                                 # no note: nothing to do, nothing said
+        assert capsys.readouterr().out == ""
+    finally:
+        for process in (*left, other):
+            process.kill()
+            process.wait()
 
 
 def test_what_the_own_server_needs_is_said_before_anything_starts(load_orch, monkeypatch, prompt_file, capsys):
@@ -200,22 +219,22 @@ def test_what_the_own_server_needs_is_said_before_anything_starts(load_orch, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("error: cao-server is not installed here: pip install 'cao-orchestrator-loop[cao]' (CAO "
                        "2.5.4), or point API at a CAO server you run")
-    assert not Path(m.STATE_FILE).exists() and not m.own_server_note().exists()
+    assert not Path(m.STATE_FILE).exists() and not m.own_stage.note.exists()
 
 
 def own_server_stand_in(m, monkeypatch, started: list) -> None:
-    """start_own_server and end_own_server without processes: the fake CAO at API plays the new server."""
+    """The own stage's start and end without processes: the fake CAO at API plays the new server."""
     def start() -> None:
         started.append("start")
-        m.own_server = m.OwnServer(1, "/nonexistent", "")
+        m.own_stage.server = m.OwnServer(1, "/nonexistent", "")
 
     def end() -> None:
-        if m.own_server is not None:
+        if m.own_stage.server is not None:
             started.append("end")
-        m.own_server = None
+        m.own_stage.server = None
 
-    monkeypatch.setattr(m, "start_own_server", start)
-    monkeypatch.setattr(m, "end_own_server", end)
+    monkeypatch.setattr(m.own_stage, "start", start)
+    monkeypatch.setattr(m.own_stage, "end", end)
 
 
 def test_a_run_resumed_on_a_new_own_server_gets_five_new_agents_and_keeps_its_answered_turns(
@@ -316,7 +335,7 @@ def test_a_server_of_another_process_answering_on_the_port_is_never_taken_for_th
     own = orch.OwnServer(other.server_address[1], str(tmp_path), str(tmp_path / "cao-server.log"))
     Path(orch.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
     try:
-        assert orch.launch_cao_server(own) is False
+        assert own.launch(lambda: None) is False
         pid = own.processes["cao-server"][0]
         assert orch.process_started_at(pid) is None                   # the run's own was ended
     finally:
@@ -349,17 +368,17 @@ def test_the_demo_is_the_same_whatever_the_callers_settings(load_orch, monkeypat
 
 def test_a_session_asked_of_the_own_server_is_noted_before_it_is_asked_for(orch):
     """Whatever ends the run (a SIGKILL while CAO makes the session), the note names the session to remove."""
-    orch.own_server = orch.OwnServer(1, "/nonexistent", "")
+    orch.own_stage.server = orch.OwnServer(1, "/nonexistent", "")
     Path(orch.STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
     seen = {}
 
     def create_session(*args, **kwargs):
-        seen["noted"] = json.loads(orch.own_server_note().read_text(encoding="utf-8"))["sessions"]
+        seen["noted"] = json.loads(orch.own_stage.note.read_text(encoding="utf-8"))["sessions"]
         return {"id": "t1", "session_name": "cao-loop-1"}
     orch.api.create_session = create_session
     orch.request_agent("analyst", "cao-loop-1", first=True)
     orch.request_agent("analyst", "cao-loop-1", first=True)          # asked again: noted once
-    assert seen["noted"] == ["cao-loop-1"] and orch.own_server.sessions == ["cao-loop-1"]
+    assert seen["noted"] == ["cao-loop-1"] and orch.own_stage.server.sessions == ["cao-loop-1"]
 
 
 def test_the_own_servers_sessions_are_removed_through_cao_and_those_it_could_not_are_said(orch, capsys):
@@ -370,26 +389,26 @@ def test_the_own_servers_sessions_are_removed_through_cao_and_those_it_could_not
         router.delete("http://127.0.0.1:4321/sessions/cao-loop-3").mock(return_value=httpx.Response(500))
         left = orch.remove_own_sessions("http://127.0.0.1:4321", ["cao-loop-1", "cao-loop-2", "cao-loop-3"])
     assert gone.called and left == ["cao-loop-3"]                  # a session CAO no longer has is gone too
-    orch.sessions_left_in_store.extend(left)
-    orch.end_own_server()                                          # no server of its own now: said, once
+    orch.own_stage.sessions_left.extend(left)
+    orch.own_stage.end()                                          # no server of its own now: said, once
     out = capsys.readouterr().out
     assert "CAO sessions cao-loop-3 of the killed run are still in CAO's store" in out
-    assert "`cao shutdown --session <name>` removes them" in out and orch.sessions_left_in_store == []
+    assert "`cao shutdown --session <name>` removes them" in out and orch.own_stage.sessions_left == []
 
 
 def test_a_killed_runs_sessions_whose_server_died_are_removed_through_the_next_own_server(orch, tmp_path, capsys):
-    note = orch.own_server_note()
+    note = orch.own_stage.note
     note.parent.mkdir(parents=True, exist_ok=True)
     note.write_text(json.dumps({"port": 1, "tmux_dir": str(tmp_path / "gone"), "log_file": "", "processes": {},
                                 "sessions": ["cao-loop-old"]}), encoding="utf-8")
-    orch.end_left_own_server()                                     # its cao-server is dead: nothing to ask
-    assert orch.sessions_left_in_store == ["cao-loop-old"] and not note.exists()
+    orch.own_stage.end_left()                                     # its cao-server is dead: nothing to ask
+    assert orch.own_stage.sessions_left == ["cao-loop-old"] and not note.exists()
     import respx
     with respx.mock() as router:
         removed = router.delete("http://127.0.0.1:5555/sessions/cao-loop-old").mock(
             return_value=httpx.Response(200, json={"success": True}))
-        orch.remove_sessions_left_in_store("http://127.0.0.1:5555")
-    assert removed.called and orch.sessions_left_in_store == []
+        orch.own_stage.remove_sessions_left("http://127.0.0.1:5555")
+    assert removed.called and orch.own_stage.sessions_left == []
     assert "removed from CAO's store what the killed run's sessions left there: cao-loop-old" in capsys.readouterr().out
 
 
@@ -431,16 +450,16 @@ def test_ending_an_own_server_whose_tmux_folder_is_gone_never_reaches_the_users_
     cleared /tmp): the own tmux server is ended by its socket's path, and only where that socket exists."""
     calls = []
     monkeypatch.setattr(orch.subprocess, "run", lambda args, **kwargs: calls.append(args))
-    orch.end_own_processes(orch.OwnServer(1, str(tmp_path / "gone"), ""))
+    orch.OwnServer(1, str(tmp_path / "gone"), "").end()
     assert calls == []
     own = orch.OwnServer(1, str(tmp_path), "")
     Path(own.tmux_socket).parent.mkdir()
     Path(own.tmux_socket).touch()
-    orch.end_own_processes(own)
+    own.end()
     assert calls == [["tmux", "-S", own.tmux_socket, "kill-server"]]
 
 
-@pytest.mark.parametrize("where", ["report_run_summary", "end_own_server"])
+@pytest.mark.parametrize("where", ["report_run_summary", "end"])
 def test_stops_during_the_wind_down_are_held_till_the_own_server_is_ended_and_the_lock_released(
         load_orch, fake_cao, prompt_file, monkeypatch, capsys, where):
     """Ctrl-C, then SIGHUP, while a run that passed ends (its summary written, its own server ended): both are
@@ -448,7 +467,8 @@ def test_stops_during_the_wind_down_are_held_till_the_own_server_is_ended_and_th
     m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", MIN_REVIEW_CYCLES_BEFORE_APPROVAL="1", **FAST)
     started: list = []
     own_server_stand_in(m, monkeypatch, started)
-    step = getattr(m, where)
+    owner = m.own_stage if where == "end" else m
+    step = getattr(owner, where)
     lock_during_the_end: list[str] = []
 
     def stopped_twice(*args):
@@ -457,13 +477,46 @@ def test_stops_during_the_wind_down_are_held_till_the_own_server_is_ended_and_th
         lock_during_the_end.append(m.lock_holder())
         return step(*args)
 
-    monkeypatch.setattr(m, where, stopped_twice)
+    monkeypatch.setattr(owner, where, stopped_twice)
     with MainThreadSignals() as signals:
         assert run_main(m) == 0
     assert started == ["start", "end"] and lock_during_the_end[0].startswith("pid ")
-    assert m.lock_holder() == "" and m.own_server is None
+    assert m.lock_holder() == "" and m.own_stage.server is None
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     assert out.count("first, so that nothing is left behind") == 1
     assert "interrupted (SIGINT): ending the run (its state saved, what it started ended) first" in out
     assert json.loads(Path(m.STATE_FILE).read_text())["final_status"] == "PASS"
+
+
+def test_a_stop_held_while_the_own_servers_sessions_are_removed_ends_the_removals(orch):
+    """A stop signal that arrives while the run ends (its sessions removed through CAO, up to 30 s each) is held,
+    and no further removal is asked for: those left are said as left in CAO's store."""
+    import respx
+    with respx.mock(assert_all_called=False) as router, MainThreadSignals() as signals, \
+            orch.signals_held("ending", raise_after=False):
+        def stopped(request):
+            signals.send(signal.SIGTERM)
+            assert signals.handled.wait(10)
+            return httpx.Response(200)
+        first = router.delete("http://127.0.0.1:4321/sessions/cao-loop-1").mock(side_effect=stopped)
+        later = router.delete(url__regex=r"http://127\.0\.0\.1:4321/sessions/cao-loop-[23]").mock(
+            return_value=httpx.Response(200))
+        left = orch.remove_own_sessions("http://127.0.0.1:4321", ["cao-loop-1", "cao-loop-2", "cao-loop-3"])
+    assert first.called and not later.called and left == ["cao-loop-2", "cao-loop-3"]
+
+
+def test_every_tmux_command_to_the_own_server_names_its_socket(orch, tmp_path, monkeypatch):
+    """Starting the own tmux server, asking its pid, moving it to another port: each names the socket (-S), so
+    none can reach the user's own tmux server where TMUX_TMPDIR's folder is gone."""
+    calls = []
+
+    def run(args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 0, stdout="4242\n", stderr="")
+    monkeypatch.setattr(orch.subprocess, "run", run)
+    own = orch.OwnServer(1, str(tmp_path), "")
+    own.start_tmux()
+    own.tmux("set-environment", "-g", "CAO_API_PORT", "2")
+    assert len(calls) == 3 and all(call[:3] == ["tmux", "-S", own.tmux_socket] for call in calls), calls
+    assert Path(own.tmux_socket).parent.is_dir()

@@ -239,7 +239,7 @@ def test_the_own_server_sets_the_rows_value_over_the_users_and_says_so(load_orch
     monkeypatch.setenv("PROMPT_TOOLKIT_NO_CPR", "1")
     m = load_orch(PROVIDER="claude_code", TESTER_PROVIDER="hermes")
     monkeypatch.setattr(m.os, "geteuid", lambda: 0)
-    env = m.own_server_env(m.OwnServer(4321, "/tmp/cao-loop-x", ""))
+    env = m.OwnServer(4321, "/tmp/cao-loop-x", "").env()
     assert env["IS_SANDBOX"] == "1" and env["PROMPT_TOOLKIT_NO_CPR"] == "1"
     assert m.own_server_overrides() == ("the agents get IS_SANDBOX=1 in place of IS_SANDBOX=yes from this "
                                         "environment: the CLIs take only those values")

@@ -28,7 +28,7 @@ def stopped_own_server_run(m, fake_cao, monkeypatch) -> None:
 
 def note_killed_own_server(m, port: int = 45678) -> None:
     """The own server's note as a killed invocation left it, and its lock file, which no process holds."""
-    Path(m.own_server_note()).write_text(json.dumps({
+    Path(m.own_stage.note).write_text(json.dumps({
         "port": port, "tmux_dir": "/tmp/cao-loop-test", "log_file": "cao-server.log",
         "processes": {"tmux": [TMUX, TMUX_START], "cao-server": [CAO, CAO_START]}}), encoding="utf-8")
     Path(m.STATE_FILE + ".lock").write_text("pid 999999 since 2026-11-28 06:00:00\n", encoding="utf-8")
@@ -38,7 +38,7 @@ def fake_proc(m, monkeypatch, started: dict[int, int], marked: list[int]) -> Non
     """What /proc says: each pid's start time, the processes the own server marked, the tmux server's panes."""
     monkeypatch.setattr(m, "process_started_at", lambda pid: started.get(pid))
     monkeypatch.setattr(m, "marked_processes", lambda mark: list(marked))
-    monkeypatch.setattr(m, "agent_panes", lambda own: len(PANES))
+    monkeypatch.setattr(m.OwnServer, "panes", lambda own: len(PANES))
 
 
 def test_status_after_a_sigkill_names_what_of_the_own_server_still_runs_and_ends_only_when_it_is_gone(
