@@ -126,8 +126,8 @@ EXIT_CODES = (
                  "to change; also an agent's CLI that changed its model on its own); a run that started has its "
                  "state saved",
      "stop and alert: change what the line says"),
-    (EXIT_ERROR, "a runtime error the same command can get past (server unreachable, timeout, usage limit, agent "
-                 "lost with REPLACE_LOST_AGENTS=1, ...); the state is saved",
+    (EXIT_ERROR, "a runtime error the same command can get past (server unreachable, timeout, usage limit, ...); "
+                 "the state is saved",
      "retry: the same command resumes the run"),
     (EXIT_BUDGET, "the run has used MAX_RUN_TOKENS or MAX_RUN_COST; stopped before a turn, the state saved",
      "stop and alert: a person raises the budget, then the same command goes on"),

@@ -226,3 +226,16 @@ def test_a_fault_of_the_loop_while_the_agents_are_created_exits_70_and_leaves_no
     kept = re.search(r"its traceback is in (\S+);", err)
     assert kept and "in faulty" in Path(kept[1]).read_text()
     assert len(fake_cao.terminals) == 4 and sorted(fake_cao.exited_ids()) == sorted(fake_cao.terminals)
+
+
+def test_a_lost_agent_exits_2_with_replacements_on_too_and_the_readme_says_so(load_orch):
+    """A lost agent that stops the run with REPLACE_LOST_AGENTS=1 (its replacements used up) meets the same
+    command again: exit 2, never 3, as EXIT_CODES and the README's table say. The README's attach command names
+    the agents' tmux socket: without it, tmux reaches the user's own server, never the run's own."""
+    m = load_orch(REPLACE_LOST_AGENTS="1")
+    assert m.AgentLost("tester", "t1", "its CLI exited").code == m.EXIT_USAGE == 2
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = {row.split("|")[1].strip(): row for row in readme.splitlines() if re.match(r"\| \d+ \|", row)}
+    assert "REPLACE_LOST_AGENTS" not in rows["3"] and "lost" not in m.EXIT_MEANINGS[m.EXIT_ERROR]
+    assert "REPLACE_LOST_AGENTS" in rows["2"]
+    assert "`tmux attach -r" not in readme and "`tmux -S <socket> attach -r -t <CAO session>`" in readme
