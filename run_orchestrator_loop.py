@@ -8567,6 +8567,11 @@ class StartPlan:
     old_run: SavedState | None = None  # the run it replaces, if readable: its agents are exited
     continue_failed: bool = False      # RESUME=1 with more rounds: the run that ended in FAIL goes on
 
+    @property
+    def unreadable(self) -> bool:
+        """The state file cannot be read: said first, before any server is asked (the run's own file comes first)."""
+        return self.set_aside and self.old_run is None
+
 
 def set_aside_old_state(plan: StartPlan) -> None:
     """The new run's terminals exist: keep the old state file aside (its agents are ended after)."""
@@ -10440,7 +10445,7 @@ def start_run(task: str) -> StartPlan:
         record_event("run_resumed", round=current_round, phase=current_phase, cycle=phase_cycle,
                      session=session_name, continued_after_fail=plan.continue_failed)
         return plan
-    if plan.note:
+    if plan.note and not plan.unreadable:
         log(plan.note)
     set_task(task)
     check_agent_clis()
@@ -10600,6 +10605,8 @@ def run_command_line(args: list[str]) -> int:
         previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
         acquire_run_lock()
         begin_start_up(plan.resume)
+        if plan.unreadable:
+            log(plan.note)
         choice = server_choice(plan)
         log(choice.line)
         own_stage.end_left()

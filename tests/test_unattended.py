@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -236,6 +237,25 @@ def test_a_stop_signal_while_a_run_found_finished_under_the_lock_is_said_ends_it
     out, err = capsys.readouterr()
     assert "finished with PASS in round 2" in out and "Traceback" not in out + err
     assert m.lock_holder() == "" and not Path(m.STATE_FILE + ".lock").exists()
+
+
+def test_a_state_file_that_cannot_be_read_is_named_first_before_any_server_is_asked(load_orch, prompt_file,
+                                                                                    capsys):
+    """Automatic resume with a state file that cannot be read: the first line names it (and where it will be
+    kept), before any server is looked at -- here none answers, and the stop's line names the server."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    m = load_orch(PROMPT_FILE=str(prompt_file), API=f"http://127.0.0.1:{port}", OWN_SERVER="0", **TESTER_ONLY)
+    state = Path(m.STATE_FILE)
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text("{not json", encoding="utf-8")
+    assert run_main(m) == 3
+    out, err = capsys.readouterr()
+    first = out.splitlines()[0]
+    assert f"state file {m.STATE_FILE} cannot be parsed" in first and "starting a new run" in first, out
+    assert out.count("cannot be parsed") == 1 and "not reachable" in err
+    assert state.read_text(encoding="utf-8") == "{not json"
 
 
 def test_report_finished_run_still_continues_an_unfinished_run(load_orch, fake_cao, prompt_file):
