@@ -9910,11 +9910,16 @@ def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
 def check_command(args: list[str]) -> int:
     """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
     1 for anything else to fix."""
-    try:
+    previous = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))   # a stop unwinds: the probe's
+    try:                                                                          # window is removed first
         code, lines = checked_lines(args)
-    except KeyboardInterrupt:
-        say_error("interrupted (SIGINT): --check started nothing and changed nothing")
-        return EXIT_SIGINT
+    except (KeyboardInterrupt, Terminated) as exc:
+        code, said = STOP_SIGNALS[getattr(exc, "signum", signal.SIGINT)]
+        say_error(f"{said}: --check started nothing and changed nothing")
+        return code
+    finally:
+        set_stop_handlers(previous)
+        stops.stopping = False
     for line in lines:
         emit(f"{check_mark(line.ok)} {line.text}")
     if code == EXIT_PASS and any(line.ok is False for line in lines):

@@ -352,3 +352,62 @@ def test_check_interrupted_or_failing_inside_says_one_line_never_a_traceback(loa
     assert run_main(orch, "--check") == 70                  # a fault of the loop itself: a bug, not a fix to make
     out, err = capsys.readouterr()
     assert "✗ a fault of --check itself (KeyError" in out and "Traceback (most recent call last)" in err
+
+
+FAKE_CAO = """
+import http.server, json, sys
+answers = {"/health": {"status": "ok"}, "/agents/providers": [{"name": "mock_cli", "binary": "mock_cli",
+                                                               "installed": True}]}
+class Cao(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps(answers.get(self.path.split("?")[0], {"name": "x"})).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", 0), Cao)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_stop_signal_while_check_looks_from_the_agents_shell_leaves_no_window_in_their_tmux(
+        tmp_path, prompt_file, signum, code):
+    """--check on a cao-server the user runs looks from a new session of that server's tmux server; a SIGTERM or
+    SIGHUP to --check while it looks (a CLI's --version that takes its time) removes that session before --check
+    exits with the signal's code and one line. A real --check process, a real tmux server of the test's own
+    (cao-server's TMUX_TMPDIR), a stand-in for cao-server whose /proc tells where its agents run."""
+    import signal as signals
+    import time
+    tools, tmux_dir = tmp_path / "tools", tmp_path / "tmux"
+    tools.mkdir(), tmux_dir.mkdir(mode=0o700)
+    (tools / "mock_cli").write_text("#!/bin/sh\nsleep 60\n", encoding="utf-8")       # its --version takes a minute
+    (tools / "mock_cli").chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TMUX")}, "TMUX_TMPDIR": str(tmux_dir),
+           "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    cao = subprocess.Popen([sys.executable, "-c", FAKE_CAO], env=env, stdout=subprocess.PIPE, text=True)
+    tmux = ["tmux", "-S", str(tmux_dir / f"tmux-{os.getuid()}" / "default")]
+    try:
+        port = int(cao.stdout.readline())
+        check = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "run_orchestrator_loop.py"),
+                                  "--check"], env={**env, "API": f"http://127.0.0.1:{port}", "OWN_SERVER": "0",
+                                                   "PROVIDER": "mock_cli", "PROMPT_FILE": str(prompt_file),
+                                                   "WD": str(prompt_file.parent)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        give_up = time.monotonic() + 60
+        while "cao-loop-check-" not in subprocess.run([*tmux, "ls"], capture_output=True, text=True).stdout:
+            assert check.poll() is None and time.monotonic() < give_up, check.communicate()
+            time.sleep(0.05)
+        check.send_signal(getattr(signals, signum))
+        out, err = check.communicate(timeout=60)
+        assert check.returncode == code, (out, err)
+        assert err.strip().splitlines()[-1].endswith(": --check started nothing and changed nothing"), err
+        assert "Traceback" not in err
+        assert "cao-loop-check-" not in subprocess.run([*tmux, "ls"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+        cao.kill()
+        cao.wait()
