@@ -8532,31 +8532,6 @@ def cleanup_terminals() -> None:
     save_state()
 
 
-def check_agent_clis() -> None:
-    """Stop before creating anything when cao-server reports a provider's CLI not installed (CAO would wait
-    minutes per terminal, then fail); IGNORE_MISSING_CLI=1: the agents' login shells may have another PATH."""
-    report = api.provider_report()
-    if not report:
-        return
-    missing = [(role, provider) for role in ROLES for provider in providers_of(role)
-               if provider in report and not report[provider][1]]
-    if not missing:
-        return
-    role, provider = missing[0]
-    kind, own = ("PROVIDER", own_settings(role)[0]) if provider == provider_for(role) else \
-        ("FALLBACK_PROVIDER", own_fallback(role)[0])
-    setting = f"{role.upper()}_{kind}" if own else kind
-    installed = sorted(name for name, (_binary, present) in report.items() if present)
-    what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
-            f"({setting}={provider}), is not installed on its machine")
-    if IGNORE_MISSING_CLI:
-        log(f"warning: {what}; IGNORE_MISSING_CLI=1, so the agents are created anyway")
-        return
-    raise ConfigError(f"{what} (it reports installed: {', '.join(installed) or 'none of the CLIs it lists'}); "
-                      f"set {setting} to a provider whose CLI is installed, install it where cao-server runs, "
-                      "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it")
-
-
 @dataclass
 class StartPlan:
     """What start_run() will do with the state file it found."""
@@ -9710,20 +9685,58 @@ def check_sign_ins(side: AgentsSide) -> list[CheckLine]:
     return [line for provider in dict.fromkeys(providers_in_use()) for line in sign_in_lines(agent_cli(provider), side)]
 
 
-def check_agents_side(report: dict[str, tuple[str, bool]] | None) -> tuple[list[CheckLine], AgentsSide | None]:
-    """The CLIs and their traps, from a probe in the agents' tmux server; a note where it cannot run."""
+def agents_side(report: dict[str, tuple[str, bool]] | None, versions: bool = True) -> tuple[AgentsSide | None,
+                                                                                        list[CheckLine]]:
+    """The agents' side, from a probe in their tmux server; else the line that says why it cannot be looked at."""
     server = local_server()
     if server is None:
         where = ("runs on another machine" if urlparse(API).hostname not in LOCAL_HOSTS else
                  "cannot be looked into from here (another user's process, or no /proc)")
-        return [CheckLine(None, f"agent CLIs not checked: cao-server at {API} {where}; run --check where it runs, "
-                                "as its user")], None
+        return None, [CheckLine(None, f"agent CLIs not checked: cao-server at {API} {where}; run --check where it "
+                                      "runs, as its user")]
     if shutil.which("tmux") is None:
-        return [CheckLine(False, "tmux is not installed: CAO runs the agents in tmux (apt-get install tmux)")], None
-    side = probe_agents_side(server, sorted({cli_program(provider, report) for provider in providers_in_use()}))
+        return None, [CheckLine(False, "tmux is not installed: CAO runs the agents in tmux (apt-get install tmux)")]
+    side = probe_agents_side(server, sorted({cli_program(provider, report) for provider in providers_in_use()}),
+                             versions)
     if isinstance(side, str):
-        return [CheckLine(False, f"the agents' tmux server ({server.tmux_socket}): {side}")], None
-    return check_clis(side, report) + check_traps(side) + check_sign_ins(side), side
+        return None, [CheckLine(False, f"the agents' tmux server ({server.tmux_socket}): {side}")]
+    return side, []
+
+
+def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
+    """Each role's CLI as cao-server reports it (CAO would wait minutes per terminal for one it lacks): ✗ naming
+    the setting that chose it; with IGNORE_MISSING_CLI=1 a warning (the agents' login PATH may have it)."""
+    missing = [(role, provider) for role in ROLES for provider in providers_of(role)
+               if report and provider in report and not report[provider][1]]
+    if not missing:
+        return []
+    role, provider = missing[0]
+    kind, own = ("PROVIDER", own_settings(role)[0]) if provider == provider_for(role) else \
+        ("FALLBACK_PROVIDER", own_fallback(role)[0])
+    setting = f"{role.upper()}_{kind}" if own else kind
+    installed = sorted(name for name, (_binary, present) in report.items() if present)
+    what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
+            f"({setting}={provider}), is not installed on its machine")
+    if IGNORE_MISSING_CLI:
+        return [CheckLine(None, f"warning: {what}; IGNORE_MISSING_CLI=1, so the agents are created anyway")]
+    return [CheckLine(False, f"{what} (it reports installed: {', '.join(installed) or 'none of the CLIs it lists'}); "
+                             f"set {setting} to a provider whose CLI is installed, install it where cao-server runs, "
+                             "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it")]
+
+
+def server_checks(report: dict[str, tuple[str, bool]] | None, run: bool = False) -> list[CheckLine]:
+    """The checks of a CAO server the run did not start, once it answers: the providers it knows, the agent
+    profiles, each CLI (found by the agents' shells where a probe can look, else as the server reports it), its
+    traps and sign-in. `run`: only what stops a new run before a terminal is made (the profiles and the CLIs; a
+    probe that asks no CLI for its version), the same lines --check shows."""
+    unknown = check_providers(report)
+    if any(line.ok is False for line in unknown):
+        return [] if run else unknown    # for a run, its own stop names what the server knows, as --check does
+    side, why = agents_side(report, versions=not run)
+    clis = check_clis(side, report) if side is not None else check_reported_clis(report)
+    if run:
+        return check_profiles(side) + ([] if IGNORE_MISSING_CLI and side is not None else clis)
+    return unknown + check_profiles(side) + clis + (why or check_traps(side) + check_sign_ins(side))
 
 
 def check_working_directory() -> list[CheckLine]:
@@ -9845,29 +9858,20 @@ def preflight_lines() -> list[CheckLine]:
     lines += check_server()
     if lines[-1].ok is False:
         return lines
+    return lines + server_checks(api.provider_report()) + check_token_budget() + check_ntfy()
+
+
+def refuse_what_check_refuses(own: bool) -> None:
+    """A new run stops before a terminal is made where --check marks its server ✗ (ConfigError, exit 2): the same
+    checks, asked once (server_checks); on its own server, the CLIs it reports. A warning is said."""
+    if not own:
+        api.check_health()               # a server that is not there stops the run at its first request
     report = api.provider_report()
-    unknown = check_providers(report)
-    if any(line.ok is False for line in unknown):
-        return lines + unknown
-    agents, side = check_agents_side(report)
-    return lines + unknown + check_profiles(side) + agents + check_token_budget() + check_ntfy()
-
-
-def refuse_what_check_refuses() -> None:
-    """A new run on a CAO server it did not start stops, before a terminal is made, where --check marks that
-    server ✗: the agent profiles not installed, or a CLI its agents' shells do not find (ConfigError, exit 2)."""
-    api.check_health()                   # a server that is not there stops the run at its first request
-    server = local_server()
-    side, report = None, None
-    if server is not None and shutil.which("tmux") is not None:
-        report = api.provider_report()
-        if any(line.ok is False for line in check_providers(report)):
-            return                       # a provider it does not know: the run's own stop says so, as --check
-        programs = sorted({cli_program(provider, report) for provider in providers_in_use()})
-        probed = probe_agents_side(server, programs, versions=False)
-        side = probed if isinstance(probed, AgentsSide) else None
-    clis = check_clis(side, report) if side is not None and not IGNORE_MISSING_CLI else []
-    refused = [line for line in check_profiles(side) + clis if line.ok is False]
+    lines = check_reported_clis(report) if own else server_checks(report, run=True)
+    for line in lines:
+        if line.ok is None:
+            log(line.text)
+    refused = [line for line in lines if line.ok is False]
     if refused:
         raise ConfigError(f"{refused[0].text} (the CAO server at {API}, as --check says; nothing was started)")
 
@@ -10453,7 +10457,6 @@ def start_run(task: str) -> StartPlan:
     if plan.note and not plan.unreadable:
         log(plan.note)
     set_task(task)
-    check_agent_clis()
     init_new_run(plan)
     prepare_run_folder()
     record_event("run_started", session=session_name, terminals=dict(terminal_ids),
@@ -10619,8 +10622,8 @@ def run_command_line(args: list[str]) -> int:
             note_start_up_step("starting the run's own CAO server")
             own_stage.start()
         connect_api()
-        if not choice.own and not plan.resume:
-            refuse_what_check_refuses()  # before a terminal is made on a server the run did not start
+        if not plan.resume:
+            refuse_what_check_refuses(choice.own)   # before a terminal is made
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
         end_start_up()

@@ -223,7 +223,8 @@ def test_check_reports_a_made_up_cli_s_trap_from_its_row(load_orch, fake_cao, pr
     fake_cao.providers_status = 404                 # a server that does not list its providers
     side = m.AgentsSide({"HOME": str(home)}, 1000, {"madeup": ("/usr/local/bin/madeup", "madeup 1.0.0")})
     monkeypatch.setattr(m, "local_server", lambda: m.LocalServer(0, 1000, {}))
-    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs: side if programs == ["madeup"] else "?")
+    monkeypatch.setattr(m, "probe_agents_side", lambda server, programs, versions=True: side if programs == ["madeup"]
+                            else "?")
     settings = home / ".made-up" / "settings.json"
     assert run_main(m, "--check") == 1
     out = capsys.readouterr().out

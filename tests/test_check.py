@@ -82,7 +82,7 @@ def test_a_server_on_another_machine_gets_a_plain_tmux_hint_and_no_probe(load_or
     monkeypatch.delenv("TMUX_TMPDIR", raising=False)
     orch = load_orch(API="http://cao.example.org:9889")
     assert orch.local_server() is None and orch.tmux_hint("attach -t s") == "tmux attach -t s"
-    lines, side = orch.check_agents_side(None)
+    side, lines = orch.agents_side(None)
     assert side is None and lines[0].ok is None and "runs on another machine" in lines[0].text
 
 
