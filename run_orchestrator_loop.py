@@ -96,7 +96,7 @@ from importlib import metadata
 from pathlib import Path
 from string import Template
 from types import SimpleNamespace
-from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Mapping
+from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Mapping, TextIO
 from urllib.parse import quote, urlparse
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -278,16 +278,12 @@ STOP_SIGNALS = {signal.SIGHUP: (EXIT_SIGHUP, "stopped by SIGHUP (its terminal cl
                 signal.SIGTERM: (EXIT_SIGTERM, "terminated (SIGTERM)")}
 
 
-@dataclass
 class StopSignals:
-    """Where stop signals go now: `holders` (innermost last) note them while not empty; `stopping` once a stop
-    was raised, so that a second one does not cut short the unwinding of the first."""
+    """Where stop signals go now, the process's one record of it: `holders` (innermost last) note them while not
+    empty; `stopping` once a stop was raised, so that a second one does not cut short the unwinding of the first."""
 
-    holders: list[tuple[str, list[int]]] = field(default_factory=list)
-    stopping: bool = False
-
-
-stops = StopSignals()
+    holders: ClassVar[list[tuple[str, list[int]]]] = []
+    stopping: ClassVar[bool] = False
 
 
 def stop_exception(signum: int) -> BaseException:
@@ -297,21 +293,21 @@ def stop_exception(signum: int) -> BaseException:
 
 def on_stop_signal(signum: int, frame) -> None:
     """The one handler of STOP_SIGNALS: held (and said once) where something must finish, else raised."""
-    if stops.holders:
-        what, received = stops.holders[-1]
+    if StopSignals.holders:
+        what, received = StopSignals.holders[-1]
         if not stop_held():
             log(f"{STOP_SIGNALS[signum][1]}: {what} first, so that nothing is left behind")
         received.append(signum)
         return
-    if stops.stopping:                    # the first stop is unwinding: this one is the same stop
+    if StopSignals.stopping:                    # the first stop is unwinding: this one is the same stop
         return
-    stops.stopping = True
+    StopSignals.stopping = True
     raise stop_exception(signum)
 
 
 def stop_held() -> bool:
     """Whether a stop signal waits to be raised: a long wait ends early on it."""
-    return any(held for _, held in stops.holders)
+    return any(held for _, held in StopSignals.holders)
 
 
 def set_stop_handlers(handlers: Mapping[int, object]) -> dict[int, object]:
@@ -331,14 +327,14 @@ def signals_held(what: str, raise_after: bool = True) -> Iterator[list[int]]:
     only say it. The list yielded holds them: a long wait in `what` looks at it to end early."""
     received: list[int] = []
     previous = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
-    stops.holders.append((what, received))
+    StopSignals.holders.append((what, received))
     try:
         yield received
     finally:
-        stops.holders.pop()
+        StopSignals.holders.pop()
         set_stop_handlers(previous)
     if received and raise_after:
-        stops.stopping = True
+        StopSignals.stopping = True
         raise stop_exception(received[0])
 
 
@@ -3281,71 +3277,84 @@ def go_on_command(round_played: int, without_progress: bool) -> str:
 
 # One process per run: an exclusive lock beside the state file, which the system drops when the process dies
 # (a killed run never blocks the next); a lock on a file removed meanwhile is taken again on the new one.
-run_lock = SimpleNamespace(handle=None, made_folder=None)   # while held: the open lock file; a folder it made
+class RunLock:
+    """The run's lock, the one home of it: taken (`take`), given back (`give_back`), and looked at without taking
+    it (`read`, `holder`, `killed`). Its text names the invocation that holds it ('pid N since ...'), read by
+    lock_text_facts() alone. While held: the open lock file, and a folder it made."""
 
+    handle: ClassVar[TextIO | None] = None
+    made_folder: ClassVar[Path | None] = None
 
-def acquire_run_lock() -> None:
-    """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
-    path = Path(STATE_FILE + ".lock")
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        run_lock.made_folder = path.parent
-    while True:
-        handle = open(path, "a+", encoding="utf-8")
+    @classmethod
+    def take(cls) -> None:
+        """Take the run's lock, or stop at once (exit 75) naming the process that holds it."""
+        path = Path(STATE_FILE + ".lock")
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cls.made_folder = path.parent
+        while True:
+            handle = open(path, "a+", encoding="utf-8")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.seek(0)
+                holder = handle.read().strip() or "a process that has not yet said its pid"
+                handle.close()
+                raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
+                                f"Try again when it has finished (see its log), or stop that process first") from None
+            try:
+                same_file = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                same_file = False
+            if same_file:
+                break
+            handle.close()               # its holder removed it as we opened it: lock the file there now
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        cls.handle = handle
+
+    @classmethod
+    def give_back(cls) -> None:
+        """Give the lock back and remove its file (while still holding it, so no other process loses its lock)."""
+        if cls.handle is not None:
+            Path(cls.handle.name).unlink(missing_ok=True)
+            cls.handle.close()
+            cls.handle = None
+        if cls.made_folder is not None:
+            with suppress(OSError):      # kept when the run wrote anything there
+                cls.made_folder.rmdir()
+            cls.made_folder = None
+
+    @staticmethod
+    def read() -> tuple[bool, str] | None:
+        """Whether a process holds the run's lock, and the invocation its file names (None: no file); looked at
+        without taking the lock or writing anything."""
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle = open(STATE_FILE + ".lock", encoding="utf-8")
         except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "a process that has not yet said its pid"
-            handle.close()
-            raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
-                            f"Try again when it has finished (see its log), or stop that process first") from None
-        try:
-            same_file = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
-        except FileNotFoundError:
-            same_file = False
-        if same_file:
-            break
-        handle.close()                   # its holder removed it as we opened it: lock the file there now
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} since {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\n")
-    handle.flush()
-    run_lock.handle = handle
+            return None
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return True, handle.read().strip()
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return False, handle.read().strip()
 
+    @classmethod
+    def holder(cls) -> str:
+        """Who holds the run's lock ('' if nobody)."""
+        held, holder = cls.read() or (False, "")
+        return (holder or "a process") if held else ""
 
-def read_lock_file() -> tuple[bool, str] | None:
-    """Whether a process holds the run's lock, and the invocation its file names (None: no file); looked at
-    without taking the lock or writing anything."""
-    try:
-        handle = open(STATE_FILE + ".lock", encoding="utf-8")
-    except OSError:
-        return None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True, handle.read().strip()
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return False, handle.read().strip()
-
-
-def lock_holder() -> str:
-    """Who holds the run's lock ('' if nobody)."""
-    held, holder = read_lock_file() or (False, "")
-    return (holder or "a process") if held else ""
-
-
-def release_run_lock() -> None:
-    """Give the lock back and remove its file (while still holding it, so no other process loses its lock)."""
-    if run_lock.handle is not None:
-        Path(run_lock.handle.name).unlink(missing_ok=True)
-        run_lock.handle.close()
-        run_lock.handle = None
-    if run_lock.made_folder is not None:
-        with suppress(OSError):          # kept when the run wrote anything there
-            run_lock.made_folder.rmdir()
-        run_lock.made_folder = None
+    @classmethod
+    def killed(cls) -> str:
+        """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
+        (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
+        held, invocation = cls.read() or (True, "")
+        return "" if held else invocation    # held: that invocation lives
 
 
 def lock_text_facts(text: str) -> dict | None:
@@ -3353,13 +3362,6 @@ def lock_text_facts(text: str) -> dict | None:
     (None: no invocation; both None: a text not in that form)."""
     named = re.fullmatch(r"pid (\d+) since (.+)", text)
     return {"pid": int(named[1]), "since": named[2]} if named else {"pid": None, "since": None} if text else None
-
-
-def killed_invocation() -> str:
-    """'pid 123 since 2026-11-24 15:00:00' of an invocation that died holding the run's lock: its file is left
-    (every other way out removes it) and no process holds it -- SIGKILL, or the machine stopped. '' otherwise."""
-    held, invocation = read_lock_file() or (True, "")
-    return "" if held else invocation        # held: that invocation lives
 
 
 # From the lock on until the state file has the run, a note beside it says that a run is starting, since when,
@@ -9803,7 +9805,7 @@ def check_run_state() -> list[CheckLine]:
         plan = choose_start()
     except ConfigError as exc:
         return [CheckLine(False, exc.message)]
-    holder = lock_holder()
+    holder = RunLock.holder()
     if holder:
         return [CheckLine(False, f"the run in {STATE_FILE} is driven by {holder}: a second copy would exit "
                                  f"{EXIT_LOCKED}")]
@@ -9923,7 +9925,7 @@ def check_command(args: list[str]) -> int:
         return code
     finally:
         set_stop_handlers(previous)
-        stops.stopping = False
+        StopSignals.stopping = False
     for line in lines:
         emit(f"{check_mark(line.ok)} {line.text}")
     if code == EXIT_PASS and any(line.ok is False for line in lines):
@@ -10054,12 +10056,12 @@ class Stage:
     @classmethod
     def now(cls, saved: SavedState | None = None) -> Stage:
         """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
-        holder = lock_holder()
+        holder = RunLock.holder()
         own, alive = own_stage.seen()
         note = read_start_up_note()
         driven = lock_text_facts(holder)
         live = note is not None and driven is not None and note["pid"] == driven["pid"]
-        return cls(holder, killed_invocation(), own, alive, note if live else None,
+        return cls(holder, RunLock.killed(), own, alive, note if live else None,
                    note if note is not None and not holder else None,
                    own is not None or bool(saved is not None and saved.on_own_server))
 
@@ -10518,11 +10520,11 @@ def follow_events(as_json: bool) -> int:
                 return EXIT_FAIL
             if saved.run_dir != folder:          # a new run in this state file: its events are numbered anew
                 printed, last_kind, folder = 0, "", saved.run_dir
-            driven = bool(lock_holder())
+            driven = bool(RunLock.holder())
             for event in read_events(Path(saved.run_dir) / EVENTS_FILE, printed):
                 emit(json.dumps(event) if as_json else event_line(event))
                 printed, last_kind = event["seq"], event.get("event", "")
-            if not driven or (last_kind == "run_stopped" and not lock_holder()):
+            if not driven or (last_kind == "run_stopped" and not RunLock.holder()):
                 return EXIT_PASS
             time.sleep(FOLLOW_POLL_SECONDS)
     except KeyboardInterrupt:
@@ -10601,7 +10603,7 @@ def run_command_line(args: list[str]) -> int:
     every stop signal from the lock on ends what the run started (STOP_SIGNALS)."""
     started = False
     previous_handlers: dict[int, object] = {}
-    stops.stopping = False
+    StopSignals.stopping = False
     code = EXIT_ERROR
     try:
         if len(args) > 1:
@@ -10611,7 +10613,7 @@ def run_command_line(args: list[str]) -> int:
         task = read_task_prompt()
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
-        acquire_run_lock()
+        RunLock.take()
         begin_start_up(plan.resume)
         if plan.unreadable:
             log(plan.note)
@@ -10633,17 +10635,17 @@ def run_command_line(args: list[str]) -> int:
             api.retry_seconds = API_RETRY_SECONDS     # from now on, ride out server restarts
         code = run_loop()
     except (OrchestratorExit, ApiError, KeyboardInterrupt, Terminated, Exception) as exc:
-        stops.stopping = True            # the run ends now (a finished run reported too): a stop is this end
+        StopSignals.stopping = True            # the run ends now (a finished run reported too): a stop is this end
         finished = isinstance(exc, AlreadyFinished)
         code, line = (exc.code, exc.message) if finished else stop_line(exc, started)
         end_start_up()
         (log if finished else say_error)(line)
     finally:
-        stops.stopping = True            # the run ends now: a stop from here on is this end, held till it is done
+        StopSignals.stopping = True            # the run ends now: a stop from here on is this end, held till it is done
         with signals_held("ending the run (its state saved, what it started ended)", raise_after=False):
             code = end_run(code, started)
         set_stop_handlers(previous_handlers)
-        stops.stopping = False
+        StopSignals.stopping = False
     return code
 
 
@@ -10653,7 +10655,7 @@ def end_run(code: int, started: bool) -> int:
     if started:
         code = wind_down(code)
     own_stage.end()
-    release_run_lock()
+    RunLock.give_back()
     return code
 
 

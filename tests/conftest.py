@@ -469,7 +469,7 @@ def lock_holder_process(state_file: str) -> subprocess.Popen:
     """Another process holding the run's lock beside `state_file`, as a running invocation does, until killed."""
     holder = subprocess.Popen([sys.executable, "-c", (
         f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); import run_orchestrator_loop as loop; "
-        f"loop.STATE_FILE = {state_file!r}; loop.acquire_run_lock(); print('HOLDING', flush=True); "
+        f"loop.STATE_FILE = {state_file!r}; loop.RunLock.take(); print('HOLDING', flush=True); "
         "time.sleep(30)")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "HOLDING"
     return holder

@@ -258,7 +258,7 @@ def test_status_says_how_the_last_invocation_stopped_and_what_a_scheduler_does_n
     m = load_orch(PROMPT_FILE=str(prompt_file), START_AGENT="tester", MAX_ROUNDS="1", **FAST)
     for reply, code, said in (
             ({"action": "error"}, 3, "last stop: exit 3 (a runtime error the same command can get past (server "
-                                     "unreachable, timeout, usage limit, agent lost with REPLACE_LOST_AGENTS=1, ...); "
+                                     "unreachable, timeout, usage limit, ...); "
                                      "the state is saved); a scheduler: retry: the same command resumes the run"),
             (FAIL_REPLY, 1, "last stop: exit 1 (no PASS within MAX_ROUNDS: the tester's verdict; the state is "
                             "saved); a scheduler: stop, do not retry")):

@@ -55,7 +55,7 @@ def killed_at(load_orch, fake_cao, prompt_file, monkeypatch, step: str, turn: in
     crashing_at(module, monkeypatch, step, turn, "kill")
     with pytest.raises(Killed):
         module.main([])
-    module.release_run_lock()             # the kernel frees a killed process's lock
+    module.RunLock.give_back()             # the kernel frees a killed process's lock
     return module
 
 

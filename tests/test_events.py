@@ -119,7 +119,7 @@ def driven_in_steps(orch, monkeypatch, steps: list) -> None:
             return "pid 4242 since 2026-11-27 10:00:00"
         return ""
 
-    monkeypatch.setattr(orch, "lock_holder", lock_holder)
+    monkeypatch.setattr(orch.RunLock, "holder", lock_holder)
 
 
 def test_status_follow_streams_events_until_the_driving_invocation_ends(orch, tmp_path, monkeypatch, capsys):

@@ -372,13 +372,13 @@ def test_a_lock_file_removed_as_it_was_opened_is_locked_again_where_it_now_is(or
         return original_flock(handle, operation)
 
     monkeypatch.setattr(orch.fcntl, "flock", flock)
-    orch.acquire_run_lock()
+    orch.RunLock.take()
     try:
         assert len(calls) == 2
-        assert orch.os.fstat(orch.run_lock.handle.fileno()).st_ino == path.stat().st_ino
+        assert orch.os.fstat(orch.RunLock.handle.fileno()).st_ino == path.stat().st_ino
     finally:
         monkeypatch.undo()
-        orch.release_run_lock()
+        orch.RunLock.give_back()
     assert not path.exists()
 
 

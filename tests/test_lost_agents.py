@@ -314,7 +314,7 @@ def machine_killed_after_the_reply(load_orch, prompt_file, fake_cao, monkeypatch
     monkeypatch.setattr(m, "wind_down", lambda code: code)     # SIGKILL: nothing saved on the way out
     with pytest.raises(MachineGone):
         m.main([])
-    m.release_run_lock()
+    m.RunLock.give_back()
     for session in list(fake_cao.sessions):
         fake_cao.end_session(session)
     monkeypatch.undo()

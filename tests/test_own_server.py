@@ -474,14 +474,14 @@ def test_stops_during_the_wind_down_are_held_till_the_own_server_is_ended_and_th
     def stopped_twice(*args):
         signals.send(signal.SIGINT)
         signals.send(signal.SIGHUP)
-        lock_during_the_end.append(m.lock_holder())
+        lock_during_the_end.append(m.RunLock.holder())
         return step(*args)
 
     monkeypatch.setattr(owner, where, stopped_twice)
     with MainThreadSignals() as signals:
         assert run_main(m) == 0
     assert started == ["start", "end"] and lock_during_the_end[0].startswith("pid ")
-    assert m.lock_holder() == "" and m.own_stage.server is None
+    assert m.RunLock.holder() == "" and m.own_stage.server is None
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     assert out.count("first, so that nothing is left behind") == 1

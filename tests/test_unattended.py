@@ -55,7 +55,7 @@ HOLDER = textwrap.dedent("""
     while time.time() < start_at:          # several holders can start in the same instant
         pass
     try:
-        loop.acquire_run_lock()
+        loop.RunLock.take()
     except loop.RunLocked as exc:
         print("LOCKED", exc.message, flush=True)
         sys.exit(exc.code)
@@ -85,7 +85,7 @@ def test_second_invocation_exits_75_naming_the_holder_and_touching_nothing(load_
         sys.path.insert(0, {str(ROOT)!r})
         import run_orchestrator_loop as loop
         loop.STATE_FILE = {m.STATE_FILE!r}
-        loop.acquire_run_lock()
+        loop.RunLock.take()
         print("HOLDING", flush=True)
         time.sleep(30)
     """)], stdout=subprocess.PIPE, text=True)
@@ -117,7 +117,7 @@ def test_lock_is_released_when_a_run_ends(load_orch, fake_cao, prompt_file):
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
     assert run_main(m) == 0
     assert run_main(m) == 0
-    assert m.run_lock.handle is None
+    assert m.RunLock.handle is None
 
 
 def test_processes_starting_in_the_same_instant_get_one_lock(tmp_path):
@@ -236,7 +236,7 @@ def test_a_stop_signal_while_a_run_found_finished_under_the_lock_is_said_ends_it
         assert run_main(m) == 0
     out, err = capsys.readouterr()
     assert "finished with PASS in round 2" in out and "Traceback" not in out + err
-    assert m.lock_holder() == "" and not Path(m.STATE_FILE + ".lock").exists()
+    assert m.RunLock.holder() == "" and not Path(m.STATE_FILE + ".lock").exists()
 
 
 def test_a_state_file_that_cannot_be_read_is_named_first_before_any_server_is_asked(load_orch, prompt_file,

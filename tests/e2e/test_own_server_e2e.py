@@ -208,6 +208,31 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
     assert json.loads(run.status("--json"))["own_server_running"] is None
 
 
+def test_a_run_killed_with_sigkill_whose_note_cannot_be_read_is_found_by_its_marks_and_ended(own_run):
+    """SIGKILL mid-turn, then the own server's note damaged (a disk that filled as it was written): --status
+    still finds what runs by the run's marks (never "ended"), and the same command ends it all and passes."""
+    run = own_run(OWN_SERVER="1")
+    run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
+                                                                        "think_ms": 60000}, PROGRAMMER_REPLY]})
+    loop = run.start()
+    run.wait_for_prompt(loop, "programmer")
+    os.killpg(loop.pid, signal.SIGKILL)
+    loop.communicate(timeout=30)
+    note = run.state_file.with_name("orchestrator-loop-state.own-server.json")
+    tmux_dir = json.loads(note.read_text())["tmux_dir"]
+    note.write_text('{"port": 4', encoding="utf-8")
+    assert run.left_running(seconds=0), "SIGKILL ends the loop alone"
+    status = run.status()
+    assert "CAO server: the run's own (http://127.0.0.1:" in status and "), still running: cao-server pid " in status
+    assert "ended" not in status and "agents: still running on the run's own CAO server" in status, status
+    result = run.run()
+    assert result.returncode == 0, explain(result)
+    assert "cannot be read" in result.stdout and f"ending what the run's marks find of its own server ({tmux_dir})" \
+        in result.stdout, explain(result)
+    assert not run.left_running() and not Path(tmux_dir).exists() and not note.exists()
+    assert "CAO server: the run's own, ended" in run.status()
+
+
 def test_status_says_a_run_is_starting_and_one_killed_in_start_up_is_killed_not_its_last_runs_pass(own_run):
     """A new run starts where the last one passed: --status tells the new run's start-up (its pid, since when,
     each agent), not the PASS before it; killed right then, the invocation shows as killed with what still
