@@ -426,6 +426,11 @@ class SignIn:
     forms: tuple[Credential, ...]
     settings_env: tuple[str, ...] = ()  # its settings files whose "env" object sets variables for it
 
+    @property
+    def fix(self) -> str:
+        """The one fix for a CLI not signed in: --check's, and a start that shows it (its row's `cannot_start`)."""
+        return f"run {self.login} as the user the agents run as, {self.instead}"
+
 
 @dataclass(frozen=True)
 class TokenRecords:
@@ -603,9 +608,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
                         "sign it in as the user running cao-server (run `claude` once by hand, or set "
                         "ANTHROPIC_API_KEY in cao-server's environment); with no network, also mark its first start "
                         "done in ~/.claude.json (docs/agent-clis.md)"),
-            CannotStart(r"Notloggedin·(?:Please)?[Rr]un/login",
-                        "it is not signed in", "run `claude` once by hand as the user running cao-server and sign "
-                        "in (/login), or set ANTHROPIC_API_KEY in cao-server's environment"))),
+            CannotStart(r"Notloggedin·(?:Please)?[Rr]un/login", "it is not signed in", CLAUDE_SIGN_IN.fix))),
     # Codex: CAO's `idle` can last through a first turn; its own screen marks (turn_mark) and a still screen tell.
     "codex": AgentCli(
         "Codex", ready_status_trusted=False,
@@ -636,9 +639,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
         turn_marks=(r"\x1b\]7501;state=(\w+)", "working", "done", "idle"),
         # 0.169's first screen in a HOME with no sign-in (no auth.json, no OPENAI_API_KEY, no provider of its own)
         cannot_start=(CannotStart(r"SigninwithChatGPT|ChoosehowyouwanttouseCodex",
-                                  "it is not signed in (it asks how to sign in)",
-                                  "sign it in as the user running cao-server (`codex login`), or set OPENAI_API_KEY "
-                                  "in cao-server's environment"),)),
+                                  "it is not signed in (it asks how to sign in)", CODEX_SIGN_IN.fix),)),
     # OpenCode: CAO reads `idle` or `completed` while it works; its busy bar repaints twenty times a second.
     "opencode_cli": AgentCli(
         "OpenCode", ready_status_trusted=False, still_screen_ends_turn=STILL_SCREEN_SECONDS,
@@ -9679,7 +9680,7 @@ def sign_in_lines(cli: AgentCli, side: AgentsSide) -> list[CheckLine]:
               if (form.file or form.env) and not (form.unsure or form.not_enough)]
     notes = "".join(f"; {note}" for note in said if isinstance(note, str))
     return [CheckLine(False, f"{cli.label}: not signed in where its agents run (none of: {'; '.join(looked)}){notes}: "
-                             f"run {cli.sign_in.login} as the user the agents run as, {cli.sign_in.instead}")]
+                             f"{cli.sign_in.fix}")]
 
 
 def check_sign_ins(side: AgentsSide) -> list[CheckLine]:
