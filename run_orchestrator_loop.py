@@ -2040,15 +2040,8 @@ def process_env(pid: int) -> dict[str, str]:
 
 def marked_processes(mark: str, name: str = OWN_SERVER_MARK) -> list[int]:
     """This user's processes that carry name=mark in their environment: all an own server started."""
-    needle = f"{name}={mark}".encode()
-    found = []
-    with suppress(OSError):
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and int(proc.name) != os.getpid():
-                with suppress(OSError):
-                    if needle in (proc / "environ").read_bytes().split(b"\0"):
-                        found.append(int(proc.name))
-    return found
+    pids = [int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit() and int(proc.name) != os.getpid()]
+    return [pid for pid in pids if process_env(pid).get(name) == mark]
 
 
 def end_processes(pids: Iterable[int], group: bool = False) -> None:
@@ -9369,6 +9362,17 @@ def probe_agents_side(server: LocalServer, programs: list[str], versions: bool =
     return _read_probe(text)
 
 
+def probe_here(env: dict[str, str], programs: list[str]) -> AgentsSide:
+    """What a shell of this machine with `env` sees, by the probe's own script (the run's own server's agents: their
+    environment is the loop's, so no window is needed)."""
+    with tempfile.TemporaryDirectory(prefix="cao-loop-check-") as scratch:
+        script = _probe_script(Path(scratch), programs)
+        with suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["sh", str(script)], env=env, cwd=WD, capture_output=True, timeout=PROBE_SECONDS)
+        out = Path(scratch) / "out"
+        return _read_probe(out.read_text(encoding="utf-8", errors="replace") if out.exists() else "")
+
+
 # -- The checks --------------------------------------------------------------------
 
 
@@ -9830,16 +9834,7 @@ def check_own_server() -> list[CheckLine]:
     lines = [CheckLine(True, f"CAO server: the run's own, started for it on a free port of {OWN_SERVER_HOST} (e.g. "
                              f"{own.port}) and ended with it: {server}" + (f", cli-agent-orchestrator {version}" if
                                                                             version else "") + note)]
-    env = own.env()
-    programs = {}
-    for program in sorted({cli_program(provider, None) for provider in providers_in_use()}):
-        path = shutil.which(program, path=env["PATH"]) or ""
-        with suppress(OSError, subprocess.SubprocessError):
-            programs[program] = (path, (subprocess.run([path, "--version"], env=env, capture_output=True, text=True,
-                                                       timeout=PROBE_SECONDS).stdout.strip().splitlines() or [""])[0]
-                                 if path else "")
-        programs.setdefault(program, (path, ""))
-    side = AgentsSide(env, os.getuid(), programs)
+    side = probe_here(own.env(), sorted({cli_program(provider, None) for provider in providers_in_use()}))
     unbundled = [profile_for(role) for role in ROLES if bundled_profile(profile_for(role)) is None]
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
                                "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
