@@ -10088,6 +10088,11 @@ class Stage:
             return [f"CAO server: the run's own, ended (it was at {url}); a rerun starts another"]
         return [f"CAO server: {API}"]
 
+    def last_code(self, saved: SavedState) -> int | None:
+        """The exit code the run's last invocation ended with (its summary.json); None while one drives the run,
+        after a kill (that invocation kept none: the one there is an earlier one's), or where none is kept."""
+        return None if self.holder or self.killed or not saved.run_dir else last_exit_code(saved)
+
     def facts(self) -> dict:
         """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
         processes still running."""
@@ -10243,7 +10248,7 @@ def _status_last_stop(saved: SavedState, stage: Stage) -> list[str]:
     if stage.killed:
         return [f"last stop: killed, no exit code ({stage.killed}; SIGKILL, or the machine stopped); a scheduler: "
                 "retry: the same command first ends what it left running"]
-    code = last_exit_code(saved) if saved.run_dir else None
+    code = stage.last_code(saved)
     if code is None:
         return []
     return [f"last stop: exit {code} ({EXIT_MEANINGS.get(code, 'not a code of this program')}); "
@@ -10281,8 +10286,7 @@ def working_facts(saved: SavedState) -> dict | None:
 def status_facts(saved: SavedState, stage: Stage) -> dict:
     """--status --json: where the run stands, for a program (a scheduler, a dashboard) -- read from the state
     file, its lock, the notes beside it and its record only, without asking the server."""
-    holder = stage.holder
-    code = None if holder or stage.killed or not saved.run_dir else last_exit_code(saved)
+    code = stage.last_code(saved)
     total, unknown = turns_tokens(saved.turn_records)
     return {
         "state_file": STATE_FILE, "result": saved.final_status, "round": saved.current_round,
@@ -10290,7 +10294,7 @@ def status_facts(saved: SavedState, stage: Stage) -> dict:
         "working_now": working_facts(saved), "turns": len(saved.turn_records),
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
-        "driven_by": lock_text_facts(holder),
+        "driven_by": lock_text_facts(stage.holder),
         "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
         "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
         "traceback": traceback_path(saved) if code == EXIT_BUG else None,
