@@ -9333,7 +9333,11 @@ def _read_probe(text: str) -> AgentsSide:
 
 def probe_agents_side(server: LocalServer, programs: list[str], versions: bool = True) -> AgentsSide | str:
     """Look from a new window of the agents' tmux server, made as CAO makes an agent's; a str says why not."""
-    tmux = ["tmux"]                   # run in cao-server's environment, it finds (or starts) the same server
+    socket_path = server.tmux_socket  # named (-S): where its folder is gone, tmux would reach the user's server
+    if not os.path.isdir(os.path.dirname(os.path.dirname(socket_path))):
+        return f"its folder {os.path.dirname(os.path.dirname(socket_path))} is gone"
+    os.makedirs(os.path.dirname(socket_path), mode=0o700, exist_ok=True)   # as tmux makes it for its own socket
+    tmux = ["tmux", "-S", socket_path]    # in cao-server's environment: the same server, started if need be
     name = f"cao-loop-check-{secrets.token_hex(4)}"
     passed_on = [arg for key, value in server.env.items()
                  if key in CAO_PANE_KEYS or key.startswith(("CAO_", "AWS_")) for arg in ("-e", f"{key}={value}")]

@@ -411,3 +411,17 @@ def test_a_stop_signal_while_check_looks_from_the_agents_shell_leaves_no_window_
         subprocess.run([*tmux, "kill-server"], capture_output=True)
         cao.kill()
         cao.wait()
+
+
+def test_the_probe_names_the_agents_tmux_socket_and_never_reaches_another_tmux_server(orch, tmp_path, monkeypatch):
+    """The probe's tmux commands name the socket of cao-server's tmux server (-S): where the folder its
+    TMUX_TMPDIR names is gone (a run's own server whose folder was removed), tmux would fall back to the user's
+    own server, so the probe says so and runs nothing."""
+    calls = []
+    monkeypatch.setattr(orch.subprocess, "run", lambda args, **kwargs: calls.append(args) or
+                        subprocess.CompletedProcess(args, 1, stdout="", stderr="no"))
+    gone = orch.LocalServer(1, os.getuid(), {"TMUX_TMPDIR": str(tmp_path / "gone")})
+    assert orch.probe_agents_side(gone, []) == f"its folder {tmp_path / 'gone'} is gone" and calls == []
+    here = orch.LocalServer(1, os.getuid(), {"TMUX_TMPDIR": str(tmp_path)})
+    assert "tmux could not start a window there" in orch.probe_agents_side(here, [])
+    assert calls and all(call[:3] == ["tmux", "-S", here.tmux_socket] for call in calls), calls
