@@ -3800,10 +3800,12 @@ def scripted_note(providers: Iterable[str]) -> str:
 def say_scripted_agents() -> None:
     """Once, as a run starts: that its agents are scripted, and with a task not the demo's, that a PASS means
     nothing (the scripted agents answer from their script, whatever the task)."""
-    from orchestrator_scripted_agent import DEMO_TASK
+    demo = ""
+    with suppress(ImportError):          # installed with the loop; a copy of this file alone warns on any task
+        from orchestrator_scripted_agent import DEMO_TASK as demo
     note = scripted_note(map(provider_for, ROLES))
     if note:
-        log(note + ("" if PROMPT.strip() == DEMO_TASK.strip() else f"; warning: this task is not the demo's, and "
+        log(note + ("" if PROMPT.strip() == demo.strip() else f"; warning: this task is not the demo's, and "
                     f"{SCRIPTED_PROVIDER} answers from its script whatever the task: a PASS here means nothing"))
 
 
