@@ -66,6 +66,9 @@ directory). A missing role or text gets a default answer that
 passes the orchestrator's checks; think time defaults to
 ``$MOCK_AGENT_THINK_MS`` (300). Per-role turn counts and held-back answers are
 kept in ``counters.json`` (shared, locked) so they survive across processes.
+With ``"count": "answered"`` in script.json a prompt counts as a turn only once
+its think time is over: an agent ended while it thinks (a stopped run) leaves
+the step to the prompt sent again (the demo's script says so).
 
 Every reply line is ``> MOCK: #<n> ...`` where n counts the messages this
 process has handled, so pollers can match a reply to its message.
@@ -217,6 +220,7 @@ PROGRAMMER_SUMMARY:
 """, ",", ' == "Hello, World!\\n"')
 
 DEMO_SCRIPT = {
+    "count": "answered",       # a demo stopped while an agent thinks goes on with that agent's same step
     "analyst": ["""\
 ANALYST_SUMMARY:
 - Change: add-greeting-cli: greet.py and its tests
@@ -341,10 +345,11 @@ class Home:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def next_turn(self, role: str) -> int:
+    def next_turn(self, role: str, take: bool = True) -> int:
         with self._state() as state:
             n = int(state["turns"].get(role, 0)) + 1
-            state["turns"][role] = n
+            if take:
+                state["turns"][role] = n
             return n
 
     def set_pending(self, role: str, pending: dict | None) -> None:
@@ -548,11 +553,15 @@ class Agent:
             self.write_answer(path, "MOCK ANSWER\n")
             self.finish(f"wrote {path}")
             return
-        turn = self.home.next_turn(role)
-        step = pick_step(self.home.script(), role, turn, self.default_think_ms)
+        script = self.home.script()
+        on_answer = script.get("count") == "answered"
+        turn = self.home.next_turn(role, take=not on_answer)
+        step = pick_step(script, role, turn, self.default_think_ms)
         # A new prompt supersedes an answer still held back for a reminder.
         self.home.set_pending(role, None)
         self.think(step["think_ms"], step["silent"])
+        if on_answer:
+            self.home.next_turn(role)
         self.change_files(step["files"])
         if step["say"]:
             new_line()

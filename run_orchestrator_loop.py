@@ -684,6 +684,7 @@ AGENT_CLIS: dict[str, AgentCli] = {
     "q_cli": AgentCli("Amazon Q CLI"),          # CAO's older name for Kiro CLI
 }
 SCRIPTED_PROVIDER = "mock_cli"   # the scripted agent, installed with the loop: --demo runs it
+SCRIPTED_WORDS = "scripted agents: nothing was built or tested by an AI"    # said wherever a run's result is read
 DEFAULT_PROVIDER = "codex"
 
 
@@ -3749,12 +3750,16 @@ MARKDOWN_LEAD = re.compile(r"^(?:#{1,6}\s+|>\s*|[-*+]\s+|\d+[.)]\s+)+")
 
 
 def task_heading() -> str:
-    """The task's first meaningful line, whole: the report's heading. Lines that only label what follows
-    ("Business goal:", "# Task", "*** ORIGINAL EXPLORE SUMMARY ***", a code fence) are passed over."""
-    for line in (EXPLORE_SUMMARY or PROMPT).splitlines():
-        text = MARKDOWN_LEAD.sub("", line.strip()).replace("**", "").strip()
-        if not _is_task_label(line.strip(), text):
-            return text
+    """The task's first meaningful line, whole: the report's heading; a sentence wrapped onto the next lines of
+    its paragraph is taken to its end. Lines that only label what follows ("Business goal:", "# Task",
+    "*** ORIGINAL EXPLORE SUMMARY ***", a code fence) are passed over."""
+    raw = [line.strip() for line in (EXPLORE_SUMMARY or PROMPT).splitlines()] + [""]
+    lines = [MARKDOWN_LEAD.sub("", line).replace("**", "").strip() for line in raw]
+    for index, line in enumerate(raw[:-1]):
+        if not _is_task_label(line, lines[index]):
+            end = next(end for end in range(index, len(raw)) if lines[end][-1:] in ".!?:" or not raw[end + 1]
+                       or MARKDOWN_LEAD.match(raw[end + 1]) or raw[end + 1].startswith(("```", "~~~")))
+            return " ".join(lines[index:end + 1])
     return task_title()
 
 
@@ -3835,6 +3840,23 @@ def run_interruptions() -> list[dict]:
     return cuts
 
 
+def scripted_note(providers: Iterable[str]) -> str:
+    """SCRIPTED_WORDS where one of the run's agents is the scripted one ('' otherwise): its PASS is no work."""
+    return SCRIPTED_WORDS if SCRIPTED_PROVIDER in providers else ""
+
+
+def say_scripted_agents() -> None:
+    """Once, as a run starts: that its agents are scripted, and with a task not the demo's, that a PASS means
+    nothing (the scripted agents answer from their script, whatever the task)."""
+    demo = ""
+    with suppress(ImportError):          # installed with the loop; a copy of this file alone warns on any task
+        from orchestrator_scripted_agent import DEMO_TASK as demo
+    note = scripted_note(map(provider_for, ROLES))
+    if note:
+        log(note + ("" if PROMPT.strip() == demo.strip() else f"; warning: this task is not the demo's, and "
+                    f"{SCRIPTED_PROVIDER} answers from its script whatever the task: a PASS here means nothing"))
+
+
 def run_summary(exit_code: int | None) -> dict:
     """What the run did, from its turn records, for the log, dashboards and the report; a prompt not answered
     counts among the prompts sent. `exit_code` is None while the run goes on."""
@@ -3842,11 +3864,12 @@ def run_summary(exit_code: int | None) -> dict:
     turns = [{**r.to_json(), "provider": turn_provider(r), "cost": cost_of(r.tokens) if MODEL_PRICES else None}
              for r in turn_records] \
         + ([unanswered] if unanswered else [])
-    ended_at = utc_iso(precise=True)
+    ended_at, scripted = utc_iso(precise=True), scripted_note(map(provider_for, ROLES))
     return {
         "result": final_status, "exit_code": exit_code, "task": task_title(), "task_heading": task_heading(),
         "scenario_test": SCENARIO_TEST, "wd": WD,
         "providers": {role: provider_for(role) for role in ROLES},
+        "scripted_agents": bool(scripted), "scripted_note": scripted,
         "models": {role: agent_models.get(role, "") for role in ROLES},
         "verified": (verifications[-1]["result"] == "passed") if verifications else None,
         "verifications": verifications,
@@ -3895,7 +3918,7 @@ dl { display: grid; grid-template-columns: max-content auto; gap: .2em 1em; marg
 dt { color: #666 }
 dd { margin: 0; overflow-wrap: anywhere }
 .lane { display: flex; align-items: center; margin: .3em 0 }
-.lane-label { width: 10em; flex: none }
+.lane-label { min-width: 10em; margin-right: .6em; flex: none }
 .track { position: relative; flex: 1; height: 1.6em; background: #f1f1f1 }
 .turn { position: absolute; top: 0; bottom: 0; min-width: 4px; color: #fff; font-size: 11px; text-align: center;
         overflow: hidden; text-decoration: none }
@@ -3912,7 +3935,7 @@ th:nth-child(2), td:nth-child(2) { text-align: left }
 </style></head>
 <body data-result="$result" data-reload-seconds="$reload_seconds">
 <h1 id="task">$heading</h1>
-<p class="result" data-result="$result" style="font-size:1.2em">Result: <b>$result</b></p>
+<p class="result" data-result="$result" style="font-size:1.2em">Result: <b>$result</b>$scripted</p>
 <div class="overview">
 <dl id="figures">
 $figures
@@ -3966,6 +3989,7 @@ $tokens
 </body></html>
 """)
 FIGURE = Template("<dt>$name</dt><dd>$value</dd>")
+SCRIPTED_LINE = Template(' <span id="scripted-agents" style="color:#d32f2f">-- $note</span>')
 LINK = Template('<a href="$href">$text</a>')
 CODE = Template("<code>$text</code>")
 SCENARIO_BLOCK = Template('<h2>Scenario test</h2>\n<pre id="scenario-test">$text</pre>')
@@ -4087,7 +4111,8 @@ def _figures(summary: dict) -> ReportHtml:
     ended = summary["exit_code"] is not None
     figures = [("started", local_time(summary["started_at"])),
                ("ended" if ended else "last updated", local_time(summary["ended_at"])),
-               ("wall time", report_duration(summary["wall_seconds"]))]
+               ("wall time", f"{report_duration(summary['wall_seconds'])}, from the agents' start (their "
+                             "start-up not counted)")]
     if ended:
         meaning = EXIT_MEANINGS.get(summary["exit_code"])
         if summary["result"] == "FAIL" and not terminals_exited:
@@ -4299,7 +4324,8 @@ def report_html(summary: dict) -> str:
     replies = [_kept_text(turn["reply_file"]) for turn in turns]
     heading = summary["task_heading"] or "orchestrator loop run"
     running = summary["result"] == "RUNNING" and summary["exit_code"] is None
-    page = _fill(REPORT_PAGE, result=summary["result"], title=heading.replace("`", ""),
+    page = _fill(REPORT_PAGE, result=summary["result"], title=heading.replace("`", ""), scripted=_fill(
+                 SCRIPTED_LINE, note=summary["scripted_note"]) if summary["scripted_note"] else "",
                  heading=_with_code(heading), reload_seconds=REPORT_RELOAD_SECONDS if running else 0,
                  figures=_figures(summary),
                  outcome=_outcome(summary, replies), agent_events=_agent_events(summary["agent_events"]),
@@ -9183,7 +9209,8 @@ def drive_rounds() -> int:
             set_position(PHASE_TESTER)      # a RUNNING state left at "done": the test decides
         elif current_phase == PHASE_TESTER:
             if run_tester_phase() == "PASS":
-                log(f"PASS in round {current_round}; state in {STATE_FILE}")
+                log("; ".join(filter(None, (f"PASS in round {current_round}", scripted_note(map(provider_for, ROLES)),
+                                            f"state in {STATE_FILE}"))))
                 return EXIT_PASS
             if progress_stop_due():
                 return stop_without_progress()
@@ -10386,7 +10413,8 @@ def help_text() -> str:
         "Settings most runs set (environment variable, default):"]
     for env in COMMON_SETTINGS:
         lines.append(f"  {env:20} {_shown_default(SETTINGS_BY_ENV[env])}")
-    lines += [""] + textwrap.wrap("Providers (PROVIDER): " + ", ".join(AGENT_CLIS), 78, subsequent_indent="  ")
+    providers = ", ".join(AGENT_CLIS).replace(SCRIPTED_PROVIDER, f"{SCRIPTED_PROVIDER} (--demo's scripted agent: no AI)")
+    lines += [""] + textwrap.wrap("Providers (PROVIDER): " + providers, 78, subsequent_indent="  ")
     lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
     signal_codes = "/".join(str(code) for code, _ in sorted(STOP_SIGNALS.values()))
     codes = ", ".join([f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES
@@ -10634,6 +10662,7 @@ def run_command_line(args: list[str]) -> int:
         started = True                   # from here on the state file is this run's: a stop keeps it
         end_start_up()
         say_tokens_not_counted()
+        say_scripted_agents()
         end_old_run(plan)
         if isinstance(api, ApiClient):
             api.retry_seconds = API_RETRY_SECONDS     # from now on, ride out server restarts
@@ -10677,9 +10706,13 @@ def demo_command(folder_text: str) -> int:
         say_error(f"error: --demo {folder}: it holds files of its own ({', '.join(strangers[:3]) or 'not a folder'}); "
                   "give a new or empty folder")
         return EXIT_USAGE
-    agents = folder / ".tmp" / "demo-agents"
-    shutil.rmtree(agents, ignore_errors=True)
-    agents.mkdir(parents=True)
+    agents, going_on = folder / ".tmp" / "demo-agents", False
+    globals()["STATE_FILE"] = default_state_file(str(folder))
+    with suppress(StateFileError):       # a stopped demo goes on (its scripted agents' turns counted on), as said
+        going_on = getattr(read_state_file(), "final_status", "") == "RUNNING"
+    if not going_on:
+        shutil.rmtree(agents, ignore_errors=True)
+    agents.mkdir(parents=True, exist_ok=True)
     (agents / "script.json").write_text(json.dumps(DEMO_SCRIPT), encoding="utf-8")
     (folder / "task.md").write_text(DEMO_TASK, encoding="utf-8")
     (folder / "README.md").write_text("# The orchestrator loop's demo\n\nA throwaway project: its agents are "
@@ -10688,10 +10721,11 @@ def demo_command(folder_text: str) -> int:
         os.environ.pop(setting.env, None)
     globals().update({setting.env: setting.default for setting in SETTINGS})
     os.environ.update(WD=str(folder), PROMPT_FILE=str(folder / "task.md"), PROVIDER=SCRIPTED_PROVIDER, OWN_SERVER="1",
-                      RESUME="0", MOCK_AGENT_HOME=str(agents))
+                      MOCK_AGENT_HOME=str(agents))
     os.environ.setdefault("MOCK_AGENT_THINK_MS", "300")
-    emit(f"demo: a greeting CLI built in {folder} by five scripted agents (no AI CLI, nothing paid); the "
-         "tester fails the first try, so you see a retry round")
+    emit(f"demo: going on with the demo stopped in {folder}" if going_on else f"demo: a greeting CLI built in "
+         f"{folder} by five scripted agents (no AI CLI, nothing paid); the tester fails the first try, so you see "
+         "a retry round")
     code = run_command_line([])
     if code == EXIT_PASS:
         emit(f"demo: PASS. What the agents wrote: `python {folder / 'greet.py'} World`; every prompt and reply: "

@@ -562,6 +562,9 @@ LONG_LINE = ("Let anyone greet from the shell: `greet NAME` prints `Hello, NAME!
     (LONG_LINE, LONG_LINE),
     ("# Greeting CLI for the team", "Greeting CLI for the team"),
     ("Цель:\nПриветствие для всех", "Приветствие для всех"),
+    ("Build `greet`: `greet NAME` prints\n`Hello, NAME!`, exit 0.\nMore detail.", "Build `greet`: `greet NAME` prints "
+     "`Hello, NAME!`, exit 0."),                              # a first sentence wrapped in the file: to its end
+    ("Goal:\n1. Add tests for greet\n2. Add a --shout flag", "Add tests for greet"),
 ])
 def test_the_heading_is_the_tasks_first_meaningful_line_whole(orch, explore, heading):
     orch.set_task(f"{orch.EXPLORE_HEADER}\n{explore}\n{orch.SCENARIO_HEADER}\nRun greet World.\n")
@@ -585,6 +588,63 @@ def test_the_page_heads_with_the_first_meaningful_line_and_shows_its_code_as_cod
     assert heading.text == LONG_LINE.replace("`", "")
     assert [code.text for code in heading.find_all("code")] == ["greet NAME", "Hello, NAME!", "greet --shout NAME"]
     assert dom.one("title").text == "PASS: " + LONG_LINE.replace("`", "")
+
+
+WRAPPED_TASK = ("*** ORIGINAL EXPLORE SUMMARY ***\nBuild a tiny greeting CLI in an empty Python project: `python "
+                "greet.py NAME` prints\n`Hello, NAME!` and exits 0; without NAME it prints the usage on stderr\nand "
+                f"exits 2. Add tests for both cases.\n*** SCENARIO TEST ***\n{SCENARIO}\n")
+WRAPPED_HEADING = ("Build a tiny greeting CLI in an empty Python project: python greet.py NAME prints Hello, NAME! and "
+                   "exits 0; without NAME it prints the usage on stderr and exits 2. Add tests for both cases.")
+GEOMETRY_PROBE = """
+document.body.style.letterSpacing = ".15em";        // a wider font than this machine's: longer role names
+const gaps = [...document.querySelectorAll(".lane")].map(lane => {
+  const words = document.createRange();
+  words.selectNodeContents(lane.querySelector(".lane-label"));
+  return lane.querySelector(".track").getBoundingClientRect().left - words.getBoundingClientRect().right;
+});
+const heading = document.getElementById("task");
+document.body.setAttribute("data-gaps", JSON.stringify(gaps));
+document.body.setAttribute("data-heading-overflows", String(heading.scrollWidth > heading.clientWidth));
+"""
+
+
+def test_a_run_of_scripted_agents_says_so_at_its_start_its_pass_in_its_summary_and_on_its_page(
+        browser, load_orch, fake_cao, tmp_path, capsys):
+    """PROVIDER=mock_cli on a task of the user's own: the start says the agents are scripted and that a PASS
+    means nothing, and so do the PASS line, summary.json and the page, whose heading is the task's first
+    sentence whole, wrapped (two lines of the file), and whose lane labels keep clear of their bars."""
+    task = tmp_path / "own-task.md"
+    task.write_text(WRAPPED_TASK, encoding="utf-8")
+    m = load_orch(PROMPT_FILE=str(task), PROVIDER="mock_cli", **QUICK)
+    assert run_main(m) == 0
+    out = capsys.readouterr().out
+    words = "scripted agents: nothing was built or tested by an AI"
+    assert f"{words}; warning: this task is not the demo's" in out and "a PASS here means nothing" in out
+    assert re.search(rf"PASS in round 1; {words}; state in ", out), out[-2000:]
+    summary = summary_of(Path(m.run_dir))
+    assert (summary["scripted_agents"], summary["scripted_note"]) == (True, words)
+    markup = (Path(m.run_dir) / "report.html").read_text(encoding="utf-8")
+    shown = visibility(browser, tmp_path, markup, "#scripted-agents", "#task")
+    assert shown["#scripted-agents"] == (True, f"-- {words}")
+    assert shown["#task"] == (True, WRAPPED_HEADING)
+    probe = tmp_path / "geometry.html"
+    probe.write_text(with_probe(markup, GEOMETRY_PROBE), encoding="utf-8")
+    body = dump_dom(browser, probe.as_uri(), 800, 600).one("body")
+    assert body.attrs["data-heading-overflows"] == "false"           # wrapped within the page, not cut
+    gaps = json.loads(body.attrs["data-gaps"])
+    assert len(gaps) == 5 and min(gaps) >= 6, gaps    # each role's name clear of its bars, in any font
+
+
+def test_the_demos_task_on_scripted_agents_is_not_warned_of_and_a_real_cli_says_nothing(orch, capsys):
+    from orchestrator_scripted_agent import DEMO_TASK
+    orch.set_task(DEMO_TASK)
+    orch.PROVIDER = "mock_cli"
+    orch.say_scripted_agents()
+    assert capsys.readouterr().out.rstrip().endswith("scripted agents: nothing was built or tested by an AI")
+    orch.PROVIDER = "codex"
+    orch.say_scripted_agents()
+    assert capsys.readouterr().out == ""
+    assert orch.run_summary(None)["scripted_agents"] is False
 
 
 # -- times, durations, exit code, session and the run's files ----------------------------------------
@@ -629,7 +689,8 @@ def test_every_duration_on_the_page_is_written_one_way(browser, passed):
     summary["turn_list"][2]["seconds"] = 3725.0
     dom = dump_dom(browser, render(m, folder, summary).as_uri())
     shown = dom.figures()
-    assert shown["wall time"].text == "2m 55s" and shown["agent time"].text == "2m 55s"
+    assert shown["wall time"].text == "2m 55s, from the agents' start (their start-up not counted)"
+    assert shown["agent time"].text == "2m 55s"
     labels = [details.one("summary").text for details in dom.find_all("details")]
     assert [label.split("; ")[1] for label in labels[:3]] == ["12s", "4.3s", "1h 2m"]
     took = [label.split("; ")[1] for label in labels]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,28 @@ def test_turns_are_counted_in_the_process_without_a_home(bare_agent, tmp_path):
     bare_agent.handle(prompt_for(path))
     with bare_agent.home._state() as counters:
         assert counters["turns"] == {"tester": 2}
+
+
+def test_with_count_answered_a_prompt_cut_while_the_agent_thinks_gets_its_step_again(tmp_path, monkeypatch):
+    """The demo's script: an agent ended while it thinks (the demo stopped) leaves its turn uncounted, so the
+    prompt sent again after the resume gets the same step -- the tester's FAIL, not the PASS after it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "script.json").write_text(json.dumps(agent_module.DEMO_SCRIPT), encoding="utf-8")
+    path = tmp_path / "test_result.md"
+
+    def ended(milliseconds, silent=False):
+        raise SystemExit(129)                       # the agent's terminal closed while it thought
+    cut = agent_module.Agent(agent_module.Home(str(home)), default_think_ms=0)
+    monkeypatch.setattr(cut, "think", ended)
+    with pytest.raises(SystemExit):
+        cut.handle(prompt_for(path))
+    assert not path.exists()
+    again = agent_module.Agent(agent_module.Home(str(home)), default_think_ms=0)
+    again.handle(prompt_for(path))
+    assert path.read_text(encoding="utf-8").startswith("RESULT: FAIL")
+    again.handle(prompt_for(path))
+    assert path.read_text(encoding="utf-8").startswith("RESULT: PASS")
 
 
 def test_a_step_held_after_its_answer_works_on_with_the_file_written(tmp_path, monkeypatch, capsys):
