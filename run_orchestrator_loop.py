@@ -2665,11 +2665,11 @@ def add_tokens(*parts: dict[str, TokenUse] | None) -> dict[str, TokenUse]:
 
 def cost_of(tokens: dict[str, TokenUse] | None) -> float | None:
     """The estimated cost of tokens by model; None when a model has no price (or the tokens are unknown)."""
-    if tokens is None or any(model not in MODEL_PRICES for model in tokens):
+    if tokens is None or any(price_of(model) is None for model in tokens):
         return None
     total = 0.0
     for model, use in tokens.items():
-        price = MODEL_PRICES[model]
+        price = price_of(model)
         total += (use.input * price["input"] + use.cached_input * price.get("cached_input", price["input"])
                   + use.output * price["output"]) / 1_000_000
     return total
@@ -4908,6 +4908,7 @@ PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answer
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn asks whether its agent is still there
 FIRST_LOOK_SECONDS = 0.5              # the first look after a send: a compaction's words can scroll away later
+NOTE_SECONDS = 60.0                   # a wait that goes on says in the log what it waits for, this often
 
 # -- Is the agent still there? -------------------------------------------------
 # CAO keeps answering a dead CLI's last status: the session's record and a shell prompt on the screen tell.
@@ -5437,8 +5438,10 @@ class TurnFacts:
 
     def still_screen_ends(self, now: float) -> bool:
         """A screen still for its row's window since the file's last change; with no file (a terminal about to
-        be prompted) only for a CLI whose ready status CAO misreads, and not at its start-up."""
-        if self.file_version is None and (self.cli.ready_status_trusted or self.mark == "idle"):
+        be prompted) only for a CLI whose ready status CAO misreads, and not at its start-up -- unless CAO cannot
+        tell the status at all (`unknown` for good after a server restart): then the screen tells."""
+        if self.file_version is None and self.cao_status in KNOWN_STATUSES and \
+                (self.cli.ready_status_trusted or self.mark == "idle"):
             return False
         return self.screen_still_since(self.file_seen_at, now, self.cli.still_screen_ends_turn)
 
@@ -6756,13 +6759,17 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     started = time.monotonic()
     facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)), awaiting=False,
                       answered_before=any(record.terminal == terminal_id for record in turn_records))
-    at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
+    at_rest_in_a_row, next_liveness_at, next_note_at = 0, started + LIVENESS_CHECK_SECONDS, started + NOTE_SECONDS
     while at_rest_in_a_row < 2:
         facts.note_screen(_screen(terminal_id), time.monotonic())
         facts.note_status(api.get_status(terminal_id), time.monotonic())
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
+        if time.monotonic() >= next_note_at:           # a long wait says what it waits for
+            log_turn(role, f"waiting {time.monotonic() - started:.0f}s for terminal {terminal_id} to be at rest "
+                           f"before its prompt ({not_ready_yet(facts)})")
+            next_note_at += NOTE_SECONDS
         state, rule = decide(facts, time.monotonic())
         if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
@@ -6776,10 +6783,14 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
 
 def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
     """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
-    marks = turn_marks_on(facts.screen, facts.cli)
-    shown = f"; its marks: {', '.join(marks[-4:])}" if marks else ""
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"(status {facts.cao_status!r}{shown})")
+                                           f"({not_ready_yet(facts)})")
+
+
+def not_ready_yet(facts: TurnFacts) -> str:
+    """What a terminal not yet at rest shows: CAO's status, and its CLI's last marks."""
+    marks = turn_marks_on(facts.screen, facts.cli)
+    return f"status {facts.cao_status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks else "")
 
 
 def deliverable_message(role: str, prompt: str) -> str:
@@ -6998,7 +7009,7 @@ def check_budget(role: str) -> None:
                             f"MAX_RUN_TOKENS={MAX_RUN_TOKENS}; " + go_on.format("MAX_RUN_TOKENS"))
     if not MAX_RUN_COST:
         return
-    unpriced = sorted(model for model in used if model not in MODEL_PRICES)
+    unpriced = sorted(model for model in used if price_of(model) is None)
     if unpriced:
         raise BudgetReached(f"MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for {', '.join(unpriced)} "
                             f"(the agents' model); add it, then rerun to go on with the {role}'s turn", EXIT_USAGE)
@@ -7122,6 +7133,13 @@ def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
     declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
     return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
                                                      for form in cli.model_names))
+
+
+def price_of(model: str) -> dict[str, float] | None:
+    """MODEL_PRICES' price of a recorded model: its own, else that of the priced model it is by a CLI row's
+    `model_names` rule (a dated id of a priced model is priced; a sibling is not)."""
+    return MODEL_PRICES.get(model) or next((price for asked, price in MODEL_PRICES.items()
+                                            if any(model_is(model, asked, cli) for cli in AGENT_CLIS.values())), None)
 
 
 def default_model_seen(provider: str) -> str:
