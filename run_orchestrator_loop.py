@@ -466,7 +466,7 @@ class AgentCli:
     start_hint: str = ""                        # for a user whose CLI did not start under CAO (its traps: only
     #                                             where found sprung)
     cao_name: str = ""                          # what CAO's error messages call it ('': its label)
-    start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
+    start_tries: int = 1                        # tries an agent started alone gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
     #                                             and `rest`: the words after it, where usage_limit_resets looks)
@@ -1649,7 +1649,6 @@ class ApiClient:
         self._transport = transport
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
-        self.abandoned = threading.Event()   # set: requests still running are left to fail, never retried
 
     @property
     def _http(self) -> httpx.Client:
@@ -1678,7 +1677,7 @@ class ApiClient:
                 # so it is asked again even at start-up (a server that is down is still said at once)
                 lost_answer = idempotent and exc.status_code is None and not exc.unsent
                 if not exc.retryable or (method != "GET" and not exc.unsent and not lost_answer) \
-                        or self.abandoned.is_set():
+                        or cut_short_here():
                     raise
                 if lost_answer:
                     window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
@@ -6409,9 +6408,10 @@ def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> 
                                  screens[role].terminal_id)
 
 
-def in_background(call: Callable, *args) -> Future:
+def in_background(cut_short: threading.Event, call: Callable, *args) -> Future:
     """`call(*args)` in a thread of its own whose answer nobody has to wait for: a creation a stop cut short
-    is left to end on its own (the run ends its session), and never keeps the process from exiting."""
+    is left to end on its own (the run ends its session), and never keeps the process from exiting; once
+    `cut_short` is set, its requests are left to fail, never asked again (cut_short_here())."""
     future: Future = Future()
 
     def run() -> None:
@@ -6420,8 +6420,16 @@ def in_background(call: Callable, *args) -> Future:
         except BaseException as exc:       # handed to whoever reads the answer
             future.set_exception(exc)
 
-    threading.Thread(target=run, daemon=True, name=f"cao-{getattr(call, '__name__', 'call')}").start()
+    thread = threading.Thread(target=run, daemon=True, name=f"cao-{getattr(call, '__name__', 'call')}")
+    thread.cut_short = cut_short           # type: ignore[attr-defined]
+    thread.start()
     return future
+
+
+def cut_short_here() -> bool:
+    """Whether this thread makes an agent whose start was cut short (its session removed): its requests fail with
+    it, never asked again."""
+    return getattr(threading.current_thread(), "cut_short", threading.Event()).is_set()
 
 
 def answered_unless_stopped(futures: Iterable[Future], interrupted: list[int]) -> bool:
@@ -6458,18 +6466,19 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         "minute with real CLIs)")
     screens: dict[str, StartScreen] = {}
     answers: dict[str, dict] = {}
+    cut_short = threading.Event()
     with signals_held("ending the terminals being created") as interrupted:
         failures = None                   # stays None on a fault of the loop's own: what came up is exited too
         try:
-            failures = start_all_at_once(name, answers, screens, interrupted)
+            failures = start_all_at_once(name, answers, screens, interrupted, cut_short)
             if failures is None:
                 return name, {}            # not reached: signals_held raises the stop
             if failures and not interrupted and start_again_may_help(failures, screens):
-                failures = start_again_one_at_a_time(answers, failures, interrupted, screens)
+                failures = start_again_one_at_a_time(answers, failures, interrupted, screens, cut_short)
         finally:
             if not (failures is None and interrupted) and (failures is None or failures or interrupted
                                                            or len(answers) < len(ROLES)):
-                end_started(answers, name)
+                end_started(answers, name, cut_short.is_set())
         if failures and not interrupted:
             raise start_up_failure(failures, screens)
     note_model_answers(answers)
@@ -6477,20 +6486,20 @@ def create_terminals() -> tuple[str, dict[str, str]]:
 
 
 def start_all_at_once(name: str, answers: dict[str, dict], screens: dict[str, StartScreen],
-                      interrupted: list[int]) -> dict[str, str] | None:
+                      interrupted: list[int], cut_short: threading.Event) -> dict[str, str] | None:
     """The five creations at once, the session's first, the four others added to it, their screens watched into
     `screens`: CAO's answers (into `answers`), and why each failed role failed (one whose CLI cannot start cuts the
-    wait short); None after a stop, which removed the session at once."""
-    session = in_background(request_agent, "analyst", name, True)
+    wait short: `cut_short` set); None after a stop, which removed the session at once."""
+    session = in_background(cut_short, request_agent, "analyst", name, True)
     futures = {"analyst": session}
     for role in ROLES[1:]:
-        futures[role] = in_background(add_to_session, name, role, session, interrupted)
+        futures[role] = in_background(cut_short, add_to_session, name, role, session, interrupted)
     watch_starts(name, futures, screens, interrupted)
     if interrupted:
         end_creation_cut_short(name, futures)
         return None
     if any(not future.done() for future in futures.values()):
-        api.abandoned.set()            # the creations cut short fail with the session: not asked again
+        cut_short.set()                # the creations cut short fail with the session: not asked again
     failures = creation_answers(futures, answers)
     failures.update({role: f"{role}: its agent CLI cannot start ({screen.lasting.why})"
                      for role, screen in screens.items() if screen.lasting and role not in answers})
@@ -6499,12 +6508,12 @@ def start_all_at_once(name: str, answers: dict[str, dict], screens: dict[str, St
     return failures
 
 
-def end_started(answers: dict[str, dict], name: str) -> None:
+def end_started(answers: dict[str, dict], name: str, cut_short: bool) -> None:
     """Exit the agents that came up and remove their session (one cut short too, while its creations are under
     way: CAO removes it slowly then, so beside the stop; a run's own server ends it all anyway)."""
     made = ([answer["id"] for answer in answers.values()],
-            answers.get("analyst", {}).get("session_name", name if api.abandoned.is_set() else ""))
-    if not api.abandoned.is_set():
+            answers.get("analyst", {}).get("session_name", name if cut_short else ""))
+    if not cut_short:
         end_agents(*made)
     elif own_server is None:
         threading.Thread(target=end_agents, args=made, name="ending the agents").start()
@@ -6517,11 +6526,11 @@ def start_again_may_help(failures: dict[str, str], screens: dict[str, StartScree
 
 
 def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str], interrupted: list[int],
-                              screens: dict[str, StartScreen]) -> dict[str, str]:
-    """The second try, each alone and watched, for the agents that did not start in time among five (all five in
-    a new session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left,
-    each with its screen in `screens`. A stop ends the wait at once: the caller removes the session, this the new
-    one it was making."""
+                              screens: dict[str, StartScreen], cut_short: threading.Event) -> dict[str, str]:
+    """The agents that did not start in time among five, each started alone (start_alone(); all five in a new
+    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left, each
+    with its screen in `screens`. A stop ends the wait at once: the caller removes the session, this the new one
+    it was making."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -6530,38 +6539,20 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
         f"at once; starting {', '.join(missing)} again, one at a time")
     for role in missing:
         session = answers["analyst"]["session_name"] if answers else new_session_name()
-        first, again = screens.get(role), {}
-        request = in_background(request_agent, role, session, role == "analyst")
-        watch_starts(session, {role: request}, again, interrupted, [answer["id"] for answer in answers.values()])
+        start = start_alone(role, session, interrupted, cut_short, first=role == "analyst",
+                            known=[answer["id"] for answer in answers.values()], before=screens.get(role))
         if interrupted:
             if role == "analyst":
                 end_agents([], session)
             return {}
-        failed = second_start_failure(role, request, first, again, answers, screens)
-        if failed:
-            return {role: failed}
+        if start.answer is None:
+            if start.screen is not None:
+                screens[role] = start.screen
+            return {role: f"{role}: {start.error or 'its agent CLI cannot start'} (on its second try too, started "
+                          "alone)"}
+        answers[role] = start.answer
     log("all five agents are up after the second try")
     return {}
-
-
-def second_start_failure(role: str, request: Future, first: StartScreen | None, again: dict[str, StartScreen],
-                         answers: dict[str, dict], screens: dict[str, StartScreen]) -> str:
-    """How the role's second start, alone and watched, ended: '' (its answer in `answers`) or why it failed, its
-    screen in `screens` (`again` where it showed what the first did, `lasting` where it says why)."""
-    try:
-        if again.get(role) and again[role].lasting:
-            api.abandoned.set()                # its creation, cut short, fails with the session: not asked again
-            raise ApiError(f"its agent CLI cannot start ({again[role].lasting.why})")
-        answers[role] = request.result()
-        return ""
-    except ApiError as exc:                # what came up is exited by the caller
-        failed = {role: f"{role}: {exc} (on its second try too, started alone)"}
-        if role in again:
-            screens[role] = again[role]
-            final_screens(failed, screens)
-            if first is not None and first.lines and screens[role].lines == first.lines:
-                screens[role] = replace(screens[role], again=True)
-        return failed[role]
 
 
 def replacements_used() -> int:
@@ -6581,61 +6572,86 @@ def agent_events_summary(events: list[AgentEvent]) -> str:
     return "; ".join(f"{e.role} {e.what} at {e.at}" + (f" ({e.detail})" if e.detail else "") for e in events)
 
 
-def request_replacement(role: str, interrupted: list[int]) -> dict:
-    """The new agent for a lost one in the run's session, its screen watched while it starts; a start CAO says timed
-    out is tried again, up to its CLI's `start_tries` (not after an interrupt). Its screen saying why its CLI cannot
-    start for good, or showing on a second start what it did on the first, stops the run (exit 2)."""
-    replacing = terminal_ids.get(role, "")
+@dataclass(frozen=True)
+class AloneStart:
+    """How starting one agent alone ended: CAO's answer; else its last error (None: its screen said why) and its
+    screen (None: never read, or nothing wrong on it)."""
+
+    answer: dict | None = None
+    error: ApiError | None = None
+    screen: StartScreen | None = None
+
+    def failure(self, role: str, doing: str) -> OrchestratorExit:
+        """The stop for a failed start: its CLI's words where they say why (exit 2), else CAO's error."""
+        failed = {role: f"{role}: {self.error or 'its agent CLI cannot start'}"}
+        told = self.screen is not None and (self.screen.lasting or self.screen.again)
+        return (screen_failure(failed, {role: self.screen}, doing) if told else None) or self.error \
+            or RunError(failed[role])
+
+
+def start_alone(role: str, session: str, interrupted: list[int], cut_short: threading.Event, first: bool = False,
+                replacing: str = "", known: Iterable[str] = (), before: StartScreen | None = None) -> AloneStart:
+    """The role's agent started alone, its screen watched -- a replacement (`replacing`: the terminal it replaces),
+    or one that did not start in time among five (`before`: what it showed then; `first`: it makes the session).
+    A start CAO says timed out goes again, up to its CLI's `start_tries`; not after a stop, nor once its screen says
+    why its CLI cannot start, nor -- for a CLI of one try -- once it shows what it showed the time before (`again`:
+    a CLI given more tries, as Hermes, can time out so with its prompt on screen)."""
     tries = max(agent_cli(provider_for(role)).start_tries, 1)
-    first = None
     for attempt in range(1, tries + 1):
-        screen, answer, error = start_replacement(role, replacing, interrupted)
-        again = bool(screen and first and first.lines and screen.lines == first.lines)
-        if screen is not None and (screen.lasting or again):
-            raise screen_failure({role: f"{role}: {error or 'its agent CLI cannot start'}"},
-                                 {role: replace(screen, again=again)}, "start a new agent") or error
-        if answer is not None:
-            return answer
-        if CLI_START_TIMED_OUT not in str(error) or interrupted or attempt == tries:
-            raise error
-        first = screen
-        log(f"{role}: the new agent's CLI did not start within CAO's time limit ({error}); starting it again")
+        start = start_once(role, session, interrupted, cut_short, first, replacing, known)
+        if start.answer is not None or interrupted:
+            return start
+        screen = start.screen
+        if screen is not None and tries == 1 and before is not None and before.lines and screen.lines == before.lines:
+            return replace(start, screen=replace(screen, again=True))
+        if (screen is not None and screen.lasting) or CLI_START_TIMED_OUT not in str(start.error) or attempt == tries:
+            return start
+        before = screen
+        log(f"{role}: the {'new ' if replacing else ''}agent's CLI did not start within CAO's time limit "
+            f"({start.error}); starting it again")
+    return AloneStart()                    # not reached: the last try returns
 
 
-def start_replacement(role: str, replacing: str, interrupted: list[int]) \
-        -> tuple[StartScreen | None, dict | None, ApiError | None]:
-    """One start of the role's new agent, watched: its screen (None: never read, or nothing wrong on it), CAO's
-    answer, or its error. A CLI that shows why it cannot start is not waited for; one that came up so is exited."""
+def start_once(role: str, session: str, interrupted: list[int], cut_short: threading.Event, first: bool,
+               replacing: str, known: Iterable[str]) -> AloneStart:
+    """One start of the role's agent, watched. A CLI that shows why it cannot start is not waited for (its
+    creation, cut short, is never asked again); one that came up so is exited."""
     seen: dict[str, StartScreen] = {}
-    future = in_background(request_agent, role, session_name, False, replacing)
-    watch_starts(session_name, {role: future}, seen, interrupted, terminal_ids.values())
+    future = in_background(cut_short, request_agent, role, session, first, replacing)
+    watch_starts(session, {role: future}, seen, interrupted, known)
     if seen.get(role) and seen[role].lasting:
-        api.abandoned.set()                # its creation, cut short, is not asked again
-        return seen[role], None, None
+        cut_short.set()
+        return AloneStart(screen=seen[role])
+    if interrupted:
+        return AloneStart()
     try:
         answer = future.result()
     except ApiError as exc:
         final_screens({role: str(exc)}, seen)
-        return seen.get(role), None, exc
+        return AloneStart(error=exc, screen=seen.get(role))
     failures: dict[str, str] = {}
     check_screens_started({role: answer}, failures, seen)
     if failures:
         exit_terminals([answer["id"]])
-        return seen[role], None, None
-    return None, answer, None
+        return AloneStart(screen=seen[role])
+    return AloneStart(answer=answer)
 
 
 def new_agent_for(role: str, doing: str) -> str:
-    """A new agent for the role in the run's session (a replacement, or a new conversation); its terminal id.
-    A stop does not wait for CAO's answer: the state still names the terminal replaced, so a rerun's request
-    carries the same key and gets the agent this one made."""
+    """A new agent for the role in the run's session (a replacement, or a new conversation), started alone; its
+    terminal id. A stop does not wait for CAO's answer: the state still names the terminal replaced, so a rerun's
+    request carries the same key and gets the agent this one made."""
     with signals_held(doing) as interrupted:
-        request = in_background(request_replacement, role, interrupted)
+        cut_short = threading.Event()
+        request = in_background(cut_short, start_alone, role, session_name, interrupted, cut_short, False,
+                                terminal_ids.get(role, ""), terminal_ids.values())
         if not answered_unless_stopped([request], interrupted):
             return ""          # not reached: the stop is raised; a rerun asks under the same key, never for two
-        answer = request.result()
-    note_model_answers({role: answer})
-    return answer["id"]
+        start = request.result()
+    if start.answer is None:
+        raise start.failure(role, "start a new agent")
+    note_model_answers({role: start.answer})
+    return start.answer["id"]
 
 
 def remove_terminal(terminal_id: str) -> None:
