@@ -695,9 +695,13 @@ def agent_cli(provider: str) -> AgentCli:
     return AGENT_CLIS.get(provider) or AgentCli(provider)
 
 
-def cli_rows(cli: AgentCli | None) -> list[AgentCli]:
-    """The rows a screen is read by: its CLI's, or every CLI's when it is not known."""
-    return [cli] if cli is not None else list(AGENT_CLIS.values())
+def row_values(cli: AgentCli | None, field_name: str, own_only: bool = False) -> list:
+    """The one reader of a field across rows (words, regexes, pairs): what the CLI's row holds; for a CLI not known
+    -- or, unless `own_only`, one whose row holds none -- every CLI's. Each once; a tuple field's items flattened."""
+    own = cli is not None and (own_only or getattr(cli, field_name))
+    values = [getattr(row, field_name) for row in ([cli] if own else AGENT_CLIS.values())]
+    flat = [item for value in values for item in (value if isinstance(value, tuple) else (value,))]
+    return [value for value in dict.fromkeys(flat) if value]
 
 DEFAULT_PROFILES = {
     "analyst": "system_analyst",
@@ -1532,12 +1536,9 @@ def own_settings(role: str) -> tuple[str, str, str]:
 
 
 def own_fallback(role: str) -> tuple[str, str]:
-    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply)."""
-    return {"analyst": (ANALYST_FALLBACK_PROVIDER, ANALYST_FALLBACK_MODEL),
-            "peer_analyst": (PEER_ANALYST_FALLBACK_PROVIDER, PEER_ANALYST_FALLBACK_MODEL),
-            "programmer": (PROGRAMMER_FALLBACK_PROVIDER, PROGRAMMER_FALLBACK_MODEL),
-            "peer_programmer": (PEER_PROGRAMMER_FALLBACK_PROVIDER, PEER_PROGRAMMER_FALLBACK_MODEL),
-            "tester": (TESTER_FALLBACK_PROVIDER, TESTER_FALLBACK_MODEL)}[role]
+    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply): its
+    <ROLE>_FALLBACK_PROVIDER and <ROLE>_FALLBACK_MODEL settings."""
+    return globals()[f"{role.upper()}_FALLBACK_PROVIDER"], globals()[f"{role.upper()}_FALLBACK_MODEL"]
 
 
 def switched_to(role: str) -> tuple[str, str] | None:
@@ -4986,12 +4987,11 @@ def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
     """('compacted' or 'cleared', ''), ('context low', '8% left') or ('', ''): the whole screen, in its CLI's
     words (None: every CLI's); a CLI may draw its prompt again below its words for a compaction."""
-    rows = cli_rows(cli)
     text = _squeezed(screen or "")
-    for words, what in (pair for row in rows for pair in row.conversation_words):
+    for words, what in row_values(cli, "conversation_words", own_only=True):
         if words in text:
             return what, ""
-    low = [found for row in rows if row.context_low for found in cli_pattern(row.context_low).finditer(text)]
+    low = [found for low in row_values(cli, "context_low", own_only=True) for found in cli_pattern(low).finditer(text)]
     if not low:
         return "", ""
     left = low[-1].groupdict().get("left")
@@ -5045,13 +5045,6 @@ def reset_time(found: re.Match, now: float) -> float | None:
 def cli_pattern(text: str) -> re.Pattern:
     """A regex of a CLI's row, compiled once."""
     return re.compile(text)
-
-
-def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
-    """What a field holds for a CLI (its words, a regex): its row's; for a CLI not known, or whose row has none,
-    every CLI's (each once)."""
-    rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
-    return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
 # -- What a CLI that cannot start, or cannot work, shows (its row's `cannot_start`) ----------------
@@ -5113,7 +5106,7 @@ def start_screen(provider: str, terminal_id: str, screen: str) -> StartScreen:
 
 def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
     """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
+    found, patterns = None, [*map(cli_pattern, row_values(cli, "usage_limit"))]
     for line in screen_lines(screen or "")[-30:]:
         for pattern in patterns:
             found = pattern.search(line) or found     # the newest report counts
@@ -5121,7 +5114,7 @@ def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) 
         return None
     # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
     reset = next(filter(None, (cli_pattern(words).search(found["rest"])
-                               for words in row_words(cli, "usage_limit_resets"))), None)
+                               for words in row_values(cli, "usage_limit_resets"))), None)
     rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
     line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
     return UsageLimit(line, reset_time(reset, now) if reset else None)
@@ -5223,8 +5216,8 @@ class Menu:
 
 def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
     """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
-    highlighted by its CLI's glyph (row_words; a numbered list in an answer has no such mark)."""
-    cursors = "".join(row_words(cli, "menu_cursor"))
+    highlighted by its CLI's glyph (row_values(); a numbered list in an answer has no such mark)."""
+    cursors = "".join(row_values(cli, "menu_cursor"))
     menu_option = cli_pattern(MENU_OPTION.replace("{cursors}", re.escape(cursors)))
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
@@ -5246,7 +5239,7 @@ def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
 def safe_menu_choice(menu: Menu, cli: AgentCli | None = None) -> tuple[str, int] | None:
     """(the menu's name, the number of its choice that changes nothing the user chose), or None: not known.
     `cli`: the CLI that opened it (None: the menus of every CLI)."""
-    for name, safe_text in (menu_choice for row in cli_rows(cli) for menu_choice in row.menus):
+    for name, safe_text in row_values(cli, "menus", own_only=True):
         for number, text in menu.choices:
             if text.startswith(safe_text) and not text[len(safe_text):].strip(" ."):
                 return name, number
@@ -5757,13 +5750,13 @@ def resend_prompt(turn: Turn) -> None:
 
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
-    patterns = [*map(cli_pattern, row_words(cli, "error_lines"))]
+    patterns = [*map(cli_pattern, row_values(cli, "error_lines"))]
     return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
 
 
 def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     """Whether a provider's error line says the account is rate limited (it passes with time)."""
-    return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
+    return any(cli_pattern(words).search(error_line) for words in row_values(cli, "rate_limit_lines"))
 
 
 def check_can_work(role: str, terminal_id: str, output: str, at_rest: bool = True) -> None:
@@ -7248,8 +7241,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        gone = TurnFacts(started=0.0, guard_since=0.0, lost="its terminal was replaced", left_reply=True)
-        reply, ended_by = read_reply_file(path), decide(gone, 0.0)[1].ended_by     # what ended it, as judged
+        reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE     # as left_reply() judged it
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
