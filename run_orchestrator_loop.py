@@ -4998,49 +4998,6 @@ def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tupl
     return "context low", f"{left}% left" if left else "none left"
 
 
-# An account's usage limit (its row's `usage_limit`) lasts until the reset its row's `usage_limit_resets` reads.
-MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
-
-
-@dataclass(frozen=True)
-class UsageLimit:
-    """An agent stopped by its account's usage limit: what its screen said, and when the limit resets."""
-
-    line: str
-    resets_at: float | None           # time.time() of the reset; None when the CLI names no time
-
-
-def reset_time(found: re.Match, now: float) -> float | None:
-    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
-    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
-    this machine's."""
-    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
-    try:
-        tz = ZoneInfo(match["zone"]) if match["zone"] else None
-    except (ZoneInfoNotFoundError, ValueError):
-        tz = None
-    local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
-    hour, minute = int(match["hour"]), int(match["minute"] or 0)
-    if match["half"]:
-        if not 1 <= hour <= 12:
-            return None
-        hour = hour % 12 + (12 if match["half"][0] in "Pp" else 0)
-    try:
-        if match["month"]:
-            year = int(match["year"] or local_now.year)
-            moment = local_now.replace(year=year, month=MONTHS.index(match["month"]) + 1, day=int(match["day"]),
-                                       hour=hour, minute=minute, second=0, microsecond=0)
-            if not match["year"] and moment < local_now - timedelta(days=1):
-                moment = moment.replace(year=year + 1)
-        else:
-            moment = local_now.replace(hour=hour, minute=minute, second=0, microsecond=0)
-            if moment < local_now - timedelta(minutes=10):
-                moment += timedelta(days=1)
-    except ValueError:                     # no such month, day or hour
-        return None
-    return moment.timestamp()
-
-
 @lru_cache(maxsize=None)
 def cli_pattern(text: str) -> re.Pattern:
     """A regex of a CLI's row, compiled once."""
@@ -5102,28 +5059,6 @@ def start_screen(provider: str, terminal_id: str, screen: str) -> StartScreen:
             if cli_pattern(reason.words).search(squeezed):
                 return StartScreen(terminal_id, tuple(lines[index:index + START_SCREEN_LINES]), reason)
     return StartScreen(terminal_id, tuple(lines[-START_SCREEN_LINES:]))
-
-
-def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
-    """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, [*map(cli_pattern, row_values(cli, "usage_limit"))]
-    for line in screen_lines(screen or "")[-30:]:
-        for pattern in patterns:
-            found = pattern.search(line) or found     # the newest report counts
-    if found is None:
-        return None
-    # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
-    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
-                               for words in row_values(cli, "usage_limit_resets"))), None)
-    rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
-    line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
-    return UsageLimit(line, reset_time(reset, now) if reset else None)
-
-
-def clock_text(when: float) -> str:
-    """'15:05' (today) or 'Nov 26 15:05': a moment in this machine's local time."""
-    moment = datetime.fromtimestamp(when)
-    return moment.strftime("%H:%M") if moment.date() == datetime.now().date() else moment.strftime("%b %d %H:%M")
 
 
 class AgentLost(RunError):
@@ -5837,6 +5772,124 @@ def tell_to_continue(turn: Turn, what_passed: str) -> None:
     turn.facts.note_sent(time.monotonic())
 
 
+def answer_menu_in_turn(turn: Turn, menu: Menu, known: tuple[str, int]) -> None:
+    """A known menu its CLI opened during the turn: its safe choice, at most once per PERMISSION_ANSWER_INTERVAL;
+    the wait goes on (the screen then says what the choice led to, e.g. the limit it now waits out)."""
+    now = time.monotonic()
+    if now - turn.menu_answered_at >= PERMISSION_ANSWER_INTERVAL:
+        turn.menu_answered_at = now
+        pick_menu_choice(turn.role, turn.terminal_id, menu, known)
+
+
+def why_lost(facts: TurnFacts, state: TurnState) -> str:
+    """The words for a LOST verdict: what the session or screen said, or what never happened."""
+    if facts.lost:
+        return facts.lost
+    if state is TurnState.PROMPT_NOT_SHOWN:
+        return "its screen never showed the prompt, though it was sent twice (a dialog may hold the terminal)"
+    return f"no sign of life for {AGENT_STALL_SECONDS:g}s (screen unchanged, no response file)"
+
+
+def resend_unseen_prompt(turn: Turn) -> None:
+    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once."""
+    log_turn(turn.role, f"terminal {turn.terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it "
+                        "was sent, its screen quiet); sending the whole prompt again")
+    turn.facts.resend_used = True
+    resend_prompt(turn)
+
+
+def note_compaction(turn: Turn) -> None:
+    """Its CLI compacted the conversation during the turn, before a reply file: if the prompt it works on
+    referred back to blocks the summary may have dropped, that prompt is due again in full (RESEND_IN_FULL)."""
+    if turn.rebuild is None or turn.facts.file_version is not None:
+        return
+    full = turn.rebuild()                 # the terminal's blocks are forgotten: every one in full
+    sent_in_full = set(in_flight.sent_in_full) if in_flight is not None else set()
+    referred_back = bool(set(full.carries_in_full) - sent_in_full)
+    turn.full_prompt = full if referred_back else turn.full_prompt
+    turn.facts.note_compacted(referred_back)
+
+
+def resend_in_full(turn: Turn) -> None:
+    """Send the turn's prompt again at once with every block in full; the turn's clocks start over."""
+    log_turn(turn.role, "its conversation was compacted during the turn, and the prompt referred back to what "
+                        "the summary may have dropped; sending the prompt again in full")
+    message = send_prompt(turn.role, turn.full_prompt)
+    turn.message, turn.full_prompt = message, None
+    turn.facts.note_sent(time.monotonic(), whole_prompt=True, markers=prompt_markers(message))
+
+
+# -- Usage limits: one home -------------------------------------------------------
+# An account's usage limit, read from the screen by its row's `usage_limit` and `usage_limit_resets`; the wait
+# until its reset (WAIT_RULES' rows WAIT_OUT_LIMIT and CONTINUE_AFTER_LIMIT decide, these carry them out, saved in
+# the turn in flight so a rerun waits on); or, beyond USAGE_LIMIT_MAX_WAIT, the role's fallback CLI (FallbackDue,
+# taken up by ask_agent, section 8) or the stop saying when to rerun. docs/code-map.md, "what happens at a usage
+# limit".
+
+MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+@dataclass(frozen=True)
+class UsageLimit:
+    """An agent stopped by its account's usage limit: what its screen said, and when the limit resets."""
+
+    line: str
+    resets_at: float | None           # time.time() of the reset; None when the CLI names no time
+
+
+def reset_time(found: re.Match, now: float) -> float | None:
+    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
+    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
+    this machine's."""
+    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
+    try:
+        tz = ZoneInfo(match["zone"]) if match["zone"] else None
+    except (ZoneInfoNotFoundError, ValueError):
+        tz = None
+    local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
+    hour, minute = int(match["hour"]), int(match["minute"] or 0)
+    if match["half"]:
+        if not 1 <= hour <= 12:
+            return None
+        hour = hour % 12 + (12 if match["half"][0] in "Pp" else 0)
+    try:
+        if match["month"]:
+            year = int(match["year"] or local_now.year)
+            moment = local_now.replace(year=year, month=MONTHS.index(match["month"]) + 1, day=int(match["day"]),
+                                       hour=hour, minute=minute, second=0, microsecond=0)
+            if not match["year"] and moment < local_now - timedelta(days=1):
+                moment = moment.replace(year=year + 1)
+        else:
+            moment = local_now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+            if moment < local_now - timedelta(minutes=10):
+                moment += timedelta(days=1)
+    except ValueError:                     # no such month, day or hour
+        return None
+    return moment.timestamp()
+
+
+def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
+    """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
+    found, patterns = None, [*map(cli_pattern, row_values(cli, "usage_limit"))]
+    for line in screen_lines(screen or "")[-30:]:
+        for pattern in patterns:
+            found = pattern.search(line) or found     # the newest report counts
+    if found is None:
+        return None
+    # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
+    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
+                               for words in row_values(cli, "usage_limit_resets"))), None)
+    rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
+    line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
+    return UsageLimit(line, reset_time(reset, now) if reset else None)
+
+
+def clock_text(when: float) -> str:
+    """'15:05' (today) or 'Nov 26 15:05': a moment in this machine's local time."""
+    moment = datetime.fromtimestamp(when)
+    return moment.strftime("%H:%M") if moment.date() == datetime.now().date() else moment.strftime("%b %d %H:%M")
+
+
 def note_limit_in_flight(role: str, line: str, until: float | None) -> None:
     """Save that the turn in flight waits out a usage limit ('' : no longer): a rerun then continues the turn."""
     if in_flight is not None and in_flight.role == role:
@@ -5924,53 +5977,6 @@ def continue_after_usage_limit(turn: Turn) -> None:
     turn.facts.started = time.monotonic()
 
 
-def answer_menu_in_turn(turn: Turn, menu: Menu, known: tuple[str, int]) -> None:
-    """A known menu its CLI opened during the turn: its safe choice, at most once per PERMISSION_ANSWER_INTERVAL;
-    the wait goes on (the screen then says what the choice led to, e.g. the limit it now waits out)."""
-    now = time.monotonic()
-    if now - turn.menu_answered_at >= PERMISSION_ANSWER_INTERVAL:
-        turn.menu_answered_at = now
-        pick_menu_choice(turn.role, turn.terminal_id, menu, known)
-
-
-def why_lost(facts: TurnFacts, state: TurnState) -> str:
-    """The words for a LOST verdict: what the session or screen said, or what never happened."""
-    if facts.lost:
-        return facts.lost
-    if state is TurnState.PROMPT_NOT_SHOWN:
-        return "its screen never showed the prompt, though it was sent twice (a dialog may hold the terminal)"
-    return f"no sign of life for {AGENT_STALL_SECONDS:g}s (screen unchanged, no response file)"
-
-
-def resend_unseen_prompt(turn: Turn) -> None:
-    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once."""
-    log_turn(turn.role, f"terminal {turn.terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it "
-                        "was sent, its screen quiet); sending the whole prompt again")
-    turn.facts.resend_used = True
-    resend_prompt(turn)
-
-
-def note_compaction(turn: Turn) -> None:
-    """Its CLI compacted the conversation during the turn, before a reply file: if the prompt it works on
-    referred back to blocks the summary may have dropped, that prompt is due again in full (RESEND_IN_FULL)."""
-    if turn.rebuild is None or turn.facts.file_version is not None:
-        return
-    full = turn.rebuild()                 # the terminal's blocks are forgotten: every one in full
-    sent_in_full = set(in_flight.sent_in_full) if in_flight is not None else set()
-    referred_back = bool(set(full.carries_in_full) - sent_in_full)
-    turn.full_prompt = full if referred_back else turn.full_prompt
-    turn.facts.note_compacted(referred_back)
-
-
-def resend_in_full(turn: Turn) -> None:
-    """Send the turn's prompt again at once with every block in full; the turn's clocks start over."""
-    log_turn(turn.role, "its conversation was compacted during the turn, and the prompt referred back to what "
-                        "the summary may have dropped; sending the prompt again in full")
-    message = send_prompt(turn.role, turn.full_prompt)
-    turn.message, turn.full_prompt = message, None
-    turn.facts.note_sent(time.monotonic(), whole_prompt=True, markers=prompt_markers(message))
-
-
 def remind_unless_limited(turn: Turn) -> str | None:
     """Before a reminder, the screen once more: a usage limit is waited out, not reminded of."""
     turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time(), turn.facts.cli))
@@ -5979,6 +5985,66 @@ def remind_unless_limited(turn: Turn) -> str | None:
         return None
     turn.facts.resend_used = True
     return idle_without_file(turn)
+
+
+def decide_fallback(due: FallbackDue) -> CliSwitch:
+    """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
+    finishes it), or the one saved by an earlier process whose agent is still the limited one."""
+    saved = next((w for w in cli_switches if w.role == due.role and w.old_terminal == due.terminal_id), None)
+    if saved is not None:
+        return saved
+    provider, model = fallback_for(due.role)
+    switch = CliSwitch(due.role, provider_for(due.role), model_for(due.role), provider, model, utc_iso(),
+                       utc_iso(due.until) if due.until is not None else "", due.line[:200], due.terminal_id)
+    update_run(cli_switches=cli_switches + [switch])
+    save_state()
+    return switch
+
+
+def switch_to_fallback(due: FallbackDue) -> None:
+    """The role's agent stopped at a usage limit the loop will not wait out: a new agent on the role's fallback
+    CLI takes the turn in full (a new conversation) and the role for the rest of the run; the limited one is
+    ended. The new agent is asked for under the key of the one it replaces: a rerun at any instant makes none
+    twice, and sends the turn to it once."""
+    role, old = due.role, due.terminal_id
+    switch = decide_fallback(due)
+    crash_point("fallback-decided")
+    new = new_agent_for(role, "creating the agent on the fallback CLI")
+    record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
+    unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
+        if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
+    switch = replace(switch, new_terminal=new)
+    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
+               agent_models={**agent_models, role: model_for(role)},
+               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
+               cli_switches=[switch if w.role == role else w for w in cli_switches])
+    save_state()
+    settled_terminals.add(new)
+    record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
+                 to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
+                 limit=switch.limit, old_terminal=old, new_terminal=new)
+    log_turn(role, f"usage limit beyond USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s "
+                   f"(resets {local_time(switch.resets_at) if switch.resets_at else 'at a time its CLI did not name'}):"
+                   f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
+                   f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
+                   f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
+    crash_point("fallback-switched")
+    end_agent_switched_from(switch)
+
+
+def end_agent_switched_from(switch: CliSwitch) -> None:
+    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
+    exit_terminals([switch.old_terminal])
+    with suppress(ApiError):             # gone already: nothing to remove
+        api.delete_terminal(switch.old_terminal)
+    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
+    save_state()
+
+
+def end_agents_switched_from() -> None:
+    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
+    for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
+        end_agent_switched_from(switch)
 
 
 # What each verdict that types into the terminal (or waits for its limit) does; none once the reply file came.
@@ -6727,21 +6793,6 @@ def replace_lost_agent(lost: AgentLost) -> None:
         + f" in CAO session {new_session}; a new agent gets its whole prompt")
 
 
-def end_agent_switched_from(switch: CliSwitch) -> None:
-    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
-    exit_terminals([switch.old_terminal])
-    with suppress(ApiError):             # gone already: nothing to remove
-        api.delete_terminal(switch.old_terminal)
-    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
-    save_state()
-
-
-def end_agents_switched_from() -> None:
-    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
-    for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
-        end_agent_switched_from(switch)
-
-
 # ==========================================================================
 # 8. Asking an agent
 # ==========================================================================
@@ -7288,51 +7339,6 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
     log_turn(role, f"taking the reply kept before the interruption ({len(reply)} chars, {kept}; prompt not sent "
                    "again)")
     return reply
-
-
-def decide_fallback(due: FallbackDue) -> CliSwitch:
-    """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
-    finishes it), or the one saved by an earlier process whose agent is still the limited one."""
-    saved = next((w for w in cli_switches if w.role == due.role and w.old_terminal == due.terminal_id), None)
-    if saved is not None:
-        return saved
-    provider, model = fallback_for(due.role)
-    switch = CliSwitch(due.role, provider_for(due.role), model_for(due.role), provider, model, utc_iso(),
-                       utc_iso(due.until) if due.until is not None else "", due.line[:200], due.terminal_id)
-    update_run(cli_switches=cli_switches + [switch])
-    save_state()
-    return switch
-
-
-def switch_to_fallback(due: FallbackDue) -> None:
-    """The role's agent stopped at a usage limit the loop will not wait out: a new agent on the role's fallback
-    CLI takes the turn in full (a new conversation) and the role for the rest of the run; the limited one is
-    ended. The new agent is asked for under the key of the one it replaces: a rerun at any instant makes none
-    twice, and sends the turn to it once."""
-    role, old = due.role, due.terminal_id
-    switch = decide_fallback(due)
-    crash_point("fallback-decided")
-    new = new_agent_for(role, "creating the agent on the fallback CLI")
-    record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
-    unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
-        if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
-    switch = replace(switch, new_terminal=new)
-    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
-               agent_models={**agent_models, role: model_for(role)},
-               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
-               cli_switches=[switch if w.role == role else w for w in cli_switches])
-    save_state()
-    settled_terminals.add(new)
-    record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
-                 to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
-                 limit=switch.limit, old_terminal=old, new_terminal=new)
-    log_turn(role, f"usage limit beyond USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s "
-                   f"(resets {local_time(switch.resets_at) if switch.resets_at else 'at a time its CLI did not name'}):"
-                   f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
-                   f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
-                   f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
-    crash_point("fallback-switched")
-    end_agent_switched_from(switch)
 
 
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
