@@ -703,6 +703,20 @@ def row_values(cli: AgentCli | None, field_name: str, own_only: bool = False) ->
     flat = [item for value in values for item in (value if isinstance(value, tuple) else (value,))]
     return [value for value in dict.fromkeys(flat) if value]
 
+def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
+    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
+    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
+    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
+                                                     for form in cli.model_names))
+
+
+def price_of(model: str) -> dict[str, float] | None:
+    """MODEL_PRICES' price of a recorded model: its own, else that of the priced model it is by a CLI row's
+    `model_names` rule (a dated id of a priced model is priced; a sibling is not)."""
+    return MODEL_PRICES.get(model) or next((price for asked, price in MODEL_PRICES.items()
+                                            if any(model_is(model, asked, cli) for cli in AGENT_CLIS.values())), None)
+
+
 DEFAULT_PROFILES = {
     "analyst": "system_analyst",
     "peer_analyst": "peer_system_analyst",
@@ -7186,20 +7200,6 @@ class ModelChanged(RunError):
 
     def __init__(self, message: str):
         super().__init__(message, EXIT_USAGE)
-
-
-def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
-    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
-    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
-    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
-                                                     for form in cli.model_names))
-
-
-def price_of(model: str) -> dict[str, float] | None:
-    """MODEL_PRICES' price of a recorded model: its own, else that of the priced model it is by a CLI row's
-    `model_names` rule (a dated id of a priced model is priced; a sibling is not)."""
-    return MODEL_PRICES.get(model) or next((price for asked, price in MODEL_PRICES.items()
-                                            if any(model_is(model, asked, cli) for cli in AGENT_CLIS.values())), None)
 
 
 def default_model_seen(provider: str) -> str:
