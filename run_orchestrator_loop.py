@@ -4922,7 +4922,6 @@ PERMISSION_ANSWER_INTERVAL = 5.0      # seconds between two automatic "y" answer
 MAX_PERMISSION_ANSWERS = 20           # automatic answers per turn
 LIVENESS_CHECK_SECONDS = 5.0          # how often a turn asks whether its agent is still there
 FIRST_LOOK_SECONDS = 0.5              # the first look after a send: a compaction's words can scroll away later
-NOTE_SECONDS = 60.0                   # a wait that goes on says in the log what it waits for, this often
 
 # -- Is the agent still there? -------------------------------------------------
 # CAO keeps answering a dead CLI's last status: the session's record and a shell prompt on the screen tell.
@@ -6833,17 +6832,17 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     started = time.monotonic()
     facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)), awaiting=False,
                       answered_before=any(record.terminal == terminal_id for record in turn_records))
-    at_rest_in_a_row, next_liveness_at, next_note_at = 0, started + LIVENESS_CHECK_SECONDS, started + NOTE_SECONDS
+    at_rest_in_a_row, next_liveness_at, next_note_at = 0, started + LIVENESS_CHECK_SECONDS, started + PROGRESS_SECONDS
     while at_rest_in_a_row < 2:
         facts.note_screen(_screen(terminal_id), time.monotonic())
         facts.note_status(api.get_status(terminal_id), time.monotonic())
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
-        if time.monotonic() >= next_note_at:           # a long wait says what it waits for
+        if PROGRESS_SECONDS and time.monotonic() >= next_note_at:     # a long wait says what it waits for
             log_turn(role, f"waiting {time.monotonic() - started:.0f}s for terminal {terminal_id} to be at rest "
                            f"before its prompt ({not_ready_yet(facts)})")
-            next_note_at += NOTE_SECONDS
+            next_note_at += PROGRESS_SECONDS
         state, rule = decide(facts, time.monotonic())
         if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")

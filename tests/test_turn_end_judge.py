@@ -191,9 +191,10 @@ def test_a_resumed_agent_cao_reads_unknown_after_a_restart_is_prompted_once_its_
     """After a cao-server restart CAO reads `unknown` for good for a terminal made before it, while the screen
     shows its CLI's idle prompt: the settle check goes by the screen (a still screen, or its idle mark held
     still), within seconds -- never RESPONSE_TIMEOUT (30 min) of silence. One that does wait on (the CLI at work)
-    says every minute in the log what it waits for."""
+    says in the log what it waits for, every PROGRESS_SECONDS (a minute by default)."""
     clock = FakeClock()
     monkeypatch.setattr(m, "time", clock)
+    monkeypatch.setattr(m, "PROGRESS_SECONDS", 60.0)
     monkeypatch.setattr(m, "terminal_ids", {"tester": "t1"})
     monkeypatch.setattr(m.api, "get_status", lambda terminal_id: "unknown")
     monkeypatch.setattr(m, "session_name", "s1")
