@@ -467,7 +467,7 @@ class AgentCli:
     start_hint: str = ""                        # for a user whose CLI did not start under CAO (its traps: only
     #                                             where found sprung)
     cao_name: str = ""                          # what CAO's error messages call it ('': its label)
-    start_tries: int = 1                        # tries a replacement gets whose start CAO says timed out
+    start_tries: int = 1                        # tries an agent started alone gets whose start CAO says timed out
     proven: str = ""                            # the version proven end to end with the loop
     usage_limit: str = ""                       # regex: its account's usage limit on its screen (group `what`,
     #                                             and `rest`: the words after it, where usage_limit_resets looks)
@@ -693,9 +693,27 @@ def agent_cli(provider: str) -> AgentCli:
     return AGENT_CLIS.get(provider) or AgentCli(provider)
 
 
-def cli_rows(cli: AgentCli | None) -> list[AgentCli]:
-    """The rows a screen is read by: its CLI's, or every CLI's when it is not known."""
-    return [cli] if cli is not None else list(AGENT_CLIS.values())
+def row_values(cli: AgentCli | None, field_name: str, own_only: bool = False) -> list:
+    """The one reader of a field across rows (words, regexes, pairs): what the CLI's row holds; for a CLI not known
+    -- or, unless `own_only`, one whose row holds none -- every CLI's. Each once; a tuple field's items flattened."""
+    own = cli is not None and (own_only or getattr(cli, field_name))
+    values = [getattr(row, field_name) for row in ([cli] if own else AGENT_CLIS.values())]
+    flat = [item for value in values for item in (value if isinstance(value, tuple) else (value,))]
+    return [value for value in dict.fromkeys(flat) if value]
+
+def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
+    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
+    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
+    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
+                                                     for form in cli.model_names))
+
+
+def price_of(model: str) -> dict[str, float] | None:
+    """MODEL_PRICES' price of a recorded model: its own, else that of the priced model it is by a CLI row's
+    `model_names` rule (a dated id of a priced model is priced; a sibling is not)."""
+    return MODEL_PRICES.get(model) or next((price for asked, price in MODEL_PRICES.items()
+                                            if any(model_is(model, asked, cli) for cli in AGENT_CLIS.values())), None)
+
 
 DEFAULT_PROFILES = {
     "analyst": "system_analyst",
@@ -1530,12 +1548,9 @@ def own_settings(role: str) -> tuple[str, str, str]:
 
 
 def own_fallback(role: str) -> tuple[str, str]:
-    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply)."""
-    return {"analyst": (ANALYST_FALLBACK_PROVIDER, ANALYST_FALLBACK_MODEL),
-            "peer_analyst": (PEER_ANALYST_FALLBACK_PROVIDER, PEER_ANALYST_FALLBACK_MODEL),
-            "programmer": (PROGRAMMER_FALLBACK_PROVIDER, PROGRAMMER_FALLBACK_MODEL),
-            "peer_programmer": (PEER_PROGRAMMER_FALLBACK_PROVIDER, PEER_PROGRAMMER_FALLBACK_MODEL),
-            "tester": (TESTER_FALLBACK_PROVIDER, TESTER_FALLBACK_MODEL)}[role]
+    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply): its
+    <ROLE>_FALLBACK_PROVIDER and <ROLE>_FALLBACK_MODEL settings."""
+    return globals()[f"{role.upper()}_FALLBACK_PROVIDER"], globals()[f"{role.upper()}_FALLBACK_MODEL"]
 
 
 def switched_to(role: str) -> tuple[str, str] | None:
@@ -1647,7 +1662,6 @@ class ApiClient:
         self._transport = transport
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
-        self.abandoned = threading.Event()   # set: requests still running are left to fail, never retried
 
     @property
     def _http(self) -> httpx.Client:
@@ -1676,7 +1690,7 @@ class ApiClient:
                 # so it is asked again even at start-up (a server that is down is still said at once)
                 lost_answer = idempotent and exc.status_code is None and not exc.unsent
                 if not exc.retryable or (method != "GET" and not exc.unsent and not lost_answer) \
-                        or self.abandoned.is_set():
+                        or cut_short_here():
                     raise
                 if lost_answer:
                     window = max(window, self.LOST_ANSWER_RETRY_SECONDS)
@@ -2707,11 +2721,11 @@ def add_tokens(*parts: dict[str, TokenUse] | None) -> dict[str, TokenUse]:
 
 def cost_of(tokens: dict[str, TokenUse] | None) -> float | None:
     """The estimated cost of tokens by model; None when a model has no price (or the tokens are unknown)."""
-    if tokens is None or any(model not in MODEL_PRICES for model in tokens):
+    if tokens is None or any(price_of(model) is None for model in tokens):
         return None
     total = 0.0
     for model, use in tokens.items():
-        price = MODEL_PRICES[model]
+        price = price_of(model)
         total += (use.input * price["input"] + use.cached_input * price.get("cached_input", price["input"])
                   + use.output * price["output"]) / 1_000_000
     return total
@@ -5060,72 +5074,21 @@ def turn_mark(screen: str | None, cli: AgentCli, answered_before: bool = False) 
 def conversation_change(screen: str | None, cli: AgentCli | None = None) -> tuple[str, str]:
     """('compacted' or 'cleared', ''), ('context low', '8% left') or ('', ''): the whole screen, in its CLI's
     words (None: every CLI's); a CLI may draw its prompt again below its words for a compaction."""
-    rows = cli_rows(cli)
     text = _squeezed(screen or "")
-    for words, what in (pair for row in rows for pair in row.conversation_words):
+    for words, what in row_values(cli, "conversation_words", own_only=True):
         if words in text:
             return what, ""
-    low = [found for row in rows if row.context_low for found in cli_pattern(row.context_low).finditer(text)]
+    low = [found for low in row_values(cli, "context_low", own_only=True) for found in cli_pattern(low).finditer(text)]
     if not low:
         return "", ""
     left = low[-1].groupdict().get("left")
     return "context low", f"{left}% left" if left else "none left"
 
 
-# An account's usage limit (its row's `usage_limit`) lasts until the reset its row's `usage_limit_resets` reads.
-MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
-
-
-@dataclass(frozen=True)
-class UsageLimit:
-    """An agent stopped by its account's usage limit: what its screen said, and when the limit resets."""
-
-    line: str
-    resets_at: float | None           # time.time() of the reset; None when the CLI names no time
-
-
-def reset_time(found: re.Match, now: float) -> float | None:
-    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
-    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
-    this machine's."""
-    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
-    try:
-        tz = ZoneInfo(match["zone"]) if match["zone"] else None
-    except (ZoneInfoNotFoundError, ValueError):
-        tz = None
-    local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
-    hour, minute = int(match["hour"]), int(match["minute"] or 0)
-    if match["half"]:
-        if not 1 <= hour <= 12:
-            return None
-        hour = hour % 12 + (12 if match["half"][0] in "Pp" else 0)
-    try:
-        if match["month"]:
-            year = int(match["year"] or local_now.year)
-            moment = local_now.replace(year=year, month=MONTHS.index(match["month"]) + 1, day=int(match["day"]),
-                                       hour=hour, minute=minute, second=0, microsecond=0)
-            if not match["year"] and moment < local_now - timedelta(days=1):
-                moment = moment.replace(year=year + 1)
-        else:
-            moment = local_now.replace(hour=hour, minute=minute, second=0, microsecond=0)
-            if moment < local_now - timedelta(minutes=10):
-                moment += timedelta(days=1)
-    except ValueError:                     # no such month, day or hour
-        return None
-    return moment.timestamp()
-
-
 @lru_cache(maxsize=None)
 def cli_pattern(text: str) -> re.Pattern:
     """A regex of a CLI's row, compiled once."""
     return re.compile(text)
-
-
-def row_words(cli: AgentCli | None, field_name: str) -> list[str]:
-    """What a field holds for a CLI (its words, a regex): its row's; for a CLI not known, or whose row has none,
-    every CLI's (each once)."""
-    rows = [cli] if cli is not None and getattr(cli, field_name) else list(AGENT_CLIS.values())
-    return [text for text in dict.fromkeys(getattr(row, field_name) for row in rows) if text]
 
 
 # -- What a CLI that cannot start, or cannot work, shows (its row's `cannot_start`) ----------------
@@ -5183,28 +5146,6 @@ def start_screen(provider: str, terminal_id: str, screen: str) -> StartScreen:
             if cli_pattern(reason.words).search(squeezed):
                 return StartScreen(terminal_id, tuple(lines[index:index + START_SCREEN_LINES]), reason)
     return StartScreen(terminal_id, tuple(lines[-START_SCREEN_LINES:]))
-
-
-def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
-    """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
-    found, patterns = None, [*map(cli_pattern, row_words(cli, "usage_limit"))]
-    for line in screen_lines(screen or "")[-30:]:
-        for pattern in patterns:
-            found = pattern.search(line) or found     # the newest report counts
-    if found is None:
-        return None
-    # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
-    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
-                               for words in row_words(cli, "usage_limit_resets"))), None)
-    rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
-    line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
-    return UsageLimit(line, reset_time(reset, now) if reset else None)
-
-
-def clock_text(when: float) -> str:
-    """'15:05' (today) or 'Nov 26 15:05': a moment in this machine's local time."""
-    moment = datetime.fromtimestamp(when)
-    return moment.strftime("%H:%M") if moment.date() == datetime.now().date() else moment.strftime("%b %d %H:%M")
 
 
 class AgentLost(RunError):
@@ -5297,8 +5238,8 @@ class Menu:
 
 def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
     """The numbered menu among the screen's last lines, if open: choices 1, 2, ... with exactly one
-    highlighted by its CLI's glyph (row_words; a numbered list in an answer has no such mark)."""
-    cursors = "".join(row_words(cli, "menu_cursor"))
+    highlighted by its CLI's glyph (row_values(); a numbered list in an answer has no such mark)."""
+    cursors = "".join(row_values(cli, "menu_cursor"))
     menu_option = cli_pattern(MENU_OPTION.replace("{cursors}", re.escape(cursors)))
     lines = screen_lines(screen or "")[-MENU_LINES:]
     for start, line in enumerate(lines):
@@ -5320,7 +5261,7 @@ def open_menu(screen: str | None, cli: AgentCli | None = None) -> Menu | None:
 def safe_menu_choice(menu: Menu, cli: AgentCli | None = None) -> tuple[str, int] | None:
     """(the menu's name, the number of its choice that changes nothing the user chose), or None: not known.
     `cli`: the CLI that opened it (None: the menus of every CLI)."""
-    for name, safe_text in (menu_choice for row in cli_rows(cli) for menu_choice in row.menus):
+    for name, safe_text in row_values(cli, "menus", own_only=True):
         for number, text in menu.choices:
             if text.startswith(safe_text) and not text[len(safe_text):].strip(" ."):
                 return name, number
@@ -5511,8 +5452,10 @@ class TurnFacts:
 
     def still_screen_ends(self, now: float) -> bool:
         """A screen still for its row's window since the file's last change; with no file (a terminal about to
-        be prompted) only for a CLI whose ready status CAO misreads, and not at its start-up."""
-        if self.file_version is None and (self.cli.ready_status_trusted or self.mark == "idle"):
+        be prompted) only for a CLI whose ready status CAO misreads, and not at its start-up -- unless CAO cannot
+        tell the status at all (`unknown` for good after a server restart): then the screen tells."""
+        if self.file_version is None and self.cao_status in KNOWN_STATUSES and \
+                (self.cli.ready_status_trusted or self.mark == "idle"):
             return False
         return self.screen_still_since(self.file_seen_at, now, self.cli.still_screen_ends_turn)
 
@@ -5829,13 +5772,13 @@ def resend_prompt(turn: Turn) -> None:
 
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
-    patterns = [*map(cli_pattern, row_words(cli, "error_lines"))]
+    patterns = [*map(cli_pattern, row_values(cli, "error_lines"))]
     return next((line.strip() for line in output.splitlines() if any(p.search(line) for p in patterns)), "")
 
 
 def rate_limited(error_line: str, cli: AgentCli | None = None) -> bool:
     """Whether a provider's error line says the account is rate limited (it passes with time)."""
-    return any(cli_pattern(words).search(error_line) for words in row_words(cli, "rate_limit_lines"))
+    return any(cli_pattern(words).search(error_line) for words in row_values(cli, "rate_limit_lines"))
 
 
 def check_can_work(role: str, terminal_id: str, output: str, at_rest: bool = True) -> None:
@@ -5914,6 +5857,124 @@ def tell_to_continue(turn: Turn, what_passed: str) -> None:
     keep_sent(turn.role, "continue", message)
     deliver(turn.role, turn.terminal_id, message)
     turn.facts.note_sent(time.monotonic())
+
+
+def answer_menu_in_turn(turn: Turn, menu: Menu, known: tuple[str, int]) -> None:
+    """A known menu its CLI opened during the turn: its safe choice, at most once per PERMISSION_ANSWER_INTERVAL;
+    the wait goes on (the screen then says what the choice led to, e.g. the limit it now waits out)."""
+    now = time.monotonic()
+    if now - turn.menu_answered_at >= PERMISSION_ANSWER_INTERVAL:
+        turn.menu_answered_at = now
+        pick_menu_choice(turn.role, turn.terminal_id, menu, known)
+
+
+def why_lost(facts: TurnFacts, state: TurnState) -> str:
+    """The words for a LOST verdict: what the session or screen said, or what never happened."""
+    if facts.lost:
+        return facts.lost
+    if state is TurnState.PROMPT_NOT_SHOWN:
+        return "its screen never showed the prompt, though it was sent twice (a dialog may hold the terminal)"
+    return f"no sign of life for {AGENT_STALL_SECONDS:g}s (screen unchanged, no response file)"
+
+
+def resend_unseen_prompt(turn: Turn) -> None:
+    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once."""
+    log_turn(turn.role, f"terminal {turn.terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it "
+                        "was sent, its screen quiet); sending the whole prompt again")
+    turn.facts.resend_used = True
+    resend_prompt(turn)
+
+
+def note_compaction(turn: Turn) -> None:
+    """Its CLI compacted the conversation during the turn, before a reply file: if the prompt it works on
+    referred back to blocks the summary may have dropped, that prompt is due again in full (RESEND_IN_FULL)."""
+    if turn.rebuild is None or turn.facts.file_version is not None:
+        return
+    full = turn.rebuild()                 # the terminal's blocks are forgotten: every one in full
+    sent_in_full = set(in_flight.sent_in_full) if in_flight is not None else set()
+    referred_back = bool(set(full.carries_in_full) - sent_in_full)
+    turn.full_prompt = full if referred_back else turn.full_prompt
+    turn.facts.note_compacted(referred_back)
+
+
+def resend_in_full(turn: Turn) -> None:
+    """Send the turn's prompt again at once with every block in full; the turn's clocks start over."""
+    log_turn(turn.role, "its conversation was compacted during the turn, and the prompt referred back to what "
+                        "the summary may have dropped; sending the prompt again in full")
+    message = send_prompt(turn.role, turn.full_prompt)
+    turn.message, turn.full_prompt = message, None
+    turn.facts.note_sent(time.monotonic(), whole_prompt=True, markers=prompt_markers(message))
+
+
+# -- Usage limits: one home -------------------------------------------------------
+# An account's usage limit, read from the screen by its row's `usage_limit` and `usage_limit_resets`; the wait
+# until its reset (WAIT_RULES' rows WAIT_OUT_LIMIT and CONTINUE_AFTER_LIMIT decide, these carry them out, saved in
+# the turn in flight so a rerun waits on); or, beyond USAGE_LIMIT_MAX_WAIT, the role's fallback CLI (FallbackDue,
+# taken up by ask_agent, section 8) or the stop saying when to rerun. docs/code-map.md, "what happens at a usage
+# limit".
+
+MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+@dataclass(frozen=True)
+class UsageLimit:
+    """An agent stopped by its account's usage limit: what its screen said, and when the limit resets."""
+
+    line: str
+    resets_at: float | None           # time.time() of the reset; None when the CLI names no time
+
+
+def reset_time(found: re.Match, now: float) -> float | None:
+    """The reset a CLI names, read by its row's `usage_limit_resets` ('3:05 PM', 'Jan 5th, 2026 3:05 PM'), as
+    time.time() or None: a time of day is the next such (today's within minutes back), in the zone named, else
+    this machine's."""
+    match = dict.fromkeys(("month", "year", "minute", "half", "zone")) | found.groupdict()   # a row names some
+    try:
+        tz = ZoneInfo(match["zone"]) if match["zone"] else None
+    except (ZoneInfoNotFoundError, ValueError):
+        tz = None
+    local_now = datetime.fromtimestamp(now, tz) if tz else datetime.fromtimestamp(now).astimezone()
+    hour, minute = int(match["hour"]), int(match["minute"] or 0)
+    if match["half"]:
+        if not 1 <= hour <= 12:
+            return None
+        hour = hour % 12 + (12 if match["half"][0] in "Pp" else 0)
+    try:
+        if match["month"]:
+            year = int(match["year"] or local_now.year)
+            moment = local_now.replace(year=year, month=MONTHS.index(match["month"]) + 1, day=int(match["day"]),
+                                       hour=hour, minute=minute, second=0, microsecond=0)
+            if not match["year"] and moment < local_now - timedelta(days=1):
+                moment = moment.replace(year=year + 1)
+        else:
+            moment = local_now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+            if moment < local_now - timedelta(minutes=10):
+                moment += timedelta(days=1)
+    except ValueError:                     # no such month, day or hour
+        return None
+    return moment.timestamp()
+
+
+def usage_limit_on(screen: str | None, now: float, cli: AgentCli | None = None) -> UsageLimit | None:
+    """The usage limit the end of the agent's screen reports, if it reports one (in its CLI's words)."""
+    found, patterns = None, [*map(cli_pattern, row_values(cli, "usage_limit"))]
+    for line in screen_lines(screen or "")[-30:]:
+        for pattern in patterns:
+            found = pattern.search(line) or found     # the newest report counts
+    if found is None:
+        return None
+    # The line may run on into what was drawn next: the report ends at its reset time, or its first full stop.
+    reset = next(filter(None, (cli_pattern(words).search(found["rest"])
+                               for words in row_values(cli, "usage_limit_resets"))), None)
+    rest = found["rest"][:reset.end()] if reset else re.split(r"(?<=\.)\s", found["rest"], maxsplit=1)[0]
+    line = re.sub(r"\s+", " ", found.group(0)[:found.start("rest") - found.start()] + rest).strip(" ·")
+    return UsageLimit(line, reset_time(reset, now) if reset else None)
+
+
+def clock_text(when: float) -> str:
+    """'15:05' (today) or 'Nov 26 15:05': a moment in this machine's local time."""
+    moment = datetime.fromtimestamp(when)
+    return moment.strftime("%H:%M") if moment.date() == datetime.now().date() else moment.strftime("%b %d %H:%M")
 
 
 def note_limit_in_flight(role: str, line: str, until: float | None) -> None:
@@ -6003,53 +6064,6 @@ def continue_after_usage_limit(turn: Turn) -> None:
     turn.facts.started = time.monotonic()
 
 
-def answer_menu_in_turn(turn: Turn, menu: Menu, known: tuple[str, int]) -> None:
-    """A known menu its CLI opened during the turn: its safe choice, at most once per PERMISSION_ANSWER_INTERVAL;
-    the wait goes on (the screen then says what the choice led to, e.g. the limit it now waits out)."""
-    now = time.monotonic()
-    if now - turn.menu_answered_at >= PERMISSION_ANSWER_INTERVAL:
-        turn.menu_answered_at = now
-        pick_menu_choice(turn.role, turn.terminal_id, menu, known)
-
-
-def why_lost(facts: TurnFacts, state: TurnState) -> str:
-    """The words for a LOST verdict: what the session or screen said, or what never happened."""
-    if facts.lost:
-        return facts.lost
-    if state is TurnState.PROMPT_NOT_SHOWN:
-        return "its screen never showed the prompt, though it was sent twice (a dialog may hold the terminal)"
-    return f"no sign of life for {AGENT_STALL_SECONDS:g}s (screen unchanged, no response file)"
-
-
-def resend_unseen_prompt(turn: Turn) -> None:
-    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once."""
-    log_turn(turn.role, f"terminal {turn.terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it "
-                        "was sent, its screen quiet); sending the whole prompt again")
-    turn.facts.resend_used = True
-    resend_prompt(turn)
-
-
-def note_compaction(turn: Turn) -> None:
-    """Its CLI compacted the conversation during the turn, before a reply file: if the prompt it works on
-    referred back to blocks the summary may have dropped, that prompt is due again in full (RESEND_IN_FULL)."""
-    if turn.rebuild is None or turn.facts.file_version is not None:
-        return
-    full = turn.rebuild()                 # the terminal's blocks are forgotten: every one in full
-    sent_in_full = set(in_flight.sent_in_full) if in_flight is not None else set()
-    referred_back = bool(set(full.carries_in_full) - sent_in_full)
-    turn.full_prompt = full if referred_back else turn.full_prompt
-    turn.facts.note_compacted(referred_back)
-
-
-def resend_in_full(turn: Turn) -> None:
-    """Send the turn's prompt again at once with every block in full; the turn's clocks start over."""
-    log_turn(turn.role, "its conversation was compacted during the turn, and the prompt referred back to what "
-                        "the summary may have dropped; sending the prompt again in full")
-    message = send_prompt(turn.role, turn.full_prompt)
-    turn.message, turn.full_prompt = message, None
-    turn.facts.note_sent(time.monotonic(), whole_prompt=True, markers=prompt_markers(message))
-
-
 def remind_unless_limited(turn: Turn) -> str | None:
     """Before a reminder, the screen once more: a usage limit is waited out, not reminded of."""
     turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time(), turn.facts.cli))
@@ -6058,6 +6072,66 @@ def remind_unless_limited(turn: Turn) -> str | None:
         return None
     turn.facts.resend_used = True
     return idle_without_file(turn)
+
+
+def decide_fallback(due: FallbackDue) -> CliSwitch:
+    """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
+    finishes it), or the one saved by an earlier process whose agent is still the limited one."""
+    saved = next((w for w in cli_switches if w.role == due.role and w.old_terminal == due.terminal_id), None)
+    if saved is not None:
+        return saved
+    provider, model = fallback_for(due.role)
+    switch = CliSwitch(due.role, provider_for(due.role), model_for(due.role), provider, model, utc_iso(),
+                       utc_iso(due.until) if due.until is not None else "", due.line[:200], due.terminal_id)
+    update_run(cli_switches=cli_switches + [switch])
+    save_state()
+    return switch
+
+
+def switch_to_fallback(due: FallbackDue) -> None:
+    """The role's agent stopped at a usage limit the loop will not wait out: a new agent on the role's fallback
+    CLI takes the turn in full (a new conversation) and the role for the rest of the run; the limited one is
+    ended. The new agent is asked for under the key of the one it replaces: a rerun at any instant makes none
+    twice, and sends the turn to it once."""
+    role, old = due.role, due.terminal_id
+    switch = decide_fallback(due)
+    crash_point("fallback-decided")
+    new = new_agent_for(role, "creating the agent on the fallback CLI")
+    record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
+    unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
+        if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
+    switch = replace(switch, new_terminal=new)
+    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
+               agent_models={**agent_models, role: model_for(role)},
+               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
+               cli_switches=[switch if w.role == role else w for w in cli_switches])
+    save_state()
+    settled_terminals.add(new)
+    record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
+                 to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
+                 limit=switch.limit, old_terminal=old, new_terminal=new)
+    log_turn(role, f"usage limit beyond USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s "
+                   f"(resets {local_time(switch.resets_at) if switch.resets_at else 'at a time its CLI did not name'}):"
+                   f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
+                   f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
+                   f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
+    crash_point("fallback-switched")
+    end_agent_switched_from(switch)
+
+
+def end_agent_switched_from(switch: CliSwitch) -> None:
+    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
+    exit_terminals([switch.old_terminal])
+    with suppress(ApiError):             # gone already: nothing to remove
+        api.delete_terminal(switch.old_terminal)
+    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
+    save_state()
+
+
+def end_agents_switched_from() -> None:
+    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
+    for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
+        end_agent_switched_from(switch)
 
 
 # What each verdict that types into the terminal (or waits for its limit) does; none once the reply file came.
@@ -6480,9 +6554,10 @@ def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> 
                                  screens[role].terminal_id)
 
 
-def in_background(call: Callable, *args) -> Future:
+def in_background(cut_short: threading.Event, call: Callable, *args) -> Future:
     """`call(*args)` in a thread of its own whose answer nobody has to wait for: a creation a stop cut short
-    is left to end on its own (the run ends its session), and never keeps the process from exiting."""
+    is left to end on its own (the run ends its session), and never keeps the process from exiting; once
+    `cut_short` is set, its requests are left to fail, never asked again (cut_short_here())."""
     future: Future = Future()
 
     def run() -> None:
@@ -6491,8 +6566,16 @@ def in_background(call: Callable, *args) -> Future:
         except BaseException as exc:       # handed to whoever reads the answer
             future.set_exception(exc)
 
-    threading.Thread(target=run, daemon=True, name=f"cao-{getattr(call, '__name__', 'call')}").start()
+    thread = threading.Thread(target=run, daemon=True, name=f"cao-{getattr(call, '__name__', 'call')}")
+    thread.cut_short = cut_short           # type: ignore[attr-defined]
+    thread.start()
     return future
+
+
+def cut_short_here() -> bool:
+    """Whether this thread makes an agent whose start was cut short (its session removed): its requests fail with
+    it, never asked again."""
+    return getattr(threading.current_thread(), "cut_short", threading.Event()).is_set()
 
 
 def answered_unless_stopped(futures: Iterable[Future], interrupted: list[int]) -> bool:
@@ -6529,18 +6612,19 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         "minute with real CLIs)")
     screens: dict[str, StartScreen] = {}
     answers: dict[str, dict] = {}
+    cut_short = threading.Event()
     with signals_held("ending the terminals being created") as interrupted:
         failures = None                   # stays None on a fault of the loop's own: what came up is exited too
         try:
-            failures = start_all_at_once(name, answers, screens, interrupted)
+            failures = start_all_at_once(name, answers, screens, interrupted, cut_short)
             if failures is None:
                 return name, {}            # not reached: signals_held raises the stop
             if failures and not interrupted and start_again_may_help(failures, screens):
-                failures = start_again_one_at_a_time(answers, failures, interrupted, screens)
+                failures = start_again_one_at_a_time(answers, failures, interrupted, screens, cut_short)
         finally:
             if not (failures is None and interrupted) and (failures is None or failures or interrupted
                                                            or len(answers) < len(ROLES)):
-                end_started(answers, name)
+                end_started(answers, name, cut_short.is_set())
         if failures and not interrupted:
             raise start_up_failure(failures, screens)
     note_model_answers(answers)
@@ -6548,20 +6632,20 @@ def create_terminals() -> tuple[str, dict[str, str]]:
 
 
 def start_all_at_once(name: str, answers: dict[str, dict], screens: dict[str, StartScreen],
-                      interrupted: list[int]) -> dict[str, str] | None:
+                      interrupted: list[int], cut_short: threading.Event) -> dict[str, str] | None:
     """The five creations at once, the session's first, the four others added to it, their screens watched into
     `screens`: CAO's answers (into `answers`), and why each failed role failed (one whose CLI cannot start cuts the
-    wait short); None after a stop, which removed the session at once."""
-    session = in_background(request_agent, "analyst", name, True)
+    wait short: `cut_short` set); None after a stop, which removed the session at once."""
+    session = in_background(cut_short, request_agent, "analyst", name, True)
     futures = {"analyst": session}
     for role in ROLES[1:]:
-        futures[role] = in_background(add_to_session, name, role, session, interrupted)
+        futures[role] = in_background(cut_short, add_to_session, name, role, session, interrupted)
     watch_starts(name, futures, screens, interrupted)
     if interrupted:
         end_creation_cut_short(name, futures)
         return None
     if any(not future.done() for future in futures.values()):
-        api.abandoned.set()            # the creations cut short fail with the session: not asked again
+        cut_short.set()                # the creations cut short fail with the session: not asked again
     failures = creation_answers(futures, answers)
     failures.update({role: f"{role}: its agent CLI cannot start ({screen.lasting.why})"
                      for role, screen in screens.items() if screen.lasting and role not in answers})
@@ -6570,12 +6654,12 @@ def start_all_at_once(name: str, answers: dict[str, dict], screens: dict[str, St
     return failures
 
 
-def end_started(answers: dict[str, dict], name: str) -> None:
+def end_started(answers: dict[str, dict], name: str, cut_short: bool) -> None:
     """Exit the agents that came up and remove their session (one cut short too, while its creations are under
     way: CAO removes it slowly then, so beside the stop; a run's own server ends it all anyway)."""
     made = ([answer["id"] for answer in answers.values()],
-            answers.get("analyst", {}).get("session_name", name if api.abandoned.is_set() else ""))
-    if not api.abandoned.is_set():
+            answers.get("analyst", {}).get("session_name", name if cut_short else ""))
+    if not cut_short:
         end_agents(*made)
     elif own_stage.server is None:
         threading.Thread(target=end_agents, args=made, name="ending the agents").start()
@@ -6588,11 +6672,11 @@ def start_again_may_help(failures: dict[str, str], screens: dict[str, StartScree
 
 
 def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str], interrupted: list[int],
-                              screens: dict[str, StartScreen]) -> dict[str, str]:
-    """The second try, each alone and watched, for the agents that did not start in time among five (all five in
-    a new session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left,
-    each with its screen in `screens`. A stop ends the wait at once: the caller removes the session, this the new
-    one it was making."""
+                              screens: dict[str, StartScreen], cut_short: threading.Event) -> dict[str, str]:
+    """The agents that did not start in time among five, each started alone (start_alone(); all five in a new
+    session when the analyst's, whose session CAO then removed, was one). Fills `answers`; the failures left, each
+    with its screen in `screens`. A stop ends the wait at once: the caller removes the session, this the new one
+    it was making."""
     if "analyst" not in answers:
         end_agents([answer["id"] for answer in answers.values()], "")
         answers.clear()
@@ -6601,38 +6685,20 @@ def start_again_one_at_a_time(answers: dict[str, dict], failures: dict[str, str]
         f"at once; starting {', '.join(missing)} again, one at a time")
     for role in missing:
         session = answers["analyst"]["session_name"] if answers else new_session_name()
-        first, again = screens.get(role), {}
-        request = in_background(request_agent, role, session, role == "analyst")
-        watch_starts(session, {role: request}, again, interrupted, [answer["id"] for answer in answers.values()])
+        start = start_alone(role, session, interrupted, cut_short, first=role == "analyst",
+                            known=[answer["id"] for answer in answers.values()], before=screens.get(role))
         if interrupted:
             if role == "analyst":
                 end_agents([], session)
             return {}
-        failed = second_start_failure(role, request, first, again, answers, screens)
-        if failed:
-            return {role: failed}
+        if start.answer is None:
+            if start.screen is not None:
+                screens[role] = start.screen
+            return {role: f"{role}: {start.error or 'its agent CLI cannot start'} (on its second try too, started "
+                          "alone)"}
+        answers[role] = start.answer
     log("all five agents are up after the second try")
     return {}
-
-
-def second_start_failure(role: str, request: Future, first: StartScreen | None, again: dict[str, StartScreen],
-                         answers: dict[str, dict], screens: dict[str, StartScreen]) -> str:
-    """How the role's second start, alone and watched, ended: '' (its answer in `answers`) or why it failed, its
-    screen in `screens` (`again` where it showed what the first did, `lasting` where it says why)."""
-    try:
-        if again.get(role) and again[role].lasting:
-            api.abandoned.set()                # its creation, cut short, fails with the session: not asked again
-            raise ApiError(f"its agent CLI cannot start ({again[role].lasting.why})")
-        answers[role] = request.result()
-        return ""
-    except ApiError as exc:                # what came up is exited by the caller
-        failed = {role: f"{role}: {exc} (on its second try too, started alone)"}
-        if role in again:
-            screens[role] = again[role]
-            final_screens(failed, screens)
-            if first is not None and first.lines and screens[role].lines == first.lines:
-                screens[role] = replace(screens[role], again=True)
-        return failed[role]
 
 
 def replacements_used() -> int:
@@ -6652,61 +6718,86 @@ def agent_events_summary(events: list[AgentEvent]) -> str:
     return "; ".join(f"{e.role} {e.what} at {e.at}" + (f" ({e.detail})" if e.detail else "") for e in events)
 
 
-def request_replacement(role: str, interrupted: list[int]) -> dict:
-    """The new agent for a lost one in the run's session, its screen watched while it starts; a start CAO says timed
-    out is tried again, up to its CLI's `start_tries` (not after an interrupt). Its screen saying why its CLI cannot
-    start for good, or showing on a second start what it did on the first, stops the run (exit 2)."""
-    replacing = terminal_ids.get(role, "")
+@dataclass(frozen=True)
+class AloneStart:
+    """How starting one agent alone ended: CAO's answer; else its last error (None: its screen said why) and its
+    screen (None: never read, or nothing wrong on it)."""
+
+    answer: dict | None = None
+    error: ApiError | None = None
+    screen: StartScreen | None = None
+
+    def failure(self, role: str, doing: str) -> OrchestratorExit:
+        """The stop for a failed start: its CLI's words where they say why (exit 2), else CAO's error."""
+        failed = {role: f"{role}: {self.error or 'its agent CLI cannot start'}"}
+        told = self.screen is not None and (self.screen.lasting or self.screen.again)
+        return (screen_failure(failed, {role: self.screen}, doing) if told else None) or self.error \
+            or RunError(failed[role])
+
+
+def start_alone(role: str, session: str, interrupted: list[int], cut_short: threading.Event, first: bool = False,
+                replacing: str = "", known: Iterable[str] = (), before: StartScreen | None = None) -> AloneStart:
+    """The role's agent started alone, its screen watched -- a replacement (`replacing`: the terminal it replaces),
+    or one that did not start in time among five (`before`: what it showed then; `first`: it makes the session).
+    A start CAO says timed out goes again, up to its CLI's `start_tries`; not after a stop, nor once its screen says
+    why its CLI cannot start, nor -- for a CLI of one try -- once it shows what it showed the time before (`again`:
+    a CLI given more tries, as Hermes, can time out so with its prompt on screen)."""
     tries = max(agent_cli(provider_for(role)).start_tries, 1)
-    first = None
     for attempt in range(1, tries + 1):
-        screen, answer, error = start_replacement(role, replacing, interrupted)
-        again = bool(screen and first and first.lines and screen.lines == first.lines)
-        if screen is not None and (screen.lasting or again):
-            raise screen_failure({role: f"{role}: {error or 'its agent CLI cannot start'}"},
-                                 {role: replace(screen, again=again)}, "start a new agent") or error
-        if answer is not None:
-            return answer
-        if CLI_START_TIMED_OUT not in str(error) or interrupted or attempt == tries:
-            raise error
-        first = screen
-        log(f"{role}: the new agent's CLI did not start within CAO's time limit ({error}); starting it again")
+        start = start_once(role, session, interrupted, cut_short, first, replacing, known)
+        if start.answer is not None or interrupted:
+            return start
+        screen = start.screen
+        if screen is not None and tries == 1 and before is not None and before.lines and screen.lines == before.lines:
+            return replace(start, screen=replace(screen, again=True))
+        if (screen is not None and screen.lasting) or CLI_START_TIMED_OUT not in str(start.error) or attempt == tries:
+            return start
+        before = screen
+        log(f"{role}: the {'new ' if replacing else ''}agent's CLI did not start within CAO's time limit "
+            f"({start.error}); starting it again")
+    return AloneStart()                    # not reached: the last try returns
 
 
-def start_replacement(role: str, replacing: str, interrupted: list[int]) \
-        -> tuple[StartScreen | None, dict | None, ApiError | None]:
-    """One start of the role's new agent, watched: its screen (None: never read, or nothing wrong on it), CAO's
-    answer, or its error. A CLI that shows why it cannot start is not waited for; one that came up so is exited."""
+def start_once(role: str, session: str, interrupted: list[int], cut_short: threading.Event, first: bool,
+               replacing: str, known: Iterable[str]) -> AloneStart:
+    """One start of the role's agent, watched. A CLI that shows why it cannot start is not waited for (its
+    creation, cut short, is never asked again); one that came up so is exited."""
     seen: dict[str, StartScreen] = {}
-    future = in_background(request_agent, role, session_name, False, replacing)
-    watch_starts(session_name, {role: future}, seen, interrupted, terminal_ids.values())
+    future = in_background(cut_short, request_agent, role, session, first, replacing)
+    watch_starts(session, {role: future}, seen, interrupted, known)
     if seen.get(role) and seen[role].lasting:
-        api.abandoned.set()                # its creation, cut short, is not asked again
-        return seen[role], None, None
+        cut_short.set()
+        return AloneStart(screen=seen[role])
+    if interrupted:
+        return AloneStart()
     try:
         answer = future.result()
     except ApiError as exc:
         final_screens({role: str(exc)}, seen)
-        return seen.get(role), None, exc
+        return AloneStart(error=exc, screen=seen.get(role))
     failures: dict[str, str] = {}
     check_screens_started({role: answer}, failures, seen)
     if failures:
         exit_terminals([answer["id"]])
-        return seen[role], None, None
-    return None, answer, None
+        return AloneStart(screen=seen[role])
+    return AloneStart(answer=answer)
 
 
 def new_agent_for(role: str, doing: str) -> str:
-    """A new agent for the role in the run's session (a replacement, or a new conversation); its terminal id.
-    A stop does not wait for CAO's answer: the state still names the terminal replaced, so a rerun's request
-    carries the same key and gets the agent this one made."""
+    """A new agent for the role in the run's session (a replacement, or a new conversation), started alone; its
+    terminal id. A stop does not wait for CAO's answer: the state still names the terminal replaced, so a rerun's
+    request carries the same key and gets the agent this one made."""
     with signals_held(doing) as interrupted:
-        request = in_background(request_replacement, role, interrupted)
+        cut_short = threading.Event()
+        request = in_background(cut_short, start_alone, role, session_name, interrupted, cut_short, False,
+                                terminal_ids.get(role, ""), terminal_ids.values())
         if not answered_unless_stopped([request], interrupted):
             return ""          # not reached: the stop is raised; a rerun asks under the same key, never for two
-        answer = request.result()
-    note_model_answers({role: answer})
-    return answer["id"]
+        start = request.result()
+    if start.answer is None:
+        raise start.failure(role, "start a new agent")
+    note_model_answers({role: start.answer})
+    return start.answer["id"]
 
 
 def remove_terminal(terminal_id: str) -> None:
@@ -6789,21 +6880,6 @@ def replace_lost_agent(lost: AgentLost) -> None:
         + f" in CAO session {new_session}; a new agent gets its whole prompt")
 
 
-def end_agent_switched_from(switch: CliSwitch) -> None:
-    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
-    exit_terminals([switch.old_terminal])
-    with suppress(ApiError):             # gone already: nothing to remove
-        api.delete_terminal(switch.old_terminal)
-    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
-    save_state()
-
-
-def end_agents_switched_from() -> None:
-    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
-    for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
-        end_agent_switched_from(switch)
-
-
 # ==========================================================================
 # 8. Asking an agent
 # ==========================================================================
@@ -6830,13 +6906,17 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
     started = time.monotonic()
     facts = TurnFacts(started=started, guard_since=started, cli=agent_cli(provider_for(role)), awaiting=False,
                       answered_before=any(record.terminal == terminal_id for record in turn_records))
-    at_rest_in_a_row, next_liveness_at = 0, started + LIVENESS_CHECK_SECONDS
+    at_rest_in_a_row, next_liveness_at, next_note_at = 0, started + LIVENESS_CHECK_SECONDS, started + PROGRESS_SECONDS
     while at_rest_in_a_row < 2:
         facts.note_screen(_screen(terminal_id), time.monotonic())
         facts.note_status(api.get_status(terminal_id), time.monotonic())
         if time.monotonic() >= next_liveness_at:       # a gone agent's stale `processing` is never waited out
             check_gone(role, terminal_id, facts.screen)
             next_liveness_at += LIVENESS_CHECK_SECONDS
+        if PROGRESS_SECONDS and time.monotonic() >= next_note_at:     # a long wait says what it waits for
+            log_turn(role, f"waiting {time.monotonic() - started:.0f}s for terminal {terminal_id} to be at rest "
+                           f"before its prompt ({not_ready_yet(facts)})")
+            next_note_at += PROGRESS_SECONDS
         state, rule = decide(facts, time.monotonic())
         if state is TurnState.FAILED:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
@@ -6850,10 +6930,14 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
 
 def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
     """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
-    marks = turn_marks_on(facts.screen, facts.cli)
-    shown = f"; its marks: {', '.join(marks[-4:])}" if marks else ""
     return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"(status {facts.cao_status!r}{shown})")
+                                           f"({not_ready_yet(facts)})")
+
+
+def not_ready_yet(facts: TurnFacts) -> str:
+    """What a terminal not yet at rest shows: CAO's status, and its CLI's last marks."""
+    marks = turn_marks_on(facts.screen, facts.cli)
+    return f"status {facts.cao_status!r}" + (f"; its marks: {', '.join(marks[-4:])}" if marks else "")
 
 
 def deliverable_message(role: str, prompt: str) -> str:
@@ -7072,7 +7156,7 @@ def check_budget(role: str) -> None:
                             f"MAX_RUN_TOKENS={MAX_RUN_TOKENS}; " + go_on.format("MAX_RUN_TOKENS"))
     if not MAX_RUN_COST:
         return
-    unpriced = sorted(model for model in used if model not in MODEL_PRICES)
+    unpriced = sorted(model for model in used if price_of(model) is None)
     if unpriced:
         raise BudgetReached(f"MAX_RUN_COST cannot be kept: MODEL_PRICES has no price for {', '.join(unpriced)} "
                             f"(the agents' model); add it, then rerun to go on with the {role}'s turn", EXIT_USAGE)
@@ -7191,13 +7275,6 @@ class ModelChanged(RunError):
         super().__init__(message, EXIT_USAGE)
 
 
-def model_is(recorded: str, asked: str, cli: AgentCli) -> bool:
-    """Whether a recorded model is the one asked for, by its CLI's rule: that id, or another name of it its row
-    declares (`model_names`: a dated id, an alias's family, the model without its provider); a sibling is not."""
-    return bool(asked) and (recorded == asked or any(re.fullmatch(form, f"{asked}\n{recorded}")
-                                                     for form in cli.model_names))
-
-
 def default_model_seen(provider: str) -> str:
     """The first model recorded by an agent of the provider's CLI started without a model asked for ('': none)."""
     return next((r.model for r in turn_records
@@ -7288,8 +7365,7 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
         record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
-        gone = TurnFacts(started=0.0, guard_since=0.0, lost="its terminal was replaced", left_reply=True)
-        reply, ended_by = read_reply_file(path), decide(gone, 0.0)[1].ended_by     # what ended it, as judged
+        reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE     # as left_reply() judged it
     else:
         reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
@@ -7336,51 +7412,6 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
     log_turn(role, f"taking the reply kept before the interruption ({len(reply)} chars, {kept}; prompt not sent "
                    "again)")
     return reply
-
-
-def decide_fallback(due: FallbackDue) -> CliSwitch:
-    """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
-    finishes it), or the one saved by an earlier process whose agent is still the limited one."""
-    saved = next((w for w in cli_switches if w.role == due.role and w.old_terminal == due.terminal_id), None)
-    if saved is not None:
-        return saved
-    provider, model = fallback_for(due.role)
-    switch = CliSwitch(due.role, provider_for(due.role), model_for(due.role), provider, model, utc_iso(),
-                       utc_iso(due.until) if due.until is not None else "", due.line[:200], due.terminal_id)
-    update_run(cli_switches=cli_switches + [switch])
-    save_state()
-    return switch
-
-
-def switch_to_fallback(due: FallbackDue) -> None:
-    """The role's agent stopped at a usage limit the loop will not wait out: a new agent on the role's fallback
-    CLI takes the turn in full (a new conversation) and the role for the rest of the run; the limited one is
-    ended. The new agent is asked for under the key of the one it replaces: a rerun at any instant makes none
-    twice, and sends the turn to it once."""
-    role, old = due.role, due.terminal_id
-    switch = decide_fallback(due)
-    crash_point("fallback-decided")
-    new = new_agent_for(role, "creating the agent on the fallback CLI")
-    record_agent_event(role, new, "new conversation", f"on its fallback CLI {switch.to_provider}; was terminal {old}")
-    unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
-        if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
-    switch = replace(switch, new_terminal=new)
-    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
-               agent_models={**agent_models, role: model_for(role)},
-               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
-               cli_switches=[switch if w.role == role else w for w in cli_switches])
-    save_state()
-    settled_terminals.add(new)
-    record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
-                 to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
-                 limit=switch.limit, old_terminal=old, new_terminal=new)
-    log_turn(role, f"usage limit beyond USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s "
-                   f"(resets {local_time(switch.resets_at) if switch.resets_at else 'at a time its CLI did not name'}):"
-                   f" going over from {switch.from_provider} ({switch.from_model or 'its CLI default'}) to its "
-                   f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
-                   f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
-    crash_point("fallback-switched")
-    end_agent_switched_from(switch)
 
 
 def ask_agent(role: str, build: Callable[[], Prompt]) -> str:

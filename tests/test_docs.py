@@ -200,7 +200,12 @@ FORWARD_REFERENCES = {
     "tokens_not_counted": (("_tokens_figure", "_tokens_section"), "the page says why no tokens are known (15)"),
     "sent_turn_facts": (("_unanswered_turn",), "the page describes the prompt still unanswered (8)"),
     "promise_signal": (("reply_complete",), "a story's reply is whole with its promise signal (11)"),
-    "record_agent_event": (("begin_limit_wait",), "the wait records a usage limit as asking (8) does"),
+    "record_agent_event": (("begin_limit_wait", "switch_to_fallback"), "the wait records a usage limit as asking (8) "
+                           "does"),
+    "new_agent_for": (("switch_to_fallback",), "a usage limit's fallback agent starts as any agent alone (7)"),
+    "settled_terminals": (("switch_to_fallback",), "... and is ready for its first prompt, as one made there (7)"),
+    "exit_terminals": (("end_agent_switched_from",), "... and the limited agent it took over is ended as any (7)"),
+    "cut_short_here": (("ApiClient",), "a request of an agent start cut short (7) is never asked again"),
     "note_conversation": (("observe_terminal",), "the wait notes a compacted conversation for asking (8)"),
     "send_prompt": (("resend_in_full",), "the wait resends a prompt lost on the screen (8)"),
     "PromptDraft": (("stale_round_reason",), "whether the next prompt carries the round's history (12)"),

@@ -241,3 +241,32 @@ def test_an_agent_that_answers_it_is_not_signed_in_stops_the_run_with_exit_2_wit
     line = stop_line(capsys)
     assert "cannot work: it is not signed in" in line and "Not logged in · Please run /login" in line, line
     assert fake_cao.reminders == [] and len(fake_cao.prompts) == 1
+
+
+HERMES_TIMED_OUT = (500, "Failed to create terminal: Hermes initialization timed out after 120 seconds")
+HERMES_AT_ITS_PROMPT = "bash-5.2# hermes\r\n Hermes Agent v0.19.0 | gpt-5 | 1s\r\n\u276f \r\n"
+
+
+def test_hermes_timed_out_at_its_prompt_among_five_and_again_alone_gets_its_row_s_tries_and_the_run_goes_on(
+        load_orch, fake_cao, prompt_file, capsys):
+    """CAO 2.5.4 times out a Hermes start whose CLI came up (its prompt on screen; about half of lone quick
+    starts): the start alone gets the tries its row gives (`start_tries`), as a replacement does, and the same
+    screen shown again is no lasting failure for such a CLI (no exit 2)."""
+    fake_cao.start_screens["peer_programmer"] = HERMES_AT_ITS_PROMPT
+    fake_cao.fail_create["peer_programmer"] = HERMES_TIMED_OUT
+    fake_cao.held_starts["peer_programmer"] = "read"
+    tries = []
+
+    def on_create(profile: str) -> None:
+        if profile == "peer_programmer":
+            tries.append(profile)
+            if len(tries) == 3:                    # among five, alone, alone again: this one starts
+                fake_cao.fail_create.pop(profile)
+    fake_cao.create_hook = on_create
+    m = load_orch(PROMPT_FILE=str(prompt_file), **{**QUICK, "PROVIDER": "hermes"})
+    assert m.AGENT_CLIS["hermes"].start_tries == 2
+    assert run_main(m) == 0
+    assert fake_cao.starts_seen["peer_programmer"] == 3, fake_cao.starts_seen
+    out = capsys.readouterr().out
+    assert "peer_programmer: the agent's CLI did not start within CAO's time limit" in out
+    assert "all five agents are up after the second try" in out

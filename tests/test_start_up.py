@@ -350,3 +350,21 @@ def test_an_interrupt_before_the_session_exists_stops_the_adds(load_orch, fake_c
     assert [t.role for t in fake_cao.terminals.values()] == ["analyst"]
     assert fake_cao.exited_ids() == list(fake_cao.terminals)
     assert all(status == 404 for profile in ADD_PROFILES for status in answers_for(fake_cao, profile))
+
+
+def test_a_start_cut_short_leaves_its_own_requests_unretried_and_no_other(load_orch, fake_cao, prompt_file):
+    """A start cut short (its session removed) is not asked again: its requests fail at once while the server
+    is down. Requests of anything else -- later in the same process -- still ride out a server restart."""
+    import threading
+    m = load_orch(PROMPT_FILE=str(prompt_file), **QUICK)
+    m.api.retry_seconds = 30.0
+    cut_short = threading.Event()
+    cut_short.set()
+    fake_cao.outage = 2
+    with pytest.raises(m.ApiError):
+        m.in_background(cut_short, m.api.get_status, "t-none").result(timeout=10)
+    assert fake_cao.outage == 1                                   # asked once, not again
+    fake_cao.outage = 2
+    with pytest.raises(m.ApiError) as elsewhere:
+        m.in_background(threading.Event(), m.api.get_status, "t-none").result(timeout=30)
+    assert fake_cao.outage == 0 and elsewhere.value.status_code == 404   # asked again until the server answered

@@ -1093,3 +1093,13 @@ def test_only_the_model_of_the_agent_s_own_last_response_counts_as_its_model(mon
     assert m.model_change(1) == ("claude-sonnet-4-5 (its CLI's default)", "claude-haiku-4-5")
     monkeypatch.setattr(m, "terminal_ids", {"programmer": "t2"})        # a turn of an agent since replaced
     assert m.model_change(1) is None
+
+
+def test_a_dated_id_of_a_priced_model_is_priced_as_the_rows_model_names_rule_says_it_is_that_model(load_orch):
+    """Claude Code records `claude-sonnet-4-5-20250929` for `claude-sonnet-4-5`: the price of the model asked
+    for is its price (the same rule that says it is the model asked for); a sibling model is not priced."""
+    m = load_orch(MODEL_PRICES='{"claude-sonnet-4-5": {"input": 3, "output": 15}}')
+    use = m.TokenUse(input=1_000_000, output=100_000)
+    assert m.cost_of({"claude-sonnet-4-5-20250929": use}) == m.cost_of({"claude-sonnet-4-5": use}) == 4.5
+    assert m.cost_of({"claude-sonnet-4-6": use}) is None
+    assert m.cost_of({"claude-sonnet-4-5-20250929": use, "claude-sonnet-4-6": use}) is None

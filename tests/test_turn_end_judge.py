@@ -1,11 +1,11 @@
 """One judge of a turn's end: decide() names the rule that decided, and a turn's end is that rule's.
 
-Every combination of a table of observations (the CLI, whether a reply is awaited, CAO's status before and
-after the reply file, the screen's marks, the CLI's record, the agent gone, how long since) is put to
-decide(), and to the questions the loop's callers ask with the same facts: the wait's reply and its ending,
-the settle check before a prompt, whether a carried-over turn's agent is at work. They never disagree, no
-turn ends without an observation that ends it, and each turn-ending row is the one that ends some facts
-(a table without it fails here).
+Every combination (34,560) of a table of observations (the CLI, whether a reply is awaited, CAO's status
+before and after the reply file, the screen's marks, the CLI's record, the agent gone, how long since) is put
+to decide(); the wait takes a reply, and names what ended it, by decide()'s rule itself (wait_for_reply returns
+`rule.ended_by`). The other questions the loop's callers ask -- the settle check before a prompt, whether a
+carried-over turn's agent is at work -- are put the same facts. They never disagree, no turn ends without an
+observation that ends it, and each turn-ending row is needed: some facts only it ends.
 """
 
 from __future__ import annotations
@@ -87,9 +87,14 @@ def evidence(case, facts, now):
     return seen
 
 
+def evidence_names(m) -> dict[str, str]:
+    """The turn-ending rows' `ended_by`, by the names evidence() gives what was observed."""
+    return {m.TURN_ENDED_BY_AGENT_GONE: "gone", m.TURN_ENDED_BY_STATUS: "status", m.TURN_ENDED_BY_MARK: "mark",
+            m.TURN_ENDED_BY_STILL_SCREEN: "still", m.TURN_ENDED_BY_RECORD: "record"}
+
+
 def test_the_judge_and_the_decision_never_disagree(m):
-    names = {m.TURN_ENDED_BY_AGENT_GONE: "gone", m.TURN_ENDED_BY_STATUS: "status", m.TURN_ENDED_BY_MARK: "mark",
-             m.TURN_ENDED_BY_STILL_SCREEN: "still", m.TURN_ENDED_BY_RECORD: "record"}
+    names = evidence_names(m)
     ended_by_seen, cases = set(), 0
     for case, facts, now in every_case(m):
         cases += 1
@@ -115,12 +120,17 @@ def test_the_judge_and_the_decision_never_disagree(m):
 
 @pytest.mark.parametrize("row", ["TURN_ENDED_BY_AGENT_GONE", "TURN_ENDED_BY_STATUS", "TURN_ENDED_BY_MARK",
                                  "TURN_ENDED_BY_STILL_SCREEN", "TURN_ENDED_BY_RECORD"])
-def test_a_table_without_a_turn_ending_row_fails_the_judge_s_test(m, monkeypatch, row):
-    """Each turn-ending row is the one that ends some of the table's facts: without it, they end otherwise
-    or not at all, and the test above fails."""
-    monkeypatch.setattr(m, "WAIT_RULES", tuple(rule for rule in m.WAIT_RULES if rule.ended_by != getattr(m, row)))
-    with pytest.raises(AssertionError):
-        test_the_judge_and_the_decision_never_disagree(m)
+def test_each_turn_ending_row_is_needed_some_facts_end_by_it_alone(m, monkeypatch, row):
+    """Each turn-ending row ends some of the table's facts where only its own evidence was observed; without
+    the row no other row ends them (a row another one always covers would fail here)."""
+    ended_by = getattr(m, row)
+    alone = [(case, facts, now) for case, facts, now in every_case(m)
+             if m.decide(facts, now)[1].ended_by == ended_by
+             and evidence(case, facts, now) == {evidence_names(m)[ended_by]}]
+    assert alone, f"no facts end by {row} alone"
+    monkeypatch.setattr(m, "WAIT_RULES", tuple(rule for rule in m.WAIT_RULES if rule.ended_by != ended_by))
+    for case, facts, now in alone:
+        assert not m.decide(facts, now)[1].ended_by, case
 
 
 def test_claude_code_idle_without_a_reply_file_is_not_a_turn_s_end(m):
@@ -174,3 +184,38 @@ def test_the_settle_check_takes_cao_s_ready_word_only_where_the_cli_s_row_trusts
             with pytest.raises(m.RunError, match=r"did not become ready within RESPONSE_TIMEOUT=1s \(status 'idle'; "
                                                  r"its marks: working\)"):
                 m.wait_until_settled("tester", "t1")
+
+
+def test_a_resumed_agent_cao_reads_unknown_after_a_restart_is_prompted_once_its_screen_is_at_rest(m, monkeypatch,
+                                                                                                  capsys):
+    """After a cao-server restart CAO reads `unknown` for good for a terminal made before it, while the screen
+    shows its CLI's idle prompt: the settle check goes by the screen (a still screen, or its idle mark held
+    still), within seconds -- never RESPONSE_TIMEOUT (30 min) of silence. One that does wait on (the CLI at work)
+    says in the log what it waits for, every PROGRESS_SECONDS (a minute by default)."""
+    clock = FakeClock()
+    monkeypatch.setattr(m, "time", clock)
+    monkeypatch.setattr(m, "PROGRESS_SECONDS", 60.0)
+    monkeypatch.setattr(m, "terminal_ids", {"tester": "t1"})
+    monkeypatch.setattr(m.api, "get_status", lambda terminal_id: "unknown")
+    monkeypatch.setattr(m, "session_name", "s1")
+    monkeypatch.setattr(m.api, "session_terminals", lambda session: ["t1"])     # there all along
+    for cli, screen in (("claude_code", "> plain prompt"), ("codex", f"{IDLE} > Ask"), ("opencode_cli", "> plain")):
+        monkeypatch.setattr(m, "PROVIDER", cli)
+        monkeypatch.setattr(m, "_screen", lambda terminal_id, screen=screen: screen)
+        m.settled_terminals.clear()
+        clock.now = 0.0
+        m.wait_until_settled("tester", "t1")
+        assert "t1" in m.settled_terminals and clock.now <= 2 * m.QUIET_SCREEN_SECONDS, (cli, clock.now)
+    assert "waiting" not in capsys.readouterr().out
+    reads = iter(range(10**6))
+    monkeypatch.setattr(m, "_screen", lambda terminal_id: f"{WORKING} Working ({next(reads)}s)")
+    monkeypatch.setattr(m, "PROVIDER", "codex")
+    monkeypatch.setattr(m, "RESPONSE_TIMEOUT", 150.0)
+    m.settled_terminals.clear()
+    clock.now = 0.0
+    with pytest.raises(m.RunError, match=r"RESPONSE_TIMEOUT=150s \(status 'unknown'; its marks: working\)"):
+        m.wait_until_settled("tester", "t1")
+    notes = [line for line in capsys.readouterr().out.splitlines() if "to be at rest before its prompt" in line]
+    assert [note.split("| tester: ")[1] for note in notes] == [
+        f"waiting {s}s for terminal t1 to be at rest before its prompt (status 'unknown'; its marks: working)"
+        for s in (60, 120)]

@@ -246,3 +246,48 @@ def test_agents_killed_right_after_a_reply_was_written_the_reply_is_taken_in_sec
         assert run.roles_prompted() == ["programmer", "peer_programmer", "tester"], live.explain()
         assert run.archived_text("001-programmer.md") == PROGRAMMER_REPLY
         assert "CAO cannot tell the status" in live.stdout, live.explain()     # it was judged with `unknown`
+
+
+# ---------------------------------------------------------------------------
+# The loop killed mid-run, then cao-server restarted (a crash, an upgrade): the agents live on in tmux
+# ---------------------------------------------------------------------------
+
+# The programmer thinks 6 s: the loop is killed, and cao-server restarted, while it works.
+THINKING_PROGRAMMER = {"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 6000}]}
+RESUMED_WITHIN = 120.0             # RESPONSE_TIMEOUT is 600 s: a wait that never ends is seen as one
+
+
+def test_killed_mid_run_then_cao_restarted_the_same_command_prompts_the_next_agent_and_passes(restartable_cao,
+                                                                                               start_run):
+    """SIGKILL to the loop while the programmer works, then cao-server restarted for real: it reads `unknown`
+    for good for every terminal made before, while their screens show the CLIs' idle prompts. The same command
+    takes the programmer's reply, prompts the next agents within seconds (the screen tells that they are at
+    rest) and passes; no answered turn is sent again, and no agent is replaced."""
+    cao = restartable_cao
+    cao.set_script(THINKING_PROGRAMMER)
+    run = unattended_run(cao, START_AGENT="programmer", RESPONSE_TIMEOUT="600")
+    live = start_run(run)
+    programmer_prompt_delivered(live, run, cao)
+    live.process.send_signal(signal.SIGKILL)
+    live.process.wait(timeout=10)
+    cao.stop_server()
+    cao.start_server_again()
+    reply_file = Path(run.prompts()[0]["response_file"])
+    deadline = time.monotonic() + 60                  # the loop is gone: its agent works on alone
+    while not reply_file.exists():
+        assert time.monotonic() < deadline, "the programmer never wrote its reply"
+        time.sleep(0.05)
+    peer = run.state()["terminals"]["peer_programmer"]
+    with cao.http() as client:
+        assert client.get(f"/terminals/{peer}").json()["status"] == "unknown"       # as CAO 2.5.4 says it
+    again = start_run(run)
+    resumed_at = time.monotonic()
+    assert again.finish(timeout=RESUMED_WITHIN + 60) == 0, again.explain()
+    took = time.monotonic() - resumed_at
+    print(f"fault-reaction: killed, cao-server restarted, resumed to PASS: {took:.1f}s")
+    assert took <= RESUMED_WITHIN, again.explain()
+    state = run.state()
+    assert state["final_status"] == "PASS" and not state.get("replacements"), again.explain()
+    assert run.roles_prompted() == ["programmer", "peer_programmer", "tester"], again.explain()
+    assert cao.counters().get("turns") == {"programmer": 1, "peer_programmer": 1, "tester": 1}, again.explain()
+    assert run.archived_text("001-programmer.md") == PROGRAMMER_REPLY
