@@ -62,6 +62,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 FULL_SUITE_COMMAND = "python -m pytest --full"
 
 
+def project_files(folder: str = "") -> list[Path]:
+    """The project's files (under `folder`), as git tracks them: what a test reads of the tree, never whatever
+    else lies in the checkout (a contributor's virtualenv, build output, a draft not yet added)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--", folder or "."], cwd=ROOT, capture_output=True,
+                                check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.fail(f"the project's files are what git tracks, and `git ls-files` in {ROOT} failed ({exc}): "
+                    "run the tests in a clone of the project", pytrace=False)
+    return sorted(ROOT / name for name in listed.decode("utf-8").split("\0") if name and (ROOT / name).is_file())
+
+
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="run the whole suite: also the end-to-end tests (a real cao-server, the real agent "
