@@ -11,6 +11,8 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -462,6 +464,20 @@ def fake_cao():
 
     with respx.mock(assert_all_called=False) as router:
         yield FakeCao().install(router)
+        end_the_runs_threads()
+
+
+# The loop's own threads (a creation nobody waits for, agents ended beside a stop): one a test's run left
+# would otherwise go on into the next test and send its requests to that test's fake CAO.
+RUN_THREADS = ("cao-", "ending the agents")
+
+
+def end_the_runs_threads(seconds: float = 60) -> None:
+    """Wait for the loop's threads still running to end (each ends with its request)."""
+    deadline = time.monotonic() + seconds
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.name.startswith(RUN_THREADS):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 FAST_FILE_SETTLE_SECONDS = 0.005
