@@ -11,6 +11,8 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -60,6 +62,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 FULL_SUITE_COMMAND = "python -m pytest --full"
+
+
+def project_files(folder: str = "") -> list[Path]:
+    """The project's files (under `folder`), as git tracks them: what a test reads of the tree, never whatever
+    else lies in the checkout (a contributor's virtualenv, build output, a draft not yet added)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--", folder or "."], cwd=ROOT, capture_output=True,
+                                check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.fail(f"the project's files are what git tracks, and `git ls-files` in {ROOT} failed ({exc}): "
+                    "run the tests in a clone of the project", pytrace=False)
+    return sorted(ROOT / name for name in listed.decode("utf-8").split("\0") if name and (ROOT / name).is_file())
 
 
 def pytest_addoption(parser):
@@ -450,6 +464,20 @@ def fake_cao():
 
     with respx.mock(assert_all_called=False) as router:
         yield FakeCao().install(router)
+        end_the_runs_threads()
+
+
+# The loop's own threads (a creation nobody waits for, agents ended beside a stop): one a test's run left
+# would otherwise go on into the next test and send its requests to that test's fake CAO.
+RUN_THREADS = ("cao-", "ending the agents")
+
+
+def end_the_runs_threads(seconds: float = 60) -> None:
+    """Wait for the loop's threads still running to end (each ends with its request)."""
+    deadline = time.monotonic() + seconds
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.name.startswith(RUN_THREADS):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 FAST_FILE_SETTLE_SECONDS = 0.005

@@ -206,14 +206,16 @@ def test_failing_archive_logs_its_output(load_orch, workdir, tmp_path, capsys):
 def test_hanging_archive_is_stopped_after_archive_timeout(load_orch, workdir, tmp_path, capsys):
     write_change(workdir)
     sleeper_pid_file = tmp_path / "sleeper.pid"
-    tool = fake_openspec(tmp_path, f"echo working; sleep 30 >/dev/null 2>&1 & echo $! > {sleeper_pid_file}; wait; echo never")
-    m = load_orch(ARCHIVE_ON_PASS="1", OPENSPEC_COMMAND=str(tool), ARCHIVE_TIMEOUT="0.5")
+    # It hangs until stopped; ARCHIVE_TIMEOUT is ample for it to have said its word and started its child (a
+    # busy machine may take a second to start bash), and the test takes that long whatever the machine.
+    tool = fake_openspec(tmp_path, f"echo working; sleep 60 >/dev/null 2>&1 & echo $! > {sleeper_pid_file}; wait; echo never")
+    m = load_orch(ARCHIVE_ON_PASS="1", OPENSPEC_COMMAND=str(tool), ARCHIVE_TIMEOUT="3")
     passed_run(m)
     assert m.finish_run(0) == 0
     assert ends_soon(int(sleeper_pid_file.read_text()))          # the child it started was stopped too
     out = capsys.readouterr().out
     assert "never" not in out
-    assert "did not finish within ARCHIVE_TIMEOUT=0.5s and was stopped" in out and "openspec: working" in out
+    assert "did not finish within ARCHIVE_TIMEOUT=3s and was stopped" in out and "openspec: working" in out
     assert m.after_run.archive["result"] == "failed"
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from conftest import FAST, run_main
+from conftest import FAST, project_files, run_main
 from fake_cao import FAIL_REPLY, PASS_REPLY
 
 PROGRAMMER_ON = {**FAST, "MIN_REVIEW_CYCLES_BEFORE_APPROVAL": "1", "START_AGENT": "programmer"}
@@ -352,9 +352,9 @@ def test_the_places_a_new_cli_touches_are_listed(orch):
     assert [place for place in sorted(listed) if not (root / place).is_file()] == []
     each = [_naming(orch, {provider}) for provider, cli in orch.AGENT_CLIS.items() if cli.proven]
     naming_each = set()
-    for path in root.rglob("*"):
+    for path in project_files():
         place = path.relative_to(root).as_posix()
-        if not path.is_file() or re.search(r"(^|/)(\.|__pycache__/)|\.egg-info/", place):
+        if re.search(r"(^|/)\.", place):
             continue
         try:
             words = path.read_text(encoding="utf-8").replace("_", " ")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import run_orchestrator_loop as orch
-from conftest import FULL_SUITE_COMMAND, ROOT
+from conftest import FULL_SUITE_COMMAND, ROOT, project_files
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -29,7 +29,12 @@ README_LIMIT = 20_000
 
 
 def markdown_files() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    return [README, *docs_pages()]
+
+
+def docs_pages() -> list[Path]:
+    """The pages of docs/ git tracks (not a draft lying beside them)."""
+    return [page for page in project_files("docs") if page.parent == DOCS and page.suffix == ".md"]
 
 
 def split_row(line: str) -> list[str]:
@@ -125,7 +130,7 @@ def test_readme_is_a_front_door_that_lists_every_docs_page():
     readme = README.read_text(encoding="utf-8")
     assert len(readme.encode("utf-8")) <= README_LIMIT
     where = readme.split("\n## Where the rest is", 1)[1]
-    assert [page.name for page in sorted(DOCS.glob("*.md")) if f"](docs/{page.name})" not in where] == []
+    assert [page.name for page in docs_pages() if f"](docs/{page.name})" not in where] == []
 
 
 def test_readme_keeps_the_commands_the_suite_runs():

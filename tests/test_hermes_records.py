@@ -7,6 +7,7 @@ The database below has the columns of Hermes 0.19.0's schema that the loop reads
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sqlite3
@@ -43,18 +44,18 @@ class HermesDb:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        with sqlite3.connect(path) as db:
+        with contextlib.closing(sqlite3.connect(path)) as db, db:
             if not db.execute("SELECT name FROM sqlite_master WHERE name = 'sessions'").fetchall():
                 db.executescript(HERMES_SCHEMA)
 
     def session(self, session: str, parent: str | None = None) -> None:
-        with sqlite3.connect(self.path) as db:
+        with contextlib.closing(sqlite3.connect(self.path)) as db, db:
             db.execute("INSERT OR IGNORE INTO sessions (id, source, parent_session_id, started_at) VALUES (?, 'cli', ?, ?)",
                        (session, parent, time.time()))
 
     def message(self, session: str, role: str, content: str = "", finish: str | None = None,
                 at: float | None = None) -> None:
-        with sqlite3.connect(self.path) as db:
+        with contextlib.closing(sqlite3.connect(self.path)) as db, db:
             db.execute("INSERT INTO messages (session_id, role, content, timestamp, finish_reason) VALUES (?, ?, ?, ?, ?)",
                        (session, role, content, at or time.time(), finish))
 
@@ -62,7 +63,7 @@ class HermesDb:
              at: float | None = None) -> None:
         """One model call counted, as update_token_counts (task '') or record_auxiliary_usage does."""
         at = at or time.time()
-        with sqlite3.connect(self.path) as db:
+        with contextlib.closing(sqlite3.connect(self.path)) as db, db:
             db.execute("INSERT OR IGNORE INTO session_model_usage (session_id, model, task, first_seen, last_seen)"
                        " VALUES (?, ?, ?, ?, ?)", (session, model, task, at, at))
             db.execute("UPDATE session_model_usage SET api_call_count = api_call_count + 1,"

@@ -176,8 +176,10 @@ def test_permission_auto_accept_cooldown_and_cap(load_orch, fake_cao, prompt_fil
     """At most one 'y' per interval per terminal, and at most MAX_PERMISSION_ANSWERS per turn."""
     fake_cao.script["tester"] = [{"permission_polls": 60, "ignore_answers": True, "text": PASS_REPLY}]
     m = load_orch(PROMPT_FILE=str(prompt_file), AUTO_ACCEPT_PERMISSIONS="1", **TESTER_ONLY)
+    # an interval no turn here outlasts, however slow the machine: one answer in the turn
+    monkeypatch.setattr(m, "PERMISSION_ANSWER_INTERVAL", 3600.0)
     assert run_main(m) == 0
-    assert fake_cao.reminders == [("tester", "y")]        # 5 s cooldown: one answer in this short turn
+    assert fake_cao.reminders == [("tester", "y")]
 
     m = load_orch(PROMPT_FILE=str(prompt_file), AUTO_ACCEPT_PERMISSIONS="1", **TESTER_ONLY)
     monkeypatch.setattr(m, "PERMISSION_ANSWER_INTERVAL", 0.0)

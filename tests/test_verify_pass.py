@@ -61,13 +61,13 @@ def test_a_pass_the_command_contradicts_is_a_fail_whose_evidence_the_programmer_
 def test_a_command_that_hangs_is_stopped_at_verify_timeout_and_the_round_fails(
         load_orch, fake_cao, prompt_file, capsys):
     m = load_orch(PROMPT_FILE=str(prompt_file), VERIFY_PASS="1", VERIFY_TIMEOUT="0.5", MAX_ROUNDS="1",
-                  PROJECT_TEST_CMD="sleep 30 & wait", **QUICK)
+                  PROJECT_TEST_CMD="sleep 300 & wait", **QUICK)
     assert run_main(m) == 1
     out = capsys.readouterr().out
     assert "PASS not verified: PROJECT_TEST_CMD was stopped after VERIFY_TIMEOUT=0.5s" in out
     summary = json.loads((Path(m.run_dir) / "summary.json").read_text())
     assert summary["result"] == "FAIL" and summary["verifications"][0]["exit_code"] is None
-    assert summary["verifications"][0]["seconds"] < 10
+    assert summary["verifications"][0]["seconds"] < 100      # stopped, not waited for (300 s)
 
 
 def test_a_stop_during_the_check_is_resumed_by_checking_again_not_by_asking_the_tester(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from .test_orchestrator_e2e import FAIL_REPLY, PASS_REPLY, PROGRAMMER_REPLY, QUICK_ROUND, REPO_ROOT, SCRIPT, \
-    SHORT_ROUND, Run, explain, numbered
+    SHORT_ROUND, Run, explain, numbered, wait_until_sent
 
 pytestmark = pytest.mark.e2e
 
@@ -78,11 +78,7 @@ def test_an_interrupted_run_records_its_unanswered_prompt_and_its_resume_goes_on
     run = Run(cao)
     cao.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 3000}, PROGRAMMER_REPLY]})
     process = run.start()
-    deadline = time.monotonic() + 60
-    while "programmer" not in run.roles_prompted():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
-    time.sleep(0.5)
+    wait_until_sent(run, process, "programmer")      # the programmer is thinking now (3 s)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=30)
     assert process.returncode == 130, out + err

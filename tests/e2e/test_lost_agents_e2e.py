@@ -30,9 +30,11 @@ pytestmark = pytest.mark.e2e
 SLOW_PROGRAMMER = {"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 20000}, PROGRAMMER_REPLY]}
 # A completed turn is never sent again; the lost programmer turn goes out once more, to a new agent.
 AFTER_ONE_LOST_TURN = {"analyst": 1, "peer_analyst": 1, "programmer": 2, "peer_programmer": 1, "tester": 1}
-# Seconds from the fault to the one-line stop: a gone session within 10 s; a dead CLI (a shell prompt on
-# its screen) likewise, well inside the AGENT_STALL_SECONDS + 10 s the stall rule would take.
-STOP_WITHIN = 10.0
+# Seconds from the fault to the one-line stop: a gone session is asked after every 5 s, a dead CLI (a shell
+# prompt on its screen) is seen at the next look -- a few seconds on a quiet machine. The bound holds on one four
+# times slower and stays well inside what a loop that missed the fault would meet first: RESPONSE_TIMEOUT (60 s),
+# the stall rule (AGENT_STALL_SECONDS, 300 s).
+STOP_WITHIN = 40.0
 LOST_LINE = r"is lost: "
 
 
@@ -137,7 +139,7 @@ def test_a_hung_agent_cli_counts_as_lost_after_agent_stall_seconds(restartable_c
     live = start_run(run)
     live.wait_for_line(r"programmer: prompt sent to terminal", timeout=60)
     fault_at = time.monotonic()                       # it hangs from the moment it has its prompt
-    took = assert_one_line_stop(live, fault_at, "the programmer agent", "no sign of life for 8s", within=8 + 10)
+    took = assert_one_line_stop(live, fault_at, "the programmer agent", "no sign of life for 8s", within=8 + 30)
     print(f"fault-reaction: hung cli, stop: {took:.1f}s")
 
 
@@ -213,7 +215,9 @@ def test_after_a_reboot_the_same_command_replaces_the_agents_and_passes(restarta
 # end is not seen while CAO reads `unknown` (a server restarted), so the loop waits for a still screen.
 HELD_AFTER_ITS_REPLY = {"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 4000, "hold_ms": 60000}]}
 TRIES = 2                          # the window is a race: it holds on every try, not once
-NOTICED_WITHIN = 10.0              # a gone session is asked after every 5 s, an unreadable screen at once
+# a gone session is asked after every 5 s, an unreadable screen at once: a few seconds on a quiet machine, the
+# bound one four times slower keeps, and short of the minute the programmer works on after its reply
+NOTICED_WITHIN = 30.0
 
 
 def test_agents_killed_right_after_a_reply_was_written_the_reply_is_taken_in_seconds_never_waited_out(

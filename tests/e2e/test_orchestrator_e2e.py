@@ -87,6 +87,22 @@ class Run:
         return [r["message"] for r in self.prompts() if r["role"] == role]
 
 
+def wait_until_sent(run: Run, process: subprocess.Popen, role: str, timeout: float = 120) -> None:
+    """Until `role`'s agent has its prompt and the loop has said it sent it (its run.log): from then on the loop
+    waits on the agent, which works on it -- a stop now is a stop mid-turn, however slow the machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            log = (Path(run.state()["run_dir"]) / "run.log").read_text(encoding="utf-8")
+        except (OSError, ValueError, KeyError):           # not written yet
+            log = ""
+        if f"{role}: prompt sent to terminal" in log and role in run.roles_prompted():
+            return
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"the {role}'s prompt never went out"
+        time.sleep(0.05)
+
+
 def numbered(roles: list[str]) -> list[str]:
     return [f"{n:03d}-{role}.md" for n, role in enumerate(roles, 1)]
 
@@ -171,12 +187,7 @@ def test_sigint_while_agent_works_then_same_command_resumes_to_pass(cao):
     run = Run(cao)
     cao.set_script({"programmer": [{"text": PROGRAMMER_REPLY, "think_ms": 3000}, PROGRAMMER_REPLY]})
     process = run.start()
-    deadline = time.monotonic() + 60
-    while "programmer" not in run.roles_prompted():
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "the programmer was never prompted"
-        time.sleep(0.1)
-    time.sleep(0.5)                                  # the programmer is thinking now
+    wait_until_sent(run, process, "programmer")      # the programmer is thinking now (3 s)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=30)
     assert process.returncode == 130, out + err

@@ -24,8 +24,9 @@ from .test_own_server_e2e import own_run  # noqa: F401  (the fixture)
 pytestmark = [pytest.mark.e2e, pytest.mark.real_cli]
 
 # (what the pane shows, what the line quotes) at its first start in a HOME; set up there, but signed in nowhere
-FIRST_START = ("ENOTFOUND", "Failed to connect to api.anthropic.com: ENOTFOUND")
-SET_UP = ("Not logged in", "Not logged in · Please run /login")
+# (the second a pattern: its footer says `Run /login`, its answer to a prompt `Please run /login`)
+FIRST_START = ("ENOTFOUND", r"Failed to connect to api\.anthropic\.com: ENOTFOUND")
+SET_UP = ("Not logged in", r"Not logged in · (Please run|Run) /login")
 CREDENTIALS = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL", "CLAUDE_CODE_OAUTH_TOKEN",
                "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX", "IS_SANDBOX")
 
@@ -58,11 +59,15 @@ def shown_on_a_pane(socket: str, words: str) -> bool:
 def test_claude_code_with_no_credential_stops_with_exit_2_within_seconds_quoting_its_words(own_run,  # noqa: F811
                                                                                           set_up):
     """Its first start in the HOME (as a new user's root machine meets it), and a HOME where it was set up (its
-    first start done, the project trusted) but signed in nowhere: it then comes up, CAO answers it ready, and it
-    says so only in its answer to the first prompt (`Not logged in · Please run /login`), read once it is idle
-    (IDLE_GRACE_SECONDS)."""
+    first start done, the project trusted) but signed in nowhere. Set up, it comes up and says so in its footer
+    (`Not logged in · Run /login`) -- at once, or only in its answer to the first prompt (`Not logged in · Please
+    run /login`), read once it is idle (IDLE_GRACE_SECONDS): which of the two comes first is the CLI's speed, so
+    either stop is right (while the terminals are created: `cannot start`; after the first prompt: `cannot
+    work`). What must hold either way: exit 2, one line quoting its words and how to sign it in, nothing left
+    running, and the stop long before CAO's or the turn's time limit."""
     seen, words = SET_UP if set_up else FIRST_START
-    run = own_run(PROVIDER="claude_code", OWN_SERVER="1", RESUME="0")
+    # RESPONSE_TIMEOUT far above the bound below: a loop that did not read the screen would meet it first
+    run = own_run(PROVIDER="claude_code", OWN_SERVER="1", RESUME="0", IDLE_GRACE_SECONDS="5", RESPONSE_TIMEOUT="900")
     if set_up:
         agent_clis.write_claude_home(run.home, workdirs=[run.wd])
         claude_json = json.loads((run.home / ".claude.json").read_text(encoding="utf-8"))
@@ -74,7 +79,7 @@ def test_claude_code_with_no_credential_stops_with_exit_2_within_seconds_quoting
     started = time.monotonic()
     loop = run.start()
     output, shown = Output(loop.stdout), None
-    while loop.poll() is None and time.monotonic() < started + 300:
+    while loop.poll() is None and time.monotonic() < started + 900:
         if shown is None and shown_on_a_pane(output.tmux_socket(), seen):
             shown = time.monotonic()
         time.sleep(0.1)
@@ -87,13 +92,15 @@ def test_claude_code_with_no_credential_stops_with_exit_2_within_seconds_quoting
     assert shown is not None, "the CLI's words never showed on the agents' panes"
     print(f"\nClaude Code's words showed on a pane {shown - started:.1f} s after the loop started; the loop exited "
           f"{ended - shown:.1f} s later ({ended - started:.1f} s in all)\nits line: {lines[-1]}")
-    # set up, its words are an answer, read once the agent has sat idle IDLE_GRACE_SECONDS (30 s) without its file
-    limit = 120 if set_up else 60
-    assert ended - shown < limit, f"the loop stopped {ended - shown:.1f} s after the CLI showed why"
-    said = "cannot work" if set_up else "cannot start"    # set up, it comes up and answers its first prompt so
-    assert words in lines[-1] and said in lines[-1] and "ANTHROPIC_API_KEY" in lines[-1], lines[-1]
+    # Seconds, where a quiet machine takes about 10 (set up: the 5 s idle grace on top): a machine four times
+    # slower still passes; CAO's creation limit (120 s) and RESPONSE_TIMEOUT (900 s) would come later.
+    assert ended - shown < 100, f"the loop stopped {ended - shown:.1f} s after the CLI showed why"
+    said = re.search(r"cannot (start|work): ", lines[-1])
+    assert said and re.search(words, lines[-1]) and "ANTHROPIC_API_KEY" in lines[-1], lines[-1]
+    assert set_up or said[1] == "start", lines[-1]        # never set up, it never comes up to take a prompt
     assert "IS_SANDBOX" not in lines[-1] and "\x1b" not in lines[-1], lines[-1]
     assert "again, one at a time" not in out, out[-3000:]
     run_log = run.wd / ".tmp" / "latest" / "run.log"      # a run that started keeps its log (and the stop's line)
-    assert words in (run_log.read_text(encoding="utf-8") if set_up else out), "the CLI's words are in the log too"
+    logged = out + (run_log.read_text(encoding="utf-8") if run_log.exists() else "")
+    assert re.search(words, logged), "the CLI's words are in the log too"
     assert not run.left_running(), "the run left processes behind"

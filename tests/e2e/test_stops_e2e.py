@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +119,26 @@ def test_check_refuses_a_server_that_wants_a_token_and_a_wd_inside_this_checkout
     assert f"✗ WD={REPO_ROOT / 'docs'} is inside {REPO_ROOT}, this program's own directory" in inside.stdout
 
 
+def came_up_after_all(marks, timeout: float = 120) -> list:
+    """The agents of a stopped start that came up (their `up.<pid>` mark), once every start script that began
+    (`started.<pid>`) has either ended or come up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        up = list(marks.glob("up.*"))
+        starting = [mark for mark in marks.glob("started.*") if Path(f"/proc/{mark.suffix[1:]}").exists()
+                    and not (marks / f"up{mark.suffix}").exists() and not zombie(int(mark.suffix[1:]))]
+        if not starting or time.monotonic() > deadline:
+            return up
+        time.sleep(0.1)
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def test_sigterm_while_the_agents_start_on_a_users_server_removes_them_at_once():
     """A cao-server of the user's whose agent CLI is slow to come up (CAO answers a creation only once it is
     up): SIGTERM while the five start ends the loop before any of them has come up, and its session is
@@ -140,8 +161,8 @@ def test_sigterm_while_the_agents_start_on_a_users_server_removes_them_at_once()
         assert list(marks.glob("up.*")) == [], "the loop waited for an agent CLI to come up before it stopped"
         assert "Traceback" not in out + err and not run.state_file.exists()
         session = re.search(r"in CAO session (cao-loop-[0-9a-f]+)", out)[1]
-        time.sleep(20)                   # past the slow start: an agent that survived would be up by now
-        assert list(marks.glob("up.*")) == [], "an agent of the stopped start came up after all"
+        # Each start's script is gone (ended with its session) or, had it survived, comes up 12 s after it began.
+        assert not came_up_after_all(marks), "an agent of the stopped start came up after all"
         with server.http() as client:
             assert session not in [listed["name"] for listed in client.get("/sessions").json()]
         assert session not in server.tmux_sessions()
