@@ -9483,15 +9483,27 @@ def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
         elif known is None:
             lines.append(CheckLine(None, f"profile {profile}: the server cannot say whether it is installed"))
     if missing:
-        installs = "; ".join(f"cao install profiles/{profile}.md --provider {provider}"
-                             for profile, provider in missing)
         lines.append(CheckLine(False, f"agent profiles not installed for their provider: "
-                                      f"{', '.join(f'{p} ({q})' for p, q in missing)}; install them from a "
-                                      f"checkout of this project: {installs}"))
+                                      f"{', '.join(f'{p} ({q})' for p, q in missing)}; {profiles_fix(missing)}"))
     else:
         lines.append(CheckLine(True, "agent profiles installed: " + ", ".join(
             dict.fromkeys(profile_for(role) for role in ROLES))))
     return lines
+
+
+def profiles_fix(missing: list[tuple[str, str]]) -> str:
+    """One command that installs the missing profiles from any folder into the store the server at API reads (its
+    HOME, or CAO_HOME_DIR, where it runs here), from the profiles installed with the loop; or OWN_SERVER=1."""
+    server = local_server()
+    store = {key: server.env[key] for key in ("HOME", "CAO_HOME_DIR") if server and server.env.get(key)}
+    folder = store.get("CAO_HOME_DIR") or f"{store.get('HOME')}/.aws/cli-agent-orchestrator"
+    where = (f"the CAO server at {API} reads its store in {folder}, so install them there" if store else
+             f"install them where the CAO server at {API} runs, as its user")
+    env = "".join(f"{key}={shlex.quote(value)} " for key, value in store.items())
+    cao = shlex.quote(loop_program("cao") or "cao")
+    installs = " && ".join(f"{env}{cao} install {shlex.quote(str(bundled_profile(profile) or profile + '.md'))} "
+                           f"--provider {provider}" for profile, provider in missing)
+    return f"{where}: `{installs}`; or {OWN_INSTEAD}, which installs them itself"
 
 
 def check_clis(side: AgentsSide, report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:

@@ -364,7 +364,7 @@ def test_a_run_on_a_server_of_the_users_that_cannot_work_there_stops_before_a_te
         env.update(API=machine.api, PROVIDER="mock_cli", PROMPT_FILE="task.md", WD=str(machine.work),
                    HOME=str(machine.home))
         said = []
-        for fix in ("cao install profiles/", "is not on the PATH of the agents' shells"):
+        for fix in (f"so install them there: `HOME={machine.home} ", "is not on the PATH of the agents' shells"):
             result = subprocess.run([sys.executable, str(SCRIPT)], cwd=machine.work, env=env, capture_output=True,
                                     text=True, timeout=180)
             check = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=machine.work, env=env,
