@@ -9318,8 +9318,8 @@ def report_run_summary(exit_code: int) -> None:
 # ==========================================================================
 # 16. Before a run: --check
 # ==========================================================================
-# `--check [config.json]` looks at all a run needs, without creating an agent: a line each, ✓, ✗ with its fix, or –
-# (not looked at from here). The agents' side is seen from a probe: a window in the agents' tmux server, started as
+# `--check [config.json]` looks at all a run needs, without creating an agent: a line each, ✓, ✗ with its fix for
+# what stops a run, or ! for what may fail later or cannot be looked at from here (exit 0 with ! lines). The agents' side is seen from a probe: a window in the agents' tmux server, started as
 # CAO starts an agent's. A CLI's known traps are declared in its row (`AgentCli.traps`), looked for by check_trap().
 PROBE_SECONDS = 60.0             # a CLI's first --version may unpack itself (Copilot: 235 MB)
 CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TERM")  # CAO passes these on
@@ -9327,7 +9327,8 @@ CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", 
 
 @dataclass(frozen=True)
 class CheckLine:
-    """One line of --check: True ✓, False ✗ (its text says the fix), None – (not looked at from here)."""
+    """One line of --check: True ✓, False ✗ (stops a run; its text says the fix), None ! (a warning: what may fail
+    later, e.g. a fallback CLI, or what cannot be looked at from here)."""
 
     ok: bool | None
     text: str
@@ -9527,7 +9528,16 @@ def check_clis(side: AgentsSide, report: dict[str, tuple[str, bool]] | None) -> 
                 f" (its version unknown; proven with {cli.proven})")
         lines.append(CheckLine(True, f"{program} found by the agents' shells: {path}"
                                      + (f", {version}" if version else "") + note))
-    return lines
+    return [fallback_line(provider, line) for provider, line in zip(providers_in_use(), lines)]
+
+
+def fallback_line(provider: str, line: CheckLine) -> CheckLine:
+    """A line of a CLI that only stands in for roles at a usage limit ('the programmer's fallback: ...'): what it
+    lacks does not stop a run (the role's own CLI may never reach its limit), so a ✗ becomes a warning."""
+    if any(provider_for(role) == provider for role in ROLES):
+        return line
+    whose = " and ".join(f"the {role.replace('_', ' ')}'s" for role in ROLES if provider in providers_of(role))
+    return CheckLine(None if line.ok is False else line.ok, f"{whose} fallback: {line.text}")
 
 
 def trap_file(trap: Trap, side: AgentsSide) -> Path:
@@ -9582,7 +9592,7 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
 
 def check_traps(side: AgentsSide) -> list[CheckLine]:
     """Each CLI's known traps, as its row declares them."""
-    return [check_trap(agent_cli(provider), trap, side) for provider in providers_in_use()
+    return [fallback_line(provider, check_trap(agent_cli(provider), trap, side)) for provider in providers_in_use()
             for trap in agent_cli(provider).traps]
 
 
@@ -9763,7 +9773,8 @@ def sign_in_lines(cli: AgentCli, side: AgentsSide) -> list[CheckLine]:
 
 def check_sign_ins(side: AgentsSide) -> list[CheckLine]:
     """Each CLI in use signed in, as its row declares its forms of credential."""
-    return [line for provider in dict.fromkeys(providers_in_use()) for line in sign_in_lines(agent_cli(provider), side)]
+    return [fallback_line(provider, line) for provider in providers_in_use()
+            for line in sign_in_lines(agent_cli(provider), side)]
 
 
 def agents_side(report: dict[str, tuple[str, bool]] | None, versions: bool = True) -> tuple[AgentsSide | None,
@@ -9787,8 +9798,9 @@ def agents_side(report: dict[str, tuple[str, bool]] | None, versions: bool = Tru
 def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
     """Each role's CLI as cao-server reports it (CAO would wait minutes per terminal for one it lacks): ✗ naming
     the setting that chose it; with IGNORE_MISSING_CLI=1 a warning (the agents' login PATH may have it)."""
-    missing = [(role, provider) for role in ROLES for provider in providers_of(role)
-               if report and provider in report and not report[provider][1]]
+    missing = sorted(((role, provider) for role in ROLES for provider in providers_of(role)
+                      if report and provider in report and not report[provider][1]),
+                     key=lambda missed: fallback_line(missed[1], CheckLine(False, "")).ok is None)  # a run's own first
     if not missing:
         return []
     role, provider = missing[0]
@@ -9800,9 +9812,9 @@ def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[Chec
             f"({setting}={provider}), is not installed on its machine")
     if IGNORE_MISSING_CLI:
         return [CheckLine(None, f"warning: {what}; IGNORE_MISSING_CLI=1, so the agents are created anyway")]
-    return [CheckLine(False, f"{what} (it reports installed: {', '.join(installed) or 'none of the CLIs it lists'}); "
+    return [fallback_line(provider, CheckLine(False, f"{what} (it reports installed: {', '.join(installed) or 'none of the CLIs it lists'}); "
                              f"set {setting} to a provider whose CLI is installed, install it where cao-server runs, "
-                             "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it")]
+                             "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it"))]
 
 
 def server_checks(report: dict[str, tuple[str, bool]] | None, run: bool = False) -> list[CheckLine]:
@@ -9913,7 +9925,7 @@ def check_own_server() -> list[CheckLine]:
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
                                "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
                                                                          "CAO's store where it lacks them")
-    overrides = [CheckLine(False, f"the run's own server: {own_server_overrides()}; set them so in this environment "
+    overrides = [CheckLine(None, f"the run's own server: {own_server_overrides()}; set them so in this environment "
                                   "too (any other cao-server started from it would pass the wrong ones on)")
                  ] if own_server_overrides() else []
     return lines + [profiles] + check_clis(side, None) + check_traps(side) + overrides + check_sign_ins(side)
@@ -9949,12 +9961,12 @@ def refuse_what_check_refuses(own: bool) -> None:
 
 
 def check_mark(ok: bool | None) -> str:
-    """✓, ✗ or – where the output can show them, else ok, FAIL or -."""
-    marks = {True: "✓", False: "✗", None: "–"}
+    """✓, ✗ or ! where the output can show them, else ok, FAIL or !."""
+    marks = {True: "✓", False: "✗", None: "!"}
     try:
-        "✓✗–".encode(sys.stdout.encoding or "ascii")
+        "✓✗".encode(sys.stdout.encoding or "ascii")
     except (UnicodeEncodeError, LookupError):
-        marks = {True: "ok", False: "FAIL", None: "-"}
+        marks = {True: "ok", False: "FAIL", None: "!"}
     return marks[ok]
 
 
@@ -9984,8 +9996,8 @@ def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
 
 
 def check_command(args: list[str]) -> int:
-    """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
-    1 for anything else to fix."""
+    """--check [config.json]: a line for each thing a run needs; 0 when a run can start (! lines warn of what may fail
+    later), 1 when a line is marked ✗, 2 for a bad setting."""
     previous = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))   # a stop unwinds: the probe's
     try:                                                                          # window is removed first
         code, lines = checked_lines(args)
@@ -10449,7 +10461,7 @@ def help_text() -> str:
         "environment variables and/or a JSON config file; the environment wins.", "",
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
         "  --demo [DIR]     a first PASS, scripted agents in DIR (~/cao-loop-demo)",
-        "  --check          all a run needs, checked: no agent started, no token spent",
+        "  --check          all a run needs; exits 0 a run can start, 1 ✗, 2 bad setting",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
         "  --readme         print the README (the rest of the documentation is in docs/)", "",

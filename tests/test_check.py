@@ -233,7 +233,7 @@ def test_check_passes_when_a_run_can_start_and_starts_nothing(load_orch, fake_ca
     assert code == 0, lines
     assert lines[-1] == "a run can start"
     assert any(line.startswith("✓ agent profiles installed: system_analyst") for line in lines)
-    assert any(line.startswith("– agent CLIs not checked") for line in lines)   # cao.test is not this machine
+    assert any(line.startswith("! agent CLIs not checked") for line in lines)   # cao.test is not this machine
     assert not fake_cao.terminals and not fake_cao.prompts
     assert not Path(orch.STATE_FILE).exists()
 
@@ -302,7 +302,7 @@ def test_check_marks_fall_back_to_words_where_the_output_cannot_show_them(orch, 
     class Ascii:
         encoding = "ascii"
     monkeypatch.setattr(orch.sys, "stdout", Ascii())
-    assert [orch.check_mark(ok) for ok in (True, False, None)] == ["ok", "FAIL", "-"]
+    assert [orch.check_mark(ok) for ok in (True, False, None)] == ["ok", "FAIL", "!"]
 
 
 def test_commits_asked_for_need_a_git_repository(load_orch, fake_cao, prompt_file, capsys):
