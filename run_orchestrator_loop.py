@@ -10252,6 +10252,17 @@ def _status_start_left(stage: Stage) -> list[str]:
             f"\"{note.get('step')}\" (agents: {start_up_agents_text(note)})"]
 
 
+def _status_unsaved(stage: Stage, why: str) -> str:
+    """--status's first line where no run is saved: what it found -- a start-up killed, since when, what of it still
+    runs -- else why there is no run."""
+    note, alive = stage.start_left, stage.alive
+    if note is None and alive is None:
+        return why
+    killed = f" (pid {note['pid']}, since {since_text(str(note.get('since')))})" if note else ""
+    return (f"a start-up was killed here{killed} before it saved a run in {STATE_FILE}; "
+            + (f"still running: {alive.text()}" if alive else "nothing of it still runs"))
+
+
 def _status_tokens(saved: SavedState) -> list[str]:
     """What the run's agents used so far, as their CLIs recorded it (read at each reply and send)."""
     if not saved.turn_records:
@@ -10414,7 +10425,8 @@ def status_report() -> tuple[int, str]:
     if stage.starting and (saved is None or not stage.starting.get("resuming")):
         return EXIT_PASS, "\n".join(_status_starting(saved, stage))
     if saved is None:
-        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(stage.server_lines() if stage.alive else [])])
+        return EXIT_FAIL, "\n".join([_status_unsaved(stage, why), *_status_start_left(stage),
+                                     *(stage.server_lines() if stage.alive else [])])
     restore_saved_settings(saved)
     connect_api()
     lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved, stage),
