@@ -9536,7 +9536,8 @@ def fallback_line(provider: str, line: CheckLine) -> CheckLine:
     lacks does not stop a run (the role's own CLI may never reach its limit), so a ✗ becomes a warning."""
     if any(provider_for(role) == provider for role in ROLES):
         return line
-    whose = " and ".join(f"the {role.replace('_', ' ')}'s" for role in ROLES if provider in providers_of(role))
+    roles = [f"the {role.replace('_', ' ')}'s" for role in ROLES if provider in providers_of(role)]
+    whose = "every role's" if len(roles) == len(ROLES) else " and ".join(roles)
     return CheckLine(None if line.ok is False else line.ok, f"{whose} fallback: {line.text}")
 
 
