@@ -9963,12 +9963,11 @@ def refuse_what_check_refuses(own: bool) -> None:
 
 def check_mark(ok: bool | None) -> str:
     """✓, ✗ or ! where the output can show them, else ok, FAIL or !."""
-    marks = {True: "✓", False: "✗", None: "!"}
     try:
         "✓✗".encode(sys.stdout.encoding or "ascii")
     except (UnicodeEncodeError, LookupError):
-        marks = {True: "ok", False: "FAIL", None: "!"}
-    return marks[ok]
+        return {True: "ok", False: "FAIL", None: "!"}[ok]
+    return {True: "✓", False: "✗", None: "!"}[ok]
 
 
 def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
