@@ -9319,8 +9319,9 @@ def report_run_summary(exit_code: int) -> None:
 # 16. Before a run: --check
 # ==========================================================================
 # `--check [config.json]` looks at all a run needs, without creating an agent: a line each, ✓, ✗ with its fix for
-# what stops a run, or ! for what may fail later or cannot be looked at from here (exit 0 with ! lines). The agents' side is seen from a probe: a window in the agents' tmux server, started as
-# CAO starts an agent's. A CLI's known traps are declared in its row (`AgentCli.traps`), looked for by check_trap().
+# what stops a run, or ! for what may fail later or cannot be looked at from here (exit 0 with ! lines). The agents'
+# side is seen from a probe: a window in the agents' tmux server, started as CAO starts an agent's. A CLI's known
+# traps are declared in its row (`AgentCli.traps`), looked for by check_trap().
 PROBE_SECONDS = 60.0             # a CLI's first --version may unpack itself (Copilot: 235 MB)
 CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TERM")  # CAO passes these on
 
@@ -9801,7 +9802,7 @@ def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[Chec
     the setting that chose it; with IGNORE_MISSING_CLI=1 a warning (the agents' login PATH may have it)."""
     missing = sorted(((role, provider) for role in ROLES for provider in providers_of(role)
                       if report and provider in report and not report[provider][1]),
-                     key=lambda missed: fallback_line(missed[1], CheckLine(False, "")).ok is None)  # a run's own first
+                     key=lambda missed: all(provider_for(role) != missed[1] for role in ROLES))  # a role's own first
     if not missing:
         return []
     role, provider = missing[0]
@@ -9813,9 +9814,11 @@ def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[Chec
             f"({setting}={provider}), is not installed on its machine")
     if IGNORE_MISSING_CLI:
         return [CheckLine(None, f"warning: {what}; IGNORE_MISSING_CLI=1, so the agents are created anyway")]
-    return [fallback_line(provider, CheckLine(False, f"{what} (it reports installed: {', '.join(installed) or 'none of the CLIs it lists'}); "
-                             f"set {setting} to a provider whose CLI is installed, install it where cao-server runs, "
-                             "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it"))]
+    return [fallback_line(provider, CheckLine(False, f"{what} (it reports installed: "
+                                                     f"{', '.join(installed) or 'none of the CLIs it lists'}); set "
+                                                     f"{setting} to a provider whose CLI is installed, install it "
+                                                     "where cao-server runs, or set IGNORE_MISSING_CLI=1 if the "
+                                                     "agents' login PATH has it"))]
 
 
 def server_checks(report: dict[str, tuple[str, bool]] | None, run: bool = False) -> list[CheckLine]:
