@@ -9318,16 +9318,18 @@ def report_run_summary(exit_code: int) -> None:
 # ==========================================================================
 # 16. Before a run: --check
 # ==========================================================================
-# `--check [config.json]` looks at all a run needs, without creating an agent: a line each, ✓, ✗ with its fix, or –
-# (not looked at from here). The agents' side is seen from a probe: a window in the agents' tmux server, started as
-# CAO starts an agent's. A CLI's known traps are declared in its row (`AgentCli.traps`), looked for by check_trap().
+# `--check [config.json]` looks at all a run needs, without creating an agent: a line each, ✓, ✗ with its fix for
+# what stops a run, or ! for what may fail later or cannot be looked at from here (exit 0 with ! lines). The agents'
+# side is seen from a probe: a window in the agents' tmux server, started as CAO starts an agent's. A CLI's known
+# traps are declared in its row (`AgentCli.traps`), looked for by check_trap().
 PROBE_SECONDS = 60.0             # a CLI's first --version may unpack itself (Copilot: 235 MB)
 CAO_PANE_KEYS = ("HOME", "PATH", "SHELL", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TERM")  # CAO passes these on
 
 
 @dataclass(frozen=True)
 class CheckLine:
-    """One line of --check: True ✓, False ✗ (its text says the fix), None – (not looked at from here)."""
+    """One line of --check: True ✓, False ✗ (stops a run; its text says the fix), None ! (a warning: what may fail
+    later, e.g. a fallback CLI, or what cannot be looked at from here)."""
 
     ok: bool | None
     text: str
@@ -9483,15 +9485,27 @@ def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
         elif known is None:
             lines.append(CheckLine(None, f"profile {profile}: the server cannot say whether it is installed"))
     if missing:
-        installs = "; ".join(f"cao install profiles/{profile}.md --provider {provider}"
-                             for profile, provider in missing)
         lines.append(CheckLine(False, f"agent profiles not installed for their provider: "
-                                      f"{', '.join(f'{p} ({q})' for p, q in missing)}; install them from a "
-                                      f"checkout of this project: {installs}"))
+                                      f"{', '.join(f'{p} ({q})' for p, q in missing)}; {profiles_fix(missing)}"))
     else:
         lines.append(CheckLine(True, "agent profiles installed: " + ", ".join(
             dict.fromkeys(profile_for(role) for role in ROLES))))
     return lines
+
+
+def profiles_fix(missing: list[tuple[str, str]]) -> str:
+    """One command that installs the missing profiles from any folder into the store the server at API reads (its
+    HOME, or CAO_HOME_DIR, where it runs here), from the profiles installed with the loop; or OWN_SERVER=1."""
+    server = local_server()
+    store = {key: server.env[key] for key in ("HOME", "CAO_HOME_DIR") if server and server.env.get(key)}
+    folder = store.get("CAO_HOME_DIR") or f"{store.get('HOME')}/.aws/cli-agent-orchestrator"
+    where = (f"the CAO server at {API} reads its store in {folder}, so install them there" if store else
+             f"install them where the CAO server at {API} runs, as its user")
+    env = "".join(f"{key}={shlex.quote(value)} " for key, value in store.items())
+    cao = shlex.quote(loop_program("cao") or "cao")
+    installs = " && ".join(f"{env}{cao} install {shlex.quote(str(bundled_profile(profile) or profile + '.md'))} "
+                           f"--provider {provider}" for profile, provider in missing)
+    return f"{where}: `{installs}`; or {OWN_INSTEAD}, which installs them itself"
 
 
 def check_clis(side: AgentsSide, report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
@@ -9515,7 +9529,17 @@ def check_clis(side: AgentsSide, report: dict[str, tuple[str, bool]] | None) -> 
                 f" (its version unknown; proven with {cli.proven})")
         lines.append(CheckLine(True, f"{program} found by the agents' shells: {path}"
                                      + (f", {version}" if version else "") + note))
-    return lines
+    return [fallback_line(provider, line) for provider, line in zip(providers_in_use(), lines)]
+
+
+def fallback_line(provider: str, line: CheckLine) -> CheckLine:
+    """A line of a CLI that only stands in for roles at a usage limit ('the programmer's fallback: ...'): what it
+    lacks does not stop a run (the role's own CLI may never reach its limit), so a ✗ becomes a warning."""
+    if any(provider_for(role) == provider for role in ROLES):
+        return line
+    roles = [f"the {role.replace('_', ' ')}'s" for role in ROLES if provider in providers_of(role)]
+    whose = "every role's" if len(roles) == len(ROLES) else " and ".join(roles)
+    return CheckLine(None if line.ok is False else line.ok, f"{whose} fallback: {line.text}")
 
 
 def trap_file(trap: Trap, side: AgentsSide) -> Path:
@@ -9570,7 +9594,7 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
 
 def check_traps(side: AgentsSide) -> list[CheckLine]:
     """Each CLI's known traps, as its row declares them."""
-    return [check_trap(agent_cli(provider), trap, side) for provider in providers_in_use()
+    return [fallback_line(provider, check_trap(agent_cli(provider), trap, side)) for provider in providers_in_use()
             for trap in agent_cli(provider).traps]
 
 
@@ -9751,7 +9775,8 @@ def sign_in_lines(cli: AgentCli, side: AgentsSide) -> list[CheckLine]:
 
 def check_sign_ins(side: AgentsSide) -> list[CheckLine]:
     """Each CLI in use signed in, as its row declares its forms of credential."""
-    return [line for provider in dict.fromkeys(providers_in_use()) for line in sign_in_lines(agent_cli(provider), side)]
+    return [fallback_line(provider, line) for provider in providers_in_use()
+            for line in sign_in_lines(agent_cli(provider), side)]
 
 
 def agents_side(report: dict[str, tuple[str, bool]] | None, versions: bool = True) -> tuple[AgentsSide | None,
@@ -9775,8 +9800,9 @@ def agents_side(report: dict[str, tuple[str, bool]] | None, versions: bool = Tru
 def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
     """Each role's CLI as cao-server reports it (CAO would wait minutes per terminal for one it lacks): ✗ naming
     the setting that chose it; with IGNORE_MISSING_CLI=1 a warning (the agents' login PATH may have it)."""
-    missing = [(role, provider) for role in ROLES for provider in providers_of(role)
-               if report and provider in report and not report[provider][1]]
+    missing = sorted(((role, provider) for role in ROLES for provider in providers_of(role)
+                      if report and provider in report and not report[provider][1]),
+                     key=lambda missed: all(provider_for(role) != missed[1] for role in ROLES))  # a role's own first
     if not missing:
         return []
     role, provider = missing[0]
@@ -9788,9 +9814,11 @@ def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[Chec
             f"({setting}={provider}), is not installed on its machine")
     if IGNORE_MISSING_CLI:
         return [CheckLine(None, f"warning: {what}; IGNORE_MISSING_CLI=1, so the agents are created anyway")]
-    return [CheckLine(False, f"{what} (it reports installed: {', '.join(installed) or 'none of the CLIs it lists'}); "
-                             f"set {setting} to a provider whose CLI is installed, install it where cao-server runs, "
-                             "or set IGNORE_MISSING_CLI=1 if the agents' login PATH has it")]
+    return [fallback_line(provider, CheckLine(False, f"{what} (it reports installed: "
+                                                     f"{', '.join(installed) or 'none of the CLIs it lists'}); set "
+                                                     f"{setting} to a provider whose CLI is installed, install it "
+                                                     "where cao-server runs, or set IGNORE_MISSING_CLI=1 if the "
+                                                     "agents' login PATH has it"))]
 
 
 def server_checks(report: dict[str, tuple[str, bool]] | None, run: bool = False) -> list[CheckLine]:
@@ -9901,7 +9929,7 @@ def check_own_server() -> list[CheckLine]:
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
                                "store") if unbundled else CheckLine(True, "agent profiles: the loop's, installed in "
                                                                          "CAO's store where it lacks them")
-    overrides = [CheckLine(False, f"the run's own server: {own_server_overrides()}; set them so in this environment "
+    overrides = [CheckLine(None, f"the run's own server: {own_server_overrides()}; set them so in this environment "
                                   "too (any other cao-server started from it would pass the wrong ones on)")
                  ] if own_server_overrides() else []
     return lines + [profiles] + check_clis(side, None) + check_traps(side) + overrides + check_sign_ins(side)
@@ -9937,13 +9965,12 @@ def refuse_what_check_refuses(own: bool) -> None:
 
 
 def check_mark(ok: bool | None) -> str:
-    """✓, ✗ or – where the output can show them, else ok, FAIL or -."""
-    marks = {True: "✓", False: "✗", None: "–"}
+    """✓, ✗ or ! where the output can show them, else ok, FAIL or !."""
     try:
-        "✓✗–".encode(sys.stdout.encoding or "ascii")
+        "✓✗".encode(sys.stdout.encoding or "ascii")
     except (UnicodeEncodeError, LookupError):
-        marks = {True: "ok", False: "FAIL", None: "-"}
-    return marks[ok]
+        return {True: "ok", False: "FAIL", None: "!"}[ok]
+    return {True: "✓", False: "✗", None: "!"}[ok]
 
 
 def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
@@ -9972,8 +9999,8 @@ def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
 
 
 def check_command(args: list[str]) -> int:
-    """--check [config.json]: a line for each thing a run needs; 0 when a run can start, 2 for bad settings,
-    1 for anything else to fix."""
+    """--check [config.json]: a line for each thing a run needs; 0 when a run can start (! lines warn of what may fail
+    later), 1 when a line is marked ✗, 2 for a bad setting."""
     previous = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))   # a stop unwinds: the probe's
     try:                                                                          # window is removed first
         code, lines = checked_lines(args)
@@ -10228,6 +10255,17 @@ def _status_start_left(stage: Stage) -> list[str]:
             f"\"{note.get('step')}\" (agents: {start_up_agents_text(note)})"]
 
 
+def _status_unsaved(stage: Stage, why: str) -> str:
+    """--status's first line where no run is saved: what it found -- a start-up killed, since when, what of it still
+    runs -- else why there is no run."""
+    note, alive = stage.start_left, stage.alive
+    if note is None and alive is None:
+        return why
+    killed = f" (pid {note['pid']}, since {since_text(str(note.get('since')))})" if note else ""
+    return (f"a start-up was killed here{killed} before it saved a run in {STATE_FILE}; "
+            + (f"still running: {alive.text()}" if alive else "nothing of it still runs"))
+
+
 def _status_tokens(saved: SavedState) -> list[str]:
     """What the run's agents used so far, as their CLIs recorded it (read at each reply and send)."""
     if not saved.turn_records:
@@ -10390,7 +10428,8 @@ def status_report() -> tuple[int, str]:
     if stage.starting and (saved is None or not stage.starting.get("resuming")):
         return EXIT_PASS, "\n".join(_status_starting(saved, stage))
     if saved is None:
-        return EXIT_FAIL, "\n".join([why, *_status_start_left(stage), *(stage.server_lines() if stage.alive else [])])
+        return EXIT_FAIL, "\n".join([_status_unsaved(stage, why), *_status_start_left(stage),
+                                     *(stage.server_lines() if stage.alive else [])])
     restore_saved_settings(saved)
     connect_api()
     lines = [f"state file: {STATE_FILE}", f"run: {describe_state(saved)}", *_status_progress(saved, stage),
@@ -10437,7 +10476,7 @@ def help_text() -> str:
         "environment variables and/or a JSON config file; the environment wins.", "",
         "  config.json      settings as JSON (see config-fresh.json in the documentation)",
         "  --demo [DIR]     a first PASS, scripted agents in DIR (~/cao-loop-demo)",
-        "  --check          all a run needs, checked: no agent started, no token spent",
+        "  --check          all a run needs; exits 0 a run can start, 1 ✗, 2 bad setting",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
         "  --help-settings  every setting: variable, JSON key, default, meaning",
         "  --readme         print the README (the rest of the documentation is in docs/)", "",

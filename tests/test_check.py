@@ -233,7 +233,7 @@ def test_check_passes_when_a_run_can_start_and_starts_nothing(load_orch, fake_ca
     assert code == 0, lines
     assert lines[-1] == "a run can start"
     assert any(line.startswith("✓ agent profiles installed: system_analyst") for line in lines)
-    assert any(line.startswith("– agent CLIs not checked") for line in lines)   # cao.test is not this machine
+    assert any(line.startswith("! agent CLIs not checked") for line in lines)   # cao.test is not this machine
     assert not fake_cao.terminals and not fake_cao.prompts
     assert not Path(orch.STATE_FILE).exists()
 
@@ -244,8 +244,29 @@ def test_check_names_the_profiles_to_install(load_orch, fake_cao, prompt_file, c
     code, lines = run_check(orch, capsys)
     assert code == 1 and lines[-1] == "fix what is marked, then run --check again"
     [line] = [line for line in lines if line.startswith("✗")]
-    assert "cao install profiles/programmer.md --provider mock_cli" in line
-    assert "cao install profiles/tester.md --provider mock_cli" in line
+    cao, profiles = orch.loop_program("cao") or "cao", Path(orch.__file__).resolve().parent / "profiles"
+    assert line.endswith(
+        "install them where the CAO server at http://cao.test runs, as its user: "
+        f"`{cao} install {profiles}/programmer.md --provider mock_cli && {cao} install {profiles}/tester.md "
+        "--provider mock_cli`; or OWN_SERVER=1 runs it on a CAO server of its own instead, which installs them itself")
+
+
+def test_check_names_the_store_a_local_server_reads_and_one_command_for_it(load_orch, fake_cao, prompt_file, capsys,
+                                                                           monkeypatch):
+    """A server running here as a process: the command sets its HOME (and CAO_HOME_DIR where it has one), so it
+    installs into the store that server reads, from any folder and any user's shell."""
+    fake_cao.missing_profiles = {"tester"}
+    orch = load_orch(PROVIDER="mock_cli", PROMPT_FILE=str(prompt_file))
+    server = orch.LocalServer(4242, os.getuid(), {"HOME": "/srv/their home", "PATH": "/usr/bin"})
+    monkeypatch.setattr(orch, "local_server", lambda: server)
+    monkeypatch.setattr(orch, "agents_side", lambda report, versions=True: (None, []))
+    code, lines = run_check(orch, capsys)
+    [line] = [line for line in lines if line.startswith("✗")]
+    tester = Path(orch.__file__).resolve().parent / "profiles" / "tester.md"
+    assert code == 1 and line.endswith(
+        "the CAO server at http://cao.test reads its store in /srv/their home/.aws/cli-agent-orchestrator, so install "
+        f"them there: `HOME='/srv/their home' {orch.loop_program('cao') or 'cao'} install {tester} --provider mock_cli`; or "
+        "OWN_SERVER=1 runs it on a CAO server of its own instead, which installs them itself")
 
 
 def test_check_with_cao_down_says_how_to_start_it(load_orch, prompt_file, capsys):
@@ -281,7 +302,7 @@ def test_check_marks_fall_back_to_words_where_the_output_cannot_show_them(orch, 
     class Ascii:
         encoding = "ascii"
     monkeypatch.setattr(orch.sys, "stdout", Ascii())
-    assert [orch.check_mark(ok) for ok in (True, False, None)] == ["ok", "FAIL", "-"]
+    assert [orch.check_mark(ok) for ok in (True, False, None)] == ["ok", "FAIL", "!"]
 
 
 def test_commits_asked_for_need_a_git_repository(load_orch, fake_cao, prompt_file, capsys):

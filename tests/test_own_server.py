@@ -420,10 +420,12 @@ def test_a_new_run_stops_before_a_terminal_where_check_marks_the_server_s_profil
     out, err = capsys.readouterr()
     assert out.splitlines()[0].endswith("using the CAO server at http://cao.test: API names it; OWN_SERVER=1 runs it "
                                         "on a CAO server of its own instead")
+    tester = Path(m.__file__).resolve().parent / "profiles" / "tester.md"
     assert err.strip().splitlines()[-1] == (
-        "error: agent profiles not installed for their provider: tester (mock_cli); install them from a checkout of "
-        "this project: cao install profiles/tester.md --provider mock_cli (the CAO server at http://cao.test, as "
-        "--check says; nothing was started)")
+        "error: agent profiles not installed for their provider: tester (mock_cli); install them where the CAO server "
+        f"at http://cao.test runs, as its user: `{m.loop_program('cao') or 'cao'} install {tester} --provider mock_cli`; or "
+        "OWN_SERVER=1 runs it on a CAO server of its own instead, which installs them itself (the CAO server at "
+        "http://cao.test, as --check says; nothing was started)")
     assert fake_cao.terminals == {} and not Path(m.STATE_FILE).exists()
 
 

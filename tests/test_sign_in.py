@@ -3,7 +3,7 @@ token spent; and an environment trap that checks the value a CLI needs, which th
 
 Each form is planted alone in a fresh agents' home (or environment): found, it is named (never its secret);
 none found, the line names the CLI's own login and the variable that also works; a form the loop cannot judge
-gives a "cannot say" line (–), never ✓. End to end with the real CLIs: tests/e2e/test_check_e2e.py.
+gives a "cannot say" line (!), never ✓. End to end with the real CLIs: tests/e2e/test_check_e2e.py.
 """
 
 from __future__ import annotations
@@ -268,8 +268,21 @@ def test_check_on_the_own_server_as_root_names_the_value_it_sets_and_the_sign_in
     assert run_main(m, "--check") == 1
     out = capsys.readouterr().out
     assert "✓ Claude Code: IS_SANDBOX=1 set for root" in out
-    assert "✗ the run's own server: the agents get IS_SANDBOX=1 in place of IS_SANDBOX=yes" in out
+    assert "! the run's own server: the agents get IS_SANDBOX=1 in place of IS_SANDBOX=yes" in out   # it gives them 1
     assert "✗ Claude Code: not signed in where its agents run" in out and "ANTHROPIC_API_KEY" in out
+    # the same signed-out CLI as the programmer's fallback only: a warning naming whose, and a run can start
+    (tools / "mock_cli").write_text("#!/bin/sh\necho 1.0\n", encoding="utf-8")
+    (tools / "mock_cli").chmod(0o755)
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", PROVIDER="mock_cli", API=None,
+                  PROGRAMMER_FALLBACK_PROVIDER="claude_code")
+    monkeypatch.setattr(m, "loop_program", lambda name: str(tools / name))
+    assert run_main(m, "--check") == 0
+    out = capsys.readouterr().out
+    assert "! the programmer's fallback: Claude Code: not signed in where its agents run" in out
+    assert "! the run's own server: the agents get IS_SANDBOX=1 in place of IS_SANDBOX=yes" in out
+    assert "✗" not in out and out.rstrip().endswith("a run can start")
+    m = load_orch(PROMPT_FILE=str(prompt_file), OWN_SERVER="1", PROVIDER="claude_code", API=None)
+    monkeypatch.setattr(m, "loop_program", lambda name: str(tools / name))
     monkeypatch.setenv("ANTHROPIC_API_KEY", SECRET)
     monkeypatch.setenv("IS_SANDBOX", "1")
     _write(home / ".claude.json", json.dumps({"customApiKeyResponses": {"approved": [SECRET[-20:]]},

@@ -174,7 +174,14 @@ def test_a_start_up_killed_is_told_with_how_far_it_got(load_orch, monkeypatch, c
     Path(m.STATE_FILE + ".lock").write_text("pid 999999 since 2026-11-28 06:00:00\n", encoding="utf-8")
     assert run_main(m, "--status") == 1
     err = capsys.readouterr().err
-    assert f"no state file at {m.STATE_FILE}" in err
+    assert err.splitlines()[0].startswith("a start-up was killed here (pid 999999, since ")    # what it found, first
+    assert err.splitlines()[0].endswith(f"before it saved a run in {m.STATE_FILE}; nothing of it still runs")
+    assert "no run has started here" not in err
+    alive = m.StageAlive(4242, 4343, 5, list(range(4242, 4264)))            # its own server's 22 processes live on
+    monkeypatch.setattr(m.own_stage, "seen", lambda: (None, alive))
+    assert run_main(m, "--status") == 1
+    assert capsys.readouterr().err.splitlines()[0].endswith(
+        "; still running: cao-server pid 4242, tmux pid 4343, 5 agents (22 processes in all)")
     assert ('last start-up: pid 999999, starting a new run since ' in err and 'was killed at "creating the five '
             'agents" (agents: analyst up (terminal 1a2b3c4d), tester starting)') in err
     assert run_main(m, "--status", "--json") == 0

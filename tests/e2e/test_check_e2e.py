@@ -132,10 +132,12 @@ def test_check_finds_each_trap_planted_alone_with_its_fix_and_passes_once_fixed(
     code, output = machine.check("mock_cli")
     [line] = failed_lines(output)
     assert code == 1 and "agent profiles not installed" in line
-    assert all(f"cao install profiles/{name}.md --provider mock_cli" in line for name in AGENT_PROFILES)
+    [command] = line.split("`")[1::2]          # the one command it prints, run as printed: another folder, HOME
+    assert command.startswith(f"HOME={machine.home} ") and command.count(" && ") == len(AGENT_PROFILES) - 1
+    subprocess.run(["sh", "-c", command], cwd="/", env=machine.env(HOME=str(machine.root)), check=True,
+                   capture_output=True, timeout=300)
 
     # mock_cli on cao-server's PATH (the README's venv) but not on the agents' login PATH
-    machine.install_profiles("mock_cli")
     (machine.home / ".profile").unlink()
     code, output = machine.check("mock_cli")
     [line] = failed_lines(output)

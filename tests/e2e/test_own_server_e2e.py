@@ -346,7 +346,8 @@ def test_a_killed_run_whose_server_died_with_it_has_its_session_removed_through_
 def test_a_run_on_a_server_of_the_users_that_cannot_work_there_stops_before_a_terminal_as_check_says(tmp_path):
     """A cao-server of another HOME, named by API: first without the agent profiles, then with them but without
     mock_cli where its agents' login shells look. Each time the run says which server it uses and why, stops
-    before it creates a terminal with --check's line and exit 2, and the server gets no POST /sessions."""
+    before it creates a terminal with --check's line and exit 2, and the server gets no POST /sessions. The fixes
+    as the lines print them (the profiles' one command copied, from another folder and HOME): the run PASSes."""
     from .test_check_e2e import NewcomersMachine
 
     root = Path(tempfile.mkdtemp(prefix="usr-", dir="/tmp"))      # short: the tmux socket path has a limit
@@ -365,7 +366,7 @@ def test_a_run_on_a_server_of_the_users_that_cannot_work_there_stops_before_a_te
         env.update(API=machine.api, PROVIDER="mock_cli", PROMPT_FILE="task.md", WD=str(machine.work),
                    HOME=str(machine.home))
         said = []
-        for fix in ("cao install profiles/", "is not on the PATH of the agents' shells"):
+        for fix in (f"so install them there: `HOME={machine.home} ", "is not on the PATH of the agents' shells"):
             result = subprocess.run([sys.executable, str(SCRIPT)], cwd=machine.work, env=env, capture_output=True,
                                     text=True, timeout=180)
             check = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=machine.work, env=env,
@@ -380,11 +381,18 @@ def test_a_run_on_a_server_of_the_users_that_cannot_work_there_stops_before_a_te
             refused = last[len("error: "):last.index(" (the CAO server at")]
             assert f"✗ {refused}" in check.stdout, check.stdout             # --check and the run agree
             said.append(last)
-            machine.install_profiles("mock_cli")                            # the first fix; mock_cli stays off
+            if len(said) == 1:          # the first fix: the one command it prints, as printed, from another folder
+                subprocess.run(["sh", "-c", last.split("`")[1]], cwd="/", env=machine.env(HOME=str(root)),
+                               check=True, capture_output=True, timeout=300)           # and another HOME
         assert "mock_cli" in said[1] and not (machine.work / ".tmp" / "orchestrator-loop-state.json").exists()
         logged = server_log.read_text(encoding="utf-8", errors="replace")
         assert "GET /agents/profiles/" in logged and "POST /sessions" not in logged       # its requests are logged
         assert httpx.get(f"{machine.api}/sessions", timeout=10).json() == []
+        machine.login_path(machine.bin)             # the second fix: mock_cli where the agents' login shells look
+        result = subprocess.run([sys.executable, str(SCRIPT)], cwd=machine.work, env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0 and "PASS" in result.stdout, explain(result)
+        assert machine.server.poll() is None                                 # the user's server is still theirs
     finally:
         machine.stop_server()
         shutil.rmtree(root, ignore_errors=True)
