@@ -4348,15 +4348,15 @@ def report_html(summary: dict) -> str:
     return str(page)
 
 
-def write_report(exit_code: int | None = None) -> None:
-    """Write report.html into the run's folder after every prompt and reply; a page that cannot be written
-    never stops the run."""
+def write_report(exit_code: int | None = None, summary: dict | None = None) -> None:
+    """Write report.html into the run's folder after every prompt and reply (at the end, from the summary that
+    summary.json keeps, so the two never disagree); a page that cannot be written never stops the run."""
     if not run_dir:
         return
     path = Path(run_dir) / "report.html"
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        temporary.write_text(report_html(run_summary(exit_code)), encoding="utf-8")
+        temporary.write_text(report_html(summary or run_summary(exit_code)), encoding="utf-8")
         os.replace(temporary, path)
     except (OSError, ValueError):       # ValueError: text the page cannot hold (a lone surrogate from the state)
         temporary.unlink(missing_ok=True)
@@ -9285,7 +9285,11 @@ def summary_tokens(summary: dict) -> str:
 
 
 def report_run_summary(exit_code: int) -> None:
-    """Log the run's summary and keep it as summary.json in the run's archive directory."""
+    """Log the run's summary and keep it as summary.json in the run's archive directory, the run's stop recorded
+    first, so that summary.json and the page both hold it."""
+    record_event("run_stopped", result=final_status, exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
+                 scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=len(turn_records),
+                 tokens=_token_totals(turn_records)["tokens"], no_progress=no_progress_stop)
     summary = run_summary(exit_code)
     per_role = ", ".join(f"{role} {r['turns']}x {r['seconds']:g}s" for role, r in summary["roles"].items()
                          if r["turns"])
@@ -9304,14 +9308,11 @@ def report_run_summary(exit_code: int) -> None:
         log(f"summary: lost agents replaced: {replacement_summary(replacements)}")
     if cli_switches:
         log(f"summary: on a fallback CLI for the rest of the run: {'; '.join(w.text() for w in cli_switches)}")
-    record_event("run_stopped", result=summary["result"], exit_code=exit_code, meaning=EXIT_MEANINGS.get(exit_code),
-                 scheduler_action=SCHEDULER_ACTIONS.get(exit_code), turns=summary["turns"],
-                 tokens=summary["tokens"], no_progress=no_progress_stop)
     if run_dir:
         path = Path(run_dir) / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        write_report(exit_code)
+        write_report(exit_code, summary)
         log(f"summary written to {path}; the run's page: {path.with_name('report.html')}")
 
 
