@@ -159,17 +159,22 @@ def test_the_port_asked_for_held_by_another_cao_server_gets_nothing(own_run):
         assert not run.state_file.exists()
 
 
-def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_again(own_run):
-    """SIGKILL mid-turn leaves the own server running (nothing can end it); the same command again ends
-    them first, starts new ones, and goes on to PASS without sending an answered turn again."""
+def killed_in_the_programmers_turn(own_run):
+    """A run on its own server killed with SIGKILL while the programmer's first turn (a minute long, so it
+    outlasts the looks at --status that follow) is at work: the run, its killed process and what it printed."""
     run = own_run(OWN_SERVER="1")
-    # The programmer's first turn outlasts the looks at --status below: it is still at work when the rerun comes.
     run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
                                                                         "think_ms": 60000}, PROGRAMMER_REPLY]})
     loop = run.start()
     run.wait_for_prompt(loop, "programmer")
     os.killpg(loop.pid, signal.SIGKILL)
-    first = loop.stdout.read()
+    return run, loop, loop.stdout.read()
+
+
+def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_again(own_run):
+    """SIGKILL mid-turn leaves the own server running (nothing can end it); the same command again ends
+    them first, starts new ones, and goes on to PASS without sending an answered turn again."""
+    run, loop, first = killed_in_the_programmers_turn(own_run)
     assert "agent profiles installed in CAO's store: system_analyst (mock_cli)" in first   # a new HOME
     loop.wait(timeout=30)
     note = json.loads(run.state_file.with_name("orchestrator-loop-state.own-server.json").read_text())
@@ -211,13 +216,8 @@ def test_a_run_killed_with_sigkill_has_its_helpers_ended_by_the_same_command_aga
 def test_a_run_killed_with_sigkill_whose_note_cannot_be_read_is_found_by_its_marks_and_ended(own_run):
     """SIGKILL mid-turn, then the own server's note damaged (a disk that filled as it was written): --status
     still finds what runs by the run's marks (never "ended"), and the same command ends it all and passes."""
-    run = own_run(OWN_SERVER="1")
-    run.set_script({"tester": [FAIL_REPLY, PASS_REPLY], "programmer": [{"text": PROGRAMMER_REPLY,
-                                                                        "think_ms": 60000}, PROGRAMMER_REPLY]})
-    loop = run.start()
-    run.wait_for_prompt(loop, "programmer")
-    os.killpg(loop.pid, signal.SIGKILL)
-    loop.communicate(timeout=30)
+    run, loop, _ = killed_in_the_programmers_turn(own_run)
+    loop.wait(timeout=30)
     note = run.state_file.with_name("orchestrator-loop-state.own-server.json")
     tmux_dir = json.loads(note.read_text())["tmux_dir"]
     note.write_text('{"port": 4', encoding="utf-8")
