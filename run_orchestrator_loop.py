@@ -1738,9 +1738,14 @@ class ApiClient:
         params = {"provider": provider or PROVIDER, "agent_profile": profile, "working_directory": WD}
         params.update((key, value) for key, value in more.items() if value)
         answer = self._call(what, "POST", path, params, idempotent=bool(more.get("idempotency_key")))
-        if not isinstance(answer, dict) or not isinstance(answer.get("id"), str) \
-                or not isinstance(answer.get("session_name"), str):
-            raise ApiError(f"CAO {what} answered without a terminal id and session name: {answer!r:.200}")
+        return self._holding(what, answer, "a terminal id and session name", id=str, session_name=str)
+
+    @staticmethod
+    def _holding(what: str, answer: object, missing: str, **kinds: type) -> dict:
+        """CAO's answer, checked to be an object holding each key of `kinds` with a value of its type; else the
+        ApiError saying what CAO answered without."""
+        if not isinstance(answer, dict) or not all(isinstance(answer.get(key), kind) for key, kind in kinds.items()):
+            raise ApiError(f"CAO {what} answered without {missing}: {answer!r:.200}")
         return answer
 
     def create_session(self, profile: str, provider: str | None = None, session_name: str | None = None,
@@ -1769,9 +1774,7 @@ class ApiClient:
         """The terminal's status word: idle, processing, completed, waiting_user_answer or error."""
         what = f"status of terminal {terminal_id}"
         answer = self._call(what, "GET", f"/terminals/{quote(terminal_id, safe='')}")
-        if not isinstance(answer, dict) or not isinstance(answer.get("status"), str):
-            raise ApiError(f"CAO {what} answered without a status: {answer!r:.200}")
-        return answer["status"]
+        return self._holding(what, answer, "a status", status=str)["status"]
 
     def get_last_output(self, terminal_id: str, retry: bool = True) -> str:
         """The agent's last reply as CAO reads it off the terminal screen."""
@@ -1785,9 +1788,7 @@ class ApiClient:
         what = f"{mode} output of terminal {terminal_id}"
         answer = self._call(what, "GET", f"/terminals/{quote(terminal_id, safe='')}/output", {"mode": mode},
                             retry=retry)
-        if not isinstance(answer, dict) or not isinstance(answer.get("output"), str):
-            raise ApiError(f"CAO {what} answered without an output: {answer!r:.200}")
-        return answer["output"]
+        return self._holding(what, answer, "an output", output=str)["output"]
 
     def provider_report(self) -> dict[str, tuple[str, bool]] | None:
         """Name -> (the CLI's program, installed?); None when the server cannot tell (never an error, but a
@@ -1813,12 +1814,10 @@ class ApiClient:
             if exc.status_code == 404 and "Session '" in str(exc):   # CAO's answer, not a missing route
                 return None
             raise
-        terminals = answer.get("terminals") if isinstance(answer, dict) else None
         record = answer.get("session") if isinstance(answer, dict) else None
         if isinstance(record, dict) and record.get("status") == "terminated":
             return None                 # CAO's stand-in for a gone session whose agents failed to start
-        if not isinstance(terminals, list):
-            raise ApiError(f"CAO {what} answered without its terminals: {answer!r:.200}")
+        terminals = self._holding(what, answer, "its terminals", terminals=list)["terminals"]
         return [entry["id"] for entry in terminals if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
 
     def session_profiles(self, session: str) -> dict[str, str]:
