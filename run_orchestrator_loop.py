@@ -1993,18 +1993,23 @@ def cao_hint(command: str) -> str:
 # A run keeps two notes beside its state file: its own server's (while it runs) and its start-up's. Each is
 # written whole or not at all, read back checked, and removed when what it notes is over.
 
-def write_note(path: Path, facts: dict) -> None:
-    """Write a note as JSON through a temporary file, fsync and a rename: a crash leaves the old note or the new."""
+def write_whole(path: Path, text: str) -> None:
+    """Write a file through a temporary file, fsync and a rename: a crash leaves the old file or the new."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(facts, handle)
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def write_note(path: Path, facts: dict) -> None:
+    """Write a note as JSON, whole or not at all."""
+    write_whole(path, json.dumps(facts))
 
 
 def read_note(path: Path, read: Callable[[dict], object]):
@@ -3154,18 +3159,8 @@ def save_state() -> None:
     data.update({f.key: f.dump(globals()[f.name]) for f in STATE_FIELDS})
     path = Path(STATE_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, ensure_ascii=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        sync_directory(path.parent)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    write_whole(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    sync_directory(path.parent)
 
 
 def sync_directory(directory: Path) -> None:
@@ -4352,13 +4347,8 @@ def write_report(exit_code: int | None = None, summary: dict | None = None) -> N
     summary.json keeps, so the two never disagree); a page that cannot be written never stops the run."""
     if not run_dir:
         return
-    path = Path(run_dir) / "report.html"
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(report_html(summary or run_summary(exit_code)), encoding="utf-8")
-        os.replace(temporary, path)
-    except (OSError, ValueError):       # ValueError: text the page cannot hold (a lone surrogate from the state)
-        temporary.unlink(missing_ok=True)
+    with suppress(OSError, ValueError):  # ValueError: text the page cannot hold (a lone surrogate from the state)
+        write_whole(Path(run_dir) / "report.html", report_html(summary or run_summary(exit_code)))
 
 
 # ==========================================================================
