@@ -3371,60 +3371,59 @@ def lock_text_facts(text: str) -> dict | None:
 # how far it got and each agent's start ('starting', 'up', or 'failed' and why): --status reads it. It goes
 # once the state file holds the run or the stop's line has said why not; an invocation killed in start-up
 # leaves it (written whole or not at all, like the own server's note).
-start_up_facts: dict = {}                # this invocation's note while its run starts ({} at any other time)
-start_up_guard = threading.Lock()        # the agents start in threads of their own
+class StartUpNote:
+    """The start-up note, the one home of it (its one object: `start_up`): `begin()`, `step()`, `agent()`, `end()`,
+    and `read()` for --status. While this invocation's run starts, `facts` is its note ({} at any other time)."""
+
+    def __init__(self) -> None:
+        self.facts: dict = {}
+        self.guard = threading.Lock()    # the agents start in threads of their own
+
+    @staticmethod
+    def path() -> Path:
+        """Where a starting run is noted: beside the state file."""
+        return Path(STATE_FILE).with_suffix(".start-up.json")
+
+    def _change(self, change: Callable[[dict], object], beginning: bool = False) -> None:
+        """Change the note of a start-up under way (or one `beginning`) and write it whole; a note that cannot be
+        written costs the run nothing."""
+        with self.guard:
+            if self.facts or beginning:
+                change(self.facts)
+                with suppress(OSError):
+                    write_note(self.path(), self.facts)
+
+    def begin(self, resuming: bool) -> None:
+        """Note that this invocation starts a run (a new one, or the saved one resumed), under the run's lock."""
+        self._change(lambda facts: facts.update(pid=os.getpid(), since=utc_iso(), resuming=resuming,
+                                                step="starting", agents={}), beginning=True)
+
+    def step(self, step: str) -> None:
+        """What the start-up does now ('starting the run's own CAO server', 'creating the five agents', ...)."""
+        self._change(lambda facts: facts.update(step=step))
+
+    def agent(self, role: str, state: str, reason: str = "", terminal: str = "") -> None:
+        """One agent's start: 'starting', 'up' (its terminal), or 'failed' with why in the CLI's or CAO's words
+        (the last word on a role wins). Nothing outside a start-up (a replacement mid-run)."""
+        self._change(lambda facts: facts["agents"].update({role: {"state": state, "reason": reason,
+                                                                  "terminal": terminal}}))
+
+    def end(self) -> None:
+        """The start-up is over: the state file holds the run, or the stop's line has said why it did not start."""
+        with self.guard:
+            if self.facts:
+                self.path().unlink(missing_ok=True)
+                self.facts.clear()
+
+    def read(self) -> dict | None:
+        """The start-up note beside the state file, as --status reads it (None: none, or one that cannot be read)."""
+        with suppress(ValueError):
+            return read_note(self.path(), lambda note: note if isinstance(note.get("pid"), int)
+                             and isinstance(note.get("agents"), dict) else None)
+        return None
 
 
-def start_up_note() -> Path:
-    """Where a starting run is noted: beside the state file."""
-    return Path(STATE_FILE).with_suffix(".start-up.json")
-
-
-def write_start_up_note() -> None:
-    """The note as it stands now, replaced whole; a note that cannot be written costs the run nothing."""
-    with suppress(OSError):
-        write_note(start_up_note(), start_up_facts)
-
-
-def begin_start_up(resuming: bool) -> None:
-    """Note that this invocation starts a run (a new one, or the saved one resumed), under the run's lock."""
-    with start_up_guard:
-        start_up_facts.clear()
-        start_up_facts.update(pid=os.getpid(), since=utc_iso(), resuming=resuming, step="starting", agents={})
-        write_start_up_note()
-
-
-def note_start_up_step(step: str) -> None:
-    """What the start-up does now ('starting the run's own CAO server', 'creating the five agents', ...)."""
-    with start_up_guard:
-        if start_up_facts:
-            start_up_facts["step"] = step
-            write_start_up_note()
-
-
-def note_agent_start(role: str, state: str, reason: str = "", terminal: str = "") -> None:
-    """One agent's start in the start-up note: 'starting', 'up' (its terminal), or 'failed' with why in the
-    CLI's or CAO's words (the last word on a role wins). Nothing outside a start-up (a replacement mid-run)."""
-    with start_up_guard:
-        if start_up_facts:
-            start_up_facts["agents"][role] = {"state": state, "reason": reason, "terminal": terminal}
-            write_start_up_note()
-
-
-def end_start_up() -> None:
-    """The start-up is over: the state file holds the run, or the stop's line has said why it did not start."""
-    with start_up_guard:
-        if start_up_facts:
-            start_up_note().unlink(missing_ok=True)
-            start_up_facts.clear()
-
-
-def read_start_up_note() -> dict | None:
-    """The start-up note beside the state file, as --status reads it (None: none, or one that cannot be read)."""
-    with suppress(ValueError):
-        return read_note(start_up_note(), lambda note: note if isinstance(note.get("pid"), int)
-                         and isinstance(note.get("agents"), dict) else None)
-    return None
+start_up = StartUpNote()
 
 
 # ==========================================================================
@@ -6294,16 +6293,16 @@ def request_agent(role: str, session: str, first: bool = False, replacing: str =
     """Ask CAO for the role's agent: its profile, provider and model; `first` makes the session `session`.
     The request carries agent_key(), so a request whose answer was lost is sent again, never making two."""
     key = agent_key(role, session, replacing)
-    note_agent_start(role, "starting")
+    start_up.agent(role, "starting")
     if first:
         own_stage.note_session(session)
     try:
         answer = (api.create_session(profile_for(role), provider_for(role), session, model_for(role), key) if first
                   else api.create_terminal(session, profile_for(role), provider_for(role), model_for(role), key))
     except Exception as exc:
-        note_agent_start(role, "failed", str(exc))
+        start_up.agent(role, "failed", str(exc))
         raise
-    note_agent_start(role, "up", terminal=str(answer.get("id", "")) if isinstance(answer, dict) else "")
+    start_up.agent(role, "up", terminal=str(answer.get("id", "")) if isinstance(answer, dict) else "")
     return answer
 
 
@@ -6396,7 +6395,7 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
             if seen[role].lasting:
                 log(f"{role}: its agent CLI cannot start ({seen[role].lasting.why}); its screen: "
                     f"{seen[role].quoted()}")
-                note_agent_start(role, "failed", f"{seen[role].lasting.why}: {seen[role].quoted()}",
+                start_up.agent(role, "failed", f"{seen[role].lasting.why}: {seen[role].quoted()}",
                                  seen[role].terminal_id)
                 return
 
@@ -6526,7 +6525,7 @@ def check_screens_started(answers: dict[str, dict], failures: dict[str, str],
         if screen.lasting:
             screens[role] = screen
             failures[role] = f"{role}: its agent CLI came up but cannot work ({screen.lasting.why})"
-            note_agent_start(role, "failed", f"{screen.lasting.why}: {screen.quoted()}", screen.terminal_id)
+            start_up.agent(role, "failed", f"{screen.lasting.why}: {screen.quoted()}", screen.terminal_id)
 
 
 def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> None:
@@ -6539,7 +6538,7 @@ def final_screens(failures: dict[str, str], screens: dict[str, StartScreen]) -> 
             last = read_start_screen(role, screens[role].terminal_id, server)
             screens[role] = last if last.lines else screens[role]
             if screens[role].lines:
-                note_agent_start(role, "failed", f"{failures[role]}; its screen: {screens[role].quoted()}",
+                start_up.agent(role, "failed", f"{failures[role]}; its screen: {screens[role].quoted()}",
                                  screens[role].terminal_id)
 
 
@@ -6595,7 +6594,7 @@ def create_terminals() -> tuple[str, dict[str, str]]:
     exits all it made, a stop removes the session at once."""
     name = new_session_name()
     providers = sorted({provider_for(role) for role in ROLES})
-    note_start_up_step(f"creating the five agents on {API}")
+    start_up.step(f"creating the five agents on {API}")
     log(f"creating the five agent terminals on {API} with provider {', '.join(providers)} in {WD}, all at once in "
         f"CAO session {name}; CAO waits for each agent CLI to start (seconds with the scripted agent, up to a "
         "minute with real CLIs)")
@@ -10133,7 +10132,7 @@ class Stage:
         """The stage as it is now: who holds the lock, what the notes name and whether it still runs."""
         holder = RunLock.holder()
         own, alive = own_stage.seen()
-        note = read_start_up_note()
+        note = start_up.read()
         driven = lock_text_facts(holder)
         live = note is not None and driven is not None and note["pid"] == driven["pid"]
         return cls(holder, RunLock.killed(), own, alive, note if live else None,
@@ -10529,7 +10528,7 @@ def start_run(task: str) -> StartPlan:
     if plan.resume:
         load_state()
         connect_api()
-        note_start_up_step(f"resuming the run: its agents on {API}")
+        start_up.step(f"resuming the run: its agents on {API}")
         if not PROMPT and task:
             set_task(task)
         elif task and task != PROMPT:
@@ -10706,21 +10705,21 @@ def run_command_line(args: list[str]) -> int:
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
         previous_handlers = set_stop_handlers(dict.fromkeys(STOP_SIGNALS, on_stop_signal))
         RunLock.take()
-        begin_start_up(plan.resume)
+        start_up.begin(plan.resume)
         if plan.unreadable:
             log(plan.note)
         choice = server_choice(plan)
         log(choice.line)
         own_stage.end_left()
         if choice.own:
-            note_start_up_step("starting the run's own CAO server")
+            start_up.step("starting the run's own CAO server")
             own_stage.start()
         connect_api()
         if not plan.resume:
             refuse_what_check_refuses(choice.own)   # before a terminal is made
         plan = start_run(task)
         started = True                   # from here on the state file is this run's: a stop keeps it
-        end_start_up()
+        start_up.end()
         say_tokens_not_counted()
         say_scripted_agents()
         end_old_run(plan)
@@ -10731,7 +10730,7 @@ def run_command_line(args: list[str]) -> int:
         StopSignals.stopping = True            # the run ends now (a finished run reported too): a stop is this end
         finished = isinstance(exc, AlreadyFinished)
         code, line = (exc.code, exc.message) if finished else stop_line(exc, started)
-        end_start_up()
+        start_up.end()
         (log if finished else say_error)(line)
     finally:
         StopSignals.stopping = True            # the run ends now: a stop from here on is this end, held till it is done

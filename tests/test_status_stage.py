@@ -131,7 +131,7 @@ def test_status_while_a_new_run_starts_says_so_with_each_agent_not_the_run_befor
     assert facts["starting"]["agents"]["analyst"]["state"] == "up"
     assert facts["starting"]["agents"]["tester"]["state"] == "failed"
     # Once the start-up has stopped, its note is gone and the state file's run is told again.
-    assert not m.start_up_note().exists()
+    assert not m.start_up.path().exists()
     capsys.readouterr()
     assert run_main(m, "--status") == 0
     out = capsys.readouterr().out
@@ -157,20 +157,20 @@ def test_status_while_the_first_run_starts_is_not_no_run(load_orch, fake_cao, pr
     code, text = status_seen_in_the_run(m, monkeypatch)
     assert code == 0 and "no run has started here" not in text and "a new run is starting" in text
     assert all(f"{role} up (terminal " in text for role in m.ROLES) and "before it" not in text
-    assert not m.start_up_note().exists()                         # the state file has the run
+    assert not m.start_up.path().exists()                         # the state file has the run
 
 
 def test_a_start_up_killed_is_told_with_how_far_it_got(load_orch, monkeypatch, capsys):
     m = load_orch()
     Path(m.STATE_FILE).parent.mkdir(parents=True)
-    m.begin_start_up(resuming=False)
-    m.note_start_up_step("creating the five agents")
-    m.note_agent_start("analyst", "up", terminal="1a2b3c4d")
-    m.note_agent_start("tester", "starting")
-    m.start_up_facts.clear()                                      # the invocation was killed: its note stays
-    note = json.loads(m.start_up_note().read_text())
+    m.start_up.begin(resuming=False)
+    m.start_up.step("creating the five agents")
+    m.start_up.agent("analyst", "up", terminal="1a2b3c4d")
+    m.start_up.agent("tester", "starting")
+    m.start_up.facts.clear()                                      # the invocation was killed: its note stays
+    note = json.loads(m.start_up.path().read_text())
     note["pid"] = 999999
-    m.start_up_note().write_text(json.dumps(note))
+    m.start_up.path().write_text(json.dumps(note))
     Path(m.STATE_FILE + ".lock").write_text("pid 999999 since 2026-11-28 06:00:00\n", encoding="utf-8")
     assert run_main(m, "--status") == 1
     err = capsys.readouterr().err
@@ -192,9 +192,9 @@ def test_a_start_up_killed_is_told_with_how_far_it_got(load_orch, monkeypatch, c
 
 
 def test_the_start_up_note_is_only_written_while_a_run_starts(orch):
-    orch.note_agent_start("analyst", "up", terminal="1a2b3c4d")   # a replacement mid-run: no note
-    orch.note_start_up_step("anything")
-    assert not orch.start_up_note().exists()
+    orch.start_up.agent("analyst", "up", terminal="1a2b3c4d")   # a replacement mid-run: no note
+    orch.start_up.step("anything")
+    assert not orch.start_up.path().exists()
 
 
 def test_a_driven_run_whose_own_cao_server_is_gone_is_never_told_to_start_one(load_orch, fake_cao, prompt_file,
@@ -228,4 +228,4 @@ def test_status_while_a_run_on_its_own_server_is_resumed_says_so_with_its_new_ag
     assert "starting: the run is being resumed, since " in text and " ago: creating the five agents on " in text
     assert "agents: five new ones on the run's own CAO server: analyst up (terminal " in text
     assert "last stop" not in text and "start it with" not in text
-    assert not m.start_up_note().exists()
+    assert not m.start_up.path().exists()
