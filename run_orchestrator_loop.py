@@ -88,7 +88,7 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from contextlib import closing, contextmanager, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import datetime, timedelta, timezone
 from enum import Enum
 from functools import lru_cache
@@ -96,7 +96,7 @@ from importlib import metadata
 from pathlib import Path
 from string import Template
 from types import SimpleNamespace
-from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Mapping, TextIO
+from typing import Any, BinaryIO, Callable, ClassVar, Iterable, Iterator, Mapping, TextIO
 from urllib.parse import quote, urlparse
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -2529,16 +2529,40 @@ def _strings(value: object) -> list[str]:
 
 # -- the nested records: validated once, when a state file is read -------------
 
+class PlainRecord:
+    """A state-file record saved as its fields (record_json()) and read back leniently, each by its annotation
+    (record_from_json()); not at all unless the saved entry is an object holding the field `required` as text."""
+
+    required: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        return record_json(self)
+
+    @classmethod
+    def from_json(cls, raw: object):
+        if not isinstance(raw, dict) or (cls.required and not isinstance(raw.get(cls.required), str)):
+            return None
+        return record_from_json(cls, raw)
+
+
+def record_field(default: object = MISSING, read: Callable[[object], object] | None = None,
+                 saved_if: Callable[[Any], object] | None = None) -> Any:
+    """A record's field read by `read` rather than by its annotation, or saved only when `saved_if(record)`."""
+    return field(default=default, metadata={"read": read, "saved_if": saved_if})
+
+
 @dataclass
-class InFlight:
+class InFlight(PlainRecord):
     """The prompt sent and not yet answered: which turn it is, when it went, the once-only blocks it carried."""
 
+    required: ClassVar[str] = "role"
     role: str
     round: int
     phase: str
     cycle: int
-    story: str | None = None          # story mode: the story and attempt of a programmer turn
-    attempt: int | None = None
+    # story mode: the story and attempt of a programmer turn
+    story: str | None = record_field(None, saved_if=lambda r: r.story is not None)
+    attempt: int | None = record_field(None, saved_if=lambda r: r.story is not None)
     sent_at: float | None = None      # time.time() of the (last) send
     sent_in_full: tuple[str, ...] = ()
     number: int | None = None         # NNN of its files in the run's folder: NNN-<role>.prompt.md, NNN-<role>.md
@@ -2546,60 +2570,20 @@ class InFlight:
     prompt_bytes: int = 0
     reminders: int = 0
     resends: int = 0
-    limit_line: str = ""              # the agent stopped at its usage limit: what its screen said ("" if not)
-    limit_until: float | None = None  # time.time() when it is told to continue (None: no reset time given)
-    reply_file: str = ""              # answered: the reply's name in the run's folder, its outcome not saved yet
-    tokens_before: RunningTotals | None = None  # at the first send, for a CLI that keeps running totals only
-    terminal: str = ""                # the terminal it was (last) sent to ("" in a state file from before)
+    # the agent stopped at its usage limit: what its screen said ("" if not), and time.time() when it is told to
+    # continue (None: no reset time given)
+    limit_line: str = record_field("", saved_if=lambda r: r.limit_line)
+    limit_until: float | None = record_field(None, saved_if=lambda r: r.limit_line)
+    # answered: the reply's name in the run's folder, its outcome not saved yet
+    reply_file: str = record_field("", saved_if=lambda r: r.reply_file)
+    # at the first send, for a CLI that keeps running totals only
+    tokens_before: RunningTotals | None = record_field(None, saved_if=lambda r: r.tokens_before is not None)
+    # the terminal it was (last) sent to ("" in a state file from before)
+    terminal: str = record_field("", saved_if=lambda r: r.terminal)
 
     def belongs_to(self, position: dict) -> bool:
         """Whether this is the prompt of the turn at `position` (see turn_position())."""
         return all(getattr(self, key, None) == value for key, value in position.items())
-
-    def to_json(self) -> dict:
-        data: dict = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle}
-        if self.story is not None:
-            data.update(story=self.story, attempt=self.attempt)
-        return {**data, "sent_at": self.sent_at, "sent_in_full": list(self.sent_in_full), "number": self.number,
-                "first_sent_at": self.first_sent_at, "prompt_bytes": self.prompt_bytes,
-                "reminders": self.reminders, "resends": self.resends,
-                **({"limit_line": self.limit_line, "limit_until": self.limit_until} if self.limit_line else {}),
-                **({"reply_file": self.reply_file} if self.reply_file else {}),
-                **({"tokens_before": tokens_before_json(self.tokens_before)} if self.tokens_before is not None else {}),
-                **({"terminal": self.terminal} if self.terminal else {})}
-
-    @classmethod
-    def from_json(cls, raw: object) -> InFlight | None:
-        if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
-            return None
-        story = raw.get("story")
-        return cls(raw["role"], _whole(raw.get("round")) or 0, _text(raw.get("phase")), _whole(raw.get("cycle")) or 0,
-                   story if isinstance(story, str) else None, _whole(raw.get("attempt")),
-                   _number(raw.get("sent_at")), tuple(_strings(raw.get("sent_in_full"))), _whole(raw.get("number")),
-                   _number(raw.get("first_sent_at")), _whole(raw.get("prompt_bytes")) or 0,
-                   _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
-                   _text(raw.get("limit_line")), _number(raw.get("limit_until")), _text(raw.get("reply_file")),
-                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("terminal")))
-
-
-class PlainRecord:
-    """A state-file record saved as its fields, as they are; read back field by field (`read`), and not at all
-    unless the saved entry is an object holding the field `required` as text."""
-
-    required: ClassVar[str] = ""
-
-    def to_json(self) -> dict:
-        return dict(vars(self))
-
-    @classmethod
-    def from_json(cls, raw: object):
-        if not isinstance(raw, dict) or (cls.required and not isinstance(raw.get(cls.required), str)):
-            return None
-        return cls.read(raw)
-
-    @classmethod
-    def read(cls, raw: dict):
-        raise NotImplementedError
 
 
 @dataclass
@@ -2609,40 +2593,22 @@ class StoryResult(PlainRecord):
     required: ClassVar[str] = "id"
     id: str
     title: str
-    status: str                       # COMPLETE or FAILED
-    attempts: int
+    status: str = record_field(read=lambda value: _text(value) or "FAILED")    # COMPLETE or FAILED
+    attempts: int = record_field(read=_positive_int)
     reason: str = ""
     summary: str = ""
 
-    @classmethod
-    def read(cls, raw: dict) -> StoryResult:
-        return cls(raw["id"], _text(raw.get("title")), _text(raw.get("status")) or "FAILED",
-                   _positive_int(raw.get("attempts")), _text(raw.get("reason")), _text(raw.get("summary")))
-
 
 @dataclass
-class StoryProgress:
+class StoryProgress(PlainRecord):
     """Story mode: the change, the stories still to do, the one under way and how the others went."""
 
     change: str
     queue: list[str]
     current: str                      # '' once every story in the queue is done
-    attempt: int = 1
+    attempt: int = record_field(1, read=_positive_int)
     last_failure: str = ""            # the reason the last attempt gave, for the retry prompt
     results: list[StoryResult] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {**vars(self), "queue": list(self.queue), "results": [r.to_json() for r in self.results]}
-
-    @classmethod
-    def from_json(cls, raw: object) -> StoryProgress | None:
-        if not isinstance(raw, dict):
-            return None
-        results = [StoryResult.from_json(item) for item in raw.get("results") or []] \
-            if isinstance(raw.get("results"), list) else []
-        return cls(_text(raw.get("change")), _strings(raw.get("queue")), _text(raw.get("current")),
-                   _positive_int(raw.get("attempt")), _text(raw.get("last_failure")),
-                   [result for result in results if result is not None])
 
 
 @dataclass(frozen=True)
@@ -2712,6 +2678,34 @@ def tokens_before_from_json(raw: object) -> RunningTotals | None:
     return None if None in found.values() else found
 
 
+# How a record's field is read back, by its annotation: a value of the wrong type reads as the empty one, never an
+# error; and how it is saved where that is not as it is.
+RECORD_READERS: dict[str, Callable[[object], object]] = {
+    "str": _text, "int": lambda value: _whole(value) or 0, "int | None": _whole, "float | None": _number,
+    "bool": lambda value: value is True, "str | None": lambda value: value if isinstance(value, str) else None,
+    "list[str]": _strings, "tuple[str, ...]": lambda value: tuple(_strings(value)),
+    "list[str] | None": lambda value: _strings(value) if isinstance(value, list) else None,
+    "dict | None": lambda value: value if isinstance(value, dict) else None,
+    "list[StoryResult]": lambda value: [r for r in map(StoryResult.from_json, value) if r]
+    if isinstance(value, list) else [],
+    "dict[str, TokenUse] | None": tokens_from_json, "RunningTotals | None": tokens_before_from_json}
+RECORD_WRITERS: dict[str, Callable[[Any], object]] = {
+    "list[str]": list, "tuple[str, ...]": list, "list[StoryResult]": lambda results: [r.to_json() for r in results],
+    "dict[str, TokenUse] | None": tokens_json, "RunningTotals | None": tokens_before_json}
+
+
+def record_json(record: Any) -> dict:
+    """A record as the state file keeps it: its fields in their order, each saved by its annotation, those whose
+    `saved_if` does not hold left out."""
+    return {f.name: RECORD_WRITERS.get(f.type, lambda value: value)(getattr(record, f.name)) for f in fields(record)
+            if f.metadata.get("saved_if") is None or f.metadata["saved_if"](record)}
+
+
+def record_from_json(cls: type, raw: dict) -> Any:
+    """A record read back from its saved object, each field by its own reader or else by its annotation."""
+    return cls(**{f.name: (f.metadata.get("read") or RECORD_READERS[f.type])(raw.get(f.name)) for f in fields(cls)})
+
+
 def add_tokens(*parts: dict[str, TokenUse] | None) -> dict[str, TokenUse]:
     """Tokens by model summed over turns (the unknown ones left out: the caller says how many there were)."""
     total: dict[str, TokenUse] = {}
@@ -2746,14 +2740,15 @@ def tokens_text(tokens: dict[str, TokenUse] | None) -> str:
 
 
 @dataclass
-class TurnRecord:
+class TurnRecord(PlainRecord):
     """One answered turn, for the run summary and its report: who, where in the run, when, how much."""
 
     role: str
     round: int
     seconds: float | None             # from the (last) send to the reply; None if the send time is unknown
     prompt_bytes: int
-    outcome: str | None = None        # the review verdict or test result it led to
+    # the review verdict or test result it led to
+    outcome: str | None = record_field(None, saved_if=lambda r: r.outcome is not None)
     phase: str = ""
     cycle: int = 0
     sent_at: str = ""                 # ISO times (UTC) of the first send and of the reply taken
@@ -2767,34 +2762,11 @@ class TurnRecord:
     tokens_final: bool = False        # read up to the role's next send (or the run's end): they stay as they are
     terminal: str = ""                # the terminal that answered ("" in a state file written before it was kept)
     context_tokens: int | None = None  # its agent's context at the turn's last response, as its CLI recorded it
-    tokens_before: RunningTotals | None = None  # its CLI's running totals at the first send (InFlight's)
+    # its CLI's running totals at the first send (InFlight's), needed until its tokens stand
+    tokens_before: RunningTotals | None = record_field(
+        None, saved_if=lambda r: r.tokens_before is not None and not r.tokens_final)
     model: str = ""                   # the model its last response named, as its CLI recorded it ("": unknown)
     provider: str = ""                # the provider (CLI) whose agent answered it ("": from before it was kept)
-
-    def to_json(self) -> dict:
-        data = {"role": self.role, "round": self.round, "phase": self.phase, "cycle": self.cycle,
-                "sent_at": self.sent_at, "taken_at": self.taken_at, "seconds": self.seconds,
-                "prompt_bytes": self.prompt_bytes, "reply_bytes": self.reply_bytes, "reminders": self.reminders,
-                "resends": self.resends, "prompt_file": self.prompt_file, "reply_file": self.reply_file,
-                "tokens": tokens_json(self.tokens), "tokens_final": self.tokens_final, "terminal": self.terminal,
-                "context_tokens": self.context_tokens, "model": self.model, "provider": self.provider}
-        if self.tokens_before is not None and not self.tokens_final:   # needed until its tokens stand
-            data["tokens_before"] = tokens_before_json(self.tokens_before)
-        return data if self.outcome is None else {**data, "outcome": self.outcome}
-
-    @classmethod
-    def from_json(cls, raw: object) -> TurnRecord | None:
-        if not isinstance(raw, dict):
-            return None
-        return cls(_text(raw.get("role")), _whole(raw.get("round")) or 0, _number(raw.get("seconds")),
-                   _whole(raw.get("prompt_bytes")) or 0, raw.get("outcome") if isinstance(raw.get("outcome"), str)
-                   else None, _text(raw.get("phase")), _whole(raw.get("cycle")) or 0, _text(raw.get("sent_at")),
-                   _text(raw.get("taken_at")), _whole(raw.get("reply_bytes")) or 0,
-                   _whole(raw.get("reminders")) or 0, _whole(raw.get("resends")) or 0,
-                   _text(raw.get("prompt_file")), _text(raw.get("reply_file")), tokens_from_json(raw.get("tokens")),
-                   raw.get("tokens_final") is True, _text(raw.get("terminal")), _whole(raw.get("context_tokens")),
-                   tokens_before_from_json(raw.get("tokens_before")), _text(raw.get("model")),
-                   _text(raw.get("provider")))
 
 
 def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | None, int]:
@@ -2818,14 +2790,7 @@ class AfterRun:
 
     @classmethod
     def from_json(cls, raw: object) -> AfterRun:
-        if not isinstance(raw, dict):
-            return cls()
-
-        def outcome(key: str) -> dict | None:
-            return raw[key] if isinstance(raw.get(key), dict) else None
-        notified = raw.get("notified")
-        due = _strings(raw["due"]) if isinstance(raw.get("due"), list) else None
-        return cls(due, outcome("archive"), outcome("commit"), notified if isinstance(notified, str) else None)
+        return record_from_json(cls, raw) if isinstance(raw, dict) else cls()
 
 
 @dataclass
@@ -2837,12 +2802,8 @@ class Replacement(PlainRecord):
     new_terminal: str
     at: str
     why: str
-    event: int = 1                    # the run's n-th replacement (a vanished session's five share one)
-
-    @classmethod
-    def read(cls, raw: dict) -> Replacement:
-        return cls(*(_text(raw.get(key)) for key in ("role", "old_terminal", "new_terminal", "at", "why")),
-                   _whole(raw.get("event")) or 1)
+    # the run's n-th replacement (a vanished session's five share one)
+    event: int = record_field(1, read=lambda value: _whole(value) or 1)
 
 
 @dataclass
@@ -2863,12 +2824,6 @@ class CliSwitch(PlainRecord):
     new_terminal: str = ""
     old_ended: bool = False           # the limited agent ended (a stop right after the switch leaves it to a rerun)
 
-    @classmethod
-    def read(cls, raw: dict) -> CliSwitch:
-        return cls(*(_text(raw.get(key)) for key in ("role", "from_provider", "from_model", "to_provider", "to_model",
-                                                      "at", "resets_at", "limit", "old_terminal", "new_terminal")),
-                   raw.get("old_ended") is True)
-
     def text(self) -> str:
         """'programmer codex (gpt-5) -> claude_code (its CLI default) at ...': the switch, for people."""
         def cli(provider: str, model: str) -> str:
@@ -2888,10 +2843,6 @@ class AgentEvent(PlainRecord):
     what: str                         # one of AGENT_EVENT_KINDS
     detail: str = ""
 
-    @classmethod
-    def read(cls, raw: dict) -> AgentEvent:
-        return cls(*(_text(raw.get(key)) for key in ("role", "terminal", "at", "what", "detail")))
-
 
 @dataclass
 class FailedRound(PlainRecord):
@@ -2903,13 +2854,6 @@ class FailedRound(PlainRecord):
     evidence: str
     files: list[str] | None = None    # paths changed in the WD since the last FAIL (None: not known)
     repeats: int = 0                  # the round whose failure this one repeats (0: progress, or the first)
-
-    @classmethod
-    def read(cls, raw: dict) -> FailedRound:
-        files = raw.get("files")
-        return cls(_whole(raw.get("round")) or 0, _text(raw.get("signature")), _text(raw.get("step")),
-                   _text(raw.get("evidence")), _strings(files) if isinstance(files, list) else None,
-                   _whole(raw.get("repeats")) or 0)
 
 
 def files_text(files: list[str] | None) -> str:
@@ -4138,7 +4082,7 @@ def _figures(summary: dict) -> ReportHtml:
                 *_tokens_figure(summary),
                 ("bytes", f"{summary['prompt_bytes']:,} sent, {summary['reply_bytes']:,} received"),
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
-                *[("fallback CLI", CliSwitch.read(w).text()) for w in summary["cli_switches"]],
+                *[("fallback CLI", record_from_json(CliSwitch, w).text()) for w in summary["cli_switches"]],
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
                 ("state file", summary["state_file"])]
     links = _run_file_links(summary["run_dir"])

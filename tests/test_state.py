@@ -519,6 +519,25 @@ def test_nested_records_are_read_into_their_types(orch):
     assert orch.after_run == orch.AfterRun(["commit"], None, {"result": "committed"}, None)
 
 
+def test_records_leave_out_what_they_do_not_hold(orch):
+    """A record writes its optional keys only when they hold something: the prompt in flight its story, usage
+    limit, reply and terminal; an answered turn its outcome, and its CLI's running totals until its tokens stand."""
+    base = {"role": "tester", "round": 1, "phase": "tester", "cycle": 1, "sent_at": None, "sent_in_full": [],
+            "number": None, "first_sent_at": None, "prompt_bytes": 0, "reminders": 0, "resends": 0}
+    assert orch.InFlight("tester", 1, "tester", 1, limit_until=5.0).to_json() == base
+    totals = {"s": {"m": orch.TokenUse(1, 2, 3)}}
+    full = orch.InFlight("tester", 1, "tester", 1, "3", None, limit_line="limit", reply_file="r.md",
+                         tokens_before=totals, terminal="t1")
+    assert full.to_json() == {**base, "story": "3", "attempt": None, "limit_line": "limit", "limit_until": None,
+                              "reply_file": "r.md", "tokens_before": orch.tokens_before_json(totals), "terminal": "t1"}
+    assert orch.InFlight.from_json(json.loads(json.dumps(full.to_json()))) == full
+    turn = orch.TurnRecord("tester", 1, 2.0, 10, tokens_before=totals)
+    assert "outcome" not in turn.to_json() and "tokens_before" in turn.to_json()
+    turn.outcome, turn.tokens_final = "PASS", True
+    assert turn.to_json()["outcome"] == "PASS" and "tokens_before" not in turn.to_json()
+    assert orch.Replacement.from_json({"event": "x"}) == orch.Replacement("", "", "", "", "", 1)
+
+
 def test_state_doc_names_every_state_key(orch):
     """docs/state-and-resume.md's "The state file" section names each key the state file holds."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "state-and-resume.md").read_text(encoding="utf-8")
