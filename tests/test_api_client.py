@@ -284,13 +284,13 @@ def test_answer_that_is_not_json_is_api_error(orch, client, router, call):
 
 
 SHAPE_ERRORS = [
-    ("create_session", {"session_name": SESSION, "status": "idle"}, "id"),
-    ("create_session", [TID, SESSION], "id"),
-    ("create_terminal", {"status": "idle"}, "id"),
-    ("get_status", {"id": TID}, "status"),
-    ("get_status", "idle", "status"),
-    ("get_last_output", {"mode": "last"}, "output"),
-    ("get_last_output", {"output": None, "mode": "last"}, "output"),
+    ("create_session", {"session_name": SESSION, "status": "idle"}, "answered without a terminal id and session name"),
+    ("create_session", [TID, SESSION], "answered without a terminal id and session name"),
+    ("create_terminal", {"id": TID, "session_name": 7}, "answered without a terminal id and session name"),
+    ("get_status", {"id": TID}, "answered without a status"),
+    ("get_status", "idle", "answered without a status"),
+    ("get_last_output", {"mode": "last"}, "answered without an output"),
+    ("get_last_output", {"output": None, "mode": "last"}, "answered without an output"),
 ]
 
 
@@ -303,6 +303,18 @@ def test_answer_lacking_id_status_or_output_is_api_error(orch, client, router, c
     with pytest.raises(orch.ApiError) as caught:
         do(client)
     assert missing in str(caught.value)
+
+
+def test_a_session_answer_without_its_terminals_is_api_error_unless_the_session_is_gone(orch, client, router):
+    """GET /sessions/{name} must list the session's terminals; CAO's record of a terminated session means gone."""
+    route = router.get(f"/sessions/{SESSION}")
+    route.mock(return_value=httpx.Response(200, json={"session": {"status": "active"}}))
+    with pytest.raises(orch.ApiError, match=f"^CAO session {SESSION} answered without its terminals: "):
+        client.session_terminals(SESSION)
+    route.mock(return_value=httpx.Response(200, json={"session": {"status": "terminated"}}))
+    assert client.session_terminals(SESSION) is None
+    route.mock(return_value=httpx.Response(200, json={"terminals": [{"id": TID}, {"id": 3}, "x"]}))
+    assert client.session_terminals(SESSION) == [TID]
 
 
 # --------------------------------------------------------------------------
