@@ -2286,9 +2286,7 @@ class OwnStage:
         return Path(STATE_FILE).with_suffix(".own-server.json")
 
     def write_note(self) -> None:
-        own = self.server
-        write_note(self.note, {"port": own.port, "tmux_dir": own.tmux_dir, "log_file": own.log_file,
-                               "processes": own.processes, "sessions": own.sessions})
+        write_note(self.note, vars(self.server))    # port, tmux_dir, log_file, processes, sessions
 
     def note_session(self, name: str) -> None:
         """A CAO session about to be asked of the run's own server, noted first: however the run ends, it is
@@ -2678,6 +2676,16 @@ def tokens_before_from_json(raw: object) -> RunningTotals | None:
     return None if None in found.values() else found
 
 
+def records_reader(cls: type[PlainRecord]) -> Callable[[object], list]:
+    """A reader of a saved list of `cls` records: those that can be read, in their order ([]: not a list)."""
+    return lambda raw: [record for record in map(cls.from_json, raw) if record] if isinstance(raw, list) else []
+
+
+def records_json(records: Iterable[PlainRecord]) -> list[dict]:
+    """A list of records as the state file keeps it."""
+    return [record.to_json() for record in records]
+
+
 # How a record's field is read back, by its annotation: a value of the wrong type reads as the empty one, never an
 # error; and how it is saved where that is not as it is.
 RECORD_READERS: dict[str, Callable[[object], object]] = {
@@ -2686,11 +2694,10 @@ RECORD_READERS: dict[str, Callable[[object], object]] = {
     "list[str]": _strings, "tuple[str, ...]": lambda value: tuple(_strings(value)),
     "list[str] | None": lambda value: _strings(value) if isinstance(value, list) else None,
     "dict | None": lambda value: value if isinstance(value, dict) else None,
-    "list[StoryResult]": lambda value: [r for r in map(StoryResult.from_json, value) if r]
-    if isinstance(value, list) else [],
+    "list[StoryResult]": records_reader(StoryResult),
     "dict[str, TokenUse] | None": tokens_from_json, "RunningTotals | None": tokens_before_from_json}
 RECORD_WRITERS: dict[str, Callable[[Any], object]] = {
-    "list[str]": list, "tuple[str, ...]": list, "list[StoryResult]": lambda results: [r.to_json() for r in results],
+    "list[str]": list, "tuple[str, ...]": list, "list[StoryResult]": records_json,
     "dict[str, TokenUse] | None": tokens_json, "RunningTotals | None": tokens_before_json}
 
 
@@ -2945,22 +2952,17 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("own_server", "on_own_server", parse=lambda v: v is True, new=bool),
     StateField("in_flight", "in_flight", parse=InFlight.from_json, dump=lambda r: r and r.to_json()),
     StateField("story_progress", "story_progress", parse=StoryProgress.from_json, dump=lambda r: r and r.to_json()),
-    StateField("turn_records", "turn_records", new=list, dump=lambda records: [r.to_json() for r in records],
-               parse=lambda v: [r for r in map(TurnRecord.from_json, v) if r] if isinstance(v, list) else []),
+    StateField("turn_records", "turn_records", new=list, parse=records_reader(TurnRecord), dump=records_json),
     StateField("worktree_at_start", "worktree_at_start", parse=_fingerprints),
     StateField("after_run", "after_run", parse=AfterRun.from_json, new=AfterRun, dump=lambda r: r.to_json()),
-    StateField("replacements", "replacements", new=list, dump=lambda events: [r.to_json() for r in events],
-               parse=lambda v: [r for r in map(Replacement.from_json, v) if r] if isinstance(v, list) else []),
-    StateField("agent_events", "agent_events", new=list, dump=lambda events: [e.to_json() for e in events],
-               parse=lambda v: [e for e in map(AgentEvent.from_json, v) if e] if isinstance(v, list) else []),
-    StateField("failed_rounds", "failed_rounds", new=list, dump=lambda rounds: [r.to_json() for r in rounds],
-               parse=lambda v: [r for r in map(FailedRound.from_json, v) if r] if isinstance(v, list) else []),
+    StateField("replacements", "replacements", new=list, parse=records_reader(Replacement), dump=records_json),
+    StateField("agent_events", "agent_events", new=list, parse=records_reader(AgentEvent), dump=records_json),
+    StateField("failed_rounds", "failed_rounds", new=list, parse=records_reader(FailedRound), dump=records_json),
     StateField("rounds_without_progress", "rounds_without_progress", new=int, parse=lambda v: _whole(v) or 0),
     StateField("worktree_at_fail", "worktree_at_fail", parse=_fingerprints),
     StateField("no_progress_stop", "no_progress_stop", parse=lambda v: v if isinstance(v, dict) else None),
-    StateField("cli_switches", "cli_switches", new=list, dump=lambda switches: [w.to_json() for w in switches],
-               parse=lambda v: [w for w in map(CliSwitch.from_json, v) if w and w.role in ROLES and w.to_provider]
-               if isinstance(v, list) else []),
+    StateField("cli_switches", "cli_switches", new=list, dump=records_json,
+               parse=lambda v: [w for w in records_reader(CliSwitch)(v) if w.role in ROLES and w.to_provider]),
     StateField("fresh_agents_due", "fresh_agents_due", new=dict,
                parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
                if isinstance(v, dict) else {}),
