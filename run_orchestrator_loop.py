@@ -1007,11 +1007,10 @@ _ENV_EXPECTED = {
     "prices": 'a JSON object: model -> {"input": price, "output": price, "cached_input": price}, prices per '
               'million tokens, at least 0',
 }
-_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", auto_bool='"auto", true or false',
-                      port0="a port number from 0 to 65535 (not a string)", count="a whole number of at least 1 (not a string)",
-                      count0="a whole number of at least 0 (not a string)",
-                      seconds="a number greater than 0 (not a string)",
-                      seconds0="a number of at least 0 (not a string)", amount0="a number of at least 0 (not a string)")
+# A config file's words: JSON's true/false, and a number written as one, not as a string.
+_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", auto_bool='"auto", true or false', **{
+    kind: _ENV_EXPECTED[kind].replace(" of seconds", "") + " (not a string)"
+    for kind in ("port0", "count", "count0", "seconds", "seconds0", "amount0")})
 
 
 def _is_whole(value: object, least: int) -> bool:

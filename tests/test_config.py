@@ -698,6 +698,22 @@ def test_a_json_value_close_to_an_allowed_one_gets_a_did_you_mean(load_orch, pro
     assert "key 'provider' is \"claude\" (did you mean claude_code?); expected one of" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("section, key, value, expected", [
+    ("limits", "max_rounds", "3", "a whole number of at least 1 (not a string)"),
+    ("handoff", "poll_seconds", "2", "a number greater than 0 (not a string)"),
+    ("handoff", "progress_seconds", -1, "a number of at least 0 (not a string)"),
+    ("tokens", "max_run_cost", "5", "a number of at least 0 (not a string)"),
+    ("on_pass", "commit", "1", "true or false"),
+])
+def test_a_json_value_of_the_wrong_type_is_told_in_the_files_words(load_orch, prompt_file, fake_cao, capsys,
+                                                                   tmp_path, section, key, value, expected):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({section: {key: value}}))
+    m = load_orch(PROMPT_FILE=str(prompt_file))
+    assert run_main(m, str(config)) == 2
+    assert f"key '{section}.{key}' is {json.dumps(value)}; expected {expected}" in capsys.readouterr().err
+
+
 def test_a_setting_key_at_the_wrong_level_is_told_where_it_belongs(load_orch, prompt_file, fake_cao, capsys,
                                                                     tmp_path):
     config = tmp_path / "config.json"
