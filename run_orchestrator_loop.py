@@ -2398,10 +2398,16 @@ def own_server_overrides() -> str:
             if replaced else "")
 
 
+def tmux_missing() -> str:
+    """The line that says tmux is missing and how to get it ('' when it is there): CAO runs the agents in it."""
+    return "" if shutil.which("tmux") else ("tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: "
+                                            "apt-get install tmux)")
+
+
 def own_server_missing() -> str:
     """What the own server needs and this machine lacks, as the line that says how to get it ('': nothing)."""
-    if shutil.which("tmux") is None:
-        return "tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: apt-get install tmux)"
+    if missing := tmux_missing():
+        return missing
     if not loop_program("cao-server") or not loop_program("cao"):
         return (f"cao-server is not installed here: pip install '{PACKAGE_NAME}[cao]' (CAO {CAO_PROVEN_VERSION}), or "
                 "point API at a CAO server you run")
@@ -9603,7 +9609,7 @@ def sprung_traps(provider: str) -> list[CheckLine]:
     trap only then); none where the agents' side cannot be looked into from here."""
     traps = agent_cli(provider).traps
     server = local_server() if traps else None
-    side = probe_agents_side(server, []) if server is not None and shutil.which("tmux") else None
+    side = probe_agents_side(server, []) if server is not None and not tmux_missing() else None
     if not isinstance(side, AgentsSide):
         return []
     return [line for line in (check_trap(agent_cli(provider), trap, side) for trap in traps) if line.ok is False]
@@ -9788,8 +9794,8 @@ def agents_side(report: dict[str, tuple[str, bool]] | None, versions: bool = Tru
                  "cannot be looked into from here (another user's process, or no /proc)")
         return None, [CheckLine(None, f"agent CLIs not checked: cao-server at {API} {where}; run --check where it "
                                       "runs, as its user")]
-    if shutil.which("tmux") is None:
-        return None, [CheckLine(False, "tmux is not installed: CAO runs the agents in tmux (apt-get install tmux)")]
+    if missing := tmux_missing():
+        return None, [CheckLine(False, missing)]
     side = probe_agents_side(server, sorted({cli_program(provider, report) for provider in providers_in_use()}),
                              versions)
     if isinstance(side, str):
