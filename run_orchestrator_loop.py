@@ -6017,30 +6017,29 @@ def switch_pending(role: str) -> bool:
     return any(w.role == role and w.old_terminal == terminal_ids.get(role) for w in cli_switches)
 
 
-def fallback_due(role: str) -> bool:
-    """Whether a usage limit the loop will not wait out moves the role to its fallback CLI: one is set and the
-    role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth)."""
-    return switch_pending(role) or (switched_to(role) is None and fallback_for(role) is not None)
-
-
 def limit_outlasting(turn: Turn, line: str, until: float | None) -> RunError:
-    """What a usage limit the loop will not wait out leads to: the role's fallback CLI, else the stop."""
-    return FallbackDue(turn, line, until) if fallback_due(turn.role) else usage_limit_stop(turn, line, until)
+    """What a usage limit the loop will not wait out leads to: the role's fallback CLI when one is set and the
+    role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth), or
+    the switch to it is decided already; else the stop."""
+    if switch_pending(turn.role) or (switched_to(turn.role) is None and fallback_for(turn.role) is not None):
+        return FallbackDue(turn, line, until)
+    return usage_limit_stop(turn, line, until)
 
 
-def begin_limit_wait(turn: Turn, limit: UsageLimit) -> None:
-    """The agent stopped at its usage limit: wait until the reset and a margin (at most USAGE_LIMIT_MAX_WAIT),
-    else go over to the role's fallback CLI, or stop saying when to rerun. Saved first, so a rerun during the
-    wait waits on instead of resending."""
-    now = time.time()
+def begin_limit_wait(turn: Turn) -> None:
+    """The agent stopped at the usage limit its turn saw: wait until the reset and a margin (at most
+    USAGE_LIMIT_MAX_WAIT), else go over to the role's fallback CLI, or stop saying when to rerun. Saved first, so
+    a rerun during the wait waits on instead of resending."""
+    limit, now = turn.facts.usage_limit, time.time()
     until = None if limit.resets_at is None else max(now, limit.resets_at + USAGE_LIMIT_MARGIN_SECONDS)
-    waits = until is not None and until - now <= USAGE_LIMIT_MAX_WAIT
+    outlasting = None if until is not None and until - now <= USAGE_LIMIT_MAX_WAIT else \
+        limit_outlasting(turn, limit.line, until)
     record_agent_event(turn.role, turn.terminal_id, "usage limit", limit.line[:200] + (
-        f"; waited until {clock_text(until)}" if waits else
-        "; the role goes over to its fallback CLI" if fallback_due(turn.role) else "; the run stopped"))
+        f"; waited until {clock_text(until)}" if outlasting is None else "; the role goes over to its fallback CLI"
+        if isinstance(outlasting, FallbackDue) else "; the run stopped"))
     note_limit_in_flight(turn.role, limit.line, until)
-    if not waits:
-        raise limit_outlasting(turn, limit.line, until)
+    if outlasting is not None:
+        raise outlasting
     turn.facts.limit_wait_until = time.monotonic() + (until - now)
     log_turn(turn.role, f"usage limit reached; waiting until {clock_text(until)} (in {duration_text(until - now)}), "
                         f"then it continues ({limit.line[:200]})")
@@ -6073,7 +6072,7 @@ def remind_unless_limited(turn: Turn) -> str | None:
     """Before a reminder, the screen once more: a usage limit is waited out, not reminded of."""
     turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time(), turn.facts.cli))
     if turn.facts.usage_limit is not None:
-        begin_limit_wait(turn, turn.facts.usage_limit)
+        begin_limit_wait(turn)
         return None
     turn.facts.resend_used = True
     return idle_without_file(turn)
@@ -6121,22 +6120,18 @@ def switch_to_fallback(due: FallbackDue) -> None:
                    f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
                    f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
     crash_point("fallback-switched")
-    end_agent_switched_from(switch)
-
-
-def end_agent_switched_from(switch: CliSwitch) -> None:
-    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
-    exit_terminals([switch.old_terminal])
-    with suppress(ApiError):             # gone already: nothing to remove
-        api.delete_terminal(switch.old_terminal)
-    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
-    save_state()
+    end_agents_switched_from()
 
 
 def end_agents_switched_from() -> None:
-    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
+    """End the agents fallback CLIs took their roles from (once the new ones are saved), each noted done: right
+    after a switch, and as a run resumes (a stop right after a switch left the old one up)."""
     for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
-        end_agent_switched_from(switch)
+        exit_terminals([switch.old_terminal])
+        with suppress(ApiError):             # gone already: nothing to remove
+            api.delete_terminal(switch.old_terminal)
+        update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
+        save_state()
 
 
 # What each verdict that types into the terminal (or waits for its limit) does; none once the reply file came.
@@ -6144,7 +6139,7 @@ NUDGES: dict[Verdict, Callable[[Turn], str | None]] = {
     Verdict.RESEND: resend_unseen_prompt,
     Verdict.REMIND: remind_unless_limited,
     Verdict.CONTINUE: continue_after_provider_error,
-    Verdict.WAIT_OUT_LIMIT: lambda turn: begin_limit_wait(turn, turn.facts.usage_limit),
+    Verdict.WAIT_OUT_LIMIT: begin_limit_wait,
     Verdict.CONTINUE_AFTER_LIMIT: continue_after_usage_limit,
     Verdict.RESEND_IN_FULL: resend_in_full,
 }
