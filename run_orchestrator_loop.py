@@ -8240,19 +8240,29 @@ def fingerprint(path: Path) -> str:
         return f"unreadable:{exc.errno}"
 
 
+HEAD_MARK = "<HEAD>"                 # the key of WD's git HEAD among the fingerprints of what WD holds
+
+
+def git_fingerprints(top: str) -> dict[str, str]:
+    """WD in git: HEAD, and each changed or untracked path (its content), the loop's own files left out: what the
+    commit leaves alone (the user's changes at the start) and what tells a round's progress (15)."""
+    code, head, _ = git(["rev-parse", "--verify", "-q", "HEAD"], top)
+    marks = {path: fingerprint(Path(top) / path) for path in git_changed_paths(top)
+             if not is_orchestrator_file((Path(top) / path).resolve())}
+    marks[HEAD_MARK] = head.strip() if code == 0 else ""
+    return marks
+
+
 def snapshot_worktree() -> dict | None:
-    """COMMIT_ON_PASS at a run's start: each changed or untracked path's fingerprint, so the user's own changes
-    are left alone at the end. None when WD is not in a git repository."""
+    """COMMIT_ON_PASS at a run's start: each changed or untracked path's fingerprint, taken as the progress check
+    takes them (15), so the user's own changes are left alone at the end. None when WD is not in a git repository."""
     top = git_top(WD)
-    if not top:
-        return None
     try:
-        paths = git_changed_paths(top)
+        return {path: mark for path, mark in git_fingerprints(top).items() if path != HEAD_MARK} if top else None
     except OSError as exc:
         log(f"commit: could not record the working tree at the start ({exc}); only tracked files will be "
             "committed on PASS")
         return None
-    return {path: fingerprint(Path(top) / path) for path in paths}
 
 
 def is_orchestrator_file(path: Path) -> bool:
@@ -9003,18 +9013,8 @@ def handle_tester_fail() -> None:
 
 # -- Progress between failed rounds (MAX_ROUNDS_WITHOUT_PROGRESS) -----------------------------------
 # A FAIL whose signature (section 10) repeats the last one is a round without progress, whatever WD changed.
-HEAD_MARK = "<HEAD>"                 # the key of WD's git HEAD among the fingerprints of what WD holds
 MORE_FILES_MARK = "<more files>"     # the key of one digest for the files beyond PROGRESS_FILE_LIMIT
 PROGRESS_FILE_LIMIT = 5000           # files of a WD without git fingerprinted one by one
-
-
-def _git_fingerprints(top: str) -> dict[str, str]:
-    """WD in git: HEAD, and each changed or untracked path (its content), the loop's own files left out."""
-    code, head, _ = git(["rev-parse", "--verify", "-q", "HEAD"], top)
-    marks = {path: fingerprint(Path(top) / path) for path in git_changed_paths(top)
-             if not is_orchestrator_file((Path(top) / path).resolve())}
-    marks[HEAD_MARK] = head.strip() if code == 0 else ""
-    return marks
 
 
 def _walked_fingerprints() -> dict[str, str]:
@@ -9044,7 +9044,7 @@ def worktree_fingerprints() -> dict[str, str] | None:
     """What WD holds now, to tell which files a round changed (None when it cannot be read)."""
     top = git_top(WD)
     try:
-        return _git_fingerprints(top) if top else _walked_fingerprints()
+        return git_fingerprints(top) if top else _walked_fingerprints()
     except OSError as exc:
         log(f"could not read what {WD} holds ({exc}); the round's changed files are not known")
         return None
