@@ -380,7 +380,7 @@ class Trap:
     env: str = ""                     # a variable that must be set in the agents' environment ...
     env_value: str = ""               # ... to exactly this value, which a CAO server the run starts itself sets
     root_only: bool = False           # a trap only where the agents run as root
-    file: str = ""                    # else a file under the agents' home ...
+    file: str = ""                    # else a file under the agents' home ({project}/...: under the project) ...
     folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set
     pattern: str = ""                 # a regex (multi-line) the file must match; a group `project` must name the
     #                                   project folder (git's top, else WD) or one above it
@@ -9543,11 +9543,14 @@ def fallback_line(provider: str, line: CheckLine) -> CheckLine:
     return CheckLine(None if line.ok is False else line.ok, f"{whose} fallback: {line.text}")
 
 
-def trap_file(trap: Trap, side: AgentsSide) -> Path:
-    """The file a trap looks at: under the agents' home, or in the folder its variable names where they set it."""
-    if trap.folder_env and side.env.get(trap.folder_env):
-        return Path(side.env[trap.folder_env]) / Path(trap.file).name
-    return side.home(trap.file)
+def agents_file(looked_at: Trap | Credential, side: AgentsSide) -> Path:
+    """The file a trap or a form of sign-in looks at: under the project ({project}/...), under the agents' home, or
+    in the folder its variable names where they set it."""
+    if looked_at.file.startswith("{project}/"):
+        return trap_project() / looked_at.file.removeprefix("{project}/")
+    if looked_at.folder_env and side.env.get(looked_at.folder_env):
+        return Path(side.env[looked_at.folder_env]) / Path(looked_at.file).name
+    return side.home(looked_at.file)
 
 
 def trap_project() -> Path:
@@ -9561,10 +9564,10 @@ def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
     if trap.env:
         return side.env.get(trap.env) == trap.env_value if trap.env_value else bool(side.env.get(trap.env))
     if trap.json_key:
-        value = _json_file(trap_file(trap, side)).get(trap.json_key)
+        value = _json_file(agents_file(trap, side)).get(trap.json_key)
         return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
     try:
-        text = trap_file(trap, side).read_text(encoding="utf-8") + "\n"
+        text = agents_file(trap, side).read_text(encoding="utf-8") + "\n"
     except OSError:
         return False
     pattern = re.compile(trap.pattern, re.MULTILINE)
@@ -9584,7 +9587,7 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
     if "{project}" in text:
         text = text.replace("{project}", str(trap_project()))
     if "{file}" in text:
-        text = text.replace("{file}", str(trap_file(trap, side)))
+        text = text.replace("{file}", str(agents_file(trap, side)))
     if "{tmux}" in text:
         text = text.replace("{tmux}", tmux_hint("").rstrip())
     if "{seen}" in text:
@@ -9613,20 +9616,11 @@ def sprung_traps(provider: str) -> list[CheckLine]:
 # -- Signed in: each CLI's forms of credential (its row's `SignIn`), looked for without a token spent ----------
 
 
-def credential_file(form: Credential, side: AgentsSide) -> Path:
-    """The file a form of sign-in is in: under the project, under the agents' home, or in its variable's folder."""
-    if form.file.startswith("{project}/"):
-        return trap_project() / form.file.removeprefix("{project}/")
-    if form.folder_env and side.env.get(form.folder_env):
-        return Path(side.env[form.folder_env]) / Path(form.file).name
-    return side.home(form.file)
-
-
 def sign_in_env(cli: AgentCli, side: AgentsSide) -> tuple[dict[str, str], dict[str, str]]:
     """The variables the CLI will have: the agents' environment's, and those its settings files set ("env")."""
     settings: dict[str, str] = {}
     for name in cli.sign_in.settings_env if cli.sign_in else ():
-        values = _json_file(credential_file(Credential("", file=name), side)).get("env")
+        values = _json_file(agents_file(Credential("", file=name), side)).get("env")
         settings.update({str(k): str(v) for k, v in values.items() if v} if isinstance(values, dict) else {})
     return {k: v for k, v in side.env.items() if v}, settings
 
@@ -9644,7 +9638,7 @@ def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple
     variable = next((name for name in form.env if where.get(name)), "")
     if form.env:
         return bool(variable), form.name.replace("{variable}", variable or " or ".join(form.env[:3]))
-    path = credential_file(form, side)
+    path = agents_file(form, side)
     named = form.name.replace("{file}", str(path))
     if form.json_key:
         return bool(_json_path(_json_file(path), form.json_key)), named
@@ -9682,7 +9676,7 @@ CODEX_LOCAL_PROVIDERS = ("ollama", "lmstudio")     # its built-in providers that
 def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
     """A model provider Codex's config.toml chooses: signed in by its env_key's variable (None: its login decides,
     as for OpenAI's own)."""
-    path = credential_file(form, side)
+    path = agents_file(form, side)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
@@ -9719,7 +9713,7 @@ def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> C
 def opencode_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
     """The provider of OpenCode's model: a key in its config, or its login for that provider (auth.json in its
     data folder); its catalogue's variables the loop does not know, so anything else is a "cannot say"."""
-    path = credential_file(form, side)
+    path = agents_file(form, side)
     config = _json_file(path)
     model = config.get("model")
     if not isinstance(model, str) or "/" not in model:
