@@ -1193,18 +1193,24 @@ def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]
             _config_values(path, value, key, values)
 
 
+def read_user_file(path: Path, named: str, expected: str, utf8_fix: str = "") -> str:
+    """The text of a file the user names (the config file, PROMPT_FILE); else the ConfigError that says what is
+    wrong with it, calling it `named`."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{named} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{named} is a directory, expected {expected}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{named} is not UTF-8 text{utf8_fix}") from None
+    except OSError as exc:
+        raise ConfigError(f"{named} cannot be read: {exc.strerror}") from None
+
+
 def read_config_file(path: str) -> dict[str, object]:
     """Settings from a JSON config file, keyed by env name; ConfigError on any flaw."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory, expected a JSON file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    text = read_user_file(Path(path), f"config file {path}", "a JSON file")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -1509,16 +1515,7 @@ def read_task_prompt() -> str:
         path = Path(PROMPT_FILE)
         if not path.is_absolute() and not path.exists():
             path = Path(WD) / path
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} does not exist") from None
-        except IsADirectoryError:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} is a directory, expected a text file") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} is not UTF-8 text: save it as UTF-8") from None
-        except OSError as exc:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} cannot be read: {exc.strerror}") from None
+        text = read_user_file(path, f"PROMPT_FILE={PROMPT_FILE}", "a text file", ": save it as UTF-8")
         parse_task_prompt(text, f"PROMPT_FILE={PROMPT_FILE}")
         return text
     if PROMPT:
