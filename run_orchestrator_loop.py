@@ -6323,11 +6323,6 @@ def note_model_answers(answers: dict[str, dict]) -> None:
                 f"{role} runs on its CLI's default model, not {model_for(role)}")
 
 
-def model_refused(error: str) -> bool:
-    """CAO refused the model id itself (HTTP 400 before it started anything)."""
-    return bool(re.search(r"\bmodel\b.*(is invalid|exceeds the)", error))
-
-
 def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
     """Add the role's terminal to the session being created under `name` (CAO's answer): an add that comes
     before the session (404) is tried again while the session request is under way and once after, under the
@@ -6499,7 +6494,7 @@ def start_up_failure(failures: dict[str, str], screens: dict[str, StartScreen] |
     if "Working directory not allowed" in error:
         return ConfigError(f"{error}: set WD to a project folder CAO allows (not /tmp itself, nor a folder under "
                            "/root, /etc or another system path)")
-    if model_refused(error):
+    if re.search(r"\bmodel\b.*(is invalid|exceeds the)", error):    # CAO refused the model id, before starting anything
         return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
                            "accepts, or leave it empty for each CLI's own default")
     return screen_failure(failures, screens or {}) or \
