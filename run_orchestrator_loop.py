@@ -380,7 +380,7 @@ class Trap:
     env: str = ""                     # a variable that must be set in the agents' environment ...
     env_value: str = ""               # ... to exactly this value, which a CAO server the run starts itself sets
     root_only: bool = False           # a trap only where the agents run as root
-    file: str = ""                    # else a file under the agents' home ...
+    file: str = ""                    # else a file under the agents' home ({project}/...: under the project) ...
     folder_env: str = ""              # ... in the folder this variable of theirs names instead, where it is set
     pattern: str = ""                 # a regex (multi-line) the file must match; a group `project` must name the
     #                                   project folder (git's top, else WD) or one above it
@@ -1007,11 +1007,10 @@ _ENV_EXPECTED = {
     "prices": 'a JSON object: model -> {"input": price, "output": price, "cached_input": price}, prices per '
               'million tokens, at least 0',
 }
-_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", auto_bool='"auto", true or false',
-                      port0="a port number from 0 to 65535 (not a string)", count="a whole number of at least 1 (not a string)",
-                      count0="a whole number of at least 0 (not a string)",
-                      seconds="a number greater than 0 (not a string)",
-                      seconds0="a number of at least 0 (not a string)", amount0="a number of at least 0 (not a string)")
+# A config file's words: JSON's true/false, and a number written as one, not as a string.
+_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", auto_bool='"auto", true or false', **{
+    kind: _ENV_EXPECTED[kind].replace(" of seconds", "") + " (not a string)"
+    for kind in ("port0", "count", "count0", "seconds", "seconds0", "amount0")})
 
 
 def _is_whole(value: object, least: int) -> bool:
@@ -1194,18 +1193,24 @@ def _config_values(path: str, node: dict, prefix: str, values: dict[str, object]
             _config_values(path, value, key, values)
 
 
+def read_user_file(path: Path, named: str, expected: str, utf8_fix: str = "") -> str:
+    """The text of a file the user names (the config file, PROMPT_FILE); else the ConfigError that says what is
+    wrong with it, calling it `named`."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{named} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{named} is a directory, expected {expected}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{named} is not UTF-8 text{utf8_fix}") from None
+    except OSError as exc:
+        raise ConfigError(f"{named} cannot be read: {exc.strerror}") from None
+
+
 def read_config_file(path: str) -> dict[str, object]:
     """Settings from a JSON config file, keyed by env name; ConfigError on any flaw."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory, expected a JSON file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    text = read_user_file(Path(path), f"config file {path}", "a JSON file")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -1510,16 +1515,7 @@ def read_task_prompt() -> str:
         path = Path(PROMPT_FILE)
         if not path.is_absolute() and not path.exists():
             path = Path(WD) / path
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} does not exist") from None
-        except IsADirectoryError:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} is a directory, expected a text file") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} is not UTF-8 text: save it as UTF-8") from None
-        except OSError as exc:
-            raise ConfigError(f"PROMPT_FILE={PROMPT_FILE} cannot be read: {exc.strerror}") from None
+        text = read_user_file(path, f"PROMPT_FILE={PROMPT_FILE}", "a text file", ": save it as UTF-8")
         parse_task_prompt(text, f"PROMPT_FILE={PROMPT_FILE}")
         return text
     if PROMPT:
@@ -2401,10 +2397,16 @@ def own_server_overrides() -> str:
             if replaced else "")
 
 
+def tmux_missing() -> str:
+    """The line that says tmux is missing and how to get it ('' when it is there): CAO runs the agents in it."""
+    return "" if shutil.which("tmux") else ("tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: "
+                                            "apt-get install tmux)")
+
+
 def own_server_missing() -> str:
     """What the own server needs and this machine lacks, as the line that says how to get it ('': nothing)."""
-    if shutil.which("tmux") is None:
-        return "tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: apt-get install tmux)"
+    if missing := tmux_missing():
+        return missing
     if not loop_program("cao-server") or not loop_program("cao"):
         return (f"cao-server is not installed here: pip install '{PACKAGE_NAME}[cao]' (CAO {CAO_PROVEN_VERSION}), or "
                 "point API at a CAO server you run")
@@ -5946,30 +5948,29 @@ def switch_pending(role: str) -> bool:
     return any(w.role == role and w.old_terminal == terminal_ids.get(role) for w in cli_switches)
 
 
-def fallback_due(role: str) -> bool:
-    """Whether a usage limit the loop will not wait out moves the role to its fallback CLI: one is set and the
-    role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth)."""
-    return switch_pending(role) or (switched_to(role) is None and fallback_for(role) is not None)
-
-
 def limit_outlasting(turn: Turn, line: str, until: float | None) -> RunError:
-    """What a usage limit the loop will not wait out leads to: the role's fallback CLI, else the stop."""
-    return FallbackDue(turn, line, until) if fallback_due(turn.role) else usage_limit_stop(turn, line, until)
+    """What a usage limit the loop will not wait out leads to: the role's fallback CLI when one is set and the
+    role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth), or
+    the switch to it is decided already; else the stop."""
+    if switch_pending(turn.role) or (switched_to(turn.role) is None and fallback_for(turn.role) is not None):
+        return FallbackDue(turn, line, until)
+    return usage_limit_stop(turn, line, until)
 
 
-def begin_limit_wait(turn: Turn, limit: UsageLimit) -> None:
-    """The agent stopped at its usage limit: wait until the reset and a margin (at most USAGE_LIMIT_MAX_WAIT),
-    else go over to the role's fallback CLI, or stop saying when to rerun. Saved first, so a rerun during the
-    wait waits on instead of resending."""
-    now = time.time()
+def begin_limit_wait(turn: Turn) -> None:
+    """The agent stopped at the usage limit its turn saw: wait until the reset and a margin (at most
+    USAGE_LIMIT_MAX_WAIT), else go over to the role's fallback CLI, or stop saying when to rerun. Saved first, so
+    a rerun during the wait waits on instead of resending."""
+    limit, now = turn.facts.usage_limit, time.time()
     until = None if limit.resets_at is None else max(now, limit.resets_at + USAGE_LIMIT_MARGIN_SECONDS)
-    waits = until is not None and until - now <= USAGE_LIMIT_MAX_WAIT
+    outlasting = None if until is not None and until - now <= USAGE_LIMIT_MAX_WAIT else \
+        limit_outlasting(turn, limit.line, until)
     record_agent_event(turn.role, turn.terminal_id, "usage limit", limit.line[:200] + (
-        f"; waited until {clock_text(until)}" if waits else
-        "; the role goes over to its fallback CLI" if fallback_due(turn.role) else "; the run stopped"))
+        f"; waited until {clock_text(until)}" if outlasting is None else "; the role goes over to its fallback CLI"
+        if isinstance(outlasting, FallbackDue) else "; the run stopped"))
     note_limit_in_flight(turn.role, limit.line, until)
-    if not waits:
-        raise limit_outlasting(turn, limit.line, until)
+    if outlasting is not None:
+        raise outlasting
     turn.facts.limit_wait_until = time.monotonic() + (until - now)
     log_turn(turn.role, f"usage limit reached; waiting until {clock_text(until)} (in {duration_text(until - now)}), "
                         f"then it continues ({limit.line[:200]})")
@@ -6002,7 +6003,7 @@ def remind_unless_limited(turn: Turn) -> str | None:
     """Before a reminder, the screen once more: a usage limit is waited out, not reminded of."""
     turn.facts.note_usage_limit(usage_limit_on(_screen(turn.terminal_id), time.time(), turn.facts.cli))
     if turn.facts.usage_limit is not None:
-        begin_limit_wait(turn, turn.facts.usage_limit)
+        begin_limit_wait(turn)
         return None
     turn.facts.resend_used = True
     return idle_without_file(turn)
@@ -6050,22 +6051,18 @@ def switch_to_fallback(due: FallbackDue) -> None:
                    f"fallback {switch.to_provider} ({switch.to_model or 'its CLI default'}); terminal {new} (was "
                    f"{old}) takes the turn in full, a new conversation, and the role for the rest of the run")
     crash_point("fallback-switched")
-    end_agent_switched_from(switch)
-
-
-def end_agent_switched_from(switch: CliSwitch) -> None:
-    """End the agent a fallback CLI took the role from (once the new one is saved), and note it done."""
-    exit_terminals([switch.old_terminal])
-    with suppress(ApiError):             # gone already: nothing to remove
-        api.delete_terminal(switch.old_terminal)
-    update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
-    save_state()
+    end_agents_switched_from()
 
 
 def end_agents_switched_from() -> None:
-    """As a run resumes: the agents a stop right after a switch to a fallback CLI left up are ended."""
+    """End the agents fallback CLIs took their roles from (once the new ones are saved), each noted done: right
+    after a switch, and as a run resumes (a stop right after a switch left the old one up)."""
     for switch in [w for w in cli_switches if w.new_terminal and not w.old_ended]:
-        end_agent_switched_from(switch)
+        exit_terminals([switch.old_terminal])
+        with suppress(ApiError):             # gone already: nothing to remove
+            api.delete_terminal(switch.old_terminal)
+        update_run(cli_switches=[replace(w, old_ended=True) if w is switch else w for w in cli_switches])
+        save_state()
 
 
 # What each verdict that types into the terminal (or waits for its limit) does; none once the reply file came.
@@ -6073,7 +6070,7 @@ NUDGES: dict[Verdict, Callable[[Turn], str | None]] = {
     Verdict.RESEND: resend_unseen_prompt,
     Verdict.REMIND: remind_unless_limited,
     Verdict.CONTINUE: continue_after_provider_error,
-    Verdict.WAIT_OUT_LIMIT: lambda turn: begin_limit_wait(turn, turn.facts.usage_limit),
+    Verdict.WAIT_OUT_LIMIT: begin_limit_wait,
     Verdict.CONTINUE_AFTER_LIMIT: continue_after_usage_limit,
     Verdict.RESEND_IN_FULL: resend_in_full,
 }
@@ -6260,11 +6257,6 @@ def note_model_answers(answers: dict[str, dict]) -> None:
                 f"{role} runs on its CLI's default model, not {model_for(role)}")
 
 
-def model_refused(error: str) -> bool:
-    """CAO refused the model id itself (HTTP 400 before it started anything)."""
-    return bool(re.search(r"\bmodel\b.*(is invalid|exceeds the)", error))
-
-
 def add_to_session(name: str, role: str, session: Future, interrupted: list[int]) -> dict | None:
     """Add the role's terminal to the session being created under `name` (CAO's answer): an add that comes
     before the session (404) is tried again while the session request is under way and once after, under the
@@ -6436,7 +6428,7 @@ def start_up_failure(failures: dict[str, str], screens: dict[str, StartScreen] |
     if "Working directory not allowed" in error:
         return ConfigError(f"{error}: set WD to a project folder CAO allows (not /tmp itself, nor a folder under "
                            "/root, /etc or another system path)")
-    if model_refused(error):
+    if re.search(r"\bmodel\b.*(is invalid|exceeds the)", error):    # CAO refused the model id, before starting anything
         return ConfigError(f"CAO refuses the model: {error}; set MODEL (or <ROLE>_MODEL) to a model id it "
                            "accepts, or leave it empty for each CLI's own default")
     return screen_failure(failures, screens or {}) or \
@@ -8174,19 +8166,29 @@ def fingerprint(path: Path) -> str:
         return f"unreadable:{exc.errno}"
 
 
+HEAD_MARK = "<HEAD>"                 # the key of WD's git HEAD among the fingerprints of what WD holds
+
+
+def git_fingerprints(top: str) -> dict[str, str]:
+    """WD in git: HEAD, and each changed or untracked path (its content), the loop's own files left out: what the
+    commit leaves alone (the user's changes at the start) and what tells a round's progress (15)."""
+    code, head, _ = git(["rev-parse", "--verify", "-q", "HEAD"], top)
+    marks = {path: fingerprint(Path(top) / path) for path in git_changed_paths(top)
+             if not is_orchestrator_file((Path(top) / path).resolve())}
+    marks[HEAD_MARK] = head.strip() if code == 0 else ""
+    return marks
+
+
 def snapshot_worktree() -> dict | None:
-    """COMMIT_ON_PASS at a run's start: each changed or untracked path's fingerprint, so the user's own changes
-    are left alone at the end. None when WD is not in a git repository."""
+    """COMMIT_ON_PASS at a run's start: each changed or untracked path's fingerprint, taken as the progress check
+    takes them (15), so the user's own changes are left alone at the end. None when WD is not in a git repository."""
     top = git_top(WD)
-    if not top:
-        return None
     try:
-        paths = git_changed_paths(top)
+        return {path: mark for path, mark in git_fingerprints(top).items() if path != HEAD_MARK} if top else None
     except OSError as exc:
         log(f"commit: could not record the working tree at the start ({exc}); only tracked files will be "
             "committed on PASS")
         return None
-    return {path: fingerprint(Path(top) / path) for path in paths}
 
 
 def is_orchestrator_file(path: Path) -> bool:
@@ -8937,18 +8939,8 @@ def handle_tester_fail() -> None:
 
 # -- Progress between failed rounds (MAX_ROUNDS_WITHOUT_PROGRESS) -----------------------------------
 # A FAIL whose signature (section 10) repeats the last one is a round without progress, whatever WD changed.
-HEAD_MARK = "<HEAD>"                 # the key of WD's git HEAD among the fingerprints of what WD holds
 MORE_FILES_MARK = "<more files>"     # the key of one digest for the files beyond PROGRESS_FILE_LIMIT
 PROGRESS_FILE_LIMIT = 5000           # files of a WD without git fingerprinted one by one
-
-
-def _git_fingerprints(top: str) -> dict[str, str]:
-    """WD in git: HEAD, and each changed or untracked path (its content), the loop's own files left out."""
-    code, head, _ = git(["rev-parse", "--verify", "-q", "HEAD"], top)
-    marks = {path: fingerprint(Path(top) / path) for path in git_changed_paths(top)
-             if not is_orchestrator_file((Path(top) / path).resolve())}
-    marks[HEAD_MARK] = head.strip() if code == 0 else ""
-    return marks
 
 
 def _walked_fingerprints() -> dict[str, str]:
@@ -8978,7 +8970,7 @@ def worktree_fingerprints() -> dict[str, str] | None:
     """What WD holds now, to tell which files a round changed (None when it cannot be read)."""
     top = git_top(WD)
     try:
-        return _git_fingerprints(top) if top else _walked_fingerprints()
+        return git_fingerprints(top) if top else _walked_fingerprints()
     except OSError as exc:
         log(f"could not read what {WD} holds ({exc}); the round's changed files are not known")
         return None
@@ -9477,11 +9469,14 @@ def fallback_line(provider: str, line: CheckLine) -> CheckLine:
     return CheckLine(None if line.ok is False else line.ok, f"{whose} fallback: {line.text}")
 
 
-def trap_file(trap: Trap, side: AgentsSide) -> Path:
-    """The file a trap looks at: under the agents' home, or in the folder its variable names where they set it."""
-    if trap.folder_env and side.env.get(trap.folder_env):
-        return Path(side.env[trap.folder_env]) / Path(trap.file).name
-    return side.home(trap.file)
+def agents_file(looked_at: Trap | Credential, side: AgentsSide) -> Path:
+    """The file a trap or a form of sign-in looks at: under the project ({project}/...), under the agents' home, or
+    in the folder its variable names where they set it."""
+    if looked_at.file.startswith("{project}/"):
+        return trap_project() / looked_at.file.removeprefix("{project}/")
+    if looked_at.folder_env and side.env.get(looked_at.folder_env):
+        return Path(side.env[looked_at.folder_env]) / Path(looked_at.file).name
+    return side.home(looked_at.file)
 
 
 def trap_project() -> Path:
@@ -9495,10 +9490,10 @@ def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
     if trap.env:
         return side.env.get(trap.env) == trap.env_value if trap.env_value else bool(side.env.get(trap.env))
     if trap.json_key:
-        value = _json_file(trap_file(trap, side)).get(trap.json_key)
+        value = _json_file(agents_file(trap, side)).get(trap.json_key)
         return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
     try:
-        text = trap_file(trap, side).read_text(encoding="utf-8") + "\n"
+        text = agents_file(trap, side).read_text(encoding="utf-8") + "\n"
     except OSError:
         return False
     pattern = re.compile(trap.pattern, re.MULTILINE)
@@ -9518,7 +9513,7 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
     if "{project}" in text:
         text = text.replace("{project}", str(trap_project()))
     if "{file}" in text:
-        text = text.replace("{file}", str(trap_file(trap, side)))
+        text = text.replace("{file}", str(agents_file(trap, side)))
     if "{tmux}" in text:
         text = text.replace("{tmux}", tmux_hint("").rstrip())
     if "{seen}" in text:
@@ -9538,7 +9533,7 @@ def sprung_traps(provider: str) -> list[CheckLine]:
     trap only then); none where the agents' side cannot be looked into from here."""
     traps = agent_cli(provider).traps
     server = local_server() if traps else None
-    side = probe_agents_side(server, []) if server is not None and shutil.which("tmux") else None
+    side = probe_agents_side(server, []) if server is not None and not tmux_missing() else None
     if not isinstance(side, AgentsSide):
         return []
     return [line for line in (check_trap(agent_cli(provider), trap, side) for trap in traps) if line.ok is False]
@@ -9547,20 +9542,11 @@ def sprung_traps(provider: str) -> list[CheckLine]:
 # -- Signed in: each CLI's forms of credential (its row's `SignIn`), looked for without a token spent ----------
 
 
-def credential_file(form: Credential, side: AgentsSide) -> Path:
-    """The file a form of sign-in is in: under the project, under the agents' home, or in its variable's folder."""
-    if form.file.startswith("{project}/"):
-        return trap_project() / form.file.removeprefix("{project}/")
-    if form.folder_env and side.env.get(form.folder_env):
-        return Path(side.env[form.folder_env]) / Path(form.file).name
-    return side.home(form.file)
-
-
 def sign_in_env(cli: AgentCli, side: AgentsSide) -> tuple[dict[str, str], dict[str, str]]:
     """The variables the CLI will have: the agents' environment's, and those its settings files set ("env")."""
     settings: dict[str, str] = {}
     for name in cli.sign_in.settings_env if cli.sign_in else ():
-        values = _json_file(credential_file(Credential("", file=name), side)).get("env")
+        values = _json_file(agents_file(Credential("", file=name), side)).get("env")
         settings.update({str(k): str(v) for k, v in values.items() if v} if isinstance(values, dict) else {})
     return {k: v for k, v in side.env.items() if v}, settings
 
@@ -9578,7 +9564,7 @@ def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple
     variable = next((name for name in form.env if where.get(name)), "")
     if form.env:
         return bool(variable), form.name.replace("{variable}", variable or " or ".join(form.env[:3]))
-    path = credential_file(form, side)
+    path = agents_file(form, side)
     named = form.name.replace("{file}", str(path))
     if form.json_key:
         return bool(_json_path(_json_file(path), form.json_key)), named
@@ -9616,7 +9602,7 @@ CODEX_LOCAL_PROVIDERS = ("ollama", "lmstudio")     # its built-in providers that
 def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
     """A model provider Codex's config.toml chooses: signed in by its env_key's variable (None: its login decides,
     as for OpenAI's own)."""
-    path = credential_file(form, side)
+    path = agents_file(form, side)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
@@ -9653,7 +9639,7 @@ def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> C
 def opencode_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
     """The provider of OpenCode's model: a key in its config, or its login for that provider (auth.json in its
     data folder); its catalogue's variables the loop does not know, so anything else is a "cannot say"."""
-    path = credential_file(form, side)
+    path = agents_file(form, side)
     config = _json_file(path)
     model = config.get("model")
     if not isinstance(model, str) or "/" not in model:
@@ -9723,8 +9709,8 @@ def agents_side(report: dict[str, tuple[str, bool]] | None, versions: bool = Tru
                  "cannot be looked into from here (another user's process, or no /proc)")
         return None, [CheckLine(None, f"agent CLIs not checked: cao-server at {API} {where}; run --check where it "
                                       "runs, as its user")]
-    if shutil.which("tmux") is None:
-        return None, [CheckLine(False, "tmux is not installed: CAO runs the agents in tmux (apt-get install tmux)")]
+    if missing := tmux_missing():
+        return None, [CheckLine(False, missing)]
     side = probe_agents_side(server, sorted({cli_program(provider, report) for provider in providers_in_use()}),
                              versions)
     if isinstance(side, str):

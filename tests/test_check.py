@@ -86,6 +86,16 @@ def test_a_server_on_another_machine_gets_a_plain_tmux_hint_and_no_probe(load_or
     assert side is None and lines[0].ok is None and "runs on another machine" in lines[0].text
 
 
+def test_without_tmux_the_agents_side_is_not_looked_into_and_the_line_says_how_to_install_it(orch, monkeypatch):
+    which = orch.shutil.which
+    monkeypatch.setattr(orch.shutil, "which", lambda name, **kw: None if name == "tmux" else which(name, **kw))
+    monkeypatch.setattr(orch, "local_server", lambda: object())
+    monkeypatch.setattr(orch, "probe_agents_side", lambda *args: pytest.fail("probed without tmux"))
+    side, lines = orch.agents_side(None)
+    assert side is None and [(line.ok, line.text) for line in lines] == [
+        (False, "tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: apt-get install tmux)")]
+
+
 # -- each trap alone: found with its fix, passed once fixed ----------------------------
 
 

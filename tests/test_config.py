@@ -307,6 +307,27 @@ def test_prompt_file_not_utf8_exits_2(load_orch, fake_cao, capsys, tmp_path):
     assert "UTF-8" in line or "utf-8" in line
 
 
+@pytest.mark.parametrize("flaw, said", [
+    ("absent", "does not exist"), ("folder", "is a directory, expected {what}"), ("latin-1", "is not UTF-8 text{fix}")])
+@pytest.mark.parametrize("which", ["config", "prompt"])
+def test_a_file_the_user_names_that_cannot_be_read_is_refused_saying_why(load_orch, prompt_file, fake_cao, capsys,
+                                                                         tmp_path, flaw, said, which):
+    """Configuration: the config file and PROMPT_FILE are read alike; each flaw is one line in the file's words."""
+    path = tmp_path / ("my-config.json" if which == "config" else "my-task.md")
+    if flaw == "folder":
+        path.mkdir()
+    elif flaw == "latin-1":
+        path.write_bytes(b"caf\xe9\n")
+    if which == "config":
+        m = load_orch(PROMPT_FILE=str(prompt_file))
+        code, named, what, fix = run_main(m, str(path)), f"config file {path}", "a JSON file", ""
+    else:
+        m = load_orch(PROMPT_FILE=str(path))
+        code, named, what, fix = run_main(m), f"PROMPT_FILE={path}", "a text file", ": save it as UTF-8"
+    assert code == 2
+    assert capsys.readouterr().err.strip() == f"error: {named} " + said.format(what=what, fix=fix)
+
+
 def test_no_task_at_all_exits_2(load_orch, fake_cao, capsys, tmp_path):
     """Configuration: neither PROMPT nor PROMPT_FILE (and nothing to resume) is refused naming how to give a task."""
     m = load_orch()
@@ -696,6 +717,22 @@ def test_a_json_value_close_to_an_allowed_one_gets_a_did_you_mean(load_orch, pro
     m = load_orch(PROMPT_FILE=str(prompt_file))
     assert run_main(m, str(config)) == 2
     assert "key 'provider' is \"claude\" (did you mean claude_code?); expected one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section, key, value, expected", [
+    ("limits", "max_rounds", "3", "a whole number of at least 1 (not a string)"),
+    ("handoff", "poll_seconds", "2", "a number greater than 0 (not a string)"),
+    ("handoff", "progress_seconds", -1, "a number of at least 0 (not a string)"),
+    ("tokens", "max_run_cost", "5", "a number of at least 0 (not a string)"),
+    ("on_pass", "commit", "1", "true or false"),
+])
+def test_a_json_value_of_the_wrong_type_is_told_in_the_files_words(load_orch, prompt_file, fake_cao, capsys,
+                                                                   tmp_path, section, key, value, expected):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({section: {key: value}}))
+    m = load_orch(PROMPT_FILE=str(prompt_file))
+    assert run_main(m, str(config)) == 2
+    assert f"key '{section}.{key}' is {json.dumps(value)}; expected {expected}" in capsys.readouterr().err
 
 
 def test_a_setting_key_at_the_wrong_level_is_told_where_it_belongs(load_orch, prompt_file, fake_cao, capsys,

@@ -209,7 +209,7 @@ FORWARD_REFERENCES = {
                            "does"),
     "new_agent_for": (("switch_to_fallback",), "a usage limit's fallback agent starts as any agent alone (7)"),
     "settled_terminals": (("switch_to_fallback",), "... and is ready for its first prompt, as one made there (7)"),
-    "exit_terminals": (("end_agent_switched_from",), "... and the limited agent it took over is ended as any (7)"),
+    "exit_terminals": (("end_agents_switched_from",), "... and the limited agent it took over is ended as any (7)"),
     "cut_short_here": (("ApiClient",), "a request of an agent start cut short (7) is never asked again"),
     "note_conversation": (("observe_terminal",), "the wait notes a compacted conversation for asking (8)"),
     "send_prompt": (("resend_in_full",), "the wait resends a prompt lost on the screen (8)"),

@@ -306,7 +306,7 @@ def test_check_in_own_server_mode_looks_at_what_the_own_server_needs(load_orch, 
     which = m.shutil.which
     monkeypatch.setattr(m.shutil, "which", lambda name, **kw: None if name == "tmux" else which(name, **kw))
     assert run_main(m, "--check") == 1
-    assert "✗ tmux is not installed: CAO runs the agents in tmux" in capsys.readouterr().out
+    assert "✗ tmux is not installed: CAO runs the agents in tmux (Debian/Ubuntu: apt-get install tmux)\n" in capsys.readouterr().out
 
 
 def test_a_server_of_another_process_answering_on_the_port_is_never_taken_for_the_runs_own(orch, monkeypatch,
