@@ -113,6 +113,7 @@ def leave_out_e2e(config, items) -> None:
 
 # -- Under pytest-xdist: workers sized to the machine, the longest work first ---------------------------------
 WORKERS_PER_CORE, MIN_WORKERS, MAX_WORKERS = 2, 2, 8
+FAST_TIER_WORKERS_PER_CORE = 3     # the fast tier alone: short tests that wait on a fake CAO's polls, few on the CPU
 
 
 def cores_available() -> int:
@@ -126,8 +127,10 @@ def cores_available() -> int:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml): two workers a core -- the tests mostly wait, on agents, servers and
-    installs -- at least two, at most eight (each worker runs a server of its own for its tests)."""
-    return max(MIN_WORKERS, min(MAX_WORKERS, WORKERS_PER_CORE * cores_available()))
+    installs -- three for the fast tier alone, at least two, at most eight (each worker runs a server of its
+    own for its tests)."""
+    per_core = FAST_TIER_WORKERS_PER_CORE if _fast_tier_only(config) else WORKERS_PER_CORE
+    return max(MIN_WORKERS, min(MAX_WORKERS, per_core * cores_available()))
 
 
 # pyproject.toml runs the suite on those workers (`-n auto --dist loadgroup`). A unit of work is one test, or a
