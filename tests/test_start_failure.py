@@ -207,7 +207,9 @@ def test_a_replacement_whose_cli_shows_why_it_cannot_start_stops_the_run_with_ex
         fake.kill_cli(terminal.role)
 
     fake_cao.script["tester"] = [{"action": "call", "call": kill_and_refuse}]
-    m = load_orch(PROMPT_FILE=str(prompt_file), REPLACE_LOST_AGENTS="1", **QUICK)
+    # The loss is found by the liveness check, asked often here; RESPONSE_TIMEOUT is far off, so the two never race.
+    m = load_orch(PROMPT_FILE=str(prompt_file), REPLACE_LOST_AGENTS="1", **{**QUICK, "RESPONSE_TIMEOUT": "120"})
+    m.LIVENESS_CHECK_SECONDS = 0.05
     assert run_main(m) == m.EXIT_USAGE
     line = stop_line(capsys)
     assert "could not start a new agent: the tester's Claude Code cannot start" in line, line
