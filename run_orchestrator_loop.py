@@ -23,7 +23,7 @@ a tmux server of its own) and ends it with itself.
 Usage:  python run_orchestrator_loop.py [config.json]   (--demo [DIR]: a first PASS)
 Exit codes: 0 PASS, 1 FAIL, 2 bad usage or configuration (or a stop a setting must lift),
 3 runtime error (the same command resumes), 4 budget used, 5 the same failure round after
-round (a person is needed), 70 a fault of the loop itself (its traceback in the run folder),
+round (a person is needed), 6 stopped at an APPROVE gate (a person decides), 70 a fault of the loop itself (its traceback in the run folder),
 75 another process drives this run, 129 its terminal closed (SIGHUP), 130 interrupted (SIGINT),
 131 quit (SIGQUIT), 143 terminated (SIGTERM).
 
@@ -113,7 +113,7 @@ except ModuleNotFoundError:             # Python 3.10: what needs it says it can
 # nothing below main() turns it into a traceback.
 # --------------------------------------------------------------------------
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS = 0, 1, 2, 3, 4, 5
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ERROR, EXIT_BUDGET, EXIT_NO_PROGRESS, EXIT_APPROVAL = 0, 1, 2, 3, 4, 5, 6
 EXIT_BUG, EXIT_LOCKED = 70, 75
 EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGQUIT, EXIT_SIGTERM = 129, 130, 131, 143     # 128 + the signal's number
 TRACEBACK_FILE = "traceback.txt"     # in the run folder: the traceback of a fault of the loop itself (exit 70)
@@ -133,6 +133,8 @@ EXIT_CODES = (
      "stop and alert: a person raises the budget, then the same command goes on"),
     (EXIT_NO_PROGRESS, "the same test failure repeated for MAX_ROUNDS_WITHOUT_PROGRESS rounds in a row; the state "
                        "is saved", "stop: a person is needed (reads the report), then RESUME=1 goes on"),
+    (EXIT_APPROVAL, "stopped at an APPROVE gate: a person decides with --approve or --reject; the state is saved",
+     "stop, a person decides, then the same command goes on"),
     (EXIT_BUG, f"a fault of the loop itself: its traceback is in {TRACEBACK_FILE} in the run folder (the last "
                "line names it); the state is saved", "stop and alert: a bug (report it with its traceback)"),
     (EXIT_LOCKED, "another process is driving the run in this state file; nothing was done",
@@ -727,6 +729,7 @@ STATE_FILE_NAME = "orchestrator-loop-state.json"
 # The shell orchestrator's name for the state file: a state file there is still used, so its run resumes.
 OLD_STATE_FILE_NAME = "codex-3agents-loop-state.json"
 FRESH_CONTEXT_CHOICES = ("off", "round")     # FRESH_CONTEXT: when an agent starts a new conversation
+GATES = ("plan", "commit")                   # APPROVE: where a person decides (section 4, "A person")
 
 
 @dataclass(frozen=True)
@@ -956,8 +959,15 @@ SETTINGS: tuple[Setting, ...] = (
             "PASS stand, anything else counts as a FAIL of that round"),
     Setting("VERIFY_TIMEOUT", "on_pass.verify_timeout", 900.0, "seconds",
             "how long PROJECT_TEST_CMD may run for VERIFY_PASS; at the limit it (and all it started) is stopped"),
+    Setting("APPROVE", "approval.gates", "", "gates",
+            "where a person decides before the run goes on, a comma list: plan (after the peer analyst's approval, "
+            "before the programmer is sent anything), commit (after PASS, before the after-run steps); empty: none"),
+    Setting("APPROVAL_MAX_WAIT", "approval.max_wait", 3600.0, "seconds0",
+            "how long the run waits in place at a gate, its agents idle, for --approve or --reject; then (0: at "
+            "once) it saves its state and stops with exit 6, and the same command goes on once a decision is there"),
     Setting("NTFY_TOPIC", "notify.ntfy_topic", "", "text",
-            "ntfy topic told of PASS, FAIL and stops that need a person (empty: no notifications)"),
+            "ntfy topic told of PASS, FAIL, stops that need a person and gates (with Approve and Reject buttons; "
+            "empty: no notifications)"),
     Setting("NTFY_SERVER", "notify.ntfy_server", "https://ntfy.sh", "url", "ntfy server to publish to"),
     Setting("MAX_RUN_TOKENS", "tokens.max_run_tokens", 0, "count0",
             "before each turn is sent: a run whose agents have used this many tokens (input, cached input and "
@@ -1001,6 +1011,7 @@ _ENV_EXPECTED = {
     "role_provider": "empty or one of " + ", ".join(AGENT_CLIS),
     "role": "one of " + ", ".join(ROLES),
     "fresh_context": "one of " + ", ".join(FRESH_CONTEXT_CHOICES),
+    "gates": "empty or a comma list of " + ", ".join(GATES),
     "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
     "model": "empty or a model id of at most 128 letters, digits and '.', '_', ':', '/', '-' (e.g. claude-haiku-4-5)",
     "amount0": "a number of at least 0",
@@ -1049,6 +1060,7 @@ KIND_RULES: dict[str, Callable[[object], bool]] = {
     "role_provider": lambda v: isinstance(v, str) and (not v or v in AGENT_CLIS),
     "role": lambda v: v in ROLES,
     "fresh_context": lambda v: v in FRESH_CONTEXT_CHOICES,
+    "gates": lambda v: isinstance(v, str) and all(word.strip() in GATES for word in v.split(",") if word.strip()),
     "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
     # CAO refuses any other model id (HTTP 400) before it starts anything (docs/agent-clis.md).
     "model": lambda v: isinstance(v, str) and (not v or (len(v) <= 128
@@ -1327,6 +1339,8 @@ ARCHIVE_TIMEOUT: float = _initial("ARCHIVE_TIMEOUT")
 COMMIT_ON_PASS: bool = _initial("COMMIT_ON_PASS")
 VERIFY_PASS: bool = _initial("VERIFY_PASS")
 VERIFY_TIMEOUT: float = _initial("VERIFY_TIMEOUT")
+APPROVE: str = _initial("APPROVE")
+APPROVAL_MAX_WAIT: float = _initial("APPROVAL_MAX_WAIT")
 NTFY_TOPIC: str = _initial("NTFY_TOPIC")
 NTFY_SERVER: str = _initial("NTFY_SERVER")
 MAX_RUN_TOKENS: int = _initial("MAX_RUN_TOKENS")
@@ -2488,7 +2502,8 @@ PHASE_PROGRAMMER = "programmer"
 PHASE_TESTER = "tester"
 PHASE_DONE = "done"
 PHASES = (PHASE_ANALYST, PHASE_PROGRAMMER, PHASE_TESTER, PHASE_DONE)
-PHASE_STEPS = ("author", "review", "verify")   # whose turn is next in a phase; "verify": the loop's own check
+PHASE_STEPS = ("author", "review", "verify", "approval")  # whose turn is next in a phase; "verify": the loop's own
+# check of a PASS; "approval": a person's decision at an APPROVE gate (the programmer phase: the plan; tester: commit)
 PHASE_ROLES = {PHASE_ANALYST: ("analyst", "peer_analyst"), PHASE_PROGRAMMER: ("programmer", "peer_programmer")}
 PHASE_OUTPUTS = {PHASE_ANALYST: ("analyst", "analyst_review"), PHASE_PROGRAMMER: ("programmer", "programmer_review")}
 NEXT_PHASE = {PHASE_ANALYST: PHASE_PROGRAMMER, PHASE_PROGRAMMER: PHASE_TESTER}
@@ -2584,6 +2599,40 @@ class InFlight(PlainRecord):
     def belongs_to(self, position: dict) -> bool:
         """Whether this is the prompt of the turn at `position` (see turn_position())."""
         return all(getattr(self, key, None) == value for key, value in position.items())
+
+
+@dataclass
+class Gate(PlainRecord):
+    """An APPROVE gate the run reached: which, in what round, since when, and the person's decision once taken."""
+
+    required: ClassVar[str] = "id"
+    id: str                           # its decision's file in the run folder: decisions/<id>.json
+    gate: str                         # "plan" or "commit"
+    round: int
+    since: str                        # utc_iso() of its reaching
+    reply_topic: str = ""             # the ntfy topic its Approve and Reject buttons publish to
+    announced: bool = False           # its ntfy message went out
+    verdict: str = ""                 # "" while it waits; "approve" or "reject"
+    by: str = ""                      # who decided: the user's name, or "ntfy"
+    at: str = ""
+    words: str = ""                   # a rejection's reason
+
+
+@dataclass
+class PersonNote(PlainRecord):
+    """A person's note to a role (--note), carried once by the role's next prompt."""
+
+    required: ClassVar[str] = "id"
+    id: str                           # its file in the run folder: notes/<id>.json
+    role: str
+    text: str
+    by: str = ""
+    at: str = ""
+
+    @property
+    def carried(self) -> bool:
+        """Whether a prompt that reached its terminal carried it (its mark among the once-only blocks sent)."""
+        return any(mark.startswith(f"note-{self.id}:") for mark in context_sent)
 
 
 @dataclass
@@ -2965,6 +3014,9 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("no_progress_stop", "no_progress_stop", parse=lambda v: v if isinstance(v, dict) else None),
     StateField("cli_switches", "cli_switches", new=list, dump=records_json,
                parse=lambda v: [w for w in records_reader(CliSwitch)(v) if w.role in ROLES and w.to_provider]),
+    StateField("gates", "gates", new=list, parse=records_reader(Gate), dump=records_json),
+    StateField("person_notes", "person_notes", new=list, dump=records_json,
+               parse=lambda v: [n for n in records_reader(PersonNote)(v) if n.role in ROLES]),
     StateField("fresh_agents_due", "fresh_agents_due", new=dict,
                parse=lambda v: {r: w for r, w in v.items() if r in ROLES and isinstance(w, str)}
                if isinstance(v, dict) else {}),
@@ -3010,6 +3062,8 @@ failed_rounds: list[FailedRound] = _new_value("failed_rounds")   # each FAILed r
 rounds_without_progress: int = _new_value("rounds_without_progress")  # FAILs in a row that repeat the one before
 worktree_at_fail: dict | None = _new_value("worktree_at_fail")  # the WD's fingerprints at the last FAIL
 no_progress_stop: dict | None = _new_value("no_progress_stop")  # why the run stopped without progress, if it did
+gates: list[Gate] = _new_value("gates")                # APPROVE gates reached, and what the person decided at each
+person_notes: list[PersonNote] = _new_value("person_notes")  # --note: a person's notes taken from the run folder
 
 
 def update_run(**changes: object) -> None:
@@ -3441,6 +3495,10 @@ EVENT_KINDS = {
     "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
                       "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
                       "(null: not known)",
+    "gate_reached": "the run reached an APPROVE gate and waits for a person: gate (plan or commit), id, round",
+    "gate_decided": "a person decided at a gate: gate, id, round, verdict (approve or reject), by (a user's name or "
+                    "ntfy), decided_at, words (a rejection's reason)",
+    "note_taken": "a person's note (--note) was taken for a role's next prompt: id, role, by, left_at, text",
     "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action, "
                    "turns, tokens, no_progress (why it stopped without progress: the repeated failure's step, its "
                    "first_round and round, rounds, files_changed, turns_saved, tokens_saved; null otherwise)",
@@ -3843,6 +3901,7 @@ def run_summary(exit_code: int | None) -> dict:
         "agent_events": [e.to_json() for e in agent_events],
         "no_progress_stop": no_progress_stop,
         "failed_rounds": STATE_FIELDS_BY_NAME["failed_rounds"].dump(failed_rounds),
+        "gates": records_json(gates), "person_notes": [{**n.to_json(), "carried": n.carried} for n in person_notes],
         "interruptions": run_interruptions(),
         "turn_list": turns,
     }
@@ -3962,6 +4021,8 @@ LANE = Template('<div class="lane" data-role="$role"><span class="lane-label">$r
                 '$bars</div></div>')
 BAR = Template('<a class="turn" href="#turn-$number" data-turn="$number" data-verdict="$verdict" data-cut="$cut" '
                'style="left:$left%;width:$width%;background:$colour" title="$title">$number$cuts</a>')
+GATE_BAR = Template('<span class="turn" data-gate="$gate" data-decision="$verdict" style="left:$left%;width:$width%;'
+                    'background:$colour" title="$title">$gate</span>')
 CUT_MARK = Template('<span class="cut" data-exit-code="$code" style="left:$left%;width:$width%" title="$title"></span>')
 LEGEND_ENTRY = Template('<span data-verdict="$verdict" style="background:$colour">$name</span>')
 TURN_DETAIL = Template(
@@ -4187,6 +4248,26 @@ def _bar(number: int, turn: dict, begin: float, end: float, span: float, cuts: R
                  cuts=cuts)
 
 
+def _gate_ends(summary: dict, start: str) -> list[float]:
+    """When each gate was decided (a gate still waiting: the page's moment), in seconds from the run's start."""
+    return [_seconds_since(start, gate["at"] or summary["ended_at"]) or 0.0 for gate in summary.get("gates", [])]
+
+
+def _gate_lane(summary: dict, start: str, span: float) -> ReportHtml:
+    """APPROVE: the person's lane, a bar per gate from its reaching to its decision (or to now, still waiting)."""
+    bars = []
+    for gate in summary["gates"]:
+        begin = max(0.0, _seconds_since(start, gate["since"]) or 0.0)
+        end = max(begin, _seconds_since(start, gate["at"] or summary["ended_at"]) or begin)
+        decided = VERDICTS.get(gate["verdict"], "waiting")
+        colour = REPORT_COLOURS[{"approved": "APPROVED", "rejected": "FAIL"}.get(decided, "unanswered")]
+        bars.append(_fill(GATE_BAR, gate=gate["gate"], verdict=decided, colour=colour, left=f"{100 * begin / span:.2f}",
+                          width=f"{max(0.4, 100 * (end - begin) / span):.2f}",
+                          title=f"the {gate['gate']} gate, round {gate['round']}: {decided}"
+                                + (f" by {gate['by']}" if gate["by"] else "") + (f": {gate['words']}" if gate["words"] else "")))
+    return _fill(LANE, role="person", bars=_join(bars, ""))
+
+
 TIMELINE_GAP_SHARE = 0.1      # a start-up that takes this share of the timeline is labelled
 
 
@@ -4196,7 +4277,7 @@ def _timeline(summary: dict) -> dict[str, ReportHtml | str]:
     turns = summary["turn_list"]
     start = summary["started_at"] or (turns[0]["sent_at"] if turns else "")
     ends = [_seconds_since(start, t["taken_at"] or summary["ended_at"]) or 0.0 for t in turns]
-    span = max([1.0, *ends])
+    span = max([1.0, *ends, *_gate_ends(summary, start)])
     bars: dict[str, list[ReportHtml]] = {role: [] for role in ROLES}
     for number, turn in enumerate(turns, 1):
         if turn["role"] in bars:
@@ -4206,6 +4287,8 @@ def _timeline(summary: dict) -> dict[str, ReportHtml | str]:
                                            _cut_marks(cuts, start, begin, ends[number - 1]),
                                            "; ".join(map(cut_text, cuts))))
     lanes = _join(_fill(LANE, role=role, bars=_join(role_bars, "")) for role, role_bars in bars.items())
+    if summary.get("gates"):
+        lanes = _join([lanes, _gate_lane(summary, start, span)], "")
     axis = f"0 (the run's start) to {report_duration(span)}"
     first = _seconds_since(start, turns[0]["sent_at"]) if turns else None
     if first is not None and first >= TIMELINE_GAP_SHARE * span:
@@ -4296,6 +4379,201 @@ def write_report(exit_code: int | None = None, summary: dict | None = None) -> N
         return
     with suppress(OSError, ValueError):  # ValueError: text the page cannot hold (a lone surrogate from the state)
         write_whole(Path(run_dir) / "report.html", report_html(summary or run_summary(exit_code)))
+
+
+# -- A person in the loop: APPROVE's gates, the decisions taken there, notes to agents ---------------------------
+# Any shell decides (--approve, --reject) or leaves a note (--note) by writing a side file into the run's folder:
+# a decision's file is made by a hard link, so the first writer wins and no reader sees half of it. The run takes
+# them into its state (`gates`, `person_notes`) and its events; ntfy's buttons reach the same file through the
+# waiting run. The whole story: docs/approval.md.
+
+DECISIONS_FOLDER, NOTES_FOLDER = "decisions", "notes"
+DECISION_POLL_SECONDS = 1.0          # how often a run waiting at a gate looks for its decision's file
+NTFY_POLL_SECONDS = 5.0              # ... and asks the gate's ntfy reply topic
+VERDICTS = {"approve": "approved", "reject": "rejected"}
+GATE_WHAT = {"plan": "the plan", "commit": "the change that passed the test"}
+NOTIFY_TIMEOUT_SECONDS = 5.0
+
+
+class ApprovalPending(RunError):
+    """A gate waits for a person: the run stops with its state saved (exit 6); the same command goes on."""
+
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_APPROVAL)
+
+
+def person_name() -> str:
+    """Who decides or leaves a note from this shell, as the run records it."""
+    return os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown"
+
+
+def gate_due(gate: str) -> bool:
+    """Whether APPROVE names the gate."""
+    return gate in (word.strip() for word in APPROVE.split(","))
+
+
+def write_first(path: Path, facts: dict) -> bool:
+    """Write a JSON side file whole, unless one is there already (a hard link fails on a name taken): True if this
+    writer was the first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    write_whole(temporary, json.dumps(facts, ensure_ascii=False))
+    try:
+        os.link(temporary, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _side_file(path: Path) -> dict:
+    """A side file's JSON object ({} for none, or one that cannot be read: it counts as not written)."""
+    with suppress(ValueError):
+        return read_note(path, dict) or {}
+    return {}
+
+
+def decision_path(folder: str, gate_id: str) -> Path:
+    return Path(folder) / DECISIONS_FOLDER / f"{gate_id}.json"
+
+
+def read_decision(folder: str, gate_id: str) -> dict | None:
+    """The decision written for a gate (verdict, by, at, words), or None while there is none."""
+    raw = _side_file(decision_path(folder, gate_id))
+    if raw.get("verdict") not in VERDICTS:
+        return None
+    return {key: _text(raw.get(key)) for key in ("verdict", "by", "at", "words")}
+
+
+def pending_gate(saved_gates: list[Gate]) -> Gate | None:
+    """The gate that waits for a decision: the last one reached, if not decided yet."""
+    return saved_gates[-1] if saved_gates and not saved_gates[-1].verdict else None
+
+
+def ntfy_call(method: str, path: str, what: str, say: Callable[[str], None] = log, **request: Any):
+    """One request to NTFY_SERVER (NTFY_TOKEN as a bearer token); the answer, or None with one line said of why.
+    A server down or refusing is never the run's problem."""
+    url = f"{NTFY_SERVER.rstrip('/')}/{path}"
+    headers = dict(request.pop("headers", {}), **({"Authorization": f"Bearer {NTFY_TOKEN}"} if NTFY_TOKEN else {}))
+    try:
+        response = httpx.request(method, url, headers=headers, timeout=NOTIFY_TIMEOUT_SECONDS, **request)
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+        say(f"notify: could not send {what} to {url} ({exc.__class__.__name__}: {exc or 'no answer'}); check "
+            "NTFY_SERVER and the network")
+        return None
+    if response.status_code >= 300:
+        hint = " (check NTFY_TOKEN)" if response.status_code in (401, 403) else ""
+        say(f"notify: {url} refused {what}: HTTP {response.status_code} {response.text.strip()[:200]}{hint}")
+        return None
+    return response
+
+
+def gate_commands() -> str:
+    """How a person decides a gate, from any shell."""
+    config = f" {config_argument}" if config_argument else ""
+    return f'`{command_name()} --approve{config}` or `{command_name()} --reject "why"{config}`'
+
+
+def announce_gate(gate: Gate, waiting: list[str]) -> bool:
+    """NTFY_TOPIC: one message of what waits, with Approve and Reject buttons that publish to the gate's own reply
+    topic (a random name: on a public server the name is the key). True if it went out."""
+    target = f"{NTFY_SERVER.rstrip('/')}/{gate.reply_topic}"
+    actions = [{"action": "http", "label": label, "url": target, "method": "POST", "body": verdict, "clear": True}
+               for label, verdict in (("Approve", "approve"), ("Reject", "reject"))]
+    message = {"topic": NTFY_TOPIC, "title": f"Approve {GATE_WHAT[gate.gate]}? Round {gate.round}: {task_title()}",
+               "message": "\n".join([*waiting, f"Or from a shell: {gate_commands()}"])[-3000:], "priority": 4, "tags": ["raised_hand"], "actions": actions}
+    sent = ntfy_call("POST", "", f"the {gate.gate} gate's message", json=message) is not None
+    if sent:
+        log(f"notify: the {gate.gate} gate's message, with Approve and Reject buttons, sent to topic {NTFY_TOPIC}")
+    return sent
+
+
+def ntfy_decision(gate: Gate, say: Callable[[str], None]) -> dict | None:
+    """The first decision published to the gate's reply topic ('approve', or 'reject' and words), as a decision."""
+    response = ntfy_call("GET", f"{gate.reply_topic}/json", "a poll of the gate's reply topic", say,
+                         params={"poll": "1", "since": "all"})
+    for line in response.text.splitlines() if response is not None else []:
+        with suppress(ValueError):
+            message = json.loads(line)
+            word, _, words = str(message.get("message", "")).strip().partition(" ")
+            if message.get("event") == "message" and word.lower() in VERDICTS:
+                when = message.get("time")
+                return {"verdict": word.lower(), "by": "ntfy", "at": utc_iso(when if isinstance(when, int) else None),
+                        "words": words.strip() or ("rejected from ntfy" if word.lower() == "reject" else "")}
+    return None
+
+
+def wait_for_decision(gate: Gate, waiting: list[str]) -> dict:
+    """Wait in place, the agents idle, for the gate's decision: its file, or (NTFY_TOPIC) its reply topic. Past
+    APPROVAL_MAX_WAIT (at once with 0): ApprovalPending, the state saved."""
+    log(f"waiting for your approval of {GATE_WHAT[gate.gate]} (round {gate.round}, since {gate.since}): decide "
+        f"with {gate_commands()}" + (f", or with the buttons of the ntfy message" if gate.reply_topic else ""))
+    for line in waiting:
+        log_detail(line)
+    if gate.reply_topic and not gate.announced:
+        gate.announced = announce_gate(gate, waiting)
+        save_state()
+    said: list[str] = []
+
+    def say_once(line: str) -> None:            # a poll that fails is said once, not every NTFY_POLL_SECONDS
+        if not said:
+            said.append(line)
+            log(line)
+    deadline, next_poll = time.monotonic() + APPROVAL_MAX_WAIT, time.monotonic()
+    while True:
+        decision = read_decision(run_dir, gate.id)
+        if decision is None and gate.reply_topic and time.monotonic() >= next_poll:
+            heard = ntfy_decision(gate, say_once)
+            if heard is not None:
+                write_first(decision_path(run_dir, gate.id), heard)     # the file decides: first writer wins
+                decision = read_decision(run_dir, gate.id)
+            next_poll = time.monotonic() + NTFY_POLL_SECONDS
+        if decision is not None:
+            return decision
+        if time.monotonic() >= deadline:
+            raise ApprovalPending(f"stopped at the {gate.gate} gate: waiting for your approval of "
+                                  f"{GATE_WHAT[gate.gate]} since {gate.since}; decide with {gate_commands()}, "
+                                  "then run the same command to go on")
+        time.sleep(max(0.0, min(DECISION_POLL_SECONDS, deadline - time.monotonic())))
+
+
+def open_gate(gate: str) -> Gate:
+    """A gate reached: recorded in the state (saved by the caller with the run's position) and the events."""
+    record = Gate(id=f"{gate}-{len(gates) + 1}-{secrets.token_hex(4)}", gate=gate, round=current_round,
+                  since=utc_iso(), reply_topic=f"cao-loop-{secrets.token_hex(12)}" if NTFY_TOPIC else "")
+    update_run(gates=gates + [record])
+    record_event("gate_reached", gate=gate, id=record.id, round=current_round)
+    return record
+
+
+def decide_gate(gate: Gate, decision: dict) -> None:
+    """The decision taken into the gate's record, the events and the log (the caller acts on it and saves)."""
+    gate.verdict, gate.by, gate.at, gate.words = (decision[key] for key in ("verdict", "by", "at", "words"))
+    record_event("gate_decided", gate=gate.gate, id=gate.id, round=gate.round, verdict=gate.verdict, by=gate.by,
+                 decided_at=gate.at, words=gate.words)
+    log(f"{GATE_WHAT[gate.gate]} {VERDICTS[gate.verdict]} by {gate.by}" + (f": {gate.words}" if gate.words else ""))
+
+
+def take_notes() -> None:
+    """The notes left in the run's folder since the last look, into the state, in the order they were left."""
+    known = {note.id for note in person_notes}
+    folder = Path(run_dir) / NOTES_FOLDER if run_dir else None
+    for path in sorted(folder.glob("*.json")) if folder is not None and folder.is_dir() else []:
+        raw = _side_file(path)
+        if path.stem in known or raw.get("role") not in ROLES or not _text(raw.get("text")).strip():
+            continue
+        note = PersonNote(path.stem, raw["role"], raw["text"].strip(), _text(raw.get("by")), _text(raw.get("at")))
+        update_run(person_notes=person_notes + [note])
+        record_event("note_taken", id=note.id, role=note.role, by=note.by, left_at=note.at, text=note.text)
+        log(f"a note from {note.by or 'a person'} for the {note.role}: its next prompt carries it")
+
+
+def notes_due(role: str) -> list[PersonNote]:
+    """The role's notes no prompt has carried yet (a prompt that reached its terminal marks them, as once-only
+    blocks are marked)."""
+    take_notes()
+    return [note for note in person_notes if note.role == role and not note.carried]
 
 
 # ==========================================================================
@@ -6791,6 +7069,8 @@ def replace_lost_agent(lost: AgentLost) -> None:
     event = replacements_used() + 1
     at = utc_iso()
     unsent = replace(in_flight, sent_at=None) if turn_goes_again(roles) else in_flight
+    if unsent is not in_flight:         # the person's notes it carried go again with it, to the new agent
+        forget_sent(mark for mark in in_flight.sent_in_full if mark.startswith("note-"))
     update_run(in_flight=unsent, session_name=new_session, terminal_ids=new_ids,
                agent_models={**agent_models, **{role: model_for(role) for role in roles}},
                fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles},
@@ -7118,7 +7398,7 @@ def conversation_started_over(terminal_id: str) -> bool:
 def forget_conversation(role: str, terminal_id: str, what: str, detail: str = "") -> bool:
     """The terminal's conversation lost (or is about to lose) what it was told once: its next prompt carries
     every block in full. False when there was nothing to forget (seen already, or never sent)."""
-    marks = {mark for mark in context_sent if mark.rpartition(":")[2] == terminal_id}
+    marks = {mark for mark in context_sent if mark.rpartition(":")[2] == terminal_id and not mark.startswith("note-")}
     if not marks:
         return False                     # already forgotten (the same words seen again), or never sent
     record_agent_event(role, terminal_id, what, detail)
@@ -7768,7 +8048,12 @@ class PromptDraft:
         return not self.has_history() and conversation_started_over(self.terminal_id)
 
     def finish(self, parts: list[str]) -> Prompt:
-        return Prompt("\n\n".join(parts), self.in_full)
+        """The prompt, a person's notes to the role (--note) before its closing block, each carried once."""
+        notes = notes_due(self.role)
+        self.in_full += [f"note-{note.id}:{self.terminal_id}" for note in notes]
+        blocks = [f"Note from a person ({note.by or 'unnamed'}, {note.at or 'time unknown'}); where it differs from "
+                  f"the text above, it wins:\n{note.text}" for note in notes]
+        return Prompt("\n\n".join(parts[:-1] + blocks + parts[-1:]), self.in_full)
 
 
 def _block_sent_by_call(name: str, terminal_id: str) -> str:
@@ -8014,7 +8299,6 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
 
 GIT_TIMEOUT_SECONDS = 60.0
 GIT_COMMIT_TIMEOUT_SECONDS = 300.0      # a commit hook may run the project's checks
-NOTIFY_TIMEOUT_SECONDS = 5.0
 HASH_LIMIT_BYTES = 64 * 1024 * 1024     # bigger files are fingerprinted by size and mtime only
 FALLBACK_GIT_IDENTITY = ("cao-orchestrator-loop", "orchestrator-loop@localhost")
 OPENSPEC_PACKAGE = "@fission-ai/openspec"
@@ -8336,22 +8620,10 @@ def notify(event: str, message: str) -> bool:
     prefix, priority, tags = NOTIFY_EVENTS[event]
     title = f"{prefix} in round {current_round}: {task_title()}"
     headers = {"Title": _header_text(title), "Priority": priority, "Tags": tags}
-    if NTFY_TOKEN:
-        headers["Authorization"] = f"Bearer {NTFY_TOKEN}"
-    url = f"{NTFY_SERVER.rstrip('/')}/{quote(NTFY_TOPIC, safe='')}"
-    try:                                 # down, hanging, refused, a bad proxy: never the run's problem
-        response = httpx.post(url, content=message.encode("utf-8"), headers=headers,
-                              timeout=NOTIFY_TIMEOUT_SECONDS)
-    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
-        log(f"notify: could not send the {event} notification to {url} ({exc.__class__.__name__}: "
-            f"{exc or 'no answer'}); check NTFY_SERVER and the network")
+    topic = quote(NTFY_TOPIC, safe="")
+    if ntfy_call("POST", topic, f"the {event} notification", content=message.encode("utf-8"), headers=headers) is None:
         return False
-    if response.status_code >= 300:
-        hint = " (check NTFY_TOKEN)" if response.status_code in (401, 403) else ""
-        log(f"notify: {url} refused the {event} notification: HTTP {response.status_code} "
-            f"{response.text.strip()[:200]}{hint}")
-        return False
-    log(f"notify: {event} notification sent to {url}")
+    log(f"notify: {event} notification sent to {NTFY_SERVER.rstrip('/')}/{topic}")
     return True
 
 
@@ -8882,6 +9154,70 @@ def _why_not_approved(verdict: str, review: str, cycle: int, reviewer: str) -> s
             f"{REVIEW_EVIDENCE_MIN_MATCH} evidence checks required")
 
 
+def leave_phase(phase: str) -> None:
+    """On to the next phase; from the analysis through the plan gate where APPROVE names it."""
+    if phase == PHASE_ANALYST and gate_due("plan"):
+        open_gate("plan")
+        set_position(PHASE_PROGRAMMER, 1, "approval")
+    else:
+        set_position(NEXT_PHASE[phase])
+
+
+# -- APPROVE's gates: the run's side (the person's: section 4) ---------------------------------------------------
+GATE_PREVIEW_LINES = 12             # lines of the plan, or of the change that passed, shown at a gate
+
+
+def gate_preview(gate: str) -> list[str]:
+    """What waits at a gate: the reply it comes from (its file in the run's folder) and its first lines."""
+    role, text = (("analyst", condense_analyst_for_programmer(outputs["analyst"])) if gate == "plan" else
+                  ("programmer", condense_programmer_for_tester(outputs["programmer"])))
+    kept = next((r.reply_file for r in reversed(turn_records) if r.role == role and r.reply_file), "")
+    lines = [line for line in text.splitlines() if line.strip()]
+    return ([f"the {role}'s reply: {Path(run_dir) / kept}"] if kept and run_dir else []) \
+        + lines[:GATE_PREVIEW_LINES] + (["..."] if len(lines) > GATE_PREVIEW_LINES else [])
+
+
+def at_gate(gate_name: str) -> Gate:
+    """The run at a gate, its decision taken (waited for); a gate APPROVE no longer names is passed as approved."""
+    gate = pending_gate(gates)
+    if gate is None or gate.gate != gate_name:
+        gate = open_gate(gate_name)
+    decision = (wait_for_decision(gate, gate_preview(gate_name)) if gate_due(gate_name) else
+                {"verdict": "approve", "by": "APPROVE", "at": utc_iso(), "words": "APPROVE no longer names this gate"})
+    decide_gate(gate, decision)
+    return gate
+
+
+def pass_plan_gate() -> None:
+    """The plan gate: approved, the programmer starts; rejected, the analyst revises the plan with the person's
+    words (their note), from the first cycle whose approval counts, then the peer review and this gate again."""
+    gate = at_gate("plan")
+    if gate.verdict == "approve":
+        set_position(PHASE_PROGRAMMER)
+    else:
+        update_run(person_notes=person_notes + [PersonNote(
+            f"{gate.id}-reason", "analyst", f"Your plan was rejected at the approval gate; revise the OpenSpec change "
+            f"to answer this reason:\n{gate.words}", gate.by, gate.at)], analyst_feedback="")
+        set_position(PHASE_ANALYST, min(MIN_REVIEW_CYCLES_BEFORE_APPROVAL, MAX_REVIEW_CYCLES))
+    save_state()
+
+
+def pass_commit_gate() -> str:
+    """The commit gate after a PASS: approved, the PASS stands ('PASS'); rejected, the round counts as a FAIL
+    whose evidence is the person's words, for the programmer as a failed test's would be ('FAIL')."""
+    if phase_step != "approval":
+        open_gate("commit")
+        set_position(PHASE_TESTER, 1, "approval")
+        save_state()
+    gate = at_gate("commit")
+    if gate.verdict == "approve":
+        return "PASS"
+    set_tester_fail([f"- The tester reported PASS, but {gate.by} rejected the change at the commit gate, saying:",
+                     *[f"    {line}" for line in gate.words.splitlines()]])
+    log_turn("tester", "the PASS was rejected at the commit gate; the round counts as a FAIL")
+    return "FAIL"
+
+
 def run_reviewed_phase(phase: str) -> None:
     """Author and peer reviewer take turns until an approval counts or the cycles run out."""
     author, reviewer = PHASE_ROLES[phase]
@@ -8903,7 +9239,7 @@ def run_reviewed_phase(phase: str) -> None:
         if approved:
             log_turn(reviewer, f"verdict {verdict}: approved")
             set_review_feedback(phase, "")
-            set_position(NEXT_PHASE[phase])
+            leave_phase(phase)
         else:
             why = _why_not_approved(verdict, review, cycle, reviewer)
             log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}")
@@ -8911,7 +9247,7 @@ def run_reviewed_phase(phase: str) -> None:
             if cycle >= MAX_REVIEW_CYCLES:
                 log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
                                    "review notes carried forward")
-                set_position(NEXT_PHASE[phase])
+                leave_phase(phase)
             else:
                 set_position(phase, cycle + 1, "author")
         save_state()
@@ -9091,6 +9427,12 @@ def stop_without_progress() -> int:
     return EXIT_NO_PROGRESS
 
 
+def set_tester_fail(evidence: list[str]) -> None:
+    """The tester's answer replaced by a FAIL with this evidence: a PASS the loop's own check or a person refused."""
+    form = VERDICT_FORMATS["tester"]
+    set_output("tester", "\n".join([form.line(passed=False), f"{form.section}:", *evidence]))
+
+
 def verify_pass() -> str:
     """VERIFY_PASS: 'PASS' when PROJECT_TEST_CMD exits 0 after the tester's PASS, else a FAIL whose evidence is
     the command's tail. A stop during it reruns the command, never the tester."""
@@ -9111,13 +9453,11 @@ def verify_pass() -> str:
         return "PASS"
     lines = [line for line in (out + ("\n" if out and err else "") + err).splitlines() if line.strip()]
     shown = lines[-max(1, MAX_TEST_EVIDENCE_LINES - 4):]     # with the lines above it, within the evidence cap
-    set_output("tester", "\n".join([
-        VERDICT_FORMATS["tester"].line(passed=False),
-        f"{VERDICT_FORMATS['tester'].section}:",
+    set_tester_fail([
         f"- The tester reported PASS, but the project's test command disagreed: `{PROJECT_TEST_CMD}` {outcome} "
         f"(run by the orchestrator in {WD}).",
         f"- Its last {len(shown)} lines of output:" if shown else "- It printed nothing.",
-        *[f"    {line}" for line in shown]]))
+        *[f"    {line}" for line in shown]])
     log_turn("tester", f"PASS not verified: PROJECT_TEST_CMD {outcome} after {seconds:g}s; the round counts as a FAIL")
     for line in shown[-10:]:
         log_detail(line)
@@ -9126,7 +9466,9 @@ def verify_pass() -> str:
 
 def run_tester_phase() -> str:
     """One tester turn (and, with VERIFY_PASS, the loop's own check of a PASS); returns PASS or FAIL."""
-    if phase_step == "verify":             # resumed during the check: the tester said PASS already
+    if phase_step == "approval":           # resumed at the commit gate: the PASS (checked, if asked) waits there
+        result = "PASS"
+    elif phase_step == "verify":           # resumed during the check: the tester said PASS already
         log_turn("tester", "resuming the check of the tester's PASS (the tester is not asked again)" if VERIFY_PASS
                  else "the tester's PASS stands: VERIFY_PASS is off now")
         result = "PASS"
@@ -9140,8 +9482,10 @@ def run_tester_phase() -> str:
         if result == "PASS" and VERIFY_PASS:
             set_position(PHASE_TESTER, 1, "verify")
             save_state()
-    if result == "PASS" and VERIFY_PASS:
+    if result == "PASS" and VERIFY_PASS and phase_step == "verify":
         result = verify_pass()
+    if result == "PASS" and (gate_due("commit") or phase_step == "approval"):
+        result = pass_commit_gate()
     if result == "PASS":
         update_run(final_status="PASS")
         mark_after_run_due(result)
@@ -9164,6 +9508,8 @@ def drive_rounds() -> int:
             set_position(PHASE_PROGRAMMER)
         elif current_phase == PHASE_DONE:
             set_position(PHASE_TESTER)      # a RUNNING state left at "done": the test decides
+        elif current_phase == PHASE_PROGRAMMER and phase_step == "approval":
+            pass_plan_gate()
         elif current_phase == PHASE_TESTER:
             if run_tester_phase() == "PASS":
                 log("; ".join(filter(None, (f"PASS in round {current_round}", scripted_note(map(provider_for, ROLES)),
@@ -9189,7 +9535,8 @@ def run_loop() -> int:
     try:
         code = drive_rounds()
     except (RunError, ApiError) as exc:
-        notify_stopped(exc)
+        if not isinstance(exc, ApprovalPending):      # a gate's own message went out when it was reached
+            notify_stopped(exc)
         raise
     return finish_run(code)
 
@@ -9977,6 +10324,9 @@ def command_line() -> CommandLine:
     parser.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR")
     for flag in ("--check", "--status", "--json", "--follow", "--help-settings", "--readme"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--approve", action="store_true")
+    parser.add_argument("--reject", metavar="WHY")
+    parser.add_argument("--note", nargs=2, metavar=("ROLE", "TEXT"))
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("-V", "--version", action="store_true")
     return parser
@@ -10037,6 +10387,13 @@ def working_now(saved: SavedState) -> str:
 
 def next_step(saved: SavedState) -> str:
     """'the peer analyst's review, cycle 2 of 3 of round 1's analyst phase': the turn a run under way takes next."""
+    gate = pending_gate(saved.gates) if saved.phase_step == "approval" else None
+    if gate is not None:
+        decided = read_decision(saved.run_dir, gate.id) if saved.run_dir else None
+        return (f"the {gate.gate} gate, {VERDICTS[decided['verdict']]} by {decided['by']}: the run takes the decision "
+                "when it goes on (the same command)" if decided else
+                f"waiting for your approval of {GATE_WHAT[gate.gate]} since {since_text(gate.since)}; decide with "
+                f"{gate_commands()}")
     if saved.current_phase == PHASE_TESTER:
         step = "the check of the tester's PASS (PROJECT_TEST_CMD)" if saved.phase_step == "verify" else "the test"
         return f"{step}, round {saved.current_round}"
@@ -10325,6 +10682,8 @@ def status_facts(saved: SavedState, stage: Stage) -> dict:
         "cli_switches": STATE_FIELDS_BY_NAME["cli_switches"].dump(saved.cli_switches),
         "tokens": tokens_json(total), "tokens_unknown_turns": unknown,
         "rounds_without_progress": saved.rounds_without_progress, "no_progress_stop": saved.no_progress_stop,
+        "waiting_for_approval": pending_gate(saved.gates).to_json()
+        if saved.phase_step == "approval" and pending_gate(saved.gates) else None,
         "go_on": go_on_command(saved.current_round, bool(saved.no_progress_stop))
         if saved.final_status == "FAIL" and not saved.terminals_exited else None,
         **stage.facts(),
@@ -10383,7 +10742,8 @@ def readme_text() -> str:
 
 # Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
 EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", EXIT_ERROR: "error (rerun)",
-              EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress", EXIT_BUG: "a bug",
+              EXIT_BUDGET: "budget used", EXIT_NO_PROGRESS: "no progress", EXIT_APPROVAL: "a person decides",
+              EXIT_BUG: "a bug",
               EXIT_LOCKED: "run locked"}      # the stop signals' codes: one entry, "129/130/131/143 a signal"
 
 
@@ -10399,14 +10759,14 @@ def help_text() -> str:
         "  --demo [DIR]     a first PASS, scripted agents in DIR (~/cao-loop-demo)",
         "  --check          all a run needs; exits 0 a run can start, 1 ✗, 2 bad setting",
         "  --status         where the run in STATE_FILE stands (--follow: its events)",
-        "  --help-settings  every setting: variable, JSON key, default, meaning",
-        "  --readme         print the README (the rest of the documentation is in docs/)", "",
+        "  --approve | --reject WHY | --note ROLE TEXT [config.json]: a person's word",
+        "  --help-settings  every setting: variable, JSON key, default, meaning", "",
         "Settings most runs set (environment variable, default):"]
     for env in COMMON_SETTINGS:
         lines.append(f"  {env:20} {_shown_default(SETTINGS_BY_ENV[env])}")
     providers = ", ".join(AGENT_CLIS).replace(SCRIPTED_PROVIDER, f"{SCRIPTED_PROVIDER} (--demo's scripted agent: no AI)")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + providers, 78, subsequent_indent="  ")
-    lines += ["", f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
+    lines += [f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
     signal_codes = "/".join(str(code) for code, _ in sorted(STOP_SIGNALS.values()))
     codes = ", ".join([f"{code} {EXIT_SHORT[code]}".replace(" ", "\xa0") for code, _, _ in EXIT_CODES
                        if code in EXIT_SHORT] + [f"{signal_codes}\xa0a\xa0stop\xa0signal"])
@@ -10560,6 +10920,8 @@ def stop_line(exc: BaseException, started: bool) -> tuple[int, str]:
     ended = started and CLEANUP_ON_EXIT
     saved = "" if not started else "; CLEANUP_ON_EXIT=1 ends the agents, so a rerun starts a new run" if ended \
         else "; state saved, rerun to resume"
+    if isinstance(exc, ApprovalPending):
+        return exc.code, exc.message
     if isinstance(exc, OrchestratorExit):
         message = exc.message
         if ended and isinstance(exc, RunError):
@@ -10727,12 +11089,77 @@ def demo_command(folder_text: str) -> int:
     return code
 
 
+def person_command(config: list[str], options: argparse.Namespace) -> int:
+    """--approve, --reject WHY, --note ROLE TEXT [config.json]: a person's word to the run in STATE_FILE, as a side
+    file in its folder (section 4), whether the run waits in place, is stopped or was killed; one line, its code."""
+    try:
+        if len(config) > 1:
+            raise ConfigError(f"expected at most one config file (see {command_name()} --help)")
+        configure(config)
+        try:
+            saved = read_state_file()
+        except StateFileError as exc:
+            raise ConfigError(str(exc)) from None
+        line = leave_note(saved, *options.note) if options.note else \
+            decide_at_gate(saved, "approve" if options.approve else "reject", (options.reject or "").strip())
+    except OrchestratorExit as exc:
+        say_error(f"error: {exc.message}")
+        return exc.code
+    go_on = ("the run waiting in place goes on within seconds" if RunLock.holder() else
+             f"the run takes it when it goes on: `{' '.join(filter(None, (command_name(), config_argument)))}`")
+    emit(f"{line}; {go_on}")
+    return EXIT_PASS
+
+
+def decide_at_gate(saved: SavedState | None, verdict: str, words: str) -> str:
+    """The decision for the gate the run waits at, written first-writer-wins; what was decided."""
+    if verdict == "reject" and not words:
+        raise ConfigError('--reject needs the reason, which the agent is told: --reject "what to change"')
+    gate = pending_gate(saved.gates) if saved is not None and saved.run_dir else None
+    if gate is None:
+        raise ConfigError(f"no gate waits for a decision in the run of {STATE_FILE} ("
+                          + (describe_state(saved) if saved is not None else "no run there") + ")")
+    facts = {"verdict": verdict, "by": person_name(), "at": utc_iso(), "words": words}
+    if not write_first(decision_path(saved.run_dir, gate.id), facts):
+        earlier = read_decision(saved.run_dir, gate.id) or {"verdict": "approve", "by": "?", "at": "?"}
+        raise ConfigError(f"the {gate.gate} gate of round {gate.round} was already decided: "
+                          f"{VERDICTS[earlier['verdict']]} by {earlier['by']} at {earlier['at']}; that decision counts")
+    return f"{GATE_WHAT[gate.gate]} {VERDICTS[verdict]} (the {gate.gate} gate of round {gate.round})"
+
+
+def leave_note(saved: SavedState | None, role: str, text: str) -> str:
+    """A person's note for a role's next prompt, left in the run's folder; what was left."""
+    role = role.strip().lower().replace("-", "_").replace(" ", "_")
+    if role not in ROLES:
+        raise ConfigError(f"--note: no role {role!r}; the roles: {', '.join(ROLES)}")
+    if not text.strip():
+        raise ConfigError("--note needs the text the agent is to read")
+    if saved is None or not saved.run_dir or saved.final_status == "PASS":
+        raise ConfigError(f"no run in {STATE_FILE} that a prompt could carry the note to ("
+                          + (describe_state(saved) if saved is not None else "no run there") + ")")
+    note_id = f"{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S%f')}-{secrets.token_hex(3)}"
+    write_first(Path(saved.run_dir) / NOTES_FOLDER / f"{note_id}.json",
+                {"role": role, "text": text.strip(), "by": person_name(), "at": utc_iso()})
+    return f"note left for the {role}: its next prompt carries it once"
+
+
+PERSON_COMMANDS = ("--approve", "--reject", "--note")
+
+
+def given_commands(options: argparse.Namespace) -> list[str]:
+    """The commands on the command line other than a run's (at most one may be given)."""
+    return [name for name, given in (("--check", options.check), ("--status", options.status),
+                                     ("--approve", options.approve), ("--reject", options.reject is not None),
+                                     ("--note", options.note is not None)) if given]
+
+
 def refuse_mixed_options(options: argparse.Namespace, config: list[str]) -> None:
     """Exit 2 on options that do not go together (two commands, --json without --status, ...)."""
-    mixed = ("--check and --status are two commands: give one" if options.check and options.status else
+    commands = given_commands(options)
+    mixed = (f"{' and '.join(commands)} are separate commands: give one" if len(commands) > 1 else
              next((f"--{option} goes with --status" for option in ("json", "follow")
                    if getattr(options, option) and not options.status), "") or
-             ("--demo takes only a folder" if options.demo is not None and (options.check or options.status or config)
+             ("--demo takes only a folder" if options.demo is not None and (commands or config)
               else ""))
     if mixed:
         say_error(f"error: {mixed} (see {command_name()} --help)")
@@ -10761,6 +11188,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(demo_command(options.demo))
     if options.status:
         raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
+    if set(given_commands(options)) & set(PERSON_COMMANDS):
+        raise SystemExit(person_command(config, options))
     command = check_command if options.check else run_command_line
     raise SystemExit(command(config))
 

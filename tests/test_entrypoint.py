@@ -51,7 +51,7 @@ def test_the_recipes_pod_failure_policy_stops_on_the_codes_a_scheduler_must_not_
     text = SCHEDULING.read_text(encoding="utf-8")
     fail_job = re.search(r"action: FailJob.*?values: \[([\d, ]+)\]", text, re.DOTALL)
     stop = [code for code, _, action in orch.EXIT_CODES if action.startswith("stop")]
-    assert [int(code) for code in fail_job.group(1).split(",")] == stop == [1, 2, 4, 5, 70]
+    assert [int(code) for code in fail_job.group(1).split(",")] == stop == [1, 2, 4, 5, 6, 70]
     assert "deploy/entrypoint.sh" in text and "podReplacementPolicy: Failed" in text
 
 
