@@ -70,6 +70,7 @@ import difflib
 import hashlib
 import html
 import fcntl
+import getpass
 import json
 import os
 import re
@@ -4404,7 +4405,10 @@ class ApprovalPending(RunError):
 
 def person_name() -> str:
     """Who decides or leaves a note from this shell, as the run records it."""
-    return os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown"
+    try:
+        return os.environ.get("USER") or getpass.getuser()      # else LOGNAME, ..., else the account's name
+    except (OSError, KeyError):
+        return f"uid {os.getuid()}"
 
 
 def gate_due(gate: str) -> bool:
@@ -4504,6 +4508,12 @@ def ntfy_decision(gate: Gate, say: Callable[[str], None]) -> dict | None:
     return None
 
 
+def gate_stop_line(gate: Gate) -> str:
+    """The last line of a run stopped at a gate (exit 6): which, since when, how to decide and go on."""
+    return (f"stopped at the {gate.gate} gate: waiting for your approval of {GATE_WHAT[gate.gate]} since "
+            f"{gate.since}; decide with {gate_commands()}, then run the same command to go on")
+
+
 def wait_for_decision(gate: Gate, waiting: list[str]) -> dict:
     """Wait in place, the agents idle, for the gate's decision: its file, or (NTFY_TOPIC) its reply topic. Past
     APPROVAL_MAX_WAIT (at once with 0): ApprovalPending, the state saved."""
@@ -4532,9 +4542,7 @@ def wait_for_decision(gate: Gate, waiting: list[str]) -> dict:
         if decision is not None:
             return decision
         if time.monotonic() >= deadline:
-            raise ApprovalPending(f"stopped at the {gate.gate} gate: waiting for your approval of "
-                                  f"{GATE_WHAT[gate.gate]} since {gate.since}; decide with {gate_commands()}, "
-                                  "then run the same command to go on")
+            raise ApprovalPending(gate_stop_line(gate))
         time.sleep(max(0.0, min(DECISION_POLL_SECONDS, deadline - time.monotonic())))
 
 
@@ -10977,6 +10985,8 @@ def wind_down(code: int) -> int:
             say_error(warning)
         if code == EXIT_NO_PROGRESS and no_progress_stop:
             say_error(no_progress_line(no_progress_stop, terminals_exited))   # the last line: why, and how to go on
+        if code == EXIT_APPROVAL and pending_gate(gates):
+            say_error(gate_stop_line(pending_gate(gates)))
     except OSError as exc:
         say_error(f"error: could not save the state to {STATE_FILE}: {exc}")
         return code or EXIT_ERROR
