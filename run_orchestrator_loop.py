@@ -1258,96 +1258,17 @@ def _current_directory() -> str:
         return os.environ.get("PWD", ".")
 
 
-API: str = _initial("API")
-OWN_SERVER: str | bool = _initial("OWN_SERVER")
-OWN_SERVER_PORT: int = _initial("OWN_SERVER_PORT")
-PROVIDER: str = _initial("PROVIDER")
-MODEL: str = _initial("MODEL")
-WD: str = _initial("WD") or _current_directory()
-PROMPT: str = _initial("PROMPT")
-PROMPT_FILE: str = _initial("PROMPT_FILE")
-PROJECT_TEST_CMD: str = _initial("PROJECT_TEST_CMD")
-STATE_FILE: str = _initial("STATE_FILE") or default_state_file(WD)
-RESUME: bool = _initial("RESUME")
-CLEANUP_ON_EXIT: bool = _initial("CLEANUP_ON_EXIT")
-REPORT_FINISHED_RUN: bool = _initial("REPORT_FINISHED_RUN")
-START_AGENT: str = _initial("START_AGENT")
-MAX_ROUNDS: int = _initial("MAX_ROUNDS")
-MAX_ROUNDS_WITHOUT_PROGRESS: int = _initial("MAX_ROUNDS_WITHOUT_PROGRESS")
-MAX_REVIEW_CYCLES: int = _initial("MAX_REVIEW_CYCLES")
-MIN_REVIEW_CYCLES_BEFORE_APPROVAL: int = _initial("MIN_REVIEW_CYCLES_BEFORE_APPROVAL")
-REQUIRE_REVIEW_EVIDENCE: bool = _initial("REQUIRE_REVIEW_EVIDENCE")
-REVIEW_EVIDENCE_MIN_MATCH: int = _initial("REVIEW_EVIDENCE_MIN_MATCH")
-POLL_SECONDS: float = _initial("POLL_SECONDS")
-RESPONSE_TIMEOUT: float = _initial("RESPONSE_TIMEOUT")
-STRICT_FILE_HANDOFF: bool = _initial("STRICT_FILE_HANDOFF")
-IDLE_GRACE_SECONDS: float = _initial("IDLE_GRACE_SECONDS")
-QUIET_SCREEN_SECONDS: float = _initial("QUIET_SCREEN_SECONDS")
-MAX_FILE_REMINDERS: int = _initial("MAX_FILE_REMINDERS")
-AUTO_ACCEPT_PERMISSIONS: bool = _initial("AUTO_ACCEPT_PERMISSIONS")
-API_RETRY_SECONDS: float = _initial("API_RETRY_SECONDS")
-PROGRESS_SECONDS: float = _initial("PROGRESS_SECONDS")
-AGENT_STALL_SECONDS: float = _initial("AGENT_STALL_SECONDS")
-REPLACE_LOST_AGENTS: bool = _initial("REPLACE_LOST_AGENTS")
-MAX_AGENT_REPLACEMENTS: int = _initial("MAX_AGENT_REPLACEMENTS")
-PROVIDER_ERROR_RETRIES: int = _initial("PROVIDER_ERROR_RETRIES")
-PROVIDER_ERROR_PAUSE_SECONDS: float = _initial("PROVIDER_ERROR_PAUSE_SECONDS")
-USAGE_LIMIT_MAX_WAIT: float = _initial("USAGE_LIMIT_MAX_WAIT")
-USAGE_LIMIT_MARGIN_SECONDS: float = _initial("USAGE_LIMIT_MARGIN_SECONDS")
-FALLBACK_PROVIDER: str = _initial("FALLBACK_PROVIDER")
-FALLBACK_MODEL: str = _initial("FALLBACK_MODEL")
-FRESH_CONTEXT: str = _initial("FRESH_CONTEXT")
-COMPACT_AT_TOKENS: int = _initial("COMPACT_AT_TOKENS")
-IGNORE_MISSING_CLI: bool = _initial("IGNORE_MISSING_CLI")
-STORY_MODE: bool = _initial("STORY_MODE")
-STORY_CHANGE: str = _initial("STORY_CHANGE")
-MAX_STORY_ATTEMPTS: int = _initial("MAX_STORY_ATTEMPTS")
-CONDENSE_EXPLORE_ON_REPEAT: bool = _initial("CONDENSE_EXPLORE_ON_REPEAT")
-CONDENSE_REVIEW_FEEDBACK: bool = _initial("CONDENSE_REVIEW_FEEDBACK")
-MAX_FEEDBACK_LINES: int = _initial("MAX_FEEDBACK_LINES")
-MAX_TEST_EVIDENCE_LINES: int = _initial("MAX_TEST_EVIDENCE_LINES")
-CONDENSE_UPSTREAM_ON_REPEAT: bool = _initial("CONDENSE_UPSTREAM_ON_REPEAT")
-CONDENSE_CROSS_PHASE: bool = _initial("CONDENSE_CROSS_PHASE")
-MAX_CROSS_PHASE_LINES: int = _initial("MAX_CROSS_PHASE_LINES")
-ANALYST_PROVIDER: str = _initial("ANALYST_PROVIDER")
-ANALYST_MODEL: str = _initial("ANALYST_MODEL")
-ANALYST_PROFILE: str = _initial("ANALYST_PROFILE")
-ANALYST_FALLBACK_PROVIDER: str = _initial("ANALYST_FALLBACK_PROVIDER")
-ANALYST_FALLBACK_MODEL: str = _initial("ANALYST_FALLBACK_MODEL")
-PEER_ANALYST_PROVIDER: str = _initial("PEER_ANALYST_PROVIDER")
-PEER_ANALYST_MODEL: str = _initial("PEER_ANALYST_MODEL")
-PEER_ANALYST_PROFILE: str = _initial("PEER_ANALYST_PROFILE")
-PEER_ANALYST_FALLBACK_PROVIDER: str = _initial("PEER_ANALYST_FALLBACK_PROVIDER")
-PEER_ANALYST_FALLBACK_MODEL: str = _initial("PEER_ANALYST_FALLBACK_MODEL")
-PROGRAMMER_PROVIDER: str = _initial("PROGRAMMER_PROVIDER")
-PROGRAMMER_MODEL: str = _initial("PROGRAMMER_MODEL")
-PROGRAMMER_PROFILE: str = _initial("PROGRAMMER_PROFILE")
-PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PROGRAMMER_FALLBACK_PROVIDER")
-PROGRAMMER_FALLBACK_MODEL: str = _initial("PROGRAMMER_FALLBACK_MODEL")
-PEER_PROGRAMMER_PROVIDER: str = _initial("PEER_PROGRAMMER_PROVIDER")
-PEER_PROGRAMMER_MODEL: str = _initial("PEER_PROGRAMMER_MODEL")
-PEER_PROGRAMMER_PROFILE: str = _initial("PEER_PROGRAMMER_PROFILE")
-PEER_PROGRAMMER_FALLBACK_PROVIDER: str = _initial("PEER_PROGRAMMER_FALLBACK_PROVIDER")
-PEER_PROGRAMMER_FALLBACK_MODEL: str = _initial("PEER_PROGRAMMER_FALLBACK_MODEL")
-TESTER_PROVIDER: str = _initial("TESTER_PROVIDER")
-TESTER_MODEL: str = _initial("TESTER_MODEL")
-TESTER_PROFILE: str = _initial("TESTER_PROFILE")
-TESTER_FALLBACK_PROVIDER: str = _initial("TESTER_FALLBACK_PROVIDER")
-TESTER_FALLBACK_MODEL: str = _initial("TESTER_FALLBACK_MODEL")
-ARCHIVE_ON_PASS: bool = _initial("ARCHIVE_ON_PASS")
-OPENSPEC_COMMAND: str = _initial("OPENSPEC_COMMAND")
-ARCHIVE_TIMEOUT: float = _initial("ARCHIVE_TIMEOUT")
-COMMIT_ON_PASS: bool = _initial("COMMIT_ON_PASS")
-VERIFY_PASS: bool = _initial("VERIFY_PASS")
-VERIFY_TIMEOUT: float = _initial("VERIFY_TIMEOUT")
-APPROVE: str = _initial("APPROVE")
-APPROVAL_MAX_WAIT: float = _initial("APPROVAL_MAX_WAIT")
-NTFY_TOPIC: str = _initial("NTFY_TOPIC")
-NTFY_SERVER: str = _initial("NTFY_SERVER")
-MAX_RUN_TOKENS: int = _initial("MAX_RUN_TOKENS")
-MAX_RUN_COST: float = _initial("MAX_RUN_COST")
-MODEL_PRICES: dict[str, dict[str, float]] = _initial("MODEL_PRICES")
-AGENT_HOME: str = _initial("AGENT_HOME")
+def set_settings(values: Mapping[str, object]) -> None:
+    """The one door through which settings become the module-level names the specs fix (one per SETTINGS row,
+    the shell script's names): at import, from configure(), from a resumed state, for the demo."""
+    globals().update(values)
+
+
+# Each setting as a module-level name, from the environment at import (a bad value is its default until main()
+# reports it); WD and STATE_FILE default to where the command runs.
+set_settings({setting.env: _initial(setting.env) for setting in SETTINGS})
+WD = WD or _current_directory()                                     # noqa: F821 (set from SETTINGS just above)
+STATE_FILE = STATE_FILE or default_state_file(WD)                   # noqa: F821
 
 # The secrets (SECRET_VARIABLES): CAO's own convention for a server started with a token, and ntfy's.
 CAO_AUTH_LOCAL_TOKEN: str = os.environ.get("CAO_AUTH_LOCAL_TOKEN", "")
@@ -1487,7 +1408,7 @@ def configure(argv: list[str]) -> None:
         chosen["API"] = cao_cli_address(os.environ)
     if "WD" in chosen and "STATE_FILE" not in chosen:
         chosen["STATE_FILE"] = default_state_file(os.path.abspath(chosen["WD"]))
-    globals().update(chosen)
+    set_settings(chosen)
     explicit_settings = set(chosen)
     validate_settings()
 
@@ -3243,8 +3164,8 @@ def load_state() -> bool:
 def restore_saved_settings(saved: SavedState) -> None:
     """The settings the run's terminals were created with (its server, provider, directory), unless the user
     chose them now: a resume and --status ask the server the run is on."""
-    globals().update({f.name: getattr(saved, f.name) for f in STATE_FIELDS
-                      if f.kind == "setting" and getattr(saved, f.name) and f.name not in explicit_settings})
+    set_settings({f.name: getattr(saved, f.name) for f in STATE_FIELDS
+                  if f.kind == "setting" and getattr(saved, f.name) and f.name not in explicit_settings})
 
 
 def state_backup_path(saved: SavedState | None = None) -> Path:
@@ -11070,7 +10991,7 @@ def demo_command(folder_text: str) -> int:
                   "give a new or empty folder")
         return EXIT_USAGE
     agents, going_on = folder / ".tmp" / "demo-agents", False
-    globals()["STATE_FILE"] = default_state_file(str(folder))
+    set_settings({"STATE_FILE": default_state_file(str(folder))})
     with suppress(StateFileError):       # a stopped demo goes on (its scripted agents' turns counted on), as said
         going_on = getattr(read_state_file(), "final_status", "") == "RUNNING"
     if not going_on:
@@ -11082,7 +11003,7 @@ def demo_command(folder_text: str) -> int:
                                       "scripted. Remove this folder when done.\n", encoding="utf-8")
     for setting in SETTINGS:             # the demo is the same everywhere: no setting of the caller's counts
         os.environ.pop(setting.env, None)
-    globals().update({setting.env: setting.default for setting in SETTINGS})
+    set_settings({setting.env: setting.default for setting in SETTINGS})
     os.environ.update(WD=str(folder), PROMPT_FILE=str(folder / "task.md"), PROVIDER=SCRIPTED_PROVIDER, OWN_SERVER="1",
                       MOCK_AGENT_HOME=str(agents))
     os.environ.setdefault("MOCK_AGENT_THINK_MS", "300")

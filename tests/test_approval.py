@@ -165,14 +165,16 @@ def test_a_run_waiting_in_place_goes_on_once_a_decision_is_written(load_orch, fa
     m = load_orch(PROMPT_FILE=str(prompt_file), APPROVE="plan", APPROVAL_MAX_WAIT="120", **QUICK)
     m.DECISION_POLL_SECONDS = 0.05
 
-    def approve_once_waiting():
-        while not (m.gates and m.run_dir):
+    def approve_once_waiting():           # once the gate is in the state file, as another shell would find it
+        while not (Path(m.STATE_FILE).exists() and m.pending_gate(m.read_state_file().gates)):
             time.sleep(0.02)
-        assert m.decide_at_gate(m.read_state_file(), "approve", "") == "the plan approved (the plan gate of round 1)"
+        decided.append(m.decide_at_gate(m.read_state_file(), "approve", ""))
+    decided = []
     helper = threading.Thread(target=approve_once_waiting, daemon=True)
     helper.start()
     assert run_main(m) == 0
     helper.join(5)
+    assert decided == ["the plan approved (the plan gate of round 1)"]
     assert fake_cao.roles_prompted() == QUICK_ROUND
     assert "waiting for your approval of the plan" in capsys.readouterr().out
 
