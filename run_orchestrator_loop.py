@@ -3953,13 +3953,9 @@ TURN_DETAIL = Template(
     '<h3>Reply ($reply_bytes bytes, taken $taken)</h3><pre class="reply">$reply</pre></details>')
 
 
-TOKENS_SECTION = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p>\n'
-                          '<table id="tokens-per-turn"><tr><th>turn</th><th>role</th><th>round</th><th>input</th>'
-                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$turn_rows</table>\n'
-                          '<table id="tokens-per-role"><tr><th>turns</th><th>role</th><th>unknown</th><th>input</th>'
-                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$role_rows</table>\n'
-                          '<table id="tokens-per-cli"><tr><th>turns</th><th>CLI</th><th>unknown</th><th>input</th>'
-                          '<th>cached input</th><th>output</th><th>cost</th></tr>\n$cli_rows</table></section>')
+TOKENS_SECTION = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p>\n$tables</section>')
+TOKEN_TABLE = Template('<table id="tokens-per-$per"><tr><th>$first</th><th>$second</th><th>$third</th><th>input</th>'
+                       '<th>cached input</th><th>output</th><th>cost</th></tr>\n$rows</table>')
 TOKENS_UNCOUNTED = Template('<section id="tokens"><h2>Tokens used</h2>\n<p>$note</p></section>')
 TOKEN_ROW = Template('<tr data-key="$key"><td>$first</td><td>$second</td><td>$third</td><td>$input</td>'
                      '<td>$cached</td><td>$output</td><td>$cost</td></tr>')
@@ -4262,18 +4258,17 @@ def _tokens_section(summary: dict) -> ReportHtml:
     turn_rows = [_fill(TOKEN_ROW, key=f"turn-{number}", first=_fill(LINK, href=f"#turn-{number}", text=number),
                        second=turn["role"], third=turn["round"], **_token_cells(turn["tokens"], turn["cost"]))
                  for number, turn in answered]
-    totals = [(role, figures) for role, figures in summary["roles"].items() if figures["turns"]]
-    totals.append(("run", summary))
-    role_rows = [_fill(TOKEN_ROW, key=f"role-{role}", first=figures["turns"], second=role,
-                       third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
-                 for role, figures in totals]
-    cli_rows = [_fill(TOKEN_ROW, key=f"cli-{provider}", first=figures["turns"], second=provider,
-                      third=figures["tokens_unknown_turns"] or "", **_token_cells(figures["tokens"], figures["cost"]))
-                for provider, figures in summary["clis"].items()]
+    totals = {"role": [(role, figures) for role, figures in summary["roles"].items() if figures["turns"]]
+              + [("run", summary)], "cli": list(summary["clis"].items())}
+    tables = [_fill(TOKEN_TABLE, per="turn", first="turn", second="role", third="round", rows=_join(turn_rows))]
+    tables += [_fill(TOKEN_TABLE, per=per, first="turns", second="role" if per == "role" else "CLI", third="unknown",
+                     rows=_join(_fill(TOKEN_ROW, key=f"{per}-{name}", first=figures["turns"], second=name,
+                                      third=figures["tokens_unknown_turns"] or "",
+                                      **_token_cells(figures["tokens"], figures["cost"])) for name, figures in rows))
+               for per, rows in totals.items()]
     prices = "cost estimated from MODEL_PRICES" if summary["model_prices"] else "no cost shown: MODEL_PRICES is not set"
     note = (f"As the agents' CLIs recorded them; input leaves out cached input; output includes reasoning; {prices}.")
-    return _fill(TOKENS_SECTION, note=note, turn_rows=_join(turn_rows), role_rows=_join(role_rows),
-                 cli_rows=_join(cli_rows))
+    return _fill(TOKENS_SECTION, note=note, tables=_join(tables))
 
 
 def report_html(summary: dict) -> str:
