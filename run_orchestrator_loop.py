@@ -10233,6 +10233,11 @@ class CommandLine(argparse.ArgumentParser):
     """argparse, with its errors as the loop's one line (exit 2) and the loop's own --help."""
 
     def error(self, message: str) -> None:
+        message = {"argument --note: expected 2 arguments": '--note takes a role and the text, e.g. --note '
+                                                            'programmer "keep the public API"',
+                   "argument --reject: expected one argument": '--reject takes the reason, which the agent is told, '
+                                                               'e.g. --reject "keep the old flags working"'
+                   }.get(message, message)
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
             words = unknown.group(1).split()

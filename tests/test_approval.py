@@ -108,6 +108,11 @@ def test_bad_decisions_and_notes_are_one_line_exit_2_and_change_nothing(load_orc
     assert capsys.readouterr().err.strip() == ("error: --note: no role 'designer'; the roles: analyst, peer_analyst, "
                                                "programmer, peer_programmer, tester")
     assert run_main(m, "--approve", "--status") == 2
+    assert "--status and --approve are separate commands" in capsys.readouterr().err
+    assert run_main(m, "--note", "programmer") == 2
+    assert '--note takes a role and the text, e.g. --note programmer "' in capsys.readouterr().err
+    assert run_main(m, "--reject") == 2
+    assert "--reject takes the reason" in capsys.readouterr().err
     assert not (Path(m.run_dir) / "decisions").exists() and not (Path(m.run_dir) / "notes").exists()
     bad = load_orch(PROMPT_FILE=str(prompt_file), APPROVE="plan,deploy", **QUICK)
     assert run_main(bad) == 2
