@@ -7219,6 +7219,7 @@ def record_turn(role: str, prompt_bytes: int, reply: str, archived: Path,
 # -- Tokens used and the run's budget --------------------------------------------------
 # Read when a reply is taken, before each send (the budget), and last when the role's next turn is sent.
 TOKENS_SETTLE_SECONDS = 10.0   # at a run's end: how long the CLIs may take to record the end of the last turns
+TOKENS_CATCH_UP_SECONDS = 3.0  # before a send: how long they may take to record the end of the turns before it
 
 
 class BudgetReached(RunError):
@@ -7242,11 +7243,21 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
 
 
 def tokens_before_send(role: str) -> None:
-    """Before a turn is sent: the turns whose tokens may still grow are read again -- the role's own for the
-    last time -- and the run's budget is checked."""
-    for number, record in enumerate(turn_records):
-        if not record.tokens_final:
-            read_turn_tokens(number, final=record.role == role)
+    """Before a turn is sent: the turns whose tokens may still grow are read again -- once their CLIs have
+    recorded their ends (up to TOKENS_CATCH_UP_SECONDS: a reply taken at CAO's ready status can be seen before its
+    CLI's last response is recorded, and a kill from here on would keep the turn's tokens short), the role's own
+    for the last time -- and the run's budget is checked."""
+    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
+    deadline = time.monotonic() + TOKENS_CATCH_UP_SECONDS
+    while growing:
+        readings = [read_turn_tokens(number) for number in growing]
+        if all(reading is None or reading.over for reading in readings) or time.monotonic() >= deadline \
+                or stop_held():
+            break
+        time.sleep(0.25)
+    for number in growing:
+        if turn_records[number].role == role:
+            read_turn_tokens(number, final=True)
     check_budget(role)
 
 
@@ -11036,6 +11047,10 @@ def person_command(config: list[str], options: argparse.Namespace) -> int:
     except OrchestratorExit as exc:
         say_error(f"error: {exc.message}")
         return exc.code
+    except OSError as exc:              # the run folder's disk or permissions: the same command gets past it after
+        say_error(f"error: could not write into the run's folder ({exc.__class__.__name__}: {exc}); nothing was "
+                  "decided or left: fix its disk or permissions, then give the command again")
+        return EXIT_ERROR
     go_on = ("the run waiting in place goes on within seconds" if RunLock.holder() else
              f"the run takes it when it goes on: `{' '.join(filter(None, (command_name(), config_argument)))}`")
     emit(f"{line}; {go_on}")

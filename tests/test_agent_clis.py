@@ -194,6 +194,7 @@ def test_a_made_up_cli_s_records_and_start_tries_come_from_its_row(load_orch, fa
                   REPLACE_LOST_AGENTS="1", AGENT_HOME=str(tmp_path), **PROGRAMMER_ON)   # its records read here
     monkeypatch.setitem(m.AGENT_CLIS, "made_up_cli", made_up_row(m))
     monkeypatch.setattr(m, "TOKENS_SETTLE_SECONDS", 0.0)    # its records never say a turn is over
+    monkeypatch.setattr(m, "TOKENS_CATCH_UP_SECONDS", 0.0)  # ... so no send waits for them to
     monkeypatch.setattr(m, "LIVENESS_CHECK_SECONDS", 0.05)
     fake_cao.turn_marks["made_up_cli"] = MADE_UP_MARKS
     fake_cao.script["tester"] = [FAIL_REPLY, {"action": "call", "call": kill_cli_and_time_out_its_next_start},

@@ -219,3 +219,17 @@ def test_ntfy_the_gate_message_has_both_buttons_and_the_first_decision_on_its_ow
     assert fake_cao.roles_prompted() == QUICK_ROUND
     polls = [r for r in ntfy.requests if r["method"] == "GET"]
     assert polls and all(r["path"].startswith(f"/{reply_topic}/json?") and "poll=1" in r["path"] for r in polls)
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_line_exit_3_not_a_traceback(
+        load_orch, fake_cao, prompt_file, capsys, monkeypatch):
+    m = stop_at_plan_gate(load_orch, prompt_file, capsys)
+    capsys.readouterr()
+
+    def refuse(*args):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(m.os, "link", refuse)
+    assert run_main(m, "--approve") == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: could not write into the run's folder (PermissionError")
+    assert not list((Path(m.run_dir) / "decisions").glob("*.json"))
