@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
+import os
 import subprocess
+import tempfile
+import time
 import urllib.error
 import urllib.request
 
@@ -116,7 +118,10 @@ class CodexChat:
         assert len(calls) == 1
         args = json.loads(calls[0]["arguments"])
         argv = args["command"] if "command" in args else ["bash", "-c", args["cmd"]]
-        subprocess.run(argv, check=True)
+        # Codex's `bash -lc` reads the login files of HOME: an empty one, as a test's agents have, not the
+        # machine's (whose own start-up, e.g. `pyenv init`, may wait on a lock another shell holds).
+        with tempfile.TemporaryDirectory() as home:
+            subprocess.run(argv, check=True, env={**os.environ, "HOME": home})
         self.items.append({"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "exit 0"})
         return self.request()
 
