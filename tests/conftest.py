@@ -112,7 +112,7 @@ def leave_out_e2e(config, items) -> None:
 
 
 # -- Under pytest-xdist: workers sized to the machine, the longest work first ---------------------------------
-WORKERS_PER_CORE, MIN_WORKERS, MAX_WORKERS = 2.5, 2, 8     # five on 2 cores: four left a quarter of the CPU idle
+WORKERS_PER_CORE, MIN_WORKERS, MAX_WORKERS = 2.5, 2, 8     # five on 2 cores (four left CPU idle)
 FAST_TIER_WORKERS_PER_CORE = 3     # the fast tier alone: short tests that wait on a fake CAO's polls, few on the CPU
 
 
