@@ -808,7 +808,7 @@ class Setting:
     env: str
     key: str          # dotted JSON path, e.g. "limits.max_rounds"
     default: object
-    kind: str         # its rule in KIND_RULES, e.g. "count", "seconds", "url"
+    kind: str         # its row in KINDS, e.g. "count", "seconds", "url"
     help: str = ""
 
 
@@ -998,33 +998,6 @@ SECRET_HELP = (("CAO_AUTH_LOCAL_TOKEN", "bearer token for a cao-server started w
                               "saved"))
 SECRET_CONFIG_KEYS = {"notify.ntfy_token": "NTFY_TOKEN", "notify.token": "NTFY_TOKEN"}
 
-_ENV_EXPECTED = {
-    "text": "any text",
-    "url": "an http:// or https:// URL, e.g. http://localhost:9889",
-    "bool": "1 or 0",
-    "auto_bool": "auto, 1 or 0",
-    "port0": "a port number from 0 to 65535",
-    "count": "a whole number of at least 1",
-    "count0": "a whole number of at least 0",
-    "seconds0": "a number of seconds of at least 0",
-    "seconds": "a number of seconds greater than 0",
-    "provider": "one of " + ", ".join(AGENT_CLIS),
-    "role_provider": "empty or one of " + ", ".join(AGENT_CLIS),
-    "role": "one of " + ", ".join(ROLES),
-    "fresh_context": "one of " + ", ".join(FRESH_CONTEXT_CHOICES),
-    "gates": "empty or a comma list of " + ", ".join(GATES),
-    "name": "a CAO agent profile name (letters, digits, '_', '-', '.')",
-    "model": "empty or a model id of at most 128 letters, digits and '.', '_', ':', '/', '-' (e.g. claude-haiku-4-5)",
-    "amount0": "a number of at least 0",
-    "prices": 'a JSON object: model -> {"input": price, "output": price, "cached_input": price}, prices per '
-              'million tokens, at least 0',
-}
-# A config file's words: JSON's true/false, and a number written as one, not as a string.
-_JSON_EXPECTED = dict(_ENV_EXPECTED, bool="true or false", auto_bool='"auto", true or false', **{
-    kind: _ENV_EXPECTED[kind].replace(" of seconds", "") + " (not a string)"
-    for kind in ("port0", "count", "count0", "seconds", "seconds0", "amount0")})
-
-
 def _is_whole(value: object, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
@@ -1044,72 +1017,92 @@ def _is_price_table(value: object) -> bool:
         and all(_is_seconds(amount, False) for amount in price.values()) for model, price in value.items())
 
 
-# kind -> whether an already typed value is one of that kind
-KIND_RULES: dict[str, Callable[[object], bool]] = {
-    "count": lambda v: _is_whole(v, 1),
-    "count0": lambda v: _is_whole(v, 0),
-    "seconds": lambda v: _is_seconds(v, True),
-    "seconds0": lambda v: _is_seconds(v, False),
-    "amount0": lambda v: _is_seconds(v, False),
-    "prices": _is_price_table,
-    "bool": lambda v: isinstance(v, bool),
-    "auto_bool": lambda v: v == "auto" or isinstance(v, bool),
-    "port0": lambda v: _is_whole(v, 0) and v <= 65535,
-    "text": lambda v: isinstance(v, str),
-    "url": lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v)),
-    "provider": lambda v: v in AGENT_CLIS,
-    "role_provider": lambda v: isinstance(v, str) and (not v or v in AGENT_CLIS),
-    "role": lambda v: v in ROLES,
-    "fresh_context": lambda v: v in FRESH_CONTEXT_CHOICES,
-    "gates": lambda v: isinstance(v, str) and all(word.strip() in GATES for word in v.split(",") if word.strip()),
-    "name": lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v)),
+def _digits(text: str) -> int:
+    """A whole number as an environment variable gives it: digits only."""
+    if not re.fullmatch(r"[0-9]+", text):
+        raise ValueError
+    return int(text)
+
+
+def _flag(text: str) -> bool | str:
+    """1 or 0 as an environment variable gives it (auto too: a kind that does not allow it refuses it)."""
+    if text not in ("1", "0", "auto"):
+        raise ValueError
+    return "auto" if text == "auto" else text == "1"
+
+
+def _json_text(text: str) -> object:
+    """A JSON value as an environment variable gives it (empty: an empty object)."""
+    try:
+        return json.loads(text) if text else {}
+    except RecursionError:
+        raise ValueError from None
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of setting, in one row: the values it holds, how an environment variable's text becomes one, and what
+    a user who gave another is told to give."""
+
+    expected: str                           # what to give, in an environment variable's words
+    holds: Callable[[object], bool]         # whether an already typed value is one of this kind
+    read: Callable[[str], object] = str     # an environment variable's text -> the typed value (ValueError: none);
+    #                                         _digits and float: a number, written as one in a config file; float:
+    #                                         kept as a float from either
+    in_json: str = ""                       # what to give in a config file, where JSON's words differ
+    choices: Iterable[str] = ()             # the values it allows, for a "did you mean" on a value that is close
+
+    @property
+    def expected_in_json(self) -> str:
+        """What a config file must give: JSON's true/false, and a number written as one, not as a string."""
+        if self.read in (_digits, float):
+            return self.expected.replace(" of seconds", "") + " (not a string)"
+        return self.in_json or self.expected
+
+
+# kind -> its row; Setting.kind names one
+KINDS: dict[str, Kind] = {
+    "text": Kind("any text", lambda v: isinstance(v, str)),
+    "url": Kind("an http:// or https:// URL, e.g. http://localhost:9889",
+                lambda v: isinstance(v, str) and bool(re.match(r"^https?://[^\s/]+", v))),
+    "bool": Kind("1 or 0", lambda v: isinstance(v, bool), _flag, "true or false"),
+    "auto_bool": Kind("auto, 1 or 0", lambda v: v == "auto" or isinstance(v, bool), _flag, '"auto", true or false'),
+    "port0": Kind("a port number from 0 to 65535", lambda v: _is_whole(v, 0) and v <= 65535, _digits),
+    "count": Kind("a whole number of at least 1", lambda v: _is_whole(v, 1), _digits),
+    "count0": Kind("a whole number of at least 0", lambda v: _is_whole(v, 0), _digits),
+    "seconds0": Kind("a number of seconds of at least 0", lambda v: _is_seconds(v, False), float),
+    "seconds": Kind("a number of seconds greater than 0", lambda v: _is_seconds(v, True), float),
+    "amount0": Kind("a number of at least 0", lambda v: _is_seconds(v, False), float),
+    "provider": Kind("one of " + ", ".join(AGENT_CLIS), lambda v: v in AGENT_CLIS, choices=AGENT_CLIS),
+    "role_provider": Kind("empty or one of " + ", ".join(AGENT_CLIS),
+                          lambda v: isinstance(v, str) and (not v or v in AGENT_CLIS), choices=AGENT_CLIS),
+    "role": Kind("one of " + ", ".join(ROLES), lambda v: v in ROLES, choices=ROLES),
+    "fresh_context": Kind("one of " + ", ".join(FRESH_CONTEXT_CHOICES), lambda v: v in FRESH_CONTEXT_CHOICES,
+                          choices=FRESH_CONTEXT_CHOICES),
+    "gates": Kind("empty or a comma list of " + ", ".join(GATES), lambda v: isinstance(v, str) and all(
+        word.strip() in GATES for word in v.split(",") if word.strip())),
+    "name": Kind("a CAO agent profile name (letters, digits, '_', '-', '.')",
+                 lambda v: isinstance(v, str) and bool(re.fullmatch(r"[A-Za-z0-9_.-]+", v))),
     # CAO refuses any other model id (HTTP 400) before it starts anything (docs/agent-clis.md).
-    "model": lambda v: isinstance(v, str) and (not v or (len(v) <= 128
-                                                         and bool(re.fullmatch(r"[A-Za-z0-9._:/-]+", v)))),
+    "model": Kind(
+        "empty or a model id of at most 128 letters, digits and '.', '_', ':', '/', '-' (e.g. claude-haiku-4-5)",
+        lambda v: isinstance(v, str) and (not v or (len(v) <= 128 and bool(re.fullmatch(r"[A-Za-z0-9._:/-]+", v))))),
+    "prices": Kind('a JSON object: model -> {"input": price, "output": price, "cached_input": price}, prices per '
+                   'million tokens, at least 0', _is_price_table, _json_text),
 }
 
 
 def _check_value(setting: Setting, value: object) -> object:
     """Apply the kind's rule to an already typed value; ValueError if it breaks it. Seconds become floats."""
-    if not KIND_RULES[setting.kind](value):
+    kind = KINDS[setting.kind]
+    if not kind.holds(value):
         raise ValueError
-    return float(value) if setting.kind in ("seconds", "seconds0", "amount0") else value
-
-
-def _parse_env_value(setting: Setting, raw: str) -> object:
-    """Turn an environment string into the setting's type; ValueError if it can't."""
-    text = raw.strip()
-    if setting.kind in ("bool", "auto_bool"):
-        if text not in ("1", "0") and not (setting.kind == "auto_bool" and text == "auto"):
-            raise ValueError
-        return "auto" if text == "auto" else text == "1"
-    if setting.kind in ("count", "count0", "port0"):
-        if not re.fullmatch(r"[0-9]+", text):
-            raise ValueError
-        return _check_value(setting, int(text))
-    if setting.kind in ("seconds", "seconds0", "amount0"):
-        try:
-            number = float(text)
-        except ValueError:
-            raise ValueError from None
-        return _check_value(setting, number)
-    if setting.kind == "prices":
-        try:
-            table = json.loads(text) if text else {}
-        except (ValueError, RecursionError):
-            raise ValueError from None
-        return _check_value(setting, table)
-    return _check_value(setting, raw if setting.kind == "text" else text)
-
-
-# kind -> the values it allows, for a "did you mean" on a value that is close
-KIND_CHOICES: dict[str, Iterable[str]] = {"provider": AGENT_CLIS, "role_provider": AGENT_CLIS,
-                                            "role": ROLES, "fresh_context": FRESH_CONTEXT_CHOICES}
+    return float(value) if kind.read is float else value
 
 
 def did_you_mean(setting: Setting, value: object) -> str:
     """' (did you mean claude_code?)' for a value close to one the setting allows ('' when nothing is)."""
-    choices = KIND_CHOICES.get(setting.kind)
+    choices = KINDS[setting.kind].choices
     if not choices or not isinstance(value, str) or not value.strip():
         return ""
     typed = value.strip().lower()
@@ -1128,10 +1121,11 @@ def read_env_settings(environ: Mapping[str, str]) -> tuple[dict[str, object], li
         if raw == "":
             continue
         try:
-            values[setting.env] = _parse_env_value(setting, raw)
+            text = raw if setting.kind == "text" else raw.strip()      # text is taken as written
+            values[setting.env] = _check_value(setting, KINDS[setting.kind].read(text))
         except ValueError:
             errors.append(f"{setting.env}={raw!r} is not valid{did_you_mean(setting, raw)}: expected "
-                          f"{_ENV_EXPECTED[setting.kind]}")
+                          f"{KINDS[setting.kind].expected}")
     return values, errors
 
 
@@ -1154,7 +1148,7 @@ def _config_setting(path: str, key: str, value: object, values: dict[str, object
         values[setting.env] = _check_value(setting, value)
     except ValueError:
         raise ConfigError(f"config file {path}: key '{key}' is {json.dumps(value)}"
-                          f"{did_you_mean(setting, value)}; expected {_JSON_EXPECTED[setting.kind]}") from None
+                          f"{did_you_mean(setting, value)}; expected {KINDS[setting.kind].expected_in_json}") from None
 
 
 def _refuse_secret(path: str, key: str, name: str) -> None:
