@@ -1466,11 +1466,7 @@ def set_task(prompt_text: str) -> None:
 
 def own_settings(role: str) -> tuple[str, str, str]:
     """The role's own provider, model and CAO profile (the first two '' when unset: PROVIDER, MODEL apply)."""
-    return {"analyst": (ANALYST_PROVIDER, ANALYST_MODEL, ANALYST_PROFILE),
-            "peer_analyst": (PEER_ANALYST_PROVIDER, PEER_ANALYST_MODEL, PEER_ANALYST_PROFILE),
-            "programmer": (PROGRAMMER_PROVIDER, PROGRAMMER_MODEL, PROGRAMMER_PROFILE),
-            "peer_programmer": (PEER_PROGRAMMER_PROVIDER, PEER_PROGRAMMER_MODEL, PEER_PROGRAMMER_PROFILE),
-            "tester": (TESTER_PROVIDER, TESTER_MODEL, TESTER_PROFILE)}[role]
+    return tuple(globals()[f"{role.upper()}_{name}"] for name in ("PROVIDER", "MODEL", "PROFILE"))
 
 
 def own_fallback(role: str) -> tuple[str, str]:
