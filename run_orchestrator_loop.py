@@ -814,20 +814,14 @@ class Setting:
 
 def _role_settings() -> list[Setting]:
     """Per-role provider, model and CAO profile, e.g. PEER_ANALYST_PROFILE."""
-    settings = []
-    for role in ROLES:
-        prefix = role.upper()
-        settings.append(Setting(f"{prefix}_PROVIDER", f"agents.{role}.provider", "",
-                                "role_provider", f"CAO provider for the {role} (empty: PROVIDER)"))
-        settings.append(Setting(f"{prefix}_MODEL", f"agents.{role}.model", "",
-                                "model", f"model the {role}'s agent CLI is started with (empty: MODEL)"))
-        settings.append(Setting(f"{prefix}_PROFILE", f"agents.{role}.profile",
-                                DEFAULT_PROFILES[role], "name", f"CAO agent profile for the {role}"))
-        settings.append(Setting(f"{prefix}_FALLBACK_PROVIDER", f"agents.{role}.fallback_provider", "",
-                                "role_provider", f"the {role}'s fallback CLI (empty: FALLBACK_PROVIDER)"))
-        settings.append(Setting(f"{prefix}_FALLBACK_MODEL", f"agents.{role}.fallback_model", "",
-                                "model", f"the model of the {role}'s fallback CLI (empty: FALLBACK_MODEL)"))
-    return settings
+    forms = (("PROVIDER", "role_provider", "CAO provider for the {} (empty: PROVIDER)"),
+             ("MODEL", "model", "model the {}'s agent CLI is started with (empty: MODEL)"),
+             ("PROFILE", "name", "CAO agent profile for the {}"),
+             ("FALLBACK_PROVIDER", "role_provider", "the {}'s fallback CLI (empty: FALLBACK_PROVIDER)"),
+             ("FALLBACK_MODEL", "model", "the model of the {}'s fallback CLI (empty: FALLBACK_MODEL)"))
+    return [Setting(f"{role.upper()}_{name}", f"agents.{role}.{name.lower()}",
+                    DEFAULT_PROFILES[role] if name == "PROFILE" else "", kind, words.format(role))
+            for role in ROLES for name, kind, words in forms]
 
 
 SETTINGS: tuple[Setting, ...] = (
