@@ -1234,10 +1234,6 @@ def default_state_file(wd: str) -> str:
 _env_values, _ = read_env_settings(os.environ)
 
 
-def _initial(env_name: str) -> object:
-    return _env_values.get(env_name, SETTINGS_BY_ENV[env_name].default)
-
-
 def _current_directory() -> str:
     """The default WD; a directory deleted under the process is left for validation to report."""
     try:
@@ -1254,7 +1250,7 @@ def set_settings(values: Mapping[str, object]) -> None:
 
 # Each setting as a module-level name, from the environment at import (a bad value is its default until main()
 # reports it); WD and STATE_FILE default to where the command runs.
-set_settings({setting.env: _initial(setting.env) for setting in SETTINGS})
+set_settings({setting.env: _env_values.get(setting.env, setting.default) for setting in SETTINGS})
 WD = WD or _current_directory()                                     # noqa: F821 (set from SETTINGS just above)
 STATE_FILE = STATE_FILE or default_state_file(WD)                   # noqa: F821
 
