@@ -1125,12 +1125,8 @@ def read_env_settings(environ: Mapping[str, str]) -> tuple[dict[str, object], li
 
 def _known_children(prefix: str) -> list[str]:
     """Names allowed directly under a JSON path prefix ('' for the top level)."""
-    names = set()
-    for key in list(SETTINGS_BY_KEY) + list(CONFIG_NOTE_KEYS):
-        if prefix and not key.startswith(prefix + "."):
-            continue
-        names.add((key[len(prefix) + 1:] if prefix else key).split(".")[0])
-    return sorted(names)
+    return sorted({(key[len(prefix) + 1:] if prefix else key).split(".")[0]
+                   for key in [*SETTINGS_BY_KEY, *CONFIG_NOTE_KEYS] if not prefix or key.startswith(prefix + ".")})
 
 
 def _config_setting(path: str, key: str, value: object, values: dict[str, object]) -> None:
@@ -1281,14 +1277,10 @@ SCENARIO_TEST: str = ""
 def misspelt_settings(environ: Mapping[str, str]) -> list[str]:
     """Warnings for environment variables that look like a setting with a typo (MAX_ROUND)."""
     known = [setting.env for setting in SETTINGS] + list(SECRET_VARIABLES)
-    warnings = []
-    for name in sorted(environ):
-        if name in known or len(name) < 4 or not name.isupper():
-            continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
-        if close:
-            warnings.append(f"warning: {name} is not a setting (ignored); did you mean {close[0]}?")
-    return warnings
+    close = {name: difflib.get_close_matches(name, known, n=1, cutoff=0.85) for name in sorted(environ)
+             if name not in known and len(name) >= 4 and name.isupper()}
+    return [f"warning: {name} is not a setting (ignored); did you mean {match[0]}?"
+            for name, match in close.items() if match]
 
 
 def is_copy_of_this_program(directory: Path) -> bool:
