@@ -793,12 +793,9 @@ def verdict_line(form: VerdictFormat, text: str) -> tuple[int | None, str]:
     """The reply's last verdict line (its index among the text's stripped lines; None: none) and its word,
     upper-cased: the one the reply ends on, when it changed its mind on the way."""
     pattern = re.compile(r"^\W*" + re.escape(form.label) + r"\W*:\W*([A-Za-z_]+)")
-    found: tuple[int | None, str] = (None, "")
-    for index, line in enumerate((text or "").strip().splitlines()):
-        match = pattern.match(line)
-        if match:
-            found = (index, match.group(1).upper())
-    return found
+    found = [(index, match.group(1).upper()) for index, line in enumerate((text or "").strip().splitlines())
+             if (match := pattern.match(line))]
+    return found[-1] if found else (None, "")
 
 
 @dataclass(frozen=True)
