@@ -675,16 +675,13 @@ AGENT_CLIS: dict[str, AgentCli] = {
                     "PROMPT_TOOLKIT_NO_CPR=1 (a start-up then hangs now and then): `{tmux} set-environment -g "
                     "PROMPT_TOOLKIT_NO_CPR 1`, or export it before starting cao-server", env="PROMPT_TOOLKIT_NO_CPR",
                     env_value="1"),), sign_in=HERMES_SIGN_IN),
-    # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word.
+    # The scripted agent (mock_cli, installed with this project) and the other CLIs CAO knows: CAO's word, their
+    # rows only a label (q_cli: CAO's older name for Kiro CLI).
     "mock_cli": AgentCli("the scripted agent", program="mock_cli", run_tokens=(0, 0), cao_since="2.5.4"),
-    "kiro_cli": AgentCli("Kiro CLI"),
-    "kimi_cli": AgentCli("Kimi CLI"),
-    "cursor_cli": AgentCli("Cursor CLI"),
-    "antigravity_cli": AgentCli("Antigravity CLI"),
-    "omp": AgentCli("omp"),
-    "grok_cli": AgentCli("Grok CLI"),
-    "mcode": AgentCli("mcode"),
-    "q_cli": AgentCli("Amazon Q CLI"),          # CAO's older name for Kiro CLI
+    **{provider: AgentCli(label) for provider, label in (
+        ("kiro_cli", "Kiro CLI"), ("kimi_cli", "Kimi CLI"), ("cursor_cli", "Cursor CLI"),
+        ("antigravity_cli", "Antigravity CLI"), ("omp", "omp"), ("grok_cli", "Grok CLI"), ("mcode", "mcode"),
+        ("q_cli", "Amazon Q CLI"))},
 }
 SCRIPTED_PROVIDER = "mock_cli"   # the scripted agent, installed with the loop: --demo runs it
 SCRIPTED_WORDS = "scripted agents: nothing was built or tested by an AI"    # said wherever a run's result is read
