@@ -261,10 +261,9 @@ def open_run_log(path: Path) -> None:
     """From now on every printed line also goes to `path` (appended: a resumed run goes on in the same file)."""
     global run_log_file
     run_log_file = path
-    early = _early_log_lines[:]
-    _early_log_lines.clear()
-    for line in early:
+    for line in _early_log_lines:
         keep_in_run_log(line)
+    _early_log_lines.clear()
 
 
 # --------------------------------------------------------------------------
