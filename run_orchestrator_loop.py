@@ -1854,17 +1854,13 @@ class LocalServer:
 
 def _listening_sockets(port: int) -> set[str]:
     """The inodes of the sockets that listen on `port` ('0A' is LISTEN in /proc/net/tcp)."""
-    inodes = set()
+    lines: list[str] = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text(encoding="ascii").splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    return inodes
+        with suppress(OSError):
+            lines += Path(table).read_text(encoding="ascii").splitlines()[1:]
+    rows = [line.split() for line in lines]
+    return {f"socket:[{row[9]}]" for row in rows
+            if len(row) > 9 and row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port}
 
 
 def _process_of(sockets: set[str]) -> int | None:
