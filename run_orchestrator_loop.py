@@ -2438,13 +2438,9 @@ def _text(value: object) -> str:
 
 def _whole(value: object) -> int | None:
     """An int from a state value written by either script (the shell script writes some as text)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())
-    return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _positive_int(value: object) -> int:
