@@ -3081,15 +3081,12 @@ def save_state() -> None:
 
 def sync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable against a power loss; best effort (not every filesystem can)."""
-    try:
+    with suppress(OSError):
         handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with suppress(OSError):
+        try:
             os.fsync(handle)
-    finally:
-        os.close(handle)
+        finally:
+            os.close(handle)
 
 
 # A test's way to stop the loop at one named instant of taking a reply: ORCHESTRATOR_CRASH_AT=<step>:<n>[:INT]
