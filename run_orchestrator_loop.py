@@ -3218,12 +3218,9 @@ class RunLock:
                 handle.close()
                 raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
                                 f"Try again when it has finished (see its log), or stop that process first") from None
-            try:
-                same_file = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
-            except FileNotFoundError:
-                same_file = False
-            if same_file:
-                break
+            with suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    break
             handle.close()               # its holder removed it as we opened it: lock the file there now
         handle.seek(0)
         handle.truncate()
