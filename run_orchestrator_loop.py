@@ -2280,13 +2280,11 @@ class OwnStage:
             left = OwnServer.found()
             log(f"note: {exc}; " + (f"ending what the run's marks find of its own server ({left.tmux_dir})" if left
                                     else "nothing of the run's own server runs") + "; the note is removed")
-        if left is None:
-            self.note.unlink(missing_ok=True)
-            return
-        alive = [f"{name} pid {pid}" for name, pid in left.started().items()]
-        log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
-            + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
-        self.sessions_left.extend(left.end())
+        if left is not None:
+            alive = [f"{name} pid {pid}" for name, pid in left.started().items()]
+            log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
+                + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
+            self.sessions_left.extend(left.end())
         self.note.unlink(missing_ok=True)
 
     def remove_sessions_left(self, url: str) -> None:
