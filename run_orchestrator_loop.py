@@ -1823,9 +1823,8 @@ CAO_PROVEN_VERSION = "2.5.4"      # the cao-server version the loop is proven wi
 def installed_cao_version(program: str) -> str:
     """The cli-agent-orchestrator version a cao-server program belongs to ('' if it cannot be told)."""
     prefix = Path(program).resolve().parent.parent
-    for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
-        return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
-    return ""
+    return next((info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
+                 for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info")), "")
 
 
 @dataclass(frozen=True)
@@ -2377,10 +2376,8 @@ def own_tmux_folder() -> str:
 
 def bundled_profile(name: str) -> Path | None:
     """A profile that comes with the loop: beside the script in a checkout, else where pip put them."""
-    for folder in (Path(__file__).resolve().parent / "profiles", Path(sys.prefix) / "share" / PACKAGE_NAME / "profiles"):
-        if (folder / f"{name}.md").is_file():
-            return folder / f"{name}.md"
-    return None
+    places = (Path(__file__).resolve().parent / "profiles", Path(sys.prefix) / "share" / PACKAGE_NAME / "profiles")
+    return next((folder / f"{name}.md" for folder in places if (folder / f"{name}.md").is_file()), None)
 
 
 def server_answers(url: str) -> bool:
