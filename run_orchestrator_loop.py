@@ -2570,7 +2570,7 @@ class StoryProgress(PlainRecord):
 
 
 @dataclass(frozen=True)
-class TokenUse:
+class TokenUse(PlainRecord):
     """Tokens in three numbers that never overlap, so any two add up: input (cache writes included), cached
     input, output (reasoning included). How each CLI's numbers map: docs/following-a-run.md."""
 
@@ -2588,14 +2588,12 @@ class TokenUse:
         """All three together: what MAX_RUN_TOKENS counts."""
         return self.input + self.cached_input + self.output
 
-    def to_json(self) -> dict:
-        return {"input": self.input, "cached_input": self.cached_input, "output": self.output}
-
     @classmethod
     def from_json(cls, raw: object) -> TokenUse | None:
+        """Unlike other records, all or nothing: a count missing or below zero makes the tokens unknown."""
         if not isinstance(raw, dict):
             return None
-        numbers = [_whole(raw.get(name)) for name in ("input", "cached_input", "output")]
+        numbers = [_whole(raw.get(f.name)) for f in fields(cls)]
         if any(number is None or number < 0 for number in numbers):
             return None
         return cls(*numbers)
