@@ -2840,9 +2840,7 @@ def _terminals(raw: object) -> dict[str, str]:
 
 def _models(raw: object) -> dict[str, str]:
     """role -> the model its agent was created with ('' for the CLI's default); lenient, as it only informs."""
-    if not isinstance(raw, dict):
-        return {}
-    return {role: raw[role] for role in ROLES if isinstance(raw.get(role), str)}
+    return {role: raw[role] for role in ROLES if isinstance(raw.get(role), str)} if isinstance(raw, dict) else {}
 
 
 def _outputs(raw: object) -> dict[str, str]:
@@ -2854,9 +2852,8 @@ def _outputs(raw: object) -> dict[str, str]:
 
 def _fingerprints(raw: object) -> dict | None:
     """The start-of-run worktree record if it is well formed (path -> fingerprint text), else None."""
-    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
-        return None
-    return raw
+    well_formed = isinstance(raw, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items())
+    return raw if well_formed else None
 
 
 # -- the table -------------------------------------------------------------------
