@@ -1755,13 +1755,12 @@ class ApiClient:
     def session_profiles(self, session: str) -> dict[str, str]:
         """Terminal id -> agent profile of each terminal the session lists, those still starting too (CAO records a
         terminal before its CLI starts); {} where it cannot say. A look: never retried."""
-        try:
+        with suppress(ApiError):
             answer = self._call(f"session {session}", "GET", f"/sessions/{quote(session, safe='')}", retry=False)
-        except ApiError:
-            return {}
-        terminals = answer.get("terminals") if isinstance(answer, dict) else None
-        return {entry["id"]: str(entry.get("agent_profile") or "") for entry in terminals or ()
-                if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
+            terminals = answer.get("terminals") if isinstance(answer, dict) else None
+            return {entry["id"]: str(entry.get("agent_profile") or "") for entry in terminals or ()
+                    if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
+        return {}
 
     def delete_terminal(self, terminal_id: str) -> None:
         """Remove a terminal (its tmux window, whatever runs there); one that is gone already is fine."""
@@ -1882,12 +1881,11 @@ def local_server() -> LocalServer | None:
     pid = _process_of(sockets) if sockets else None
     if pid is None:
         return None
-    try:
+    with suppress(OSError):
         uid = Path(f"/proc/{pid}").stat().st_uid
-    except OSError:
-        return None
-    env = process_env(pid)
-    return LocalServer(pid, uid, env) if env else None
+        env = process_env(pid)
+        return LocalServer(pid, uid, env) if env else None
+    return None
 
 
 def agents_tmux_socket() -> str:
@@ -1968,20 +1966,18 @@ OWN_SESSION_REMOVE_SECONDS = 30.0        # CAO's removal of a session: its agent
 
 def process_started_at(pid: int) -> int | None:
     """A process's start time (clock ticks since boot), None when it is gone or a zombie (Linux /proc)."""
-    try:
+    with suppress(OSError, IndexError, ValueError):
         fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()
         return None if fields[0] == "Z" else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    return None
 
 
 def process_env(pid: int) -> dict[str, str]:
     """A process's environment as /proc shows it ({} where this user may not look)."""
-    try:
+    with suppress(OSError):
         raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.decode("utf-8", "replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+        return dict(item.decode("utf-8", "replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {}
 
 
 def marked_processes(mark: str, name: str = OWN_SERVER_MARK) -> list[int]:
@@ -2382,11 +2378,10 @@ def bundled_profile(name: str) -> Path | None:
 
 def server_answers(url: str) -> bool:
     """Whether anything answers HTTP at `url` (a CAO server: the loop then uses it as the user's)."""
-    try:
+    with suppress(httpx.HTTPError):
         httpx.get(url.rstrip("/") + "/health", timeout=3.0)
-    except httpx.HTTPError:
-        return False
-    return True
+        return True
+    return False
 
 
 # ==========================================================================
@@ -2402,10 +2397,9 @@ def utc_iso(timestamp: float | None = None, precise: bool = False) -> str:
 
 def parse_utc_iso(text: str) -> datetime | None:
     """A time as utc_iso() writes it, read back (None for anything else): the one reader of those times."""
-    try:
+    with suppress(ValueError, AttributeError):
         return datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except (ValueError, AttributeError):
-        return None
+    return None
 
 # What a run remembers is declared once, in STATE_FIELDS; each field is a module global (the specs fix several
 # names), changed only by update_run() and the doors beside it.
