@@ -2230,8 +2230,7 @@ class OwnStage:
     def start(self) -> None:
         """Stand the run's own tmux server and cao-server up (see above); from now on API is theirs."""
         global API
-        missing = own_server_missing()
-        if missing:
+        if missing := own_server_missing():
             raise ConfigError(missing)
         own = self.server = OwnServer(free_port(), own_tmux_folder(), str(Path(STATE_FILE).with_name("cao-server.log")))
         self.write_note()
@@ -2288,8 +2287,7 @@ class OwnStage:
         if not self.sessions_left:
             return
         left = remove_own_sessions(url, self.sessions_left) if url else list(self.sessions_left)
-        removed = [name for name in self.sessions_left if name not in left]
-        if removed:
+        if removed := [name for name in self.sessions_left if name not in left]:
             log(f"removed from CAO's store what the killed run's sessions left there: {', '.join(removed)}")
         if left:
             log(f"CAO sessions {', '.join(left)} of the killed run are still in CAO's store "
@@ -2969,8 +2967,7 @@ def update_run(**changes: object) -> None:
     The doors: set_output(), add_turn_record(), note_turn_outcome(), set_turn_tokens(), record_sent(),
     forget_sent(), set_after_run(), update_story_progress(), add_story_result(), add_failed_round().
     """
-    unknown = set(changes) - set(RUN_FIELDS)
-    if unknown:
+    if unknown := set(changes) - set(RUN_FIELDS):
         raise AttributeError(f"not a run-state field: {', '.join(sorted(unknown))}")
     globals().update(changes)
 
