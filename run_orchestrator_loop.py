@@ -2734,7 +2734,7 @@ def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | N
 
 
 @dataclass
-class AfterRun:
+class AfterRun(PlainRecord):
     """What a finished run still had to do (`due`), and what it did: each step at most once per run."""
 
     due: list[str] | None = None      # set when the run ends
@@ -2744,10 +2744,6 @@ class AfterRun:
 
     def to_json(self) -> dict | None:
         return {key: value for key, value in vars(self).items() if value is not None} or None
-
-    @classmethod
-    def from_json(cls, raw: object) -> AfterRun:
-        return record_from_json(cls, raw) if isinstance(raw, dict) else cls()
 
 
 @dataclass
@@ -2901,7 +2897,8 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("story_progress", "story_progress", parse=StoryProgress.from_json, dump=lambda r: r and r.to_json()),
     StateField("turn_records", "turn_records", new=list, parse=records_reader(TurnRecord), dump=records_json),
     StateField("worktree_at_start", "worktree_at_start", parse=_fingerprints),
-    StateField("after_run", "after_run", parse=AfterRun.from_json, new=AfterRun, dump=lambda r: r.to_json()),
+    StateField("after_run", "after_run", parse=lambda v: AfterRun.from_json(v) or AfterRun(), new=AfterRun,
+               dump=lambda r: r.to_json()),
     StateField("replacements", "replacements", new=list, parse=records_reader(Replacement), dump=records_json),
     StateField("agent_events", "agent_events", new=list, parse=records_reader(AgentEvent), dump=records_json),
     StateField("failed_rounds", "failed_rounds", new=list, parse=records_reader(FailedRound), dump=records_json),
