@@ -1720,13 +1720,12 @@ class ApiClient:
     def session_profiles(self, session: str) -> dict[str, str]:
         """Terminal id -> agent profile of each terminal the session lists, those still starting too (CAO records a
         terminal before its CLI starts); {} where it cannot say. A look: never retried."""
-        try:
+        with suppress(ApiError):
             answer = self._call(f"session {session}", "GET", f"/sessions/{quote(session, safe='')}", retry=False)
-        except ApiError:
-            return {}
-        terminals = answer.get("terminals") if isinstance(answer, dict) else None
-        return {entry["id"]: str(entry.get("agent_profile") or "") for entry in terminals or ()
-                if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
+            terminals = answer.get("terminals") if isinstance(answer, dict) else None
+            return {entry["id"]: str(entry.get("agent_profile") or "") for entry in terminals or ()
+                    if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
+        return {}
 
     def delete_terminal(self, terminal_id: str) -> None:
         """Remove a terminal (its tmux window, whatever runs there); one that is gone already is fine."""
@@ -1788,9 +1787,8 @@ CAO_PROVEN_VERSION = "2.5.4"      # the cao-server version the loop is proven wi
 def installed_cao_version(program: str) -> str:
     """The cli-agent-orchestrator version a cao-server program belongs to ('' if it cannot be told)."""
     prefix = Path(program).resolve().parent.parent
-    for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info"):
-        return info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
-    return ""
+    return next((info.name[len("cli_agent_orchestrator-"):-len(".dist-info")]
+                 for info in prefix.glob("lib/python*/site-packages/cli_agent_orchestrator-*.dist-info")), "")
 
 
 @dataclass(frozen=True)
@@ -1819,17 +1817,13 @@ class LocalServer:
 
 def _listening_sockets(port: int) -> set[str]:
     """The inodes of the sockets that listen on `port` ('0A' is LISTEN in /proc/net/tcp)."""
-    inodes = set()
+    lines: list[str] = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text(encoding="ascii").splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    return inodes
+        with suppress(OSError):
+            lines += Path(table).read_text(encoding="ascii").splitlines()[1:]
+    rows = [line.split() for line in lines]
+    return {f"socket:[{row[9]}]" for row in rows
+            if len(row) > 9 and row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port}
 
 
 def _process_of(sockets: set[str]) -> int | None:
@@ -1852,12 +1846,11 @@ def local_server() -> LocalServer | None:
     pid = _process_of(sockets) if sockets else None
     if pid is None:
         return None
-    try:
+    with suppress(OSError):
         uid = Path(f"/proc/{pid}").stat().st_uid
-    except OSError:
-        return None
-    env = process_env(pid)
-    return LocalServer(pid, uid, env) if env else None
+        env = process_env(pid)
+        return LocalServer(pid, uid, env) if env else None
+    return None
 
 
 def agents_tmux_socket() -> str:
@@ -1938,20 +1931,18 @@ OWN_SESSION_REMOVE_SECONDS = 30.0        # CAO's removal of a session: its agent
 
 def process_started_at(pid: int) -> int | None:
     """A process's start time (clock ticks since boot), None when it is gone or a zombie (Linux /proc)."""
-    try:
+    with suppress(OSError, IndexError, ValueError):
         fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()
         return None if fields[0] == "Z" else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    return None
 
 
 def process_env(pid: int) -> dict[str, str]:
     """A process's environment as /proc shows it ({} where this user may not look)."""
-    try:
+    with suppress(OSError):
         raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.decode("utf-8", "replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+        return dict(item.decode("utf-8", "replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {}
 
 
 def marked_processes(mark: str, name: str = OWN_SERVER_MARK) -> list[int]:
@@ -2204,8 +2195,7 @@ class OwnStage:
     def start(self) -> None:
         """Stand the run's own tmux server and cao-server up (see above); from now on API is theirs."""
         global API
-        missing = own_server_missing()
-        if missing:
+        if missing := own_server_missing():
             raise ConfigError(missing)
         own = self.server = OwnServer(free_port(), own_tmux_folder(), str(Path(STATE_FILE).with_name("cao-server.log")))
         self.write_note()
@@ -2249,13 +2239,11 @@ class OwnStage:
             left = OwnServer.found()
             log(f"note: {exc}; " + (f"ending what the run's marks find of its own server ({left.tmux_dir})" if left
                                     else "nothing of the run's own server runs") + "; the note is removed")
-        if left is None:
-            self.note.unlink(missing_ok=True)
-            return
-        alive = [f"{name} pid {pid}" for name, pid in left.started().items()]
-        log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
-            + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
-        self.sessions_left.extend(left.end())
+        if left is not None:
+            alive = [f"{name} pid {pid}" for name, pid in left.started().items()]
+            log("ending what the last invocation's own CAO server left running (" + (", ".join(alive) or "nothing")
+                + f", its tmux server {left.tmux_socket}): that invocation was killed before it could end it")
+            self.sessions_left.extend(left.end())
         self.note.unlink(missing_ok=True)
 
     def remove_sessions_left(self, url: str) -> None:
@@ -2264,8 +2252,7 @@ class OwnStage:
         if not self.sessions_left:
             return
         left = remove_own_sessions(url, self.sessions_left) if url else list(self.sessions_left)
-        removed = [name for name in self.sessions_left if name not in left]
-        if removed:
+        if removed := [name for name in self.sessions_left if name not in left]:
             log(f"removed from CAO's store what the killed run's sessions left there: {', '.join(removed)}")
         if left:
             log(f"CAO sessions {', '.join(left)} of the killed run are still in CAO's store "
@@ -2348,19 +2335,16 @@ def own_tmux_folder() -> str:
 
 def bundled_profile(name: str) -> Path | None:
     """A profile that comes with the loop: beside the script in a checkout, else where pip put them."""
-    for folder in (Path(__file__).resolve().parent / "profiles", Path(sys.prefix) / "share" / PACKAGE_NAME / "profiles"):
-        if (folder / f"{name}.md").is_file():
-            return folder / f"{name}.md"
-    return None
+    places = (Path(__file__).resolve().parent / "profiles", Path(sys.prefix) / "share" / PACKAGE_NAME / "profiles")
+    return next((folder / f"{name}.md" for folder in places if (folder / f"{name}.md").is_file()), None)
 
 
 def server_answers(url: str) -> bool:
     """Whether anything answers HTTP at `url` (a CAO server: the loop then uses it as the user's)."""
-    try:
+    with suppress(httpx.HTTPError):
         httpx.get(url.rstrip("/") + "/health", timeout=3.0)
-    except httpx.HTTPError:
-        return False
-    return True
+        return True
+    return False
 
 
 # ==========================================================================
@@ -2376,10 +2360,9 @@ def utc_iso(timestamp: float | None = None, precise: bool = False) -> str:
 
 def parse_utc_iso(text: str) -> datetime | None:
     """A time as utc_iso() writes it, read back (None for anything else): the one reader of those times."""
-    try:
+    with suppress(ValueError, AttributeError):
         return datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except (ValueError, AttributeError):
-        return None
+    return None
 
 # What a run remembers is declared once, in STATE_FIELDS; each field is a module global (the specs fix several
 # names), changed only by update_run() and the doors beside it.
@@ -2407,13 +2390,9 @@ def _text(value: object) -> str:
 
 def _whole(value: object) -> int | None:
     """An int from a state value written by either script (the shell script writes some as text)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())
-    return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _positive_int(value: object) -> int:
@@ -2548,7 +2527,7 @@ class StoryProgress(PlainRecord):
 
 
 @dataclass(frozen=True)
-class TokenUse:
+class TokenUse(PlainRecord):
     """Tokens in three numbers that never overlap, so any two add up: input (cache writes included), cached
     input, output (reasoning included). How each CLI's numbers map: docs/following-a-run.md."""
 
@@ -2566,14 +2545,12 @@ class TokenUse:
         """All three together: what MAX_RUN_TOKENS counts."""
         return self.input + self.cached_input + self.output
 
-    def to_json(self) -> dict:
-        return {"input": self.input, "cached_input": self.cached_input, "output": self.output}
-
     @classmethod
     def from_json(cls, raw: object) -> TokenUse | None:
+        """Unlike other records, all or nothing: a count missing or below zero makes the tokens unknown."""
         if not isinstance(raw, dict):
             return None
-        numbers = [_whole(raw.get(name)) for name in ("input", "cached_input", "output")]
+        numbers = [_whole(raw.get(f.name)) for f in fields(cls)]
         if any(number is None or number < 0 for number in numbers):
             return None
         return cls(*numbers)
@@ -2722,7 +2699,7 @@ def turns_tokens(records: Iterable[TurnRecord]) -> tuple[dict[str, TokenUse] | N
 
 
 @dataclass
-class AfterRun:
+class AfterRun(PlainRecord):
     """What a finished run still had to do (`due`), and what it did: each step at most once per run."""
 
     due: list[str] | None = None      # set when the run ends
@@ -2732,10 +2709,6 @@ class AfterRun:
 
     def to_json(self) -> dict | None:
         return {key: value for key, value in vars(self).items() if value is not None} or None
-
-    @classmethod
-    def from_json(cls, raw: object) -> AfterRun:
-        return record_from_json(cls, raw) if isinstance(raw, dict) else cls()
 
 
 @dataclass
@@ -2820,9 +2793,7 @@ def _terminals(raw: object) -> dict[str, str]:
 
 def _models(raw: object) -> dict[str, str]:
     """role -> the model its agent was created with ('' for the CLI's default); lenient, as it only informs."""
-    if not isinstance(raw, dict):
-        return {}
-    return {role: raw[role] for role in ROLES if isinstance(raw.get(role), str)}
+    return {role: raw[role] for role in ROLES if isinstance(raw.get(role), str)} if isinstance(raw, dict) else {}
 
 
 def _outputs(raw: object) -> dict[str, str]:
@@ -2834,9 +2805,8 @@ def _outputs(raw: object) -> dict[str, str]:
 
 def _fingerprints(raw: object) -> dict | None:
     """The start-of-run worktree record if it is well formed (path -> fingerprint text), else None."""
-    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
-        return None
-    return raw
+    well_formed = isinstance(raw, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items())
+    return raw if well_formed else None
 
 
 # -- the table -------------------------------------------------------------------
@@ -2892,7 +2862,8 @@ STATE_FIELDS: tuple[StateField, ...] = (
     StateField("story_progress", "story_progress", parse=StoryProgress.from_json, dump=lambda r: r and r.to_json()),
     StateField("turn_records", "turn_records", new=list, parse=records_reader(TurnRecord), dump=records_json),
     StateField("worktree_at_start", "worktree_at_start", parse=_fingerprints),
-    StateField("after_run", "after_run", parse=AfterRun.from_json, new=AfterRun, dump=lambda r: r.to_json()),
+    StateField("after_run", "after_run", parse=lambda v: AfterRun.from_json(v) or AfterRun(), new=AfterRun,
+               dump=lambda r: r.to_json()),
     StateField("replacements", "replacements", new=list, parse=records_reader(Replacement), dump=records_json),
     StateField("agent_events", "agent_events", new=list, parse=records_reader(AgentEvent), dump=records_json),
     StateField("failed_rounds", "failed_rounds", new=list, parse=records_reader(FailedRound), dump=records_json),
@@ -2958,8 +2929,7 @@ def update_run(**changes: object) -> None:
     The doors: set_output(), add_turn_record(), note_turn_outcome(), set_turn_tokens(), record_sent(),
     forget_sent(), set_after_run(), update_story_progress(), add_story_result(), add_failed_round().
     """
-    unknown = set(changes) - set(RUN_FIELDS)
-    if unknown:
+    if unknown := set(changes) - set(RUN_FIELDS):
         raise AttributeError(f"not a run-state field: {', '.join(sorted(unknown))}")
     globals().update(changes)
 
@@ -3054,15 +3024,12 @@ def save_state() -> None:
 
 def sync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable against a power loss; best effort (not every filesystem can)."""
-    try:
+    with suppress(OSError):
         handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with suppress(OSError):
+        try:
             os.fsync(handle)
-    finally:
-        os.close(handle)
+        finally:
+            os.close(handle)
 
 
 # A test's way to stop the loop at one named instant of taking a reply: ORCHESTRATOR_CRASH_AT=<step>:<n>[:INT]
@@ -3194,12 +3161,9 @@ class RunLock:
                 handle.close()
                 raise RunLocked(f"the run in {STATE_FILE} is being driven by {holder}; nothing was done. "
                                 f"Try again when it has finished (see its log), or stop that process first") from None
-            try:
-                same_file = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
-            except FileNotFoundError:
-                same_file = False
-            if same_file:
-                break
+            with suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    break
             handle.close()               # its holder removed it as we opened it: lock the file there now
         handle.seek(0)
         handle.truncate()
