@@ -5037,29 +5037,31 @@ def record_marker(role: str) -> str:
     return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
 
 
+def read_records(reader: Callable | None, *args: object):
+    """What a reader of a CLI's own files answers; None without a reader, where the agents' records are not
+    on this machine, and when its files cannot be read."""
+    if reader is None or not token_records_readable():
+        return None
+    try:
+        return reader(*args)
+    except (OSError, ValueError):
+        return None
+
+
 def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None,
                 provider: str = "") -> TokenReading | None:
     """What the role's CLI (`provider`'s: the one that answered the turn) recorded between the two times
     (time.time() values); None when its records cannot be read here or hold nothing of it yet. `before`:
     running totals noted at the turn's first send."""
-    if not tokens_readable(role, provider):
-        return None
-    try:
-        return cli_records(provider or provider_for(role)).read_turn(record_marker(role), since, until, before)
-    except (OSError, ValueError):
-        return None
+    records = cli_records(provider or provider_for(role))
+    return read_records(records and records.read_turn, record_marker(role), since, until, before)
 
 
 def turn_tokens_before(role: str) -> RunningTotals | None:
     """As the role's turn is first sent: its CLI's running totals, where its CLI keeps only those (None
     for the others, and where they cannot be read: that turn's tokens are then unknown)."""
     records = cli_records(provider_for(role))
-    if records is None or records.totals_now is None or not token_records_readable():
-        return None
-    try:
-        return records.totals_now(record_marker(role))
-    except (OSError, ValueError):
-        return None
+    return read_records(records and records.totals_now, record_marker(role))
 
 
 # -- Where a CLI compacts its conversation (each CLI's rule: docs/state-and-resume.md) ---------------------
@@ -5114,13 +5116,7 @@ def compaction_point(role: str) -> int | None:
     if COMPACT_AT_TOKENS:
         return COMPACT_AT_TOKENS
     settings = agent_cli(provider_for(role)).compaction_settings
-    reader = COMPACTION_READERS.get(settings) if isinstance(settings, str) else settings
-    if reader is None or not token_records_readable():
-        return None
-    try:
-        return reader()
-    except (OSError, ValueError):
-        return None
+    return read_records(COMPACTION_READERS.get(settings) if isinstance(settings, str) else settings)
 
 
 # ==========================================================================
