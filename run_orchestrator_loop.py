@@ -4868,23 +4868,6 @@ def claude_project_folder(cwd: str) -> str:
             return f"{name[:200]}-{text}"
 
 
-def _touched_since(paths: Iterable[Path], since: float) -> list[Path]:
-    """The files written since the turn began: the only ones that can hold its records."""
-    found = []
-    for path in paths:
-        with suppress(OSError):
-            if path.stat().st_mtime >= since - RECORD_SLACK_SECONDS:
-                found.append(path)
-    return found
-
-
-def _lines_naming(paths: Iterable[Path], marker: str, since: float) -> list[str] | None:
-    """The turn's lines of the files that name the marker in them; None when none does (the turn's records
-    are not there)."""
-    texts = [text for text in (_file_text(path, since) for path in paths) if marker in text]
-    return [line for text in texts for line in text.splitlines()] if texts else None
-
-
 # A long session's file is read from its first line timed RECORD_LOOKBACK_SECONDS before the turn began, found
 # once per file and turn by a binary search on the lines' times: a read costs what the turn wrote.
 LINE_TIME = re.compile(rb'"timestamp"\s*:\s*"([^"]{10,40})"')
@@ -4945,35 +4928,48 @@ def _file_text(path: Path, since: float | None = None) -> str:
         return ""
 
 
+def _texts_naming(paths: Iterable[Path], marker: str, since: float) -> dict[Path, str]:
+    """The turn's text of each file written since it began (the only ones that can hold its records) that
+    names the marker ('' names any)."""
+    texts = {}
+    for path in paths:
+        with suppress(OSError):
+            if path.stat().st_mtime >= since - RECORD_SLACK_SECONDS and marker in (text := _file_text(path, since)):
+                texts[path] = text
+    return texts
+
+
+def _jsonl_turn(usage: Callable[[Iterable[str], datetime, datetime], TokenReading | None], texts: Iterable[str],
+                since: float, until: float) -> TokenReading | None:
+    """What a JSONL reader makes of the turn's texts; None when no file names the turn (its records are not
+    there)."""
+    lines = [line for text in texts for line in text.splitlines()]
+    return usage(lines, *_window(since, until)) if texts else None
+
+
 def read_claude_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Claude Code turn, from the transcripts of its working directory that name the marker, and those
     of the sub-agents (its Task tool) those sessions ran: each keeps its own, in <session>/subagents/."""
     folders = {claude_project_folder(WD), claude_project_folder(os.path.realpath(WD))}
     projects = _cli_folder("CLAUDE_CONFIG_DIR", ".claude") / "projects"
-    files = _touched_since((path for folder in folders for path in (projects / folder).glob("*.jsonl")), since)
-    sessions = {path: text for path, text in ((path, _file_text(path, since)) for path in files) if marker in text}
-    if not sessions:
-        return None
-    sub_agents = _touched_since((path for session in sessions
-                                 for path in (session.with_suffix("") / "subagents").glob("*.jsonl")), since)
-    lines = [line for text in [*sessions.values(), *(_file_text(path, since) for path in sub_agents)]
-             for line in text.splitlines()]
-    return claude_usage(lines, *_window(since, until))
+    transcripts = (path for folder in folders for path in (projects / folder).glob("*.jsonl"))
+    sessions = _texts_naming(transcripts, marker, since)
+    sub_agents = _texts_naming((path for session in sessions
+                                for path in (session.with_suffix("") / "subagents").glob("*.jsonl")), "", since)
+    return _jsonl_turn(claude_usage, [*sessions.values(), *sub_agents.values()], since, until)
 
 
 def read_codex_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Codex turn, from the rollouts that name the marker, of whatever day their thread began."""
     rollouts = (_cli_folder("CODEX_HOME", ".codex") / "sessions").rglob("rollout-*.jsonl")
-    lines = _lines_naming(_touched_since(rollouts, since), marker, since)
-    return None if lines is None else codex_usage(lines, *_window(since, until))
+    return _jsonl_turn(codex_usage, _texts_naming(rollouts, marker, since).values(), since, until)
 
 
 def read_copilot_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Copilot CLI turn, from the session logs that name the marker: CAO starts it with --config-dir
     ~/.copilot (of the agents' home), where each session keeps its events."""
     logs = Path(AGENT_HOME or Path.home()).expanduser().joinpath(".copilot", "session-state").glob("*/events.jsonl")
-    lines = _lines_naming(_touched_since(logs, since), marker, since)
-    return None if lines is None else copilot_usage(lines, *_window(since, until))
+    return _jsonl_turn(copilot_usage, _texts_naming(logs, marker, since).values(), since, until)
 
 
 def read_opencode_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
