@@ -8240,14 +8240,8 @@ HEREDOC_MARKER_RE = re.compile(r"(?:[A-Z]+_)?EOF(?:_[A-Z]+)?|PYEOF|SHEOF|EOT|END
 def is_accident_name(path: str) -> bool:
     """True for a path an agent surely did not mean to create: shell or code characters or a heredoc marker in
     any part (`$(pwd)/notes.md`); spaces, dots, dashes, brackets and non-ASCII letters are normal."""
-    for part in path.split("/"):
-        if not part:
-            continue
-        if any(ch in ACCIDENT_CHARACTERS or ord(ch) < 32 or ord(ch) == 127 for ch in part):
-            return True
-        if HEREDOC_MARKER_RE.fullmatch(part.strip(" \t'\";)")):
-            return True
-    return False
+    return any(any(ch in ACCIDENT_CHARACTERS or ord(ch) < 32 or ord(ch) == 127 for ch in part)
+               or HEREDOC_MARKER_RE.fullmatch(part.strip(" \t'\";)")) for part in path.split("/") if part)
 
 
 def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None = None,
