@@ -8273,6 +8273,16 @@ def _log_output(prefix: str, text: str, lines: int = 20) -> None:
         log_detail(f"{prefix}{line}")
 
 
+def step_outcome(step: str, result: str, why: str, said: str = "", output: tuple[str, str] | None = None,
+                 **facts: object) -> dict:
+    """An after-run step's outcome for after_run, said in the log ("<step>: <result>, <why><said>", then the
+    last lines of `output`: its prefix and the command's output)."""
+    log(f"{step}: {result}, {why}{said}")
+    if output is not None:
+        _log_output(*output)
+    return {"result": result, **facts, "reason": why}
+
+
 # -- which change ---------------------------------------------------------------
 
 def change_to_archive() -> tuple[str, str]:
@@ -8296,8 +8306,7 @@ def archive_change() -> dict:
     "failed", which keeps the commit from running."""
     change, why = change_to_archive()
     if not change:
-        log(f"archive: skipped, {why}")
-        return {"result": "skipped", "reason": why}
+        return step_outcome("archive", "skipped", why)
     cmd = shlex.split(OPENSPEC_COMMAND) + ["archive", change, "--yes"]
     shown = " ".join(shlex.quote(word) for word in cmd)
     log(f"archive: running `{shown}` in {WD}")
@@ -8306,8 +8315,7 @@ def archive_change() -> dict:
     except OSError as exc:
         why = (f"`{cmd[0]}` cannot be run ({exc.strerror or exc}): install the OpenSpec CLI (npm install -g "
                f"{OPENSPEC_PACKAGE}) or set OPENSPEC_COMMAND to it")
-        log(f"archive: failed, {why}")
-        return {"result": "failed", "change": change, "reason": why}
+        return step_outcome("archive", "failed", why, change=change)
     output = (out + ("\n" if out and err else "") + err).strip()
     if code == 0:
         log(f"archive: OpenSpec change {change} archived")
@@ -8315,10 +8323,9 @@ def archive_change() -> dict:
         return {"result": "archived", "change": change}
     why = (f"`{shown}` did not finish within ARCHIVE_TIMEOUT={ARCHIVE_TIMEOUT:g}s and was stopped"
            if code is None else f"`{shown}` exited with {code}")
-    log(f"archive: failed, {why}; the change stays in openspec/changes/ (run the command yourself once "
-        "the cause below is fixed)")
-    _log_output("openspec: ", output or "(no output)")
-    return {"result": "failed", "change": change, "reason": why}
+    return step_outcome("archive", "failed", why, "; the change stays in openspec/changes/ (run the command "
+                        "yourself once the cause below is fixed)", ("openspec: ", output or "(no output)"),
+                        change=change)
 
 
 # -- commit ------------------------------------------------------------------------
@@ -8461,19 +8468,15 @@ def stage_and_commit(top: str, paths: list[str], untracked: list[str], archive: 
                       if untracked else (0, "", ""))
     if code != 0:
         why = "git add timed out" if code is None else f"git add exited with {code}"
-        log(f"commit: failed, {why}")
-        _log_output("git: ", out + err)
-        return {"result": "failed", "reason": why}
+        return step_outcome("commit", "failed", why, output=("git: ", out + err))
     message = commit_message(archive)
     code, out, err = git([*git_identity_args(top), "commit", "--only", "-m", message,
                           "--pathspec-from-file=-", "--pathspec-file-nul"],
                          top, GIT_COMMIT_TIMEOUT_SECONDS, input_text=spec)
     if code != 0:
         why = "git commit timed out" if code is None else f"git commit exited with {code}"
-        log(f"commit: failed, {why} (a commit hook?); the changes are in the working tree, new files staged: "
-            "commit them yourself")
-        _log_output("git: ", out + err)
-        return {"result": "failed", "reason": why}
+        return step_outcome("commit", "failed", why, " (a commit hook?); the changes are in the working tree, new "
+                            "files staged: commit them yourself", ("git: ", out + err))
     _, sha, _ = git(["rev-parse", "--short", "HEAD"], top)
     sha = sha.strip()
     log(f"commit: {sha} \"{message.splitlines()[0]}\" with {counted(len(paths), 'file')}: {', '.join(paths)}")
@@ -8497,13 +8500,11 @@ def commit_run(archive: dict) -> dict:
     top = git_top(WD)
     if not top:
         why = "git is not installed" if not _git_installed() else f"{WD} is not in a git repository"
-        log(f"commit: skipped, {why} (git init it to have runs committed)")
-        return {"result": "skipped", "reason": why}
+        return step_outcome("commit", "skipped", why, " (git init it to have runs committed)")
     try:
         paths, untracked, accidents = choose_commit_paths(top)
     except OSError as exc:
-        log(f"commit: failed, {exc}")
-        return {"result": "failed", "reason": str(exc)}
+        return step_outcome("commit", "failed", str(exc))
     if accidents:
         log(f"commit: left out {counted(len(accidents), 'file')} whose names look like shell or code fragments an agent "
             f"created by accident (delete them if so): {', '.join(accidents)}")
@@ -8562,9 +8563,7 @@ def guarded_step(name: str, step, *args) -> dict:
     try:
         return step(*args)
     except (OSError, subprocess.SubprocessError) as exc:
-        why = f"unexpected {exc.__class__.__name__}: {exc}"
-        log(f"{name}: failed, {why}")
-        return {"result": "failed", "reason": why}
+        return step_outcome(name, "failed", f"unexpected {exc.__class__.__name__}: {exc}")
 
 
 def record_after_run(**done: object) -> None:
