@@ -3478,20 +3478,19 @@ def record_event(event: str, **fields: object) -> None:
         say_unwritten("the run's events", path, exc)
 
 
-def read_events(path: Path, after: int = 0) -> list[dict]:
-    """The whole events in the file with a seq above `after`, in order; torn or foreign lines skipped."""
+def read_events(path: Path, after: int = 0, mark: bytes = b"") -> list[dict]:
+    """The whole events in the file with a seq above `after`, in order; torn or foreign lines skipped, and
+    lines without `mark` (only those are parsed)."""
     try:
         lines = path.read_bytes().splitlines()
     except (FileNotFoundError, IsADirectoryError):
         return []
     events = []
     for line in lines:
-        try:
-            event = json.loads(line)
+        with suppress(ValueError):
+            event = json.loads(line) if mark in line else None
             if isinstance(event, dict) and isinstance(event.get("seq"), int) and event["seq"] > after:
                 events.append(event)
-        except ValueError:
-            continue
     return events
 
 
@@ -3753,23 +3752,19 @@ def run_interruptions() -> list[dict]:
     exit code; null for one that was killed and said nothing) and when the next took the run up ('' not yet).
     Only the run_* lines are read: the page is written after every turn."""
     try:
-        lines = (Path(run_dir) / EVENTS_FILE).read_bytes().splitlines() if run_dir else []
+        events = read_events(Path(run_dir) / EVENTS_FILE, mark=b'"event": "run_') if run_dir else []
     except OSError:
-        lines = []
+        events = []
     cuts: list[dict] = []
     last: dict = {}
-    for line in lines:
-        with suppress(ValueError):
-            event = json.loads(line) if b'"event": "run_' in line else None
-            if not isinstance(event, dict):
-                continue
-            if event.get("event") == "run_resumed" and last:
-                stopped = last.get("event") == "run_stopped"
-                if not stopped or last.get("result") == "RUNNING":
-                    cuts.append({"stopped_at": last.get("at", "") if stopped else "",
-                                 "exit_code": last.get("exit_code") if stopped else None,
-                                 "resumed_at": event.get("at", "")})
-            last = event
+    for event in events:
+        if event.get("event") == "run_resumed" and last:
+            stopped = last.get("event") == "run_stopped"
+            if not stopped or last.get("result") == "RUNNING":
+                cuts.append({"stopped_at": last.get("at", "") if stopped else "",
+                             "exit_code": last.get("exit_code") if stopped else None,
+                             "resumed_at": event.get("at", "")})
+        last = event
     if last.get("event") == "run_stopped" and last.get("result") == "RUNNING":
         cuts.append({"stopped_at": last.get("at", ""), "exit_code": last.get("exit_code"), "resumed_at": ""})
     return cuts
