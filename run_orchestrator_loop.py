@@ -4638,9 +4638,9 @@ def claude_usage(lines: Iterable[str], since: datetime, until: datetime) -> Toke
                         lambda record: record.get("type") == "system" and record.get("subtype") == "turn_duration")
 
 
-def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
-    """The response id, turn id and tokens of a Codex token_usage_record line (None for other lines): only
-    these count, the other lines repeat them."""
+def _codex_response(record: dict, models: dict[str, str]) -> tuple[str, str, TokenUse] | None:
+    """The response id, model (its turn's, in `models`) and tokens of a Codex token_usage_record line (None
+    for other lines): only these count, the other lines repeat them."""
     payload = record.get("payload")
     if record.get("type") != "token_usage_record" or not isinstance(payload, dict):
         return None
@@ -4651,7 +4651,7 @@ def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
     if prompt is None or output is None:
         return None
     cached = min(_token_count(usage.get("cached_input_tokens")) or 0, prompt)
-    return response_id, _text(payload.get("turn_id")), TokenUse(prompt - cached, cached, output)
+    return response_id, models.get(_text(payload.get("turn_id")), ""), TokenUse(prompt - cached, cached, output)
 
 
 def _payload(record: dict) -> dict:
@@ -4663,16 +4663,10 @@ def codex_usage(lines: Iterable[str], since: datetime, until: datetime) -> Token
     """Tokens of the Codex responses in rollout lines timed within the window, each response_id once, with
     the model its turn_context line names; a turn ends with a task_complete event."""
     records = list(_json_records(lines))
-    models = {}
-    for record in records:
-        payload = _payload(record)
-        if record.get("type") == "turn_context" and isinstance(payload.get("model"), str):
-            models[_text(payload.get("turn_id"))] = payload["model"]
-
-    def response(record: dict) -> tuple[str, str, TokenUse] | None:
-        found = _codex_response(record)
-        return None if found is None else (found[0], models.get(found[1], ""), found[2])
-    return _jsonl_usage(records, since, until, response, lambda record: record.get("type") == "event_msg"
+    models = {_text(_payload(record).get("turn_id")): _payload(record)["model"] for record in records
+              if record.get("type") == "turn_context" and isinstance(_payload(record).get("model"), str)}
+    return _jsonl_usage(records, since, until, lambda record: _codex_response(record, models),
+                        lambda record: record.get("type") == "event_msg"
                         and _payload(record).get("type") in ("task_complete", "turn_aborted"))
 
 
