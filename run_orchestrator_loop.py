@@ -8243,16 +8243,14 @@ def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None
     try:
         out, err = proc.communicate(input_text, timeout=timeout)
         return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
+    except BaseException as exc:       # the timeout, or Ctrl-C: leave nothing running behind us
         with suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            proc.wait()
+            raise
         out, err = proc.communicate()
         return None, out or "", err or ""
-    except BaseException:              # Ctrl-C: leave nothing running behind us
-        with suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
 
 
 def _log_output(prefix: str, text: str, lines: int = 20) -> None:
