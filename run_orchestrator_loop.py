@@ -8569,8 +8569,7 @@ def _after_run_notes() -> list[str]:
                      f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
     if COMMIT_ON_PASS and commit is not None:
         result = commit.get("result")
-        count = len(commit.get("files", []))
-        notes.append(f"committed {commit.get('commit')} ({count} file{'' if count == 1 else 's'})"
+        notes.append(f"committed {commit.get('commit')} ({counted(len(commit.get('files', [])), 'file')})"
                      if result == "committed" else "nothing to commit" if result == "nothing" else
                      f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
     return notes
