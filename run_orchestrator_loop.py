@@ -3715,27 +3715,28 @@ def _token_totals(records: list[TurnRecord]) -> dict:
             "cost": cost_of(total) if MODEL_PRICES else None}
 
 
-def _role_totals() -> dict[str, dict]:
-    """Per role: its answered turns, their seconds, the verdicts they led to and the tokens they used."""
-    totals = {}
-    for role in ROLES:
-        mine = [r for r in turn_records if r.role == role]
-        totals[role] = {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
-                        "outcomes": [r.outcome for r in mine if r.outcome], **_token_totals(mine)}
-    return totals
-
-
 def turn_provider(record: TurnRecord) -> str:
     """The provider whose agent answered the turn (a record from before it was kept: the role's)."""
     return record.provider or provider_for(record.role)
 
 
+def _turns_by(key: Callable[[TurnRecord], str], keys: Iterable[str]) -> dict[str, list[TurnRecord]]:
+    """The answered turns of each key (in the order given), by what `key` says of a turn."""
+    return {name: [record for record in turn_records if key(record) == name] for name in keys}
+
+
+def _role_totals() -> dict[str, dict]:
+    """Per role: its answered turns, their seconds, the verdicts they led to and the tokens they used."""
+    return {role: {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
+                   "outcomes": [r.outcome for r in mine if r.outcome], **_token_totals(mine)}
+            for role, mine in _turns_by(lambda record: record.role, ROLES).items()}
+
+
 def _cli_totals() -> dict[str, dict]:
     """Per provider (CLI) that answered turns: how many, and the tokens they used."""
-    by_provider: dict[str, list[TurnRecord]] = {}
-    for record in turn_records:
-        by_provider.setdefault(turn_provider(record), []).append(record)
-    return {provider: {"turns": len(mine), **_token_totals(mine)} for provider, mine in by_provider.items()}
+    providers = dict.fromkeys(map(turn_provider, turn_records))      # in the order they first answered
+    return {provider: {"turns": len(mine), **_token_totals(mine)}
+            for provider, mine in _turns_by(turn_provider, providers).items()}
 
 
 def _unanswered_turn() -> dict | None:
