@@ -3445,17 +3445,21 @@ def last_event_seq(path: Path) -> tuple[int, bool]:
     return 0, bool(tail) and not tail.endswith(b"\n")
 
 
-# What the run could not keep in its folder (an event, a prompt's copy): said once each, then the run goes on.
-unwritten_said: set[str] = set()
+# A failure that would repeat (a record the run could not keep in its folder, a gate's poll): said once each.
+said_once: set[str] = set()
+
+
+def say_once(key: str, line: str) -> None:
+    """Say the line in the log the first time `key` comes, only then."""
+    if key not in said_once:
+        said_once.add(key)
+        log(line)
 
 
 def say_unwritten(what: str, path: Path, exc: OSError) -> None:
     """Say once in the log that a kind of record cannot be written (and why); the run goes on without it."""
-    if what in unwritten_said:
-        return
-    unwritten_said.add(what)
-    log(f"warning: could not write {what} to {path} ({exc.__class__.__name__}: {exc}); the run goes on without "
-        "them (said once)")
+    say_once(what, f"warning: could not write {what} to {path} ({exc.__class__.__name__}: {exc}); the run goes on "
+             "without them (said once)")
 
 
 def record_event(event: str, **fields: object) -> None:
@@ -4436,17 +4440,11 @@ def wait_for_decision(gate: Gate, waiting: list[str]) -> dict:
     if gate.reply_topic and not gate.announced:
         gate.announced = announce_gate(gate, waiting)
         save_state()
-    said: list[str] = []
-
-    def say_once(line: str) -> None:            # a poll that fails is said once, not every NTFY_POLL_SECONDS
-        if not said:
-            said.append(line)
-            log(line)
     deadline, next_poll = time.monotonic() + APPROVAL_MAX_WAIT, time.monotonic()
     while True:
         decision = read_decision(run_dir, gate.id)
         if decision is None and gate.reply_topic and time.monotonic() >= next_poll:
-            heard = ntfy_decision(gate, say_once)
+            heard = ntfy_decision(gate, lambda line: say_once(f"the poll of {gate.id}", line))   # not every poll
             if heard is not None:
                 write_first(decision_path(run_dir, gate.id), heard)     # the file decides: first writer wins
                 decision = read_decision(run_dir, gate.id)
