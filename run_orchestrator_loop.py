@@ -3398,33 +3398,9 @@ def prepare_run_folder() -> None:
 # -- The run's events: events.jsonl, for programs ----------------------------------------------------
 # Appended, never rewritten; a torn line is followed by a new one (docs/following-a-run.md says the format).
 EVENTS_FILE = "events.jsonl"
-EVENT_KINDS = {
-    "run_started": "a new run's five agents are up: session, terminals, provider, max_rounds",
-    "run_resumed": "an invocation takes up the saved run: round, phase, cycle, session",
-    "turn_sent": "a prompt went to an agent: role, round, phase, cycle, number (its files' number), "
-                 "prompt_bytes, resend (true: sent again by a later invocation)",
-    "reply_taken": "an agent's answer was taken: role, round, phase, cycle, seconds, reply_bytes, reply_file, "
-                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known), "
-                   "provider (the CLI that answered)",
-    "verdict": "what an answer decided: role, round, outcome (APPROVED, REVISE, PASS, FAIL, ...; "
-               "'(not counted)' after an approval that does not count)",
-    "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
-                   "compacted, context low, new conversation, model changed, ...), detail",
-    "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
-    "cli_switched": "a role went over to its fallback CLI at a usage limit it would not wait out, for the rest of "
-                    "the run: role, from_provider, from_model, to_provider, to_model, resets_at (null: not named), "
-                    "limit, old_terminal, new_terminal",
-    "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
-                      "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
-                      "(null: not known)",
-    "gate_reached": "the run reached an APPROVE gate and waits for a person: gate (plan or commit), id, round",
-    "gate_decided": "a person decided at a gate: gate, id, round, verdict (approve or reject), by (a user's name or "
-                    "ntfy), decided_at, words (a rejection's reason)",
-    "note_taken": "a person's note (--note) was taken for a role's next prompt: id, role, by, left_at, text",
-    "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action, "
-                   "turns, tokens, no_progress (why it stopped without progress: the repeated failure's step, its "
-                   "first_round and round, rounds, files_changed, turns_saved, tokens_saved; null otherwise)",
-}
+# The kinds an event may be; each one's fields: the table in docs/following-a-run.md (tests/test_events.py checks it).
+EVENT_KINDS = ("run_started", "run_resumed", "turn_sent", "reply_taken", "verdict", "agent_event", "agent_replaced",
+               "cli_switched", "round_compared", "gate_reached", "gate_decided", "note_taken", "run_stopped")
 EVENTS_TAIL_BYTES = 65_536          # where the last event's seq is looked for
 
 
