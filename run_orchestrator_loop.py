@@ -3570,10 +3570,7 @@ def taken_reply(role: str) -> Path | None:
     gives (the loop died between the move and the save); written after the prompt went out."""
     if in_flight is None or in_flight.role != role or in_flight.sent_at is None or not run_dir:
         return None
-    names = [in_flight.reply_file] if in_flight.reply_file else []
-    if in_flight.number:
-        names.append(f"{in_flight.number:03d}-{role}.md")
-    for name in names:
+    for name in filter(None, (in_flight.reply_file, in_flight.number and f"{in_flight.number:03d}-{role}.md")):
         path = Path(run_dir) / name
         if name != path.name or not name.endswith(f"-{role}.md"):
             continue                    # a state file edited by hand: only a file of the run's folder counts
