@@ -3414,10 +3414,8 @@ def last_event_seq(path: Path) -> tuple[int, bool]:
     except FileNotFoundError:
         return 0, False
     for line in reversed(tail.splitlines()):
-        try:
+        with suppress(ValueError, KeyError, TypeError):
             return int(json.loads(line)["seq"]), not tail.endswith(b"\n")
-        except (ValueError, KeyError, TypeError):
-            continue
     return 0, bool(tail) and not tail.endswith(b"\n")
 
 
