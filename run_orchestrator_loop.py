@@ -3594,13 +3594,11 @@ REPLY_PARTS: dict[str, tuple[str, ...]] = {
 def reply_complete(role: str, text: str) -> bool:
     """Whether a reply holds every labelled part its format's reader reads (in story mode, the programmer's
     <promise> too): what a reply cut off mid-write lacks."""
-    for part in REPLY_PARTS.get(role, ()):
-        if not re.search(rf"^\W*(?:\d+[.)]\s*)?(?:{part})\W*:", text, re.MULTILINE | re.IGNORECASE):
-            return False
-    form = VERDICT_FORMATS["tester"] if role == "tester" else None
-    if form is not None and verdict_line(form, text)[1] not in (form.good, form.other):
-        return False
-    return not (role == "programmer" and STORY_MODE) or bool(promise_signal(text)[0])
+    form = VERDICT_FORMATS["tester"]
+    return (all(re.search(rf"^\W*(?:\d+[.)]\s*)?(?:{part})\W*:", text, re.MULTILINE | re.IGNORECASE)
+                for part in REPLY_PARTS.get(role, ()))
+            and (role != "tester" or verdict_line(form, text)[1] in (form.good, form.other))
+            and (not (role == "programmer" and STORY_MODE) or bool(promise_signal(text)[0])))
 
 
 def left_reply(role: str, path: Path) -> str:
