@@ -4560,11 +4560,6 @@ def _within(moment: datetime | None, since: datetime, until: datetime) -> bool:
     return moment is not None and moment.tzinfo is not None and since <= moment <= until
 
 
-def _record_time(record: dict) -> datetime | None:
-    stamp = record.get("timestamp")
-    return parse_utc_iso(stamp) if isinstance(stamp, str) else None
-
-
 def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | None:
     """The response id, model and tokens a Claude Code transcript line carries; None for other lines, for
     an API error written as a reply (model "<synthetic>") and for usage without its two main numbers."""
@@ -4588,7 +4583,7 @@ def _jsonl_usage(records: Iterable[dict], since: datetime, until: datetime,
     """The responses (id, model, tokens) of JSONL records timed within the window, and the turn's end."""
     responses = _Responses()
     for record in records:
-        moment = _record_time(record)
+        moment = parse_utc_iso(record["timestamp"]) if isinstance(record.get("timestamp"), str) else None
         if not _within(moment, since, until):
             continue
         if turn_ends(record):
