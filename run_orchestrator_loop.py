@@ -4340,9 +4340,9 @@ def pending_gate(saved_gates: list[Gate]) -> Gate | None:
     return saved_gates[-1] if saved_gates and not saved_gates[-1].verdict else None
 
 
-def ntfy_call(method: str, path: str, what: str, say: Callable[[str], None] = log, **request: Any):
-    """One request to NTFY_SERVER (NTFY_TOKEN as a bearer token); the answer, or None with one line said of why.
-    A server down or refusing is never the run's problem."""
+def ntfy_call(method: str, path: str, what: str, say: Callable[[str], None] = log, sent: str = "", **request: Any):
+    """One request to NTFY_SERVER (NTFY_TOKEN as a bearer token); the answer (`sent` said in the log), or None
+    with one line said of why. A server down or refusing is never the run's problem."""
     url = f"{NTFY_SERVER.rstrip('/')}/{path}"
     headers = dict(request.pop("headers", {}), **({"Authorization": f"Bearer {NTFY_TOKEN}"} if NTFY_TOKEN else {}))
     try:
@@ -4355,6 +4355,8 @@ def ntfy_call(method: str, path: str, what: str, say: Callable[[str], None] = lo
         hint = " (check NTFY_TOKEN)" if response.status_code in (401, 403) else ""
         say(f"notify: {url} refused {what}: HTTP {response.status_code} {response.text.strip()[:200]}{hint}")
         return None
+    if sent:
+        log(sent)
     return response
 
 
@@ -4372,10 +4374,8 @@ def announce_gate(gate: Gate, waiting: list[str]) -> bool:
                for label, verdict in (("Approve", "approve"), ("Reject", "reject"))]
     message = {"topic": NTFY_TOPIC, "title": f"Approve {GATE_WHAT[gate.gate]}? Round {gate.round}: {task_title()}",
                "message": "\n".join([*waiting, f"Or from a shell: {gate_commands()}"])[-3000:], "priority": 4, "tags": ["raised_hand"], "actions": actions}
-    sent = ntfy_call("POST", "", f"the {gate.gate} gate's message", json=message) is not None
-    if sent:
-        log(f"notify: the {gate.gate} gate's message, with Approve and Reject buttons, sent to topic {NTFY_TOPIC}")
-    return sent
+    return ntfy_call("POST", "", f"the {gate.gate} gate's message", json=message, sent=f"notify: the {gate.gate} "
+                     f"gate's message, with Approve and Reject buttons, sent to topic {NTFY_TOPIC}") is not None
 
 
 def ntfy_decision(gate: Gate, say: Callable[[str], None]) -> dict | None:
@@ -8493,10 +8493,8 @@ def notify(event: str, message: str) -> bool:
     title = f"{prefix} in round {current_round}: {task_title()}"
     headers = {"Title": _header_text(title), "Priority": priority, "Tags": tags}
     topic = quote(NTFY_TOPIC, safe="")
-    if ntfy_call("POST", topic, f"the {event} notification", content=message.encode("utf-8"), headers=headers) is None:
-        return False
-    log(f"notify: {event} notification sent to {NTFY_SERVER.rstrip('/')}/{topic}")
-    return True
+    return ntfy_call("POST", topic, f"the {event} notification", content=message.encode("utf-8"), headers=headers,
+                     sent=f"notify: {event} notification sent to {NTFY_SERVER.rstrip('/')}/{topic}") is not None
 
 
 def notify_stopped(error: BaseException) -> None:
