@@ -4925,10 +4925,8 @@ def read_copilot_turn(marker: str, since: float, until: float, before: object = 
 
 
 def read_opencode_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
-    """An OpenCode turn, from the one database all its sessions share."""
+    """An OpenCode turn, from the one database all its sessions share (None while there is none)."""
     database = _cli_folder("XDG_DATA_HOME", ".local", "share") / "opencode" / "opencode.db"
-    if not database.is_file():
-        return None
     return opencode_usage(database, {WD, os.path.realpath(WD)}, marker, *_window(since, until))
 
 
@@ -4949,7 +4947,7 @@ def hermes_totals_now(marker: str) -> RunningTotals | None:
 def read_hermes_turn(marker: str, since: float, until: float, before: RunningTotals | None) -> TokenReading | None:
     """A Hermes turn, from the totals of its sessions less those noted when it was first sent (unknown
     without them: a turn sent by a loop that did not note them)."""
-    if before is None or not hermes_database().is_file():
+    if before is None:
         return None
     record = hermes_record(hermes_database(), marker, since, since - RECORD_LOOKBACK_SECONDS)   # the turn's prompt on
     return None if record is None else hermes_usage(record, before)
