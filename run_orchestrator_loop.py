@@ -3447,11 +3447,8 @@ def record_event(event: str, **fields: object) -> None:
     try:
         seq, torn = last_event_seq(path)
         line = json.dumps({"seq": seq + 1, "at": utc_iso(precise=True), "event": event, **fields})
-        handle = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(handle, (("\n" if torn else "") + line + "\n").encode("utf-8"))
-        finally:
-            os.close(handle)
+        with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "wb", buffering=0) as handle:
+            handle.write((("\n" if torn else "") + line + "\n").encode("utf-8"))      # unbuffered: one write
     except OSError as exc:
         say_unwritten("the run's events", path, exc)
 
