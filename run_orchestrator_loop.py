@@ -3551,9 +3551,8 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
     crash_point("reply-file-named")
     if read_reply_file(response_file):
         os.replace(response_file, target)          # at once: the reply is still there, or kept ...
-    staged = target.with_name(f".{target.name}.tmp")    # ... as the text acted on, byte for byte (its agent may
-    staged.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")   # have rewritten it since)
-    os.replace(staged, target)
+    # ... as the text acted on, byte for byte (its agent may have rewritten it since)
+    write_whole(target, text if text.endswith("\n") else text + "\n")
     sync_directory(directory)
     crash_point("reply-archived")
     return target
