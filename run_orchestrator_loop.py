@@ -4739,9 +4739,7 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
         counts = [_token_count(value) for value in (fresh, written, read, output)]
         if not isinstance(session, str) or None in counts:
             continue
-        models = totals.setdefault(session, {})
-        use = TokenUse(counts[0] + counts[1], counts[2], counts[3])
-        models[_text(model)] = models.get(_text(model), TokenUse()) + use
+        totals[session] = add_tokens(totals.get(session), {_text(model): TokenUse(counts[0] + counts[1], *counts[2:])})
         if isinstance(seen, (int, float)) and seen >= since and seen >= (last_call or seen):
             last_call, last_model = seen, _text(model)
     return HermesRecord(totals, last_call, last_answer if isinstance(last_answer, (int, float)) else None,
