@@ -4032,17 +4032,15 @@ def _figures(summary: dict) -> ReportHtml:
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
                 *[("fallback CLI", record_from_json(CliSwitch, w).text()) for w in summary["cli_switches"]],
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
-                ("state file", summary["state_file"])]
-    links = _run_file_links(summary["run_dir"])
-    if links:
-        figures.append(("run files", links))
+                ("state file", summary["state_file"]), *_run_files_figure(summary["run_dir"])]
     return _join(_fill(FIGURE, name=name, value=value) for name, value in figures)
 
 
-def _run_file_links(folder: str) -> ReportHtml:
-    """Links to the run's own files beside the page (relative, so the folder can move), those that are there."""
+def _run_files_figure(folder: str) -> list[tuple[str, ReportHtml]]:
+    """Links to the run's own files beside the page (relative, so the folder can move), those that are there, as
+    a figure (none when none is)."""
     there = [name for name in REPORT_RUN_FILES if folder and (Path(folder) / name).is_file()]
-    return _join((_fill(LINK, href=name, text=name) for name in there), ", ")
+    return [("run files", _join((_fill(LINK, href=name, text=name) for name in there), ", "))] if there else []
 
 
 def _outcome(summary: dict, replies: list[str]) -> ReportHtml:
