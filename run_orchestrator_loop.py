@@ -3327,33 +3327,9 @@ def prepare_run_folder() -> None:
 # -- The run's events: events.jsonl, for programs ----------------------------------------------------
 # Appended, never rewritten; a torn line is followed by a new one (docs/following-a-run.md says the format).
 EVENTS_FILE = "events.jsonl"
-EVENT_KINDS = {
-    "run_started": "a new run's five agents are up: session, terminals, provider, max_rounds",
-    "run_resumed": "an invocation takes up the saved run: round, phase, cycle, session",
-    "turn_sent": "a prompt went to an agent: role, round, phase, cycle, number (its files' number), "
-                 "prompt_bytes, resend (true: sent again by a later invocation)",
-    "reply_taken": "an agent's answer was taken: role, round, phase, cycle, seconds, reply_bytes, reply_file, "
-                   "tokens (null: not known), model (the model its CLI recorded for it; null: not known), "
-                   "provider (the CLI that answered)",
-    "verdict": "what an answer decided: role, round, outcome (APPROVED, REVISE, PASS, FAIL, ...; "
-               "'(not counted)' after an approval that does not count)",
-    "agent_event": "what happened to an agent's conversation or account: role, terminal, what (usage limit, "
-                   "compacted, context low, new conversation, model changed, ...), detail",
-    "agent_replaced": "lost agents were replaced: roles, old and new terminals, why",
-    "cli_switched": "a role went over to its fallback CLI at a usage limit it would not wait out, for the rest of "
-                    "the run: role, from_provider, from_model, to_provider, to_model, resets_at (null: not named), "
-                    "limit, old_terminal, new_terminal",
-    "round_compared": "MAX_ROUNDS_WITHOUT_PROGRESS: a FAILed round's failure beside the last one's: round, progress "
-                      "(false: the same failure), repeats_round, rounds_without_progress, step, files_changed "
-                      "(null: not known)",
-    "gate_reached": "the run reached an APPROVE gate and waits for a person: gate (plan or commit), id, round",
-    "gate_decided": "a person decided at a gate: gate, id, round, verdict (approve or reject), by (a user's name or "
-                    "ntfy), decided_at, words (a rejection's reason)",
-    "note_taken": "a person's note (--note) was taken for a role's next prompt: id, role, by, left_at, text",
-    "run_stopped": "this invocation ended: result (PASS, FAIL, RUNNING), exit_code, meaning, scheduler_action, "
-                   "turns, tokens, no_progress (why it stopped without progress: the repeated failure's step, its "
-                   "first_round and round, rounds, files_changed, turns_saved, tokens_saved; null otherwise)",
-}
+# The kinds an event may be; each one's fields: the table in docs/following-a-run.md (tests/test_events.py checks it).
+EVENT_KINDS = ("run_started", "run_resumed", "turn_sent", "reply_taken", "verdict", "agent_event", "agent_replaced",
+               "cli_switched", "round_compared", "gate_reached", "gate_decided", "note_taken", "run_stopped")
 EVENTS_TAIL_BYTES = 65_536          # where the last event's seq is looked for
 
 
@@ -3367,24 +3343,26 @@ def last_event_seq(path: Path) -> tuple[int, bool]:
     except FileNotFoundError:
         return 0, False
     for line in reversed(tail.splitlines()):
-        try:
+        with suppress(ValueError, KeyError, TypeError):
             return int(json.loads(line)["seq"]), not tail.endswith(b"\n")
-        except (ValueError, KeyError, TypeError):
-            continue
     return 0, bool(tail) and not tail.endswith(b"\n")
 
 
-# What the run could not keep in its folder (an event, a prompt's copy): said once each, then the run goes on.
-unwritten_said: set[str] = set()
+# A failure that would repeat (a record the run could not keep in its folder, a gate's poll): said once each.
+said_once: set[str] = set()
+
+
+def say_once(key: str, line: str) -> None:
+    """Say the line in the log the first time `key` comes, only then."""
+    if key not in said_once:
+        said_once.add(key)
+        log(line)
 
 
 def say_unwritten(what: str, path: Path, exc: OSError) -> None:
     """Say once in the log that a kind of record cannot be written (and why); the run goes on without it."""
-    if what in unwritten_said:
-        return
-    unwritten_said.add(what)
-    log(f"warning: could not write {what} to {path} ({exc.__class__.__name__}: {exc}); the run goes on without "
-        "them (said once)")
+    say_once(what, f"warning: could not write {what} to {path} ({exc.__class__.__name__}: {exc}); the run goes on "
+             "without them (said once)")
 
 
 def record_event(event: str, **fields: object) -> None:
@@ -3398,29 +3376,25 @@ def record_event(event: str, **fields: object) -> None:
     try:
         seq, torn = last_event_seq(path)
         line = json.dumps({"seq": seq + 1, "at": utc_iso(precise=True), "event": event, **fields})
-        handle = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(handle, (("\n" if torn else "") + line + "\n").encode("utf-8"))
-        finally:
-            os.close(handle)
+        with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "wb", buffering=0) as handle:
+            handle.write((("\n" if torn else "") + line + "\n").encode("utf-8"))      # unbuffered: one write
     except OSError as exc:
         say_unwritten("the run's events", path, exc)
 
 
-def read_events(path: Path, after: int = 0) -> list[dict]:
-    """The whole events in the file with a seq above `after`, in order; torn or foreign lines skipped."""
+def read_events(path: Path, after: int = 0, mark: bytes = b"") -> list[dict]:
+    """The whole events in the file with a seq above `after`, in order; torn or foreign lines skipped, and
+    lines without `mark` (only those are parsed)."""
     try:
         lines = path.read_bytes().splitlines()
     except (FileNotFoundError, IsADirectoryError):
         return []
     events = []
     for line in lines:
-        try:
-            event = json.loads(line)
+        with suppress(ValueError):
+            event = json.loads(line) if mark in line else None
             if isinstance(event, dict) and isinstance(event.get("seq"), int) and event["seq"] > after:
                 events.append(event)
-        except ValueError:
-            continue
     return events
 
 
@@ -3506,9 +3480,8 @@ def archive_reply(role: str, text: str, response_file: Path) -> Path:
     crash_point("reply-file-named")
     if read_reply_file(response_file):
         os.replace(response_file, target)          # at once: the reply is still there, or kept ...
-    staged = target.with_name(f".{target.name}.tmp")    # ... as the text acted on, byte for byte (its agent may
-    staged.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")   # have rewritten it since)
-    os.replace(staged, target)
+    # ... as the text acted on, byte for byte (its agent may have rewritten it since)
+    write_whole(target, text if text.endswith("\n") else text + "\n")
     sync_directory(directory)
     crash_point("reply-archived")
     return target
@@ -3520,10 +3493,7 @@ def taken_reply(role: str) -> Path | None:
     gives (the loop died between the move and the save); written after the prompt went out."""
     if in_flight is None or in_flight.role != role or in_flight.sent_at is None or not run_dir:
         return None
-    names = [in_flight.reply_file] if in_flight.reply_file else []
-    if in_flight.number:
-        names.append(f"{in_flight.number:03d}-{role}.md")
-    for name in names:
+    for name in filter(None, (in_flight.reply_file, in_flight.number and f"{in_flight.number:03d}-{role}.md")):
         path = Path(run_dir) / name
         if name != path.name or not name.endswith(f"-{role}.md"):
             continue                    # a state file edited by hand: only a file of the run's folder counts
@@ -3549,13 +3519,11 @@ REPLY_PARTS: dict[str, tuple[str, ...]] = {
 def reply_complete(role: str, text: str) -> bool:
     """Whether a reply holds every labelled part its format's reader reads (in story mode, the programmer's
     <promise> too): what a reply cut off mid-write lacks."""
-    for part in REPLY_PARTS.get(role, ()):
-        if not re.search(rf"^\W*(?:\d+[.)]\s*)?(?:{part})\W*:", text, re.MULTILINE | re.IGNORECASE):
-            return False
-    form = VERDICT_FORMATS["tester"] if role == "tester" else None
-    if form is not None and verdict_line(form, text)[1] not in (form.good, form.other):
-        return False
-    return not (role == "programmer" and STORY_MODE) or bool(promise_signal(text)[0])
+    form = VERDICT_FORMATS["tester"]
+    return (all(re.search(rf"^\W*(?:\d+[.)]\s*)?(?:{part})\W*:", text, re.MULTILINE | re.IGNORECASE)
+                for part in REPLY_PARTS.get(role, ()))
+            and (role != "tester" or verdict_line(form, text)[1] in (form.good, form.other))
+            and (not (role == "programmer" and STORY_MODE) or bool(promise_signal(text)[0])))
 
 
 def left_reply(role: str, path: Path) -> str:
@@ -3645,27 +3613,28 @@ def _token_totals(records: list[TurnRecord]) -> dict:
             "cost": cost_of(total) if MODEL_PRICES else None}
 
 
-def _role_totals() -> dict[str, dict]:
-    """Per role: its answered turns, their seconds, the verdicts they led to and the tokens they used."""
-    totals = {}
-    for role in ROLES:
-        mine = [r for r in turn_records if r.role == role]
-        totals[role] = {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
-                        "outcomes": [r.outcome for r in mine if r.outcome], **_token_totals(mine)}
-    return totals
-
-
 def turn_provider(record: TurnRecord) -> str:
     """The provider whose agent answered the turn (a record from before it was kept: the role's)."""
     return record.provider or provider_for(record.role)
 
 
+def _turns_by(key: Callable[[TurnRecord], str], keys: Iterable[str]) -> dict[str, list[TurnRecord]]:
+    """The answered turns of each key (in the order given), by what `key` says of a turn."""
+    return {name: [record for record in turn_records if key(record) == name] for name in keys}
+
+
+def _role_totals() -> dict[str, dict]:
+    """Per role: its answered turns, their seconds, the verdicts they led to and the tokens they used."""
+    return {role: {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
+                   "outcomes": [r.outcome for r in mine if r.outcome], **_token_totals(mine)}
+            for role, mine in _turns_by(lambda record: record.role, ROLES).items()}
+
+
 def _cli_totals() -> dict[str, dict]:
     """Per provider (CLI) that answered turns: how many, and the tokens they used."""
-    by_provider: dict[str, list[TurnRecord]] = {}
-    for record in turn_records:
-        by_provider.setdefault(turn_provider(record), []).append(record)
-    return {provider: {"turns": len(mine), **_token_totals(mine)} for provider, mine in by_provider.items()}
+    providers = dict.fromkeys(map(turn_provider, turn_records))      # in the order they first answered
+    return {provider: {"turns": len(mine), **_token_totals(mine)}
+            for provider, mine in _turns_by(turn_provider, providers).items()}
 
 
 def _unanswered_turn() -> dict | None:
@@ -3682,23 +3651,19 @@ def run_interruptions() -> list[dict]:
     exit code; null for one that was killed and said nothing) and when the next took the run up ('' not yet).
     Only the run_* lines are read: the page is written after every turn."""
     try:
-        lines = (Path(run_dir) / EVENTS_FILE).read_bytes().splitlines() if run_dir else []
+        events = read_events(Path(run_dir) / EVENTS_FILE, mark=b'"event": "run_') if run_dir else []
     except OSError:
-        lines = []
+        events = []
     cuts: list[dict] = []
     last: dict = {}
-    for line in lines:
-        with suppress(ValueError):
-            event = json.loads(line) if b'"event": "run_' in line else None
-            if not isinstance(event, dict):
-                continue
-            if event.get("event") == "run_resumed" and last:
-                stopped = last.get("event") == "run_stopped"
-                if not stopped or last.get("result") == "RUNNING":
-                    cuts.append({"stopped_at": last.get("at", "") if stopped else "",
-                                 "exit_code": last.get("exit_code") if stopped else None,
-                                 "resumed_at": event.get("at", "")})
-            last = event
+    for event in events:
+        if event.get("event") == "run_resumed" and last:
+            stopped = last.get("event") == "run_stopped"
+            if not stopped or last.get("result") == "RUNNING":
+                cuts.append({"stopped_at": last.get("at", "") if stopped else "",
+                             "exit_code": last.get("exit_code") if stopped else None,
+                             "resumed_at": event.get("at", "")})
+        last = event
     if last.get("event") == "run_stopped" and last.get("result") == "RUNNING":
         cuts.append({"stopped_at": last.get("at", ""), "exit_code": last.get("exit_code"), "resumed_at": ""})
     return cuts
@@ -3996,17 +3961,15 @@ def _figures(summary: dict) -> ReportHtml:
                 ("providers", ", ".join(sorted(set(summary["providers"].values())))),
                 *[("fallback CLI", record_from_json(CliSwitch, w).text()) for w in summary["cli_switches"]],
                 ("session", summary["session_name"] or "-"), ("project", summary["wd"]),
-                ("state file", summary["state_file"])]
-    links = _run_file_links(summary["run_dir"])
-    if links:
-        figures.append(("run files", links))
+                ("state file", summary["state_file"]), *_run_files_figure(summary["run_dir"])]
     return _join(_fill(FIGURE, name=name, value=value) for name, value in figures)
 
 
-def _run_file_links(folder: str) -> ReportHtml:
-    """Links to the run's own files beside the page (relative, so the folder can move), those that are there."""
+def _run_files_figure(folder: str) -> list[tuple[str, ReportHtml]]:
+    """Links to the run's own files beside the page (relative, so the folder can move), those that are there, as
+    a figure (none when none is)."""
     there = [name for name in REPORT_RUN_FILES if folder and (Path(folder) / name).is_file()]
-    return _join((_fill(LINK, href=name, text=name) for name in there), ", ")
+    return [("run files", _join((_fill(LINK, href=name, text=name) for name in there), ", "))] if there else []
 
 
 def _outcome(summary: dict, replies: list[str]) -> ReportHtml:
@@ -4300,9 +4263,9 @@ def pending_gate(saved_gates: list[Gate]) -> Gate | None:
     return saved_gates[-1] if saved_gates and not saved_gates[-1].verdict else None
 
 
-def ntfy_call(method: str, path: str, what: str, say: Callable[[str], None] = log, **request: Any):
-    """One request to NTFY_SERVER (NTFY_TOKEN as a bearer token); the answer, or None with one line said of why.
-    A server down or refusing is never the run's problem."""
+def ntfy_call(method: str, path: str, what: str, say: Callable[[str], None] = log, sent: str = "", **request: Any):
+    """One request to NTFY_SERVER (NTFY_TOKEN as a bearer token); the answer (`sent` said in the log), or None
+    with one line said of why. A server down or refusing is never the run's problem."""
     url = f"{NTFY_SERVER.rstrip('/')}/{path}"
     headers = dict(request.pop("headers", {}), **({"Authorization": f"Bearer {NTFY_TOKEN}"} if NTFY_TOKEN else {}))
     try:
@@ -4315,6 +4278,8 @@ def ntfy_call(method: str, path: str, what: str, say: Callable[[str], None] = lo
         hint = " (check NTFY_TOKEN)" if response.status_code in (401, 403) else ""
         say(f"notify: {url} refused {what}: HTTP {response.status_code} {response.text.strip()[:200]}{hint}")
         return None
+    if sent:
+        log(sent)
     return response
 
 
@@ -4332,10 +4297,8 @@ def announce_gate(gate: Gate, waiting: list[str]) -> bool:
                for label, verdict in (("Approve", "approve"), ("Reject", "reject"))]
     message = {"topic": NTFY_TOPIC, "title": f"Approve {GATE_WHAT[gate.gate]}? Round {gate.round}: {task_title()}",
                "message": "\n".join([*waiting, f"Or from a shell: {gate_commands()}"])[-3000:], "priority": 4, "tags": ["raised_hand"], "actions": actions}
-    sent = ntfy_call("POST", "", f"the {gate.gate} gate's message", json=message) is not None
-    if sent:
-        log(f"notify: the {gate.gate} gate's message, with Approve and Reject buttons, sent to topic {NTFY_TOPIC}")
-    return sent
+    return ntfy_call("POST", "", f"the {gate.gate} gate's message", json=message, sent=f"notify: the {gate.gate} "
+                     f"gate's message, with Approve and Reject buttons, sent to topic {NTFY_TOPIC}") is not None
 
 
 def ntfy_decision(gate: Gate, say: Callable[[str], None]) -> dict | None:
@@ -4369,17 +4332,11 @@ def wait_for_decision(gate: Gate, waiting: list[str]) -> dict:
     if gate.reply_topic and not gate.announced:
         gate.announced = announce_gate(gate, waiting)
         save_state()
-    said: list[str] = []
-
-    def say_once(line: str) -> None:            # a poll that fails is said once, not every NTFY_POLL_SECONDS
-        if not said:
-            said.append(line)
-            log(line)
     deadline, next_poll = time.monotonic() + APPROVAL_MAX_WAIT, time.monotonic()
     while True:
         decision = read_decision(run_dir, gate.id)
         if decision is None and gate.reply_topic and time.monotonic() >= next_poll:
-            heard = ntfy_decision(gate, say_once)
+            heard = ntfy_decision(gate, lambda line: say_once(f"the poll of {gate.id}", line))   # not every poll
             if heard is not None:
                 write_first(decision_path(run_dir, gate.id), heard)     # the file decides: first writer wins
                 decision = read_decision(run_dir, gate.id)
@@ -4526,11 +4483,6 @@ def _within(moment: datetime | None, since: datetime, until: datetime) -> bool:
     return moment is not None and moment.tzinfo is not None and since <= moment <= until
 
 
-def _record_time(record: dict) -> datetime | None:
-    stamp = record.get("timestamp")
-    return parse_utc_iso(stamp) if isinstance(stamp, str) else None
-
-
 def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | None:
     """The response id, model and tokens a Claude Code transcript line carries; None for other lines, for
     an API error written as a reply (model "<synthetic>") and for usage without its two main numbers."""
@@ -4554,7 +4506,7 @@ def _jsonl_usage(records: Iterable[dict], since: datetime, until: datetime,
     """The responses (id, model, tokens) of JSONL records timed within the window, and the turn's end."""
     responses = _Responses()
     for record in records:
-        moment = _record_time(record)
+        moment = parse_utc_iso(record["timestamp"]) if isinstance(record.get("timestamp"), str) else None
         if not _within(moment, since, until):
             continue
         if turn_ends(record):
@@ -4572,9 +4524,9 @@ def claude_usage(lines: Iterable[str], since: datetime, until: datetime) -> Toke
                         lambda record: record.get("type") == "system" and record.get("subtype") == "turn_duration")
 
 
-def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
-    """The response id, turn id and tokens of a Codex token_usage_record line (None for other lines): only
-    these count, the other lines repeat them."""
+def _codex_response(record: dict, models: dict[str, str]) -> tuple[str, str, TokenUse] | None:
+    """The response id, model (its turn's, in `models`) and tokens of a Codex token_usage_record line (None
+    for other lines): only these count, the other lines repeat them."""
     payload = record.get("payload")
     if record.get("type") != "token_usage_record" or not isinstance(payload, dict):
         return None
@@ -4585,7 +4537,7 @@ def _codex_response(record: dict) -> tuple[str, str, TokenUse] | None:
     if prompt is None or output is None:
         return None
     cached = min(_token_count(usage.get("cached_input_tokens")) or 0, prompt)
-    return response_id, _text(payload.get("turn_id")), TokenUse(prompt - cached, cached, output)
+    return response_id, models.get(_text(payload.get("turn_id")), ""), TokenUse(prompt - cached, cached, output)
 
 
 def _payload(record: dict) -> dict:
@@ -4597,16 +4549,10 @@ def codex_usage(lines: Iterable[str], since: datetime, until: datetime) -> Token
     """Tokens of the Codex responses in rollout lines timed within the window, each response_id once, with
     the model its turn_context line names; a turn ends with a task_complete event."""
     records = list(_json_records(lines))
-    models = {}
-    for record in records:
-        payload = _payload(record)
-        if record.get("type") == "turn_context" and isinstance(payload.get("model"), str):
-            models[_text(payload.get("turn_id"))] = payload["model"]
-
-    def response(record: dict) -> tuple[str, str, TokenUse] | None:
-        found = _codex_response(record)
-        return None if found is None else (found[0], models.get(found[1], ""), found[2])
-    return _jsonl_usage(records, since, until, response, lambda record: record.get("type") == "event_msg"
+    models = {_text(_payload(record).get("turn_id")): _payload(record)["model"] for record in records
+              if record.get("type") == "turn_context" and isinstance(_payload(record).get("model"), str)}
+    return _jsonl_usage(records, since, until, lambda record: _codex_response(record, models),
+                        lambda record: record.get("type") == "event_msg"
                         and _payload(record).get("type") in ("task_complete", "turn_aborted"))
 
 
@@ -4720,9 +4666,7 @@ def hermes_record(db_path: str | Path, marker: str, since: float, named_since: f
         counts = [_token_count(value) for value in (fresh, written, read, output)]
         if not isinstance(session, str) or None in counts:
             continue
-        models = totals.setdefault(session, {})
-        use = TokenUse(counts[0] + counts[1], counts[2], counts[3])
-        models[_text(model)] = models.get(_text(model), TokenUse()) + use
+        totals[session] = add_tokens(totals.get(session), {_text(model): TokenUse(counts[0] + counts[1], *counts[2:])})
         if isinstance(seen, (int, float)) and seen >= since and seen >= (last_call or seen):
             last_call, last_model = seen, _text(model)
     return HermesRecord(totals, last_call, last_answer if isinstance(last_answer, (int, float)) else None,
@@ -4797,23 +4741,6 @@ def claude_project_folder(cwd: str) -> str:
             return f"{name[:200]}-{text}"
 
 
-def _touched_since(paths: Iterable[Path], since: float) -> list[Path]:
-    """The files written since the turn began: the only ones that can hold its records."""
-    found = []
-    for path in paths:
-        with suppress(OSError):
-            if path.stat().st_mtime >= since - RECORD_SLACK_SECONDS:
-                found.append(path)
-    return found
-
-
-def _lines_naming(paths: Iterable[Path], marker: str, since: float) -> list[str] | None:
-    """The turn's lines of the files that name the marker in them; None when none does (the turn's records
-    are not there)."""
-    texts = [text for text in (_file_text(path, since) for path in paths) if marker in text]
-    return [line for text in texts for line in text.splitlines()] if texts else None
-
-
 # A long session's file is read from its first line timed RECORD_LOOKBACK_SECONDS before the turn began, found
 # once per file and turn by a binary search on the lines' times: a read costs what the turn wrote.
 LINE_TIME = re.compile(rb'"timestamp"\s*:\s*"([^"]{10,40})"')
@@ -4874,42 +4801,53 @@ def _file_text(path: Path, since: float | None = None) -> str:
         return ""
 
 
+def _texts_naming(paths: Iterable[Path], marker: str, since: float) -> dict[Path, str]:
+    """The turn's text of each file written since it began (the only ones that can hold its records) that
+    names the marker ('' names any)."""
+    texts = {}
+    for path in paths:
+        with suppress(OSError):
+            if path.stat().st_mtime >= since - RECORD_SLACK_SECONDS and marker in (text := _file_text(path, since)):
+                texts[path] = text
+    return texts
+
+
+def _jsonl_turn(usage: Callable[[Iterable[str], datetime, datetime], TokenReading | None], texts: Iterable[str],
+                since: float, until: float) -> TokenReading | None:
+    """What a JSONL reader makes of the turn's texts; None when no file names the turn (its records are not
+    there)."""
+    lines = [line for text in texts for line in text.splitlines()]
+    return usage(lines, *_window(since, until)) if texts else None
+
+
 def read_claude_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Claude Code turn, from the transcripts of its working directory that name the marker, and those
     of the sub-agents (its Task tool) those sessions ran: each keeps its own, in <session>/subagents/."""
     folders = {claude_project_folder(WD), claude_project_folder(os.path.realpath(WD))}
     projects = _cli_folder("CLAUDE_CONFIG_DIR", ".claude") / "projects"
-    files = _touched_since((path for folder in folders for path in (projects / folder).glob("*.jsonl")), since)
-    sessions = {path: text for path, text in ((path, _file_text(path, since)) for path in files) if marker in text}
-    if not sessions:
-        return None
-    sub_agents = _touched_since((path for session in sessions
-                                 for path in (session.with_suffix("") / "subagents").glob("*.jsonl")), since)
-    lines = [line for text in [*sessions.values(), *(_file_text(path, since) for path in sub_agents)]
-             for line in text.splitlines()]
-    return claude_usage(lines, *_window(since, until))
+    transcripts = (path for folder in folders for path in (projects / folder).glob("*.jsonl"))
+    sessions = _texts_naming(transcripts, marker, since)
+    sub_agents = _texts_naming((path for session in sessions
+                                for path in (session.with_suffix("") / "subagents").glob("*.jsonl")), "", since)
+    return _jsonl_turn(claude_usage, [*sessions.values(), *sub_agents.values()], since, until)
 
 
 def read_codex_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Codex turn, from the rollouts that name the marker, of whatever day their thread began."""
     rollouts = (_cli_folder("CODEX_HOME", ".codex") / "sessions").rglob("rollout-*.jsonl")
-    lines = _lines_naming(_touched_since(rollouts, since), marker, since)
-    return None if lines is None else codex_usage(lines, *_window(since, until))
+    return _jsonl_turn(codex_usage, _texts_naming(rollouts, marker, since).values(), since, until)
 
 
 def read_copilot_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
     """A Copilot CLI turn, from the session logs that name the marker: CAO starts it with --config-dir
     ~/.copilot (of the agents' home), where each session keeps its events."""
     logs = Path(AGENT_HOME or Path.home()).expanduser().joinpath(".copilot", "session-state").glob("*/events.jsonl")
-    lines = _lines_naming(_touched_since(logs, since), marker, since)
-    return None if lines is None else copilot_usage(lines, *_window(since, until))
+    return _jsonl_turn(copilot_usage, _texts_naming(logs, marker, since).values(), since, until)
 
 
 def read_opencode_turn(marker: str, since: float, until: float, before: object = None) -> TokenReading | None:
-    """An OpenCode turn, from the one database all its sessions share."""
+    """An OpenCode turn, from the one database all its sessions share (None while there is none)."""
     database = _cli_folder("XDG_DATA_HOME", ".local", "share") / "opencode" / "opencode.db"
-    if not database.is_file():
-        return None
     return opencode_usage(database, {WD, os.path.realpath(WD)}, marker, *_window(since, until))
 
 
@@ -4930,7 +4868,7 @@ def hermes_totals_now(marker: str) -> RunningTotals | None:
 def read_hermes_turn(marker: str, since: float, until: float, before: RunningTotals | None) -> TokenReading | None:
     """A Hermes turn, from the totals of its sessions less those noted when it was first sent (unknown
     without them: a turn sent by a loop that did not note them)."""
-    if before is None or not hermes_database().is_file():
+    if before is None:
         return None
     record = hermes_record(hermes_database(), marker, since, since - RECORD_LOOKBACK_SECONDS)   # the turn's prompt on
     return None if record is None else hermes_usage(record, before)
@@ -4966,29 +4904,31 @@ def record_marker(role: str) -> str:
     return json.dumps(str(response_path(role)), ensure_ascii=False)[1:-1]
 
 
+def read_records(reader: Callable | None, *args: object):
+    """What a reader of a CLI's own files answers; None without a reader, where the agents' records are not
+    on this machine, and when its files cannot be read."""
+    if reader is None or not token_records_readable():
+        return None
+    try:
+        return reader(*args)
+    except (OSError, ValueError):
+        return None
+
+
 def turn_tokens(role: str, since: float, until: float, before: RunningTotals | None = None,
                 provider: str = "") -> TokenReading | None:
     """What the role's CLI (`provider`'s: the one that answered the turn) recorded between the two times
     (time.time() values); None when its records cannot be read here or hold nothing of it yet. `before`:
     running totals noted at the turn's first send."""
-    if not tokens_readable(role, provider):
-        return None
-    try:
-        return cli_records(provider or provider_for(role)).read_turn(record_marker(role), since, until, before)
-    except (OSError, ValueError):
-        return None
+    records = cli_records(provider or provider_for(role))
+    return read_records(records and records.read_turn, record_marker(role), since, until, before)
 
 
 def turn_tokens_before(role: str) -> RunningTotals | None:
     """As the role's turn is first sent: its CLI's running totals, where its CLI keeps only those (None
     for the others, and where they cannot be read: that turn's tokens are then unknown)."""
     records = cli_records(provider_for(role))
-    if records is None or records.totals_now is None or not token_records_readable():
-        return None
-    try:
-        return records.totals_now(record_marker(role))
-    except (OSError, ValueError):
-        return None
+    return read_records(records and records.totals_now, record_marker(role))
 
 
 # -- Where a CLI compacts its conversation (each CLI's rule: docs/state-and-resume.md) ---------------------
@@ -5043,13 +4983,7 @@ def compaction_point(role: str) -> int | None:
     if COMPACT_AT_TOKENS:
         return COMPACT_AT_TOKENS
     settings = agent_cli(provider_for(role)).compaction_settings
-    reader = COMPACTION_READERS.get(settings) if isinstance(settings, str) else settings
-    if reader is None or not token_records_readable():
-        return None
-    try:
-        return reader()
-    except (OSError, ValueError):
-        return None
+    return read_records(COMPACTION_READERS.get(settings) if isinstance(settings, str) else settings)
 
 
 # ==========================================================================
@@ -8177,14 +8111,8 @@ HEREDOC_MARKER_RE = re.compile(r"(?:[A-Z]+_)?EOF(?:_[A-Z]+)?|PYEOF|SHEOF|EOT|END
 def is_accident_name(path: str) -> bool:
     """True for a path an agent surely did not mean to create: shell or code characters or a heredoc marker in
     any part (`$(pwd)/notes.md`); spaces, dots, dashes, brackets and non-ASCII letters are normal."""
-    for part in path.split("/"):
-        if not part:
-            continue
-        if any(ch in ACCIDENT_CHARACTERS or ord(ch) < 32 or ord(ch) == 127 for ch in part):
-            return True
-        if HEREDOC_MARKER_RE.fullmatch(part.strip(" \t'\";)")):
-            return True
-    return False
+    return any(any(ch in ACCIDENT_CHARACTERS or ord(ch) < 32 or ord(ch) == 127 for ch in part)
+               or HEREDOC_MARKER_RE.fullmatch(part.strip(" \t'\";)")) for part in path.split("/") if part)
 
 
 def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None = None,
@@ -8197,16 +8125,14 @@ def run_command(cmd: list[str], cwd: str, timeout: float, input_text: str | None
     try:
         out, err = proc.communicate(input_text, timeout=timeout)
         return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
+    except BaseException as exc:       # the timeout, or Ctrl-C: leave nothing running behind us
         with suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            proc.wait()
+            raise
         out, err = proc.communicate()
         return None, out or "", err or ""
-    except BaseException:              # Ctrl-C: leave nothing running behind us
-        with suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
 
 
 def _log_output(prefix: str, text: str, lines: int = 20) -> None:
@@ -8214,6 +8140,16 @@ def _log_output(prefix: str, text: str, lines: int = 20) -> None:
     tail = [line for line in text.splitlines() if line.strip()][-lines:]
     for line in tail:
         log_detail(f"{prefix}{line}")
+
+
+def step_outcome(step: str, result: str, why: str, said: str = "", output: tuple[str, str] | None = None,
+                 **facts: object) -> dict:
+    """An after-run step's outcome for after_run, said in the log ("<step>: <result>, <why><said>", then the
+    last lines of `output`: its prefix and the command's output)."""
+    log(f"{step}: {result}, {why}{said}")
+    if output is not None:
+        _log_output(*output)
+    return {"result": result, **facts, "reason": why}
 
 
 # -- which change ---------------------------------------------------------------
@@ -8239,8 +8175,7 @@ def archive_change() -> dict:
     "failed", which keeps the commit from running."""
     change, why = change_to_archive()
     if not change:
-        log(f"archive: skipped, {why}")
-        return {"result": "skipped", "reason": why}
+        return step_outcome("archive", "skipped", why)
     cmd = shlex.split(OPENSPEC_COMMAND) + ["archive", change, "--yes"]
     shown = " ".join(shlex.quote(word) for word in cmd)
     log(f"archive: running `{shown}` in {WD}")
@@ -8249,8 +8184,7 @@ def archive_change() -> dict:
     except OSError as exc:
         why = (f"`{cmd[0]}` cannot be run ({exc.strerror or exc}): install the OpenSpec CLI (npm install -g "
                f"{OPENSPEC_PACKAGE}) or set OPENSPEC_COMMAND to it")
-        log(f"archive: failed, {why}")
-        return {"result": "failed", "change": change, "reason": why}
+        return step_outcome("archive", "failed", why, change=change)
     output = (out + ("\n" if out and err else "") + err).strip()
     if code == 0:
         log(f"archive: OpenSpec change {change} archived")
@@ -8258,10 +8192,9 @@ def archive_change() -> dict:
         return {"result": "archived", "change": change}
     why = (f"`{shown}` did not finish within ARCHIVE_TIMEOUT={ARCHIVE_TIMEOUT:g}s and was stopped"
            if code is None else f"`{shown}` exited with {code}")
-    log(f"archive: failed, {why}; the change stays in openspec/changes/ (run the command yourself once "
-        "the cause below is fixed)")
-    _log_output("openspec: ", output or "(no output)")
-    return {"result": "failed", "change": change, "reason": why}
+    return step_outcome("archive", "failed", why, "; the change stays in openspec/changes/ (run the command "
+                        "yourself once the cause below is fixed)", ("openspec: ", output or "(no output)"),
+                        change=change)
 
 
 # -- commit ------------------------------------------------------------------------
@@ -8404,19 +8337,15 @@ def stage_and_commit(top: str, paths: list[str], untracked: list[str], archive: 
                       if untracked else (0, "", ""))
     if code != 0:
         why = "git add timed out" if code is None else f"git add exited with {code}"
-        log(f"commit: failed, {why}")
-        _log_output("git: ", out + err)
-        return {"result": "failed", "reason": why}
+        return step_outcome("commit", "failed", why, output=("git: ", out + err))
     message = commit_message(archive)
     code, out, err = git([*git_identity_args(top), "commit", "--only", "-m", message,
                           "--pathspec-from-file=-", "--pathspec-file-nul"],
                          top, GIT_COMMIT_TIMEOUT_SECONDS, input_text=spec)
     if code != 0:
         why = "git commit timed out" if code is None else f"git commit exited with {code}"
-        log(f"commit: failed, {why} (a commit hook?); the changes are in the working tree, new files staged: "
-            "commit them yourself")
-        _log_output("git: ", out + err)
-        return {"result": "failed", "reason": why}
+        return step_outcome("commit", "failed", why, " (a commit hook?); the changes are in the working tree, new "
+                            "files staged: commit them yourself", ("git: ", out + err))
     _, sha, _ = git(["rev-parse", "--short", "HEAD"], top)
     sha = sha.strip()
     log(f"commit: {sha} \"{message.splitlines()[0]}\" with {counted(len(paths), 'file')}: {', '.join(paths)}")
@@ -8440,13 +8369,11 @@ def commit_run(archive: dict) -> dict:
     top = git_top(WD)
     if not top:
         why = "git is not installed" if not _git_installed() else f"{WD} is not in a git repository"
-        log(f"commit: skipped, {why} (git init it to have runs committed)")
-        return {"result": "skipped", "reason": why}
+        return step_outcome("commit", "skipped", why, " (git init it to have runs committed)")
     try:
         paths, untracked, accidents = choose_commit_paths(top)
     except OSError as exc:
-        log(f"commit: failed, {exc}")
-        return {"result": "failed", "reason": str(exc)}
+        return step_outcome("commit", "failed", str(exc))
     if accidents:
         log(f"commit: left out {counted(len(accidents), 'file')} whose names look like shell or code fragments an agent "
             f"created by accident (delete them if so): {', '.join(accidents)}")
@@ -8485,10 +8412,8 @@ def notify(event: str, message: str) -> bool:
     title = f"{prefix} in round {current_round}: {task_title()}"
     headers = {"Title": _header_text(title), "Priority": priority, "Tags": tags}
     topic = quote(NTFY_TOPIC, safe="")
-    if ntfy_call("POST", topic, f"the {event} notification", content=message.encode("utf-8"), headers=headers) is None:
-        return False
-    log(f"notify: {event} notification sent to {NTFY_SERVER.rstrip('/')}/{topic}")
-    return True
+    return ntfy_call("POST", topic, f"the {event} notification", content=message.encode("utf-8"), headers=headers,
+                     sent=f"notify: {event} notification sent to {NTFY_SERVER.rstrip('/')}/{topic}") is not None
 
 
 def notify_stopped(error: BaseException) -> None:
@@ -8505,9 +8430,7 @@ def guarded_step(name: str, step, *args) -> dict:
     try:
         return step(*args)
     except (OSError, subprocess.SubprocessError) as exc:
-        why = f"unexpected {exc.__class__.__name__}: {exc}"
-        log(f"{name}: failed, {why}")
-        return {"result": "failed", "reason": why}
+        return step_outcome(name, "failed", f"unexpected {exc.__class__.__name__}: {exc}")
 
 
 def record_after_run(**done: object) -> None:
@@ -8526,8 +8449,7 @@ def _after_run_notes() -> list[str]:
                      f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
     if COMMIT_ON_PASS and commit is not None:
         result = commit.get("result")
-        count = len(commit.get("files", []))
-        notes.append(f"committed {commit.get('commit')} ({count} file{'' if count == 1 else 's'})"
+        notes.append(f"committed {commit.get('commit')} ({counted(len(commit.get('files', [])), 'file')})"
                      if result == "committed" else "nothing to commit" if result == "nothing" else
                      f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
     return notes
