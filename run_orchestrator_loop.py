@@ -5570,14 +5570,10 @@ class TurnFacts:
                   markers: tuple[str, ...] | None = None) -> None:
         """After a prompt or reminder went out: not seen working on it yet (nor, after the whole prompt again,
         seen to have it; `markers`: a prompt of other words)."""
-        self.guard_since, self.seen_working = now, False
-        self.provider_pause_until, self.marked_idle_at, self.mark = None, None, None
-        self.usage_limit = self.limit_wait_until = None
-        self.full_prompt_due = False
-        if whole_prompt:
-            self.prompt_seen = False
-        if markers is not None:
-            self.markers = markers
+        self.guard_since, self.seen_working, self.full_prompt_due = now, False, False
+        self.provider_pause_until = self.marked_idle_at = self.mark = self.usage_limit = self.limit_wait_until = None
+        self.prompt_seen = self.prompt_seen and not whole_prompt
+        self.markers = self.markers if markers is None else markers
 
     def note_compacted(self, prompt_referred_back: bool) -> None:
         """Compacted during the turn, before a reply file: the prompt is due in full if it referred back."""
@@ -5618,8 +5614,7 @@ class TurnFacts:
     def quiet_at_limit(self, now: float) -> bool:
         """Idle; or, for a CLI whose ready word CAO cannot be trusted on (Codex reads `processing` through its
         limit), a screen still since the last prompt or reminder."""
-        return self.is_idle(now) or (not self.cli.ready_status_trusted
-                                     and self.screen_still_since(self.guard_since, now))
+        return self.is_idle(now) if self.cli.ready_status_trusted else self.is_quiet(now)
 
     def idle_from(self) -> float:
         """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
@@ -5666,10 +5661,7 @@ class WaitRule:
     ended_by: str = ""                # a row that ends the turn: what the reply's log line says ended it
 
 
-def _since_prompt(facts: TurnFacts, now: float) -> float:
-    return now - facts.guard_since
-
-
+ALWAYS: Callable[[TurnFacts, float], bool] = lambda f, now: True        # a rule's condition that always holds
 OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST, TurnState.BETWEEN_TURNS}
 SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # a whole reply file, or none awaited
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
@@ -5677,10 +5669,8 @@ BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
     WaitRule(frozenset({TurnState.LOST}), "it left its reply complete: a reply written is a reply taken",
              lambda f, now: f.left_reply, Verdict.TAKE_REPLY, TURN_ENDED_BY_AGENT_GONE),
-    WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)",
-             lambda f, now: True, Verdict.LOST),
-    WaitRule(frozenset({TurnState.FAILED}), "always",
-             lambda f, now: True, Verdict.ERROR),
+    WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)", ALWAYS, Verdict.LOST),
+    WaitRule(frozenset({TurnState.FAILED}), "always", ALWAYS, Verdict.ERROR),
     WaitRule(SETTLED, "a ready status read since the file's last change, for a CLI whose ready word CAO reads right",
              lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
     WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
@@ -5699,13 +5689,12 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              "compacted during the turn, whose prompt referred back to what the summary may have dropped",
              lambda f, now: f.full_prompt_due, Verdict.RESEND_IN_FULL),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "less than IDLE_GRACE_SECONDS since the prompt",
-             lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
+             lambda f, now: now - f.guard_since < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "not sent again yet",
              lambda f, now: not f.resend_used, Verdict.RESEND),
-    WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "sent again, and still not on its screen",
-             lambda f, now: True, Verdict.LOST),
+    WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "sent again, and still not on its screen", ALWAYS, Verdict.LOST),
     WaitRule(frozenset({TurnState.SILENT}), "less than IDLE_GRACE_SECONDS since the wait began",
-             lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
+             lambda f, now: now - f.guard_since < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.SILENT}), "a turn carried over (no prompt to send again), not reminded yet",
              lambda f, now: not f.resend_used, Verdict.REMIND),
     WaitRule(IDLE_STATES, "a model provider error's pause is under way",
@@ -5721,7 +5710,7 @@ WAIT_RULES: tuple[WaitRule, ...] = (
 )
 
 
-NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", lambda f, now: True, Verdict.WAIT)
+NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", ALWAYS, Verdict.WAIT)
 
 
 def decide(facts: TurnFacts, now: float) -> tuple[TurnState, WaitRule]:
@@ -5898,16 +5887,6 @@ def deliver(role: str, terminal_id: str, message: str) -> None:
         raise
 
 
-def resend_prompt(turn: Turn) -> None:
-    """Send the prompt again, as it was; the turn's clocks start over."""
-    if in_flight is not None:
-        update_run(in_flight=replace(in_flight, sent_at=time.time()))
-    keep_sent(turn.role, "resend", turn.message)
-    save_state()
-    deliver(turn.role, turn.terminal_id, turn.message)
-    turn.facts.note_sent(time.monotonic(), whole_prompt=True)
-
-
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
     patterns = [*map(cli_pattern, row_values(cli, "error_lines"))]
@@ -5984,12 +5963,13 @@ def pause_after_provider_error(turn: Turn, error_line: str) -> None:
 
 def continue_after_provider_error(turn: Turn) -> None:
     """The pause after a provider error is over: the agent has its task in its conversation; tell it to go on."""
-    log_turn(turn.role, f"pause over; telling terminal {turn.terminal_id} to continue its task")
-    tell_to_continue(turn, "The model provider's error has passed.")
+    tell_to_continue(turn, "pause over", "The model provider's error has passed.")
 
 
-def tell_to_continue(turn: Turn, what_passed: str) -> None:
-    """What stopped the agent mid-task has passed: one short message to go on (its task is in its conversation)."""
+def tell_to_continue(turn: Turn, seen: str, what_passed: str) -> None:
+    """What stopped the agent mid-task has passed (`seen`, as logged): one short message to go on (its task is in
+    its conversation)."""
+    log_turn(turn.role, f"{seen}; telling terminal {turn.terminal_id} to continue its task")
     message = (f"{what_passed} Continue the task above from where you stopped, then write your complete answer "
                f"to {turn.path}; the orchestrator reads only that file.")
     keep_sent(turn.role, "continue", message)
@@ -6016,11 +5996,17 @@ def why_lost(facts: TurnFacts, state: TurnState) -> str:
 
 
 def resend_unseen_prompt(turn: Turn) -> None:
-    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once."""
+    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once, as it was; the
+    turn's clocks start over."""
     log_turn(turn.role, f"terminal {turn.terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it "
                         "was sent, its screen quiet); sending the whole prompt again")
     turn.facts.resend_used = True
-    resend_prompt(turn)
+    if in_flight is not None:
+        update_run(in_flight=replace(in_flight, sent_at=time.time()))
+    keep_sent(turn.role, "resend", turn.message)
+    save_state()
+    deliver(turn.role, turn.terminal_id, turn.message)
+    turn.facts.note_sent(time.monotonic(), whole_prompt=True)
 
 
 def note_compaction(turn: Turn) -> None:
@@ -6195,8 +6181,7 @@ def resume_limit_wait(turn: Turn) -> None:
 def continue_after_usage_limit(turn: Turn) -> None:
     """The usage limit has reset: the agent has its task in its conversation; tell it to go on. The turn's
     RESPONSE_TIMEOUT counts from here."""
-    log_turn(turn.role, f"usage limit reset; telling terminal {turn.terminal_id} to continue its task")
-    tell_to_continue(turn, "Your usage limit has reset.")
+    tell_to_continue(turn, "usage limit reset", "Your usage limit has reset.")
     note_limit_in_flight(turn.role, "", None)
     turn.facts.started = time.monotonic()
 
