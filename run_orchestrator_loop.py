@@ -6517,11 +6517,9 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
             screens = list(readers.map(lambda found: read_start_screen(found[1], found[0]), starting))
         for (_, role), screen in zip(starting, screens):
             seen[role] = screen
-            if seen[role].lasting:
-                log(f"{role}: its agent CLI cannot start ({seen[role].lasting.why}); its screen: "
-                    f"{seen[role].quoted()}")
-                start_up.agent(role, "failed", f"{seen[role].lasting.why}: {seen[role].quoted()}",
-                                 seen[role].terminal_id)
+            if screen.lasting:
+                log(f"{role}: its agent CLI cannot start ({screen.lasting.why}); its screen: {screen.quoted()}")
+                start_up.agent(role, "failed", f"{screen.lasting.why}: {screen.quoted()}", screen.terminal_id)
                 return
 
 
@@ -6547,9 +6545,7 @@ def start_failure_hint(error: str) -> str:
 
 def exit_terminals(ids: list[str]) -> None:
     """Exit agent terminals, logging (not raising) what fails: used while stopping."""
-    for terminal_id in ids:
-        if not terminal_id:
-            continue
+    for terminal_id in filter(None, ids):
         try:
             api.exit_terminal(terminal_id)
         except ApiError as exc:
@@ -7037,16 +7033,11 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
         at_rest_in_a_row = at_rest_in_a_row + 1 if rule.ended_by else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, facts)
+            raise agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT="
+                                                  f"{RESPONSE_TIMEOUT:g}s ({not_ready_yet(facts)})")
         if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
-
-
-def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
-    """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
-    return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"({not_ready_yet(facts)})")
 
 
 def not_ready_yet(facts: TurnFacts) -> str:
@@ -7324,10 +7315,9 @@ def forget_conversation(role: str, terminal_id: str, what: str, detail: str = ""
     record_agent_event(role, terminal_id, what, detail)
     forget_sent(marks)
     save_state()
-    if what in ("compacted", "cleared"):
-        log_turn(role, f"its conversation was {what}; the next prompt carries the full task again")
-    else:
-        log_turn(role, f"{detail}: the next prompt carries the full task, not back-references")
+    log_turn(role, f"its conversation was {what}; the next prompt carries the full task again"
+             if what in ("compacted", "cleared") else
+             f"{detail}: the next prompt carries the full task, not back-references")
     return True
 
 
@@ -7463,8 +7453,7 @@ def model_change_due(role: str) -> str:
 def prepare_conversation(role: str) -> None:
     """Before a turn's prompt is built: hear what the screen says of the conversation, and start a new one
     where one is due (a new agent where the model changed)."""
-    sent = in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role))
-    if sent:
+    if in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role)):
         return                            # a turn carried over: its agent has the prompt
     note_conversation(role, terminal_ids[role], _screen(terminal_ids[role]))
     why = fresh_agents_due.get(role) or model_change_due(role) or stale_round_reason(role)
