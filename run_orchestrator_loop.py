@@ -6108,26 +6108,25 @@ def note_limit_in_flight(role: str, line: str, until: float | None) -> None:
         save_state()
 
 
-def usage_limit_stop(turn: Turn, line: str, until: float | None) -> RunError:
+class UsageLimitStop(RunError):
     """The stop for a usage limit the loop will not wait out: when to rerun, and that the rerun continues."""
-    rerun = "to continue the turn (its prompt is not sent again)"
-    if until is None:
-        when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}"
-    else:
-        when = (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
-                f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
-                f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
-    return RunError(f"the {turn.role} agent (terminal {turn.terminal_id}) stopped at its account's usage limit "
-                    f"({line[:200]}); {when}")
-
-
-class FallbackDue(RunError):
-    """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
-    the role to it (switch_to_fallback(), 8). Its message is the stop's, should nothing take it up."""
 
     def __init__(self, turn: Turn, line: str, until: float | None):
-        super().__init__(str(usage_limit_stop(turn, line, until)))
+        rerun = "to continue the turn (its prompt is not sent again)"
+        if until is None:
+            when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}"
+        else:
+            when = (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
+                    f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
+                    f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
+        super().__init__(f"the {turn.role} agent (terminal {turn.terminal_id}) stopped at its account's usage limit "
+                         f"({line[:200]}); {when}")
         self.role, self.terminal_id, self.line, self.until = turn.role, turn.terminal_id, line, until
+
+
+class FallbackDue(UsageLimitStop):
+    """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
+    the role to it (switch_to_fallback(), 8). Its message is the stop's, should nothing take it up."""
 
 
 def switch_pending(role: str) -> bool:
@@ -6140,9 +6139,8 @@ def limit_outlasting(turn: Turn, line: str, until: float | None) -> RunError:
     """What a usage limit the loop will not wait out leads to: the role's fallback CLI when one is set and the
     role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth), or
     the switch to it is decided already; else the stop."""
-    if switch_pending(turn.role) or (switched_to(turn.role) is None and fallback_for(turn.role) is not None):
-        return FallbackDue(turn, line, until)
-    return usage_limit_stop(turn, line, until)
+    fallback = switch_pending(turn.role) or (switched_to(turn.role) is None and fallback_for(turn.role) is not None)
+    return (FallbackDue if fallback else UsageLimitStop)(turn, line, until)
 
 
 def begin_limit_wait(turn: Turn) -> None:
