@@ -5617,13 +5617,10 @@ class TurnFacts:
         return self.is_idle(now) if self.cli.ready_status_trusted else self.is_quiet(now)
 
     def idle_from(self) -> float:
-        """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
-        if self.status in READY_STATUSES and self.ready_since is not None:
-            became_idle = self.ready_since
-        elif self.marked_idle_at is not None:
-            became_idle = self.marked_idle_at
-        else:
-            became_idle = self.screen_changed_at + QUIET_SCREEN_SECONDS
+        """Since when the agent has been idle without a file, counted from the last prompt or reminder: its run of
+        ready status reads (only the latest status sets one), else its CLI's idle mark, else its still screen."""
+        became_idle = next((at for at in (self.ready_since, self.marked_idle_at) if at is not None),
+                           self.screen_changed_at + QUIET_SCREEN_SECONDS)
         return max(became_idle, self.guard_since, self.file_seen_at)
 
     def stalled(self, now: float) -> bool:
