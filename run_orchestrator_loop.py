@@ -6191,6 +6191,14 @@ def remind_unless_limited(turn: Turn) -> str | None:
     return idle_without_file(turn)
 
 
+def save_new_agents(new_ids: dict[str, str], roles: tuple[str, ...], **more: object) -> None:
+    """The roles' new agents saved as theirs (`new_ids`: every role's terminal), each with the model it starts on and
+    no new conversation due any more, with whatever else changed with them (`more`)."""
+    update_run(terminal_ids=new_ids, agent_models={**agent_models, **{role: model_for(role) for role in roles}},
+               fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles}, **more)
+    save_state()
+
+
 def decide_fallback(due: FallbackDue) -> CliSwitch:
     """The switch of the role to its fallback CLI, saved before anything is asked of CAO (a rerun then
     finishes it), or the one saved by an earlier process whose agent is still the limited one."""
@@ -6218,11 +6226,8 @@ def switch_to_fallback(due: FallbackDue) -> None:
     unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
         if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
     switch = replace(switch, new_terminal=new)
-    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
-               agent_models={**agent_models, role: model_for(role)},
-               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
-               cli_switches=[switch if w.role == role else w for w in cli_switches])
-    save_state()
+    save_new_agents({**terminal_ids, role: new}, (role,), in_flight=unsent,
+                    cli_switches=[switch if w.role == role else w for w in cli_switches])
     settled_terminals.add(new)
     record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
                  to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
@@ -6971,12 +6976,9 @@ def replace_lost_agent(lost: AgentLost) -> None:
     unsent = replace(in_flight, sent_at=None) if turn_goes_again(roles) else in_flight
     if unsent is not in_flight:         # the person's notes it carried go again with it, to the new agent
         forget_sent(mark for mark in in_flight.sent_in_full if mark.startswith("note-"))
-    update_run(in_flight=unsent, session_name=new_session, terminal_ids=new_ids,
-               agent_models={**agent_models, **{role: model_for(role) for role in roles}},
-               fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles},
-               replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
-                                                        lost.why, event) for role in roles])
-    save_state()
+    save_new_agents(new_ids, roles, in_flight=unsent, session_name=new_session,
+                    replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
+                                                             lost.why, event) for role in roles])
     settled_terminals.update(new_ids[role] for role in roles)
     record_event("agent_replaced", roles=list(roles), old_terminals={role: old_ids.get(role) for role in roles},
                  new_terminals={role: new_ids[role] for role in roles}, session=new_session, why=lost.why,
@@ -7367,9 +7369,7 @@ def start_fresh_agent(role: str, why: str) -> None:
     check_alive(role, old)                # a session that is gone is the replacement's to handle
     new = new_agent_for(role, "creating the new agent")
     record_agent_event(role, new, "new conversation", f"{why}; was terminal {old}")
-    update_run(terminal_ids={**terminal_ids, role: new}, agent_models={**agent_models, role: model_for(role)},
-               fresh_agents_due={r: w for r, w in fresh_agents_due.items() if r != role})
-    save_state()
+    save_new_agents({**terminal_ids, role: new}, (role,))
     settled_terminals.add(new)
     exit_terminals([old])
     remove_terminal(old)
