@@ -7464,20 +7464,20 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     """One turn on the role's current terminal: send the prompt built now (unless the turn was carried
     over from an interrupted process), wait, and return the answer (also archived)."""
     prepare_conversation(role)
-    terminal_id = terminal_ids[role]
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
     prompt = build()
     carried = carried_over_turn(role, path)
+    if carried:
+        record_sent(in_flight.sent_in_full)        # it arrived: the terminal has what it carried
     if carried == "taken":
         return retake_reply(role, len(prompt.encode("utf-8")))
     if carried == "left":
-        record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
         reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE     # as left_reply() judged it
     else:
-        reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
+        reply, ended_by = wait_for_reply(role, terminal_ids[role], path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
     crash_point("reply-settled")
     timing = turn_timing(path)
@@ -7501,7 +7501,6 @@ def begin_turn(role: str, prompt: Prompt, carried: str) -> str | None:
     if not carried:
         tokens_before_send(role)
         return send_prompt(role, prompt)
-    record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
     if carried != "limited":
         log_turn(role, "taking the reply written while the loop was down (prompt not sent again)"
                  if carried == "reply" else f"terminal {terminal_ids[role]} is still working on the prompt sent "
@@ -7514,7 +7513,6 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
     the turn is recorded once (a Ctrl-C may have saved its record already)."""
     kept = taken_reply(role)
     reply = read_reply_file(kept)
-    record_sent(in_flight.sent_in_full)
     update_run(in_flight=replace(in_flight, reply_file=kept.name))
     if not turn_records or turn_records[-1].reply_file != kept.name:
         record_turn(role, prompt_bytes, reply, kept)
