@@ -6506,9 +6506,7 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
     or on a stop."""
     while True:
         _, pending = wait_for_futures(list(futures.values()), timeout=START_WATCH_SECONDS)
-        if not pending:
-            return
-        if interrupted:                    # a stop ends the wait at once (the caller removes the session)
+        if not pending or interrupted:     # a stop ends the wait at once (the caller removes the session)
             return
         up = set(known) | {future.result()["id"] for future in futures.values()
                            if future.done() and future.exception() is None and future.result()}
