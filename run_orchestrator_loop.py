@@ -5526,8 +5526,7 @@ class TurnFacts:
             self.finished_by = TURN_ENDED_BY_STATUS
         elif not (ready or self.awaiting) and self.finished_by == TURN_ENDED_BY_STATUS:
             self.finished_by = ""        # before a prompt only the latest status counts
-        if status in BUSY_STATUSES:
-            self.seen_working = True
+        self.seen_working = self.seen_working or status in BUSY_STATUSES
 
     def note_screen(self, screen: str | None, now: float) -> None:
         if screen is None:
@@ -6969,8 +6968,7 @@ def replace_lost_agent(lost: AgentLost) -> None:
         new_id = new_agent_for(lost.role, "creating the replacement agent")
         new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: new_id}, (lost.role,)
         remove_terminal(lost.terminal_id)
-    event = replacements_used() + 1
-    at = utc_iso()
+    event, at = replacements_used() + 1, utc_iso()
     unsent = replace(in_flight, sent_at=None) if turn_goes_again(roles) else in_flight
     if unsent is not in_flight:         # the person's notes it carried go again with it, to the new agent
         forget_sent(mark for mark in in_flight.sent_in_full if mark.startswith("note-"))
@@ -7205,9 +7203,8 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     stay if the records are gone since (a CLI that archived or removed them)."""
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
-    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before,
-                          provider=record.provider) \
-        if since is not None else None
+    reading = None if since is None else turn_tokens(record.role, since.timestamp(), time.time(),
+                                                     record.tokens_before, provider=record.provider)
     set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
                     reading.context if reading is not None else None, reading.model if reading is not None else "")
     return reading
