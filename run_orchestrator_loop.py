@@ -7210,20 +7210,29 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     return reading
 
 
+def read_growing_tokens(seconds: float, pause: float, final: bool = False, unread_to_come: bool = False) -> list[int]:
+    """Read again the turns whose tokens may still grow (their numbers), every `pause` for up to `seconds` until
+    their CLIs have recorded their ends, or a stop (`unread_to_come`: a turn of no reading yet is waited for too where
+    its role's CLI has recorded others)."""
+    deadline = time.monotonic() + seconds
+    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
+    while growing:
+        readings = {number: read_turn_tokens(number, final=final) for number in growing}
+        roles_found = {record.role for record in turn_records if record.tokens is not None}
+        to_come = [number for number, reading in readings.items() if (not reading.over if reading is not None
+                   else unread_to_come and turn_records[number].role in roles_found)]
+        if not to_come or time.monotonic() >= deadline or stop_held():
+            break
+        time.sleep(pause)
+    return growing
+
+
 def tokens_before_send(role: str) -> None:
     """Before a turn is sent: the turns whose tokens may still grow are read again -- once their CLIs have
     recorded their ends (up to TOKENS_CATCH_UP_SECONDS: a reply taken at CAO's ready status can be seen before its
     CLI's last response is recorded, and a kill from here on would keep the turn's tokens short), the role's own
     for the last time -- and the run's budget is checked."""
-    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
-    deadline = time.monotonic() + TOKENS_CATCH_UP_SECONDS
-    while growing:
-        readings = [read_turn_tokens(number) for number in growing]
-        if all(reading is None or reading.over for reading in readings) or time.monotonic() >= deadline \
-                or stop_held():
-            break
-        time.sleep(0.25)
-    for number in growing:
+    for number in read_growing_tokens(TOKENS_CATCH_UP_SECONDS, 0.25):
         if turn_records[number].role == role:
             read_turn_tokens(number, final=True)
     check_budget(role)
@@ -7232,16 +7241,7 @@ def tokens_before_send(role: str) -> None:
 def settle_tokens(run_ended: bool) -> None:
     """When the loop stops: read again the turns whose tokens may still grow; at a run's end, up to
     TOKENS_SETTLE_SECONDS for the CLIs to record their last turns, whose figures then stand."""
-    deadline = time.monotonic() + (TOKENS_SETTLE_SECONDS if run_ended else 0.0)
-    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
-    while growing:
-        readings = {number: read_turn_tokens(number, final=run_ended) for number in growing}
-        roles_found = {record.role for record in turn_records if record.tokens is not None}
-        to_come = [number for number, reading in readings.items()
-                   if (not reading.over if reading is not None else turn_records[number].role in roles_found)]
-        if not to_come or time.monotonic() >= deadline or stop_held():
-            return
-        time.sleep(0.5)
+    read_growing_tokens(TOKENS_SETTLE_SECONDS if run_ended else 0.0, 0.5, final=run_ended, unread_to_come=True)
 
 
 def check_budget(role: str) -> None:
