@@ -5389,8 +5389,7 @@ class TurnFacts:
             self.finished_by = TURN_ENDED_BY_STATUS
         elif not (ready or self.awaiting) and self.finished_by == TURN_ENDED_BY_STATUS:
             self.finished_by = ""        # before a prompt only the latest status counts
-        if status in BUSY_STATUSES:
-            self.seen_working = True
+        self.seen_working = self.seen_working or status in BUSY_STATUSES
 
     def note_screen(self, screen: str | None, now: float) -> None:
         if screen is None:
@@ -5433,14 +5432,10 @@ class TurnFacts:
                   markers: tuple[str, ...] | None = None) -> None:
         """After a prompt or reminder went out: not seen working on it yet (nor, after the whole prompt again,
         seen to have it; `markers`: a prompt of other words)."""
-        self.guard_since, self.seen_working = now, False
-        self.provider_pause_until, self.marked_idle_at, self.mark = None, None, None
-        self.usage_limit = self.limit_wait_until = None
-        self.full_prompt_due = False
-        if whole_prompt:
-            self.prompt_seen = False
-        if markers is not None:
-            self.markers = markers
+        self.guard_since, self.seen_working, self.full_prompt_due = now, False, False
+        self.provider_pause_until = self.marked_idle_at = self.mark = self.usage_limit = self.limit_wait_until = None
+        self.prompt_seen = self.prompt_seen and not whole_prompt
+        self.markers = self.markers if markers is None else markers
 
     def note_compacted(self, prompt_referred_back: bool) -> None:
         """Compacted during the turn, before a reply file: the prompt is due in full if it referred back."""
@@ -5481,17 +5476,13 @@ class TurnFacts:
     def quiet_at_limit(self, now: float) -> bool:
         """Idle; or, for a CLI whose ready word CAO cannot be trusted on (Codex reads `processing` through its
         limit), a screen still since the last prompt or reminder."""
-        return self.is_idle(now) or (not self.cli.ready_status_trusted
-                                     and self.screen_still_since(self.guard_since, now))
+        return self.is_idle(now) if self.cli.ready_status_trusted else self.is_quiet(now)
 
     def idle_from(self) -> float:
-        """Since when the agent has been idle without a file, counted from the last prompt or reminder."""
-        if self.status in READY_STATUSES and self.ready_since is not None:
-            became_idle = self.ready_since
-        elif self.marked_idle_at is not None:
-            became_idle = self.marked_idle_at
-        else:
-            became_idle = self.screen_changed_at + QUIET_SCREEN_SECONDS
+        """Since when the agent has been idle without a file, counted from the last prompt or reminder: its run of
+        ready status reads (only the latest status sets one), else its CLI's idle mark, else its still screen."""
+        became_idle = next((at for at in (self.ready_since, self.marked_idle_at) if at is not None),
+                           self.screen_changed_at + QUIET_SCREEN_SECONDS)
         return max(became_idle, self.guard_since, self.file_seen_at)
 
     def stalled(self, now: float) -> bool:
@@ -5529,10 +5520,7 @@ class WaitRule:
     ended_by: str = ""                # a row that ends the turn: what the reply's log line says ended it
 
 
-def _since_prompt(facts: TurnFacts, now: float) -> float:
-    return now - facts.guard_since
-
-
+ALWAYS: Callable[[TurnFacts, float], bool] = lambda f, now: True        # a rule's condition that always holds
 OPEN_STATES = frozenset(TurnState) - {TurnState.FAILED, TurnState.LOST, TurnState.BETWEEN_TURNS}
 SETTLED = frozenset({TurnState.FILE_SETTLED, TurnState.BETWEEN_TURNS})   # a whole reply file, or none awaited
 IDLE_STATES = frozenset({TurnState.SILENT, TurnState.IDLE_WITHOUT_FILE})
@@ -5540,10 +5528,8 @@ BUSY_STATES = frozenset({TurnState.WORKING, TurnState.AWAITING_SIGN_OF_LIFE})
 WAIT_RULES: tuple[WaitRule, ...] = (
     WaitRule(frozenset({TurnState.LOST}), "it left its reply complete: a reply written is a reply taken",
              lambda f, now: f.left_reply, Verdict.TAKE_REPLY, TURN_ENDED_BY_AGENT_GONE),
-    WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)",
-             lambda f, now: True, Verdict.LOST),
-    WaitRule(frozenset({TurnState.FAILED}), "always",
-             lambda f, now: True, Verdict.ERROR),
+    WaitRule(frozenset({TurnState.LOST}), "always (its session, terminal or CLI is gone)", ALWAYS, Verdict.LOST),
+    WaitRule(frozenset({TurnState.FAILED}), "always", ALWAYS, Verdict.ERROR),
     WaitRule(SETTLED, "a ready status read since the file's last change, for a CLI whose ready word CAO reads right",
              lambda f, now: f.said_finished(TURN_ENDED_BY_STATUS), Verdict.TAKE_REPLY, TURN_ENDED_BY_STATUS),
     WaitRule(SETTLED, "its CLI's end-of-turn mark (its row's turn_marks) since the file's last change",
@@ -5562,13 +5548,12 @@ WAIT_RULES: tuple[WaitRule, ...] = (
              "compacted during the turn, whose prompt referred back to what the summary may have dropped",
              lambda f, now: f.full_prompt_due, Verdict.RESEND_IN_FULL),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "less than IDLE_GRACE_SECONDS since the prompt",
-             lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
+             lambda f, now: now - f.guard_since < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "not sent again yet",
              lambda f, now: not f.resend_used, Verdict.RESEND),
-    WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "sent again, and still not on its screen",
-             lambda f, now: True, Verdict.LOST),
+    WaitRule(frozenset({TurnState.PROMPT_NOT_SHOWN}), "sent again, and still not on its screen", ALWAYS, Verdict.LOST),
     WaitRule(frozenset({TurnState.SILENT}), "less than IDLE_GRACE_SECONDS since the wait began",
-             lambda f, now: _since_prompt(f, now) < IDLE_GRACE_SECONDS, Verdict.WAIT),
+             lambda f, now: now - f.guard_since < IDLE_GRACE_SECONDS, Verdict.WAIT),
     WaitRule(frozenset({TurnState.SILENT}), "a turn carried over (no prompt to send again), not reminded yet",
              lambda f, now: not f.resend_used, Verdict.REMIND),
     WaitRule(IDLE_STATES, "a model provider error's pause is under way",
@@ -5584,7 +5569,7 @@ WAIT_RULES: tuple[WaitRule, ...] = (
 )
 
 
-NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", lambda f, now: True, Verdict.WAIT)
+NO_RULE = WaitRule(frozenset(TurnState), "no rule applies", ALWAYS, Verdict.WAIT)
 
 
 def decide(facts: TurnFacts, now: float) -> tuple[TurnState, WaitRule]:
@@ -5761,16 +5746,6 @@ def deliver(role: str, terminal_id: str, message: str) -> None:
         raise
 
 
-def resend_prompt(turn: Turn) -> None:
-    """Send the prompt again, as it was; the turn's clocks start over."""
-    if in_flight is not None:
-        update_run(in_flight=replace(in_flight, sent_at=time.time()))
-    keep_sent(turn.role, "resend", turn.message)
-    save_state()
-    deliver(turn.role, turn.terminal_id, turn.message)
-    turn.facts.note_sent(time.monotonic(), whole_prompt=True)
-
-
 def provider_error_line(output: str, cli: AgentCli | None = None) -> str:
     """The line of an agent's output that names its model provider's error, in its CLI's words ('' if none)."""
     patterns = [*map(cli_pattern, row_values(cli, "error_lines"))]
@@ -5847,12 +5822,13 @@ def pause_after_provider_error(turn: Turn, error_line: str) -> None:
 
 def continue_after_provider_error(turn: Turn) -> None:
     """The pause after a provider error is over: the agent has its task in its conversation; tell it to go on."""
-    log_turn(turn.role, f"pause over; telling terminal {turn.terminal_id} to continue its task")
-    tell_to_continue(turn, "The model provider's error has passed.")
+    tell_to_continue(turn, "pause over", "The model provider's error has passed.")
 
 
-def tell_to_continue(turn: Turn, what_passed: str) -> None:
-    """What stopped the agent mid-task has passed: one short message to go on (its task is in its conversation)."""
+def tell_to_continue(turn: Turn, seen: str, what_passed: str) -> None:
+    """What stopped the agent mid-task has passed (`seen`, as logged): one short message to go on (its task is in
+    its conversation)."""
+    log_turn(turn.role, f"{seen}; telling terminal {turn.terminal_id} to continue its task")
     message = (f"{what_passed} Continue the task above from where you stopped, then write your complete answer "
                f"to {turn.path}; the orchestrator reads only that file.")
     keep_sent(turn.role, "continue", message)
@@ -5879,11 +5855,17 @@ def why_lost(facts: TurnFacts, state: TurnState) -> str:
 
 
 def resend_unseen_prompt(turn: Turn) -> None:
-    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once."""
+    """The prompt never showed on the agent's quiet screen (a dialog took it): send it whole, once, as it was; the
+    turn's clocks start over."""
     log_turn(turn.role, f"terminal {turn.terminal_id} does not show the prompt ({IDLE_GRACE_SECONDS:g}s after it "
                         "was sent, its screen quiet); sending the whole prompt again")
     turn.facts.resend_used = True
-    resend_prompt(turn)
+    if in_flight is not None:
+        update_run(in_flight=replace(in_flight, sent_at=time.time()))
+    keep_sent(turn.role, "resend", turn.message)
+    save_state()
+    deliver(turn.role, turn.terminal_id, turn.message)
+    turn.facts.note_sent(time.monotonic(), whole_prompt=True)
 
 
 def note_compaction(turn: Turn) -> None:
@@ -5985,26 +5967,25 @@ def note_limit_in_flight(role: str, line: str, until: float | None) -> None:
         save_state()
 
 
-def usage_limit_stop(turn: Turn, line: str, until: float | None) -> RunError:
+class UsageLimitStop(RunError):
     """The stop for a usage limit the loop will not wait out: when to rerun, and that the rerun continues."""
-    rerun = "to continue the turn (its prompt is not sent again)"
-    if until is None:
-        when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}"
-    else:
-        when = (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
-                f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
-                f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
-    return RunError(f"the {turn.role} agent (terminal {turn.terminal_id}) stopped at its account's usage limit "
-                    f"({line[:200]}); {when}")
-
-
-class FallbackDue(RunError):
-    """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
-    the role to it (switch_to_fallback(), 8). Its message is the stop's, should nothing take it up."""
 
     def __init__(self, turn: Turn, line: str, until: float | None):
-        super().__init__(str(usage_limit_stop(turn, line, until)))
+        rerun = "to continue the turn (its prompt is not sent again)"
+        if until is None:
+            when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}"
+        else:
+            when = (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
+                    f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
+                    f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
+        super().__init__(f"the {turn.role} agent (terminal {turn.terminal_id}) stopped at its account's usage limit "
+                         f"({line[:200]}); {when}")
         self.role, self.terminal_id, self.line, self.until = turn.role, turn.terminal_id, line, until
+
+
+class FallbackDue(UsageLimitStop):
+    """A usage limit the loop will not wait out, of a role with a fallback CLI to go over to: asking (8) hands
+    the role to it (switch_to_fallback(), 8). Its message is the stop's, should nothing take it up."""
 
 
 def switch_pending(role: str) -> bool:
@@ -6017,9 +5998,8 @@ def limit_outlasting(turn: Turn, line: str, until: float | None) -> RunError:
     """What a usage limit the loop will not wait out leads to: the role's fallback CLI when one is set and the
     role is not on it already (a fallback's own limit is waited out or stops the run: never back and forth), or
     the switch to it is decided already; else the stop."""
-    if switch_pending(turn.role) or (switched_to(turn.role) is None and fallback_for(turn.role) is not None):
-        return FallbackDue(turn, line, until)
-    return usage_limit_stop(turn, line, until)
+    fallback = switch_pending(turn.role) or (switched_to(turn.role) is None and fallback_for(turn.role) is not None)
+    return (FallbackDue if fallback else UsageLimitStop)(turn, line, until)
 
 
 def begin_limit_wait(turn: Turn) -> None:
@@ -6058,8 +6038,7 @@ def resume_limit_wait(turn: Turn) -> None:
 def continue_after_usage_limit(turn: Turn) -> None:
     """The usage limit has reset: the agent has its task in its conversation; tell it to go on. The turn's
     RESPONSE_TIMEOUT counts from here."""
-    log_turn(turn.role, f"usage limit reset; telling terminal {turn.terminal_id} to continue its task")
-    tell_to_continue(turn, "Your usage limit has reset.")
+    tell_to_continue(turn, "usage limit reset", "Your usage limit has reset.")
     note_limit_in_flight(turn.role, "", None)
     turn.facts.started = time.monotonic()
 
@@ -6072,6 +6051,14 @@ def remind_unless_limited(turn: Turn) -> str | None:
         return None
     turn.facts.resend_used = True
     return idle_without_file(turn)
+
+
+def save_new_agents(new_ids: dict[str, str], roles: tuple[str, ...], **more: object) -> None:
+    """The roles' new agents saved as theirs (`new_ids`: every role's terminal), each with the model it starts on and
+    no new conversation due any more, with whatever else changed with them (`more`)."""
+    update_run(terminal_ids=new_ids, agent_models={**agent_models, **{role: model_for(role) for role in roles}},
+               fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles}, **more)
+    save_state()
 
 
 def decide_fallback(due: FallbackDue) -> CliSwitch:
@@ -6101,11 +6088,8 @@ def switch_to_fallback(due: FallbackDue) -> None:
     unsent = replace(in_flight, sent_at=None, limit_line="", limit_until=None, tokens_before=None) \
         if in_flight is not None and in_flight.role == role and not in_flight.reply_file else in_flight
     switch = replace(switch, new_terminal=new)
-    update_run(in_flight=unsent, terminal_ids={**terminal_ids, role: new},
-               agent_models={**agent_models, role: model_for(role)},
-               fresh_agents_due={r: why for r, why in fresh_agents_due.items() if r != role},
-               cli_switches=[switch if w.role == role else w for w in cli_switches])
-    save_state()
+    save_new_agents({**terminal_ids, role: new}, (role,), in_flight=unsent,
+                    cli_switches=[switch if w.role == role else w for w in cli_switches])
     settled_terminals.add(new)
     record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
                  to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
@@ -6384,9 +6368,7 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
     or on a stop."""
     while True:
         _, pending = wait_for_futures(list(futures.values()), timeout=START_WATCH_SECONDS)
-        if not pending:
-            return
-        if interrupted:                    # a stop ends the wait at once (the caller removes the session)
+        if not pending or interrupted:     # a stop ends the wait at once (the caller removes the session)
             return
         up = set(known) | {future.result()["id"] for future in futures.values()
                            if future.done() and future.exception() is None and future.result()}
@@ -6395,11 +6377,9 @@ def watch_starts(session: str, futures: dict[str, Future], seen: dict[str, Start
             screens = list(readers.map(lambda found: read_start_screen(found[1], found[0]), starting))
         for (_, role), screen in zip(starting, screens):
             seen[role] = screen
-            if seen[role].lasting:
-                log(f"{role}: its agent CLI cannot start ({seen[role].lasting.why}); its screen: "
-                    f"{seen[role].quoted()}")
-                start_up.agent(role, "failed", f"{seen[role].lasting.why}: {seen[role].quoted()}",
-                                 seen[role].terminal_id)
+            if screen.lasting:
+                log(f"{role}: its agent CLI cannot start ({screen.lasting.why}); its screen: {screen.quoted()}")
+                start_up.agent(role, "failed", f"{screen.lasting.why}: {screen.quoted()}", screen.terminal_id)
                 return
 
 
@@ -6425,9 +6405,7 @@ def start_failure_hint(error: str) -> str:
 
 def exit_terminals(ids: list[str]) -> None:
     """Exit agent terminals, logging (not raising) what fails: used while stopping."""
-    for terminal_id in ids:
-        if not terminal_id:
-            continue
+    for terminal_id in filter(None, ids):
         try:
             api.exit_terminal(terminal_id)
         except ApiError as exc:
@@ -6853,17 +6831,13 @@ def replace_lost_agent(lost: AgentLost) -> None:
         new_id = new_agent_for(lost.role, "creating the replacement agent")
         new_session, new_ids, roles = session_name, {**terminal_ids, lost.role: new_id}, (lost.role,)
         remove_terminal(lost.terminal_id)
-    event = replacements_used() + 1
-    at = utc_iso()
+    event, at = replacements_used() + 1, utc_iso()
     unsent = replace(in_flight, sent_at=None) if turn_goes_again(roles) else in_flight
     if unsent is not in_flight:         # the person's notes it carried go again with it, to the new agent
         forget_sent(mark for mark in in_flight.sent_in_full if mark.startswith("note-"))
-    update_run(in_flight=unsent, session_name=new_session, terminal_ids=new_ids,
-               agent_models={**agent_models, **{role: model_for(role) for role in roles}},
-               fresh_agents_due={role: why for role, why in fresh_agents_due.items() if role not in roles},
-               replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
-                                                        lost.why, event) for role in roles])
-    save_state()
+    save_new_agents(new_ids, roles, in_flight=unsent, session_name=new_session,
+                    replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
+                                                             lost.why, event) for role in roles])
     settled_terminals.update(new_ids[role] for role in roles)
     record_event("agent_replaced", roles=list(roles), old_terminals={role: old_ids.get(role) for role in roles},
                  new_terminals={role: new_ids[role] for role in roles}, session=new_session, why=lost.why,
@@ -6915,16 +6889,11 @@ def wait_until_settled(role: str, terminal_id: str) -> None:
             raise agent_failed(role, terminal_id, "reports status 'error' before its first prompt")
         at_rest_in_a_row = at_rest_in_a_row + 1 if rule.ended_by else 0
         if time.monotonic() - started >= RESPONSE_TIMEOUT:
-            raise never_ready(role, terminal_id, facts)
+            raise agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT="
+                                                  f"{RESPONSE_TIMEOUT:g}s ({not_ready_yet(facts)})")
         if at_rest_in_a_row < 2:
             time.sleep(min(FILE_CHECK_SECONDS, POLL_SECONDS))
     settled_terminals.add(terminal_id)
-
-
-def never_ready(role: str, terminal_id: str, facts: TurnFacts) -> RunError:
-    """A terminal not ready within RESPONSE_TIMEOUT: its status, and its CLI's last marks."""
-    return agent_failed(role, terminal_id, f"did not become ready within RESPONSE_TIMEOUT={RESPONSE_TIMEOUT:g}s "
-                                           f"({not_ready_yet(facts)})")
 
 
 def not_ready_yet(facts: TurnFacts) -> str:
@@ -7097,12 +7066,28 @@ def read_turn_tokens(number: int, final: bool = False) -> TokenReading | None:
     stay if the records are gone since (a CLI that archived or removed them)."""
     record = turn_records[number]
     since = parse_utc_iso(record.sent_at)
-    reading = turn_tokens(record.role, since.timestamp(), time.time(), record.tokens_before,
-                          provider=record.provider) \
-        if since is not None else None
+    reading = None if since is None else turn_tokens(record.role, since.timestamp(), time.time(),
+                                                     record.tokens_before, provider=record.provider)
     set_turn_tokens(number, reading.by_model if reading is not None else record.tokens, final,
                     reading.context if reading is not None else None, reading.model if reading is not None else "")
     return reading
+
+
+def read_growing_tokens(seconds: float, pause: float, final: bool = False, unread_to_come: bool = False) -> list[int]:
+    """Read again the turns whose tokens may still grow (their numbers), every `pause` for up to `seconds` until
+    their CLIs have recorded their ends, or a stop (`unread_to_come`: a turn of no reading yet is waited for too where
+    its role's CLI has recorded others)."""
+    deadline = time.monotonic() + seconds
+    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
+    while growing:
+        readings = {number: read_turn_tokens(number, final=final) for number in growing}
+        roles_found = {record.role for record in turn_records if record.tokens is not None}
+        to_come = [number for number, reading in readings.items() if (not reading.over if reading is not None
+                   else unread_to_come and turn_records[number].role in roles_found)]
+        if not to_come or time.monotonic() >= deadline or stop_held():
+            break
+        time.sleep(pause)
+    return growing
 
 
 def tokens_before_send(role: str) -> None:
@@ -7110,15 +7095,7 @@ def tokens_before_send(role: str) -> None:
     recorded their ends (up to TOKENS_CATCH_UP_SECONDS: a reply taken at CAO's ready status can be seen before its
     CLI's last response is recorded, and a kill from here on would keep the turn's tokens short), the role's own
     for the last time -- and the run's budget is checked."""
-    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
-    deadline = time.monotonic() + TOKENS_CATCH_UP_SECONDS
-    while growing:
-        readings = [read_turn_tokens(number) for number in growing]
-        if all(reading is None or reading.over for reading in readings) or time.monotonic() >= deadline \
-                or stop_held():
-            break
-        time.sleep(0.25)
-    for number in growing:
+    for number in read_growing_tokens(TOKENS_CATCH_UP_SECONDS, 0.25):
         if turn_records[number].role == role:
             read_turn_tokens(number, final=True)
     check_budget(role)
@@ -7127,16 +7104,7 @@ def tokens_before_send(role: str) -> None:
 def settle_tokens(run_ended: bool) -> None:
     """When the loop stops: read again the turns whose tokens may still grow; at a run's end, up to
     TOKENS_SETTLE_SECONDS for the CLIs to record their last turns, whose figures then stand."""
-    deadline = time.monotonic() + (TOKENS_SETTLE_SECONDS if run_ended else 0.0)
-    growing = [number for number, record in enumerate(turn_records) if not record.tokens_final]
-    while growing:
-        readings = {number: read_turn_tokens(number, final=run_ended) for number in growing}
-        roles_found = {record.role for record in turn_records if record.tokens is not None}
-        to_come = [number for number, reading in readings.items()
-                   if (not reading.over if reading is not None else turn_records[number].role in roles_found)]
-        if not to_come or time.monotonic() >= deadline or stop_held():
-            return
-        time.sleep(0.5)
+    read_growing_tokens(TOKENS_SETTLE_SECONDS if run_ended else 0.0, 0.5, final=run_ended, unread_to_come=True)
 
 
 def check_budget(role: str) -> None:
@@ -7202,10 +7170,9 @@ def forget_conversation(role: str, terminal_id: str, what: str, detail: str = ""
     record_agent_event(role, terminal_id, what, detail)
     forget_sent(marks)
     save_state()
-    if what in ("compacted", "cleared"):
-        log_turn(role, f"its conversation was {what}; the next prompt carries the full task again")
-    else:
-        log_turn(role, f"{detail}: the next prompt carries the full task, not back-references")
+    log_turn(role, f"its conversation was {what}; the next prompt carries the full task again"
+             if what in ("compacted", "cleared") else
+             f"{detail}: the next prompt carries the full task, not back-references")
     return True
 
 
@@ -7260,9 +7227,7 @@ def start_fresh_agent(role: str, why: str) -> None:
     check_alive(role, old)                # a session that is gone is the replacement's to handle
     new = new_agent_for(role, "creating the new agent")
     record_agent_event(role, new, "new conversation", f"{why}; was terminal {old}")
-    update_run(terminal_ids={**terminal_ids, role: new}, agent_models={**agent_models, role: model_for(role)},
-               fresh_agents_due={r: w for r, w in fresh_agents_due.items() if r != role})
-    save_state()
+    save_new_agents({**terminal_ids, role: new}, (role,))
     settled_terminals.add(new)
     exit_terminals([old])
     remove_terminal(old)
@@ -7341,8 +7306,7 @@ def model_change_due(role: str) -> str:
 def prepare_conversation(role: str) -> None:
     """Before a turn's prompt is built: hear what the screen says of the conversation, and start a new one
     where one is due (a new agent where the model changed)."""
-    sent = in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role))
-    if sent:
+    if in_flight is not None and in_flight.sent_at is not None and in_flight.belongs_to(turn_position(role)):
         return                            # a turn carried over: its agent has the prompt
     note_conversation(role, terminal_ids[role], _screen(terminal_ids[role]))
     why = fresh_agents_due.get(role) or model_change_due(role) or stale_round_reason(role)
@@ -7358,20 +7322,20 @@ def take_turn(role: str, build: Callable[[], Prompt]) -> str:
     """One turn on the role's current terminal: send the prompt built now (unless the turn was carried
     over from an interrupted process), wait, and return the answer (also archived)."""
     prepare_conversation(role)
-    terminal_id = terminal_ids[role]
     path = response_path(role)
     path.parent.mkdir(parents=True, exist_ok=True)
     prompt = build()
     carried = carried_over_turn(role, path)
+    if carried:
+        record_sent(in_flight.sent_in_full)        # it arrived: the terminal has what it carried
     if carried == "taken":
         return retake_reply(role, len(prompt.encode("utf-8")))
     if carried == "left":
-        record_sent(in_flight.sent_in_full)
         log_turn(role, f"taking the reply its agent (terminal {in_flight.terminal}) wrote before it was gone: "
                        "complete, so the prompt is not sent again")
         reply, ended_by = read_reply_file(path), TURN_ENDED_BY_AGENT_GONE     # as left_reply() judged it
     else:
-        reply, ended_by = wait_for_reply(role, terminal_id, path, begin_turn(role, prompt, carried), build)
+        reply, ended_by = wait_for_reply(role, terminal_ids[role], path, begin_turn(role, prompt, carried), build)
     taken = time.time()                              # the reply is taken; keeping it on disk comes next
     crash_point("reply-settled")
     timing = turn_timing(path)
@@ -7395,7 +7359,6 @@ def begin_turn(role: str, prompt: Prompt, carried: str) -> str | None:
     if not carried:
         tokens_before_send(role)
         return send_prompt(role, prompt)
-    record_sent(in_flight.sent_in_full)          # it arrived: the terminal has what it carried
     if carried != "limited":
         log_turn(role, "taking the reply written while the loop was down (prompt not sent again)"
                  if carried == "reply" else f"terminal {terminal_ids[role]} is still working on the prompt sent "
@@ -7408,7 +7371,6 @@ def retake_reply(role: str, prompt_bytes: int) -> str:
     the turn is recorded once (a Ctrl-C may have saved its record already)."""
     kept = taken_reply(role)
     reply = read_reply_file(kept)
-    record_sent(in_flight.sent_in_full)
     update_run(in_flight=replace(in_flight, reply_file=kept.name))
     if not turn_records or turn_records[-1].reply_file != kept.name:
         record_turn(role, prompt_bytes, reply, kept)
