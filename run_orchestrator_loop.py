@@ -10181,8 +10181,6 @@ def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
     for a fault of this script), and the lines."""
     lines: list[CheckLine] = []
     try:
-        if len(args) > 1:
-            raise ConfigError(f"--check takes at most a config file (see {command_name()} --help)")
         configure(args)
         read_task_prompt()
         connect_api()
@@ -10792,8 +10790,6 @@ def start_run(task: str) -> StartPlan:
 def status_command(args: list[str], as_json: bool = False, follow: bool = False) -> int:
     """--status [--json] [--follow] [config.json]: where the run stands, or its events followed; its exit code."""
     try:
-        if len(args) > 1:
-            raise ConfigError(f"--status takes at most a config file (see {command_name()} --help)")
         configure(args)
         connect_api()
     except OrchestratorExit as exc:
@@ -10933,9 +10929,6 @@ def run_command_line(args: list[str]) -> int:
     StopSignals.stopping = False
     code = EXIT_ERROR
     try:
-        if len(args) > 1:
-            raise ConfigError(f"expected at most one argument (a config file), got {len(args)} (see "
-                              f"{command_name()} --help)")
         configure(args)
         task = read_task_prompt()
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
@@ -11035,8 +11028,6 @@ def person_command(config: list[str], options: argparse.Namespace) -> int:
     """--approve, --reject WHY, --note ROLE TEXT [config.json]: a person's word to the run in STATE_FILE, as a side
     file in its folder (section 4), whether the run waits in place, is stopped or was killed; one line, its code."""
     try:
-        if len(config) > 1:
-            raise ConfigError(f"expected at most one config file (see {command_name()} --help)")
         configure(config)
         try:
             saved = read_state_file()
