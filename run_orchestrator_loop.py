@@ -10260,13 +10260,11 @@ def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
     parser.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR")
-    for flag in ("--check", "--status", "--json", "--follow", "--help-settings", "--readme"):
-        parser.add_argument(flag, action="store_true")
-    parser.add_argument("--approve", action="store_true")
+    for flags in (["--check"], ["--status"], ["--json"], ["--follow"], ["--help-settings"], ["--readme"],
+                  ["--approve"], ["-h", "--help"], ["-V", "--version"]):
+        parser.add_argument(*flags, action="store_true")
     parser.add_argument("--reject", metavar="WHY")
     parser.add_argument("--note", nargs=2, metavar=("ROLE", "TEXT"))
-    parser.add_argument("-h", "--help", action="store_true")
-    parser.add_argument("-V", "--version", action="store_true")
     return parser
 
 
@@ -11080,9 +11078,6 @@ def leave_note(saved: SavedState | None, role: str, text: str) -> str:
     return f"note left for the {role}: its next prompt carries it once"
 
 
-PERSON_COMMANDS = ("--approve", "--reject", "--note")
-
-
 def given_commands(options: argparse.Namespace) -> list[str]:
     """The commands on the command line other than a run's (at most one may be given)."""
     return [name for name, given in (("--check", options.check), ("--status", options.status),
@@ -11111,24 +11106,21 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         say_error(f"error: {exc.message}")
         raise SystemExit(exc.code) from None
-    pages = {"help": help_text, "help_settings": settings_help_text, "readme": readme_text}
+    pages = {"help": help_text, "help_settings": settings_help_text, "readme": readme_text,
+             "version": lambda: f"{command_name()} ({PACKAGE_NAME}) {__version__}"}
     for option, page in pages.items():
         if getattr(options, option):
             emit(page().rstrip("\n"))
             raise SystemExit(EXIT_PASS)
-    if options.version:
-        emit(f"{command_name()} ({PACKAGE_NAME}) {__version__}")
-        raise SystemExit(EXIT_PASS)
     config = [options.config] if options.config else []
     refuse_mixed_options(options, config)
     if options.demo is not None:
         raise SystemExit(demo_command(options.demo))
     if options.status:
         raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
-    if set(given_commands(options)) & set(PERSON_COMMANDS):
-        raise SystemExit(person_command(config, options))
-    command = check_command if options.check else run_command_line
-    raise SystemExit(command(config))
+    if options.check:
+        raise SystemExit(check_command(config))
+    raise SystemExit(person_command(config, options) if given_commands(options) else run_command_line(config))
 
 
 if __name__ == "__main__":
