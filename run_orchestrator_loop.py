@@ -10042,15 +10042,13 @@ def server_checks(report: dict[str, tuple[str, bool]] | None, run: bool = False)
 def check_working_directory() -> list[CheckLine]:
     """WD writable (settings already refused a missing one and this checkout); a git repository where a commit
     is asked for."""
-    lines = []
     if not os.access(WD, os.W_OK):
-        lines.append(CheckLine(False, f"WD={WD} is not writable: the agents write their replies under it"))
+        return [CheckLine(False, f"WD={WD} is not writable: the agents write their replies under it")]
     top = git_top(WD)
     if COMMIT_ON_PASS and not top:
-        lines.append(CheckLine(False, f"COMMIT_ON_PASS=1 but WD={WD} is not in a git repository: `git init` it, "
-                                      "or unset COMMIT_ON_PASS"))
-    lines.append(CheckLine(True, f"working directory {WD}" + (f" (git repository {top})" if top else "")))
-    return lines[:1] if lines[0].ok is False else lines
+        return [CheckLine(False, f"COMMIT_ON_PASS=1 but WD={WD} is not in a git repository: `git init` it, or unset "
+                                 "COMMIT_ON_PASS")]
+    return [CheckLine(True, f"working directory {WD}" + (f" (git repository {top})" if top else ""))]
 
 
 def check_token_budget() -> list[CheckLine]:
