@@ -10878,16 +10878,12 @@ def keep_traceback(exc: BaseException) -> str:
     """A fault's whole traceback, written to the run folder (else beside the state file); its path. Where no
     file can be written it goes to stderr, and '' is returned."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    for folder in (run_dir, os.path.dirname(STATE_FILE)):
-        if not folder:
-            continue
+    for folder in filter(None, (run_dir, os.path.dirname(STATE_FILE))):
         path = Path(folder) / TRACEBACK_FILE
-        try:
+        with suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"{utc_iso()} {command_name()} {__version__}\n{text}", encoding="utf-8")
             return str(path)
-        except OSError:
-            continue
     emit(text.rstrip("\n"), sys.stderr)
     return ""
 
