@@ -11021,15 +11021,12 @@ def person_command(config: list[str], options: argparse.Namespace) -> int:
     file in its folder (section 4), whether the run waits in place, is stopped or was killed; one line, its code."""
     try:
         configure(config)
-        try:
-            saved = read_state_file()
-        except StateFileError as exc:
-            raise ConfigError(str(exc)) from None
+        saved = read_state_file()
         line = leave_note(saved, *options.note) if options.note else \
             decide_at_gate(saved, "approve" if options.approve else "reject", (options.reject or "").strip())
-    except OrchestratorExit as exc:
-        say_error(f"error: {exc.message}")
-        return exc.code
+    except (OrchestratorExit, StateFileError) as exc:      # a state file that cannot be read: a bad setting
+        say_error(f"error: {exc}")
+        return exc.code if isinstance(exc, OrchestratorExit) else EXIT_USAGE
     except OSError as exc:              # the run folder's disk or permissions: the same command gets past it after
         say_error(f"error: could not write into the run's folder ({exc.__class__.__name__}: {exc}); nothing was "
                   "decided or left: fix its disk or permissions, then give the command again")
