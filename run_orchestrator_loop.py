@@ -10554,23 +10554,18 @@ def last_exit_code(saved: SavedState) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def _status_last_stop(saved: SavedState, stage: Stage) -> list[str]:
-    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1); one
-    killed holding the lock kept no exit code (the one summary.json holds is an earlier invocation's)."""
+def _status_last_stop(facts: dict, stage: Stage) -> list[str]:
+    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1), as
+    --status --json's facts say it; one killed holding the lock kept no exit code (the one summary.json holds is an
+    earlier invocation's)."""
     if stage.killed:
         return [f"last stop: killed, no exit code ({stage.killed}; SIGKILL, or the machine stopped); a scheduler: "
                 "retry: the same command first ends what it left running"]
-    code = stage.last_code(saved)
-    if code is None:
+    if facts["last_exit_code"] is None:
         return []
-    return [f"last stop: exit {code} ({EXIT_MEANINGS.get(code, 'not a code of this program')}); "
-            f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"] + \
-        ([f"traceback: {traceback_path(saved)}"] if code == EXIT_BUG else [])
-
-
-def traceback_path(saved: SavedState) -> str:
-    """Where the run's last fault of the loop itself left its traceback."""
-    return str(Path(saved.run_dir) / TRACEBACK_FILE)
+    return [f"last stop: exit {facts['last_exit_code']} ({facts['last_exit'] or 'not a code of this program'}); "
+            f"a scheduler: {facts['scheduler_action'] or 'alert'}"] + \
+        ([f"traceback: {facts['traceback']}"] if facts["traceback"] else [])
 
 
 def status_next(saved: SavedState) -> str | None:
@@ -10607,9 +10602,8 @@ def status_facts(saved: SavedState, stage: Stage) -> dict:
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
         "driven_by": lock_text_facts(stage.holder),
-        "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
-        "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
-        "traceback": traceback_path(saved) if code == EXIT_BUG else None,
+        "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code), "scheduler_action": SCHEDULER_ACTIONS.get(code),
+        "traceback": str(Path(saved.run_dir) / TRACEBACK_FILE) if code == EXIT_BUG else None,
         "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None,
         "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
@@ -10654,7 +10648,7 @@ def status_report() -> tuple[int, str]:
     lines.append(f"driven by: {stage.holder}" if stage.holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
     if not stage.holder:
-        lines += _status_last_stop(saved, stage) + _status_start_left(stage)
+        lines += _status_last_stop(status_facts(saved, stage), stage) + _status_start_left(stage)
     if saved.no_progress_stop:
         lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.finished and status_next(saved):
