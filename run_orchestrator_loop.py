@@ -10101,8 +10101,7 @@ def check_run_state() -> list[CheckLine]:
         plan = choose_start()
     except ConfigError as exc:
         return [CheckLine(False, exc.message)]
-    holder = RunLock.holder()
-    if holder:
+    if holder := RunLock.holder():
         return [CheckLine(False, f"the run in {STATE_FILE} is driven by {holder}: a second copy would exit "
                                  f"{EXIT_LOCKED}")]
     return [CheckLine(True, f"resumes the run in {STATE_FILE}" if plan.resume else
@@ -10112,8 +10111,7 @@ def check_run_state() -> list[CheckLine]:
 def check_own_server() -> list[CheckLine]:
     """The run's own server: what it needs here (tmux, cao-server, a free port), and the agents' side as the
     shells it starts will see it (their PATH and environment are the loop's, so no probe is needed)."""
-    missing = own_server_missing()
-    if missing:
+    if missing := own_server_missing():
         return [CheckLine(False, missing)]
     try:
         own = OwnServer(free_port(), "", "")
@@ -10160,8 +10158,7 @@ def refuse_what_check_refuses(own: bool) -> None:
     for line in lines:
         if line.ok is None:
             log(line.text)
-    refused = [line for line in lines if line.ok is False]
-    if refused:
+    if refused := [line for line in lines if line.ok is False]:
         raise ConfigError(f"{refused[0].text} (the CAO server at {API}, as --check says; nothing was started)")
 
 
@@ -10291,10 +10288,9 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
         listed = api.session_terminals(session) if session else None
     except ApiError as exc:
         return f"the agents of CAO session {session or '?'}: the server cannot say whether they still run ({exc})"
-    ids = [i for i in run.terminal_ids.values() if i]
     if listed is None:
         return f"the agents of CAO session {session or '?'} are gone (the server no longer has their session)"
-    running = [i for i in ids if i in listed]
+    running = [i for i in run.terminal_ids.values() if i and i in listed]
     if not running:
         return f"the agents of CAO session {session} are gone (the server no longer has their terminals)"
     count = "the five agents" if len(running) == len(ROLES) else f"{len(running)} of the five agents"
@@ -10483,8 +10479,7 @@ def _status_tokens(saved: SavedState) -> list[str]:
     if not saved.turn_records:
         return []
     total, unknown = turns_tokens(saved.turn_records)
-    not_counted = "" if total else tokenless_note(providers_in_use())
-    if not_counted:
+    if not total and (not_counted := tokenless_note(providers_in_use())):
         return [f"tokens used: not counted ({not_counted})"]
     budgets = [f"{name}={value:g}" for name, value in (("MAX_RUN_TOKENS", MAX_RUN_TOKENS),
                                                         ("MAX_RUN_COST", MAX_RUN_COST)) if value]
@@ -10538,8 +10533,7 @@ def _status_after_run(saved: SavedState) -> list[str]:
     if done.notified is not None:
         steps.append(f"notified {done.notified}")
     lines = ["after the run: " + ", ".join(steps)] if steps else []
-    pending = after_run_pending(saved.final_status, done) if saved.finished else []
-    if pending:
+    if saved.finished and (pending := after_run_pending(saved.final_status, done)):
         lines.append(f"still to do after the run: {', '.join(pending)} (the next invocation does it)")
     return lines
 
@@ -10690,8 +10684,7 @@ def help_text() -> str:
         "  --approve | --reject WHY | --note ROLE TEXT [config.json]: a person's word",
         "  --help-settings  every setting: variable, JSON key, default, meaning", "",
         "Settings most runs set (environment variable, default):"]
-    for env in COMMON_SETTINGS:
-        lines.append(f"  {env:20} {_shown_default(SETTINGS_BY_ENV[env])}")
+    lines += [f"  {env:20} {_shown_default(SETTINGS_BY_ENV[env])}" for env in COMMON_SETTINGS]
     providers = ", ".join(AGENT_CLIS).replace(SCRIPTED_PROVIDER, f"{SCRIPTED_PROVIDER} (--demo's scripted agent: no AI)")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + providers, 78, subsequent_indent="  ")
     lines += [f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
