@@ -9694,12 +9694,10 @@ def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
         elif known is None:
             lines.append(CheckLine(None, f"profile {profile}: the server cannot say whether it is installed"))
     if missing:
-        lines.append(CheckLine(False, f"agent profiles not installed for their provider: "
-                                      f"{', '.join(f'{p} ({q})' for p, q in missing)}; {profiles_fix(missing)}"))
-    else:
-        lines.append(CheckLine(True, "agent profiles installed: " + ", ".join(
-            dict.fromkeys(profile_for(role) for role in ROLES))))
-    return lines
+        return lines + [CheckLine(False, f"agent profiles not installed for their provider: "
+                                         f"{', '.join(f'{p} ({q})' for p, q in missing)}; {profiles_fix(missing)}")]
+    return lines + [CheckLine(True, "agent profiles installed: " + ", ".join(
+        dict.fromkeys(profile_for(role) for role in ROLES)))]
 
 
 def profiles_fix(missing: list[tuple[str, str]]) -> str:
@@ -11078,9 +11076,8 @@ def refuse_mixed_options(options: argparse.Namespace, config: list[str]) -> None
 
 def main(argv: list[str] | None = None) -> None:
     """Run the loop (or --check, --status, a help page) and exit with its code (EXIT_CODES)."""
-    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        options = command_line().parse_args(args)
+        options = command_line().parse_args(argv)   # None: sys.argv[1:]
     except ConfigError as exc:
         say_error(f"error: {exc.message}")
         raise SystemExit(exc.code) from None
