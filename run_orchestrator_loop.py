@@ -10386,7 +10386,10 @@ class Stage:
     def last_code(self, saved: SavedState) -> int | None:
         """The exit code the run's last invocation ended with (its summary.json); None while one drives the run,
         after a kill (that invocation kept none: the one there is an earlier one's), or where none is kept."""
-        return None if self.holder or self.killed or not saved.run_dir else last_exit_code(saved)
+        if self.holder or self.killed or not saved.run_dir:
+            return None
+        code = _json_file(Path(saved.run_dir) / "summary.json").get("exit_code")
+        return code if isinstance(code, int) else None
 
     def facts(self) -> dict:
         """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
@@ -10534,16 +10537,6 @@ def _status_after_run(saved: SavedState) -> list[str]:
     if saved.finished and (pending := after_run_pending(saved.final_status, done)):
         lines.append(f"still to do after the run: {', '.join(pending)} (the next invocation does it)")
     return lines
-
-
-def last_exit_code(saved: SavedState) -> int | None:
-    """The exit code the run's last invocation ended with, as its summary.json keeps it (None: none kept)."""
-    try:
-        summary = json.loads((Path(saved.run_dir) / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return None
-    code = summary.get("exit_code") if isinstance(summary, dict) else None
-    return code if isinstance(code, int) else None
 
 
 def _status_last_stop(facts: dict, stage: Stage) -> list[str]:
