@@ -9642,8 +9642,7 @@ def probe_here(env: dict[str, str], programs: list[str]) -> AgentsSide:
         script = _probe_script(Path(scratch), programs)
         with suppress(OSError, subprocess.SubprocessError):
             subprocess.run(["sh", str(script)], env=env, cwd=WD, capture_output=True, timeout=PROBE_SECONDS)
-        out = Path(scratch) / "out"
-        return _read_probe(out.read_text(encoding="utf-8", errors="replace") if out.exists() else "")
+        return _read_probe(_read_text(Path(scratch) / "out"))
 
 
 # -- The checks --------------------------------------------------------------------
@@ -9772,10 +9771,7 @@ def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
     if trap.json_key:
         value = _json_file(agents_file(trap, side)).get(trap.json_key)
         return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
-    try:
-        text = agents_file(trap, side).read_text(encoding="utf-8") + "\n"
-    except OSError:
-        return False
+    text = _read_text(agents_file(trap, side)) + "\n"       # a file that is not there holds no match
     pattern = re.compile(trap.pattern, re.MULTILINE)
     found = list(pattern.finditer(text))
     if "project" not in pattern.groupindex:
@@ -9848,10 +9844,7 @@ def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple
     named = form.name.replace("{file}", str(path))
     if form.json_key:
         return bool(_json_path(_json_file(path), form.json_key)), named
-    try:
-        return bool(re.search(form.pattern, path.read_text(encoding="utf-8", errors="replace"), re.MULTILINE)), named
-    except OSError:
-        return False, named
+    return bool(re.search(form.pattern, _read_text(path), re.MULTILINE)), named
 
 
 def claude_api_key(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
@@ -9883,10 +9876,7 @@ def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> C
     """A model provider Codex's config.toml chooses: signed in by its env_key's variable (None: its login decides,
     as for OpenAI's own)."""
     path = agents_file(form, side)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return None
+    text = _read_text(path)                        # '' where it is not there: a config that chooses no provider
     if tomllib is None:
         return CheckLine(None, f"{cli.label}: cannot say whether its model provider in {path} is signed in (Python "
                                "3.11 or newer reads it)") if re.search(r"(?m)^\s*model_provider\s*=", text) else None
