@@ -10230,8 +10230,7 @@ class CommandLine(argparse.ArgumentParser):
                    "argument --reject: expected one argument": '--reject takes the reason, which the agent is told, '
                                                                'e.g. --reject "keep the old flags working"'
                    }.get(message, message)
-        unknown = re.match(r"unrecognized arguments: (.*)", message)
-        if unknown:
+        if unknown := re.match(r"unrecognized arguments: (.*)", message):
             words = unknown.group(1).split()
             options = [word for word in words if word.startswith("-")]
             message = (f"unknown option {options[0]}" if options else
@@ -10634,13 +10633,10 @@ def status_report() -> tuple[int, str]:
 
 def readme_text() -> str:
     """The README: beside the script in a checkout, else from the installed package's metadata."""
-    beside = Path(__file__).resolve().with_name("README.md")
-    if beside.is_file():
-        return beside.read_text(encoding="utf-8")
-    try:
-        return metadata.metadata(PACKAGE_NAME).get_payload() or ""
-    except metadata.PackageNotFoundError:
-        return ""
+    with suppress(metadata.PackageNotFoundError):
+        return (_read_text(Path(__file__).resolve().with_name("README.md"))
+                or metadata.metadata(PACKAGE_NAME).get_payload() or "")
+    return ""
 
 
 # Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
