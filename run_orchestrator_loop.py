@@ -9786,15 +9786,13 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
         return CheckLine(True, f"{cli.label}: not run as root")
     ok = trap_avoided(trap, side)
     text = trap.found if ok else trap.fix
-    if "{project}" in text:
-        text = text.replace("{project}", str(trap_project()))
-    if "{file}" in text:
-        text = text.replace("{file}", str(agents_file(trap, side)))
-    if "{tmux}" in text:
-        text = text.replace("{tmux}", tmux_hint("").rstrip())
-    if "{seen}" in text:
-        seen = side.env.get(trap.env)
-        text = text.replace("{seen}", f"{trap.env}={seen}" if seen else f"no {trap.env}")
+    # each mark filled in where the text names it (its value looked up only then: {project} asks git)
+    fills = {"{project}": lambda: str(trap_project()), "{file}": lambda: str(agents_file(trap, side)),
+             "{tmux}": lambda: tmux_hint("").rstrip(),
+             "{seen}": lambda: f"{trap.env}={side.env[trap.env]}" if side.env.get(trap.env) else f"no {trap.env}"}
+    for mark, fill in fills.items():
+        if mark in text:
+            text = text.replace(mark, fill())
     return CheckLine(ok, text)
 
 
