@@ -10212,13 +10212,6 @@ COMMON_SETTINGS = ("API", "OWN_SERVER", "PROVIDER", "MODEL", "WD", "PROMPT_FILE"
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
 
 
-def usage_lines() -> list[str]:
-    name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --demo [DIR]", f"       {name} --check [config.json]",
-            f"       {name} --status [--json] [--follow] [config.json]",
-            f"       {name} --help | --help-settings | --readme | --version"]
-
-
 class CommandLine(argparse.ArgumentParser):
     """argparse, with its errors as the loop's one line (exit 2) and the loop's own --help."""
 
@@ -10647,8 +10640,10 @@ EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", 
 def help_text() -> str:
     """--help: what the command does, how to run it, the settings most runs set, where the rest is."""
     name = command_name()
-    lines = usage_lines() + [
-        "",
+    lines = [
+        f"usage: {name} [config.json]", f"       {name} --demo [DIR]", f"       {name} --check [config.json]",
+        f"       {name} --status [--json] [--follow] [config.json]",
+        f"       {name} --help | --help-settings | --readme | --version", "",
         "Runs five AI coding agents (analyst, peer analyst, programmer, peer programmer,",
         "tester) on a CAO server until the tester reports PASS. Settings come from",
         "environment variables and/or a JSON config file; the environment wins.", "",
