@@ -9455,8 +9455,7 @@ def probe_here(env: dict[str, str], programs: list[str]) -> AgentsSide:
         script = _probe_script(Path(scratch), programs)
         with suppress(OSError, subprocess.SubprocessError):
             subprocess.run(["sh", str(script)], env=env, cwd=WD, capture_output=True, timeout=PROBE_SECONDS)
-        out = Path(scratch) / "out"
-        return _read_probe(out.read_text(encoding="utf-8", errors="replace") if out.exists() else "")
+        return _read_probe(_read_text(Path(scratch) / "out"))
 
 
 # -- The checks --------------------------------------------------------------------
@@ -9507,12 +9506,10 @@ def check_profiles(side: AgentsSide | None) -> list[CheckLine]:
         elif known is None:
             lines.append(CheckLine(None, f"profile {profile}: the server cannot say whether it is installed"))
     if missing:
-        lines.append(CheckLine(False, f"agent profiles not installed for their provider: "
-                                      f"{', '.join(f'{p} ({q})' for p, q in missing)}; {profiles_fix(missing)}"))
-    else:
-        lines.append(CheckLine(True, "agent profiles installed: " + ", ".join(
-            dict.fromkeys(profile_for(role) for role in ROLES))))
-    return lines
+        return lines + [CheckLine(False, f"agent profiles not installed for their provider: "
+                                         f"{', '.join(f'{p} ({q})' for p, q in missing)}; {profiles_fix(missing)}")]
+    return lines + [CheckLine(True, "agent profiles installed: " + ", ".join(
+        dict.fromkeys(profile_for(role) for role in ROLES)))]
 
 
 def profiles_fix(missing: list[tuple[str, str]]) -> str:
@@ -9587,10 +9584,7 @@ def trap_avoided(trap: Trap, side: AgentsSide) -> bool:
     if trap.json_key:
         value = _json_file(agents_file(trap, side)).get(trap.json_key)
         return (isinstance(value, list) and trap.json_holds in value) if trap.json_holds else bool(value)
-    try:
-        text = agents_file(trap, side).read_text(encoding="utf-8") + "\n"
-    except OSError:
-        return False
+    text = _read_text(agents_file(trap, side)) + "\n"       # a file that is not there holds no match
     pattern = re.compile(trap.pattern, re.MULTILINE)
     found = list(pattern.finditer(text))
     if "project" not in pattern.groupindex:
@@ -9605,15 +9599,13 @@ def check_trap(cli: AgentCli, trap: Trap, side: AgentsSide) -> CheckLine:
         return CheckLine(True, f"{cli.label}: not run as root")
     ok = trap_avoided(trap, side)
     text = trap.found if ok else trap.fix
-    if "{project}" in text:
-        text = text.replace("{project}", str(trap_project()))
-    if "{file}" in text:
-        text = text.replace("{file}", str(agents_file(trap, side)))
-    if "{tmux}" in text:
-        text = text.replace("{tmux}", tmux_hint("").rstrip())
-    if "{seen}" in text:
-        seen = side.env.get(trap.env)
-        text = text.replace("{seen}", f"{trap.env}={seen}" if seen else f"no {trap.env}")
+    # each mark filled in where the text names it (its value looked up only then: {project} asks git)
+    fills = {"{project}": lambda: str(trap_project()), "{file}": lambda: str(agents_file(trap, side)),
+             "{tmux}": lambda: tmux_hint("").rstrip(),
+             "{seen}": lambda: f"{trap.env}={side.env[trap.env]}" if side.env.get(trap.env) else f"no {trap.env}"}
+    for mark, fill in fills.items():
+        if mark in text:
+            text = text.replace(mark, fill())
     return CheckLine(ok, text)
 
 
@@ -9663,10 +9655,7 @@ def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple
     named = form.name.replace("{file}", str(path))
     if form.json_key:
         return bool(_json_path(_json_file(path), form.json_key)), named
-    try:
-        return bool(re.search(form.pattern, path.read_text(encoding="utf-8", errors="replace"), re.MULTILINE)), named
-    except OSError:
-        return False, named
+    return bool(re.search(form.pattern, _read_text(path), re.MULTILINE)), named
 
 
 def claude_api_key(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
@@ -9698,10 +9687,7 @@ def codex_model_provider(cli: AgentCli, form: Credential, side: AgentsSide) -> C
     """A model provider Codex's config.toml chooses: signed in by its env_key's variable (None: its login decides,
     as for OpenAI's own)."""
     path = agents_file(form, side)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return None
+    text = _read_text(path)                        # '' where it is not there: a config that chooses no provider
     if tomllib is None:
         return CheckLine(None, f"{cli.label}: cannot say whether its model provider in {path} is signed in (Python "
                                "3.11 or newer reads it)") if re.search(r"(?m)^\s*model_provider\s*=", text) else None
@@ -9855,15 +9841,13 @@ def server_checks(report: dict[str, tuple[str, bool]] | None, run: bool = False)
 def check_working_directory() -> list[CheckLine]:
     """WD writable (settings already refused a missing one and this checkout); a git repository where a commit
     is asked for."""
-    lines = []
     if not os.access(WD, os.W_OK):
-        lines.append(CheckLine(False, f"WD={WD} is not writable: the agents write their replies under it"))
+        return [CheckLine(False, f"WD={WD} is not writable: the agents write their replies under it")]
     top = git_top(WD)
     if COMMIT_ON_PASS and not top:
-        lines.append(CheckLine(False, f"COMMIT_ON_PASS=1 but WD={WD} is not in a git repository: `git init` it, "
-                                      "or unset COMMIT_ON_PASS"))
-    lines.append(CheckLine(True, f"working directory {WD}" + (f" (git repository {top})" if top else "")))
-    return lines[:1] if lines[0].ok is False else lines
+        return [CheckLine(False, f"COMMIT_ON_PASS=1 but WD={WD} is not in a git repository: `git init` it, or unset "
+                                 "COMMIT_ON_PASS")]
+    return [CheckLine(True, f"working directory {WD}" + (f" (git repository {top})" if top else ""))]
 
 
 def check_token_budget() -> list[CheckLine]:
@@ -9916,8 +9900,7 @@ def check_run_state() -> list[CheckLine]:
         plan = choose_start()
     except ConfigError as exc:
         return [CheckLine(False, exc.message)]
-    holder = RunLock.holder()
-    if holder:
+    if holder := RunLock.holder():
         return [CheckLine(False, f"the run in {STATE_FILE} is driven by {holder}: a second copy would exit "
                                  f"{EXIT_LOCKED}")]
     return [CheckLine(True, f"resumes the run in {STATE_FILE}" if plan.resume else
@@ -9927,8 +9910,7 @@ def check_run_state() -> list[CheckLine]:
 def check_own_server() -> list[CheckLine]:
     """The run's own server: what it needs here (tmux, cao-server, a free port), and the agents' side as the
     shells it starts will see it (their PATH and environment are the loop's, so no probe is needed)."""
-    missing = own_server_missing()
-    if missing:
+    if missing := own_server_missing():
         return [CheckLine(False, missing)]
     try:
         own = OwnServer(free_port(), "", "")
@@ -9975,8 +9957,7 @@ def refuse_what_check_refuses(own: bool) -> None:
     for line in lines:
         if line.ok is None:
             log(line.text)
-    refused = [line for line in lines if line.ok is False]
-    if refused:
+    if refused := [line for line in lines if line.ok is False]:
         raise ConfigError(f"{refused[0].text} (the CAO server at {API}, as --check says; nothing was started)")
 
 
@@ -9994,8 +9975,6 @@ def checked_lines(args: list[str]) -> tuple[int, list[CheckLine]]:
     for a fault of this script), and the lines."""
     lines: list[CheckLine] = []
     try:
-        if len(args) > 1:
-            raise ConfigError(f"--check takes at most a config file (see {command_name()} --help)")
         configure(args)
         read_task_prompt()
         connect_api()
@@ -10046,13 +10025,6 @@ COMMON_SETTINGS = ("API", "OWN_SERVER", "PROVIDER", "MODEL", "WD", "PROMPT_FILE"
                    "RESPONSE_TIMEOUT", "REPLACE_LOST_AGENTS", "CLEANUP_ON_EXIT")
 
 
-def usage_lines() -> list[str]:
-    name = command_name()
-    return [f"usage: {name} [config.json]", f"       {name} --demo [DIR]", f"       {name} --check [config.json]",
-            f"       {name} --status [--json] [--follow] [config.json]",
-            f"       {name} --help | --help-settings | --readme | --version"]
-
-
 class CommandLine(argparse.ArgumentParser):
     """argparse, with its errors as the loop's one line (exit 2) and the loop's own --help."""
 
@@ -10062,8 +10034,7 @@ class CommandLine(argparse.ArgumentParser):
                    "argument --reject: expected one argument": '--reject takes the reason, which the agent is told, '
                                                                'e.g. --reject "keep the old flags working"'
                    }.get(message, message)
-        unknown = re.match(r"unrecognized arguments: (.*)", message)
-        if unknown:
+        if unknown := re.match(r"unrecognized arguments: (.*)", message):
             words = unknown.group(1).split()
             options = [word for word in words if word.startswith("-")]
             message = (f"unknown option {options[0]}" if options else
@@ -10075,13 +10046,11 @@ def command_line() -> CommandLine:
     parser = CommandLine(prog=command_name(), add_help=False, allow_abbrev=False)
     parser.add_argument("config", nargs="?")
     parser.add_argument("--demo", nargs="?", const="", default=None, metavar="DIR")
-    for flag in ("--check", "--status", "--json", "--follow", "--help-settings", "--readme"):
-        parser.add_argument(flag, action="store_true")
-    parser.add_argument("--approve", action="store_true")
+    for flags in (["--check"], ["--status"], ["--json"], ["--follow"], ["--help-settings"], ["--readme"],
+                  ["--approve"], ["-h", "--help"], ["-V", "--version"]):
+        parser.add_argument(*flags, action="store_true")
     parser.add_argument("--reject", metavar="WHY")
     parser.add_argument("--note", nargs=2, metavar=("ROLE", "TEXT"))
-    parser.add_argument("-h", "--help", action="store_true")
-    parser.add_argument("-V", "--version", action="store_true")
     return parser
 
 
@@ -10110,10 +10079,9 @@ def agents_left_note(saved: SavedState | SimpleNamespace | None = None) -> str:
         listed = api.session_terminals(session) if session else None
     except ApiError as exc:
         return f"the agents of CAO session {session or '?'}: the server cannot say whether they still run ({exc})"
-    ids = [i for i in run.terminal_ids.values() if i]
     if listed is None:
         return f"the agents of CAO session {session or '?'} are gone (the server no longer has their session)"
-    running = [i for i in ids if i in listed]
+    running = [i for i in run.terminal_ids.values() if i and i in listed]
     if not running:
         return f"the agents of CAO session {session} are gone (the server no longer has their terminals)"
     count = "the five agents" if len(running) == len(ROLES) else f"{len(running)} of the five agents"
@@ -10211,7 +10179,10 @@ class Stage:
     def last_code(self, saved: SavedState) -> int | None:
         """The exit code the run's last invocation ended with (its summary.json); None while one drives the run,
         after a kill (that invocation kept none: the one there is an earlier one's), or where none is kept."""
-        return None if self.holder or self.killed or not saved.run_dir else last_exit_code(saved)
+        if self.holder or self.killed or not saved.run_dir:
+            return None
+        code = _json_file(Path(saved.run_dir) / "summary.json").get("exit_code")
+        return code if isinstance(code, int) else None
 
     def facts(self) -> dict:
         """--status --json's fields of the stage: a run starting, an invocation killed, the run's own server's
@@ -10302,8 +10273,7 @@ def _status_tokens(saved: SavedState) -> list[str]:
     if not saved.turn_records:
         return []
     total, unknown = turns_tokens(saved.turn_records)
-    not_counted = "" if total else tokenless_note(providers_in_use())
-    if not_counted:
+    if not total and (not_counted := tokenless_note(providers_in_use())):
         return [f"tokens used: not counted ({not_counted})"]
     budgets = [f"{name}={value:g}" for name, value in (("MAX_RUN_TOKENS", MAX_RUN_TOKENS),
                                                         ("MAX_RUN_COST", MAX_RUN_COST)) if value]
@@ -10357,39 +10327,23 @@ def _status_after_run(saved: SavedState) -> list[str]:
     if done.notified is not None:
         steps.append(f"notified {done.notified}")
     lines = ["after the run: " + ", ".join(steps)] if steps else []
-    pending = after_run_pending(saved.final_status, done) if saved.finished else []
-    if pending:
+    if saved.finished and (pending := after_run_pending(saved.final_status, done)):
         lines.append(f"still to do after the run: {', '.join(pending)} (the next invocation does it)")
     return lines
 
 
-def last_exit_code(saved: SavedState) -> int | None:
-    """The exit code the run's last invocation ended with, as its summary.json keeps it (None: none kept)."""
-    try:
-        summary = json.loads((Path(saved.run_dir) / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return None
-    code = summary.get("exit_code") if isinstance(summary, dict) else None
-    return code if isinstance(code, int) else None
-
-
-def _status_last_stop(saved: SavedState, stage: Stage) -> list[str]:
-    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1); one
-    killed holding the lock kept no exit code (the one summary.json holds is an earlier invocation's)."""
+def _status_last_stop(facts: dict, stage: Stage) -> list[str]:
+    """--status: how the last invocation ended and what a scheduler should do next (exit codes, section 1), as
+    --status --json's facts say it; one killed holding the lock kept no exit code (the one summary.json holds is an
+    earlier invocation's)."""
     if stage.killed:
         return [f"last stop: killed, no exit code ({stage.killed}; SIGKILL, or the machine stopped); a scheduler: "
                 "retry: the same command first ends what it left running"]
-    code = stage.last_code(saved)
-    if code is None:
+    if facts["last_exit_code"] is None:
         return []
-    return [f"last stop: exit {code} ({EXIT_MEANINGS.get(code, 'not a code of this program')}); "
-            f"a scheduler: {SCHEDULER_ACTIONS.get(code, 'alert')}"] + \
-        ([f"traceback: {traceback_path(saved)}"] if code == EXIT_BUG else [])
-
-
-def traceback_path(saved: SavedState) -> str:
-    """Where the run's last fault of the loop itself left its traceback."""
-    return str(Path(saved.run_dir) / TRACEBACK_FILE)
+    return [f"last stop: exit {facts['last_exit_code']} ({facts['last_exit'] or 'not a code of this program'}); "
+            f"a scheduler: {facts['scheduler_action'] or 'alert'}"] + \
+        ([f"traceback: {facts['traceback']}"] if facts["traceback"] else [])
 
 
 def status_next(saved: SavedState) -> str | None:
@@ -10426,9 +10380,8 @@ def status_facts(saved: SavedState, stage: Stage) -> dict:
         "turns_left_at_most": turns_left_at_most(saved),
         "after_run_pending": after_run_pending(saved.final_status, saved.after_run) if saved.finished else [],
         "driven_by": lock_text_facts(stage.holder),
-        "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code) if code is not None else None,
-        "scheduler_action": SCHEDULER_ACTIONS.get(code) if code is not None else None,
-        "traceback": traceback_path(saved) if code == EXIT_BUG else None,
+        "last_exit_code": code, "last_exit": EXIT_MEANINGS.get(code), "scheduler_action": SCHEDULER_ACTIONS.get(code),
+        "traceback": str(Path(saved.run_dir) / TRACEBACK_FILE) if code == EXIT_BUG else None,
         "cao_server": API, "own_server": saved.on_own_server, "session": saved.session_name or None,
         "terminals": dict(saved.terminal_ids),
         "replacements": len({r.event for r in saved.replacements}), "run_dir": saved.run_dir or None,
@@ -10473,7 +10426,7 @@ def status_report() -> tuple[int, str]:
     lines.append(f"driven by: {stage.holder}" if stage.holder else
                  "driven by: no process" + ("" if saved.finished else " -- rerun the command to resume it"))
     if not stage.holder:
-        lines += _status_last_stop(saved, stage) + _status_start_left(stage)
+        lines += _status_last_stop(status_facts(saved, stage), stage) + _status_start_left(stage)
     if saved.no_progress_stop:
         lines.append(no_progress_line(saved.no_progress_stop, saved.terminals_exited))
     if saved.finished and status_next(saved):
@@ -10484,13 +10437,10 @@ def status_report() -> tuple[int, str]:
 
 def readme_text() -> str:
     """The README: beside the script in a checkout, else from the installed package's metadata."""
-    beside = Path(__file__).resolve().with_name("README.md")
-    if beside.is_file():
-        return beside.read_text(encoding="utf-8")
-    try:
-        return metadata.metadata(PACKAGE_NAME).get_payload() or ""
-    except metadata.PackageNotFoundError:
-        return ""
+    with suppress(metadata.PackageNotFoundError):
+        return (_read_text(Path(__file__).resolve().with_name("README.md"))
+                or metadata.metadata(PACKAGE_NAME).get_payload() or "")
+    return ""
 
 
 # Each exit code in a word or two, for --help (the full meanings: EXIT_CODES, --help-settings, the README).
@@ -10503,8 +10453,10 @@ EXIT_SHORT = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_USAGE: "bad settings", 
 def help_text() -> str:
     """--help: what the command does, how to run it, the settings most runs set, where the rest is."""
     name = command_name()
-    lines = usage_lines() + [
-        "",
+    lines = [
+        f"usage: {name} [config.json]", f"       {name} --demo [DIR]", f"       {name} --check [config.json]",
+        f"       {name} --status [--json] [--follow] [config.json]",
+        f"       {name} --help | --help-settings | --readme | --version", "",
         "Runs five AI coding agents (analyst, peer analyst, programmer, peer programmer,",
         "tester) on a CAO server until the tester reports PASS. Settings come from",
         "environment variables and/or a JSON config file; the environment wins.", "",
@@ -10515,8 +10467,7 @@ def help_text() -> str:
         "  --approve | --reject WHY | --note ROLE TEXT [config.json]: a person's word",
         "  --help-settings  every setting: variable, JSON key, default, meaning", "",
         "Settings most runs set (environment variable, default):"]
-    for env in COMMON_SETTINGS:
-        lines.append(f"  {env:20} {_shown_default(SETTINGS_BY_ENV[env])}")
+    lines += [f"  {env:20} {_shown_default(SETTINGS_BY_ENV[env])}" for env in COMMON_SETTINGS]
     providers = ", ".join(AGENT_CLIS).replace(SCRIPTED_PROVIDER, f"{SCRIPTED_PROVIDER} (--demo's scripted agent: no AI)")
     lines += [""] + textwrap.wrap("Providers (PROVIDER): " + providers, 78, subsequent_indent="  ")
     lines += [f"Example: PROVIDER=claude_code PROMPT_FILE=task.md {name}", ""]
@@ -10605,8 +10556,6 @@ def start_run(task: str) -> StartPlan:
 def status_command(args: list[str], as_json: bool = False, follow: bool = False) -> int:
     """--status [--json] [--follow] [config.json]: where the run stands, or its events followed; its exit code."""
     try:
-        if len(args) > 1:
-            raise ConfigError(f"--status takes at most a config file (see {command_name()} --help)")
         configure(args)
         connect_api()
     except OrchestratorExit as exc:
@@ -10699,16 +10648,12 @@ def keep_traceback(exc: BaseException) -> str:
     """A fault's whole traceback, written to the run folder (else beside the state file); its path. Where no
     file can be written it goes to stderr, and '' is returned."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    for folder in (run_dir, os.path.dirname(STATE_FILE)):
-        if not folder:
-            continue
+    for folder in filter(None, (run_dir, os.path.dirname(STATE_FILE))):
         path = Path(folder) / TRACEBACK_FILE
-        try:
+        with suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"{utc_iso()} {command_name()} {__version__}\n{text}", encoding="utf-8")
             return str(path)
-        except OSError:
-            continue
     emit(text.rstrip("\n"), sys.stderr)
     return ""
 
@@ -10746,9 +10691,6 @@ def run_command_line(args: list[str]) -> int:
     StopSignals.stopping = False
     code = EXIT_ERROR
     try:
-        if len(args) > 1:
-            raise ConfigError(f"expected at most one argument (a config file), got {len(args)} (see "
-                              f"{command_name()} --help)")
         configure(args)
         task = read_task_prompt()
         plan = refuse_bad_start(task)    # usage errors before anything is written, the lock included
@@ -10848,18 +10790,13 @@ def person_command(config: list[str], options: argparse.Namespace) -> int:
     """--approve, --reject WHY, --note ROLE TEXT [config.json]: a person's word to the run in STATE_FILE, as a side
     file in its folder (section 4), whether the run waits in place, is stopped or was killed; one line, its code."""
     try:
-        if len(config) > 1:
-            raise ConfigError(f"expected at most one config file (see {command_name()} --help)")
         configure(config)
-        try:
-            saved = read_state_file()
-        except StateFileError as exc:
-            raise ConfigError(str(exc)) from None
+        saved = read_state_file()
         line = leave_note(saved, *options.note) if options.note else \
             decide_at_gate(saved, "approve" if options.approve else "reject", (options.reject or "").strip())
-    except OrchestratorExit as exc:
-        say_error(f"error: {exc.message}")
-        return exc.code
+    except (OrchestratorExit, StateFileError) as exc:      # a state file that cannot be read: a bad setting
+        say_error(f"error: {exc}")
+        return exc.code if isinstance(exc, OrchestratorExit) else EXIT_USAGE
     except OSError as exc:              # the run folder's disk or permissions: the same command gets past it after
         say_error(f"error: could not write into the run's folder ({exc.__class__.__name__}: {exc}); nothing was "
                   "decided or left: fix its disk or permissions, then give the command again")
@@ -10902,9 +10839,6 @@ def leave_note(saved: SavedState | None, role: str, text: str) -> str:
     return f"note left for the {role}: its next prompt carries it once"
 
 
-PERSON_COMMANDS = ("--approve", "--reject", "--note")
-
-
 def given_commands(options: argparse.Namespace) -> list[str]:
     """The commands on the command line other than a run's (at most one may be given)."""
     return [name for name, given in (("--check", options.check), ("--status", options.status),
@@ -10927,30 +10861,26 @@ def refuse_mixed_options(options: argparse.Namespace, config: list[str]) -> None
 
 def main(argv: list[str] | None = None) -> None:
     """Run the loop (or --check, --status, a help page) and exit with its code (EXIT_CODES)."""
-    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        options = command_line().parse_args(args)
+        options = command_line().parse_args(argv)   # None: sys.argv[1:]
     except ConfigError as exc:
         say_error(f"error: {exc.message}")
         raise SystemExit(exc.code) from None
-    pages = {"help": help_text, "help_settings": settings_help_text, "readme": readme_text}
+    pages = {"help": help_text, "help_settings": settings_help_text, "readme": readme_text,
+             "version": lambda: f"{command_name()} ({PACKAGE_NAME}) {__version__}"}
     for option, page in pages.items():
         if getattr(options, option):
             emit(page().rstrip("\n"))
             raise SystemExit(EXIT_PASS)
-    if options.version:
-        emit(f"{command_name()} ({PACKAGE_NAME}) {__version__}")
-        raise SystemExit(EXIT_PASS)
     config = [options.config] if options.config else []
     refuse_mixed_options(options, config)
     if options.demo is not None:
         raise SystemExit(demo_command(options.demo))
     if options.status:
         raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
-    if set(given_commands(options)) & set(PERSON_COMMANDS):
-        raise SystemExit(person_command(config, options))
-    command = check_command if options.check else run_command_line
-    raise SystemExit(command(config))
+    if options.check:
+        raise SystemExit(check_command(config))
+    raise SystemExit(person_command(config, options) if given_commands(options) else run_command_line(config))
 
 
 if __name__ == "__main__":
