@@ -7590,33 +7590,38 @@ def review_verdict(review_text: str) -> str:
     return form.good if word == form.good else form.other
 
 
-def _evidence_patterns(review_role: str) -> tuple[str, ...]:
-    family = review_role.replace("peer_", "")
-    if family not in REVIEW_CHECKLISTS:
-        raise ValueError(f"review_role must be one of analyst, peer_analyst, programmer, peer_programmer; "
-                         f"got {review_role!r}")
-    return tuple(check.evidence for check in REVIEW_CHECKLISTS[family])
-
-
 def review_evidence_matches(review_text: str, review_role: str) -> int:
     """How many of the role's evidence checks the REVIEW_NOTES section shows."""
     lines = (review_text or "").splitlines()
     start = _first_marker_line(lines, "REVIEW_NOTES")
     if start is None:
         return 0
+    family = review_role.replace("peer_", "")
+    if family not in REVIEW_CHECKLISTS:
+        raise ValueError(f"review_role must be one of analyst, peer_analyst, programmer, peer_programmer; "
+                         f"got {review_role!r}")
     notes = "\n".join(lines[start:])
-    return sum(1 for pattern in _evidence_patterns(review_role) if re.search(pattern, notes, re.IGNORECASE))
+    return sum(1 for check in REVIEW_CHECKLISTS[family] if re.search(check.evidence, notes, re.IGNORECASE))
+
+
+def approval_withheld(review_text: str, review_cycle: int, review_role: str) -> str:
+    """Why a review does not count as approval, for the log ('' when it counts): approval counts only if stated,
+    late enough, and (optionally) backed by evidence."""
+    verdict = review_verdict(review_text)
+    if verdict != "APPROVED":
+        return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
+    if review_cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
+        return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
+    if not REQUIRE_REVIEW_EVIDENCE:
+        return ""
+    matches = review_evidence_matches(review_text, review_role)
+    return "" if matches >= REVIEW_EVIDENCE_MIN_MATCH else \
+        f"REVIEW_NOTES show {matches} of the {REVIEW_EVIDENCE_MIN_MATCH} evidence checks required"
 
 
 def is_review_approved(review_text: str, review_cycle: int, review_role: str) -> bool:
     """Approval counts only if stated, late enough, and (optionally) backed by evidence."""
-    if review_verdict(review_text) != "APPROVED":
-        return False
-    if review_cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
-        return False
-    if REQUIRE_REVIEW_EVIDENCE:
-        return review_evidence_matches(review_text, review_role) >= REVIEW_EVIDENCE_MIN_MATCH
-    return True
+    return not approval_withheld(review_text, review_cycle, review_role)
 
 
 # ==========================================================================
@@ -9079,16 +9084,6 @@ def run_story_loop() -> str:
     return combined
 
 
-def _why_not_approved(verdict: str, review: str, cycle: int, reviewer: str) -> str:
-    """A short reason for the log when a review does not count as approval."""
-    if verdict != "APPROVED":
-        return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
-    if cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
-        return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
-    return (f"REVIEW_NOTES show {review_evidence_matches(review, reviewer)} of the "
-            f"{REVIEW_EVIDENCE_MIN_MATCH} evidence checks required")
-
-
 def leave_phase(phase: str) -> None:
     """On to the next phase; from the analysis through the plan gate where APPROVE names it."""
     if phase == PHASE_ANALYST and gate_due("plan"):
@@ -9168,23 +9163,17 @@ def run_reviewed_phase(phase: str) -> None:
             save_state()
         review = ask_agent(reviewer, lambda: review_prompt(phase))
         set_output(review_key, review)
-        verdict = review_verdict(review)
-        approved = is_review_approved(review, cycle, reviewer)
-        note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
-        if approved:
-            log_turn(reviewer, f"verdict {verdict}: approved")
-            set_review_feedback(phase, "")
-            leave_phase(phase)
+        verdict, why = review_verdict(review), approval_withheld(review, cycle, reviewer)
+        note_turn_outcome(f"{verdict} (not counted)" if why else verdict)
+        log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}" if why else f"verdict {verdict}: approved")
+        set_review_feedback(phase, review_feedback_from(review) if why else "")
+        if why and cycle < MAX_REVIEW_CYCLES:
+            set_position(phase, cycle + 1, "author")
         else:
-            why = _why_not_approved(verdict, review, cycle, reviewer)
-            log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}")
-            set_review_feedback(phase, review_feedback_from(review))
-            if cycle >= MAX_REVIEW_CYCLES:
+            if why:
                 log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
                                    "review notes carried forward")
-                leave_phase(phase)
-            else:
-                set_position(phase, cycle + 1, "author")
+            leave_phase(phase)
         save_state()
         if current_phase != phase:
             return
