@@ -8984,24 +8984,13 @@ def choose_start() -> StartPlan:
 # 15. Main loop
 # ==========================================================================
 
-REVIEW_FEEDBACK = {PHASE_ANALYST: "analyst_feedback", PHASE_PROGRAMMER: "programmer_feedback"}
-
-
-def set_review_feedback(phase: str, text: str) -> None:
-    """What the phase's author is told about its last review."""
-    update_run(**{REVIEW_FEEDBACK[phase]: text})
-
-
-def author_prompt(phase: str, cycle: int) -> Prompt:
-    if phase == PHASE_ANALYST:
-        return build_analyst_prompt(current_round, cycle)
-    return build_programmer_prompt(current_round, cycle, outputs["analyst"])
-
-
-def review_prompt(phase: str) -> Prompt:
-    if phase == PHASE_ANALYST:
-        return build_analyst_review_prompt(outputs["analyst"])
-    return build_programmer_review_prompt(outputs["programmer"])
+# phase -> (the author's prompt for a cycle, the reviewer's prompt, the run field that tells the author of its review)
+REVIEWED_PHASES = {
+    PHASE_ANALYST: (lambda cycle: build_analyst_prompt(current_round, cycle),
+                    lambda: build_analyst_review_prompt(outputs["analyst"]), "analyst_feedback"),
+    PHASE_PROGRAMMER: (lambda cycle: build_programmer_prompt(current_round, cycle, outputs["analyst"]),
+                       lambda: build_programmer_review_prompt(outputs["programmer"]), "programmer_feedback"),
+}
 
 
 def story_loop_due() -> bool:
@@ -9152,21 +9141,22 @@ def run_reviewed_phase(phase: str) -> None:
     """Author and peer reviewer take turns until an approval counts or the cycles run out."""
     author, reviewer = PHASE_ROLES[phase]
     out_key, review_key = PHASE_OUTPUTS[phase]
+    author_prompt, review_prompt, feedback_key = REVIEWED_PHASES[phase]
     while True:
         cycle = phase_cycle
         if phase_step == "author":
             if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
                 set_output(out_key, run_story_loop())
             else:
-                set_output(out_key, ask_agent(author, lambda: author_prompt(phase, cycle)))
+                set_output(out_key, ask_agent(author, lambda: author_prompt(cycle)))
             set_position(phase, cycle, "review")
             save_state()
-        review = ask_agent(reviewer, lambda: review_prompt(phase))
+        review = ask_agent(reviewer, review_prompt)
         set_output(review_key, review)
         verdict, why = review_verdict(review), approval_withheld(review, cycle, reviewer)
         note_turn_outcome(f"{verdict} (not counted)" if why else verdict)
         log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}" if why else f"verdict {verdict}: approved")
-        set_review_feedback(phase, review_feedback_from(review) if why else "")
+        update_run(**{feedback_key: review_feedback_from(review) if why else ""})
         if why and cycle < MAX_REVIEW_CYCLES:
             set_position(phase, cycle + 1, "author")
         else:
