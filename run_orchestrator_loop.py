@@ -9073,6 +9073,14 @@ def run_story_loop() -> str:
     return combined
 
 
+def close_run(status: str, **fields: object) -> None:
+    """The run over with PASS or FAIL (and `fields` of the state): its after-run steps due, its state saved."""
+    update_run(final_status=status, **fields)
+    mark_after_run_due(status)
+    set_position(PHASE_DONE)
+    save_state()
+
+
 def leave_phase(phase: str) -> None:
     """On to the next phase; from the analysis through the plan gate where APPROVE names it."""
     if phase == PHASE_ANALYST and gate_due("plan"):
@@ -9333,10 +9341,7 @@ def no_progress_line(stop: dict, agents_ended: bool = False) -> str:
 def stop_without_progress() -> int:
     """End the run as a FAIL of the round just played, saying why, so that RESUME=1 goes on from there."""
     stop = no_progress_record()
-    update_run(final_status="FAIL", current_round=stop["round"], no_progress_stop=stop)
-    mark_after_run_due("FAIL")
-    set_position(PHASE_DONE)
-    save_state()
+    close_run("FAIL", current_round=stop["round"], no_progress_stop=stop)
     log(f"{no_progress_line(stop, CLEANUP_ON_EXIT)}; state in {STATE_FILE}")
     return EXIT_NO_PROGRESS
 
@@ -9401,13 +9406,11 @@ def run_tester_phase() -> str:
     if result == "PASS" and (gate_due("commit") or phase_step == "approval"):
         result = pass_commit_gate()
     if result == "PASS":
-        update_run(final_status="PASS")
-        mark_after_run_due(result)
-        set_position(PHASE_DONE)
+        close_run(result)
     else:
         note_progress()                    # before handle_tester_fail() clears the tester's answer
         handle_tester_fail()
-    save_state()
+        save_state()
     return result
 
 
@@ -9435,10 +9438,7 @@ def drive_rounds() -> int:
             run_reviewed_phase(current_phase)
     # The last FAIL set up a next round (its evidence kept for the programmer): the run played one round less,
     # and RESUME=1 with a higher MAX_ROUNDS goes on with that round (continue_failed_run).
-    update_run(final_status="FAIL", current_round=max(1, current_round - 1))
-    mark_after_run_due("FAIL")
-    set_position(PHASE_DONE)
-    save_state()
+    close_run("FAIL", current_round=max(1, current_round - 1))
     log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}; to go on with more rounds: "
         f"{continue_command(current_round + 1)}")
     return EXIT_FAIL
