@@ -7935,27 +7935,20 @@ STORY_ANSWER_FORMAT = (
     "Behavior implemented, Tests run, then the completion signal.")
 
 
-@dataclass(frozen=True)
-class OnceBlock:
-    """A block sent in full in a terminal's first prompt that holds it, and as a back-reference after."""
-
-    name: str                                 # marks read "<name>:<terminal id>"
-    full: Callable[[str], str]                # role -> the complete text
-    back_reference: Callable[[str], str]      # role -> what stands in for it
-
-
-ONCE_BLOCKS = {block.name: block for block in (
-    OnceBlock("explore", lambda role: EXPLORE_SUMMARY, lambda role: EXPLORE_BACK_REFERENCE),
-    OnceBlock("scenario", lambda role: SCENARIO_TEST, lambda role: EXPLORE_BACK_REFERENCE),
-    OnceBlock("intro", lambda role: " in a five-agent development loop", lambda role: ""),
-    OnceBlock("response-file", response_file_instruction,
-              lambda role: "Response file (required; as in your first turn):\n"
-                           f"Write your complete answer to this file: {response_path(role)}\n"
-                           "Only this file is read; write it once, when your work is done."),
-    OnceBlock("answer-format", lambda role: ANSWER_FORMATS[role][0], lambda role: ANSWER_FORMATS[role][1]),
-    OnceBlock("review-checks", lambda role: REVIEW_CHECKS[role][0], lambda role: REVIEW_CHECKS[role][1]),
-    OnceBlock("story-answer-format", lambda role: STORY_ANSWER_FORMAT[0], lambda role: STORY_ANSWER_FORMAT[1]),
-)}
+# A block sent in full in a terminal's first prompt that holds it, and as a back-reference after:
+# its name (marks read "<name>:<terminal id>") -> role -> (the complete text, what stands in for it)
+ONCE_BLOCKS: dict[str, Callable[[str], tuple[str, str]]] = {
+    "explore": lambda role: (EXPLORE_SUMMARY, EXPLORE_BACK_REFERENCE),
+    "scenario": lambda role: (SCENARIO_TEST, EXPLORE_BACK_REFERENCE),
+    "intro": lambda role: (" in a five-agent development loop", ""),
+    "response-file": lambda role: (response_file_instruction(role),
+                                   "Response file (required; as in your first turn):\n"
+                                   f"Write your complete answer to this file: {response_path(role)}\n"
+                                   "Only this file is read; write it once, when your work is done."),
+    "answer-format": lambda role: ANSWER_FORMATS[role],
+    "review-checks": lambda role: REVIEW_CHECKS[role],
+    "story-answer-format": lambda role: STORY_ANSWER_FORMAT,
+}
 
 
 class PromptDraft:
@@ -7968,15 +7961,15 @@ class PromptDraft:
 
     def once(self, name: str) -> str:
         """The block in full if this terminal has not had it (or condensing is off), else its back-reference."""
-        block = ONCE_BLOCKS[name]
+        full, back_reference = ONCE_BLOCKS[name](self.role)
         if not self.terminal_id:             # no terminal yet, so no history to refer to
-            return block.full(self.role)
+            return full
         mark = f"{name}:{self.terminal_id}"
         if mark in context_sent:
-            return block.back_reference(self.role) if CONDENSE_EXPLORE_ON_REPEAT else block.full(self.role)
+            return back_reference if CONDENSE_EXPLORE_ON_REPEAT else full
         if mark not in self.in_full:
             self.in_full.append(mark)
-        return block.full(self.role)
+        return full
 
     def has_history(self) -> bool:
         """Whether this terminal has had a prompt already (every prompt opens with the "intro" block)."""
@@ -7996,17 +7989,13 @@ class PromptDraft:
         return Prompt("\n\n".join(parts[:-1] + blocks + parts[-1:]), self.in_full)
 
 
-def _block_sent_by_call(name: str, terminal_id: str) -> str:
-    """Spec 1's form of a once-only block: the call itself counts as the send."""
+def explore_block_for(terminal_id: str) -> str:
+    """The explore summary: in full on the first call for this terminal, the back-reference after (spec 1's form
+    of a once-only block: the call itself counts as the send)."""
     draft = PromptDraft("analyst", terminal_id)
-    text = draft.once(name)
+    text = draft.once("explore")
     record_sent(draft.in_full)
     return text
-
-
-def explore_block_for(terminal_id: str) -> str:
-    """The explore summary: in full on the first call for this terminal, the back-reference after."""
-    return _block_sent_by_call("explore", terminal_id)
 
 
 def _or_none(text: str) -> str:
