@@ -7981,12 +7981,14 @@ class PromptDraft:
         return not self.has_history() and conversation_started_over(self.terminal_id)
 
     def finish(self, parts: list[str]) -> Prompt:
-        """The prompt, a person's notes to the role (--note) before its closing block, each carried once."""
+        """The prompt: its parts that are not empty, a person's notes to the role (--note), each carried once, and
+        its closing block, the response file."""
+        closing = self.once("response-file")
         notes = notes_due(self.role)
         self.in_full += [f"note-{note.id}:{self.terminal_id}" for note in notes]
         blocks = [f"Note from a person ({note.by or 'unnamed'}, {note.at or 'time unknown'}); where it differs from "
                   f"the text above, it wins:\n{note.text}" for note in notes]
-        return Prompt("\n\n".join(parts[:-1] + blocks + parts[-1:]), self.in_full)
+        return Prompt("\n\n".join([part for part in parts if part] + blocks + [closing]), self.in_full)
 
 
 def explore_block_for(terminal_id: str) -> str:
@@ -8003,9 +8005,16 @@ def _or_none(text: str) -> str:
 
 
 def _test_command_line() -> str:
-    if PROJECT_TEST_CMD:
-        return f"Test command: {PROJECT_TEST_CMD}"
-    return "Test command: none configured -- find and run the project's own test suite."
+    return "Test command: " + (PROJECT_TEST_CMD or "none configured -- find and run the project's own test suite.")
+
+
+NO_QUESTIONS = "Do not ask questions: make reasonable assumptions and state them in your summary."
+KEEP_TESTS = "Never weaken, skip or delete a test to make it pass."
+
+
+def _rules(*rules: str) -> str:
+    """The Rules block of a prompt, a line each."""
+    return "Rules:\n" + "\n".join(f"- {rule}" for rule in rules)
 
 
 def _task_context(draft: PromptDraft) -> str:
@@ -8025,28 +8034,21 @@ def _you_are(draft: PromptDraft, title: str) -> str:
 def build_analyst_prompt(round_num: int, analyst_cycle: int) -> Prompt:
     """Analyst turn: turn the task into an OpenSpec change and a five-part summary."""
     draft = PromptDraft("analyst")
-    parts = [
+    return draft.finish([
         _you_are(draft, "system analyst")
         + f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
         _task_context(draft),
         f"Latest tester feedback:\n{_or_none(feedback)}",
-    ]
-    if round_num > 1 and programmer_context_for_retry.strip():
-        parts.append(f"Previous round programmer changes (context only):\n{programmer_context_for_retry.strip()}")
-    parts += [
+        f"Previous round programmer changes (context only):\n{programmer_context_for_retry.strip()}"
+        if round_num > 1 and programmer_context_for_retry.strip() else "",
         f"Latest peer analyst feedback:\n{_or_none(analyst_feedback)}",
-        "Rules:\n"
-        "- Do not write or change application code or tests; your work is the OpenSpec change.\n"
-        f"- Work only inside {WD}.\n"
-        "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
-        "- Address every point of the feedback above.",
+        _rules("Do not write or change application code or tests; your work is the OpenSpec change.",
+               f"Work only inside {WD}.", NO_QUESTIONS, "Address every point of the feedback above."),
         "Task:\n"
         "1. Use /opsx:explore to study the code and the task, then /opsx:ff to create or update the "
         "OpenSpec change (proposal.md, design.md, specs, tasks.md).\n"
         + draft.once("answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
+    ])
 
 
 def _review_prompt(reviewer: str, title: str, author: str, work: str, rules: list[str]) -> Prompt:
@@ -8057,10 +8059,8 @@ def _review_prompt(reviewer: str, title: str, author: str, work: str, rules: lis
         f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the {author}'s work.",
         _task_context(draft),
         f"{author[0].upper() + author[1:]} output to review:\n{_or_none(work)}",
-        "Rules:\n" + "\n".join(f"- {rule}" for rule in ["Review only: change no file except your response file.",
-                                                        *rules]),
+        _rules("Review only: change no file except your response file.", *rules),
         draft.once("review-checks"),
-        draft.once("response-file"),
     ])
 
 
@@ -8096,24 +8096,16 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
     # The same upstream as last cycle -- unless this terminal is known to lack it (a new agent, a compacted
     # conversation).
     repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT and not draft.lacks_history()
-    parts = [
+    return draft.finish([
         _you_are(draft, "programmer") + f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
         _task_context(draft),
         *(f"{label}:\n{UPSTREAM_BACK_REFERENCE if repeat else text}" for label, text, always in upstream
           if always or text),
-    ]
-    parts += [
         f"Latest peer programmer feedback:\n{_or_none(programmer_feedback)}",
-        "Rules:\n"
-        f"- Work only inside {WD}.\n"
-        "- Never weaken, skip or delete a test to make it pass.\n"
-        "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
-        f"- {_test_command_line()}",
+        _rules(f"Work only inside {WD}.", KEEP_TESTS, NO_QUESTIONS, _test_command_line()),
         task,
         draft.once("answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
+    ])
 
 
 def repeated_failure_note(round_num: int) -> str:
@@ -8141,73 +8133,46 @@ def build_programmer_review_prompt(programmer_out: str) -> Prompt:
 def build_tester_prompt(programmer_out: str) -> Prompt:
     """Tester turn: run the scenario test and report PASS or FAIL with evidence."""
     draft = PromptDraft("tester")
-    parts = [
+    return draft.finish([
         _you_are(draft, "tester") + f" (round {current_round} of {MAX_ROUNDS}).",
         _task_context(draft),
         f"Programmer handoff:\n{_or_none(condense_programmer_for_tester(programmer_out))}",
-    ]
-    if programmer_feedback.strip():
-        parts.append(f"Open peer programmer notes (the code was not approved; check these too):\n"
-                     f"{programmer_feedback.strip()}")
-    parts += [
-        "Rules:\n"
-        "- Test only: do not change application code, tests or OpenSpec artifacts.\n"
-        f"- {_test_command_line()}",
+        f"Open peer programmer notes (the code was not approved; check these too):\n{programmer_feedback.strip()}"
+        if programmer_feedback.strip() else "",
+        _rules("Test only: do not change application code, tests or OpenSpec artifacts.", _test_command_line()),
         "Task: run the test command and carry out the scenario test step by step.",
         draft.once("answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
-
-
-def _story_tasks_block(story: Story) -> str:
-    if not story.tasks:
-        return "(no tasks defined)"
-    return "\n".join(f"- [{'x' if done else ' '}] {text}" for done, text in story.tasks)
-
-
-def _scenarios_block(scenarios: list[tuple[str, str, list[str]]]) -> str:
-    if not scenarios:
-        return "(no scenarios defined)"
-    return "\n".join(f"[{capability}] Scenario: {name}" + "".join(f"\n  {step}" for step in steps)
-                     for capability, name, steps in scenarios)
-
-
-def story_tool_instructions() -> str:
-    """How the agent records progress in the OpenSpec change (the spec tool's own convention)."""
-    return ("Marking progress: when a task of this story is done and verified, change its line in tasks.md "
-            "from `- [ ]` to `- [x]` (keep the task number and text as they are). Do not tick tasks of "
-            "other stories.")
+    ])
 
 
 def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> Prompt:
     """Programmer turn in story mode: one story of the change, ending in a promise signal."""
     draft = PromptDraft("programmer")
-    parts = [
+    tasks = "\n".join(f"- [{'x' if done else ' '}] {text}" for done, text in story.tasks)
+    listed = "\n".join(f"[{capability}] Scenario: {name}" + "".join(f"\n  {step}" for step in steps)
+                       for capability, name, steps in scenarios)
+    return draft.finish([
         _you_are(draft, "programmer") + f" (round {current_round} of {MAX_ROUNDS}), "
         f"working story by story. This turn: story {story.id} \"{story.title}\" "
         f"(attempt {attempt} of {MAX_STORY_ATTEMPTS}).",
         _task_context(draft),
-    ]
-    if current_round > 1 and feedback.strip():
-        parts.append(f"Test failure feedback:\n{feedback.strip()}")
-    if retry_reason:
-        parts.append(f"Retry of story {story.id} -- the previous attempt failed:\n{retry_reason}\n"
-                     "Try a different approach this time; do not repeat what failed.")
-    parts += [
-        f"Story {story.id}: {story.title}\nTasks of this story:\n{_story_tasks_block(story)}",
+        f"Test failure feedback:\n{feedback.strip()}" if current_round > 1 and feedback.strip() else "",
+        f"Retry of story {story.id} -- the previous attempt failed:\n{retry_reason}\n"
+        "Try a different approach this time; do not repeat what failed." if retry_reason else "",
+        f"Story {story.id}: {story.title}\nTasks of this story:\n{tasks or '(no tasks defined)'}",
         "Complete only the tasks of this story. Do not start other stories: the orchestrator hands you the "
         "next story when this one is done.",
         f"Change: {change_dir}\nRead {change_dir / 'proposal.md'} and {change_dir / 'design.md'} for the "
         "context of the whole change.",
-        "Scenarios of the change (focus on those relevant to this story's tasks):\n" + _scenarios_block(scenarios),
+        "Scenarios of the change (focus on those relevant to this story's tasks):\n"
+        + (listed or "(no scenarios defined)"),
         "Verification: after completing the tasks, run the verification and fix what fails.\n"
         f"- {_test_command_line()}",
-        story_tool_instructions(),
-        "Rules:\n"
-        f"- Work only inside {WD}.\n"
-        "- Never weaken, skip or delete a test to make it pass.\n"
-        "- Do not ask questions: make reasonable assumptions and state them in your summary.",
+        # how the agent records progress in the OpenSpec change (the spec tool's own convention)
+        "Marking progress: when a task of this story is done and verified, change its line in tasks.md "
+        "from `- [ ]` to `- [x]` (keep the task number and text as they are). Do not tick tasks of "
+        "other stories.",
+        _rules(f"Work only inside {WD}.", KEEP_TESTS, NO_QUESTIONS),
         "Completion signal (required, exactly one, at the end of your answer):\n"
         "- All tasks of this story done and verification passes: <promise>COMPLETE</promise>\n"
         "- Verification fails and you cannot fix it, or you cannot complete the story: "
@@ -8215,9 +8180,7 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
         "orchestrator retry the story with that context.\n"
         "You MUST end with one of these two signals.",
         draft.once("story-answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
+    ])
 
 
 # ==========================================================================
