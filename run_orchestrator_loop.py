@@ -7867,23 +7867,21 @@ def promise_signal(reply: str) -> tuple[str, str]:
 TESTER_FORMAT, REVIEW_FORMAT = VERDICT_FORMATS["tester"], VERDICT_FORMATS["review"]     # section 1
 
 
-def _review_back_reference(checks: tuple[ReviewCheck, ...], author: str) -> str:
-    """What a reviewer is told in place of the checklist and answer format it already has."""
+def _review_checks(author: str) -> tuple[str, str]:
+    """The checklist and answer format the reviewer of `author` gets in full, from the role's REVIEW_CHECKLISTS, and
+    what it is told in their place once it has them."""
+    checks = REVIEW_CHECKLISTS[author]
     names = ", ".join(check.name for check in checks)
-    return (f"Checks and answer format: as in your first review -- {NUMBER_WORDS[len(checks)]} checks ({names}), "
-            f"each with evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what "
-            f"{author} must change).")
-
-
-def _review_checks(checks: tuple[ReviewCheck, ...], author: str) -> str:
-    """The checklist and answer format a reviewer gets in full, from its role's REVIEW_CHECKLISTS."""
     return ("Check, citing what you looked at:\n"
             + "".join(f"{number}. {check.name}: {check.asks}\n" for number, check in enumerate(checks, 1))
             + "\nAnswer format:\n"
             f"{REVIEW_FORMAT.line(passed=True)}  (or {REVIEW_FORMAT.line(passed=False)})\n"
             f"{REVIEW_FORMAT.section}:\n"
             "- <one line of evidence per check above>\n"
-            f"- <for REVISE: each change {author} must make>")
+            f"- <for REVISE: each change the {author} must make>",
+            f"Checks and answer format: as in your first review -- {NUMBER_WORDS[len(checks)]} checks ({names}), "
+            f"each with evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what "
+            f"the {author} must change).")
 
 
 # role -> (full text, back-reference)
@@ -7919,11 +7917,7 @@ ANSWER_FORMATS = {
 }
 NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # reviewer -> (full text, back-reference), from the checklist of the role it reviews
-REVIEW_CHECKS = {
-    f"peer_{author}": (_review_checks(REVIEW_CHECKLISTS[author], f"the {author}"),
-                       _review_back_reference(REVIEW_CHECKLISTS[author], f"the {author}"))
-    for author in REVIEW_CHECKLISTS
-}
+REVIEW_CHECKS = {f"peer_{author}": _review_checks(author) for author in REVIEW_CHECKLISTS}
 STORY_ANSWER_FORMAT = (
     "Answer format:\n"
     "PROGRAMMER_SUMMARY:\n"
