@@ -7688,6 +7688,7 @@ NOISE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern, 
     (r"\b\d+(?:[.,]\d+)?\s?(?:ns|µs|us|ms|msec|s|secs?|seconds?|mins?|minutes?|h|hrs?|hours?)\b", "<duration>"),
 ))
 EVIDENCE_LEAD = re.compile(r"^(?:[-*+•]\s+|\d+[.)]\s+)+")
+EVIDENCE_LABEL = re.compile(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", re.IGNORECASE)
 
 
 def failure_lines(evidence: str) -> list[str]:
@@ -7698,7 +7699,7 @@ def failure_lines(evidence: str) -> list[str]:
         for pattern, mark in NOISE_PATTERNS:
             line = pattern.sub(mark, line)
         line = " ".join(EVIDENCE_LEAD.sub("", line.strip()).split())
-        if line and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", line, re.IGNORECASE):
+        if line and not EVIDENCE_LABEL.match(line):
             lines.append(line)
     return sorted(lines)
 
@@ -7710,11 +7711,8 @@ def failure_signature(evidence: str) -> str:
 
 def failing_step(evidence: str) -> str:
     """The first finding of the evidence, as the tester wrote it: the line a person reads to know what failed."""
-    for line in (evidence or "").splitlines():
-        text = EVIDENCE_LEAD.sub("", line.strip()).strip()
-        if text and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", text, re.IGNORECASE):
-            return text[:200]
-    return "(no evidence)"
+    findings = (EVIDENCE_LEAD.sub("", line.strip()).strip() for line in (evidence or "").splitlines())
+    return next((text[:200] for text in findings if text and not EVIDENCE_LABEL.match(text)), "(no evidence)")
 
 
 def review_feedback_from(review_text: str) -> str:
