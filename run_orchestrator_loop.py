@@ -9329,13 +9329,11 @@ def verify_pass() -> str:
 
 def run_tester_phase() -> str:
     """One tester turn (and, with VERIFY_PASS, the loop's own check of a PASS); returns PASS or FAIL."""
-    if phase_step == "approval":           # resumed at the commit gate: the PASS (checked, if asked) waits there
-        result = "PASS"
-    elif phase_step == "verify":           # resumed during the check: the tester said PASS already
+    result = "PASS"                        # resumed past the tester's turn: it said PASS already
+    if phase_step == "verify":             # resumed during the check
         log_turn("tester", "resuming the check of the tester's PASS (the tester is not asked again)" if VERIFY_PASS
                  else "the tester's PASS stands: VERIFY_PASS is off now")
-        result = "PASS"
-    else:
+    elif phase_step != "approval":         # (at the commit gate the PASS, checked if asked, waits there)
         set_output("tester", ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"])))
         result = tester_result(outputs["tester"])
         note_turn_outcome(result)
