@@ -8953,15 +8953,11 @@ def story_loop_due() -> bool:
 
 def story_summary(results: list[StoryResult]) -> str:
     """What the peer programmer reviews after the story loop: each story's outcome and changes."""
-    lines = ["PROGRAMMER_SUMMARY (story by story):", "Story results:"]
-    for result in results:
-        outcome = (f"COMPLETE (attempt {result.attempts})" if result.status == "COMPLETE"
-                   else f"FAILED after {result.attempts} attempts -- {result.reason}")
-        lines.append(f"- Story {result.id} \"{result.title}\": {outcome}")
-    for result in results:
-        if result.summary:
-            lines += [f"Story {result.id}:", result.summary]
-    return "\n".join(lines)
+    outcomes = [f"- Story {result.id} \"{result.title}\": " + (
+        f"COMPLETE (attempt {result.attempts})" if result.status == "COMPLETE"
+        else f"FAILED after {result.attempts} attempts -- {result.reason}") for result in results]
+    summaries = [line for result in results if result.summary for line in (f"Story {result.id}:", result.summary)]
+    return "\n".join(["PROGRAMMER_SUMMARY (story by story):", "Story results:", *outcomes, *summaries])
 
 
 def story_attempt(story: Story, change: Path, scenarios: list, attempt: int) -> tuple[str, str, str]:
