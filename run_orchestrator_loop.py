@@ -7743,10 +7743,8 @@ def condense_analyst_for_programmer(text: str) -> str:
 
 def condense_programmer_for_tester(text: str) -> str:
     """The 'Files changed' and 'Behavior implemented' sections, capped at MAX_CROSS_PHASE_LINES."""
-    if not (text or "").strip():
-        return ""
-    if not CONDENSE_CROSS_PHASE or text == _UPSTREAM_PLACEHOLDER:
-        return text.strip()
+    if not CONDENSE_CROSS_PHASE or text == _UPSTREAM_PLACEHOLDER or not (text or "").strip():
+        return (text or "").strip()
     kept = _labelled_sections(text.strip(), ("files changed", "behavior implemented", "behaviour implemented"))
     if not kept:
         return _head(text, MAX_CROSS_PHASE_LINES)
