@@ -8756,17 +8756,15 @@ def next_role() -> str:
 def first_lost_agent() -> AgentLost | None:
     """The first of the saved run's agents that is gone (terminal, session or CLI), next turn's role first. CAO
     answers a status from its database even when the session is gone, so the session and screen are asked too."""
-    roles = sorted(ROLES, key=lambda role: role != next_role())
-    for role in roles:
-        terminal_id = terminal_ids[role]
+    agents = [(role, terminal_ids[role]) for role in sorted(ROLES, key=lambda role: role != next_role())]
+    for role, terminal_id in agents:
         try:
             api.get_status(terminal_id)
         except ApiError as exc:
             if exc.status_code is None:
                 raise RunError(f"cannot resume: {exc}") from None
             return AgentLost(role, terminal_id, f"CAO cannot reach this terminal ({exc})")
-    for role in roles:
-        terminal_id = terminal_ids[role]
+    for role, terminal_id in agents:
         screen = _screen(terminal_id)
         why = why_gone(terminal_id, screen)
         if why:
