@@ -8962,13 +8962,12 @@ def story_attempt(story: Story, change: Path, scenarios: list, attempt: int) -> 
     try:
         reply = ask_agent("programmer", lambda: build_story_prompt(
             story, change, scenarios, attempt, story_progress.last_failure))
-        signal_name, reason = promise_signal(reply)
     except (AgentLost, ModelChanged):
         raise                        # not the story's fault: the run stops (or the agent was replaced)
     except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
         log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
         return "", "", ""
-    return reply, signal_name, reason
+    return reply, *promise_signal(reply)
 
 
 def end_story_attempt(story: Story, attempt: int, reply: str, signal_name: str, reason: str) -> None:
@@ -9089,10 +9088,8 @@ def run_reviewed_phase(phase: str) -> None:
     while True:
         cycle = phase_cycle
         if phase_step == "author":
-            if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
-                set_output(out_key, run_story_loop())
-            else:
-                set_output(out_key, ask_agent(author, lambda: author_prompt(cycle)))
+            stories = phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due()
+            set_output(out_key, run_story_loop() if stories else ask_agent(author, lambda: author_prompt(cycle)))
             set_position(phase, cycle, "review")
             save_state()
         review = ask_agent(reviewer, review_prompt)
