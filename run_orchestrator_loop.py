@@ -8691,14 +8691,6 @@ class StartPlan:
         return self.set_aside and self.old_run is None
 
 
-def set_aside_old_state(plan: StartPlan) -> None:
-    """The new run's terminals exist: keep the old state file aside (its agents are ended after)."""
-    if plan.set_aside:
-        target = state_backup_path(plan.old_run)
-        os.replace(STATE_FILE, target)
-        log(f"kept the old state file as {target}")
-
-
 def end_old_run(plan: StartPlan) -> None:
     """The new run's state is written: end the replaced run's agents and remove their CAO session."""
     old = plan.old_run if plan.set_aside else None
@@ -8725,11 +8717,13 @@ def end_old_run(plan: StartPlan) -> None:
 def init_new_run(plan: StartPlan | None = None) -> None:
     """Create the session and five terminals, reset the run, and write the first state. The replaced run
     (`plan`) is set aside only once the new terminals exist, so a failed start leaves its state file."""
-    plan = plan or StartPlan(False)
     with signals_held("writing the new run's state"):
         session, terminals = create_terminals()
         settled_terminals.update(terminals.values())   # CAO answered each creation once its CLI was ready
-        set_aside_old_state(plan)
+        if plan and plan.set_aside:                    # the old state file kept aside (its agents are ended after)
+            target = state_backup_path(plan.old_run)
+            os.replace(STATE_FILE, target)
+            log(f"kept the old state file as {target}")
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
         update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), on_own_server=own_stage.server is not None,
