@@ -8774,10 +8774,7 @@ def verify_resume_terminals() -> None:
             raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
                            "start a new run with RESUME=0")
     end_agents_switched_from()
-    while True:
-        lost = first_lost_agent()
-        if lost is None:
-            return
+    while (lost := first_lost_agent()) is not None:
         try:
             replace_lost_agent(lost)
         except AgentLost as stop:
@@ -9079,7 +9076,7 @@ def run_reviewed_phase(phase: str) -> None:
     author, reviewer = PHASE_ROLES[phase]
     out_key, review_key = PHASE_OUTPUTS[phase]
     author_prompt, review_prompt, feedback_key = REVIEWED_PHASES[phase]
-    while True:
+    while current_phase == phase:
         cycle = phase_cycle
         if phase_step == "author":
             stories = phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due()
@@ -9100,8 +9097,6 @@ def run_reviewed_phase(phase: str) -> None:
                                    "review notes carried forward")
             leave_phase(phase)
         save_state()
-        if current_phase != phase:
-            return
 
 
 def tester_result(text: str) -> str:
