@@ -7575,10 +7575,7 @@ def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
 def _first_marker_line(lines: list[str], marker: str) -> int | None:
     """Index of the first line that starts (after markdown decoration) with `marker:`."""
     pattern = re.compile(r"^\W*" + re.escape(marker) + r"\W*:")
-    for index, line in enumerate(lines):
-        if pattern.match(line):
-            return index
-    return None
+    return next((index for index, line in enumerate(lines) if pattern.match(line)), None)
 
 
 def review_verdict(review_text: str) -> str:
