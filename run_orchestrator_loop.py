@@ -8873,19 +8873,18 @@ def resume_or_replace(saved: SavedState) -> StartPlan:
     """RESUME not 1: a run under way goes on; a finished one is reported or replaced, and so is one under way
     whose agents were exited (their terminals are plain shells now) or that the user chose RESUME=0 for."""
     status, finished, exited = saved.final_status, saved.finished, saved.terminals_exited
+    chosen = "RESUME" in explicit_settings          # RESUME=0: a new run, whatever the saved one holds
     # A finished run with after-run steps left over is finished first (start_run, under the lock).
     leftover = finished and bool(after_run_pending(status, saved.after_run))
-    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
+    if finished and REPORT_FINISHED_RUN and not chosen and not leftover:
         raise AlreadyFinished(exit_code_of(status, bool(saved.no_progress_stop)),
                               f"the run in {STATE_FILE} {describe_state(saved)}; REPORT_FINISHED_RUN=1, so "
                               "nothing was started (move the state file away to start a new run)")
-    if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
+    if status == "RUNNING" and not exited and not chosen:
         return StartPlan(True)
-    why = " (RESUME=0)" if "RESUME" in explicit_settings else \
-        " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
-    instead = (f" (to go on with that run instead: "
-               f"{go_on_command(saved.current_round, bool(saved.no_progress_stop))})"
-               if status == "FAIL" and not exited and "RESUME" not in explicit_settings else "")
+    why = " (RESUME=0)" if chosen else " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
+    instead = (f" (to go on with that run instead: {go_on_command(saved.current_round, bool(saved.no_progress_stop))})"
+               if status == "FAIL" and not exited and not chosen else "")
     return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
                             f"file will be kept as {state_backup_path(saved)}{instead}", set_aside=True, old_run=saved)
 
