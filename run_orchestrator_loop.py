@@ -9281,8 +9281,7 @@ def verify_pass() -> str:
     except OSError as exc:
         code, out, err = 127, "", f"could not run sh: {exc}"
     seconds = round(time.monotonic() - started, 1)
-    outcome = "exited 0" if code == 0 else (f"was stopped after VERIFY_TIMEOUT={VERIFY_TIMEOUT:g}s" if code is None
-                                            else f"exited {code}")
+    outcome = f"was stopped after VERIFY_TIMEOUT={VERIFY_TIMEOUT:g}s" if code is None else f"exited {code}"
     update_run(verifications=verifications + [{"round": current_round, "result": "passed" if code == 0 else "failed",
                                                "exit_code": code, "seconds": seconds, "at": utc_iso()}])
     if code == 0:
