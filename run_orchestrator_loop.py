@@ -7400,10 +7400,7 @@ def ask_agent(role: str, build: Callable[[], Prompt]) -> str:
 def _first_marker_line(lines: list[str], marker: str) -> int | None:
     """Index of the first line that starts (after markdown decoration) with `marker:`."""
     pattern = re.compile(r"^\W*" + re.escape(marker) + r"\W*:")
-    for index, line in enumerate(lines):
-        if pattern.match(line):
-            return index
-    return None
+    return next((index for index, line in enumerate(lines) if pattern.match(line)), None)
 
 
 def review_verdict(review_text: str) -> str:
@@ -7415,33 +7412,38 @@ def review_verdict(review_text: str) -> str:
     return form.good if word == form.good else form.other
 
 
-def _evidence_patterns(review_role: str) -> tuple[str, ...]:
-    family = review_role.replace("peer_", "")
-    if family not in REVIEW_CHECKLISTS:
-        raise ValueError(f"review_role must be one of analyst, peer_analyst, programmer, peer_programmer; "
-                         f"got {review_role!r}")
-    return tuple(check.evidence for check in REVIEW_CHECKLISTS[family])
-
-
 def review_evidence_matches(review_text: str, review_role: str) -> int:
     """How many of the role's evidence checks the REVIEW_NOTES section shows."""
     lines = (review_text or "").splitlines()
     start = _first_marker_line(lines, "REVIEW_NOTES")
     if start is None:
         return 0
+    family = review_role.replace("peer_", "")
+    if family not in REVIEW_CHECKLISTS:
+        raise ValueError(f"review_role must be one of analyst, peer_analyst, programmer, peer_programmer; "
+                         f"got {review_role!r}")
     notes = "\n".join(lines[start:])
-    return sum(1 for pattern in _evidence_patterns(review_role) if re.search(pattern, notes, re.IGNORECASE))
+    return sum(1 for check in REVIEW_CHECKLISTS[family] if re.search(check.evidence, notes, re.IGNORECASE))
+
+
+def approval_withheld(review_text: str, review_cycle: int, review_role: str) -> str:
+    """Why a review does not count as approval, for the log ('' when it counts): approval counts only if stated,
+    late enough, and (optionally) backed by evidence."""
+    verdict = review_verdict(review_text)
+    if verdict != "APPROVED":
+        return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
+    if review_cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
+        return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
+    if not REQUIRE_REVIEW_EVIDENCE:
+        return ""
+    matches = review_evidence_matches(review_text, review_role)
+    return "" if matches >= REVIEW_EVIDENCE_MIN_MATCH else \
+        f"REVIEW_NOTES show {matches} of the {REVIEW_EVIDENCE_MIN_MATCH} evidence checks required"
 
 
 def is_review_approved(review_text: str, review_cycle: int, review_role: str) -> bool:
     """Approval counts only if stated, late enough, and (optionally) backed by evidence."""
-    if review_verdict(review_text) != "APPROVED":
-        return False
-    if review_cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
-        return False
-    if REQUIRE_REVIEW_EVIDENCE:
-        return review_evidence_matches(review_text, review_role) >= REVIEW_EVIDENCE_MIN_MATCH
-    return True
+    return not approval_withheld(review_text, review_cycle, review_role)
 
 
 # ==========================================================================
@@ -7508,6 +7510,7 @@ NOISE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern, 
     (r"\b\d+(?:[.,]\d+)?\s?(?:ns|µs|us|ms|msec|s|secs?|seconds?|mins?|minutes?|h|hrs?|hours?)\b", "<duration>"),
 ))
 EVIDENCE_LEAD = re.compile(r"^(?:[-*+•]\s+|\d+[.)]\s+)+")
+EVIDENCE_LABEL = re.compile(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", re.IGNORECASE)
 
 
 def failure_lines(evidence: str) -> list[str]:
@@ -7518,7 +7521,7 @@ def failure_lines(evidence: str) -> list[str]:
         for pattern, mark in NOISE_PATTERNS:
             line = pattern.sub(mark, line)
         line = " ".join(EVIDENCE_LEAD.sub("", line.strip()).split())
-        if line and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", line, re.IGNORECASE):
+        if line and not EVIDENCE_LABEL.match(line):
             lines.append(line)
     return sorted(lines)
 
@@ -7530,11 +7533,8 @@ def failure_signature(evidence: str) -> str:
 
 def failing_step(evidence: str) -> str:
     """The first finding of the evidence, as the tester wrote it: the line a person reads to know what failed."""
-    for line in (evidence or "").splitlines():
-        text = EVIDENCE_LEAD.sub("", line.strip()).strip()
-        if text and not re.match(r"^\W*(?:RESULT|EVIDENCE)\W*:\W*(?:FAIL|PASS)?\W*$", text, re.IGNORECASE):
-            return text[:200]
-    return "(no evidence)"
+    findings = (EVIDENCE_LEAD.sub("", line.strip()).strip() for line in (evidence or "").splitlines())
+    return next((text[:200] for text in findings if text and not EVIDENCE_LABEL.match(text)), "(no evidence)")
 
 
 def review_feedback_from(review_text: str) -> str:
@@ -7565,10 +7565,8 @@ def condense_analyst_for_programmer(text: str) -> str:
 
 def condense_programmer_for_tester(text: str) -> str:
     """The 'Files changed' and 'Behavior implemented' sections, capped at MAX_CROSS_PHASE_LINES."""
-    if not (text or "").strip():
-        return ""
-    if not CONDENSE_CROSS_PHASE or text == _UPSTREAM_PLACEHOLDER:
-        return text.strip()
+    if not CONDENSE_CROSS_PHASE or text == _UPSTREAM_PLACEHOLDER or not (text or "").strip():
+        return (text or "").strip()
     kept = _labelled_sections(text.strip(), ("files changed", "behavior implemented", "behaviour implemented"))
     if not kept:
         return _head(text, MAX_CROSS_PHASE_LINES)
@@ -7687,23 +7685,21 @@ def promise_signal(reply: str) -> tuple[str, str]:
 TESTER_FORMAT, REVIEW_FORMAT = VERDICT_FORMATS["tester"], VERDICT_FORMATS["review"]     # section 1
 
 
-def _review_back_reference(checks: tuple[ReviewCheck, ...], author: str) -> str:
-    """What a reviewer is told in place of the checklist and answer format it already has."""
+def _review_checks(author: str) -> tuple[str, str]:
+    """The checklist and answer format the reviewer of `author` gets in full, from the role's REVIEW_CHECKLISTS, and
+    what it is told in their place once it has them."""
+    checks = REVIEW_CHECKLISTS[author]
     names = ", ".join(check.name for check in checks)
-    return (f"Checks and answer format: as in your first review -- {NUMBER_WORDS[len(checks)]} checks ({names}), "
-            f"each with evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what "
-            f"{author} must change).")
-
-
-def _review_checks(checks: tuple[ReviewCheck, ...], author: str) -> str:
-    """The checklist and answer format a reviewer gets in full, from its role's REVIEW_CHECKLISTS."""
     return ("Check, citing what you looked at:\n"
             + "".join(f"{number}. {check.name}: {check.asks}\n" for number, check in enumerate(checks, 1))
             + "\nAnswer format:\n"
             f"{REVIEW_FORMAT.line(passed=True)}  (or {REVIEW_FORMAT.line(passed=False)})\n"
             f"{REVIEW_FORMAT.section}:\n"
             "- <one line of evidence per check above>\n"
-            f"- <for REVISE: each change {author} must make>")
+            f"- <for REVISE: each change the {author} must make>",
+            f"Checks and answer format: as in your first review -- {NUMBER_WORDS[len(checks)]} checks ({names}), "
+            f"each with evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what "
+            f"the {author} must change).")
 
 
 # role -> (full text, back-reference)
@@ -7739,11 +7735,7 @@ ANSWER_FORMATS = {
 }
 NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # reviewer -> (full text, back-reference), from the checklist of the role it reviews
-REVIEW_CHECKS = {
-    f"peer_{author}": (_review_checks(REVIEW_CHECKLISTS[author], f"the {author}"),
-                       _review_back_reference(REVIEW_CHECKLISTS[author], f"the {author}"))
-    for author in REVIEW_CHECKLISTS
-}
+REVIEW_CHECKS = {f"peer_{author}": _review_checks(author) for author in REVIEW_CHECKLISTS}
 STORY_ANSWER_FORMAT = (
     "Answer format:\n"
     "PROGRAMMER_SUMMARY:\n"
@@ -7755,27 +7747,20 @@ STORY_ANSWER_FORMAT = (
     "Behavior implemented, Tests run, then the completion signal.")
 
 
-@dataclass(frozen=True)
-class OnceBlock:
-    """A block sent in full in a terminal's first prompt that holds it, and as a back-reference after."""
-
-    name: str                                 # marks read "<name>:<terminal id>"
-    full: Callable[[str], str]                # role -> the complete text
-    back_reference: Callable[[str], str]      # role -> what stands in for it
-
-
-ONCE_BLOCKS = {block.name: block for block in (
-    OnceBlock("explore", lambda role: EXPLORE_SUMMARY, lambda role: EXPLORE_BACK_REFERENCE),
-    OnceBlock("scenario", lambda role: SCENARIO_TEST, lambda role: EXPLORE_BACK_REFERENCE),
-    OnceBlock("intro", lambda role: " in a five-agent development loop", lambda role: ""),
-    OnceBlock("response-file", response_file_instruction,
-              lambda role: "Response file (required; as in your first turn):\n"
-                           f"Write your complete answer to this file: {response_path(role)}\n"
-                           "Only this file is read; write it once, when your work is done."),
-    OnceBlock("answer-format", lambda role: ANSWER_FORMATS[role][0], lambda role: ANSWER_FORMATS[role][1]),
-    OnceBlock("review-checks", lambda role: REVIEW_CHECKS[role][0], lambda role: REVIEW_CHECKS[role][1]),
-    OnceBlock("story-answer-format", lambda role: STORY_ANSWER_FORMAT[0], lambda role: STORY_ANSWER_FORMAT[1]),
-)}
+# A block sent in full in a terminal's first prompt that holds it, and as a back-reference after:
+# its name (marks read "<name>:<terminal id>") -> role -> (the complete text, what stands in for it)
+ONCE_BLOCKS: dict[str, Callable[[str], tuple[str, str]]] = {
+    "explore": lambda role: (EXPLORE_SUMMARY, EXPLORE_BACK_REFERENCE),
+    "scenario": lambda role: (SCENARIO_TEST, EXPLORE_BACK_REFERENCE),
+    "intro": lambda role: (" in a five-agent development loop", ""),
+    "response-file": lambda role: (response_file_instruction(role),
+                                   "Response file (required; as in your first turn):\n"
+                                   f"Write your complete answer to this file: {response_path(role)}\n"
+                                   "Only this file is read; write it once, when your work is done."),
+    "answer-format": lambda role: ANSWER_FORMATS[role],
+    "review-checks": lambda role: REVIEW_CHECKS[role],
+    "story-answer-format": lambda role: STORY_ANSWER_FORMAT,
+}
 
 
 class PromptDraft:
@@ -7788,15 +7773,15 @@ class PromptDraft:
 
     def once(self, name: str) -> str:
         """The block in full if this terminal has not had it (or condensing is off), else its back-reference."""
-        block = ONCE_BLOCKS[name]
+        full, back_reference = ONCE_BLOCKS[name](self.role)
         if not self.terminal_id:             # no terminal yet, so no history to refer to
-            return block.full(self.role)
+            return full
         mark = f"{name}:{self.terminal_id}"
         if mark in context_sent:
-            return block.back_reference(self.role) if CONDENSE_EXPLORE_ON_REPEAT else block.full(self.role)
+            return back_reference if CONDENSE_EXPLORE_ON_REPEAT else full
         if mark not in self.in_full:
             self.in_full.append(mark)
-        return block.full(self.role)
+        return full
 
     def has_history(self) -> bool:
         """Whether this terminal has had a prompt already (every prompt opens with the "intro" block)."""
@@ -7808,25 +7793,23 @@ class PromptDraft:
         return not self.has_history() and conversation_started_over(self.terminal_id)
 
     def finish(self, parts: list[str]) -> Prompt:
-        """The prompt, a person's notes to the role (--note) before its closing block, each carried once."""
+        """The prompt: its parts that are not empty, a person's notes to the role (--note), each carried once, and
+        its closing block, the response file."""
+        closing = self.once("response-file")
         notes = notes_due(self.role)
         self.in_full += [f"note-{note.id}:{self.terminal_id}" for note in notes]
         blocks = [f"Note from a person ({note.by or 'unnamed'}, {note.at or 'time unknown'}); where it differs from "
                   f"the text above, it wins:\n{note.text}" for note in notes]
-        return Prompt("\n\n".join(parts[:-1] + blocks + parts[-1:]), self.in_full)
-
-
-def _block_sent_by_call(name: str, terminal_id: str) -> str:
-    """Spec 1's form of a once-only block: the call itself counts as the send."""
-    draft = PromptDraft("analyst", terminal_id)
-    text = draft.once(name)
-    record_sent(draft.in_full)
-    return text
+        return Prompt("\n\n".join([part for part in parts if part] + blocks + [closing]), self.in_full)
 
 
 def explore_block_for(terminal_id: str) -> str:
-    """The explore summary: in full on the first call for this terminal, the back-reference after."""
-    return _block_sent_by_call("explore", terminal_id)
+    """The explore summary: in full on the first call for this terminal, the back-reference after (spec 1's form
+    of a once-only block: the call itself counts as the send)."""
+    draft = PromptDraft("analyst", terminal_id)
+    text = draft.once("explore")
+    record_sent(draft.in_full)
+    return text
 
 
 def _or_none(text: str) -> str:
@@ -7834,9 +7817,16 @@ def _or_none(text: str) -> str:
 
 
 def _test_command_line() -> str:
-    if PROJECT_TEST_CMD:
-        return f"Test command: {PROJECT_TEST_CMD}"
-    return "Test command: none configured -- find and run the project's own test suite."
+    return "Test command: " + (PROJECT_TEST_CMD or "none configured -- find and run the project's own test suite.")
+
+
+NO_QUESTIONS = "Do not ask questions: make reasonable assumptions and state them in your summary."
+KEEP_TESTS = "Never weaken, skip or delete a test to make it pass."
+
+
+def _rules(*rules: str) -> str:
+    """The Rules block of a prompt, a line each."""
+    return "Rules:\n" + "\n".join(f"- {rule}" for rule in rules)
 
 
 def _task_context(draft: PromptDraft) -> str:
@@ -7856,28 +7846,21 @@ def _you_are(draft: PromptDraft, title: str) -> str:
 def build_analyst_prompt(round_num: int, analyst_cycle: int) -> Prompt:
     """Analyst turn: turn the task into an OpenSpec change and a five-part summary."""
     draft = PromptDraft("analyst")
-    parts = [
+    return draft.finish([
         _you_are(draft, "system analyst")
         + f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
         _task_context(draft),
         f"Latest tester feedback:\n{_or_none(feedback)}",
-    ]
-    if round_num > 1 and programmer_context_for_retry.strip():
-        parts.append(f"Previous round programmer changes (context only):\n{programmer_context_for_retry.strip()}")
-    parts += [
+        f"Previous round programmer changes (context only):\n{programmer_context_for_retry.strip()}"
+        if round_num > 1 and programmer_context_for_retry.strip() else "",
         f"Latest peer analyst feedback:\n{_or_none(analyst_feedback)}",
-        "Rules:\n"
-        "- Do not write or change application code or tests; your work is the OpenSpec change.\n"
-        f"- Work only inside {WD}.\n"
-        "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
-        "- Address every point of the feedback above.",
+        _rules("Do not write or change application code or tests; your work is the OpenSpec change.",
+               f"Work only inside {WD}.", NO_QUESTIONS, "Address every point of the feedback above."),
         "Task:\n"
         "1. Use /opsx:explore to study the code and the task, then /opsx:ff to create or update the "
         "OpenSpec change (proposal.md, design.md, specs, tasks.md).\n"
         + draft.once("answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
+    ])
 
 
 def _review_prompt(reviewer: str, title: str, author: str, work: str, rules: list[str]) -> Prompt:
@@ -7888,10 +7871,8 @@ def _review_prompt(reviewer: str, title: str, author: str, work: str, rules: lis
         f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the {author}'s work.",
         _task_context(draft),
         f"{author[0].upper() + author[1:]} output to review:\n{_or_none(work)}",
-        "Rules:\n" + "\n".join(f"- {rule}" for rule in ["Review only: change no file except your response file.",
-                                                        *rules]),
+        _rules("Review only: change no file except your response file.", *rules),
         draft.once("review-checks"),
-        draft.once("response-file"),
     ])
 
 
@@ -7927,24 +7908,16 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
     # The same upstream as last cycle -- unless this terminal is known to lack it (a new agent, a compacted
     # conversation).
     repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT and not draft.lacks_history()
-    parts = [
+    return draft.finish([
         _you_are(draft, "programmer") + f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
         _task_context(draft),
         *(f"{label}:\n{UPSTREAM_BACK_REFERENCE if repeat else text}" for label, text, always in upstream
           if always or text),
-    ]
-    parts += [
         f"Latest peer programmer feedback:\n{_or_none(programmer_feedback)}",
-        "Rules:\n"
-        f"- Work only inside {WD}.\n"
-        "- Never weaken, skip or delete a test to make it pass.\n"
-        "- Do not ask questions: make reasonable assumptions and state them in your summary.\n"
-        f"- {_test_command_line()}",
+        _rules(f"Work only inside {WD}.", KEEP_TESTS, NO_QUESTIONS, _test_command_line()),
         task,
         draft.once("answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
+    ])
 
 
 def repeated_failure_note(round_num: int) -> str:
@@ -7972,73 +7945,46 @@ def build_programmer_review_prompt(programmer_out: str) -> Prompt:
 def build_tester_prompt(programmer_out: str) -> Prompt:
     """Tester turn: run the scenario test and report PASS or FAIL with evidence."""
     draft = PromptDraft("tester")
-    parts = [
+    return draft.finish([
         _you_are(draft, "tester") + f" (round {current_round} of {MAX_ROUNDS}).",
         _task_context(draft),
         f"Programmer handoff:\n{_or_none(condense_programmer_for_tester(programmer_out))}",
-    ]
-    if programmer_feedback.strip():
-        parts.append(f"Open peer programmer notes (the code was not approved; check these too):\n"
-                     f"{programmer_feedback.strip()}")
-    parts += [
-        "Rules:\n"
-        "- Test only: do not change application code, tests or OpenSpec artifacts.\n"
-        f"- {_test_command_line()}",
+        f"Open peer programmer notes (the code was not approved; check these too):\n{programmer_feedback.strip()}"
+        if programmer_feedback.strip() else "",
+        _rules("Test only: do not change application code, tests or OpenSpec artifacts.", _test_command_line()),
         "Task: run the test command and carry out the scenario test step by step.",
         draft.once("answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
-
-
-def _story_tasks_block(story: Story) -> str:
-    if not story.tasks:
-        return "(no tasks defined)"
-    return "\n".join(f"- [{'x' if done else ' '}] {text}" for done, text in story.tasks)
-
-
-def _scenarios_block(scenarios: list[tuple[str, str, list[str]]]) -> str:
-    if not scenarios:
-        return "(no scenarios defined)"
-    return "\n".join(f"[{capability}] Scenario: {name}" + "".join(f"\n  {step}" for step in steps)
-                     for capability, name, steps in scenarios)
-
-
-def story_tool_instructions() -> str:
-    """How the agent records progress in the OpenSpec change (the spec tool's own convention)."""
-    return ("Marking progress: when a task of this story is done and verified, change its line in tasks.md "
-            "from `- [ ]` to `- [x]` (keep the task number and text as they are). Do not tick tasks of "
-            "other stories.")
+    ])
 
 
 def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> Prompt:
     """Programmer turn in story mode: one story of the change, ending in a promise signal."""
     draft = PromptDraft("programmer")
-    parts = [
+    tasks = "\n".join(f"- [{'x' if done else ' '}] {text}" for done, text in story.tasks)
+    listed = "\n".join(f"[{capability}] Scenario: {name}" + "".join(f"\n  {step}" for step in steps)
+                       for capability, name, steps in scenarios)
+    return draft.finish([
         _you_are(draft, "programmer") + f" (round {current_round} of {MAX_ROUNDS}), "
         f"working story by story. This turn: story {story.id} \"{story.title}\" "
         f"(attempt {attempt} of {MAX_STORY_ATTEMPTS}).",
         _task_context(draft),
-    ]
-    if current_round > 1 and feedback.strip():
-        parts.append(f"Test failure feedback:\n{feedback.strip()}")
-    if retry_reason:
-        parts.append(f"Retry of story {story.id} -- the previous attempt failed:\n{retry_reason}\n"
-                     "Try a different approach this time; do not repeat what failed.")
-    parts += [
-        f"Story {story.id}: {story.title}\nTasks of this story:\n{_story_tasks_block(story)}",
+        f"Test failure feedback:\n{feedback.strip()}" if current_round > 1 and feedback.strip() else "",
+        f"Retry of story {story.id} -- the previous attempt failed:\n{retry_reason}\n"
+        "Try a different approach this time; do not repeat what failed." if retry_reason else "",
+        f"Story {story.id}: {story.title}\nTasks of this story:\n{tasks or '(no tasks defined)'}",
         "Complete only the tasks of this story. Do not start other stories: the orchestrator hands you the "
         "next story when this one is done.",
         f"Change: {change_dir}\nRead {change_dir / 'proposal.md'} and {change_dir / 'design.md'} for the "
         "context of the whole change.",
-        "Scenarios of the change (focus on those relevant to this story's tasks):\n" + _scenarios_block(scenarios),
+        "Scenarios of the change (focus on those relevant to this story's tasks):\n"
+        + (listed or "(no scenarios defined)"),
         "Verification: after completing the tasks, run the verification and fix what fails.\n"
         f"- {_test_command_line()}",
-        story_tool_instructions(),
-        "Rules:\n"
-        f"- Work only inside {WD}.\n"
-        "- Never weaken, skip or delete a test to make it pass.\n"
-        "- Do not ask questions: make reasonable assumptions and state them in your summary.",
+        # how the agent records progress in the OpenSpec change (the spec tool's own convention)
+        "Marking progress: when a task of this story is done and verified, change its line in tasks.md "
+        "from `- [ ]` to `- [x]` (keep the task number and text as they are). Do not tick tasks of "
+        "other stories.",
+        _rules(f"Work only inside {WD}.", KEEP_TESTS, NO_QUESTIONS),
         "Completion signal (required, exactly one, at the end of your answer):\n"
         "- All tasks of this story done and verification passes: <promise>COMPLETE</promise>\n"
         "- Verification fails and you cannot fix it, or you cannot complete the story: "
@@ -8046,9 +7992,7 @@ def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt:
         "orchestrator retry the story with that context.\n"
         "You MUST end with one of these two signals.",
         draft.once("story-answer-format"),
-        draft.once("response-file"),
-    ]
-    return draft.finish(parts)
+    ])
 
 
 # ==========================================================================
@@ -8557,14 +8501,6 @@ class StartPlan:
         return self.set_aside and self.old_run is None
 
 
-def set_aside_old_state(plan: StartPlan) -> None:
-    """The new run's terminals exist: keep the old state file aside (its agents are ended after)."""
-    if plan.set_aside:
-        target = state_backup_path(plan.old_run)
-        os.replace(STATE_FILE, target)
-        log(f"kept the old state file as {target}")
-
-
 def end_old_run(plan: StartPlan) -> None:
     """The new run's state is written: end the replaced run's agents and remove their CAO session."""
     old = plan.old_run if plan.set_aside else None
@@ -8591,11 +8527,13 @@ def end_old_run(plan: StartPlan) -> None:
 def init_new_run(plan: StartPlan | None = None) -> None:
     """Create the session and five terminals, reset the run, and write the first state. The replaced run
     (`plan`) is set aside only once the new terminals exist, so a failed start leaves its state file."""
-    plan = plan or StartPlan(False)
     with signals_held("writing the new run's state"):
         session, terminals = create_terminals()
         settled_terminals.update(terminals.values())   # CAO answered each creation once its CLI was ready
-        set_aside_old_state(plan)
+        if plan and plan.set_aside:                    # the old state file kept aside (its agents are ended after)
+            target = state_backup_path(plan.old_run)
+            os.replace(STATE_FILE, target)
+            log(f"kept the old state file as {target}")
         reset_run_state()
         phase, step, skipped = START_POSITIONS[START_AGENT]
         update_run(session_name=session, terminal_ids=terminals, run_dir=new_run_dir(), on_own_server=own_stage.server is not None,
@@ -8622,17 +8560,15 @@ def next_role() -> str:
 def first_lost_agent() -> AgentLost | None:
     """The first of the saved run's agents that is gone (terminal, session or CLI), next turn's role first. CAO
     answers a status from its database even when the session is gone, so the session and screen are asked too."""
-    roles = sorted(ROLES, key=lambda role: role != next_role())
-    for role in roles:
-        terminal_id = terminal_ids[role]
+    agents = [(role, terminal_ids[role]) for role in sorted(ROLES, key=lambda role: role != next_role())]
+    for role, terminal_id in agents:
         try:
             api.get_status(terminal_id)
         except ApiError as exc:
             if exc.status_code is None:
                 raise RunError(f"cannot resume: {exc}") from None
             return AgentLost(role, terminal_id, f"CAO cannot reach this terminal ({exc})")
-    for role in roles:
-        terminal_id = terminal_ids[role]
+    for role, terminal_id in agents:
         screen = _screen(terminal_id)
         why = why_gone(terminal_id, screen)
         if why:
@@ -8648,10 +8584,7 @@ def verify_resume_terminals() -> None:
             raise RunError(f"cannot resume: the state file {STATE_FILE} has no terminal for the {role}; "
                            "start a new run with RESUME=0")
     end_agents_switched_from()
-    while True:
-        lost = first_lost_agent()
-        if lost is None:
-            return
+    while (lost := first_lost_agent()) is not None:
         try:
             replace_lost_agent(lost)
         except AgentLost as stop:
@@ -8753,19 +8686,18 @@ def resume_or_replace(saved: SavedState) -> StartPlan:
     """RESUME not 1: a run under way goes on; a finished one is reported or replaced, and so is one under way
     whose agents were exited (their terminals are plain shells now) or that the user chose RESUME=0 for."""
     status, finished, exited = saved.final_status, saved.finished, saved.terminals_exited
+    chosen = "RESUME" in explicit_settings          # RESUME=0: a new run, whatever the saved one holds
     # A finished run with after-run steps left over is finished first (start_run, under the lock).
     leftover = finished and bool(after_run_pending(status, saved.after_run))
-    if finished and REPORT_FINISHED_RUN and "RESUME" not in explicit_settings and not leftover:
+    if finished and REPORT_FINISHED_RUN and not chosen and not leftover:
         raise AlreadyFinished(exit_code_of(status, bool(saved.no_progress_stop)),
                               f"the run in {STATE_FILE} {describe_state(saved)}; REPORT_FINISHED_RUN=1, so "
                               "nothing was started (move the state file away to start a new run)")
-    if status == "RUNNING" and not exited and "RESUME" not in explicit_settings:
+    if status == "RUNNING" and not exited and not chosen:
         return StartPlan(True)
-    why = " (RESUME=0)" if "RESUME" in explicit_settings else \
-        " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
-    instead = (f" (to go on with that run instead: "
-               f"{go_on_command(saved.current_round, bool(saved.no_progress_stop))})"
-               if status == "FAIL" and not exited and "RESUME" not in explicit_settings else "")
+    why = " (RESUME=0)" if chosen else " whose agents were exited (CLEANUP_ON_EXIT=1)" if status == "RUNNING" else ""
+    instead = (f" (to go on with that run instead: {go_on_command(saved.current_round, bool(saved.no_progress_stop))})"
+               if status == "FAIL" and not exited and not chosen else "")
     return StartPlan(False, f"{STATE_FILE} holds {describe_state(saved)}{why}; starting a new run, the old state "
                             f"file will be kept as {state_backup_path(saved)}{instead}", set_aside=True, old_run=saved)
 
@@ -8792,24 +8724,13 @@ def choose_start() -> StartPlan:
 # 15. Main loop
 # ==========================================================================
 
-REVIEW_FEEDBACK = {PHASE_ANALYST: "analyst_feedback", PHASE_PROGRAMMER: "programmer_feedback"}
-
-
-def set_review_feedback(phase: str, text: str) -> None:
-    """What the phase's author is told about its last review."""
-    update_run(**{REVIEW_FEEDBACK[phase]: text})
-
-
-def author_prompt(phase: str, cycle: int) -> Prompt:
-    if phase == PHASE_ANALYST:
-        return build_analyst_prompt(current_round, cycle)
-    return build_programmer_prompt(current_round, cycle, outputs["analyst"])
-
-
-def review_prompt(phase: str) -> Prompt:
-    if phase == PHASE_ANALYST:
-        return build_analyst_review_prompt(outputs["analyst"])
-    return build_programmer_review_prompt(outputs["programmer"])
+# phase -> (the author's prompt for a cycle, the reviewer's prompt, the run field that tells the author of its review)
+REVIEWED_PHASES = {
+    PHASE_ANALYST: (lambda cycle: build_analyst_prompt(current_round, cycle),
+                    lambda: build_analyst_review_prompt(outputs["analyst"]), "analyst_feedback"),
+    PHASE_PROGRAMMER: (lambda cycle: build_programmer_prompt(current_round, cycle, outputs["analyst"]),
+                       lambda: build_programmer_review_prompt(outputs["programmer"]), "programmer_feedback"),
+}
 
 
 def story_loop_due() -> bool:
@@ -8828,15 +8749,11 @@ def story_loop_due() -> bool:
 
 def story_summary(results: list[StoryResult]) -> str:
     """What the peer programmer reviews after the story loop: each story's outcome and changes."""
-    lines = ["PROGRAMMER_SUMMARY (story by story):", "Story results:"]
-    for result in results:
-        outcome = (f"COMPLETE (attempt {result.attempts})" if result.status == "COMPLETE"
-                   else f"FAILED after {result.attempts} attempts -- {result.reason}")
-        lines.append(f"- Story {result.id} \"{result.title}\": {outcome}")
-    for result in results:
-        if result.summary:
-            lines += [f"Story {result.id}:", result.summary]
-    return "\n".join(lines)
+    outcomes = [f"- Story {result.id} \"{result.title}\": " + (
+        f"COMPLETE (attempt {result.attempts})" if result.status == "COMPLETE"
+        else f"FAILED after {result.attempts} attempts -- {result.reason}") for result in results]
+    summaries = [line for result in results if result.summary for line in (f"Story {result.id}:", result.summary)]
+    return "\n".join(["PROGRAMMER_SUMMARY (story by story):", "Story results:", *outcomes, *summaries])
 
 
 def story_attempt(story: Story, change: Path, scenarios: list, attempt: int) -> tuple[str, str, str]:
@@ -8845,13 +8762,12 @@ def story_attempt(story: Story, change: Path, scenarios: list, attempt: int) -> 
     try:
         reply = ask_agent("programmer", lambda: build_story_prompt(
             story, change, scenarios, attempt, story_progress.last_failure))
-        signal_name, reason = promise_signal(reply)
     except (AgentLost, ModelChanged):
         raise                        # not the story's fault: the run stops (or the agent was replaced)
     except RunError as exc:          # timeout, error, no file: an abnormal end, retried as such
         log_turn("programmer", f"story {story.id} attempt {attempt} ended abnormally: {exc.message}")
         return "", "", ""
-    return reply, signal_name, reason
+    return reply, *promise_signal(reply)
 
 
 def end_story_attempt(story: Story, attempt: int, reply: str, signal_name: str, reason: str) -> None:
@@ -8892,14 +8808,12 @@ def run_story_loop() -> str:
     return combined
 
 
-def _why_not_approved(verdict: str, review: str, cycle: int, reviewer: str) -> str:
-    """A short reason for the log when a review does not count as approval."""
-    if verdict != "APPROVED":
-        return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
-    if cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
-        return f"approval counts from cycle {MIN_REVIEW_CYCLES_BEFORE_APPROVAL}"
-    return (f"REVIEW_NOTES show {review_evidence_matches(review, reviewer)} of the "
-            f"{REVIEW_EVIDENCE_MIN_MATCH} evidence checks required")
+def close_run(status: str, **fields: object) -> None:
+    """The run over with PASS or FAIL (and `fields` of the state): its after-run steps due, its state saved."""
+    update_run(final_status=status, **fields)
+    mark_after_run_due(status)
+    set_position(PHASE_DONE)
+    save_state()
 
 
 def leave_phase(phase: str) -> None:
@@ -8970,37 +8884,28 @@ def run_reviewed_phase(phase: str) -> None:
     """Author and peer reviewer take turns until an approval counts or the cycles run out."""
     author, reviewer = PHASE_ROLES[phase]
     out_key, review_key = PHASE_OUTPUTS[phase]
-    while True:
+    author_prompt, review_prompt, feedback_key = REVIEWED_PHASES[phase]
+    while current_phase == phase:
         cycle = phase_cycle
         if phase_step == "author":
-            if phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due():
-                set_output(out_key, run_story_loop())
-            else:
-                set_output(out_key, ask_agent(author, lambda: author_prompt(phase, cycle)))
+            stories = phase == PHASE_PROGRAMMER and cycle == 1 and story_loop_due()
+            set_output(out_key, run_story_loop() if stories else ask_agent(author, lambda: author_prompt(cycle)))
             set_position(phase, cycle, "review")
             save_state()
-        review = ask_agent(reviewer, lambda: review_prompt(phase))
+        review = ask_agent(reviewer, review_prompt)
         set_output(review_key, review)
-        verdict = review_verdict(review)
-        approved = is_review_approved(review, cycle, reviewer)
-        note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
-        if approved:
-            log_turn(reviewer, f"verdict {verdict}: approved")
-            set_review_feedback(phase, "")
-            leave_phase(phase)
+        verdict, why = review_verdict(review), approval_withheld(review, cycle, reviewer)
+        note_turn_outcome(f"{verdict} (not counted)" if why else verdict)
+        log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}" if why else f"verdict {verdict}: approved")
+        update_run(**{feedback_key: review_feedback_from(review) if why else ""})
+        if why and cycle < MAX_REVIEW_CYCLES:
+            set_position(phase, cycle + 1, "author")
         else:
-            why = _why_not_approved(verdict, review, cycle, reviewer)
-            log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}")
-            set_review_feedback(phase, review_feedback_from(review))
-            if cycle >= MAX_REVIEW_CYCLES:
+            if why:
                 log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
                                    "review notes carried forward")
-                leave_phase(phase)
-            else:
-                set_position(phase, cycle + 1, "author")
+            leave_phase(phase)
         save_state()
-        if current_phase != phase:
-            return
 
 
 def tester_result(text: str) -> str:
@@ -9167,10 +9072,7 @@ def no_progress_line(stop: dict, agents_ended: bool = False) -> str:
 def stop_without_progress() -> int:
     """End the run as a FAIL of the round just played, saying why, so that RESUME=1 goes on from there."""
     stop = no_progress_record()
-    update_run(final_status="FAIL", current_round=stop["round"], no_progress_stop=stop)
-    mark_after_run_due("FAIL")
-    set_position(PHASE_DONE)
-    save_state()
+    close_run("FAIL", current_round=stop["round"], no_progress_stop=stop)
     log(f"{no_progress_line(stop, CLEANUP_ON_EXIT)}; state in {STATE_FILE}")
     return EXIT_NO_PROGRESS
 
@@ -9192,8 +9094,7 @@ def verify_pass() -> str:
     except OSError as exc:
         code, out, err = 127, "", f"could not run sh: {exc}"
     seconds = round(time.monotonic() - started, 1)
-    outcome = "exited 0" if code == 0 else (f"was stopped after VERIFY_TIMEOUT={VERIFY_TIMEOUT:g}s" if code is None
-                                            else f"exited {code}")
+    outcome = f"was stopped after VERIFY_TIMEOUT={VERIFY_TIMEOUT:g}s" if code is None else f"exited {code}"
     update_run(verifications=verifications + [{"round": current_round, "result": "passed" if code == 0 else "failed",
                                                "exit_code": code, "seconds": seconds, "at": utc_iso()}])
     if code == 0:
@@ -9214,13 +9115,11 @@ def verify_pass() -> str:
 
 def run_tester_phase() -> str:
     """One tester turn (and, with VERIFY_PASS, the loop's own check of a PASS); returns PASS or FAIL."""
-    if phase_step == "approval":           # resumed at the commit gate: the PASS (checked, if asked) waits there
-        result = "PASS"
-    elif phase_step == "verify":           # resumed during the check: the tester said PASS already
+    result = "PASS"                        # resumed past the tester's turn: it said PASS already
+    if phase_step == "verify":             # resumed during the check
         log_turn("tester", "resuming the check of the tester's PASS (the tester is not asked again)" if VERIFY_PASS
                  else "the tester's PASS stands: VERIFY_PASS is off now")
-        result = "PASS"
-    else:
+    elif phase_step != "approval":         # (at the commit gate the PASS, checked if asked, waits there)
         set_output("tester", ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"])))
         result = tester_result(outputs["tester"])
         note_turn_outcome(result)
@@ -9235,13 +9134,11 @@ def run_tester_phase() -> str:
     if result == "PASS" and (gate_due("commit") or phase_step == "approval"):
         result = pass_commit_gate()
     if result == "PASS":
-        update_run(final_status="PASS")
-        mark_after_run_due(result)
-        set_position(PHASE_DONE)
+        close_run(result)
     else:
         note_progress()                    # before handle_tester_fail() clears the tester's answer
         handle_tester_fail()
-    save_state()
+        save_state()
     return result
 
 
@@ -9269,10 +9166,7 @@ def drive_rounds() -> int:
             run_reviewed_phase(current_phase)
     # The last FAIL set up a next round (its evidence kept for the programmer): the run played one round less,
     # and RESUME=1 with a higher MAX_ROUNDS goes on with that round (continue_failed_run).
-    update_run(final_status="FAIL", current_round=max(1, current_round - 1))
-    mark_after_run_due("FAIL")
-    set_position(PHASE_DONE)
-    save_state()
+    close_run("FAIL", current_round=max(1, current_round - 1))
     log(f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}; state in {STATE_FILE}; to go on with more rounds: "
         f"{continue_command(current_round + 1)}")
     return EXIT_FAIL
