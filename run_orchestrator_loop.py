@@ -8894,14 +8894,15 @@ def run_reviewed_phase(phase: str) -> None:
             save_state()
         review = ask_agent(reviewer, review_prompt)
         set_output(review_key, review)
-        verdict, why = review_verdict(review), approval_withheld(review, cycle, reviewer)
-        note_turn_outcome(f"{verdict} (not counted)" if why else verdict)
-        log_turn(reviewer, f"verdict {verdict}; approval not counted: {why}" if why else f"verdict {verdict}: approved")
-        update_run(**{feedback_key: review_feedback_from(review) if why else ""})
-        if why and cycle < MAX_REVIEW_CYCLES:
+        verdict, approved = review_verdict(review), is_review_approved(review, cycle, reviewer)
+        note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
+        log_turn(reviewer, f"verdict {verdict}: approved" if approved else
+                 f"verdict {verdict}; approval not counted: {approval_withheld(review, cycle, reviewer)}")
+        update_run(**{feedback_key: "" if approved else review_feedback_from(review)})
+        if not approved and cycle < MAX_REVIEW_CYCLES:
             set_position(phase, cycle + 1, "author")
         else:
-            if why:
+            if not approved:
                 log_turn(reviewer, f"no approval after {MAX_REVIEW_CYCLES} cycles; going on with the last "
                                    "review notes carried forward")
             leave_phase(phase)
