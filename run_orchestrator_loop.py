@@ -6240,7 +6240,8 @@ def wait_for_reply(role: str, terminal_id: str, path: Path, message: str | None,
                              next_liveness_at=now + LIVENESS_CHECK_SECONDS, records=tokens_readable(role)),
                 rebuild=rebuild, sent_wall=first_sent_at(role),
                 tokens_before=in_flight.tokens_before if in_flight is not None and in_flight.role == role else None)
-    if message is None and in_flight is not None and in_flight.role == role and in_flight.limit_line:
+    if message is None and in_flight is not None and in_flight.role == role and in_flight.limit_line \
+            and not read_reply_file(path):           # an answer already written is taken, not waited for again
         resume_limit_wait(turn)
     began, next_progress_at = now, now + PROGRESS_SECONDS
     while True:

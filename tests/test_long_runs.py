@@ -402,6 +402,21 @@ def test_a_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues_the
     assert json.loads(Path(m.STATE_FILE).read_text())["final_status"] == "PASS"
 
 
+def test_a_reply_written_before_a_usage_limit_stop_is_taken_by_the_rerun(load_orch, fake_cao, prompt_file, capsys):
+    """The agent's complete answer is in its file when the rerun looks (written before its limit showed, or by
+    a person): the rerun takes it -- no wait for the reset, no stop, nothing sent, the turn not paid again."""
+    fake_cao.script["tester"] = [limited(codex_limit_line(datetime.now() + timedelta(hours=2)))]
+    m = load_orch(PROMPT_FILE=str(prompt_file), USAGE_LIMIT_MAX_WAIT="3600", **TESTER_ONLY)
+    assert run_main(m) == 3
+    capsys.readouterr()
+    m.response_path("tester").write_text(PASS_REPLY, encoding="utf-8")
+    m = load_orch(PROMPT_FILE=str(prompt_file), USAGE_LIMIT_MAX_WAIT="3600", **TESTER_ONLY)
+    assert run_main(m) == 0
+    assert len(prompts_of_tester(fake_cao)) == 1 and fake_cao.reminders == []
+    state = json.loads(Path(m.STATE_FILE).read_text())
+    assert state["final_status"] == "PASS" and state["in_flight"] is None
+
+
 def test_a_usage_limit_without_a_reset_time_stops_and_the_rerun_continues(load_orch, fake_cao, prompt_file, capsys):
     fake_cao.script["tester"] = [limited("■ You've hit your usage limit. Try again later.")]
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
