@@ -6149,20 +6149,16 @@ def act_on(turn: Turn, state: TurnState, verdict: Verdict) -> str | None:
 
 def handle_permission_prompt(turn: Turn) -> None:
     """An agent waits for a yes/no answer: say so once, or answer 'y' (rate-limited) if allowed."""
-    role, terminal_id, answers = turn.role, turn.terminal_id, turn.permissions
-    now = time.monotonic()
+    role, terminal_id, answers, now = turn.role, turn.terminal_id, turn.permissions, time.monotonic()
     step = answers.next_step(now)
     if step == "tell":
         answers.told_blocked = True
-        if not AUTO_ACCEPT_PERMISSIONS:
-            log_turn(role, f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
-                           f"`{tmux_hint('attach -t ' + session_name)}` or set AUTO_ACCEPT_PERMISSIONS=1")
-        else:
-            log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; "
-                           f"no more automatic answers (terminal {terminal_id})")
+        log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; no more automatic "
+                       f"answers (terminal {terminal_id})" if AUTO_ACCEPT_PERMISSIONS else
+                       f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
+                       f"`{tmux_hint('attach -t ' + session_name)}` or set AUTO_ACCEPT_PERMISSIONS=1")
     elif step == "answer":
-        answers.answered += 1
-        answers.last_answer_at = now
+        answers.answered, answers.last_answer_at = answers.answered + 1, now
         log_turn(role, f"permission prompt on terminal {terminal_id} answered 'y' "
                        f"({answers.answered}/{MAX_PERMISSION_ANSWERS}): {_tail(_last_output(terminal_id))}")
         deliver(role, terminal_id, "y")
