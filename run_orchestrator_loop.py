@@ -5972,12 +5972,10 @@ class UsageLimitStop(RunError):
 
     def __init__(self, turn: Turn, line: str, until: float | None):
         rerun = "to continue the turn (its prompt is not sent again)"
-        if until is None:
-            when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}"
-        else:
-            when = (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
-                    f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
-                    f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
+        when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}" if until is None \
+            else (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
+                  f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
+                  f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
         super().__init__(f"the {turn.role} agent (terminal {turn.terminal_id}) stopped at its account's usage limit "
                          f"({line[:200]}); {when}")
         self.role, self.terminal_id, self.line, self.until = turn.role, turn.terminal_id, line, until
@@ -6024,8 +6022,7 @@ def begin_limit_wait(turn: Turn) -> None:
 def resume_limit_wait(turn: Turn) -> None:
     """A turn carried over while its agent waited out a usage limit: wait on, or -- the reset still too far, or
     the switch to the role's fallback CLI decided -- go over to it (or stop again); never resend it here."""
-    line, until = in_flight.limit_line, in_flight.limit_until
-    now = time.time()
+    line, until, now = in_flight.limit_line, in_flight.limit_until, time.time()
     if switch_pending(turn.role) or (until is not None and until - now > USAGE_LIMIT_MAX_WAIT):
         raise limit_outlasting(turn, line, until)
     remaining = max(0.0, (until or now) - now)
