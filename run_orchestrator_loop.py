@@ -5972,12 +5972,10 @@ class UsageLimitStop(RunError):
 
     def __init__(self, turn: Turn, line: str, until: float | None):
         rerun = "to continue the turn (its prompt is not sent again)"
-        if until is None:
-            when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}"
-        else:
-            when = (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
-                    f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
-                    f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
+        when = f"its CLI names no reset time: rerun the command once the limit has reset {rerun}" if until is None \
+            else (f"it resets at {clock_text(until)} (in {duration_text(until - time.time())}), beyond "
+                  f"USAGE_LIMIT_MAX_WAIT={USAGE_LIMIT_MAX_WAIT:g}s: rerun the command after {clock_text(until)} "
+                  f"{rerun}, or raise USAGE_LIMIT_MAX_WAIT")
         super().__init__(f"the {turn.role} agent (terminal {turn.terminal_id}) stopped at its account's usage limit "
                          f"({line[:200]}); {when}")
         self.role, self.terminal_id, self.line, self.until = turn.role, turn.terminal_id, line, until
@@ -6024,8 +6022,7 @@ def begin_limit_wait(turn: Turn) -> None:
 def resume_limit_wait(turn: Turn) -> None:
     """A turn carried over while its agent waited out a usage limit: wait on, or -- the reset still too far, or
     the switch to the role's fallback CLI decided -- go over to it (or stop again); never resend it here."""
-    line, until = in_flight.limit_line, in_flight.limit_until
-    now = time.time()
+    line, until, now = in_flight.limit_line, in_flight.limit_until, time.time()
     if switch_pending(turn.role) or (until is not None and until - now > USAGE_LIMIT_MAX_WAIT):
         raise limit_outlasting(turn, line, until)
     remaining = max(0.0, (until or now) - now)
@@ -6149,20 +6146,16 @@ def act_on(turn: Turn, state: TurnState, verdict: Verdict) -> str | None:
 
 def handle_permission_prompt(turn: Turn) -> None:
     """An agent waits for a yes/no answer: say so once, or answer 'y' (rate-limited) if allowed."""
-    role, terminal_id, answers = turn.role, turn.terminal_id, turn.permissions
-    now = time.monotonic()
+    role, terminal_id, answers, now = turn.role, turn.terminal_id, turn.permissions, time.monotonic()
     step = answers.next_step(now)
     if step == "tell":
         answers.told_blocked = True
-        if not AUTO_ACCEPT_PERMISSIONS:
-            log_turn(role, f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
-                           f"`{tmux_hint('attach -t ' + session_name)}` or set AUTO_ACCEPT_PERMISSIONS=1")
-        else:
-            log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; "
-                           f"no more automatic answers (terminal {terminal_id})")
+        log_turn(role, f"blocked: {MAX_PERMISSION_ANSWERS} permission prompts answered this turn; no more automatic "
+                       f"answers (terminal {terminal_id})" if AUTO_ACCEPT_PERMISSIONS else
+                       f"blocked: terminal {terminal_id} waits for a permission answer; answer it in "
+                       f"`{tmux_hint('attach -t ' + session_name)}` or set AUTO_ACCEPT_PERMISSIONS=1")
     elif step == "answer":
-        answers.answered += 1
-        answers.last_answer_at = now
+        answers.answered, answers.last_answer_at = answers.answered + 1, now
         log_turn(role, f"permission prompt on terminal {terminal_id} answered 'y' "
                        f"({answers.answered}/{MAX_PERMISSION_ANSWERS}): {_tail(_last_output(terminal_id))}")
         deliver(role, terminal_id, "y")
