@@ -1439,15 +1439,11 @@ def set_task(prompt_text: str) -> None:
         EXPLORE_SUMMARY, SCENARIO_TEST = prompt_text.strip(), ""
 
 
-def own_settings(role: str) -> tuple[str, str, str]:
-    """The role's own provider, model and CAO profile (the first two '' when unset: PROVIDER, MODEL apply)."""
-    return tuple(globals()[f"{role.upper()}_{name}"] for name in ("PROVIDER", "MODEL", "PROFILE"))
-
-
-def own_fallback(role: str) -> tuple[str, str]:
-    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply): its
-    <ROLE>_FALLBACK_PROVIDER and <ROLE>_FALLBACK_MODEL settings."""
-    return globals()[f"{role.upper()}_FALLBACK_PROVIDER"], globals()[f"{role.upper()}_FALLBACK_MODEL"]
+def role_setting(role: str, name: str, own: bool = False) -> str:
+    """A per-role setting of the role's (<ROLE>_<name>: PROVIDER, MODEL, PROFILE, FALLBACK_PROVIDER or
+    FALLBACK_MODEL), read from its global; where the role sets none, the setting <name> of every role applies
+    (unless `own`: then '')."""
+    return globals()[f"{role.upper()}_{name}"] or ("" if own else globals().get(name, ""))
 
 
 def switched_to(role: str) -> tuple[str, str] | None:
@@ -1461,22 +1457,21 @@ def provider_for(role: str) -> str:
     """The role's provider: its fallback once the run switched the role to it, else its own if set, else
     PROVIDER."""
     switched = switched_to(role)
-    return switched[0] if switched else own_settings(role)[0] or PROVIDER
+    return switched[0] if switched else role_setting(role, "PROVIDER")
 
 
 def model_for(role: str) -> str:
     """The model the role's agent CLI is started with: its fallback's once switched, else its own, else MODEL;
     '' leaves the CLI's default."""
     switched = switched_to(role)
-    return switched[1] if switched else own_settings(role)[1] or MODEL
+    return switched[1] if switched else role_setting(role, "MODEL")
 
 
 def fallback_for(role: str) -> tuple[str, str] | None:
     """The provider and model that may take the role over at a usage limit that outlasts the wait: its own
     fallback, else FALLBACK_PROVIDER's; None when none is set, or it is the role's own CLI and model."""
-    provider = own_fallback(role)[0] or FALLBACK_PROVIDER
-    model = own_fallback(role)[1] or FALLBACK_MODEL
-    if not provider or (provider, model) == (own_settings(role)[0] or PROVIDER, own_settings(role)[1] or MODEL):
+    provider, model = role_setting(role, "FALLBACK_PROVIDER"), role_setting(role, "FALLBACK_MODEL")
+    if not provider or (provider, model) == (role_setting(role, "PROVIDER"), role_setting(role, "MODEL")):
         return None
     return provider, model
 
@@ -1494,7 +1489,7 @@ def providers_in_use() -> list[str]:
 
 def profile_for(role: str) -> str:
     """The CAO agent profile the role's terminal is created with."""
-    return own_settings(role)[2]
+    return role_setting(role, "PROFILE")
 
 
 def profiles_in_use() -> list[tuple[str, str]]:
@@ -9703,9 +9698,8 @@ def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[Chec
     if not missing:
         return []
     role, provider = missing[0]
-    kind, own = ("PROVIDER", own_settings(role)[0]) if provider == provider_for(role) else \
-        ("FALLBACK_PROVIDER", own_fallback(role)[0])
-    setting = f"{role.upper()}_{kind}" if own else kind
+    kind = "PROVIDER" if provider == provider_for(role) else "FALLBACK_PROVIDER"
+    setting = f"{role.upper()}_{kind}" if role_setting(role, kind, own=True) else kind
     installed = sorted(name for name, (_binary, present) in report.items() if present)
     what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
             f"({setting}={provider}), is not installed on its machine")
