@@ -768,20 +768,21 @@ REVIEW_CHECKLISTS: dict[str, tuple[ReviewCheck, ...]] = {
 @dataclass(frozen=True)
 class VerdictFormat:
     """A reply that ends in a verdict: its line (`label: word`) and the section that says why; the prompts (12)
-    ask with it, verdict_line() reads it."""
+    ask with it, verdict_line() reads it, reply_verdict() judges it."""
 
     label: str                     # the verdict line's label: "RESULT"
     good: str                      # the word that passes: "PASS"
     other: str                     # the word that does not: "FAIL"
     section: str                   # the section with the why: "EVIDENCE"
+    missing: str                   # what a reply without the line counts as: "FAIL"
 
     def line(self, passed: bool) -> str:
         return f"{self.label}: {self.good if passed else self.other}"
 
 
 VERDICT_FORMATS = {
-    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE"),
-    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES"),
+    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE", "FAIL"),
+    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES", "MISSING"),
 }
 
 
@@ -792,6 +793,15 @@ def verdict_line(form: VerdictFormat, text: str) -> tuple[int | None, str]:
     found = [(index, match.group(1).upper()) for index, line in enumerate((text or "").strip().splitlines())
              if (match := pattern.match(line))]
     return found[-1] if found else (None, "")
+
+
+def reply_verdict(kind: str, text: str) -> str:
+    """The verdict of a reply in the format VERDICT_FORMATS[kind]: its passing word only if the last verdict line
+    says it, else the other word; the row's `missing` without a verdict line (a review's: MISSING, a tester's:
+    FAIL)."""
+    form = VERDICT_FORMATS[kind]
+    at, word = verdict_line(form, text)
+    return form.missing if at is None else form.good if word == form.good else form.other
 
 
 @dataclass(frozen=True)
@@ -7398,15 +7408,6 @@ def _first_marker_line(lines: list[str], marker: str) -> int | None:
     return next((index for index, line in enumerate(lines) if pattern.match(line)), None)
 
 
-def review_verdict(review_text: str) -> str:
-    """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
-    form = VERDICT_FORMATS["review"]
-    at, word = verdict_line(form, review_text)
-    if at is None:
-        return "MISSING"
-    return form.good if word == form.good else form.other
-
-
 def review_evidence_matches(review_text: str, review_role: str) -> int:
     """How many of the role's evidence checks the REVIEW_NOTES section shows."""
     lines = (review_text or "").splitlines()
@@ -7424,7 +7425,7 @@ def review_evidence_matches(review_text: str, review_role: str) -> int:
 def approval_withheld(review_text: str, review_cycle: int, review_role: str) -> str:
     """Why a review does not count as approval, for the log ('' when it counts): approval counts only if stated,
     late enough, and (optionally) backed by evidence."""
-    verdict = review_verdict(review_text)
+    verdict = reply_verdict("review", review_text)
     if verdict != "APPROVED":
         return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
     if review_cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
@@ -8889,7 +8890,7 @@ def run_reviewed_phase(phase: str) -> None:
             save_state()
         review = ask_agent(reviewer, review_prompt)
         set_output(review_key, review)
-        verdict, approved = review_verdict(review), is_review_approved(review, cycle, reviewer)
+        verdict, approved = reply_verdict("review", review), is_review_approved(review, cycle, reviewer)
         note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
         log_turn(reviewer, f"verdict {verdict}: approved" if approved else
                  f"verdict {verdict}; approval not counted: {approval_withheld(review, cycle, reviewer)}")
@@ -8902,12 +8903,6 @@ def run_reviewed_phase(phase: str) -> None:
                                    "review notes carried forward")
             leave_phase(phase)
         save_state()
-
-
-def tester_result(text: str) -> str:
-    """PASS only if the last RESULT line says so; anything else is a FAIL."""
-    form = VERDICT_FORMATS["tester"]
-    return form.good if verdict_line(form, text)[1] == form.good else form.other
 
 
 def handle_tester_fail() -> None:
@@ -9117,7 +9112,7 @@ def run_tester_phase() -> str:
                  else "the tester's PASS stands: VERIFY_PASS is off now")
     elif phase_step != "approval":         # (at the commit gate the PASS, checked if asked, waits there)
         set_output("tester", ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"])))
-        result = tester_result(outputs["tester"])
+        result = reply_verdict("tester", outputs["tester"])
         note_turn_outcome(result)
         log_turn("tester", f"RESULT: {result}")
         for line in extract_test_evidence(outputs["tester"]).splitlines():
