@@ -714,13 +714,8 @@ def price_of(model: str) -> dict[str, float] | None:
                                             if any(model_is(model, asked, cli) for cli in AGENT_CLIS.values())), None)
 
 
-DEFAULT_PROFILES = {
-    "analyst": "system_analyst",
-    "peer_analyst": "peer_system_analyst",
-    "programmer": "programmer",
-    "peer_programmer": "peer_programmer",
-    "tester": "tester",
-}
+# The CAO agent profile each role starts with (profiles/): named after the role, the analysts as system analysts.
+DEFAULT_PROFILES = {role: role.replace("analyst", "system_analyst") for role in ROLES}
 
 STATE_FILE_NAME = "orchestrator-loop-state.json"
 # The shell orchestrator's name for the state file: a state file there is still used, so its run resumes.
