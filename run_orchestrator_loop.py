@@ -7756,12 +7756,15 @@ ONCE_BLOCKS: dict[str, Callable[[str], tuple[str, str]]] = {
 
 
 class PromptDraft:
-    """A prompt being written for one role's terminal; notes the once-only blocks it puts in full."""
+    """A prompt being written for one role's terminal; notes the once-only blocks it puts in full. A turn's prompt
+    (`title` given) opens with who the role is -- 'You are the <title> in a five-agent development loop', the loop
+    named on the first prompt only -- and where the run stands (`situation`), then the task and its scenario test."""
 
-    def __init__(self, role: str, terminal_id: str | None = None):
+    def __init__(self, role: str, title: str = "", situation: str = "", terminal_id: str | None = None):
         self.role = role
         self.terminal_id = terminal_ids.get(role, "") if terminal_id is None else terminal_id
         self.in_full: list[str] = []
+        self.opening = [f"You are the {title}" + self.once("intro") + situation, self.task_context()] if title else []
 
     def once(self, name: str) -> str:
         """The block in full if this terminal has not had it (or condensing is off), else its back-reference."""
@@ -7784,6 +7787,14 @@ class PromptDraft:
         conversation) or a conversation compacted or cleared since, that has had no prompt since."""
         return not self.has_history() and conversation_started_over(self.terminal_id)
 
+    def task_context(self) -> str:
+        """The task and its scenario test; one back-reference line for both once the terminal has them."""
+        explore, scenario = self.once("explore"), self.once("scenario")
+        if explore == scenario == EXPLORE_BACK_REFERENCE:
+            return f"Explore summary and scenario test:\n{EXPLORE_BACK_REFERENCE}"
+        return (f"Explore summary (the task):\n{explore}\n\n"
+                f"Scenario test (how the result will be checked):\n{scenario}")
+
     def finish(self, parts: list[str]) -> Prompt:
         """The prompt: its parts that are not empty, a person's notes to the role (--note), each carried once, and
         its closing block, the response file."""
@@ -7792,13 +7803,13 @@ class PromptDraft:
         self.in_full += [f"note-{note.id}:{self.terminal_id}" for note in notes]
         blocks = [f"Note from a person ({note.by or 'unnamed'}, {note.at or 'time unknown'}); where it differs from "
                   f"the text above, it wins:\n{note.text}" for note in notes]
-        return Prompt("\n\n".join([part for part in parts if part] + blocks + [closing]), self.in_full)
+        return Prompt("\n\n".join([part for part in self.opening + parts if part] + blocks + [closing]), self.in_full)
 
 
 def explore_block_for(terminal_id: str) -> str:
     """The explore summary: in full on the first call for this terminal, the back-reference after (spec 1's form
     of a once-only block: the call itself counts as the send)."""
-    draft = PromptDraft("analyst", terminal_id)
+    draft = PromptDraft("analyst", terminal_id=terminal_id)
     text = draft.once("explore")
     record_sent(draft.in_full)
     return text
@@ -7821,27 +7832,11 @@ def _rules(*rules: str) -> str:
     return "Rules:\n" + "\n".join(f"- {rule}" for rule in rules)
 
 
-def _task_context(draft: PromptDraft) -> str:
-    """The task and its scenario test; one back-reference line for both once the terminal has them."""
-    explore, scenario = draft.once("explore"), draft.once("scenario")
-    if explore == scenario == EXPLORE_BACK_REFERENCE:
-        return f"Explore summary and scenario test:\n{EXPLORE_BACK_REFERENCE}"
-    return (f"Explore summary (the task):\n{explore}\n\n"
-            f"Scenario test (how the result will be checked):\n{scenario}")
-
-
-def _you_are(draft: PromptDraft, title: str) -> str:
-    """'You are the <title> in a five-agent development loop': the loop is named on the first prompt only."""
-    return f"You are the {title}" + draft.once("intro")
-
-
 def build_analyst_prompt(round_num: int, analyst_cycle: int) -> Prompt:
     """Analyst turn: turn the task into an OpenSpec change and a five-part summary."""
-    draft = PromptDraft("analyst")
+    draft = PromptDraft("analyst", "system analyst",
+                        f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).")
     return draft.finish([
-        _you_are(draft, "system analyst")
-        + f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
-        _task_context(draft),
         f"Latest tester feedback:\n{_or_none(feedback)}",
         f"Previous round programmer changes (context only):\n{programmer_context_for_retry.strip()}"
         if round_num > 1 and programmer_context_for_retry.strip() else "",
@@ -7857,11 +7852,9 @@ def build_analyst_prompt(round_num: int, analyst_cycle: int) -> Prompt:
 
 def _review_prompt(reviewer: str, title: str, author: str, work: str, rules: list[str]) -> Prompt:
     """A peer reviewer's turn: the work to review, the rules, the checks with their answer format."""
-    draft = PromptDraft(reviewer)
+    draft = PromptDraft(reviewer, title, f" (round {current_round} of {MAX_ROUNDS}, review cycle {phase_cycle} of "
+                                         f"{MAX_REVIEW_CYCLES}). Review the {author}'s work.")
     return draft.finish([
-        _you_are(draft, title) + f" (round {current_round} of {MAX_ROUNDS}, "
-        f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the {author}'s work.",
-        _task_context(draft),
         f"{author[0].upper() + author[1:]} output to review:\n{_or_none(work)}",
         _rules("Review only: change no file except your response file.", *rules),
         draft.once("review-checks"),
@@ -7876,7 +7869,6 @@ def build_analyst_review_prompt(analyst_out: str) -> Prompt:
 
 def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: str) -> Prompt:
     """Programmer turn: implement the change (round 1) or fix the failed test (retry rounds)."""
-    draft = PromptDraft("programmer")
     if round_num == 1:
         situation = f"round {round_num} of {MAX_ROUNDS}, "
         # (label, text, shown when empty): what the programmer works from
@@ -7897,12 +7889,12 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
                 "artifacts with /opsx:ff; say so in your summary.\n"
                 "3. Fix the code, run the tests and fix what fails.")
+    draft = PromptDraft("programmer", "programmer",
+                        f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).")
     # The same upstream as last cycle -- unless this terminal is known to lack it (a new agent, a compacted
     # conversation).
     repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT and not draft.lacks_history()
     return draft.finish([
-        _you_are(draft, "programmer") + f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
-        _task_context(draft),
         *(f"{label}:\n{UPSTREAM_BACK_REFERENCE if repeat else text}" for label, text, always in upstream
           if always or text),
         f"Latest peer programmer feedback:\n{_or_none(programmer_feedback)}",
@@ -7936,10 +7928,8 @@ def build_programmer_review_prompt(programmer_out: str) -> Prompt:
 
 def build_tester_prompt(programmer_out: str) -> Prompt:
     """Tester turn: run the scenario test and report PASS or FAIL with evidence."""
-    draft = PromptDraft("tester")
+    draft = PromptDraft("tester", "tester", f" (round {current_round} of {MAX_ROUNDS}).")
     return draft.finish([
-        _you_are(draft, "tester") + f" (round {current_round} of {MAX_ROUNDS}).",
-        _task_context(draft),
         f"Programmer handoff:\n{_or_none(condense_programmer_for_tester(programmer_out))}",
         f"Open peer programmer notes (the code was not approved; check these too):\n{programmer_feedback.strip()}"
         if programmer_feedback.strip() else "",
@@ -7951,15 +7941,13 @@ def build_tester_prompt(programmer_out: str) -> Prompt:
 
 def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> Prompt:
     """Programmer turn in story mode: one story of the change, ending in a promise signal."""
-    draft = PromptDraft("programmer")
+    draft = PromptDraft("programmer", "programmer",
+                        f" (round {current_round} of {MAX_ROUNDS}), working story by story. This turn: story "
+                        f"{story.id} \"{story.title}\" (attempt {attempt} of {MAX_STORY_ATTEMPTS}).")
     tasks = "\n".join(f"- [{'x' if done else ' '}] {text}" for done, text in story.tasks)
     listed = "\n".join(f"[{capability}] Scenario: {name}" + "".join(f"\n  {step}" for step in steps)
                        for capability, name, steps in scenarios)
     return draft.finish([
-        _you_are(draft, "programmer") + f" (round {current_round} of {MAX_ROUNDS}), "
-        f"working story by story. This turn: story {story.id} \"{story.title}\" "
-        f"(attempt {attempt} of {MAX_STORY_ATTEMPTS}).",
-        _task_context(draft),
         f"Test failure feedback:\n{feedback.strip()}" if current_round > 1 and feedback.strip() else "",
         f"Retry of story {story.id} -- the previous attempt failed:\n{retry_reason}\n"
         "Try a different approach this time; do not repeat what failed." if retry_reason else "",
