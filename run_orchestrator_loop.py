@@ -1398,16 +1398,15 @@ TEMPLATE_PLACEHOLDERS = (
 def parse_task_prompt(text: str, source: str) -> tuple[str, str]:
     """Split a task prompt into its explore summary and scenario test sections."""
     sections: dict[str, list[str]] = {}
-    current = None
+    current: list[str] = []              # the lines before the first header: no section's
     for line in text.splitlines():
         header = line.strip()
-        if header in (EXPLORE_HEADER, SCENARIO_HEADER):
-            if header in sections:
-                raise ConfigError(f"{source}: the header line '{header}' appears twice")
-            current = header
-            sections[current] = []
-        elif current is not None:
-            sections[current].append(line)
+        if header not in (EXPLORE_HEADER, SCENARIO_HEADER):
+            current.append(line)
+        elif header in sections:
+            raise ConfigError(f"{source}: the header line '{header}' appears twice")
+        else:
+            current = sections[header] = []
     for header in (EXPLORE_HEADER, SCENARIO_HEADER):
         if header not in sections:
             raise ConfigError(f"{source}: missing the header line '{header}' (see prompt_template.md for the format)")
@@ -7476,13 +7475,11 @@ def extract_test_evidence(text: str, uncapped: bool = False) -> str:
     limit = None if uncapped else MAX_TEST_EVIDENCE_LINES
     lines = (text or "").strip().splitlines()
     result, _word = verdict_line(form, text)
-    after = _first_marker_line(lines[result:], form.section) if result is not None else None
-    evidence = result + after if result is not None and after is not None else _first_marker_line(lines, form.section)
+    after = _first_marker_line(lines[result or 0:], form.section)     # the EVIDENCE line after the RESULT line
+    evidence = (result or 0) + after if after is not None else _first_marker_line(lines, form.section)
     if evidence is None:
         return _head(text, limit)
-    kept = lines[evidence:]
-    if result is not None and result < evidence:
-        kept = [lines[result]] + kept
+    kept = ([lines[result]] if result is not None and result < evidence else []) + lines[evidence:]
     return "\n".join(kept[:limit]).strip()
 
 
