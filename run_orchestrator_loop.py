@@ -774,6 +774,10 @@ class VerdictFormat:
     def line(self, passed: bool) -> str:
         return f"{self.label}: {self.good if passed else self.other}"
 
+    def answer_format(self) -> str:
+        """How a prompt asks for the verdict: both of its lines, then the section that says why."""
+        return f"Answer format:\n{self.line(passed=True)}  (or {self.line(passed=False)})\n{self.section}:\n"
+
 
 VERDICT_FORMATS = {
     "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE", "FAIL"),
@@ -7681,10 +7685,8 @@ def _review_checks(author: str) -> tuple[str, str]:
     names = ", ".join(check.name for check in checks)
     return ("Check, citing what you looked at:\n"
             + "".join(f"{number}. {check.name}: {check.asks}\n" for number, check in enumerate(checks, 1))
-            + "\nAnswer format:\n"
-            f"{REVIEW_FORMAT.line(passed=True)}  (or {REVIEW_FORMAT.line(passed=False)})\n"
-            f"{REVIEW_FORMAT.section}:\n"
-            "- <one line of evidence per check above>\n"
+            + "\n" + REVIEW_FORMAT.answer_format()
+            + "- <one line of evidence per check above>\n"
             f"- <for REVISE: each change the {author} must make>",
             f"Checks and answer format: as in your first review -- {NUMBER_WORDS[len(checks)]} checks ({names}), "
             f"each with evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what "
@@ -7713,10 +7715,8 @@ ANSWER_FORMATS = {
         "Answer format: as in your first turn -- PROGRAMMER_SUMMARY: with Files changed, "
         "Behavior implemented, Tests run, Known gaps."),
     "tester": (
-        "Answer format:\n"
-        f"{TESTER_FORMAT.line(passed=True)}  (or {TESTER_FORMAT.line(passed=False)})\n"
-        f"{TESTER_FORMAT.section}:\n"
-        "- <commands run and the output that matters>\n"
+        TESTER_FORMAT.answer_format()
+        + "- <commands run and the output that matters>\n"
         "- <for FAIL: the failing step, error messages, stack trace lines>\n"
         "- Recommended next fix: <for FAIL: where to look first>",
         "Answer format: as in your first turn -- RESULT: PASS or RESULT: FAIL, then EVIDENCE: "
