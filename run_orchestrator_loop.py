@@ -230,25 +230,23 @@ def counted(number: int, noun: str) -> str:
 
 def log(message: str) -> None:
     """Timestamped progress on stdout: what a person or a cron log reads to follow a run (kept in run.log too)."""
-    line = f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-    emit(line)
-    keep_in_run_log(line)
+    say_line(f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}")
 
 
 def log_detail(line: str) -> None:
     """An indented line under the log line it belongs to (a command's output, test evidence)."""
-    emit(f"    {line}")
-    keep_in_run_log(f"    {line}")
+    say_line(f"    {line}")
 
 
 def say_error(line: str) -> None:
     """A line about something wrong (the run's last line when it stops): on stderr, and in run.log too."""
-    emit(line, sys.stderr)
-    keep_in_run_log(line)
+    say_line(line, sys.stderr)
 
 
-def keep_in_run_log(line: str) -> None:
-    """Append a printed line to run.log; a log file that cannot be written never stops the run."""
+def say_line(line: str, stream=None) -> None:
+    """Print a line of the run's own and append it to run.log; a log file that cannot be written never stops the
+    run."""
+    emit(line, stream)
     if run_log_file is None:
         if len(_early_log_lines) < MAX_EARLY_LOG_LINES:
             _early_log_lines.append(line)
@@ -261,8 +259,8 @@ def open_run_log(path: Path) -> None:
     """From now on every printed line also goes to `path` (appended: a resumed run goes on in the same file)."""
     global run_log_file
     run_log_file = path
-    for line in _early_log_lines:
-        keep_in_run_log(line)
+    with suppress(OSError), open(path, "a", encoding="utf-8") as handle:
+        handle.writelines(line + "\n" for line in _early_log_lines)
     _early_log_lines.clear()
 
 
