@@ -230,25 +230,23 @@ def counted(number: int, noun: str) -> str:
 
 def log(message: str) -> None:
     """Timestamped progress on stdout: what a person or a cron log reads to follow a run (kept in run.log too)."""
-    line = f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-    emit(line)
-    keep_in_run_log(line)
+    say_line(f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] {message}")
 
 
 def log_detail(line: str) -> None:
     """An indented line under the log line it belongs to (a command's output, test evidence)."""
-    emit(f"    {line}")
-    keep_in_run_log(f"    {line}")
+    say_line(f"    {line}")
 
 
 def say_error(line: str) -> None:
     """A line about something wrong (the run's last line when it stops): on stderr, and in run.log too."""
-    emit(line, sys.stderr)
-    keep_in_run_log(line)
+    say_line(line, sys.stderr)
 
 
-def keep_in_run_log(line: str) -> None:
-    """Append a printed line to run.log; a log file that cannot be written never stops the run."""
+def say_line(line: str, stream=None) -> None:
+    """Print a line of the run's own and append it to run.log; a log file that cannot be written never stops the
+    run."""
+    emit(line, stream)
     if run_log_file is None:
         if len(_early_log_lines) < MAX_EARLY_LOG_LINES:
             _early_log_lines.append(line)
@@ -261,8 +259,8 @@ def open_run_log(path: Path) -> None:
     """From now on every printed line also goes to `path` (appended: a resumed run goes on in the same file)."""
     global run_log_file
     run_log_file = path
-    for line in _early_log_lines:
-        keep_in_run_log(line)
+    with suppress(OSError), open(path, "a", encoding="utf-8") as handle:
+        handle.writelines(line + "\n" for line in _early_log_lines)
     _early_log_lines.clear()
 
 
@@ -714,13 +712,8 @@ def price_of(model: str) -> dict[str, float] | None:
                                             if any(model_is(model, asked, cli) for cli in AGENT_CLIS.values())), None)
 
 
-DEFAULT_PROFILES = {
-    "analyst": "system_analyst",
-    "peer_analyst": "peer_system_analyst",
-    "programmer": "programmer",
-    "peer_programmer": "peer_programmer",
-    "tester": "tester",
-}
+# The CAO agent profile each role starts with (profiles/): named after the role, the analysts as system analysts.
+DEFAULT_PROFILES = {role: role.replace("analyst", "system_analyst") for role in ROLES}
 
 STATE_FILE_NAME = "orchestrator-loop-state.json"
 # The shell orchestrator's name for the state file: a state file there is still used, so its run resumes.
@@ -768,20 +761,25 @@ REVIEW_CHECKLISTS: dict[str, tuple[ReviewCheck, ...]] = {
 @dataclass(frozen=True)
 class VerdictFormat:
     """A reply that ends in a verdict: its line (`label: word`) and the section that says why; the prompts (12)
-    ask with it, verdict_line() reads it."""
+    ask with it, verdict_line() reads it, reply_verdict() judges it."""
 
     label: str                     # the verdict line's label: "RESULT"
     good: str                      # the word that passes: "PASS"
     other: str                     # the word that does not: "FAIL"
     section: str                   # the section with the why: "EVIDENCE"
+    missing: str                   # what a reply without the line counts as: "FAIL"
 
     def line(self, passed: bool) -> str:
         return f"{self.label}: {self.good if passed else self.other}"
 
+    def answer_format(self) -> str:
+        """How a prompt asks for the verdict: both of its lines, then the section that says why."""
+        return f"Answer format:\n{self.line(passed=True)}  (or {self.line(passed=False)})\n{self.section}:\n"
+
 
 VERDICT_FORMATS = {
-    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE"),
-    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES"),
+    "tester": VerdictFormat("RESULT", "PASS", "FAIL", "EVIDENCE", "FAIL"),
+    "review": VerdictFormat("REVIEW_RESULT", "APPROVED", "REVISE", "REVIEW_NOTES", "MISSING"),
 }
 
 
@@ -792,6 +790,15 @@ def verdict_line(form: VerdictFormat, text: str) -> tuple[int | None, str]:
     found = [(index, match.group(1).upper()) for index, line in enumerate((text or "").strip().splitlines())
              if (match := pattern.match(line))]
     return found[-1] if found else (None, "")
+
+
+def reply_verdict(kind: str, text: str) -> str:
+    """The verdict of a reply in the format VERDICT_FORMATS[kind]: its passing word only if the last verdict line
+    says it, else the other word; the row's `missing` without a verdict line (a review's: MISSING, a tester's:
+    FAIL)."""
+    form = VERDICT_FORMATS[kind]
+    at, word = verdict_line(form, text)
+    return form.missing if at is None else form.good if word == form.good else form.other
 
 
 @dataclass(frozen=True)
@@ -1060,7 +1067,8 @@ KINDS: dict[str, Kind] = {
     "seconds0": Kind("a number of seconds of at least 0", lambda v: _is_seconds(v, False), float),
     "seconds": Kind("a number of seconds greater than 0", lambda v: _is_seconds(v, True), float),
     "amount0": Kind("a number of at least 0", lambda v: _is_seconds(v, False), float),
-    "provider": Kind("one of " + ", ".join(AGENT_CLIS), lambda v: v in AGENT_CLIS, choices=AGENT_CLIS),
+    "provider": Kind("one of " + ", ".join(AGENT_CLIS), lambda v: isinstance(v, str) and v in AGENT_CLIS,
+                     choices=AGENT_CLIS),
     "role_provider": Kind("empty or one of " + ", ".join(AGENT_CLIS),
                           lambda v: isinstance(v, str) and (not v or v in AGENT_CLIS), choices=AGENT_CLIS),
     "role": Kind("one of " + ", ".join(ROLES), lambda v: v in ROLES, choices=ROLES),
@@ -1392,16 +1400,15 @@ TEMPLATE_PLACEHOLDERS = (
 def parse_task_prompt(text: str, source: str) -> tuple[str, str]:
     """Split a task prompt into its explore summary and scenario test sections."""
     sections: dict[str, list[str]] = {}
-    current = None
+    current: list[str] = []              # the lines before the first header: no section's
     for line in text.splitlines():
         header = line.strip()
-        if header in (EXPLORE_HEADER, SCENARIO_HEADER):
-            if header in sections:
-                raise ConfigError(f"{source}: the header line '{header}' appears twice")
-            current = header
-            sections[current] = []
-        elif current is not None:
-            sections[current].append(line)
+        if header not in (EXPLORE_HEADER, SCENARIO_HEADER):
+            current.append(line)
+        elif header in sections:
+            raise ConfigError(f"{source}: the header line '{header}' appears twice")
+        else:
+            current = sections[header] = []
     for header in (EXPLORE_HEADER, SCENARIO_HEADER):
         if header not in sections:
             raise ConfigError(f"{source}: missing the header line '{header}' (see prompt_template.md for the format)")
@@ -1439,15 +1446,11 @@ def set_task(prompt_text: str) -> None:
         EXPLORE_SUMMARY, SCENARIO_TEST = prompt_text.strip(), ""
 
 
-def own_settings(role: str) -> tuple[str, str, str]:
-    """The role's own provider, model and CAO profile (the first two '' when unset: PROVIDER, MODEL apply)."""
-    return tuple(globals()[f"{role.upper()}_{name}"] for name in ("PROVIDER", "MODEL", "PROFILE"))
-
-
-def own_fallback(role: str) -> tuple[str, str]:
-    """The role's own fallback provider and model ('' when unset: FALLBACK_PROVIDER, FALLBACK_MODEL apply): its
-    <ROLE>_FALLBACK_PROVIDER and <ROLE>_FALLBACK_MODEL settings."""
-    return globals()[f"{role.upper()}_FALLBACK_PROVIDER"], globals()[f"{role.upper()}_FALLBACK_MODEL"]
+def role_setting(role: str, name: str, own: bool = False) -> str:
+    """A per-role setting of the role's (<ROLE>_<name>: PROVIDER, MODEL, PROFILE, FALLBACK_PROVIDER or
+    FALLBACK_MODEL), read from its global; where the role sets none, the setting <name> of every role applies
+    (unless `own`: then '')."""
+    return globals()[f"{role.upper()}_{name}"] or ("" if own else globals().get(name, ""))
 
 
 def switched_to(role: str) -> tuple[str, str] | None:
@@ -1461,22 +1464,21 @@ def provider_for(role: str) -> str:
     """The role's provider: its fallback once the run switched the role to it, else its own if set, else
     PROVIDER."""
     switched = switched_to(role)
-    return switched[0] if switched else own_settings(role)[0] or PROVIDER
+    return switched[0] if switched else role_setting(role, "PROVIDER")
 
 
 def model_for(role: str) -> str:
     """The model the role's agent CLI is started with: its fallback's once switched, else its own, else MODEL;
     '' leaves the CLI's default."""
     switched = switched_to(role)
-    return switched[1] if switched else own_settings(role)[1] or MODEL
+    return switched[1] if switched else role_setting(role, "MODEL")
 
 
 def fallback_for(role: str) -> tuple[str, str] | None:
     """The provider and model that may take the role over at a usage limit that outlasts the wait: its own
     fallback, else FALLBACK_PROVIDER's; None when none is set, or it is the role's own CLI and model."""
-    provider = own_fallback(role)[0] or FALLBACK_PROVIDER
-    model = own_fallback(role)[1] or FALLBACK_MODEL
-    if not provider or (provider, model) == (own_settings(role)[0] or PROVIDER, own_settings(role)[1] or MODEL):
+    provider, model = role_setting(role, "FALLBACK_PROVIDER"), role_setting(role, "FALLBACK_MODEL")
+    if not provider or (provider, model) == (role_setting(role, "PROVIDER"), role_setting(role, "MODEL")):
         return None
     return provider, model
 
@@ -1494,7 +1496,7 @@ def providers_in_use() -> list[str]:
 
 def profile_for(role: str) -> str:
     """The CAO agent profile the role's terminal is created with."""
-    return own_settings(role)[2]
+    return role_setting(role, "PROFILE")
 
 
 def profiles_in_use() -> list[tuple[str, str]]:
@@ -7397,15 +7399,6 @@ def _first_marker_line(lines: list[str], marker: str) -> int | None:
     return next((index for index, line in enumerate(lines) if pattern.match(line)), None)
 
 
-def review_verdict(review_text: str) -> str:
-    """APPROVED, REVISE or MISSING, from the last REVIEW_RESULT line of a review."""
-    form = VERDICT_FORMATS["review"]
-    at, word = verdict_line(form, review_text)
-    if at is None:
-        return "MISSING"
-    return form.good if word == form.good else form.other
-
-
 def review_evidence_matches(review_text: str, review_role: str) -> int:
     """How many of the role's evidence checks the REVIEW_NOTES section shows."""
     lines = (review_text or "").splitlines()
@@ -7423,7 +7416,7 @@ def review_evidence_matches(review_text: str, review_role: str) -> int:
 def approval_withheld(review_text: str, review_cycle: int, review_role: str) -> str:
     """Why a review does not count as approval, for the log ('' when it counts): approval counts only if stated,
     late enough, and (optionally) backed by evidence."""
-    verdict = review_verdict(review_text)
+    verdict = reply_verdict("review", review_text)
     if verdict != "APPROVED":
         return "reviewer asks for changes" if verdict == "REVISE" else "no REVIEW_RESULT line"
     if review_cycle < MIN_REVIEW_CYCLES_BEFORE_APPROVAL:
@@ -7478,13 +7471,11 @@ def extract_test_evidence(text: str, uncapped: bool = False) -> str:
     limit = None if uncapped else MAX_TEST_EVIDENCE_LINES
     lines = (text or "").strip().splitlines()
     result, _word = verdict_line(form, text)
-    after = _first_marker_line(lines[result:], form.section) if result is not None else None
-    evidence = result + after if result is not None and after is not None else _first_marker_line(lines, form.section)
+    after = _first_marker_line(lines[result or 0:], form.section)     # the EVIDENCE line after the RESULT line
+    evidence = (result or 0) + after if after is not None else _first_marker_line(lines, form.section)
     if evidence is None:
         return _head(text, limit)
-    kept = lines[evidence:]
-    if result is not None and result < evidence:
-        kept = [lines[result]] + kept
+    kept = ([lines[result]] if result is not None and result < evidence else []) + lines[evidence:]
     return "\n".join(kept[:limit]).strip()
 
 
@@ -7686,10 +7677,8 @@ def _review_checks(author: str) -> tuple[str, str]:
     names = ", ".join(check.name for check in checks)
     return ("Check, citing what you looked at:\n"
             + "".join(f"{number}. {check.name}: {check.asks}\n" for number, check in enumerate(checks, 1))
-            + "\nAnswer format:\n"
-            f"{REVIEW_FORMAT.line(passed=True)}  (or {REVIEW_FORMAT.line(passed=False)})\n"
-            f"{REVIEW_FORMAT.section}:\n"
-            "- <one line of evidence per check above>\n"
+            + "\n" + REVIEW_FORMAT.answer_format()
+            + "- <one line of evidence per check above>\n"
             f"- <for REVISE: each change the {author} must make>",
             f"Checks and answer format: as in your first review -- {NUMBER_WORDS[len(checks)]} checks ({names}), "
             f"each with evidence; REVIEW_RESULT: APPROVED or REVISE, then REVIEW_NOTES: (for REVISE, what "
@@ -7718,10 +7707,8 @@ ANSWER_FORMATS = {
         "Answer format: as in your first turn -- PROGRAMMER_SUMMARY: with Files changed, "
         "Behavior implemented, Tests run, Known gaps."),
     "tester": (
-        "Answer format:\n"
-        f"{TESTER_FORMAT.line(passed=True)}  (or {TESTER_FORMAT.line(passed=False)})\n"
-        f"{TESTER_FORMAT.section}:\n"
-        "- <commands run and the output that matters>\n"
+        TESTER_FORMAT.answer_format()
+        + "- <commands run and the output that matters>\n"
         "- <for FAIL: the failing step, error messages, stack trace lines>\n"
         "- Recommended next fix: <for FAIL: where to look first>",
         "Answer format: as in your first turn -- RESULT: PASS or RESULT: FAIL, then EVIDENCE: "
@@ -7758,12 +7745,15 @@ ONCE_BLOCKS: dict[str, Callable[[str], tuple[str, str]]] = {
 
 
 class PromptDraft:
-    """A prompt being written for one role's terminal; notes the once-only blocks it puts in full."""
+    """A prompt being written for one role's terminal; notes the once-only blocks it puts in full. A turn's prompt
+    (`title` given) opens with who the role is -- 'You are the <title> in a five-agent development loop', the loop
+    named on the first prompt only -- and where the run stands (`situation`), then the task and its scenario test."""
 
-    def __init__(self, role: str, terminal_id: str | None = None):
+    def __init__(self, role: str, title: str = "", situation: str = "", terminal_id: str | None = None):
         self.role = role
         self.terminal_id = terminal_ids.get(role, "") if terminal_id is None else terminal_id
         self.in_full: list[str] = []
+        self.opening = [f"You are the {title}" + self.once("intro") + situation, self.task_context()] if title else []
 
     def once(self, name: str) -> str:
         """The block in full if this terminal has not had it (or condensing is off), else its back-reference."""
@@ -7786,6 +7776,14 @@ class PromptDraft:
         conversation) or a conversation compacted or cleared since, that has had no prompt since."""
         return not self.has_history() and conversation_started_over(self.terminal_id)
 
+    def task_context(self) -> str:
+        """The task and its scenario test; one back-reference line for both once the terminal has them."""
+        explore, scenario = self.once("explore"), self.once("scenario")
+        if explore == scenario == EXPLORE_BACK_REFERENCE:
+            return f"Explore summary and scenario test:\n{EXPLORE_BACK_REFERENCE}"
+        return (f"Explore summary (the task):\n{explore}\n\n"
+                f"Scenario test (how the result will be checked):\n{scenario}")
+
     def finish(self, parts: list[str]) -> Prompt:
         """The prompt: its parts that are not empty, a person's notes to the role (--note), each carried once, and
         its closing block, the response file."""
@@ -7794,13 +7792,13 @@ class PromptDraft:
         self.in_full += [f"note-{note.id}:{self.terminal_id}" for note in notes]
         blocks = [f"Note from a person ({note.by or 'unnamed'}, {note.at or 'time unknown'}); where it differs from "
                   f"the text above, it wins:\n{note.text}" for note in notes]
-        return Prompt("\n\n".join([part for part in parts if part] + blocks + [closing]), self.in_full)
+        return Prompt("\n\n".join([part for part in self.opening + parts if part] + blocks + [closing]), self.in_full)
 
 
 def explore_block_for(terminal_id: str) -> str:
     """The explore summary: in full on the first call for this terminal, the back-reference after (spec 1's form
     of a once-only block: the call itself counts as the send)."""
-    draft = PromptDraft("analyst", terminal_id)
+    draft = PromptDraft("analyst", terminal_id=terminal_id)
     text = draft.once("explore")
     record_sent(draft.in_full)
     return text
@@ -7823,27 +7821,11 @@ def _rules(*rules: str) -> str:
     return "Rules:\n" + "\n".join(f"- {rule}" for rule in rules)
 
 
-def _task_context(draft: PromptDraft) -> str:
-    """The task and its scenario test; one back-reference line for both once the terminal has them."""
-    explore, scenario = draft.once("explore"), draft.once("scenario")
-    if explore == scenario == EXPLORE_BACK_REFERENCE:
-        return f"Explore summary and scenario test:\n{EXPLORE_BACK_REFERENCE}"
-    return (f"Explore summary (the task):\n{explore}\n\n"
-            f"Scenario test (how the result will be checked):\n{scenario}")
-
-
-def _you_are(draft: PromptDraft, title: str) -> str:
-    """'You are the <title> in a five-agent development loop': the loop is named on the first prompt only."""
-    return f"You are the {title}" + draft.once("intro")
-
-
 def build_analyst_prompt(round_num: int, analyst_cycle: int) -> Prompt:
     """Analyst turn: turn the task into an OpenSpec change and a five-part summary."""
-    draft = PromptDraft("analyst")
+    draft = PromptDraft("analyst", "system analyst",
+                        f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).")
     return draft.finish([
-        _you_are(draft, "system analyst")
-        + f" (round {round_num} of {MAX_ROUNDS}, analyst cycle {analyst_cycle} of {MAX_REVIEW_CYCLES}).",
-        _task_context(draft),
         f"Latest tester feedback:\n{_or_none(feedback)}",
         f"Previous round programmer changes (context only):\n{programmer_context_for_retry.strip()}"
         if round_num > 1 and programmer_context_for_retry.strip() else "",
@@ -7859,11 +7841,9 @@ def build_analyst_prompt(round_num: int, analyst_cycle: int) -> Prompt:
 
 def _review_prompt(reviewer: str, title: str, author: str, work: str, rules: list[str]) -> Prompt:
     """A peer reviewer's turn: the work to review, the rules, the checks with their answer format."""
-    draft = PromptDraft(reviewer)
+    draft = PromptDraft(reviewer, title, f" (round {current_round} of {MAX_ROUNDS}, review cycle {phase_cycle} of "
+                                         f"{MAX_REVIEW_CYCLES}). Review the {author}'s work.")
     return draft.finish([
-        _you_are(draft, title) + f" (round {current_round} of {MAX_ROUNDS}, "
-        f"review cycle {phase_cycle} of {MAX_REVIEW_CYCLES}). Review the {author}'s work.",
-        _task_context(draft),
         f"{author[0].upper() + author[1:]} output to review:\n{_or_none(work)}",
         _rules("Review only: change no file except your response file.", *rules),
         draft.once("review-checks"),
@@ -7878,7 +7858,6 @@ def build_analyst_review_prompt(analyst_out: str) -> Prompt:
 
 def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: str) -> Prompt:
     """Programmer turn: implement the change (round 1) or fix the failed test (retry rounds)."""
-    draft = PromptDraft("programmer")
     if round_num == 1:
         situation = f"round {round_num} of {MAX_ROUNDS}, "
         # (label, text, shown when empty): what the programmer works from
@@ -7899,12 +7878,12 @@ def build_programmer_prompt(round_num: int, programmer_cycle: int, analyst_out: 
                 "2. If the failure shows that the spec or design is wrong, you may update the OpenSpec "
                 "artifacts with /opsx:ff; say so in your summary.\n"
                 "3. Fix the code, run the tests and fix what fails.")
+    draft = PromptDraft("programmer", "programmer",
+                        f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).")
     # The same upstream as last cycle -- unless this terminal is known to lack it (a new agent, a compacted
     # conversation).
     repeat = programmer_cycle > 1 and CONDENSE_UPSTREAM_ON_REPEAT and not draft.lacks_history()
     return draft.finish([
-        _you_are(draft, "programmer") + f" ({situation}programmer cycle {programmer_cycle} of {MAX_REVIEW_CYCLES}).",
-        _task_context(draft),
         *(f"{label}:\n{UPSTREAM_BACK_REFERENCE if repeat else text}" for label, text, always in upstream
           if always or text),
         f"Latest peer programmer feedback:\n{_or_none(programmer_feedback)}",
@@ -7938,10 +7917,8 @@ def build_programmer_review_prompt(programmer_out: str) -> Prompt:
 
 def build_tester_prompt(programmer_out: str) -> Prompt:
     """Tester turn: run the scenario test and report PASS or FAIL with evidence."""
-    draft = PromptDraft("tester")
+    draft = PromptDraft("tester", "tester", f" (round {current_round} of {MAX_ROUNDS}).")
     return draft.finish([
-        _you_are(draft, "tester") + f" (round {current_round} of {MAX_ROUNDS}).",
-        _task_context(draft),
         f"Programmer handoff:\n{_or_none(condense_programmer_for_tester(programmer_out))}",
         f"Open peer programmer notes (the code was not approved; check these too):\n{programmer_feedback.strip()}"
         if programmer_feedback.strip() else "",
@@ -7953,15 +7930,13 @@ def build_tester_prompt(programmer_out: str) -> Prompt:
 
 def build_story_prompt(story: Story, change_dir: Path, scenarios: list, attempt: int, retry_reason: str) -> Prompt:
     """Programmer turn in story mode: one story of the change, ending in a promise signal."""
-    draft = PromptDraft("programmer")
+    draft = PromptDraft("programmer", "programmer",
+                        f" (round {current_round} of {MAX_ROUNDS}), working story by story. This turn: story "
+                        f"{story.id} \"{story.title}\" (attempt {attempt} of {MAX_STORY_ATTEMPTS}).")
     tasks = "\n".join(f"- [{'x' if done else ' '}] {text}" for done, text in story.tasks)
     listed = "\n".join(f"[{capability}] Scenario: {name}" + "".join(f"\n  {step}" for step in steps)
                        for capability, name, steps in scenarios)
     return draft.finish([
-        _you_are(draft, "programmer") + f" (round {current_round} of {MAX_ROUNDS}), "
-        f"working story by story. This turn: story {story.id} \"{story.title}\" "
-        f"(attempt {attempt} of {MAX_STORY_ATTEMPTS}).",
-        _task_context(draft),
         f"Test failure feedback:\n{feedback.strip()}" if current_round > 1 and feedback.strip() else "",
         f"Retry of story {story.id} -- the previous attempt failed:\n{retry_reason}\n"
         "Try a different approach this time; do not repeat what failed." if retry_reason else "",
@@ -8888,7 +8863,7 @@ def run_reviewed_phase(phase: str) -> None:
             save_state()
         review = ask_agent(reviewer, review_prompt)
         set_output(review_key, review)
-        verdict, approved = review_verdict(review), is_review_approved(review, cycle, reviewer)
+        verdict, approved = reply_verdict("review", review), is_review_approved(review, cycle, reviewer)
         note_turn_outcome(verdict if approved else f"{verdict} (not counted)")
         log_turn(reviewer, f"verdict {verdict}: approved" if approved else
                  f"verdict {verdict}; approval not counted: {approval_withheld(review, cycle, reviewer)}")
@@ -8901,12 +8876,6 @@ def run_reviewed_phase(phase: str) -> None:
                                    "review notes carried forward")
             leave_phase(phase)
         save_state()
-
-
-def tester_result(text: str) -> str:
-    """PASS only if the last RESULT line says so; anything else is a FAIL."""
-    form = VERDICT_FORMATS["tester"]
-    return form.good if verdict_line(form, text)[1] == form.good else form.other
 
 
 def handle_tester_fail() -> None:
@@ -9116,7 +9085,7 @@ def run_tester_phase() -> str:
                  else "the tester's PASS stands: VERIFY_PASS is off now")
     elif phase_step != "approval":         # (at the commit gate the PASS, checked if asked, waits there)
         set_output("tester", ask_agent("tester", lambda: build_tester_prompt(outputs["programmer"])))
-        result = tester_result(outputs["tester"])
+        result = reply_verdict("tester", outputs["tester"])
         note_turn_outcome(result)
         log_turn("tester", f"RESULT: {result}")
         for line in extract_test_evidence(outputs["tester"]).splitlines():
@@ -9697,9 +9666,8 @@ def check_reported_clis(report: dict[str, tuple[str, bool]] | None) -> list[Chec
     if not missing:
         return []
     role, provider = missing[0]
-    kind, own = ("PROVIDER", own_settings(role)[0]) if provider == provider_for(role) else \
-        ("FALLBACK_PROVIDER", own_fallback(role)[0])
-    setting = f"{role.upper()}_{kind}" if own else kind
+    kind = "PROVIDER" if provider == provider_for(role) else "FALLBACK_PROVIDER"
+    setting = f"{role.upper()}_{kind}" if role_setting(role, kind, own=True) else kind
     installed = sorted(name for name, (_binary, present) in report.items() if present)
     what = (f"cao-server at {API} reports that `{report[provider][0]}`, the CLI of provider {provider} "
             f"({setting}={provider}), is not installed on its machine")

@@ -54,15 +54,15 @@ def test_a_review_that_makes_each_check_the_prompt_lists_is_approved(m, reviewer
     assert m.review_evidence_matches(review, reviewer) == len(checks)
     assert m.is_review_approved(review, 1, reviewer)
     revise = written_as_asked(answer, alternative=True)
-    assert m.review_verdict(revise) == "REVISE" and not m.is_review_approved(revise, 1, reviewer)
+    assert m.reply_verdict("review", revise) == "REVISE" and not m.is_review_approved(revise, 1, reviewer)
 
 
 def test_a_tester_reply_in_the_prompts_format_is_read_as_its_result(m):
     prompt = m.build_tester_prompt(PROGRAMMER_OUT)
     answer = format_lines(prompt, "RESULT:")
-    assert m.tester_result(written_as_asked(answer)) == "PASS"
+    assert m.reply_verdict("tester", written_as_asked(answer)) == "PASS"
     failed = written_as_asked(answer, alternative=True)
-    assert m.tester_result(failed) == "FAIL"
+    assert m.reply_verdict("tester", failed) == "FAIL"
     evidence = m.extract_test_evidence(failed)
     assert evidence.startswith("RESULT: FAIL\nEVIDENCE:") and "Recommended next fix" in evidence
 
@@ -162,7 +162,7 @@ def test_the_loops_own_fail_is_written_in_the_testers_row(m, tmp_path, monkeypat
     monkeypatch.setattr(m, "save_state", lambda: None)
     assert m.verify_pass() == "FAIL"
     written = m.outputs["tester"]
-    assert m.tester_result(written) == "FAIL"
+    assert m.reply_verdict("tester", written) == "FAIL"
     assert m.extract_test_evidence(written).startswith(
         f"{m.TESTER_FORMAT.line(passed=False)}\n{m.TESTER_FORMAT.section}:")
 
@@ -172,5 +172,5 @@ def test_verdict_and_evidence_come_from_the_same_result_line(m):
     section under that line, not the first one."""
     reply = ("RESULT: FAIL\nEVIDENCE:\n- first try failed\n\nRan it again after the fix.\n"
              "RESULT: PASS\nEVIDENCE:\n- all green\n")
-    assert m.tester_result(reply) == "PASS"
+    assert m.reply_verdict("tester", reply) == "PASS"
     assert m.extract_test_evidence(reply) == "RESULT: PASS\nEVIDENCE:\n- all green"

@@ -116,7 +116,7 @@ def test_last_review_result_line_wins_revise_after_approved(orch):
     """Spec 1 Review approval with evidence gate: APPROVED followed by a later REVISE line -> False."""
     text = ("REVIEW_RESULT: APPROVED\nOn second look the contracts are vague.\nREVIEW_RESULT: REVISE\n"
             "REVIEW_NOTES:\n" + "\n".join(ANALYST_EVIDENCE))
-    assert orch.review_verdict(text) == "REVISE"
+    assert orch.reply_verdict("review", text) == "REVISE"
     assert orch.is_review_approved(text, 2, "peer_analyst") is False
 
 
@@ -124,7 +124,7 @@ def test_last_review_result_line_wins_approved_after_revise(orch):
     """Spec 1 Review approval with evidence gate: REVISE followed by a later APPROVED line -> True."""
     text = ("REVIEW_RESULT: REVISE\nThe issue was fixed while reviewing.\nREVIEW_RESULT: APPROVED\n"
             "REVIEW_NOTES:\n" + "\n".join(ANALYST_EVIDENCE))
-    assert orch.review_verdict(text) == "APPROVED"
+    assert orch.reply_verdict("review", text) == "APPROVED"
     assert orch.is_review_approved(text, 2, "peer_analyst") is True
 
 
@@ -273,6 +273,6 @@ def test_review_result_counts_only_at_the_start_of_a_line(orch):
     """A REVIEW_RESULT quoted inside a note is not the reviewer's verdict."""
     text = ("REVIEW_RESULT: REVISE\nREVIEW_NOTES:\n- artifact proposal P1 traceability downstream contract\n"
             "- will say REVIEW_RESULT: APPROVED once the handoff is actionable\n")
-    assert orch.review_verdict(text) == "REVISE"
+    assert orch.reply_verdict("review", text) == "REVISE"
     assert orch.is_review_approved(text, 3, "analyst") is False
-    assert orch.review_verdict("**REVIEW_RESULT:** APPROVED") == "APPROVED"
+    assert orch.reply_verdict("review", "**REVIEW_RESULT:** APPROVED") == "APPROVED"

@@ -36,7 +36,7 @@ def test_default_replies_pass_the_loops_checks(bare_agent, orch):
     texts = agent_module.DEFAULT_TEXTS
     assert orch.is_review_approved(texts["peer_analyst"], 2, "peer_analyst")
     assert orch.is_review_approved(texts["peer_programmer"], 2, "peer_programmer")
-    assert orch.tester_result(texts["tester"]) == "PASS"
+    assert orch.reply_verdict("tester", texts["tester"]) == "PASS"
 
 
 def test_turns_are_counted_in_the_process_without_a_home(bare_agent, tmp_path):

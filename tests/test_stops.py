@@ -24,9 +24,9 @@ def test_a_fault_of_the_loop_exits_70_keeps_its_traceback_and_a_rerun_goes_on(lo
     same command goes on from the reply already taken."""
     m = load_orch(PROMPT_FILE=str(prompt_file), **TESTER_ONLY)
 
-    def faulty(text):
+    def faulty(kind, text):
         return {}["verdict"]
-    monkeypatch.setattr(m, "tester_result", faulty)
+    monkeypatch.setattr(m, "reply_verdict", faulty)
     assert run_main(m) == 70
     err = capsys.readouterr().err.strip().splitlines()[-1]
     kept = Path(m.run_dir) / "traceback.txt"

@@ -26,10 +26,10 @@ import sys
 sys.path.insert(0, {str(REPO_ROOT)!r})
 import run_orchestrator_loop as loop
 
-def faulty(text):
+def faulty(kind, text):
     return {{}}["verdict"]
 
-loop.tester_result = faulty
+loop.reply_verdict = faulty
 loop.main()
 """
 
