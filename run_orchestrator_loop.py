@@ -8114,12 +8114,12 @@ def git(args: list[str], cwd: str, timeout: float = GIT_TIMEOUT_SECONDS,
     return run_command(["git", *args], cwd, timeout, input_text, GIT_ENV)
 
 
-def git_top(directory: str) -> str:
-    """The top of the git work tree holding `directory`, '' if there is none (or no git)."""
+def git_top(directory: str) -> str | None:
+    """The top of the git work tree holding `directory`, '' if there is none, None if git cannot be run."""
     try:
         code, out, _ = git(["rev-parse", "--show-toplevel"], directory)
     except OSError:
-        return ""
+        return None
     return out.strip() if code == 0 else ""
 
 
@@ -8258,13 +8258,6 @@ def stage_and_commit(top: str, paths: list[str], untracked: list[str], archive: 
     return {"result": "committed", "commit": sha, "files": paths}
 
 
-def _git_installed() -> bool:
-    try:
-        return git(["--version"], WD)[0] == 0
-    except OSError:
-        return False
-
-
 def commit_run(archive: dict) -> dict:
     """COMMIT_ON_PASS: commit exactly the paths the run changed (`git commit --only`: what the user had staged
     stays staged and out of it); the outcome for after_run."""
@@ -8274,7 +8267,7 @@ def commit_run(archive: dict) -> dict:
         return {"result": "skipped", "reason": "archive failed"}
     top = git_top(WD)
     if not top:
-        why = "git is not installed" if not _git_installed() else f"{WD} is not in a git repository"
+        why = "git is not installed" if top is None else f"{WD} is not in a git repository"
         return step_outcome("commit", "skipped", why, " (git init it to have runs committed)")
     try:
         paths, untracked, accidents = choose_commit_paths(top)
