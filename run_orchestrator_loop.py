@@ -10762,13 +10762,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(EXIT_PASS)
     config = [options.config] if options.config else []
     refuse_mixed_options(options, config)
-    if options.demo is not None:
-        raise SystemExit(demo_command(options.demo))
-    if options.status:
-        raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
-    if options.check:
-        raise SystemExit(check_command(config))
-    raise SystemExit(person_command(config, options) if given_commands(options) else run_command_line(config))
+    raise SystemExit(demo_command(options.demo) if options.demo is not None else
+                     status_command(config, as_json=options.json, follow=options.follow) if options.status else
+                     check_command(config) if options.check else
+                     person_command(config, options) if given_commands(options) else run_command_line(config))
 
 
 if __name__ == "__main__":
