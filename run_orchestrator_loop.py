@@ -10613,20 +10613,14 @@ def run_command_line(args: list[str]) -> int:
         (log if finished else say_error)(line)
     finally:
         StopSignals.stopping = True            # the run ends now: a stop from here on is this end, held till it is done
+        # The run's end: a stop held here changes nothing, the run ends as it was ending, with its own exit code.
         with signals_held("ending the run (its state saved, what it started ended)", raise_after=False):
-            code = end_run(code, started)
+            if started:
+                code = wind_down(code)
+            own_stage.end()
+            RunLock.give_back()
         set_stop_handlers(previous_handlers)
         StopSignals.stopping = False
-    return code
-
-
-def end_run(code: int, started: bool) -> int:
-    """The run's end, under held stop signals: the wind-down of a started run, its own server ended, the lock
-    released. A stop held here changes nothing: the run ends as it was ending, with its own exit code."""
-    if started:
-        code = wind_down(code)
-    own_stage.end()
-    RunLock.give_back()
     return code
 
 
