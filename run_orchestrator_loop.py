@@ -8338,30 +8338,23 @@ def record_after_run(**done: object) -> None:
     save_state()
 
 
-def _after_run_notes() -> list[str]:
-    """Short words on the archive and commit for the run's last line."""
-    notes = []
+def run_end_line(result: str) -> str:
+    """The run's last line: its result, and after a PASS short words on what the archive and commit did."""
+    if result != "PASS":
+        return (f"FAIL: stopped without progress after round {current_round} (the same failure for "
+                f"{counted(no_progress_stop['rounds'], 'round')} in a row)" if no_progress_stop else
+                f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}")
+    parts = [f"PASS in round {current_round}"]
     archive, commit = after_run.archive, after_run.commit
     if ARCHIVE_ON_PASS and archive is not None:
-        result = archive.get("result")
-        notes.append(f"OpenSpec change {archive.get('change')} archived" if result == "archived" else
-                     f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
+        done = archive.get("result")
+        parts.append(f"OpenSpec change {archive.get('change')} archived" if done == "archived" else
+                     f"archive {done}: {archive.get('reason', '')}".rstrip(": "))
     if COMMIT_ON_PASS and commit is not None:
-        result = commit.get("result")
-        notes.append(f"committed {commit.get('commit')} ({counted(len(commit.get('files', [])), 'file')})"
-                     if result == "committed" else "nothing to commit" if result == "nothing" else
-                     f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
-    return notes
-
-
-def run_end_line(result: str) -> str:
-    """The run's last line: its result, and after a PASS what the archive and commit did."""
-    parts = [f"PASS in round {current_round}" if result == "PASS" else
-             f"FAIL: stopped without progress after round {current_round} (the same failure for "
-             f"{counted(no_progress_stop['rounds'], 'round')} in a row)" if no_progress_stop else
-             f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
-    if result == "PASS":
-        parts += _after_run_notes()
+        done = commit.get("result")
+        parts.append(f"committed {commit.get('commit')} ({counted(len(commit.get('files', [])), 'file')})"
+                     if done == "committed" else "nothing to commit" if done == "nothing" else
+                     f"commit {done}: {commit.get('reason', '')}".rstrip(": "))
     return "; ".join(parts)
 
 
