@@ -10363,12 +10363,10 @@ def help_text() -> str:
 def settings_help_text() -> str:
     """--help-settings: every setting (from SETTINGS, so it cannot drift), and the exit codes."""
     lines = ["Settings: environment variable (JSON key in the config file; default)", ""]
-    for setting in SETTINGS:
-        lines += textwrap.wrap(f"{setting.env}  ({setting.key}; default {_shown_default(setting)})", 78,
-                               subsequent_indent="    ")
-        lines += textwrap.wrap(setting.help, 78, initial_indent="    ", subsequent_indent="    ")
-    for env, meaning in SECRET_HELP:
-        lines.append(f"{env}  (environment only; default -)")
+    for head, meaning in [(f"{setting.env}  ({setting.key}; default {_shown_default(setting)})", setting.help)
+                          for setting in SETTINGS] + [(f"{env}  (environment only; default -)", meaning)
+                                                      for env, meaning in SECRET_HELP]:
+        lines += textwrap.wrap(head, 78, subsequent_indent="    ")
         lines += textwrap.wrap(meaning, 78, initial_indent="    ", subsequent_indent="    ")
     lines += ["", "Exit codes:"]
     for code, meaning, action in EXIT_CODES:
