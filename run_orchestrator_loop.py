@@ -8401,11 +8401,6 @@ AFTER_RUN_STEPS: tuple[AfterRunStep, ...] = (
 ONCE_STEPS = tuple(step for step in AFTER_RUN_STEPS if step.done is not None)
 
 
-def mark_after_run_due(result: str) -> None:
-    """Saved with the run's result: the steps still to do, so a stop in the middle of them loses none."""
-    set_after_run(due=[step.name for step in ONCE_STEPS if step.asked(result)])
-
-
 def after_run_pending(result: str, record: AfterRun) -> list[str]:
     """The steps that were due when the run ended, are still asked for, and are not done yet."""
     return [step.name for step in ONCE_STEPS
@@ -8795,9 +8790,10 @@ def run_story_loop() -> str:
 
 
 def close_run(status: str, **fields: object) -> None:
-    """The run over with PASS or FAIL (and `fields` of the state): its after-run steps due, its state saved."""
+    """The run over with PASS or FAIL (and `fields` of the state): its after-run steps due, saved with its result so
+    that a stop in the middle of them loses none."""
     update_run(final_status=status, **fields)
-    mark_after_run_due(status)
+    set_after_run(due=[step.name for step in ONCE_STEPS if step.asked(status)])
     set_position(PHASE_DONE)
     save_state()
 
