@@ -8959,23 +8959,18 @@ def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
     return sorted(paths)
 
 
-def compare_failure() -> tuple[FailedRound, dict[str, str] | None]:
-    """This round's FAIL beside the last one's, and what WD holds now (the tester's answer is still there)."""
+def note_progress() -> None:
+    """MAX_ROUNDS_WITHOUT_PROGRESS: compare the FAIL just read with the last one (and what WD holds now with what
+    it held then), keep it and count the rounds in a row without progress; before handle_tester_fail() clears the
+    tester's answer."""
+    if not MAX_ROUNDS_WITHOUT_PROGRESS:
+        return
     evidence = extract_test_evidence(outputs["tester"])
     now = worktree_fingerprints()
     files = changed_files(worktree_at_fail, now) if worktree_at_fail is not None and now is not None else None
     signature = failure_signature(evidence)
-    last = failed_rounds[-1] if failed_rounds else None
-    repeats = last.round if last is not None and last.signature == signature else 0
-    return FailedRound(current_round, signature, failing_step(evidence), evidence, files, repeats), now
-
-
-def note_progress() -> None:
-    """MAX_ROUNDS_WITHOUT_PROGRESS: compare the FAIL just read with the last one, keep it and count the rounds in
-    a row without progress; before handle_tester_fail() clears the tester's answer."""
-    if not MAX_ROUNDS_WITHOUT_PROGRESS:
-        return
-    record, now = compare_failure()
+    repeats = failed_rounds[-1].round if failed_rounds and failed_rounds[-1].signature == signature else 0
+    record = FailedRound(current_round, signature, failing_step(evidence), evidence, files, repeats)
     add_failed_round(record)
     streak = rounds_without_progress + 1 if record.repeats else 0
     update_run(rounds_without_progress=streak, worktree_at_fail=now)
