@@ -8083,12 +8083,12 @@ def git(args: list[str], cwd: str, timeout: float = GIT_TIMEOUT_SECONDS,
     return run_command(["git", *args], cwd, timeout, input_text, GIT_ENV)
 
 
-def git_top(directory: str) -> str:
-    """The top of the git work tree holding `directory`, '' if there is none (or no git)."""
+def git_top(directory: str) -> str | None:
+    """The top of the git work tree holding `directory`, '' if there is none, None if git cannot be run."""
     try:
         code, out, _ = git(["rev-parse", "--show-toplevel"], directory)
     except OSError:
-        return ""
+        return None
     return out.strip() if code == 0 else ""
 
 
@@ -8227,13 +8227,6 @@ def stage_and_commit(top: str, paths: list[str], untracked: list[str], archive: 
     return {"result": "committed", "commit": sha, "files": paths}
 
 
-def _git_installed() -> bool:
-    try:
-        return git(["--version"], WD)[0] == 0
-    except OSError:
-        return False
-
-
 def commit_run(archive: dict) -> dict:
     """COMMIT_ON_PASS: commit exactly the paths the run changed (`git commit --only`: what the user had staged
     stays staged and out of it); the outcome for after_run."""
@@ -8243,7 +8236,7 @@ def commit_run(archive: dict) -> dict:
         return {"result": "skipped", "reason": "archive failed"}
     top = git_top(WD)
     if not top:
-        why = "git is not installed" if not _git_installed() else f"{WD} is not in a git repository"
+        why = "git is not installed" if top is None else f"{WD} is not in a git repository"
         return step_outcome("commit", "skipped", why, " (git init it to have runs committed)")
     try:
         paths, untracked, accidents = choose_commit_paths(top)
@@ -8314,30 +8307,23 @@ def record_after_run(**done: object) -> None:
     save_state()
 
 
-def _after_run_notes() -> list[str]:
-    """Short words on the archive and commit for the run's last line."""
-    notes = []
+def run_end_line(result: str) -> str:
+    """The run's last line: its result, and after a PASS short words on what the archive and commit did."""
+    if result != "PASS":
+        return (f"FAIL: stopped without progress after round {current_round} (the same failure for "
+                f"{counted(no_progress_stop['rounds'], 'round')} in a row)" if no_progress_stop else
+                f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}")
+    parts = [f"PASS in round {current_round}"]
     archive, commit = after_run.archive, after_run.commit
     if ARCHIVE_ON_PASS and archive is not None:
-        result = archive.get("result")
-        notes.append(f"OpenSpec change {archive.get('change')} archived" if result == "archived" else
-                     f"archive {result}: {archive.get('reason', '')}".rstrip(": "))
+        done = archive.get("result")
+        parts.append(f"OpenSpec change {archive.get('change')} archived" if done == "archived" else
+                     f"archive {done}: {archive.get('reason', '')}".rstrip(": "))
     if COMMIT_ON_PASS and commit is not None:
-        result = commit.get("result")
-        notes.append(f"committed {commit.get('commit')} ({counted(len(commit.get('files', [])), 'file')})"
-                     if result == "committed" else "nothing to commit" if result == "nothing" else
-                     f"commit {result}: {commit.get('reason', '')}".rstrip(": "))
-    return notes
-
-
-def run_end_line(result: str) -> str:
-    """The run's last line: its result, and after a PASS what the archive and commit did."""
-    parts = [f"PASS in round {current_round}" if result == "PASS" else
-             f"FAIL: stopped without progress after round {current_round} (the same failure for "
-             f"{counted(no_progress_stop['rounds'], 'round')} in a row)" if no_progress_stop else
-             f"FAIL: no PASS within MAX_ROUNDS={MAX_ROUNDS}"]
-    if result == "PASS":
-        parts += _after_run_notes()
+        done = commit.get("result")
+        parts.append(f"committed {commit.get('commit')} ({counted(len(commit.get('files', [])), 'file')})"
+                     if done == "committed" else "nothing to commit" if done == "nothing" else
+                     f"commit {done}: {commit.get('reason', '')}".rstrip(": "))
     return "; ".join(parts)
 
 
@@ -8382,11 +8368,6 @@ AFTER_RUN_STEPS: tuple[AfterRunStep, ...] = (
     AfterRunStep("notify", lambda result: bool(NTFY_TOPIC), _notify_run_end, _notified),
 )
 ONCE_STEPS = tuple(step for step in AFTER_RUN_STEPS if step.done is not None)
-
-
-def mark_after_run_due(result: str) -> None:
-    """Saved with the run's result: the steps still to do, so a stop in the middle of them loses none."""
-    set_after_run(due=[step.name for step in ONCE_STEPS if step.asked(result)])
 
 
 def after_run_pending(result: str, record: AfterRun) -> list[str]:
@@ -8778,9 +8759,10 @@ def run_story_loop() -> str:
 
 
 def close_run(status: str, **fields: object) -> None:
-    """The run over with PASS or FAIL (and `fields` of the state): its after-run steps due, its state saved."""
+    """The run over with PASS or FAIL (and `fields` of the state): its after-run steps due, saved with its result so
+    that a stop in the middle of them loses none."""
     update_run(final_status=status, **fields)
-    mark_after_run_due(status)
+    set_after_run(due=[step.name for step in ONCE_STEPS if step.asked(status)])
     set_position(PHASE_DONE)
     save_state()
 
@@ -8940,23 +8922,18 @@ def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
     return sorted(paths)
 
 
-def compare_failure() -> tuple[FailedRound, dict[str, str] | None]:
-    """This round's FAIL beside the last one's, and what WD holds now (the tester's answer is still there)."""
+def note_progress() -> None:
+    """MAX_ROUNDS_WITHOUT_PROGRESS: compare the FAIL just read with the last one (and what WD holds now with what
+    it held then), keep it and count the rounds in a row without progress; before handle_tester_fail() clears the
+    tester's answer."""
+    if not MAX_ROUNDS_WITHOUT_PROGRESS:
+        return
     evidence = extract_test_evidence(outputs["tester"])
     now = worktree_fingerprints()
     files = changed_files(worktree_at_fail, now) if worktree_at_fail is not None and now is not None else None
     signature = failure_signature(evidence)
-    last = failed_rounds[-1] if failed_rounds else None
-    repeats = last.round if last is not None and last.signature == signature else 0
-    return FailedRound(current_round, signature, failing_step(evidence), evidence, files, repeats), now
-
-
-def note_progress() -> None:
-    """MAX_ROUNDS_WITHOUT_PROGRESS: compare the FAIL just read with the last one, keep it and count the rounds in
-    a row without progress; before handle_tester_fail() clears the tester's answer."""
-    if not MAX_ROUNDS_WITHOUT_PROGRESS:
-        return
-    record, now = compare_failure()
+    repeats = failed_rounds[-1].round if failed_rounds and failed_rounds[-1].signature == signature else 0
+    record = FailedRound(current_round, signature, failing_step(evidence), evidence, files, repeats)
     add_failed_round(record)
     streak = rounds_without_progress + 1 if record.repeats else 0
     update_run(rounds_without_progress=streak, worktree_at_fail=now)
@@ -10339,12 +10316,10 @@ def help_text() -> str:
 def settings_help_text() -> str:
     """--help-settings: every setting (from SETTINGS, so it cannot drift), and the exit codes."""
     lines = ["Settings: environment variable (JSON key in the config file; default)", ""]
-    for setting in SETTINGS:
-        lines += textwrap.wrap(f"{setting.env}  ({setting.key}; default {_shown_default(setting)})", 78,
-                               subsequent_indent="    ")
-        lines += textwrap.wrap(setting.help, 78, initial_indent="    ", subsequent_indent="    ")
-    for env, meaning in SECRET_HELP:
-        lines.append(f"{env}  (environment only; default -)")
+    for head, meaning in [(f"{setting.env}  ({setting.key}; default {_shown_default(setting)})", setting.help)
+                          for setting in SETTINGS] + [(f"{env}  (environment only; default -)", meaning)
+                                                      for env, meaning in SECRET_HELP]:
+        lines += textwrap.wrap(head, 78, subsequent_indent="    ")
         lines += textwrap.wrap(meaning, 78, initial_indent="    ", subsequent_indent="    ")
     lines += ["", "Exit codes:"]
     for code, meaning, action in EXIT_CODES:
@@ -10582,20 +10557,14 @@ def run_command_line(args: list[str]) -> int:
         (log if finished else say_error)(line)
     finally:
         StopSignals.stopping = True            # the run ends now: a stop from here on is this end, held till it is done
+        # The run's end: a stop held here changes nothing, the run ends as it was ending, with its own exit code.
         with signals_held("ending the run (its state saved, what it started ended)", raise_after=False):
-            code = end_run(code, started)
+            if started:
+                code = wind_down(code)
+            own_stage.end()
+            RunLock.give_back()
         set_stop_handlers(previous_handlers)
         StopSignals.stopping = False
-    return code
-
-
-def end_run(code: int, started: bool) -> int:
-    """The run's end, under held stop signals: the wind-down of a started run, its own server ended, the lock
-    released. A stop held here changes nothing: the run ends as it was ending, with its own exit code."""
-    if started:
-        code = wind_down(code)
-    own_stage.end()
-    RunLock.give_back()
     return code
 
 
@@ -10731,13 +10700,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(EXIT_PASS)
     config = [options.config] if options.config else []
     refuse_mixed_options(options, config)
-    if options.demo is not None:
-        raise SystemExit(demo_command(options.demo))
-    if options.status:
-        raise SystemExit(status_command(config, as_json=options.json, follow=options.follow))
-    if options.check:
-        raise SystemExit(check_command(config))
-    raise SystemExit(person_command(config, options) if given_commands(options) else run_command_line(config))
+    raise SystemExit(demo_command(options.demo) if options.demo is not None else
+                     status_command(config, as_json=options.json, follow=options.follow) if options.status else
+                     check_command(config) if options.check else
+                     person_command(config, options) if given_commands(options) else run_command_line(config))
 
 
 if __name__ == "__main__":
