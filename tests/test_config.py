@@ -425,6 +425,8 @@ BAD_JSON = [
     # unknown roles and providers
     ({"start_agent": "boss"}, "start_agent"),
     ({"provider": "gpt4"}, "provider"),
+    ({"provider": ["claude_code"]}, "provider"),       # not text: refused, not a crash
+    ({"provider": {"name": "codex"}}, "provider"),
     ({"agents": {"tester": {"provider": "gpt4"}}}, "provider"),
 ]
 
