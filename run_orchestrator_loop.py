@@ -9287,25 +9287,18 @@ def _probe_script(folder: Path, programs: list[str], versions: bool = True) -> P
 
 
 def _read_probe(text: str) -> AgentsSide:
-    uid, programs, env, in_env = -1, {}, {}, False
-    for line in text.splitlines():
-        if in_env:
-            key, sep, value = line.partition("=")
-            if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                env[key] = value
-        elif line == "@@env":
-            in_env = True
-        elif line.startswith("@@uid "):
-            uid = int(line[6:]) if line[6:].strip().isdigit() else -1
-        elif line.startswith("@@program "):
-            program, _, path = line[10:].partition(" ")
-            programs[program] = (path.strip(), "")
-        elif line.startswith("@@version "):             # the first of its lines that names a version
-            program, _, version = line[10:].partition(" ")
-            path, seen = programs.get(program, ("", ""))
-            if not re.search(r"\d+\.\d+", seen):
-                programs[program] = (path, version.strip())
-    return AgentsSide(env, uid, programs)
+    """What the probe's out file says: its @@ lines, then after @@env the environment (`env`'s lines)."""
+    head, *tail = re.split(r"^@@env$", text, maxsplit=1, flags=re.MULTILINE)
+    env = {key: value for key, sep, value in (line.partition("=") for line in "".join(tail).splitlines())
+           if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)}
+    programs = {program: (path.strip(), "") for program, path in re.findall(r"^@@program ([^ \n]*) ?(.*)$", head,
+                                                                             re.MULTILINE)}
+    for program, version in re.findall(r"^@@version ([^ \n]*) (.*)$", head, re.MULTILINE):
+        path, seen = programs.get(program, ("", ""))
+        if not re.search(r"\d+\.\d+", seen):             # the first of its lines that names a version
+            programs[program] = (path, version.strip())
+    uid = re.search(r"^@@uid[ \t]*(\d+)\s*$", head, re.MULTILINE)
+    return AgentsSide(env, int(uid.group(1)) if uid else -1, programs)
 
 
 def probe_agents_side(server: LocalServer, programs: list[str], versions: bool = True) -> AgentsSide | str:
