@@ -9349,6 +9349,18 @@ def probe_here(env: dict[str, str], programs: list[str]) -> AgentsSide:
 # -- The checks --------------------------------------------------------------------
 
 
+def local_cao_version() -> str:
+    """The version of cli-agent-orchestrator the server at API runs, where it runs here ('' where unknown)."""
+    server = local_server()
+    return server.cao_version() if server else ""
+
+
+def cao_version_words(version: str) -> str:
+    """'cli-agent-orchestrator 2.5.4', with the version proven beside one that differs ('' for no version)."""
+    note = "" if version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
+    return f"cli-agent-orchestrator {version}{note}" if version else ""
+
+
 def check_server() -> list[CheckLine]:
     """CAO reachable and taking our token (its /health asks for none), and its version (where it runs here)
     against the one proven."""
@@ -9357,20 +9369,14 @@ def check_server() -> list[CheckLine]:
         api.provider_report()
     except ApiError as exc:
         return [CheckLine(False, f"{exc}")]
-    server = local_server()
-    version = server.cao_version() if server else ""
-    if not version:
-        return [CheckLine(True, f"CAO server at {API} answers")]
-    note = "" if version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
-    return [CheckLine(True, f"CAO server at {API} answers: cli-agent-orchestrator {version}{note}")]
+    words = cao_version_words(local_cao_version())
+    return [CheckLine(True, f"CAO server at {API} answers" + (f": {words}" if words else ""))]
 
 
 def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
     """Each role's provider known to this CAO: listed by it, or (CAO leaves some out of its list) a provider
     whose row names the first CAO release that knows it, against the version running here."""
-    server = local_server()
-    version = server.cao_version() if server else ""
-    lines = []
+    version, lines = local_cao_version(), []
     for provider in providers_in_use():
         since = agent_cli(provider).cao_since
         if report is None or provider in report:
@@ -9805,11 +9811,9 @@ def check_own_server() -> list[CheckLine]:
     except ConfigError as exc:
         return [CheckLine(False, exc.message)]
     server = loop_program("cao-server")
-    version = installed_cao_version(server)
-    note = "" if not version or version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
+    words = cao_version_words(installed_cao_version(server))
     lines = [CheckLine(True, f"CAO server: the run's own, started for it on a free port of {OWN_SERVER_HOST} (e.g. "
-                             f"{own.port}) and ended with it: {server}" + (f", cli-agent-orchestrator {version}" if
-                                                                            version else "") + note)]
+                             f"{own.port}) and ended with it: {server}" + (f", {words}" if words else ""))]
     side = probe_here(own.env(), sorted({cli_program(provider, None) for provider in providers_in_use()}))
     unbundled = [profile_for(role) for role in ROLES if bundled_profile(profile_for(role)) is None]
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
