@@ -9523,13 +9523,14 @@ def sprung_traps(provider: str) -> list[CheckLine]:
 # -- Signed in: each CLI's forms of credential (its row's `SignIn`), looked for without a token spent ----------
 
 
-def sign_in_env(cli: AgentCli, side: AgentsSide) -> tuple[dict[str, str], dict[str, str]]:
-    """The variables the CLI will have: the agents' environment's, and those its settings files set ("env")."""
+def sign_in_env(cli: AgentCli, side: AgentsSide, settings_only: bool = False) -> dict[str, str]:
+    """The variables the CLI will have: the agents' environment's, overridden by those its settings files set
+    ("env"); with `settings_only`, those alone."""
     settings: dict[str, str] = {}
     for name in cli.sign_in.settings_env if cli.sign_in else ():
         values = _json_file(agents_file(Credential("", file=name), side)).get("env")
         settings.update({str(k): str(v) for k, v in values.items() if v} if isinstance(values, dict) else {})
-    return {k: v for k, v in side.env.items() if v}, settings
+    return settings if settings_only else {**{k: v for k, v in side.env.items() if v}, **settings}
 
 
 def _json_path(data: object, dotted: str) -> object:
@@ -9540,8 +9541,7 @@ def _json_path(data: object, dotted: str) -> object:
 
 def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple[bool, str]:
     """Whether a form of sign-in is there, and what it is called ({file} and {variable} filled in)."""
-    agents, settings = sign_in_env(cli, side)
-    where = settings if form.settings_only else {**agents, **settings}
+    where = sign_in_env(cli, side, form.settings_only)
     variable = next((name for name in form.env if where.get(name)), "")
     if form.env:
         return bool(variable), form.name.replace("{variable}", variable or " or ".join(form.env[:3]))
@@ -9555,8 +9555,7 @@ def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple
 def claude_api_key(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
     """ANTHROPIC_API_KEY: Claude Code uses it once approved in ~/.claude.json (its last 20 characters); a key it
     has not been asked about it asks about at each start, a question CAO does not answer (its default: No)."""
-    agents, settings = sign_in_env(cli, side)
-    key = {**agents, **settings}.get("ANTHROPIC_API_KEY", "")
+    key = sign_in_env(cli, side).get("ANTHROPIC_API_KEY", "")
     if not key:
         return None
     config = side.home(".claude.json")
