@@ -3459,10 +3459,8 @@ def keep_sent(role: str, kind: str, message: str) -> None:
             handle.write(text if text.endswith("\n") else text + "\n")
     except OSError as exc:
         say_unwritten("the copies of the prompts sent", path, exc)
-    if kind == "reminder":
-        update_run(in_flight=replace(in_flight, reminders=in_flight.reminders + 1))
-    elif kind == "resend":
-        update_run(in_flight=replace(in_flight, resends=in_flight.resends + 1))
+    if kind in ("reminder", "resend"):            # counted on the turn: its `reminders` or `resends`
+        update_run(in_flight=replace(in_flight, **{kind + "s": getattr(in_flight, kind + "s") + 1}))
 
 
 def archive_reply(role: str, text: str, response_file: Path) -> Path:
