@@ -3616,23 +3616,18 @@ def turn_provider(record: TurnRecord) -> str:
     return record.provider or provider_for(record.role)
 
 
-def _turns_by(key: Callable[[TurnRecord], str], keys: Iterable[str]) -> dict[str, list[TurnRecord]]:
-    """The answered turns of each key (in the order given), by what `key` says of a turn."""
-    return {name: [record for record in turn_records if key(record) == name] for name in keys}
+def _totals_by(key: Callable[[TurnRecord], str], keys: Iterable[str],
+               more: Callable[[list[TurnRecord]], dict] = lambda mine: {}) -> dict[str, dict]:
+    """Per key (in the order given), by what `key` says of an answered turn: how many turns, what `more` says of
+    them, and the tokens they used."""
+    turns_of = {name: [record for record in turn_records if key(record) == name] for name in keys}
+    return {name: {"turns": len(mine), **more(mine), **_token_totals(mine)} for name, mine in turns_of.items()}
 
 
-def _role_totals() -> dict[str, dict]:
-    """Per role: its answered turns, their seconds, the verdicts they led to and the tokens they used."""
-    return {role: {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
-                   "outcomes": [r.outcome for r in mine if r.outcome], **_token_totals(mine)}
-            for role, mine in _turns_by(lambda record: record.role, ROLES).items()}
-
-
-def _cli_totals() -> dict[str, dict]:
-    """Per provider (CLI) that answered turns: how many, and the tokens they used."""
-    providers = dict.fromkeys(map(turn_provider, turn_records))      # in the order they first answered
-    return {provider: {"turns": len(mine), **_token_totals(mine)}
-            for provider, mine in _turns_by(turn_provider, providers).items()}
+def _role_figures(mine: list[TurnRecord]) -> dict:
+    """What a role's answered turns add to their totals: their seconds, and the verdicts they led to."""
+    return {"seconds": round(sum(record.seconds or 0.0 for record in mine), 1),
+            "outcomes": [record.outcome for record in mine if record.outcome]}
 
 
 def _unanswered_turn() -> dict | None:
@@ -3707,7 +3702,8 @@ def run_summary(exit_code: int | None) -> dict:
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
         **_token_totals(turn_records), "model_prices": MODEL_PRICES,
-        "roles": _role_totals(), "clis": _cli_totals(),
+        "roles": _totals_by(lambda record: record.role, ROLES, _role_figures),
+        "clis": _totals_by(turn_provider, dict.fromkeys(map(turn_provider, turn_records))),   # in order of first answer
         "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
