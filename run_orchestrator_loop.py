@@ -4477,6 +4477,19 @@ def _within(moment: datetime | None, since: datetime, until: datetime) -> bool:
     return moment is not None and moment.tzinfo is not None and since <= moment <= until
 
 
+def _token_use(usage: dict, input_key: str, output_key: str, cached_key: str, written_key: str = "") -> TokenUse | None:
+    """A response's tokens from its record's usage counts (None without whole input and output counts). A CLI
+    that counts cache writes apart (`written_key`: Claude Code) leaves the cache out of its input count; the
+    others count the part read from the cache (`cached_key`) in it, and it is taken out."""
+    prompt, output = _token_count(usage.get(input_key)), _token_count(usage.get(output_key))
+    if prompt is None or output is None:
+        return None
+    cached = _token_count(usage.get(cached_key)) or 0
+    if written_key:
+        return TokenUse(prompt + (_token_count(usage.get(written_key)) or 0), cached, output)
+    return TokenUse(prompt - min(cached, prompt), min(cached, prompt), output)
+
+
 def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | None:
     """The response id, model and tokens a Claude Code transcript line carries; None for other lines, for
     an API error written as a reply (model "<synthetic>") and for usage without its two main numbers."""
@@ -4486,13 +4499,9 @@ def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | No
     usage, message_id, model = message.get("usage"), message.get("id"), message.get("model")
     if not isinstance(usage, dict) or not isinstance(message_id, str) or not message_id or model == "<synthetic>":
         return None
-    fresh, output = _token_count(usage.get("input_tokens")), _token_count(usage.get("output_tokens"))
-    if fresh is None or output is None:
-        return None
-    written = _token_count(usage.get("cache_creation_input_tokens")) or 0
-    read = _token_count(usage.get("cache_read_input_tokens")) or 0
+    use = _token_use(usage, "input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
     request_id = record.get("requestId") if isinstance(record.get("requestId"), str) else ""
-    return (message_id, request_id), model if isinstance(model, str) else "", TokenUse(fresh + written, read, output)
+    return None if use is None else ((message_id, request_id), model if isinstance(model, str) else "", use)
 
 
 def _jsonl_usage(records: Iterable[dict], since: datetime, until: datetime,
@@ -4527,11 +4536,8 @@ def _codex_response(record: dict, models: dict[str, str]) -> tuple[str, str, Tok
     usage, response_id = payload.get("usage"), payload.get("response_id")
     if not isinstance(usage, dict) or not isinstance(response_id, str) or not response_id:
         return None
-    prompt, output = _token_count(usage.get("input_tokens")), _token_count(usage.get("output_tokens"))
-    if prompt is None or output is None:
-        return None
-    cached = min(_token_count(usage.get("cached_input_tokens")) or 0, prompt)
-    return response_id, models.get(_text(payload.get("turn_id")), ""), TokenUse(prompt - cached, cached, output)
+    use = _token_use(usage, "input_tokens", "output_tokens", "cached_input_tokens")
+    return None if use is None else (response_id, models.get(_text(payload.get("turn_id")), ""), use)
 
 
 def _payload(record: dict) -> dict:
@@ -4557,11 +4563,8 @@ def _copilot_response(record: dict) -> tuple[str, str, TokenUse] | None:
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
     if record.get("type") != "session.usage_record" or usage is None:
         return None
-    prompt, output = _token_count(usage.get("inputTokens")), _token_count(usage.get("outputTokens"))
-    if prompt is None or output is None:
-        return None
-    cached = min(_token_count(usage.get("cacheReadTokens")) or 0, prompt)
-    return _text(record.get("id")), _text(usage.get("model")), TokenUse(prompt - cached, cached, output)
+    use = _token_use(usage, "inputTokens", "outputTokens", "cacheReadTokens")
+    return None if use is None else (_text(record.get("id")), _text(usage.get("model")), use)
 
 
 def copilot_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
