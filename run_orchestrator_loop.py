@@ -4233,11 +4233,16 @@ def write_first(path: Path, facts: dict) -> bool:
         temporary.unlink(missing_ok=True)
 
 
-def _side_file(path: Path) -> dict:
-    """A side file's JSON object ({} for none, or one that cannot be read: it counts as not written)."""
-    with suppress(ValueError):
-        return read_note(path, dict) or {}
-    return {}
+def _json_file(path: Path) -> dict:
+    """A side file's or a CLI's settings file's JSON object ({} when it is missing, cannot be read or is not an
+    object: a side file then counts as not written); whole-line // comments, which some CLIs write (Copilot's
+    config.json), are passed over."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(re.sub(r"(?m)^[ \t]*//.*$", "", text) if "//" in text else text)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def decision_path(folder: str, gate_id: str) -> Path:
@@ -4246,7 +4251,7 @@ def decision_path(folder: str, gate_id: str) -> Path:
 
 def read_decision(folder: str, gate_id: str) -> dict | None:
     """The decision written for a gate (verdict, by, at, words), or None while there is none."""
-    raw = _side_file(decision_path(folder, gate_id))
+    raw = _json_file(decision_path(folder, gate_id))
     if raw.get("verdict") not in VERDICTS:
         return None
     return {key: _text(raw.get(key)) for key in ("verdict", "by", "at", "words")}
@@ -4364,7 +4369,7 @@ def take_notes() -> None:
     known = {note.id for note in person_notes}
     folder = Path(run_dir) / NOTES_FOLDER if run_dir else None
     for path in sorted(folder.glob("*.json")) if folder is not None and folder.is_dir() else []:
-        raw = _side_file(path)
+        raw = _json_file(path)
         if path.stem in known or raw.get("role") not in ROLES or not _text(raw.get("text")).strip():
             continue
         note = PersonNote(path.stem, raw["role"], raw["text"].strip(), _text(raw.get("by")), _text(raw.get("at")))
@@ -4932,17 +4937,6 @@ def turn_tokens_before(role: str) -> RunningTotals | None:
 CLAUDE_COMPACT_RESERVE = 33_000     # 20,000 kept for output, 13,000 of margin
 CLAUDE_DEFAULT_WINDOW = 200_000
 CODEX_DEFAULT_WINDOW = 272_000
-
-
-def _json_file(path: Path) -> dict:
-    """A settings file's JSON object ({} when it is missing or not an object); whole-line // comments, which
-    some CLIs write (Copilot's config.json), are passed over."""
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(re.sub(r"(?m)^[ \t]*//.*$", "", text) if "//" in text else text)
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def claude_compaction_point() -> int | None:
