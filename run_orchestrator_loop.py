@@ -9550,11 +9550,10 @@ def claude_api_key(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLi
     if not key:
         return None
     config = side.home(".claude.json")
-    answers = _json_file(config).get("customApiKeyResponses")
-    answers = answers if isinstance(answers, dict) else {}
-    if key[-20:] in (answers.get("approved") or []):
+    answers = _json_file(config)
+    if key[-20:] in (_json_path(answers, "customApiKeyResponses.approved") or []):
         return CheckLine(True, f"{cli.label}: signed in (ANTHROPIC_API_KEY, approved in {config})")
-    if key[-20:] in (answers.get("rejected") or []):
+    if key[-20:] in (_json_path(answers, "customApiKeyResponses.rejected") or []):
         return CheckLine(False, f"{cli.label}: ANTHROPIC_API_KEY is set, but it was told not to use that key "
                                 f"(customApiKeyResponses.rejected in {config}): start `claude` once as the user the "
                                 "agents run as and turn \"Use custom API key\" on in /config")
