@@ -3461,10 +3461,8 @@ def keep_sent(role: str, kind: str, message: str) -> None:
             handle.write(text if text.endswith("\n") else text + "\n")
     except OSError as exc:
         say_unwritten("the copies of the prompts sent", path, exc)
-    if kind == "reminder":
-        update_run(in_flight=replace(in_flight, reminders=in_flight.reminders + 1))
-    elif kind == "resend":
-        update_run(in_flight=replace(in_flight, resends=in_flight.resends + 1))
+    if kind in ("reminder", "resend"):            # counted on the turn: its `reminders` or `resends`
+        update_run(in_flight=replace(in_flight, **{kind + "s": getattr(in_flight, kind + "s") + 1}))
 
 
 def archive_reply(role: str, text: str, response_file: Path) -> Path:
@@ -3620,23 +3618,18 @@ def turn_provider(record: TurnRecord) -> str:
     return record.provider or provider_for(record.role)
 
 
-def _turns_by(key: Callable[[TurnRecord], str], keys: Iterable[str]) -> dict[str, list[TurnRecord]]:
-    """The answered turns of each key (in the order given), by what `key` says of a turn."""
-    return {name: [record for record in turn_records if key(record) == name] for name in keys}
+def _totals_by(key: Callable[[TurnRecord], str], keys: Iterable[str],
+               more: Callable[[list[TurnRecord]], dict] = lambda mine: {}) -> dict[str, dict]:
+    """Per key (in the order given), by what `key` says of an answered turn: how many turns, what `more` says of
+    them, and the tokens they used."""
+    turns_of = {name: [record for record in turn_records if key(record) == name] for name in keys}
+    return {name: {"turns": len(mine), **more(mine), **_token_totals(mine)} for name, mine in turns_of.items()}
 
 
-def _role_totals() -> dict[str, dict]:
-    """Per role: its answered turns, their seconds, the verdicts they led to and the tokens they used."""
-    return {role: {"turns": len(mine), "seconds": round(sum(r.seconds or 0.0 for r in mine), 1),
-                   "outcomes": [r.outcome for r in mine if r.outcome], **_token_totals(mine)}
-            for role, mine in _turns_by(lambda record: record.role, ROLES).items()}
-
-
-def _cli_totals() -> dict[str, dict]:
-    """Per provider (CLI) that answered turns: how many, and the tokens they used."""
-    providers = dict.fromkeys(map(turn_provider, turn_records))      # in the order they first answered
-    return {provider: {"turns": len(mine), **_token_totals(mine)}
-            for provider, mine in _turns_by(turn_provider, providers).items()}
+def _role_figures(mine: list[TurnRecord]) -> dict:
+    """What a role's answered turns add to their totals: their seconds, and the verdicts they led to."""
+    return {"seconds": round(sum(record.seconds or 0.0 for record in mine), 1),
+            "outcomes": [record.outcome for record in mine if record.outcome]}
 
 
 def _unanswered_turn() -> dict | None:
@@ -3711,7 +3704,8 @@ def run_summary(exit_code: int | None) -> dict:
         "prompt_bytes": sum(t["prompt_bytes"] for t in turns),
         "reply_bytes": sum(r.reply_bytes for r in turn_records),
         **_token_totals(turn_records), "model_prices": MODEL_PRICES,
-        "roles": _role_totals(), "clis": _cli_totals(),
+        "roles": _totals_by(lambda record: record.role, ROLES, _role_figures),
+        "clis": _totals_by(turn_provider, dict.fromkeys(map(turn_provider, turn_records))),   # in order of first answer
         "session_name": session_name, "state_file": STATE_FILE, "run_dir": run_dir,
         "after_run": after_run.to_json() or {},
         "replacements": [r.to_json() for r in replacements],
@@ -4241,11 +4235,16 @@ def write_first(path: Path, facts: dict) -> bool:
         temporary.unlink(missing_ok=True)
 
 
-def _side_file(path: Path) -> dict:
-    """A side file's JSON object ({} for none, or one that cannot be read: it counts as not written)."""
-    with suppress(ValueError):
-        return read_note(path, dict) or {}
-    return {}
+def _json_file(path: Path) -> dict:
+    """A side file's or a CLI's settings file's JSON object ({} when it is missing, cannot be read or is not an
+    object: a side file then counts as not written); whole-line // comments, which some CLIs write (Copilot's
+    config.json), are passed over."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(re.sub(r"(?m)^[ \t]*//.*$", "", text) if "//" in text else text)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def decision_path(folder: str, gate_id: str) -> Path:
@@ -4254,7 +4253,7 @@ def decision_path(folder: str, gate_id: str) -> Path:
 
 def read_decision(folder: str, gate_id: str) -> dict | None:
     """The decision written for a gate (verdict, by, at, words), or None while there is none."""
-    raw = _side_file(decision_path(folder, gate_id))
+    raw = _json_file(decision_path(folder, gate_id))
     if raw.get("verdict") not in VERDICTS:
         return None
     return {key: _text(raw.get(key)) for key in ("verdict", "by", "at", "words")}
@@ -4372,7 +4371,7 @@ def take_notes() -> None:
     known = {note.id for note in person_notes}
     folder = Path(run_dir) / NOTES_FOLDER if run_dir else None
     for path in sorted(folder.glob("*.json")) if folder is not None and folder.is_dir() else []:
-        raw = _side_file(path)
+        raw = _json_file(path)
         if path.stem in known or raw.get("role") not in ROLES or not _text(raw.get("text")).strip():
             continue
         note = PersonNote(path.stem, raw["role"], raw["text"].strip(), _text(raw.get("by")), _text(raw.get("at")))
@@ -4485,6 +4484,19 @@ def _within(moment: datetime | None, since: datetime, until: datetime) -> bool:
     return moment is not None and moment.tzinfo is not None and since <= moment <= until
 
 
+def _token_use(usage: dict, input_key: str, output_key: str, cached_key: str, written_key: str = "") -> TokenUse | None:
+    """A response's tokens from its record's usage counts (None without whole input and output counts). A CLI
+    that counts cache writes apart (`written_key`: Claude Code) leaves the cache out of its input count; the
+    others count the part read from the cache (`cached_key`) in it, and it is taken out."""
+    prompt, output = _token_count(usage.get(input_key)), _token_count(usage.get(output_key))
+    if prompt is None or output is None:
+        return None
+    cached = _token_count(usage.get(cached_key)) or 0
+    if written_key:
+        return TokenUse(prompt + (_token_count(usage.get(written_key)) or 0), cached, output)
+    return TokenUse(prompt - min(cached, prompt), min(cached, prompt), output)
+
+
 def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | None:
     """The response id, model and tokens a Claude Code transcript line carries; None for other lines, for
     an API error written as a reply (model "<synthetic>") and for usage without its two main numbers."""
@@ -4494,13 +4506,9 @@ def _claude_response(record: dict) -> tuple[tuple[str, str], str, TokenUse] | No
     usage, message_id, model = message.get("usage"), message.get("id"), message.get("model")
     if not isinstance(usage, dict) or not isinstance(message_id, str) or not message_id or model == "<synthetic>":
         return None
-    fresh, output = _token_count(usage.get("input_tokens")), _token_count(usage.get("output_tokens"))
-    if fresh is None or output is None:
-        return None
-    written = _token_count(usage.get("cache_creation_input_tokens")) or 0
-    read = _token_count(usage.get("cache_read_input_tokens")) or 0
+    use = _token_use(usage, "input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
     request_id = record.get("requestId") if isinstance(record.get("requestId"), str) else ""
-    return (message_id, request_id), model if isinstance(model, str) else "", TokenUse(fresh + written, read, output)
+    return None if use is None else ((message_id, request_id), model if isinstance(model, str) else "", use)
 
 
 def _jsonl_usage(records: Iterable[dict], since: datetime, until: datetime,
@@ -4535,11 +4543,8 @@ def _codex_response(record: dict, models: dict[str, str]) -> tuple[str, str, Tok
     usage, response_id = payload.get("usage"), payload.get("response_id")
     if not isinstance(usage, dict) or not isinstance(response_id, str) or not response_id:
         return None
-    prompt, output = _token_count(usage.get("input_tokens")), _token_count(usage.get("output_tokens"))
-    if prompt is None or output is None:
-        return None
-    cached = min(_token_count(usage.get("cached_input_tokens")) or 0, prompt)
-    return response_id, models.get(_text(payload.get("turn_id")), ""), TokenUse(prompt - cached, cached, output)
+    use = _token_use(usage, "input_tokens", "output_tokens", "cached_input_tokens")
+    return None if use is None else (response_id, models.get(_text(payload.get("turn_id")), ""), use)
 
 
 def _payload(record: dict) -> dict:
@@ -4565,11 +4570,8 @@ def _copilot_response(record: dict) -> tuple[str, str, TokenUse] | None:
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
     if record.get("type") != "session.usage_record" or usage is None:
         return None
-    prompt, output = _token_count(usage.get("inputTokens")), _token_count(usage.get("outputTokens"))
-    if prompt is None or output is None:
-        return None
-    cached = min(_token_count(usage.get("cacheReadTokens")) or 0, prompt)
-    return _text(record.get("id")), _text(usage.get("model")), TokenUse(prompt - cached, cached, output)
+    use = _token_use(usage, "inputTokens", "outputTokens", "cacheReadTokens")
+    return None if use is None else (_text(record.get("id")), _text(usage.get("model")), use)
 
 
 def copilot_usage(lines: Iterable[str], since: datetime, until: datetime) -> TokenReading | None:
@@ -4937,17 +4939,6 @@ def turn_tokens_before(role: str) -> RunningTotals | None:
 CLAUDE_COMPACT_RESERVE = 33_000     # 20,000 kept for output, 13,000 of margin
 CLAUDE_DEFAULT_WINDOW = 200_000
 CODEX_DEFAULT_WINDOW = 272_000
-
-
-def _json_file(path: Path) -> dict:
-    """A settings file's JSON object ({} when it is missing or not an object); whole-line // comments, which
-    some CLIs write (Copilot's config.json), are passed over."""
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(re.sub(r"(?m)^[ \t]*//.*$", "", text) if "//" in text else text)
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def claude_compaction_point() -> int | None:
@@ -9227,25 +9218,18 @@ def _probe_script(folder: Path, programs: list[str], versions: bool = True) -> P
 
 
 def _read_probe(text: str) -> AgentsSide:
-    uid, programs, env, in_env = -1, {}, {}, False
-    for line in text.splitlines():
-        if in_env:
-            key, sep, value = line.partition("=")
-            if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                env[key] = value
-        elif line == "@@env":
-            in_env = True
-        elif line.startswith("@@uid "):
-            uid = int(line[6:]) if line[6:].strip().isdigit() else -1
-        elif line.startswith("@@program "):
-            program, _, path = line[10:].partition(" ")
-            programs[program] = (path.strip(), "")
-        elif line.startswith("@@version "):             # the first of its lines that names a version
-            program, _, version = line[10:].partition(" ")
-            path, seen = programs.get(program, ("", ""))
-            if not re.search(r"\d+\.\d+", seen):
-                programs[program] = (path, version.strip())
-    return AgentsSide(env, uid, programs)
+    """What the probe's out file says: its @@ lines, then after @@env the environment (`env`'s lines)."""
+    head, *tail = re.split(r"^@@env$", text, maxsplit=1, flags=re.MULTILINE)
+    env = {key: value for key, sep, value in (line.partition("=") for line in "".join(tail).splitlines())
+           if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)}
+    programs = {program: (path.strip(), "") for program, path in re.findall(r"^@@program ([^ \n]*) ?(.*)$", head,
+                                                                             re.MULTILINE)}
+    for program, version in re.findall(r"^@@version ([^ \n]*) (.*)$", head, re.MULTILINE):
+        path, seen = programs.get(program, ("", ""))
+        if not re.search(r"\d+\.\d+", seen):             # the first of its lines that names a version
+            programs[program] = (path, version.strip())
+    uid = re.search(r"^@@uid[ \t]*(\d+)\s*$", head, re.MULTILINE)
+    return AgentsSide(env, int(uid.group(1)) if uid else -1, programs)
 
 
 def probe_agents_side(server: LocalServer, programs: list[str], versions: bool = True) -> AgentsSide | str:
@@ -9296,6 +9280,18 @@ def probe_here(env: dict[str, str], programs: list[str]) -> AgentsSide:
 # -- The checks --------------------------------------------------------------------
 
 
+def local_cao_version() -> str:
+    """The version of cli-agent-orchestrator the server at API runs, where it runs here ('' where unknown)."""
+    server = local_server()
+    return server.cao_version() if server else ""
+
+
+def cao_version_words(version: str) -> str:
+    """'cli-agent-orchestrator 2.5.4', with the version proven beside one that differs ('' for no version)."""
+    note = "" if version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
+    return f"cli-agent-orchestrator {version}{note}" if version else ""
+
+
 def check_server() -> list[CheckLine]:
     """CAO reachable and taking our token (its /health asks for none), and its version (where it runs here)
     against the one proven."""
@@ -9304,20 +9300,14 @@ def check_server() -> list[CheckLine]:
         api.provider_report()
     except ApiError as exc:
         return [CheckLine(False, f"{exc}")]
-    server = local_server()
-    version = server.cao_version() if server else ""
-    if not version:
-        return [CheckLine(True, f"CAO server at {API} answers")]
-    note = "" if version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
-    return [CheckLine(True, f"CAO server at {API} answers: cli-agent-orchestrator {version}{note}")]
+    words = cao_version_words(local_cao_version())
+    return [CheckLine(True, f"CAO server at {API} answers" + (f": {words}" if words else ""))]
 
 
 def check_providers(report: dict[str, tuple[str, bool]] | None) -> list[CheckLine]:
     """Each role's provider known to this CAO: listed by it, or (CAO leaves some out of its list) a provider
     whose row names the first CAO release that knows it, against the version running here."""
-    server = local_server()
-    version = server.cao_version() if server else ""
-    lines = []
+    version, lines = local_cao_version(), []
     for provider in providers_in_use():
         since = agent_cli(provider).cao_since
         if report is None or provider in report:
@@ -9464,13 +9454,14 @@ def sprung_traps(provider: str) -> list[CheckLine]:
 # -- Signed in: each CLI's forms of credential (its row's `SignIn`), looked for without a token spent ----------
 
 
-def sign_in_env(cli: AgentCli, side: AgentsSide) -> tuple[dict[str, str], dict[str, str]]:
-    """The variables the CLI will have: the agents' environment's, and those its settings files set ("env")."""
+def sign_in_env(cli: AgentCli, side: AgentsSide, settings_only: bool = False) -> dict[str, str]:
+    """The variables the CLI will have: the agents' environment's, overridden by those its settings files set
+    ("env"); with `settings_only`, those alone."""
     settings: dict[str, str] = {}
     for name in cli.sign_in.settings_env if cli.sign_in else ():
         values = _json_file(agents_file(Credential("", file=name), side)).get("env")
         settings.update({str(k): str(v) for k, v in values.items() if v} if isinstance(values, dict) else {})
-    return {k: v for k, v in side.env.items() if v}, settings
+    return settings if settings_only else {**{k: v for k, v in side.env.items() if v}, **settings}
 
 
 def _json_path(data: object, dotted: str) -> object:
@@ -9481,8 +9472,7 @@ def _json_path(data: object, dotted: str) -> object:
 
 def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple[bool, str]:
     """Whether a form of sign-in is there, and what it is called ({file} and {variable} filled in)."""
-    agents, settings = sign_in_env(cli, side)
-    where = settings if form.settings_only else {**agents, **settings}
+    where = sign_in_env(cli, side, form.settings_only)
     variable = next((name for name in form.env if where.get(name)), "")
     if form.env:
         return bool(variable), form.name.replace("{variable}", variable or " or ".join(form.env[:3]))
@@ -9496,16 +9486,14 @@ def credential_found(cli: AgentCli, form: Credential, side: AgentsSide) -> tuple
 def claude_api_key(cli: AgentCli, form: Credential, side: AgentsSide) -> CheckLine | None:
     """ANTHROPIC_API_KEY: Claude Code uses it once approved in ~/.claude.json (its last 20 characters); a key it
     has not been asked about it asks about at each start, a question CAO does not answer (its default: No)."""
-    agents, settings = sign_in_env(cli, side)
-    key = {**agents, **settings}.get("ANTHROPIC_API_KEY", "")
+    key = sign_in_env(cli, side).get("ANTHROPIC_API_KEY", "")
     if not key:
         return None
     config = side.home(".claude.json")
-    answers = _json_file(config).get("customApiKeyResponses")
-    answers = answers if isinstance(answers, dict) else {}
-    if key[-20:] in (answers.get("approved") or []):
+    answers = _json_file(config)
+    if key[-20:] in (_json_path(answers, "customApiKeyResponses.approved") or []):
         return CheckLine(True, f"{cli.label}: signed in (ANTHROPIC_API_KEY, approved in {config})")
-    if key[-20:] in (answers.get("rejected") or []):
+    if key[-20:] in (_json_path(answers, "customApiKeyResponses.rejected") or []):
         return CheckLine(False, f"{cli.label}: ANTHROPIC_API_KEY is set, but it was told not to use that key "
                                 f"(customApiKeyResponses.rejected in {config}): start `claude` once as the user the "
                                 "agents run as and turn \"Use custom API key\" on in /config")
@@ -9751,11 +9739,9 @@ def check_own_server() -> list[CheckLine]:
     except ConfigError as exc:
         return [CheckLine(False, exc.message)]
     server = loop_program("cao-server")
-    version = installed_cao_version(server)
-    note = "" if not version or version == CAO_PROVEN_VERSION else f" (the loop is proven with {CAO_PROVEN_VERSION})"
+    words = cao_version_words(installed_cao_version(server))
     lines = [CheckLine(True, f"CAO server: the run's own, started for it on a free port of {OWN_SERVER_HOST} (e.g. "
-                             f"{own.port}) and ended with it: {server}" + (f", cli-agent-orchestrator {version}" if
-                                                                            version else "") + note)]
+                             f"{own.port}) and ended with it: {server}" + (f", {words}" if words else ""))]
     side = probe_here(own.env(), sorted({cli_program(provider, None) for provider in providers_in_use()}))
     unbundled = [profile_for(role) for role in ROLES if bundled_profile(profile_for(role)) is None]
     profiles = CheckLine(None, f"profiles {', '.join(unbundled)}: not the loop's; the run looks them up in CAO's "
