@@ -6080,7 +6080,6 @@ def switch_to_fallback(due: FallbackDue) -> None:
     switch = replace(switch, new_terminal=new)
     save_new_agents({**terminal_ids, role: new}, (role,), in_flight=unsent,
                     cli_switches=[switch if w.role == role else w for w in cli_switches])
-    settled_terminals.add(new)
     record_event("cli_switched", role=role, from_provider=switch.from_provider, from_model=switch.from_model,
                  to_provider=switch.to_provider, to_model=switch.to_model, resets_at=switch.resets_at or None,
                  limit=switch.limit, old_terminal=old, new_terminal=new)
@@ -6584,7 +6583,9 @@ def create_terminals() -> tuple[str, dict[str, str]]:
         if failures and not interrupted:
             raise start_up_failure(failures, screens)
     note_model_answers(answers)
-    return answers["analyst"]["session_name"], {role: answers[role]["id"] for role in ROLES}
+    terminals = {role: answers[role]["id"] for role in ROLES}
+    settled_terminals.update(terminals.values())   # CAO answered each creation once its CLI was ready
+    return answers["analyst"]["session_name"], terminals
 
 
 def start_all_at_once(name: str, answers: dict[str, dict], screens: dict[str, StartScreen],
@@ -6753,6 +6754,7 @@ def new_agent_for(role: str, doing: str) -> str:
     if start.answer is None:
         raise start.failure(role, "start a new agent")
     note_model_answers({role: start.answer})
+    settled_terminals.add(start.answer["id"])      # CAO answered once its CLI was ready
     return start.answer["id"]
 
 
@@ -6825,7 +6827,6 @@ def replace_lost_agent(lost: AgentLost) -> None:
     save_new_agents(new_ids, roles, in_flight=unsent, session_name=new_session,
                     replacements=replacements + [Replacement(role, old_ids.get(role, ""), new_ids[role], at,
                                                              lost.why, event) for role in roles])
-    settled_terminals.update(new_ids[role] for role in roles)
     record_event("agent_replaced", roles=list(roles), old_terminals={role: old_ids.get(role) for role in roles},
                  new_terminals={role: new_ids[role] for role in roles}, session=new_session, why=lost.why,
                  replacement=event)
@@ -7215,7 +7216,6 @@ def start_fresh_agent(role: str, why: str) -> None:
     new = new_agent_for(role, "creating the new agent")
     record_agent_event(role, new, "new conversation", f"{why}; was terminal {old}")
     save_new_agents({**terminal_ids, role: new}, (role,))
-    settled_terminals.add(new)
     exit_terminals([old])
     remove_terminal(old)
     log_turn(role, f"{why}: a new agent (terminal {new}, was {old}) takes the turn, with the full task")
@@ -8470,7 +8470,6 @@ def init_new_run(plan: StartPlan | None = None) -> None:
     (`plan`) is set aside only once the new terminals exist, so a failed start leaves its state file."""
     with signals_held("writing the new run's state"):
         session, terminals = create_terminals()
-        settled_terminals.update(terminals.values())   # CAO answered each creation once its CLI was ready
         if plan and plan.set_aside:                    # the old state file kept aside (its agents are ended after)
             target = state_backup_path(plan.old_run)
             os.replace(STATE_FILE, target)
@@ -8538,12 +8537,9 @@ def new_agents_on_own_server() -> None:
     prompt; the turn in flight goes again unless its reply was taken or left complete."""
     old_ids = dict(terminal_ids)
     new_session, new_ids = create_terminals()
-    settled_terminals.update(new_ids.values())
     again = turn_goes_again(ROLES)
-    update_run(in_flight=replace(in_flight, sent_at=None) if again else in_flight, session_name=new_session,
-               terminal_ids=new_ids, agent_models={role: model_for(role) for role in ROLES}, fresh_agents_due={},
-               on_own_server=True)
-    save_state()
+    save_new_agents(new_ids, ROLES, in_flight=replace(in_flight, sent_at=None) if again else in_flight,
+                    session_name=new_session, on_own_server=True)
     record_event("agent_replaced", roles=list(ROLES), old_terminals=old_ids, new_terminals=new_ids,
                  session=new_session, why="the run's own CAO server was started anew", replacement=0)
     log(f"five new agents on the run's own CAO server, in CAO session {new_session}: "

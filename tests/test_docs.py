@@ -208,7 +208,6 @@ FORWARD_REFERENCES = {
     "record_agent_event": (("begin_limit_wait", "switch_to_fallback"), "the wait records a usage limit as asking (8) "
                            "does"),
     "new_agent_for": (("switch_to_fallback",), "a usage limit's fallback agent starts as any agent alone (7)"),
-    "settled_terminals": (("switch_to_fallback",), "... and is ready for its first prompt, as one made there (7)"),
     "exit_terminals": (("end_agents_switched_from",), "... and the limited agent it took over is ended as any (7)"),
     "cut_short_here": (("ApiClient",), "a request of an agent start cut short (7) is never asked again"),
     "note_conversation": (("observe_terminal",), "the wait notes a compacted conversation for asking (8)"),
