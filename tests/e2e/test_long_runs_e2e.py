@@ -249,6 +249,26 @@ def test_codex_usage_limit_beyond_the_longest_wait_stops_and_the_rerun_continues
 
 
 @pytest.mark.real_cli
+def test_codex_reply_written_before_a_usage_limit_stop_is_taken_by_the_rerun(codex_cao):
+    """Codex stops at a limit three hours away (exit 3); the tester's complete answer is then in its file (written
+    before the limit showed, or by a person): the same command takes it -- no stop at the limit again, no message
+    to the agent, no turn at the model."""
+    run = limited_run(codex_cao, USAGE_LIMIT_MAX_WAIT="3600", USAGE_LIMIT_MARGIN_SECONDS="1")
+    codex_cao.model.usage_limit_next(1, resets_in=3 * 3600, role="tester")
+    stopped = run.run(timeout=600)
+    assert stopped.returncode == 3, explain(stopped)
+    turns = codex_cao.model.turns()
+    (run.wd / ".tmp" / "agent-responses" / "test_result.md").write_text(PASS_REPLY, encoding="utf-8")
+
+    result = run.run(timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert "usage limit" not in result.stdout and "reminder" not in result.stdout, explain(result)
+    assert codex_cao.model.turns() == turns, codex_cao.model.events()
+    assert len(kept_prompts(run, "tester")) == 1
+    assert run.state()["final_status"] == "PASS" and run.state()["in_flight"] is None
+
+
+@pytest.mark.real_cli
 def test_codex_usage_limit_wait_survives_a_kill_9_and_the_rerun_never_resends(codex_cao):
     """The loop is killed (-9) while it waits out Codex's usage limit: --status says the tester waits for its
     limit, and the same command run again waits on and tells the agent to continue -- the prompt is sent
